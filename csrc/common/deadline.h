@@ -1,0 +1,35 @@
+// A point in time after which a blocking call gives up. Every blocking call takes one.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+
+namespace meshcoll {
+
+using Clock = std::chrono::steady_clock;
+using Millis = std::chrono::milliseconds;
+
+class Deadline {
+ public:
+  Deadline() : at_(Clock::time_point::max()) {}  // never
+  explicit Deadline(Millis timeout)
+      : at_(timeout.count() < 0 ? Clock::time_point::max() : Clock::now() + timeout),
+        timeout_(timeout) {}
+  static Deadline after_ms(int64_t ms) { return Deadline(Millis(ms)); }
+
+  bool expired() const { return Clock::now() >= at_; }
+  // Milliseconds left, clamped to [0, INT32_MAX] for poll(); -1 means forever.
+  int poll_ms() const {
+    if (at_ == Clock::time_point::max()) return -1;
+    auto left = std::chrono::duration_cast<Millis>(at_ - Clock::now()).count();
+    if (left <= 0) return 0;
+    return left > INT32_MAX ? INT32_MAX : static_cast<int>(left);
+  }
+  Millis timeout() const { return timeout_; }  // the span it was made with, for messages
+
+ private:
+  Clock::time_point at_;
+  Millis timeout_{-1};
+};
+
+}  // namespace meshcoll

@@ -1,0 +1,58 @@
+// Typed exceptions. Python maps each class 1:1 (csrc/python/bind_errors.cc):
+//   Error -> MeshcollError, InvalidArgument -> ValueError, TypeMismatch -> TypeError,
+//   TimeoutError -> meshcoll.TimeoutError, PeerError -> meshcoll.PeerError,
+//   MismatchError -> meshcoll.MismatchError, Aborted -> meshcoll.AbortedError.
+// Messages name the rank, the operation, the peer and what to do; see docs in README.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace meshcoll {
+
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+class InvalidArgument : public Error {
+ public:
+  using Error::Error;
+};
+class TypeMismatch : public Error {  // unsupported dtype x op pairs and the like
+ public:
+  using Error::Error;
+};
+class TimeoutError : public Error {
+ public:
+  using Error::Error;
+};
+class PeerError : public Error {  // a peer closed its connection or died
+ public:
+  using Error::Error;
+};
+class MismatchError : public Error {  // ranks disagree on the collective they called
+ public:
+  using Error::Error;
+};
+class Aborted : public Error {  // the communicator was aborted earlier and is unusable
+ public:
+  using Error::Error;
+};
+class SystemError : public Error {  // a syscall failed (errno text included)
+ public:
+  using Error::Error;
+};
+
+// Builds a message from stream-able parts: MC_MSG("rank ", r, " peer ", p).
+template <class... Args>
+std::string str_cat(const Args&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  return os.str();
+}
+
+// errno text for SystemError messages.
+std::string errno_text(int err);
+
+}  // namespace meshcoll

@@ -1,0 +1,19 @@
+// Registers every binding file; nothing else lives here.
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+namespace meshcoll::python {
+void bind_errors(py::module_& m);
+void bind_store(py::module_& m);
+void bind_comm(py::module_& m);
+void bind_reduce(py::module_& m);
+}  // namespace meshcoll::python
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "meshcoll C++ core";
+  meshcoll::python::bind_errors(m);
+  meshcoll::python::bind_store(m);
+  meshcoll::python::bind_comm(m);
+  meshcoll::python::bind_reduce(m);
+}

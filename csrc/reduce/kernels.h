@@ -1,0 +1,25 @@
+// The dtype x op reduction table. One lookup, no other switch on dtype/op anywhere.
+// f16 and bf16 are combined in f32 and rounded back to their type at each step (as NCCL).
+#pragma once
+
+#include <cstddef>
+
+#include "common/dtype.h"
+
+namespace meshcoll::reduce {
+
+// dst[i] = dst[i] OP src[i] for i in [0, count). dst and src may not overlap partially.
+using ReduceFn = void (*)(void* dst, const void* src, size_t count);
+
+// Throws TypeMismatch naming both when the pair is unsupported (e.g. bxor on float32).
+// kAvg returns the sum kernel: callers finish with divide_by().
+ReduceFn lookup(DType t, RedOp op);
+bool supported(DType t, RedOp op);
+
+// In-place buf[i] /= n, for kAvg. Integers use truncating division (as NCCL's ncclAvg).
+void divide_by(DType t, void* buf, size_t count, size_t n);
+
+// Name of the SIMD level the kernels dispatched to at run time ("avx512", "avx2", "baseline").
+const char* simd_level();
+
+}  // namespace meshcoll::reduce
