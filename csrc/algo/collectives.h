@@ -1,0 +1,100 @@
+// The collectives: free functions over a Comm, each taking an args struct. The entry points
+// (all_reduce, broadcast, ...) validate and pick an algorithm; the algorithm functions do
+// the moving and may be called directly (tests force each one).
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "comm/comm.h"
+#include "common/bytes.h"
+#include "common/dtype.h"
+
+namespace meshcoll::algo {
+
+inline constexpr size_t kMaxSegmentBytes = 512 * 1024;
+
+enum class Algorithm : uint8_t { kAuto = 0, kRing, kTree, kHalvingDoubling, kDirect };
+const char* algorithm_name(Algorithm a);
+bool algorithm_from_name(const std::string& name, Algorithm* out);
+
+// Thresholds for Algorithm::kAuto; measured on this code (see README, bench/).
+struct SelectConfig {
+  size_t tree_threshold_bytes = 16 * 1024;   // at or below: tree (fewest steps)
+  size_t hd_threshold_bytes = 256 * 1024;    // at or below, power-of-two worlds: halving-doubling
+};
+Algorithm select_all_reduce(size_t nbytes, int world_size, const SelectConfig& cfg);
+
+struct AllreduceArgs {
+  ConstBytes in;  // may alias out
+  MutBytes out;
+  size_t count = 0;
+  DType dtype = DType::kFloat32;
+  RedOp op = RedOp::kSum;
+  Algorithm algorithm = Algorithm::kAuto;
+  SelectConfig select;
+  size_t max_segment_bytes = kMaxSegmentBytes;  // tests shrink it to force many segments
+};
+void all_reduce(comm::Comm& comm, const AllreduceArgs& a);
+void ring_all_reduce(comm::Comm& comm, const AllreduceArgs& a);
+void tree_all_reduce(comm::Comm& comm, const AllreduceArgs& a);
+void halving_doubling_all_reduce(comm::Comm& comm, const AllreduceArgs& a);
+void direct_all_reduce(comm::Comm& comm, const AllreduceArgs& a);
+
+struct BroadcastArgs {
+  MutBytes buf;  // root: source; others: destination
+  int root = 0;
+  size_t max_segment_bytes = kMaxSegmentBytes;
+};
+void broadcast(comm::Comm& comm, const BroadcastArgs& a);
+
+// Reduce to root: out is written on root only (may alias in).
+struct ReduceArgs {
+  ConstBytes in;
+  MutBytes out;
+  size_t count = 0;
+  DType dtype = DType::kFloat32;
+  RedOp op = RedOp::kSum;
+  int root = 0;
+};
+void reduce(comm::Comm& comm, const ReduceArgs& a);
+
+// Gather-type collectives with per-rank byte counts (equal counts are the common case).
+struct AllGatherArgs {
+  ConstBytes in;                 // this rank's block (may alias its slot in out)
+  MutBytes out;                  // concatenation of every rank's block, in rank order
+  std::vector<size_t> bytes;     // bytes of each rank's block
+  size_t max_segment_bytes = kMaxSegmentBytes;
+};
+void all_gather(comm::Comm& comm, const AllGatherArgs& a);
+
+struct ReduceScatterArgs {
+  ConstBytes in;              // the whole vector: every rank's block, in rank order
+  MutBytes out;               // this rank's reduced block
+  std::vector<size_t> counts; // elements of each rank's block
+  DType dtype = DType::kFloat32;
+  RedOp op = RedOp::kSum;
+  size_t max_segment_bytes = kMaxSegmentBytes;
+};
+void reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a);
+
+struct AllToAllArgs {
+  ConstBytes in;  // blocks for rank 0, 1, ... in order
+  MutBytes out;   // blocks from rank 0, 1, ... in order
+  std::vector<size_t> send_bytes, recv_bytes;
+};
+void all_to_all(comm::Comm& comm, const AllToAllArgs& a);
+
+struct GatherArgs {  // gather (in -> root's out) and scatter (root's in -> out)
+  ConstBytes in;
+  MutBytes out;
+  std::vector<size_t> bytes;  // per-rank block bytes
+  int root = 0;
+};
+void gather(comm::Comm& comm, const GatherArgs& a);
+void scatter(comm::Comm& comm, const GatherArgs& a);
+
+void barrier(comm::Comm& comm);
+
+}  // namespace meshcoll::algo

@@ -1,0 +1,195 @@
+#include "comm/comm.h"
+
+#include "common/check.h"
+#include "transport/tcp/tcp_transport.h"
+
+namespace meshcoll::comm {
+
+const char* coll_name(CollKind k) {
+  switch (k) {
+    case CollKind::kAllReduce: return "all_reduce";
+    case CollKind::kReduce: return "reduce";
+    case CollKind::kBroadcast: return "broadcast";
+    case CollKind::kAllGather: return "all_gather";
+    case CollKind::kAllGatherV: return "all_gather_v";
+    case CollKind::kReduceScatter: return "reduce_scatter";
+    case CollKind::kReduceScatterV: return "reduce_scatter_v";
+    case CollKind::kAllToAll: return "all_to_all";
+    case CollKind::kAllToAllV: return "all_to_all_v";
+    case CollKind::kGather: return "gather";
+    case CollKind::kScatter: return "scatter";
+    case CollKind::kBarrier: return "barrier";
+    case CollKind::kSendRecv: return "send/recv";
+  }
+  return "unknown";
+}
+
+std::string describe_op(const transport::OpDesc& d) {
+  auto kind = static_cast<CollKind>(d.coll);
+  std::string s = str_cat(coll_name(kind), "(count=", d.count, ", ",
+                          dtype_name(static_cast<DType>(d.dtype)));
+  if (kind == CollKind::kAllReduce || kind == CollKind::kReduce ||
+      kind == CollKind::kReduceScatter || kind == CollKind::kReduceScatterV)
+    s += str_cat(", ", redop_name(static_cast<RedOp>(d.redop)));
+  if (d.root >= 0) s += str_cat(", root=", d.root);
+  return s + ")";
+}
+
+Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOptions& opts,
+           uint64_t comm_id)
+    : rank_(rank), size_(size), opts_(opts), store_(std::move(store)) {
+  MC_ARG_CHECK(size >= 1, "group size must be >= 1, got ", size);
+  MC_ARG_CHECK(rank >= 0 && rank < size, "rank ", rank, " is out of range for a group of ", size);
+  transport::TcpOptions topts;
+  topts.bind_host = opts.bind_host.empty() ? "127.0.0.1" : opts.bind_host;
+  topts.token = opts.token;
+  topts.comm_id = comm_id;
+  transport_ = std::make_unique<transport::TcpTransport>(rank, size, *store_, topts, &describe_op,
+                                                         Deadline(opts.timeout));
+  p2p_send_seq_.assign(size, 0);
+  p2p_recv_seq_.assign(size, 0);
+  worker_ = std::thread([this] { worker_loop(); });
+}
+
+Comm::~Comm() { shutdown(); }
+
+void Comm::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_ && !worker_.joinable()) return;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (worker_.joinable()) worker_.join();
+}
+
+std::shared_ptr<Work> Comm::push(Item item) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_)
+    throw Aborted(str_cat("rank ", rank_, ": ", describe_op(item.env.op),
+                          " was called on a destroyed group"));
+  item.work = std::make_shared<Work>(str_cat("rank ", rank_, " ", describe_op(item.env.op)));
+  auto work = item.work;
+  queue_.push_back(std::move(item));
+  cv_.notify_all();
+  return work;
+}
+
+std::shared_ptr<Work> Comm::enqueue(const transport::OpDesc& desc, Millis timeout,
+                                    std::function<void(Comm&)> run) {
+  Item item;
+  item.env.channel = transport::Channel::kCollective;
+  item.env.op = desc;
+  item.timeout = timeout.count() < 0 ? opts_.timeout : timeout;
+  item.run = std::move(run);
+  {
+    // The sequence number is taken in issue order, on the calling thread.
+    std::lock_guard<std::mutex> lock(mu_);
+    item.env.seq = next_seq_++;
+  }
+  return push(std::move(item));
+}
+
+std::shared_ptr<Work> Comm::enqueue_p2p(
+    bool is_send, int peer, uint32_t tag, const transport::OpDesc& desc, Millis timeout,
+    std::function<void(Comm&, const transport::Envelope&)> run) {
+  MC_ARG_CHECK(peer >= 0 && peer < size_, "peer ", peer, " is out of range for a group of ",
+               size_);
+  MC_ARG_CHECK(peer != rank_, "rank ", rank_, " cannot send to or receive from itself");
+  Item item;
+  item.env.channel = transport::Channel::kP2P;
+  item.env.tag = tag;
+  item.env.op = desc;
+  item.timeout = timeout.count() < 0 ? opts_.timeout : timeout;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    item.env.seq = is_send ? p2p_send_seq_[peer]++ : p2p_recv_seq_[peer]++;
+  }
+  auto env = item.env;
+  item.run = [run = std::move(run), env](Comm& c) { run(c, env); };
+  return push(std::move(item));
+}
+
+transport::Request Comm::send(int peer, uint32_t tag, ConstBytes src) {
+  transport::Envelope env = current_;
+  env.tag = tag;
+  return transport_->isend(peer, env, src);
+}
+
+transport::Request Comm::recv(int peer, uint32_t tag, MutBytes dst) {
+  transport::Envelope env = current_;
+  env.tag = tag;
+  return transport_->irecv(peer, env, dst);
+}
+
+uint8_t* Comm::scratch(int slot, size_t bytes) {
+  auto& buf = scratch_[slot];
+  if (buf.size() < bytes) buf.resize(bytes);
+  return buf.data();
+}
+
+void Comm::worker_loop() {
+  for (;;) {
+    Item item;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and everything queued has run
+      item = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    run_item(item);
+  }
+}
+
+namespace {
+// Same exception type, with the operation named in front.
+std::exception_ptr with_context(const std::string& ctx) {
+  try {
+    throw;
+  } catch (const MismatchError& e) {
+    return std::make_exception_ptr(MismatchError(ctx + e.what()));
+  } catch (const TimeoutError& e) {
+    return std::make_exception_ptr(TimeoutError(ctx + e.what()));
+  } catch (const PeerError& e) {
+    return std::make_exception_ptr(PeerError(ctx + e.what()));
+  } catch (const Aborted& e) {
+    return std::make_exception_ptr(Aborted(ctx + e.what()));
+  } catch (const InvalidArgument& e) {
+    return std::make_exception_ptr(InvalidArgument(ctx + e.what()));
+  } catch (const TypeMismatch& e) {
+    return std::make_exception_ptr(TypeMismatch(ctx + e.what()));
+  } catch (const std::exception& e) {
+    return std::make_exception_ptr(Error(ctx + e.what()));
+  }
+}
+}  // namespace
+
+void Comm::run_item(Item& item) {
+  std::exception_ptr error;
+  std::string ctx = str_cat(describe_op(item.env.op), " [seq ", item.env.seq, "] on rank ", rank_,
+                            " of ", size_, ": ");
+  if (transport_->aborted()) {
+    error = std::make_exception_ptr(
+        Aborted(str_cat(ctx, "the group was aborted by an earlier error (", abort_reason_,
+                        "); destroy it and create a new one")));
+  } else {
+    current_ = item.env;
+    deadline_ = Deadline(item.timeout);
+    try {
+      item.run(*this);
+    } catch (...) {
+      error = with_context(ctx);
+      try {
+        std::rethrow_exception(error);
+      } catch (const std::exception& e) {
+        abort_reason_ = e.what();
+        // Any failure mid-operation leaves peers waiting on us: abort so they fail fast.
+        transport_->abort(transport::AbortKind::kGeneric, e.what());
+      }
+    }
+  }
+  item.work->finish(error);
+}
+
+}  // namespace meshcoll::comm

@@ -1,0 +1,118 @@
+// A communicator: one group's rank, size, transport, timeout, and the worker thread that
+// runs the group's operations one at a time, in issue order (so every rank's transport
+// sees the same sequence of collectives; see Note [Agreement check]).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/work.h"
+#include "common/deadline.h"
+#include "common/dtype.h"
+#include "store/store.h"
+#include "transport/transport.h"
+
+namespace meshcoll::comm {
+
+// Collective kinds, as they travel in OpDesc.coll.
+enum class CollKind : uint8_t {
+  kAllReduce = 1,
+  kReduce,
+  kBroadcast,
+  kAllGather,
+  kAllGatherV,
+  kReduceScatter,
+  kReduceScatterV,
+  kAllToAll,
+  kAllToAllV,
+  kGather,
+  kScatter,
+  kBarrier,
+  kSendRecv,  // point-to-point
+};
+const char* coll_name(CollKind k);
+std::string describe_op(const transport::OpDesc& d);
+
+struct CommOptions {
+  Millis timeout{300000};
+  std::string bind_host;  // interface to listen on; empty = the one that reaches the store
+  std::string token;
+};
+
+class Comm {
+ public:
+  // Connects to every peer through `store` (already namespaced for this group).
+  Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOptions& opts,
+       uint64_t comm_id);
+  ~Comm();
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  Millis timeout() const { return opts_.timeout; }
+  const std::shared_ptr<store::Store>& store() const { return store_; }
+
+  // Queues a collective; `run` executes on the worker thread. timeout < 0: the comm default.
+  std::shared_ptr<Work> enqueue(const transport::OpDesc& desc, Millis timeout,
+                                std::function<void(Comm&)> run);
+  // Queues a point-to-point send or receive; the per-peer message count is its sequence.
+  std::shared_ptr<Work> enqueue_p2p(bool is_send, int peer, uint32_t tag,
+                                    const transport::OpDesc& desc, Millis timeout,
+                                    std::function<void(Comm&, const transport::Envelope&)> run);
+  // Stops accepting work, finishes what is queued (each op is bounded by its deadline).
+  void shutdown();
+
+  // ---- for algorithms, on the worker thread, inside `run` ----
+  transport::Request send(int peer, uint32_t tag, ConstBytes src);
+  transport::Request recv(int peer, uint32_t tag, MutBytes dst);
+  void wait(const std::vector<transport::Request>& reqs) { transport_->wait_all(reqs, deadline_); }
+  void wait(const transport::Request& r) { transport_->wait(r, deadline_); }
+  transport::Transport& transport() { return *transport_; }
+  const transport::Envelope& current() const { return current_; }
+  // Per-comm scratch memory, reused across operations (grown on demand, never shrunk).
+  // Slots are independent buffers, so an algorithm may hold several at once.
+  static constexpr int kScratchSlots = 3;
+  uint8_t* scratch(int slot, size_t bytes);
+
+ private:
+  struct Item {
+    transport::Envelope env;
+    Millis timeout;
+    std::function<void(Comm&)> run;
+    std::shared_ptr<Work> work;
+  };
+  std::shared_ptr<Work> push(Item item);
+  void worker_loop();
+  void run_item(Item& item);
+
+  int rank_;
+  int size_;
+  CommOptions opts_;
+  std::shared_ptr<store::Store> store_;
+  std::unique_ptr<transport::Transport> transport_;
+
+  std::mutex mu_;  // guards queue_, stopping_, seq counters
+  std::condition_variable cv_;
+  std::deque<Item> queue_;
+  bool stopping_ = false;
+  uint64_t next_seq_ = 1;
+  std::vector<uint64_t> p2p_send_seq_, p2p_recv_seq_;
+  std::thread worker_;
+
+  // Worker-thread state.
+  transport::Envelope current_;
+  Deadline deadline_;
+  std::vector<uint8_t> scratch_[kScratchSlots];
+  std::string abort_reason_;
+};
+
+}  // namespace meshcoll::comm

@@ -1,0 +1,38 @@
+#include "comm/work.h"
+
+#include "common/error.h"
+
+namespace meshcoll::comm {
+
+void Work::wait(Millis timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (timeout.count() < 0) {
+    cv_.wait(lock, [this] { return done_; });
+  } else if (!cv_.wait_for(lock, timeout, [this] { return done_; })) {
+    throw TimeoutError(str_cat(what_, " did not complete within ", timeout.count(),
+                               " ms (Work.wait timeout); it keeps running and fails by its "
+                               "own deadline if a peer never arrives"));
+  }
+  if (error_) std::rethrow_exception(error_);
+}
+
+bool Work::is_completed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return done_;
+}
+
+std::exception_ptr Work::exception() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+void Work::finish(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    error_ = error;
+  }
+  cv_.notify_all();
+}
+
+}  // namespace meshcoll::comm

@@ -1,0 +1,101 @@
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cmath>
+
+#include "store/tcp_store.h"
+
+namespace py = pybind11;
+
+namespace meshcoll::python {
+
+namespace {
+store::Bytes to_bytes(const py::object& v) {
+  std::string s = py::isinstance<py::str>(v) ? v.cast<std::string>()
+                                             : std::string(v.cast<py::bytes>());
+  return store::Bytes(s.begin(), s.end());
+}
+py::bytes from_bytes(const store::Bytes& b) {
+  return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+}
+Millis to_ms(const py::object& seconds, Millis dflt) {
+  if (seconds.is_none()) return dflt;
+  double s = seconds.cast<double>();
+  if (!(s >= 0) || std::isinf(s)) throw py::value_error("timeout must be a finite number >= 0 seconds");
+  return Millis(static_cast<int64_t>(s * 1000.0));
+}
+}  // namespace
+
+void bind_store(py::module_& m) {
+  using store::Store;
+  py::class_<Store, std::shared_ptr<Store>>(m, "Store",
+                                            "Key-value store for rendezvous. Values are bytes.")
+      .def("set", [](Store& s, const std::string& k, const py::object& v) {
+             auto b = to_bytes(v);
+             py::gil_scoped_release nogil;
+             s.set(k, b);
+           }, py::arg("key"), py::arg("value"))
+      .def("get", [](Store& s, const std::string& k, const py::object& timeout) {
+             Millis t = to_ms(timeout, s.timeout());
+             store::Bytes b;
+             {
+               py::gil_scoped_release nogil;
+               b = s.get(k, t);
+             }
+             return from_bytes(b);
+           }, py::arg("key"), py::arg("timeout") = py::none(),
+           "Value of key, waiting until it is set (TimeoutError after timeout seconds).")
+      .def("add", [](Store& s, const std::string& k, int64_t d) {
+             py::gil_scoped_release nogil;
+             return s.add(k, d);
+           }, py::arg("key"), py::arg("delta"))
+      .def("compare_set", [](Store& s, const std::string& k, const py::object& e, const py::object& d) {
+             auto eb = to_bytes(e), db = to_bytes(d);
+             store::Bytes out;
+             {
+               py::gil_scoped_release nogil;
+               out = s.compare_set(k, eb, db);
+             }
+             return from_bytes(out);
+           }, py::arg("key"), py::arg("expected"), py::arg("desired"))
+      .def("wait", [](Store& s, const std::vector<std::string>& keys, const py::object& timeout) {
+             Millis t = to_ms(timeout, s.timeout());
+             py::gil_scoped_release nogil;
+             s.wait(keys, t);
+           }, py::arg("keys"), py::arg("timeout") = py::none())
+      .def("check", [](Store& s, const std::vector<std::string>& keys) {
+             py::gil_scoped_release nogil;
+             return s.check(keys);
+           }, py::arg("keys"))
+      .def("delete_key", [](Store& s, const std::string& k) {
+             py::gil_scoped_release nogil;
+             return s.delete_key(k);
+           }, py::arg("key"))
+      .def("num_keys", [](Store& s) {
+             py::gil_scoped_release nogil;
+             return s.num_keys();
+           })
+      .def_property_readonly("timeout", [](const Store& s) { return s.timeout().count() / 1000.0; });
+
+  py::class_<store::TcpStore, Store, std::shared_ptr<store::TcpStore>>(
+      m, "TCPStore", "TCP key-value store; is_server=True also hosts the server (port 0 picks one).")
+      .def(py::init([](const std::string& host, int port, bool is_server, const py::object& timeout,
+                       const py::object& token) {
+             std::string tok = token.is_none() ? std::string() : token.cast<std::string>();
+             Millis t = to_ms(timeout, Millis(300000));
+             py::gil_scoped_release nogil;
+             return std::make_shared<store::TcpStore>(host, port, is_server, t, tok);
+           }),
+           py::arg("host"), py::arg("port"), py::kw_only(), py::arg("is_server") = false,
+           py::arg("timeout") = py::none(), py::arg("token") = py::none())
+      .def_property_readonly("port", &store::TcpStore::port)
+      .def_property_readonly("host", &store::TcpStore::host)
+      .def_property_readonly("local_host", &store::TcpStore::local_host);
+
+  py::class_<store::PrefixStore, Store, std::shared_ptr<store::PrefixStore>>(
+      m, "PrefixStore", "Namespaces another store: every key gets 'prefix/'.")
+      .def(py::init<std::string, std::shared_ptr<Store>>(), py::arg("prefix"), py::arg("store"))
+      .def_property_readonly("prefix", &store::PrefixStore::prefix);
+}
+
+}  // namespace meshcoll::python

@@ -1,0 +1,160 @@
+// fp16 and bf16 <-> f32: the one place that knows their bit layouts.
+//
+// Narrowing rounds to nearest, ties to even. Inf stays Inf. NaN stays NaN: the quiet bit is
+// set and the top payload bits are kept, which is what the F16C instructions do. So the portable
+// path and the F16C path give the same bits for every input (tests/unit/test_kernels.py checks
+// all 65536 halves on every SIMD level).
+//
+// Two forms:
+//  - portable scalar functions, written without branches so that GCC vectorises array loops
+//    that call them at -O3 on any target (see Note [Branch-free select]);
+//  - on x86-64, array functions using F16C. They carry their own target attribute, so only
+//    kernels compiled for an F16C-capable target may call them (kernels.cc picks them at run
+//    time). Nothing here needs -mf16c on the command line.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace meshcoll::reduce {
+
+namespace half_detail {
+
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+inline float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Note [Branch-free select]
+// Each conversion computes every case (normal, subnormal, Inf/NaN) and then picks one with a
+// mask. Written as `c ? a : b`, GCC sinks the float arithmetic of the subnormal case into a
+// branch, and because -ftrapping-math is on by default it cannot if-convert that branch back,
+// so the loop is not vectorised ("control flow in loop"). With masks there is no branch.
+inline uint32_t select(bool c, uint32_t a, uint32_t b) {
+  uint32_t m = 0u - static_cast<uint32_t>(c);
+  return (a & m) | (b & ~m);
+}
+
+}  // namespace half_detail
+
+// IEEE binary16 -> binary32. Exact (every half is a float); signalling NaNs come back quiet.
+inline float half_to_float(uint16_t h) {
+  using half_detail::select;
+  const uint32_t em = static_cast<uint32_t>(h & 0x7fffu) << 13;  // exponent+mantissa, f32 place
+  const uint32_t exp = em & (0x7c00u << 13);
+  const uint32_t normal = em + ((127u - 15u) << 23);  // rebias
+  uint32_t inf_nan = normal + ((128u - 16u) << 23);   // exponent all ones
+  inf_nan |= select((em & 0x7fffffu) != 0, 0x400000u, 0u);  // NaN: set the quiet bit
+  // Subnormal half m * 2^-24: build the float 1.m * 2^-14 and subtract 2^-14 (exact).
+  const uint32_t subnormal =
+      half_detail::bits_of(half_detail::float_of(normal + (1u << 23)) -
+                           half_detail::float_of(113u << 23));
+  const uint32_t r =
+      select(exp == (0x7c00u << 13), inf_nan, select(exp == 0, subnormal, normal));
+  return half_detail::float_of(r | (static_cast<uint32_t>(h & 0x8000u) << 16));
+}
+
+// binary32 -> binary16, round to nearest even; overflow goes to Inf.
+inline uint16_t float_to_half(float f) {
+  using half_detail::select;
+  uint32_t u = half_detail::bits_of(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  u &= 0x7fffffffu;
+  const uint32_t nan = 0x7e00u | ((u >> 13) & 0x3ffu);
+  const uint32_t inf = 0x7c00u;
+  // Results below 2^-14 are subnormal halves: adding 0.5 (as a float) makes the FPU round the
+  // value to a multiple of 2^-24, which then sits in the low mantissa bits.
+  const float denorm_magic = half_detail::float_of(((127u - 15u) + (23u - 10u) + 1u) << 23);
+  const uint32_t subnormal =
+      half_detail::bits_of(half_detail::float_of(u) + denorm_magic) -
+      half_detail::bits_of(denorm_magic);
+  // Normal: rebias, then add 0x0fff plus the lowest kept bit (ties to even) and drop 13 bits.
+  // A carry out of the mantissa correctly bumps the exponent, up to Inf.
+  const uint32_t normal =
+      (u + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + ((u >> 13) & 1u)) >> 13;
+  const uint32_t r =
+      select(u > 0x7f800000u, nan,
+             select(u >= ((127u + 16u) << 23), inf, select(u < (113u << 23), subnormal, normal)));
+  return static_cast<uint16_t>(r | sign);
+}
+
+// bfloat16 is the top half of a float.
+inline float bfloat16_to_float(uint16_t h) {
+  return half_detail::float_of(static_cast<uint32_t>(h) << 16);
+}
+
+// binary32 -> bfloat16, round to nearest even; NaN stays NaN (quiet bit forced, since dropping
+// the low payload bits could otherwise turn a NaN into Inf).
+inline uint16_t float_to_bfloat16(float f) {
+  const uint32_t u = half_detail::bits_of(f);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t nan = (u >> 16) | 0x40u;
+  return static_cast<uint16_t>(half_detail::select((u & 0x7fffffffu) > 0x7f800000u, nan, rounded));
+}
+
+// Array forms of the portable conversions. GCC vectorises each loop at -O3.
+inline void half_to_float(const uint16_t* in, float* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) out[i] = half_to_float(in[i]);
+}
+inline void float_to_half(const float* in, uint16_t* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) out[i] = float_to_half(in[i]);
+}
+inline void bfloat16_to_float(const uint16_t* in, float* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) out[i] = bfloat16_to_float(in[i]);
+}
+inline void float_to_bfloat16(const float* in, uint16_t* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) out[i] = float_to_bfloat16(in[i]);
+}
+
+#if defined(__x86_64__)
+// F16C array conversions, 8 lanes at a time. GCC (12) does not vectorise scalar _Float16 or
+// _cvtsh_ss conversions, so these use the 256-bit intrinsics directly; they are about ten
+// times faster than the vectorised bit twiddling above. Call only from code compiled for an
+// F16C target after checking the CPU (kernels.cc does both).
+__attribute__((target("avx2,f16c"))) inline void half_to_float_f16c(const uint16_t* in,
+                                                                     float* out, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+  }
+  if (i < n) {  // tail of 1..7: go through a zero-padded lane buffer
+    alignas(16) uint16_t h[8] = {};
+    alignas(32) float f[8];
+    std::memcpy(h, in + i, (n - i) * sizeof(uint16_t));
+    _mm256_store_ps(f, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h))));
+    std::memcpy(out + i, f, (n - i) * sizeof(float));
+  }
+}
+
+__attribute__((target("avx2,f16c"))) inline void float_to_half_f16c(const float* in,
+                                                                     uint16_t* out, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
+  }
+  if (i < n) {
+    alignas(32) float f[8] = {};
+    alignas(16) uint16_t h[8];
+    std::memcpy(f, in + i, (n - i) * sizeof(float));
+    __m128i v = _mm256_cvtps_ph(_mm256_load_ps(f), _MM_FROUND_TO_NEAREST_INT);
+    _mm_store_si128(reinterpret_cast<__m128i*>(h), v);
+    std::memcpy(out + i, h, (n - i) * sizeof(uint16_t));
+  }
+}
+#endif  // __x86_64__
+
+}  // namespace meshcoll::reduce

@@ -1,0 +1,411 @@
+// The dtype x op reduction table (NCCL FuncSum<T> style) with run-time SIMD dispatch.
+//
+// Layers, from the inside out:
+//   1. one functor template per op (Sum<T>, Prod<T>, ...), with bool specialisations;
+//   2. Repr<T>: how an element is stored versus combined (f16/bf16 are combined in f32);
+//   3. reduce_loop / divide_loop: the plain loops GCC vectorises at -O3;
+//   4. one struct per instruction set (Baseline, Avx2, Avx512) whose member templates are the
+//      loops compiled again under a target attribute (Note [SIMD dispatch]);
+//   5. build_table<Isa>(): the only switch on dtype and op, filling function pointers.
+#include "reduce/kernels.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
+
+#include "common/check.h"
+#include "common/error.h"
+#include "reduce/half.h"
+
+namespace meshcoll::reduce {
+namespace {
+
+// Everything a loop calls is forced inline into the target-attributed wrappers (section 4):
+// an out-of-line copy would be compiled once, for the baseline target, and shared by all
+// levels (Note [SIMD dispatch]).
+#define MC_ALWAYS_INLINE inline __attribute__((always_inline))
+
+// ---- 1. Ops ---------------------------------------------------------------------------------
+
+// Integers wrap: signed values are combined as unsigned, where overflow is defined.
+template <class T>
+T wrap_add(T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    return static_cast<T>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+  } else {
+    return a + b;
+  }
+}
+
+template <class T>
+T wrap_mul(T a, T b) {
+  if constexpr (std::is_integral_v<T>) {
+    using U = std::make_unsigned_t<T>;
+    // uint8 promotes to int; 255 * 255 still fits, so this is defined too.
+    return static_cast<T>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
+  } else {
+    return a * b;
+  }
+}
+
+template <class T>
+struct Sum {
+  T operator()(T a, T b) const { return wrap_add(a, b); }
+};
+template <class T>
+struct Prod {
+  T operator()(T a, T b) const { return wrap_mul(a, b); }
+};
+
+// Floats propagate NaN as np.minimum/np.maximum do: a NaN on either side wins. `|` rather than
+// `||` so both compares always run and the loop has no branch to stop vectorisation.
+template <class T>
+struct Min {
+  T operator()(T a, T b) const {
+    if constexpr (std::is_floating_point_v<T>) {
+      return ((a < b) | (a != a)) ? a : b;  // a != a: a is NaN; if b is NaN, a < b is false
+    } else {
+      return a < b ? a : b;
+    }
+  }
+};
+template <class T>
+struct Max {
+  T operator()(T a, T b) const {
+    if constexpr (std::is_floating_point_v<T>) {
+      return ((a > b) | (a != a)) ? a : b;
+    } else {
+      return a > b ? a : b;
+    }
+  }
+};
+
+template <class T>
+struct BitAnd {
+  T operator()(T a, T b) const { return static_cast<T>(a & b); }
+};
+template <class T>
+struct BitOr {
+  T operator()(T a, T b) const { return static_cast<T>(a | b); }
+};
+template <class T>
+struct BitXor {
+  T operator()(T a, T b) const { return static_cast<T>(a ^ b); }
+};
+
+// Bool is logic: sum and max are "or", prod and min are "and" (as numpy's bool ufuncs).
+template <>
+struct Sum<bool> {
+  bool operator()(bool a, bool b) const { return a | b; }
+};
+template <>
+struct Prod<bool> {
+  bool operator()(bool a, bool b) const { return a & b; }
+};
+template <>
+struct Min<bool> {
+  bool operator()(bool a, bool b) const { return a & b; }
+};
+template <>
+struct Max<bool> {
+  bool operator()(bool a, bool b) const { return a | b; }
+};
+
+// ---- 2. Element representation --------------------------------------------------------------
+
+// Tags for the two 16-bit float types (C++17 has no such arithmetic types).
+struct Float16 {};
+struct BFloat16 {};
+
+// Most types are combined as stored.
+template <class T>
+struct Repr {
+  using Storage = T;
+  using Compute = T;
+  static constexpr bool kWidened = false;
+  static Compute load(Storage x) { return x; }
+  static Storage store(Compute x) { return x; }
+};
+
+// Bools travel as bytes (numpy's layout). Any nonzero byte reads as true; results are 0 or 1.
+template <>
+struct Repr<bool> {
+  using Storage = uint8_t;
+  using Compute = bool;
+  static constexpr bool kWidened = false;
+  static Compute load(Storage x) { return x != 0; }
+  static Storage store(Compute x) { return static_cast<Storage>(x); }
+};
+
+// f16 and bf16 are widened to f32 a block at a time (Note [Half blocks]).
+template <>
+struct Repr<Float16> {
+  using Storage = uint16_t;
+  static constexpr bool kWidened = true;
+  template <class Isa>
+  MC_ALWAYS_INLINE static void widen(const Storage* in, float* out, size_t n) {
+#if defined(__x86_64__)
+    if constexpr (Isa::kF16C) {
+      half_to_float_f16c(in, out, n);
+      return;
+    }
+#endif
+    half_to_float(in, out, n);
+  }
+  template <class Isa>
+  MC_ALWAYS_INLINE static void narrow(const float* in, Storage* out, size_t n) {
+#if defined(__x86_64__)
+    if constexpr (Isa::kF16C) {
+      float_to_half_f16c(in, out, n);
+      return;
+    }
+#endif
+    float_to_half(in, out, n);
+  }
+};
+
+template <>
+struct Repr<BFloat16> {
+  using Storage = uint16_t;
+  static constexpr bool kWidened = true;
+  template <class Isa>
+  MC_ALWAYS_INLINE static void widen(const Storage* in, float* out, size_t n) {
+    bfloat16_to_float(in, out, n);
+  }
+  template <class Isa>
+  MC_ALWAYS_INLINE static void narrow(const float* in, Storage* out, size_t n) {
+    float_to_bfloat16(in, out, n);
+  }
+};
+
+// ---- 3. Loops -------------------------------------------------------------------------------
+
+// Note [Half blocks]
+// f16/bf16 go through f32 scratch on the stack, kHalfBlock elements at a time: widen dst and
+// src, combine in f32, narrow back into dst. So each element is rounded once per call, as NCCL
+// does, and each of the three loops is simple enough to vectorise on its own. It also lets the
+// x86 paths use F16C for the widening while baseline uses the portable bit twiddling, without
+// a second copy of the loop. 512 floats x 2 = 4 KiB of stack stays in L1.
+constexpr size_t kHalfBlock = 512;
+
+// dst[i] = Op(dst[i], src[i]). No __restrict: dst == src is allowed (kernels.h), and GCC
+// versions the loop with a cheap run-time overlap check instead.
+template <class Isa, class T, template <class> class Op>
+MC_ALWAYS_INLINE void reduce_loop(void* dst, const void* src, size_t count) {
+  using R = Repr<T>;
+  auto* d = static_cast<typename R::Storage*>(dst);
+  auto* s = static_cast<const typename R::Storage*>(src);
+  if constexpr (R::kWidened) {
+    const Op<float> op;
+    float a[kHalfBlock];
+    float b[kHalfBlock];
+    for (size_t i = 0; i < count; i += kHalfBlock) {
+      const size_t m = std::min(kHalfBlock, count - i);
+      R::template widen<Isa>(d + i, a, m);
+      R::template widen<Isa>(s + i, b, m);
+      for (size_t j = 0; j < m; ++j) a[j] = op(a[j], b[j]);
+      R::template narrow<Isa>(a, d + i, m);
+    }
+  } else {
+    const Op<typename R::Compute> op;
+    for (size_t i = 0; i < count; ++i) d[i] = R::store(op(R::load(d[i]), R::load(s[i])));
+  }
+}
+
+// buf[i] /= n for avg. Floats divide in their compute type (f32 for f16/bf16). Integers
+// truncate toward zero (C++ division, as NCCL's ncclAvg); they divide in 64 bits so that an
+// int8 never sees n wrapped to its own width (n = 300 must give 0, not x / 44).
+template <class Isa, class T>
+MC_ALWAYS_INLINE void divide_loop(void* buf, size_t count, size_t n) {
+  using R = Repr<T>;
+  auto* p = static_cast<typename R::Storage*>(buf);
+  if constexpr (R::kWidened) {
+    const float fn = static_cast<float>(n);
+    float a[kHalfBlock];
+    for (size_t i = 0; i < count; i += kHalfBlock) {
+      const size_t m = std::min(kHalfBlock, count - i);
+      R::template widen<Isa>(p + i, a, m);
+      for (size_t j = 0; j < m; ++j) a[j] = a[j] / fn;
+      R::template narrow<Isa>(a, p + i, m);
+    }
+  } else if constexpr (std::is_floating_point_v<T>) {
+    const T tn = static_cast<T>(n);
+    for (size_t i = 0; i < count; ++i) p[i] = p[i] / tn;
+  } else {
+    using Wide = std::conditional_t<std::is_signed_v<T>, int64_t, uint64_t>;
+    const Wide wn = static_cast<Wide>(n);
+    for (size_t i = 0; i < count; ++i) p[i] = static_cast<T>(static_cast<Wide>(p[i]) / wn);
+  }
+}
+
+// ---- 4. Instruction sets --------------------------------------------------------------------
+
+// Note [SIMD dispatch]
+// The build has no -march flags (wheels run on other CPUs), so -O3 alone vectorises for SSE2
+// on x86-64 and NEON on aarch64: that is Baseline. The same loops are compiled again inside
+// functions carrying __attribute__((target(...))); because the loops are always_inline, their
+// bodies take on the wrapper's target and GCC vectorises them with ymm/zmm registers. Which
+// table is used is decided once, at the first lookup, from __builtin_cpu_supports (which also
+// checks that the OS saves the wider registers). MESHCOLL_SIMD=baseline|avx2|avx512 caps the
+// choice, so tests can run every path on one machine; simd_level() reports what was picked.
+//
+// AVX-512 pays on f16/f32/int8 at L1/L2-resident segment sizes (see the kernel benchmark in
+// the report of the change that added this); prefer-vector-width=512 is needed because GCC's
+// generic tuning otherwise keeps 256-bit vectors even when AVX-512 is enabled.
+#define MC_DEFINE_ISA(Name, level, has_f16c, target_attr)                                 \
+  struct Name {                                                                          \
+    static constexpr const char* kLevel = level;                                         \
+    static constexpr bool kF16C = has_f16c;                                               \
+    template <class T, template <class> class Op>                                        \
+    target_attr static void reduce(void* dst, const void* src, size_t count) {           \
+      reduce_loop<Name, T, Op>(dst, src, count);                                         \
+    }                                                                                    \
+    template <class T>                                                                   \
+    target_attr static void divide(void* buf, size_t count, size_t n) {                  \
+      divide_loop<Name, T>(buf, count, n);                                               \
+    }                                                                                    \
+  };
+
+MC_DEFINE_ISA(Baseline, "baseline", false, /* no target attribute */)
+#if defined(__x86_64__)
+MC_DEFINE_ISA(Avx2, "avx2", true, __attribute__((target("avx2,f16c,fma"))))
+MC_DEFINE_ISA(Avx512, "avx512", true,
+              __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma,"
+                                    "prefer-vector-width=512"))))
+#endif
+
+#undef MC_DEFINE_ISA
+
+// ---- 5. The table ---------------------------------------------------------------------------
+
+using DivideFn = void (*)(void* buf, size_t count, size_t n);
+
+struct Table {
+  const char* level = nullptr;
+  ReduceFn reduce[kNumDTypes][kNumRedOps] = {};  // nullptr: unsupported pair
+  DivideFn divide[kNumDTypes] = {};              // nullptr: no avg for this dtype
+};
+
+constexpr int idx(DType t) { return static_cast<int>(t); }
+constexpr int idx(RedOp op) { return static_cast<int>(op); }
+
+template <class Isa, class T>
+void fill(Table* table, DType t) {
+  ReduceFn* row = table->reduce[idx(t)];
+  row[idx(RedOp::kSum)] = &Isa::template reduce<T, Sum>;
+  row[idx(RedOp::kProd)] = &Isa::template reduce<T, Prod>;
+  row[idx(RedOp::kMin)] = &Isa::template reduce<T, Min>;
+  row[idx(RedOp::kMax)] = &Isa::template reduce<T, Max>;
+  // avg of bools has no meaning as a bool (any truncating division of 0/1 gives 0).
+  if constexpr (!std::is_same_v<T, bool>) {
+    row[idx(RedOp::kAvg)] = &Isa::template reduce<T, Sum>;  // divide_by() finishes it
+    table->divide[idx(t)] = &Isa::template divide<T>;
+  }
+  if constexpr (std::is_integral_v<T>) {  // integers and bool
+    row[idx(RedOp::kBand)] = &Isa::template reduce<T, BitAnd>;
+    row[idx(RedOp::kBor)] = &Isa::template reduce<T, BitOr>;
+    row[idx(RedOp::kBxor)] = &Isa::template reduce<T, BitXor>;
+  }
+}
+
+template <class Isa>
+Table build_table() {
+  Table table;
+  table.level = Isa::kLevel;
+  for (int i = 0; i < kNumDTypes; ++i) {
+    const DType t = static_cast<DType>(i);
+    switch (t) {
+      case DType::kBool: fill<Isa, bool>(&table, t); break;
+      case DType::kInt8: fill<Isa, int8_t>(&table, t); break;
+      case DType::kUint8: fill<Isa, uint8_t>(&table, t); break;
+      case DType::kInt32: fill<Isa, int32_t>(&table, t); break;
+      case DType::kInt64: fill<Isa, int64_t>(&table, t); break;
+      case DType::kFloat16: fill<Isa, Float16>(&table, t); break;
+      case DType::kBFloat16: fill<Isa, BFloat16>(&table, t); break;
+      case DType::kFloat32: fill<Isa, float>(&table, t); break;
+      case DType::kFloat64: fill<Isa, double>(&table, t); break;
+    }
+  }
+  return table;
+}
+
+// 0 baseline, 1 avx2, 2 avx512: the highest level MESHCOLL_SIMD allows (all when unset).
+int simd_cap_from_env() {
+  const char* env = std::getenv("MESHCOLL_SIMD");
+  if (env == nullptr || *env == '\0') return 2;
+  const std::string v(env);
+  if (v == "baseline") return 0;
+  if (v == "avx2") return 1;
+  if (v == "avx512") return 2;
+  MC_THROW(InvalidArgument, "MESHCOLL_SIMD='", v,
+           "' is not a SIMD level; use baseline, avx2 or avx512 (or unset it)");
+}
+
+Table select_table() {
+  const int cap = simd_cap_from_env();
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (cap >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma")) {
+    return build_table<Avx512>();
+  }
+  if (cap >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+      __builtin_cpu_supports("fma")) {
+    return build_table<Avx2>();
+  }
+#else
+  (void)cap;
+#endif
+  return build_table<Baseline>();
+}
+
+// Built on first use; a function-local static, so concurrent first calls are safe.
+const Table& active_table() {
+  static const Table table = select_table();
+  return table;
+}
+
+// DType and RedOp values arrive from the wire, so range-check before indexing.
+void check_enums(DType t, RedOp op) {
+  MC_ARG_CHECK(idx(t) < kNumDTypes, "unknown dtype value ", idx(t));
+  MC_ARG_CHECK(idx(op) < kNumRedOps, "unknown reduction op value ", idx(op));
+}
+
+[[noreturn]] void throw_unsupported(DType t, RedOp op) {
+  MC_THROW(TypeMismatch, "reduction op '", redop_name(op), "' is not supported for dtype '",
+           dtype_name(t), "'",
+           is_floating(t) ? "; band/bor/bxor need an integer or bool dtype"
+                          : "; avg needs a numeric dtype (use sum for a logical or)");
+}
+
+}  // namespace
+
+ReduceFn lookup(DType t, RedOp op) {
+  check_enums(t, op);
+  ReduceFn fn = active_table().reduce[idx(t)][idx(op)];
+  if (fn == nullptr) throw_unsupported(t, op);
+  return fn;
+}
+
+bool supported(DType t, RedOp op) {
+  check_enums(t, op);
+  return active_table().reduce[idx(t)][idx(op)] != nullptr;
+}
+
+void divide_by(DType t, void* buf, size_t count, size_t n) {
+  check_enums(t, RedOp::kAvg);
+  DivideFn fn = active_table().divide[idx(t)];
+  if (fn == nullptr) throw_unsupported(t, RedOp::kAvg);
+  MC_ARG_CHECK(n > 0, "divide_by: cannot average over a group of size 0");
+  if (n == 1 || count == 0) return;
+  fn(buf, count, n);
+}
+
+const char* simd_level() { return active_table().level; }
+
+}  // namespace meshcoll::reduce

@@ -1,0 +1,66 @@
+// Key-value store for rendezvous: transport addresses, NCCL unique ids, group ids.
+// Every call is bounded by a timeout; values are byte strings.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/deadline.h"
+
+namespace meshcoll::store {
+
+using Bytes = std::vector<uint8_t>;
+
+class Store {
+ public:
+  virtual ~Store() = default;
+  virtual void set(const std::string& key, const Bytes& value) = 0;
+  // Waits until the key exists (TimeoutError after `timeout`).
+  virtual Bytes get(const std::string& key, Millis timeout) = 0;
+  virtual int64_t add(const std::string& key, int64_t delta) = 0;
+  // Sets key to desired if its value equals expected (or if it is absent and expected is
+  // empty); returns the value after the call.
+  virtual Bytes compare_set(const std::string& key, const Bytes& expected,
+                            const Bytes& desired) = 0;
+  virtual void wait(const std::vector<std::string>& keys, Millis timeout) = 0;
+  virtual bool check(const std::vector<std::string>& keys) = 0;
+  virtual bool delete_key(const std::string& key) = 0;
+  virtual int64_t num_keys() = 0;
+  virtual Millis timeout() const = 0;  // default for calls without their own
+};
+
+// Namespaces another store: every key gets "prefix/". num_keys counts the whole store.
+class PrefixStore : public Store {
+ public:
+  PrefixStore(std::string prefix, std::shared_ptr<Store> base)
+      : prefix_(std::move(prefix) + "/"), base_(std::move(base)) {}
+  void set(const std::string& key, const Bytes& value) override { base_->set(k(key), value); }
+  Bytes get(const std::string& key, Millis t) override { return base_->get(k(key), t); }
+  int64_t add(const std::string& key, int64_t delta) override { return base_->add(k(key), delta); }
+  Bytes compare_set(const std::string& key, const Bytes& e, const Bytes& d) override {
+    return base_->compare_set(k(key), e, d);
+  }
+  void wait(const std::vector<std::string>& keys, Millis t) override { base_->wait(ks(keys), t); }
+  bool check(const std::vector<std::string>& keys) override { return base_->check(ks(keys)); }
+  bool delete_key(const std::string& key) override { return base_->delete_key(k(key)); }
+  int64_t num_keys() override { return base_->num_keys(); }
+  Millis timeout() const override { return base_->timeout(); }
+  const std::string& prefix() const { return prefix_; }
+  const std::shared_ptr<Store>& base() const { return base_; }
+
+ private:
+  std::string k(const std::string& key) const { return prefix_ + key; }
+  std::vector<std::string> ks(const std::vector<std::string>& keys) const {
+    std::vector<std::string> out;
+    out.reserve(keys.size());
+    for (const auto& key : keys) out.push_back(k(key));
+    return out;
+  }
+  std::string prefix_;
+  std::shared_ptr<Store> base_;
+};
+
+}  // namespace meshcoll::store

@@ -1,0 +1,469 @@
+#include "store/tcp_store.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "common/error.h"
+#include "common/socket.h"
+#include "store/wire.h"
+
+namespace meshcoll::store {
+
+namespace {
+
+// Reads one length-prefixed string from a server connection, refusing oversized fields so
+// a malformed client cannot make the server allocate without bound.
+std::string read_string(int fd, uint32_t max_len, const Deadline& d) {
+  uint32_t len = 0;
+  net::recv_all(fd, &len, sizeof(len), d, "store server");
+  if (len > max_len) throw InvalidArgument(str_cat("field of ", len, " bytes exceeds ", max_len));
+  std::string s(len, '\0');
+  if (len) net::recv_all(fd, s.data(), len, d, "store server");
+  return s;
+}
+
+template <class T>
+T read_pod(int fd, const Deadline& d) {
+  T v{};
+  net::recv_all(fd, &v, sizeof(v), d, "store server");
+  return v;
+}
+
+bool constant_time_equal(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// Server
+
+TcpStoreServer::TcpStoreServer(const std::string& host, int port, std::string token)
+    : token_(std::move(token)) {
+  listen_fd_ = net::listen_on(host, port, 1024, &port_);
+  if (pipe2(wake_pipe_, O_CLOEXEC) != 0) {
+    net::close_fd(listen_fd_);
+    throw SystemError(str_cat("store server: pipe failed: ", errno_text(errno)));
+  }
+  acceptor_ = std::thread([this] { accept_loop(); });
+}
+
+TcpStoreServer::~TcpStoreServer() { stop(); }
+
+void TcpStoreServer::stop() {
+  if (stopping_.exchange(true)) return;
+  char c = 0;
+  (void)!::write(wake_pipe_[1], &c, 1);
+  if (acceptor_.joinable()) acceptor_.join();
+  std::vector<std::thread> threads;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // shutdown() wakes every serving thread blocked in poll/recv on its client.
+    for (int fd : client_fds_) ::shutdown(fd, SHUT_RDWR);
+    threads.swap(client_threads_);
+  }
+  cv_.notify_all();
+  for (auto& t : threads) t.join();
+  net::close_fd(listen_fd_);
+  net::close_fd(wake_pipe_[0]);
+  net::close_fd(wake_pipe_[1]);
+}
+
+void TcpStoreServer::accept_loop() {
+  for (;;) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_pipe_[0], POLLIN, 0}};
+    int rc = ::poll(fds, 2, -1);
+    if (rc < 0 && errno == EINTR) continue;
+    if (stopping_ || fds[1].revents) return;
+    if (!(fds[0].revents & POLLIN)) continue;
+    int fd;
+    try {
+      fd = net::accept_one(listen_fd_, Deadline::after_ms(0), "store server");
+    } catch (const Error&) {
+      continue;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    client_fds_.push_back(fd);
+    client_threads_.emplace_back([this, fd] { serve(fd); });
+  }
+}
+
+void TcpStoreServer::serve(int fd) {
+  try {
+    // The hello must arrive promptly; a port scanner or stray client cannot pin a thread.
+    Deadline hello_deadline = Deadline::after_ms(30000);
+    auto hello = read_pod<wire::Hello>(fd, hello_deadline);
+    std::string reply_msg;
+    wire::HelloStatus status = wire::HelloStatus::kOk;
+    if (hello.magic != wire::kMagic) return;  // not our protocol: drop silently
+    std::string token;
+    if (hello.token_len > wire::kMaxTokenBytes) return;
+    token.resize(hello.token_len);
+    if (hello.token_len) net::recv_all(fd, token.data(), token.size(), hello_deadline, "store");
+    if (hello.version != wire::kVersion) {
+      status = wire::HelloStatus::kBadVersion;
+      reply_msg = str_cat("store protocol version ", hello.version, " is not supported (server ",
+                          wire::kVersion, "); use the same meshcoll version on every rank");
+    } else if (!token_.empty() && !constant_time_equal(token, token_)) {
+      status = wire::HelloStatus::kBadToken;
+      reply_msg = "job token rejected by the store server; set MESHCOLL_TOKEN to the job's token";
+    }
+    wire::HelloReply reply{static_cast<uint8_t>(status), static_cast<uint16_t>(reply_msg.size())};
+    net::send_all(fd, &reply, sizeof(reply), hello_deadline, "store");
+    net::send_all(fd, reply_msg.data(), reply_msg.size(), hello_deadline, "store");
+    if (status == wire::HelloStatus::kOk) {
+      while (!stopping_ && handle_one(fd)) {
+      }
+    }
+  } catch (const std::exception&) {
+    // Malformed input, a closed client or shutdown: drop this connection only.
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& c : client_fds_) {
+    if (c == fd) {
+      c = client_fds_.back();
+      client_fds_.pop_back();
+      break;
+    }
+  }
+  net::close_fd(fd);
+}
+
+bool TcpStoreServer::handle_one(int fd) {
+  const Deadline io = Deadline::after_ms(60000);  // a request's fields once its type arrived
+  uint8_t type = 0;
+  ssize_t n;
+  // Wait for the next request without a deadline: clients may idle for the whole job.
+  for (;;) {
+    n = net::recv_some(fd, &type, 1, "store server");
+    if (n == 1) break;
+    if (n == 0) return false;
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, -1) < 0 && errno != EINTR) return false;
+    if (stopping_) return false;
+  }
+  std::string out;  // reply bytes after the status
+  auto put = [&out](const void* p, size_t len) { out.append(static_cast<const char*>(p), len); };
+  auto put_str = [&](const std::string& s) {
+    uint32_t len = static_cast<uint32_t>(s.size());
+    put(&len, 4);
+    put(s.data(), s.size());
+  };
+  wire::Status status = wire::Status::kOk;
+  auto wait_for = [&](const std::vector<std::string>& keys, int64_t timeout_ms) {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto ready = [&] {
+      if (stopping_) return true;
+      for (const auto& k : keys)
+        if (!data_.count(k)) return false;
+      return true;
+    };
+    bool ok = timeout_ms < 0 ? (cv_.wait(lock, ready), true)
+                             : cv_.wait_for(lock, Millis(timeout_ms), ready);
+    return ok && !stopping_;
+  };
+
+  switch (static_cast<wire::QueryType>(type)) {
+    case wire::QueryType::kSet: {
+      std::string key = read_string(fd, wire::kMaxKeyBytes, io);
+      std::string value = read_string(fd, wire::kMaxValueBytes, io);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        data_[key] = Bytes(value.begin(), value.end());
+      }
+      cv_.notify_all();
+      break;
+    }
+    case wire::QueryType::kGet: {
+      std::string key = read_string(fd, wire::kMaxKeyBytes, io);
+      auto timeout_ms = read_pod<int64_t>(fd, io);
+      if (wait_for({key}, timeout_ms)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        const Bytes& v = data_[key];
+        put_str(std::string(v.begin(), v.end()));
+      } else {
+        status = wire::Status::kTimeout;
+      }
+      break;
+    }
+    case wire::QueryType::kAdd: {
+      std::string key = read_string(fd, wire::kMaxKeyBytes, io);
+      auto delta = read_pod<int64_t>(fd, io);
+      int64_t result;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        Bytes& v = data_[key];
+        int64_t cur = v.empty() ? 0 : std::stoll(std::string(v.begin(), v.end()));
+        result = cur + delta;
+        std::string s = std::to_string(result);
+        v.assign(s.begin(), s.end());
+      }
+      cv_.notify_all();
+      put(&result, 8);
+      break;
+    }
+    case wire::QueryType::kCompareSet: {
+      std::string key = read_string(fd, wire::kMaxKeyBytes, io);
+      std::string expected = read_string(fd, wire::kMaxValueBytes, io);
+      std::string desired = read_string(fd, wire::kMaxValueBytes, io);
+      std::string now;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = data_.find(key);
+        bool absent = it == data_.end();
+        if ((absent && expected.empty()) ||
+            (!absent && std::string(it->second.begin(), it->second.end()) == expected)) {
+          data_[key] = Bytes(desired.begin(), desired.end());
+          now = desired;
+        } else {
+          now = absent ? std::string() : std::string(it->second.begin(), it->second.end());
+        }
+      }
+      cv_.notify_all();
+      put_str(now);
+      break;
+    }
+    case wire::QueryType::kWait:
+    case wire::QueryType::kCheck: {
+      auto count = read_pod<uint32_t>(fd, io);
+      if (count > wire::kMaxWaitKeys) return false;
+      std::vector<std::string> keys;
+      for (uint32_t i = 0; i < count; ++i) keys.push_back(read_string(fd, wire::kMaxKeyBytes, io));
+      if (static_cast<wire::QueryType>(type) == wire::QueryType::kWait) {
+        auto timeout_ms = read_pod<int64_t>(fd, io);
+        if (!wait_for(keys, timeout_ms)) status = wire::Status::kTimeout;
+      } else {
+        uint8_t all = wait_for(keys, 0) ? 1 : 0;
+        put(&all, 1);
+      }
+      break;
+    }
+    case wire::QueryType::kDelete: {
+      std::string key = read_string(fd, wire::kMaxKeyBytes, io);
+      uint8_t erased;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        erased = data_.erase(key) ? 1 : 0;
+      }
+      put(&erased, 1);
+      break;
+    }
+    case wire::QueryType::kNumKeys: {
+      int64_t count;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        count = static_cast<int64_t>(data_.size());
+      }
+      put(&count, 8);
+      break;
+    }
+    default:
+      return false;  // unknown query: the stream cannot be trusted any more
+  }
+  auto st = static_cast<uint8_t>(status);
+  net::send_all(fd, &st, 1, io, "store server");
+  if (status == wire::Status::kOk && !out.empty()) net::send_all(fd, out.data(), out.size(), io, "store server");
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------
+// Client
+
+class TcpStore::Request {
+ public:
+  explicit Request(wire::QueryType t) { bytes_.push_back(static_cast<char>(t)); }
+  Request& str(const std::string& s) {
+    uint32_t len = static_cast<uint32_t>(s.size());
+    bytes_.append(reinterpret_cast<const char*>(&len), 4);
+    bytes_.append(s);
+    return *this;
+  }
+  Request& str(const Bytes& b) { return str(std::string(b.begin(), b.end())); }
+  template <class T>
+  Request& pod(T v) {
+    bytes_.append(reinterpret_cast<const char*>(&v), sizeof(v));
+    return *this;
+  }
+  const std::string& bytes() const { return bytes_; }
+
+ private:
+  std::string bytes_;
+};
+
+TcpStore::TcpStore(const std::string& host, int port, bool is_server, Millis timeout,
+                   std::string token)
+    : host_(host), port_(port), timeout_(timeout) {
+  if (is_server) {
+    server_ = std::make_unique<TcpStoreServer>(host, port, token);
+    port_ = server_->port();
+  }
+  std::string connect_host = (host.empty() || host == "0.0.0.0") ? "127.0.0.1"
+                             : host == "::" ? "::1" : host;
+  Deadline d(timeout_);
+  fd_ = net::connect_to(connect_host, port_, d, "meshcoll store client");
+  try {
+    wire::Hello hello{wire::kMagic, wire::kVersion, static_cast<uint16_t>(token.size())};
+    net::send_all(fd_, &hello, sizeof(hello), d, describe());
+    net::send_all(fd_, token.data(), token.size(), d, describe());
+    wire::HelloReply reply{};
+    recv_exact(&reply, sizeof(reply), d);
+    std::string msg(reply.message_len, '\0');
+    if (reply.message_len) recv_exact(msg.data(), msg.size(), d);
+    if (reply.status != static_cast<uint8_t>(wire::HelloStatus::kOk))
+      throw PeerError(str_cat(describe(), ": ", msg));
+  } catch (...) {
+    net::close_fd(fd_);
+    fd_ = -1;
+    throw;
+  }
+}
+
+TcpStore::~TcpStore() {
+  net::close_fd(fd_);
+  if (server_) server_->stop();
+}
+
+std::string TcpStore::describe() const {
+  return str_cat("store at ", net::Endpoint{host_, port_}.str());
+}
+
+std::string TcpStore::local_host() const { return net::local_host(fd_); }
+
+Deadline TcpStore::call_deadline(Millis server_wait) const {
+  // A waiting call gets the server's wait plus slack for the network.
+  if (server_wait.count() < 0) return Deadline();
+  return Deadline(server_wait + timeout_);
+}
+
+void TcpStore::recv_exact(void* buf, size_t n, const Deadline& d) {
+  try {
+    net::recv_all(fd_, buf, n, d, describe());
+  } catch (const PeerError&) {
+    broken_ = true;
+    throw PeerError(str_cat(describe(), " closed the connection: the store server (usually "
+                                        "rank 0) has exited or crashed"));
+  } catch (const TimeoutError&) {
+    broken_ = true;
+    throw;
+  }
+}
+
+void TcpStore::send_request(const Request& req, const Deadline& d) {
+  if (broken_ || fd_ < 0)
+    throw PeerError(str_cat(describe(), ": connection unusable after an earlier error"));
+  try {
+    net::send_all(fd_, req.bytes().data(), req.bytes().size(), d, describe());
+  } catch (const Error&) {
+    broken_ = true;
+    throw PeerError(str_cat(describe(), " closed the connection: the store server (usually "
+                                        "rank 0) has exited or crashed"));
+  }
+}
+
+void TcpStore::recv_status(const char* what, const std::string& key, const Deadline& d,
+                           Millis waited) {
+  uint8_t st = 0;
+  recv_exact(&st, 1, d);
+  if (st == static_cast<uint8_t>(wire::Status::kTimeout))
+    throw TimeoutError(str_cat(describe(), ": ", what, "(", key, ") timed out after ",
+                               waited.count(), " ms"));
+  if (st != static_cast<uint8_t>(wire::Status::kOk))
+    throw Error(str_cat(describe(), ": ", what, "(", key, ") failed on the server"));
+}
+
+void TcpStore::set(const std::string& key, const Bytes& value) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Deadline d(timeout_);
+  send_request(Request(wire::QueryType::kSet).str(key).str(value), d);
+  recv_status("set", key, d, timeout_);
+}
+
+Bytes TcpStore::get(const std::string& key, Millis timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Deadline d = call_deadline(timeout);
+  send_request(Request(wire::QueryType::kGet).str(key).pod<int64_t>(timeout.count()), d);
+  recv_status("get", key, d, timeout);
+  uint32_t len = 0;
+  recv_exact(&len, 4, d);
+  Bytes out(len);
+  if (len) recv_exact(out.data(), len, d);
+  return out;
+}
+
+int64_t TcpStore::add(const std::string& key, int64_t delta) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Deadline d(timeout_);
+  send_request(Request(wire::QueryType::kAdd).str(key).pod<int64_t>(delta), d);
+  recv_status("add", key, d, timeout_);
+  int64_t v = 0;
+  recv_exact(&v, 8, d);
+  return v;
+}
+
+Bytes TcpStore::compare_set(const std::string& key, const Bytes& expected, const Bytes& desired) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Deadline d(timeout_);
+  send_request(Request(wire::QueryType::kCompareSet).str(key).str(expected).str(desired), d);
+  recv_status("compare_set", key, d, timeout_);
+  uint32_t len = 0;
+  recv_exact(&len, 4, d);
+  Bytes out(len);
+  if (len) recv_exact(out.data(), len, d);
+  return out;
+}
+
+void TcpStore::wait(const std::vector<std::string>& keys, Millis timeout) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Deadline d = call_deadline(timeout);
+  Request req(wire::QueryType::kWait);
+  req.pod<uint32_t>(static_cast<uint32_t>(keys.size()));
+  for (const auto& k : keys) req.str(k);
+  req.pod<int64_t>(timeout.count());
+  send_request(req, d);
+  std::string names;
+  for (size_t i = 0; i < keys.size() && i < 8; ++i) names += (i ? ", " : "") + keys[i];
+  if (keys.size() > 8) names += ", ...";
+  recv_status("wait", names, d, timeout);
+}
+
+bool TcpStore::check(const std::vector<std::string>& keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Deadline d(timeout_);
+  Request req(wire::QueryType::kCheck);
+  req.pod<uint32_t>(static_cast<uint32_t>(keys.size()));
+  for (const auto& k : keys) req.str(k);
+  send_request(req, d);
+  recv_status("check", "", d, timeout_);
+  uint8_t all = 0;
+  recv_exact(&all, 1, d);
+  return all != 0;
+}
+
+bool TcpStore::delete_key(const std::string& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Deadline d(timeout_);
+  send_request(Request(wire::QueryType::kDelete).str(key), d);
+  recv_status("delete_key", key, d, timeout_);
+  uint8_t erased = 0;
+  recv_exact(&erased, 1, d);
+  return erased != 0;
+}
+
+int64_t TcpStore::num_keys() {
+  std::lock_guard<std::mutex> lock(mu_);
+  Deadline d(timeout_);
+  send_request(Request(wire::QueryType::kNumKeys), d);
+  recv_status("num_keys", "", d, timeout_);
+  int64_t v = 0;
+  recv_exact(&v, 8, d);
+  return v;
+}
+
+}  // namespace meshcoll::store

@@ -1,0 +1,83 @@
+// TCP key-value store: a server (one thread per client connection, so a slow or
+// malformed client only stalls itself) and a client (one connection, calls serialised).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "store/store.h"
+
+namespace meshcoll::store {
+
+class TcpStoreServer {
+ public:
+  // Listens on host:port (0 = any free port). token may be empty (no check).
+  TcpStoreServer(const std::string& host, int port, std::string token);
+  ~TcpStoreServer();
+  int port() const { return port_; }
+  void stop();
+
+ private:
+  void accept_loop();
+  void serve(int fd);
+  bool handle_one(int fd);  // false when the connection must close
+
+  std::string token_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  int wake_pipe_[2] = {-1, -1};
+  std::atomic<bool> stopping_{false};
+  std::thread acceptor_;
+
+  std::mutex mu_;  // guards data_, clients_
+  std::condition_variable cv_;
+  std::map<std::string, Bytes> data_;
+  std::vector<int> client_fds_;
+  std::vector<std::thread> client_threads_;
+};
+
+class TcpStore : public Store {
+ public:
+  // is_server: also start a server on host:port (port 0 = pick one) and connect to it.
+  TcpStore(const std::string& host, int port, bool is_server, Millis timeout, std::string token);
+  ~TcpStore() override;
+
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key, Millis timeout) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  Bytes compare_set(const std::string& key, const Bytes& expected, const Bytes& desired) override;
+  void wait(const std::vector<std::string>& keys, Millis timeout) override;
+  bool check(const std::vector<std::string>& keys) override;
+  bool delete_key(const std::string& key) override;
+  int64_t num_keys() override;
+  Millis timeout() const override { return timeout_; }
+
+  int port() const { return port_; }
+  const std::string& host() const { return host_; }
+  // Local address of the connection to the server: the interface that reaches the master.
+  std::string local_host() const;
+
+ private:
+  class Request;
+  void send_request(const Request& req, const Deadline& d);
+  void recv_status(const char* what, const std::string& key, const Deadline& d, Millis waited);
+  void recv_exact(void* buf, size_t n, const Deadline& d);
+  Deadline call_deadline(Millis server_wait) const;
+  std::string describe() const;
+
+  std::string host_;
+  int port_;
+  Millis timeout_;
+  std::unique_ptr<TcpStoreServer> server_;
+  std::mutex mu_;
+  int fd_ = -1;
+  bool broken_ = false;  // after a client-side timeout the stream is out of step
+};
+
+}  // namespace meshcoll::store

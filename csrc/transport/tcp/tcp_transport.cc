@@ -1,0 +1,523 @@
+#include "transport/tcp/tcp_transport.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/error.h"
+#include "common/socket.h"
+
+namespace meshcoll::transport {
+
+namespace {
+
+constexpr uint32_t kFrameMagic = 0x4654434d;      // "MCTF"
+constexpr uint32_t kHandshakeMagic = 0x5348434d;  // "MCHS"
+constexpr uint16_t kHandshakeVersion = 1;
+constexpr uint8_t kFrameData = 0;
+constexpr uint8_t kFrameAbort = 1;
+constexpr size_t kMaxAbortMessage = 64 * 1024;
+
+#pragma pack(push, 1)
+struct Handshake {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t token_len;
+  int32_t rank;
+  int32_t size;
+  uint64_t comm_id;
+};
+#pragma pack(pop)
+
+bool same_token(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+Millis remaining(const Deadline& d) {
+  int ms = d.poll_ms();
+  return Millis(ms < 0 ? 24LL * 3600 * 1000 : ms);
+}
+
+}  // namespace
+
+class TcpOp : public Op {
+ public:
+  bool is_send = false;
+  int peer = -1;
+  Envelope env;
+  ConstBytes src;
+  MutBytes dst;
+  FrameHeader hdr{};  // sends: the header to write
+  size_t sent = 0;    // sends: bytes of header + payload written so far
+  void mark_complete() { complete_ = true; }
+};
+
+struct TcpTransport::Unexpected {
+  FrameHeader hdr{};
+  std::vector<uint8_t> data;
+  bool complete = false;
+  Request claimed;  // a receive posted while this frame was still arriving
+};
+
+struct TcpTransport::Peer {
+  int fd = -1;
+  std::deque<Request> sendq;
+  std::deque<Request> posted;  // receives not yet matched to a frame
+  std::deque<std::unique_ptr<Unexpected>> unexpected;
+  // Receive state machine: a header, then its payload into rdst.
+  FrameHeader rhdr{};
+  size_t rhdr_got = 0;
+  bool in_payload = false;
+  uint8_t* rdst = nullptr;
+  size_t rleft = 0;
+  Request rtarget;
+  Unexpected* runexp = nullptr;
+  bool reading_abort = false;
+  std::string abort_msg;
+  // EOF seen: the peer finished (or died). Not an error until a request needs it, since a
+  // rank may legitimately exit while others still finish their last step with third ranks.
+  bool closed = false;
+};
+
+static TcpOp& as_tcp(const Request& r) { return static_cast<TcpOp&>(*r); }
+
+TcpTransport::TcpTransport(int rank, int size, store::Store& store, const TcpOptions& opts,
+                           DescribeOp describe, const Deadline& d)
+    : rank_(rank), size_(size), describe_(describe) {
+  for (int i = 0; i < size; ++i) peers_.push_back(std::make_unique<Peer>());
+  if (size > 1) {
+    try {
+      connect_all(store, opts, d);
+    } catch (...) {
+      for (auto& p : peers_) net::close_fd(p->fd);
+      throw;
+    }
+  }
+}
+
+TcpTransport::~TcpTransport() {
+  for (auto& p : peers_) net::close_fd(p->fd);
+}
+
+void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, const Deadline& d) {
+  int port = 0;
+  int listen_fd = net::listen_on(opts.bind_host, 0, size_ + 16, &port);
+  struct Closer {
+    int fd;
+    ~Closer() { net::close_fd(fd); }
+  } closer{listen_fd};
+  std::string me = net::Endpoint{opts.bind_host, port}.str();
+  store.set(str_cat("tcp/addr/", rank_), store::Bytes(me.begin(), me.end()));
+
+  Handshake hs{kHandshakeMagic, kHandshakeVersion, static_cast<uint16_t>(opts.token.size()),
+               rank_, size_, opts.comm_id};
+  // Lower ranks accept, higher ranks connect: the kernel completes a connect into the
+  // listener's backlog, so connecting first and accepting second cannot deadlock.
+  for (int j = 0; j < rank_; ++j) {
+    std::string what = str_cat("rank ", rank_, ": connecting to rank ", j);
+    store::Bytes addr;
+    try {
+      addr = store.get(str_cat("tcp/addr/", j), remaining(d));
+    } catch (const TimeoutError&) {
+      throw TimeoutError(str_cat(what, ": rank ", j, " never published its address within ",
+                                 d.timeout().count(), " ms; did every rank start?"));
+    }
+    std::string s(addr.begin(), addr.end());
+    size_t colon = s.rfind(':');
+    std::string host = s.substr(0, colon);
+    if (!host.empty() && host.front() == '[') host = host.substr(1, host.size() - 2);
+    int peer_port = std::stoi(s.substr(colon + 1));
+    int fd = net::connect_to(host, peer_port, d, what);
+    peers_[j]->fd = fd;
+    net::send_all(fd, &hs, sizeof(hs), d, what);
+    net::send_all(fd, opts.token.data(), opts.token.size(), d, what);
+  }
+  int expected = size_ - 1 - rank_;
+  while (expected > 0) {
+    int fd = net::accept_one(listen_fd, d, str_cat("rank ", rank_, ": waiting for ", expected,
+                                                   " higher rank(s) to connect"));
+    Handshake in{};
+    std::string token;
+    uint8_t ok = 0;
+    try {
+      Deadline hd = Deadline::after_ms(std::min<int64_t>(10000, remaining(d).count()));
+      net::recv_all(fd, &in, sizeof(in), hd, "handshake");
+      if (in.magic == kHandshakeMagic && in.token_len <= 1024) {
+        token.resize(in.token_len);
+        net::recv_all(fd, token.data(), token.size(), hd, "handshake");
+        ok = in.version == kHandshakeVersion && same_token(token, opts.token) &&
+             in.comm_id == opts.comm_id && in.size == size_ && in.rank > rank_ &&
+             in.rank < size_ && peers_[in.rank]->fd < 0;
+      }
+      net::send_all(fd, &ok, 1, hd, "handshake");
+    } catch (const Error&) {
+      ok = 0;
+    }
+    if (!ok) {
+      net::close_fd(fd);  // a stray or mistaken client: refuse it and keep waiting
+      continue;
+    }
+    peers_[in.rank]->fd = fd;
+    --expected;
+  }
+  for (int j = 0; j < rank_; ++j) {
+    uint8_t ok = 0;
+    std::string what = str_cat("rank ", rank_, ": handshake with rank ", j);
+    try {
+      net::recv_all(peers_[j]->fd, &ok, 1, d, what);
+    } catch (const PeerError&) {
+      ok = 0;
+    }
+    if (!ok)
+      throw PeerError(str_cat(what, " was refused: the job token (MESHCOLL_TOKEN) or group "
+                                    "differs from rank ", j, "'s; start every rank from one launch"));
+  }
+}
+
+Request TcpTransport::isend(int peer, const Envelope& env, ConstBytes src) {
+  if (failed_) rethrow();
+  auto op = std::make_shared<TcpOp>();
+  op->is_send = true;
+  op->peer = peer;
+  op->env = env;
+  op->src = src;
+  FrameHeader& h = op->hdr;
+  h.magic = kFrameMagic;
+  h.type = kFrameData;
+  h.channel = static_cast<uint8_t>(env.channel);
+  h.tag = env.tag;
+  h.seq = env.seq;
+  h.nbytes = src.size;
+  h.op = env.op;
+  Peer& p = *peers_[peer];
+  p.sendq.push_back(op);
+  if (p.sendq.size() == 1) {
+    try {
+      progress_send(peer);  // eager: small messages leave without waiting for a poll
+    } catch (const PeerError& e) {
+      fail(AbortKind::kPeer, e.what());
+    }
+  }
+  return op;
+}
+
+Request TcpTransport::irecv(int peer, const Envelope& env, MutBytes dst) {
+  if (failed_) rethrow();
+  auto op = std::make_shared<TcpOp>();
+  op->peer = peer;
+  op->env = env;
+  op->dst = dst;
+  match_posted(peer, op);
+  return op;
+}
+
+// A new receive first looks among the frames that arrived before it was posted.
+void TcpTransport::match_posted(int peer, const Request& r) {
+  TcpOp& op = as_tcp(r);
+  Peer& p = *peers_[peer];
+  for (auto it = p.unexpected.begin(); it != p.unexpected.end(); ++it) {
+    Unexpected& u = **it;
+    if (u.claimed || u.hdr.channel != static_cast<uint8_t>(op.env.channel)) continue;
+    bool same_seq = u.hdr.seq == op.env.seq;
+    if (op.env.channel == Channel::kCollective && same_seq) {
+      if (u.hdr.op != op.env.op || u.hdr.tag == op.env.tag)
+        check_agreement(peer, u.hdr, op.env, op.dst.size);
+      if (u.hdr.tag != op.env.tag) continue;
+    } else if (op.env.channel == Channel::kP2P) {
+      // Point-to-point messages from one peer match in order.
+      check_agreement(peer, u.hdr, op.env, op.dst.size);
+    } else {
+      continue;
+    }
+    if (u.complete) {
+      complete_from_unexpected(u, r);
+      p.unexpected.erase(it);
+    } else {
+      u.claimed = r;
+    }
+    return;
+  }
+  p.posted.push_back(r);
+}
+
+void TcpTransport::complete_from_unexpected(Unexpected& u, const Request& r) {
+  TcpOp& op = as_tcp(r);
+  if (!u.data.empty()) std::memcpy(op.dst.data, u.data.data(), u.data.size());
+  op.mark_complete();
+}
+
+void TcpTransport::check_agreement(int peer, const FrameHeader& h, const Envelope& mine,
+                                   size_t my_bytes) {
+  auto theirs_env = Envelope{static_cast<Channel>(h.channel), h.seq, h.tag, h.op};
+  bool p2p = mine.channel == Channel::kP2P;
+  bool differ = p2p ? (h.tag != mine.tag || h.nbytes != my_bytes || h.op != mine.op)
+                    : (h.op != mine.op || h.nbytes != my_bytes);
+  if (!differ) return;
+  std::string msg;
+  if (p2p) {
+    msg = str_cat("send/recv mismatch between rank ", peer, " and rank ", rank_, ": rank ", peer,
+                  " sent ", describe_(h.op), " tag=", h.tag, " (", h.nbytes, " bytes) but rank ",
+                  rank_, " posted recv ", describe_(mine.op), " tag=", mine.tag, " (", my_bytes,
+                  " bytes); every send must meet a recv of the same tag, shape and dtype, in "
+                  "order");
+  } else if (h.op != mine.op) {
+    msg = str_cat("collective mismatch at sequence number ", mine.seq, ": rank ", peer,
+                  " called ", describe_(h.op), " but rank ", rank_, " called ",
+                  describe_(mine.op),
+                  "; every rank of a group must call the same collectives, with the same "
+                  "count, dtype, op and root, in the same order");
+  } else {
+    msg = str_cat("collective mismatch at sequence number ", mine.seq, ": rank ", peer, " sent ",
+                  h.nbytes, " bytes for step ", h.tag, " of ", describe_(h.op), " but rank ",
+                  rank_, " expected ", my_bytes,
+                  " bytes (different algorithm settings on different ranks?)");
+  }
+  (void)theirs_env;
+  fail(AbortKind::kMismatch, msg);
+}
+
+void TcpTransport::progress_send(int peer) {
+  Peer& p = *peers_[peer];
+  while (!p.sendq.empty()) {
+    TcpOp& op = as_tcp(p.sendq.front());
+    const size_t hdr_size = sizeof(FrameHeader);
+    const size_t total = hdr_size + op.src.size;
+    while (op.sent < total) {
+      iovec iov[2];
+      int n = 0;
+      if (op.sent < hdr_size) {
+        iov[n++] = {reinterpret_cast<uint8_t*>(&op.hdr) + op.sent, hdr_size - op.sent};
+        if (op.src.size) iov[n++] = {const_cast<uint8_t*>(op.src.data), op.src.size};
+      } else {
+        size_t off = op.sent - hdr_size;
+        iov[n++] = {const_cast<uint8_t*>(op.src.data) + off, op.src.size - off};
+      }
+      msghdr mh{};
+      mh.msg_iov = iov;
+      mh.msg_iovlen = n;
+      ssize_t rc = ::sendmsg(p.fd, &mh, MSG_NOSIGNAL);
+      if (rc < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+        throw PeerError(str_cat("rank ", rank_, ": sending to rank ", peer, " failed (",
+                                errno_text(errno), "): rank ", peer,
+                                " exited, crashed or aborted"));
+      }
+      op.sent += static_cast<size_t>(rc);
+    }
+    op.mark_complete();
+    p.sendq.pop_front();
+  }
+}
+
+void TcpTransport::progress_recv(int peer) {
+  Peer& p = *peers_[peer];
+  std::string what = str_cat("rank ", rank_, ": receiving from rank ", peer);
+  for (;;) {
+    ssize_t rc;
+    if (!p.in_payload) {
+      rc = net::recv_some(p.fd, reinterpret_cast<uint8_t*>(&p.rhdr) + p.rhdr_got,
+                          sizeof(FrameHeader) - p.rhdr_got, what);
+      if (rc > 0) {
+        p.rhdr_got += static_cast<size_t>(rc);
+        if (p.rhdr_got == sizeof(FrameHeader)) on_header(peer);
+        continue;
+      }
+    } else {
+      rc = net::recv_some(p.fd, p.rdst, p.rleft, what);
+      if (rc > 0) {
+        p.rdst += rc;
+        p.rleft -= static_cast<size_t>(rc);
+        if (p.rleft == 0) on_payload_done(peer);
+        continue;
+      }
+    }
+    if (rc < 0) return;  // would block
+    p.closed = true;
+    if (!p.in_payload && p.rhdr_got == 0) return;
+    throw PeerError(str_cat("rank ", rank_, ": the connection to rank ", peer,
+                            " closed: rank ", peer, " exited, crashed or aborted"));
+  }
+}
+
+void TcpTransport::on_header(int peer) {
+  Peer& p = *peers_[peer];
+  const FrameHeader& h = p.rhdr;
+  p.rhdr_got = 0;
+  if (h.magic != kFrameMagic)
+    fail(AbortKind::kGeneric, str_cat("rank ", rank_, ": corrupt frame from rank ", peer,
+                                      " (bad magic); is a different program on this port?"));
+  p.in_payload = true;
+  if (h.type == kFrameAbort) {
+    p.reading_abort = true;
+    p.abort_msg.assign(std::min<uint64_t>(h.nbytes, kMaxAbortMessage), '\0');
+    p.rdst = reinterpret_cast<uint8_t*>(p.abort_msg.data());
+    p.rleft = p.abort_msg.size();
+  } else {
+    Request target;
+    for (auto it = p.posted.begin(); it != p.posted.end(); ++it) {
+      TcpOp& op = as_tcp(*it);
+      if (static_cast<uint8_t>(op.env.channel) != h.channel) continue;
+      if (op.env.channel == Channel::kP2P) {
+        check_agreement(peer, h, op.env, op.dst.size);
+      } else {
+        if (op.env.seq != h.seq) continue;
+        if (op.env.tag == h.tag || op.env.op != h.op) check_agreement(peer, h, op.env, op.dst.size);
+        if (op.env.tag != h.tag) continue;
+      }
+      target = *it;
+      p.posted.erase(it);
+      break;
+    }
+    if (target) {
+      p.rtarget = target;
+      p.rdst = as_tcp(target).dst.data;
+    } else {
+      auto u = std::make_unique<Unexpected>();
+      u->hdr = h;
+      u->data.resize(h.nbytes);
+      p.runexp = u.get();
+      p.rdst = u->data.data();
+      p.unexpected.push_back(std::move(u));
+    }
+    p.rleft = h.nbytes;
+  }
+  if (p.rleft == 0) on_payload_done(peer);
+}
+
+void TcpTransport::on_payload_done(int peer) {
+  Peer& p = *peers_[peer];
+  p.in_payload = false;
+  if (p.reading_abort) {
+    p.reading_abort = false;
+    fail(static_cast<AbortKind>(p.rhdr.abort_kind), p.abort_msg);
+  }
+  if (p.rtarget) {
+    as_tcp(p.rtarget).mark_complete();
+    p.rtarget.reset();
+  } else if (p.runexp) {
+    Unexpected* u = p.runexp;
+    p.runexp = nullptr;
+    u->complete = true;
+    if (u->claimed) {
+      complete_from_unexpected(*u, u->claimed);
+      for (auto it = p.unexpected.begin(); it != p.unexpected.end(); ++it) {
+        if (it->get() == u) {
+          p.unexpected.erase(it);
+          break;
+        }
+      }
+    }
+  }
+}
+
+void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d) {
+  std::vector<pollfd> fds;
+  std::vector<int> fd_peer;
+  for (;;) {
+    if (failed_) rethrow();
+    bool all = true;
+    for (const auto& r : reqs) {
+      if (!r->complete()) {
+        all = false;
+        break;
+      }
+    }
+    if (all) return;
+    for (const auto& r : reqs) {
+      const TcpOp& op = as_tcp(r);
+      if (!r->complete() && peers_[op.peer]->closed)
+        fail(AbortKind::kPeer, str_cat("rank ", rank_, ": the connection to rank ", op.peer,
+                                       " closed while a ", op.is_send ? "send to" : "receive from",
+                                       " it was pending: rank ", op.peer,
+                                       " exited, crashed or aborted"));
+    }
+    fds.clear();
+    fd_peer.clear();
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_ || peers_[j]->fd < 0 || peers_[j]->closed) continue;
+      short ev = POLLIN;
+      if (!peers_[j]->sendq.empty()) ev |= POLLOUT;
+      fds.push_back({peers_[j]->fd, ev, 0});
+      fd_peer.push_back(j);
+    }
+    int rc = ::poll(fds.data(), fds.size(), d.poll_ms());
+    if (rc < 0) {
+      if (errno == EINTR) continue;
+      fail(AbortKind::kGeneric, str_cat("rank ", rank_, ": poll failed: ", errno_text(errno)));
+    }
+    if (rc == 0) {
+      std::string waiting;
+      for (const auto& r : reqs) {
+        if (r->complete()) continue;
+        const TcpOp& op = as_tcp(r);
+        std::string item = str_cat(op.is_send ? "send to rank " : "receive from rank ", op.peer);
+        if (waiting.find(item) == std::string::npos) waiting += (waiting.empty() ? "" : ", ") + item;
+      }
+      fail(AbortKind::kTimeout,
+           str_cat("rank ", rank_, " timed out after ", d.timeout().count(),
+                   " ms waiting for: ", waiting,
+                   "; that rank is slow, stuck in other code, or called a different collective"));
+    }
+    try {
+      for (size_t i = 0; i < fds.size(); ++i) {
+        if (fds[i].revents & POLLOUT) progress_send(fd_peer[i]);
+        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) progress_recv(fd_peer[i]);
+      }
+    } catch (const PeerError& e) {
+      fail(AbortKind::kPeer, e.what());
+    }
+  }
+}
+
+void TcpTransport::abort(AbortKind kind, const std::string& why) {
+  if (failed_) return;
+  failed_ = true;
+  fail_kind_ = kind;
+  fail_msg_ = why;
+  std::string msg = why.substr(0, kMaxAbortMessage);
+  for (int j = 0; j < size_; ++j) {
+    Peer& p = *peers_[j];
+    if (p.fd < 0) continue;
+    // An ABORT frame can only go between frames: skip peers with a frame half-sent.
+    bool mid_frame = !p.sendq.empty() && as_tcp(p.sendq.front()).sent > 0;
+    if (!mid_frame) {
+      FrameHeader h{};
+      h.magic = kFrameMagic;
+      h.type = kFrameAbort;
+      h.abort_kind = static_cast<uint8_t>(kind);
+      h.nbytes = msg.size();
+      std::string frame(reinterpret_cast<const char*>(&h), sizeof(h));
+      frame += msg;
+      try {
+        net::send_all(p.fd, frame.data(), frame.size(), Deadline::after_ms(100), "abort");
+      } catch (const Error&) {
+      }
+    }
+    // FIN after the frame (not close): closing with unread input would send a reset that can
+    // destroy the ABORT frame before the peer reads it.
+    ::shutdown(p.fd, SHUT_WR);
+  }
+}
+
+void TcpTransport::fail(AbortKind kind, const std::string& why) {
+  abort(kind, why);
+  rethrow();
+}
+
+void TcpTransport::rethrow() const {
+  switch (fail_kind_) {
+    case AbortKind::kMismatch: throw MismatchError(fail_msg_);
+    case AbortKind::kTimeout: throw TimeoutError(fail_msg_);
+    case AbortKind::kPeer: throw PeerError(fail_msg_);
+    default: throw Error(fail_msg_);
+  }
+}
+
+}  // namespace meshcoll::transport

@@ -1,0 +1,77 @@
+// TCP transport: one socket per peer (full mesh), non-blocking, progressed by whichever
+// thread waits (the communicator's worker). Frames: FrameHeader + payload.
+#pragma once
+
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "store/store.h"
+#include "transport/transport.h"
+
+namespace meshcoll::transport {
+
+#pragma pack(push, 1)
+struct FrameHeader {
+  uint32_t magic;
+  uint8_t type;        // FrameType
+  uint8_t channel;     // Channel
+  uint8_t abort_kind;  // AbortKind, for kAbort frames
+  uint8_t pad;
+  uint32_t tag;
+  uint32_t pad2;
+  uint64_t seq;
+  uint64_t nbytes;  // payload bytes that follow
+  OpDesc op;
+};
+#pragma pack(pop)
+static_assert(sizeof(FrameHeader) == 48, "FrameHeader travels on the wire");
+
+struct TcpOptions {
+  std::string bind_host;  // address to listen on and advertise (the interface reaching the master)
+  std::string token;      // job token every connection must present
+  uint64_t comm_id = 0;   // identifies the group, so connections of two groups never mix
+};
+
+class TcpTransport : public Transport {
+ public:
+  // Listens, publishes its address under "<prefix>tcp/addr/<rank>" in the store, and connects
+  // to every peer before the deadline.
+  TcpTransport(int rank, int size, store::Store& store, const TcpOptions& opts,
+               DescribeOp describe, const Deadline& d);
+  ~TcpTransport() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  Request isend(int peer, const Envelope& env, ConstBytes src) override;
+  Request irecv(int peer, const Envelope& env, MutBytes dst) override;
+  void wait_all(const std::vector<Request>& reqs, const Deadline& d) override;
+  void abort(AbortKind kind, const std::string& why) override;
+  bool aborted() const override { return failed_; }
+
+ private:
+  struct Peer;
+  struct Unexpected;
+  void connect_all(store::Store& store, const TcpOptions& opts, const Deadline& d);
+  void progress_send(int peer);
+  void progress_recv(int peer);
+  void on_header(int peer);
+  void on_payload_done(int peer);
+  void match_posted(int peer, const Request& op);
+  void complete_from_unexpected(Unexpected& u, const Request& op);
+  void check_agreement(int peer, const FrameHeader& h, const Envelope& mine, size_t my_bytes);
+  [[noreturn]] void fail(AbortKind kind, const std::string& why);
+  [[noreturn]] void rethrow() const;
+
+  int rank_;
+  int size_;
+  DescribeOp describe_;
+  std::vector<std::unique_ptr<Peer>> peers_;
+  bool failed_ = false;
+  AbortKind fail_kind_ = AbortKind::kGeneric;
+  std::string fail_msg_;
+  bool fail_reported_ = false;  // the first throw carries the original type
+};
+
+}  // namespace meshcoll::transport

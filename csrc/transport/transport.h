@@ -1,0 +1,86 @@
+// The transport layer: ordered byte messages to one peer, matched by an Envelope.
+// TCP (and, for same-host peers, shared memory) implement this interface; collectives are
+// written against it only.
+//
+// Note [Agreement check]
+// Every message carries the Envelope of the operation that sent it: the collective's
+// sequence number and an OpDesc (kind, dtype, op, root, count). A receiver compares the
+// sender's OpDesc with its own for the same sequence number before any byte lands in user
+// memory; a difference means the ranks called different collectives (or the same one with
+// different arguments). The receiver then raises MismatchError naming both ranks and both
+// calls, and aborts the communicator, which sends an ABORT frame carrying that message to
+// every peer so that all ranks raise it within one round trip instead of hanging.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/bytes.h"
+#include "common/deadline.h"
+
+namespace meshcoll::transport {
+
+enum class Channel : uint8_t { kCollective = 0, kP2P = 1 };
+
+// Kinds of error an ABORT frame can carry, so the receiving rank raises the same type.
+enum class AbortKind : uint8_t { kGeneric = 0, kMismatch = 1, kTimeout = 2, kPeer = 3 };
+
+#pragma pack(push, 1)
+struct OpDesc {
+  uint8_t coll = 0;    // algo::CollKind
+  uint8_t dtype = 0;   // DType
+  uint8_t redop = 0;   // RedOp
+  uint8_t pad = 0;
+  int32_t root = -1;
+  uint64_t count = 0;  // elements (per rank, as the collective defines it)
+  bool operator==(const OpDesc& o) const {
+    return coll == o.coll && dtype == o.dtype && redop == o.redop && root == o.root &&
+           count == o.count;
+  }
+  bool operator!=(const OpDesc& o) const { return !(*this == o); }
+};
+#pragma pack(pop)
+static_assert(sizeof(OpDesc) == 16, "OpDesc travels on the wire");
+
+struct Envelope {
+  Channel channel = Channel::kCollective;
+  uint64_t seq = 0;   // collective sequence number; for P2P, the per-peer message count
+  uint32_t tag = 0;   // step within a collective; the user tag for P2P
+  OpDesc op;
+};
+
+// Renders an OpDesc for error messages: "all_reduce(count=1024, float32, sum)".
+using DescribeOp = std::string (*)(const OpDesc&);
+
+// One pending send or receive; each transport derives its own state from it.
+class Op {
+ public:
+  virtual ~Op() = default;
+  bool complete() const { return complete_; }
+
+ protected:
+  bool complete_ = false;
+};
+using Request = std::shared_ptr<Op>;
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // Start moving bytes; the buffers must stay valid until the request completes.
+  virtual Request isend(int peer, const Envelope& env, ConstBytes src) = 0;
+  virtual Request irecv(int peer, const Envelope& env, MutBytes dst) = 0;
+  // Drive progress until every request completes. Throws TimeoutError naming the peers still
+  // pending, MismatchError, PeerError or Aborted; after a throw the transport is aborted.
+  virtual void wait_all(const std::vector<Request>& reqs, const Deadline& d) = 0;
+  void wait(const Request& r, const Deadline& d) { wait_all({r}, d); }
+  // Fail every pending request and tell every peer (best effort), then close.
+  virtual void abort(AbortKind kind, const std::string& why) = 0;
+  virtual bool aborted() const = 0;
+};
+
+}  // namespace meshcoll::transport

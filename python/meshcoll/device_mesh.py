@@ -1,0 +1,489 @@
+"""Named-dimension device meshes: the rank math, and the process groups built on it.
+
+``MeshLayout`` is pure arithmetic over ranks ``0..n-1`` laid out row-major (last dim
+fastest). ``DeviceMesh`` maps that layout onto the members of a parent process group
+and creates one group per row of every dimension, collectively, at construction.
+
+The process-group module is imported at call time, never at import time, so the
+layout math (and its tests) work without the C++ extension.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import platform
+import socket
+import struct
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+Dims = Union[str, Sequence[str]]
+
+
+class MeshLayout:
+    """Shape and dim names of a mesh; every rank <-> coordinate and group question."""
+
+    def __init__(self, shape: Sequence[int], dim_names: Sequence[str]):
+        # operator.index rejects 2.5 and "2" instead of silently truncating them.
+        shape = tuple(operator.index(s) for s in shape)
+        dim_names = tuple(dim_names)
+        if len(shape) == 0:
+            raise ValueError("mesh needs at least one dim")
+        if len(shape) != len(dim_names):
+            raise ValueError(f"shape {shape} has {len(shape)} dims but dim_names "
+                             f"{dim_names} has {len(dim_names)}")
+        for name in dim_names:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"dim names must be non-empty strings, got {name!r}")
+        dupes = sorted({n for n in dim_names if dim_names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate dim names {dupes} in {dim_names}")
+        for name, size in zip(dim_names, shape):
+            if size < 1:
+                raise ValueError(f"dim {name!r} has size {size}; every dim needs size >= 1")
+        self._shape = shape
+        self._names = dim_names
+        # The whole rank array: small (one int per rank) and it makes every group
+        # question a reshape, which is the definition the tests check against.
+        self._mesh = np.arange(math.prod(shape)).reshape(shape)
+
+    @classmethod
+    def from_order(cls, world_size: int, *, order: str = "tp-dp-pp",
+                   **sizes: int) -> "MeshLayout":
+        """Megatron-style layout: ``order`` lists dims fastest-varying first.
+
+        ``from_order(8, tp=2, pp=2, order="tp-dp-pp")`` gives dims ``(pp, dp, tp)``
+        with shape ``(2, 2, 2)``. At most one dim of ``order`` may be left out of
+        ``sizes``; it is inferred from the world size (usually dp).
+        """
+        tokens = tuple(order.split("-"))
+        if any(not t for t in tokens):
+            raise ValueError(f"order {order!r} has an empty dim name")
+        dupes = sorted({t for t in tokens if tokens.count(t) > 1})
+        if dupes:
+            raise ValueError(f"duplicate dim names {dupes} in order {order!r}")
+        unknown = sorted(set(sizes) - set(tokens))
+        if unknown:
+            raise ValueError(f"unknown dim names {unknown}: not in order {order!r}")
+        for name, size in sizes.items():
+            if size < 1:
+                raise ValueError(f"dim {name!r} has size {size}; every dim needs size >= 1")
+        missing = [t for t in tokens if t not in sizes]
+        if len(missing) > 1:
+            raise ValueError(f"cannot infer more than one dim size; give sizes for "
+                             f"all but one of {missing}")
+        given = math.prod(sizes.values())
+        full = dict(sizes)
+        if missing:
+            if world_size % given:
+                product = "*".join(f"{t}" for t in tokens if t in sizes) or "1"
+                raise ValueError(f"{product} = {given} does not divide world size "
+                                 f"{world_size}")
+            full[missing[0]] = world_size // given
+        layout = cls([full[t] for t in reversed(tokens)], tuple(reversed(tokens)))
+        layout.check_world_size(world_size)
+        return layout
+
+    # -- shape -------------------------------------------------------------------
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return self._shape
+
+    @property
+    def dim_names(self) -> Tuple[str, ...]:
+        return self._names
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def world_size(self) -> int:
+        return int(self._mesh.size)
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{n}={s}" for n, s in zip(self._names, self._shape))
+        return f"({dims})"
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, MeshLayout) and self._shape == other._shape
+                and self._names == other._names)
+
+    def check_world_size(self, world_size: int) -> None:
+        if self.world_size != world_size:
+            raise ValueError(f"mesh {self!r} needs {self.world_size} ranks, "
+                             f"got {world_size}")
+
+    def index(self, dim: str) -> int:
+        """Position of a dim name in the shape."""
+        try:
+            return self._names.index(dim)
+        except ValueError:
+            raise ValueError(f"unknown dim {dim!r}; mesh dims are {self._names}") from None
+
+    def indices(self, dims: Dims) -> Tuple[int, ...]:
+        """Positions of one or more dim names, which must be distinct and in mesh order.
+
+        Mesh order is required (as in torch's DeviceMesh slicing) so a flattened local
+        rank is always row-major over the mesh, never a silent transpose of it.
+        """
+        names = (dims,) if isinstance(dims, str) else tuple(dims)
+        if not names:
+            raise ValueError("need at least one dim name")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate dim names {dupes} in {names}")
+        idx = tuple(self.index(n) for n in names)
+        if list(idx) != sorted(idx):
+            raise ValueError(f"dims {names} must appear in mesh order {self._names}")
+        return idx
+
+    def size(self, dim: Optional[Dims] = None) -> int:
+        """Size of one dim, product of several, or the world size when dim is None."""
+        if dim is None:
+            return self.world_size
+        return math.prod(self._shape[i] for i in self.indices(dim))
+
+    # -- ranks and coordinates ---------------------------------------------------
+
+    def coordinate(self, rank: int) -> Tuple[int, ...]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside mesh {self!r} of "
+                             f"{self.world_size} ranks")
+        return tuple(int(c) for c in np.unravel_index(rank, self._shape))
+
+    def rank(self, coord: Union[Sequence[int], Mapping[str, int]]) -> int:
+        if isinstance(coord, Mapping):
+            unknown = sorted(set(coord) - set(self._names))
+            missing = [n for n in self._names if n not in coord]
+            if unknown or missing:
+                raise ValueError(f"coordinate {dict(coord)} must name exactly the dims "
+                                 f"{self._names}")
+            coord = tuple(coord[n] for n in self._names)
+        coord = tuple(int(c) for c in coord)
+        if len(coord) != self.ndim:
+            raise ValueError(f"coordinate {coord} has {len(coord)} entries; mesh "
+                             f"{self!r} has {self.ndim} dims")
+        for name, c, s in zip(self._names, coord, self._shape):
+            if not 0 <= c < s:
+                raise ValueError(f"coordinate {c} for dim {name!r} is outside [0, {s})")
+        return int(np.ravel_multi_index(coord, self._shape))
+
+    # -- groups ------------------------------------------------------------------
+
+    def group_array(self, dims: Dims) -> np.ndarray:
+        """All groups along ``dims`` as rows: ``moveaxis(mesh, dims, last).reshape(-1, k)``.
+
+        Rows come in row-major order of the remaining dims; ranks within a row are
+        row-major over ``dims`` (so the last named dim varies fastest).
+        """
+        idx = self.indices(dims)
+        k = len(idx)
+        moved = np.moveaxis(self._mesh, idx, tuple(range(-k, 0)))
+        return moved.reshape(-1, self.size(dims))
+
+    def groups(self, dims: Dims) -> List[List[int]]:
+        return self.group_array(dims).tolist()
+
+    def group_of(self, rank: int, dims: Dims) -> List[int]:
+        """The one group along ``dims`` that contains ``rank``."""
+        rows = self.group_array(dims)
+        hit = np.nonzero((rows == rank).any(axis=1))[0]
+        if len(hit) != 1:
+            raise ValueError(f"rank {rank} is outside mesh {self!r}")
+        return rows[hit[0]].tolist()
+
+    def sub_layout(self, dims: Dims) -> "MeshLayout":
+        idx = self.indices(dims)
+        return MeshLayout([self._shape[i] for i in idx], [self._names[i] for i in idx])
+
+
+# -- devices ----------------------------------------------------------------------
+
+# One fixed-size record per rank, so a single all_gather of equal-length bytes moves
+# every rank's device description: kind, host, name, index, memory bytes (-1 unknown).
+_DEVICE_RECORD = struct.Struct("<16s64s96sqq")
+
+
+class DeviceInfo:
+    __slots__ = ("kind", "index", "name", "host", "memory")
+
+    def __init__(self, kind: str, index: int, name: str, host: str,
+                 memory: Optional[int]):
+        self.kind, self.index, self.name = kind, index, name
+        self.host, self.memory = host, memory
+
+    def __repr__(self) -> str:
+        return (f"DeviceInfo(kind={self.kind!r}, index={self.index}, name={self.name!r},"
+                f" host={self.host!r}, memory={self.memory})")
+
+    def encode(self) -> np.ndarray:
+        raw = _DEVICE_RECORD.pack(self.kind.encode(), self.host.encode(),
+                                  self.name.encode(), self.index,
+                                  -1 if self.memory is None else self.memory)
+        return np.frombuffer(raw, dtype=np.uint8).copy()
+
+    @classmethod
+    def decode(cls, record: np.ndarray) -> "DeviceInfo":
+        kind, host, name, index, memory = _DEVICE_RECORD.unpack(
+            np.ascontiguousarray(record, dtype=np.uint8).tobytes())
+
+        def text(b: bytes) -> str:
+            # struct truncates long fields, possibly mid-character: drop the stub.
+            return b.rstrip(b"\0").decode("utf-8", errors="ignore")
+
+        return cls(text(kind), int(index), text(name), text(host),
+                   None if memory < 0 else int(memory))
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or socket.gethostname()
+
+
+def _total_ram() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _local_device(group) -> DeviceInfo:
+    host = socket.gethostname()
+    if group.backend_name == "cpu":
+        return DeviceInfo("cpu", 0, _cpu_name(), host, _total_ram())
+    # GPU backends: name and memory come from torch when it is installed; otherwise
+    # they are reported as unknown rather than guessed.
+    try:
+        import torch
+
+        index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return DeviceInfo("cuda", index, props.name, host, int(props.total_memory))
+    except Exception:
+        return DeviceInfo("cuda", -1, "unknown", host, None)
+
+
+# -- DeviceMesh ---------------------------------------------------------------------
+
+
+class _MeshState:
+    """What a mesh and all its views/flattenings share: one per init_device_mesh."""
+
+    def __init__(self, parent, layout: MeshLayout):
+        self.parent = parent
+        self.layout = layout                   # the root layout, positions 0..n-1
+        self.global_ranks = np.asarray(parent.ranks)  # mesh position -> global rank
+        self.group_count = 0                   # new_group calls, same on every rank
+        self.flattened: Dict[str, "DeviceMesh"] = {}
+        self.devices: List[DeviceInfo] = []
+
+    def create_groups(self, dims: Dims):
+        """Create every group along ``dims`` (collective); return the one we are in."""
+        from . import process_group
+
+        mine = None
+        for row in self.layout.group_array(dims):
+            g = process_group.new_group(self.global_ranks[row].tolist(), group=self.parent)
+            self.group_count += 1
+            if g.is_member:
+                mine = g
+        assert mine is not None, "every mesh rank is in exactly one group per dim"
+        return mine
+
+
+class DeviceMesh:
+    """A mesh of ranks with a process group per named dim.
+
+    Construction is collective over ``group`` (default: world): every rank creates
+    every group of every dim, dim by dim, in the same order, then gathers each
+    rank's device record once. Afterwards nothing but ``flatten`` communicates, so
+    ``describe()`` may be called on one rank alone.
+    """
+
+    def __init__(self, layout: MeshLayout, group=None):
+        from . import process_group
+
+        parent = process_group.get_world_group() if group is None else group
+        if not parent.is_member:
+            raise ValueError("cannot build a DeviceMesh over a group this rank is not in")
+        layout.check_world_size(parent.size)
+        state = _MeshState(parent, layout)
+        groups = {dim: state.create_groups(dim) for dim in layout.dim_names}
+        records = parent.all_gather(_local_device(parent).encode())
+        state.devices = [DeviceInfo.decode(r) for r in records]
+        self._init_view(state, layout, state.global_ranks.reshape(layout.shape), groups)
+
+    @classmethod
+    def _view(cls, state: _MeshState, layout: MeshLayout, ranks: np.ndarray,
+              groups: Dict[str, object]) -> "DeviceMesh":
+        mesh = cls.__new__(cls)
+        mesh._init_view(state, layout, ranks, groups)
+        return mesh
+
+    def _init_view(self, state, layout, ranks, groups) -> None:
+        self._state = state
+        self._layout = layout
+        self._ranks = ranks                  # global ranks, shaped like layout.shape
+        self._groups = groups
+        me = state.parent.global_rank(state.parent.rank)
+        self._coord = tuple(int(c) for c in np.argwhere(ranks == me)[0])
+
+    # -- shape and coordinates ---------------------------------------------------
+
+    @property
+    def layout(self) -> MeshLayout:
+        return self._layout
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return self._layout.shape
+
+    @property
+    def dim_names(self) -> Tuple[str, ...]:
+        return self._layout.dim_names
+
+    @property
+    def ndim(self) -> int:
+        return self._layout.ndim
+
+    @property
+    def ranks(self) -> np.ndarray:
+        """Global ranks of this mesh, shaped like ``shape`` (a copy)."""
+        return self._ranks.copy()
+
+    def size(self, dim: Optional[Dims] = None) -> int:
+        return self._layout.size(dim)
+
+    def get_coordinate(self) -> Tuple[int, ...]:
+        return self._coord
+
+    def get_local_rank(self, dim: str) -> int:
+        return self._coord[self._layout.index(dim)]
+
+    def get_group(self, dim: Optional[str] = None):
+        if dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"mesh {self._layout!r} has {self.ndim} dims; name one")
+            dim = self.dim_names[0]
+        if dim in self._groups:
+            return self._groups[dim]
+        if dim in self._state.flattened:
+            return self._state.flattened[dim].get_group()
+        raise ValueError(f"unknown dim {dim!r}; mesh dims are {self.dim_names}"
+                         f"{self._flat_hint()}")
+
+    def _flat_hint(self) -> str:
+        flat = tuple(self._state.flattened)
+        return f", flattened dims are {flat}" if flat else ""
+
+    # -- slicing and flattening ----------------------------------------------------
+
+    def __getitem__(self, dims: Dims) -> "DeviceMesh":
+        """Sub-mesh over ``dims`` through this rank; shares the parent's groups."""
+        names = (dims,) if isinstance(dims, str) else tuple(dims)
+        if len(names) == 1 and names[0] in self._state.flattened \
+                and names[0] not in self.dim_names:
+            return self._state.flattened[names[0]]
+        idx = self._layout.indices(names)
+        if names == self.dim_names:
+            return self
+        # Fix this rank's coordinate along the dims not kept.
+        sel = tuple(slice(None) if i in idx else c for i, c in enumerate(self._coord))
+        return DeviceMesh._view(self._state, self._layout.sub_layout(names),
+                                self._ranks[sel], {n: self._groups[n] for n in names})
+
+    def flatten(self, *dims: str) -> "DeviceMesh":
+        """Collective: a 1-D mesh named ``"a_b"`` over dims a, b (default: all dims).
+
+        Every rank must call it with the same dims in the same order, since it creates
+        one new group per row. Flattening the same dims again returns the cached mesh.
+        """
+        names = tuple(dims) or self.dim_names
+        self._layout.indices(names)  # validates names and their order
+        name = "_".join(names)
+        cached = self._state.flattened.get(name)
+        if cached is not None:
+            return cached
+        if len(names) == 1:
+            raise ValueError(f"flattening one dim {name!r} is just mesh[{name!r}]")
+        # The groups span the whole root mesh, not just this view: every rank takes
+        # part whichever slice it called from.
+        group = self._state.create_groups(names)
+        layout = MeshLayout([len(group.ranks)], [name])
+        flat = DeviceMesh._view(self._state, layout, np.asarray(group.ranks), {name: group})
+        self._state.flattened[name] = flat
+        return flat
+
+    # -- devices and reports ---------------------------------------------------------
+
+    def devices(self) -> List[DeviceInfo]:
+        """Device of every rank of this mesh, in row-major mesh order (no communication)."""
+        return [self._device(int(r)) for r in self._ranks.flat]
+
+    def _device(self, global_rank: int) -> DeviceInfo:
+        pos = int(np.nonzero(self._state.global_ranks == global_rank)[0][0])
+        return self._state.devices[pos]
+
+    def stats(self) -> Dict[str, object]:
+        """Totals over distinct physical devices: ranks sharing one host's CPU count once."""
+        devs = self.devices()
+        distinct = {(d.host, d.kind, d.index): d for d in devs}
+        known = [d.memory for d in distinct.values() if d.memory is not None]
+        by_kind: Dict[str, int] = {}
+        for d in distinct.values():
+            by_kind[d.kind] = by_kind.get(d.kind, 0) + 1
+        ranks_by_kind: Dict[str, int] = {}
+        for d in devs:
+            ranks_by_kind[d.kind] = ranks_by_kind.get(d.kind, 0) + 1
+        return {
+            "world_size": self.size(),
+            "shape": dict(zip(self.dim_names, self.shape)),
+            "hosts": len({d.host for d in devs}),
+            "devices_by_kind": by_kind,
+            "ranks_by_kind": ranks_by_kind,
+            "total_memory": sum(known) if known else None,
+            "memory_unknown": len(distinct) - len(known),
+            "group_count": self._state.group_count,
+        }
+
+    def describe(self) -> str:
+        st = self.stats()
+        mem = st["total_memory"]
+        lines = [f"DeviceMesh {self._layout!r}: {st['world_size']} ranks on "
+                 f"{st['hosts']} host(s), {st['group_count']} groups, memory "
+                 f"{_fmt_bytes(mem)}"]
+        header = ["rank", *self.dim_names, "host", "device", "memory"]
+        rows = []
+        for coord in np.ndindex(*self.shape):
+            r = int(self._ranks[coord])
+            d = self._device(r)
+            rows.append([str(r), *map(str, coord), d.host, f"{d.kind}:{d.index} {d.name}",
+                         _fmt_bytes(d.memory)])
+        widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+        for row in [header, *rows]:
+            lines.append("  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip())
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"DeviceMesh{self._layout!r}"
+
+
+def _fmt_bytes(n: Optional[int]) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def init_device_mesh(shape: Sequence[int], dim_names: Sequence[str], *,
+                     group=None) -> DeviceMesh:
+    """Collective over ``group`` (default world): build a mesh and all its groups."""
+    return DeviceMesh(MeshLayout(shape, dim_names), group=group)

@@ -1,0 +1,38 @@
+"""Pipeline parallelism: schedules as data, a simulator, and an executor.
+
+Importing this package loads only pure Python (schedule, simulate);
+the executor is imported lazily because it talks to a ProcessGroup.
+"""
+
+from .schedule import (
+    SCHEDULES,
+    Action,
+    DeadlockError,
+    Kind,
+    Schedule,
+    ScheduleError,
+    from_compute_orders,
+    gpipe,
+    interleaved_1f1b,
+    make_schedule,
+    one_f_one_b,
+    zero_bubble,
+)
+from .simulate import SimResult, simulate, timeline, validate
+
+__all__ = [
+    "SCHEDULES", "Action", "DeadlockError", "Kind", "Schedule", "ScheduleError",
+    "from_compute_orders", "gpipe", "interleaved_1f1b", "make_schedule", "one_f_one_b",
+    "zero_bubble", "SimResult", "simulate", "timeline", "validate",
+    "PipelineExecutor", "Stage", "SplitStage", "ArraySpec",
+]
+
+
+def __getattr__(name):
+    # PEP 562 lazy import: the executor pulls in numpy and, through the group
+    # it is given, the C++ extension; schedules and the simulator need neither.
+    if name in ("PipelineExecutor", "Stage", "SplitStage", "ArraySpec"):
+        from . import executor
+
+        return getattr(executor, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,255 @@
+"""Check a schedule and time it without running anything.
+
+`validate` checks the structure: every action on the rank that owns its stage,
+every (stage, microbatch) forwarded once and backwarded once (either one B, or
+one I and one W), a SEND and a RECV for every edge between ranks, producers
+before their sends, receives posted before their consumers, and each channel's
+RECVs in its send order (Note [Channel order] in schedule.py).
+
+`simulate` then plays the lists: a rank runs its next action as soon as what
+it needs exists, exactly as the executor does (sends never block, a RECV only
+posts a receive, a compute waits for its inputs). If no rank can move, the
+schedule deadlocks and the error names each rank's stuck action.
+
+Cost model. F costs t_f and B costs t_b. For split backwards the B is divided,
+not added to: I costs t_b - t_w and W costs t_w, so a zero-bubble schedule does
+the same total work as 1F1B and, with t_w = 0, has exactly 1F1B's timing. A
+message is usable t_comm after its SEND runs; stages on one rank hand over for
+free. Every stage costs the same (the "equal stage times" of the theory).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Sequence, Tuple
+
+from .schedule import Action, DeadlockError, Kind, Schedule, ScheduleError
+
+__all__ = ["SimResult", "simulate", "validate", "timeline", "ScheduleError", "DeadlockError"]
+
+Event = Tuple[float, float, Action]  # (start, end, action)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    makespan: float
+    # Idle time / makespan, per rank. Equal stage costs give the textbook
+    # (p-1)/(m+p-1) for GPipe and 1F1B on every rank.
+    bubble_fraction: Tuple[float, ...]
+    # Most stage inputs a rank holds at once: +1 at F, -1 at B (or at W, which
+    # is the last pass to read them).
+    peak_activations: Tuple[int, ...]
+    busy: Tuple[float, ...]
+    timeline: Tuple[Tuple[Event, ...], ...]
+
+    @property
+    def bubble(self) -> float:
+        """Mean bubble fraction over the ranks."""
+        return sum(self.bubble_fraction) / len(self.bubble_fraction)
+
+
+def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0,
+             t_comm: float = 0.0) -> SimResult:
+    for name, value in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w), ("t_comm", t_comm)):
+        if not value >= 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
+    if t_w > t_b:
+        raise ValueError(f"t_w ({t_w}) is the weight-gradient share of t_b ({t_b}), so t_w <= t_b")
+    cost = {Kind.F: t_f, Kind.B: t_b, Kind.I: t_b - t_w, Kind.W: t_w}
+    lines = timeline(schedule, lambda a: cost.get(a.kind, 0.0), t_comm)
+    makespan = max((end for events in lines for _, end, _ in events), default=0.0)
+    busy = tuple(sum(end - start for start, end, a in events if a.kind.is_compute) for events in lines)
+    bubble = tuple((makespan - b) / makespan if makespan > 0 else 0.0 for b in busy)
+    return SimResult(makespan, bubble, tuple(_peak(schedule, r) for r in range(schedule.num_ranks)),
+                     busy, tuple(tuple(e) for e in lines))
+
+
+def _peak(schedule: Schedule, rank: int) -> int:
+    held = peak = 0
+    for a in schedule.actions(rank):
+        if a.kind is Kind.F:
+            held += 1
+            peak = max(peak, held)
+        elif a.kind in (Kind.B, Kind.W):
+            held -= 1
+    return peak
+
+
+# --------------------------------------------------------------------------
+# Structure.
+
+
+def _backward_kinds(schedule: Schedule) -> Dict[Tuple[int, int], Kind]:
+    """(stage, microbatch) -> the kind (B or I) that produces its input gradient."""
+    out = {}
+    for acts in schedule.per_rank:
+        for a in acts:
+            if a.kind in (Kind.B, Kind.I):
+                out[(a.stage, a.microbatch)] = a.kind
+    return out
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError naming the first structural problem; return None if sound."""
+    p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
+    if len(schedule.per_rank) != p:
+        raise ScheduleError(f"schedule has {len(schedule.per_rank)} rank lists for {p} ranks")
+    cross = lambda a, b: (a % p) != (b % p)  # noqa: E731 - stages on different ranks
+    where: Dict[Tuple[Kind, int, int], Tuple[int, int]] = {}  # action -> (rank, position)
+    for r, acts in enumerate(schedule.per_rank):
+        for pos, a in enumerate(acts):
+            if not isinstance(a, Action) or not isinstance(a.kind, Kind):
+                raise ScheduleError(f"rank {r} position {pos}: not an Action: {a!r}")
+            if not (0 <= a.stage < S and 0 <= a.microbatch < m):
+                raise ScheduleError(f"rank {r}: action {a} is outside {S} stages x {m} microbatches")
+            if a.stage % p != r:
+                raise ScheduleError(f"rank {r}: action {a} belongs to rank {a.stage % p} "
+                                    f"(stage {a.stage} lives on rank stage % {p})")
+            key = (a.kind, a.stage, a.microbatch)
+            if key in where:
+                raise ScheduleError(f"duplicate action {a}: on rank {where[key][0]} position "
+                                    f"{where[key][1]} and rank {r} position {pos}")
+            where[key] = (r, pos)
+            bad_comm = ((a.kind is Kind.SEND_F and not (a.stage + 1 < S and cross(a.stage, a.stage + 1)))
+                        or (a.kind is Kind.RECV_F and not (a.stage > 0 and cross(a.stage, a.stage - 1)))
+                        or (a.kind is Kind.SEND_B and not (a.stage > 0 and cross(a.stage, a.stage - 1)))
+                        or (a.kind is Kind.RECV_B and not (a.stage + 1 < S and cross(a.stage, a.stage + 1))))
+            if bad_comm:
+                raise ScheduleError(f"rank {r}: {a.kind} {a} has no peer stage on another rank")
+
+    def need(kind: Kind, s: int, i: int, why: str = "") -> Tuple[int, int]:
+        if (kind, s, i) not in where:
+            raise ScheduleError(f"missing action {Action(s, kind, i)} on rank {s % p}{why}")
+        return where[(kind, s, i)]
+
+    def before(first: Tuple[int, int], second: Tuple[int, int], a: Action, b: Action) -> None:
+        if first[1] > second[1]:
+            raise ScheduleError(f"rank {first[0]}: {a} (position {first[1]}) must come before "
+                                f"{b} (position {second[1]})")
+
+    for s in range(S):
+        for i in range(m):
+            f = need(Kind.F, s, i)
+            has_b, has_i, has_w = ((k, s, i) in where for k in (Kind.B, Kind.I, Kind.W))
+            if has_b and (has_i or has_w):
+                raise ScheduleError(f"stage {s} microbatch {i} has both {Action(s, Kind.B, i)} and a "
+                                    f"split backward ({Action(s, Kind.I, i)}/{Action(s, Kind.W, i)})")
+            if has_i or has_w:
+                bwd_kind = Kind.I
+                bwd = need(Kind.I, s, i, f" ({Action(s, Kind.W, i)} is scheduled)")
+                w = need(Kind.W, s, i, f" ({Action(s, Kind.I, i)} is scheduled)")
+                before(bwd, w, Action(s, Kind.I, i), Action(s, Kind.W, i))
+            else:
+                bwd_kind = Kind.B
+                bwd = need(Kind.B, s, i, f" (or {Action(s, Kind.I, i)} and {Action(s, Kind.W, i)})")
+            before(f, bwd, Action(s, Kind.F, i), Action(s, bwd_kind, i))
+            if s + 1 < S and cross(s, s + 1):
+                send = need(Kind.SEND_F, s, i, f" (stage {s + 1} on rank {(s + 1) % p} needs it)")
+                before(f, send, Action(s, Kind.F, i), Action(s, Kind.SEND_F, i))
+                recv = need(Kind.RECV_F, s + 1, i)
+                before(recv, where[(Kind.F, s + 1, i)], Action(s + 1, Kind.RECV_F, i),
+                       Action(s + 1, Kind.F, i))
+            if s > 0 and cross(s, s - 1):
+                send = need(Kind.SEND_B, s, i, f" (stage {s - 1} on rank {(s - 1) % p} needs it)")
+                before(bwd, send, Action(s, bwd_kind, i), Action(s, Kind.SEND_B, i))
+            if s + 1 < S and cross(s, s + 1):
+                recv_b = need(Kind.RECV_B, s, i)
+                before(recv_b, bwd, Action(s, Kind.RECV_B, i), Action(s, bwd_kind, i))
+
+    # Note [Channel order]: per ordered rank pair, RECVs in the order of the SENDs.
+    sent: Dict[Tuple[int, int], List[Action]] = {}
+    posted: Dict[Tuple[int, int], List[Action]] = {}
+    for r, acts in enumerate(schedule.per_rank):
+        for a in acts:
+            if a.kind is Kind.SEND_F:
+                sent.setdefault((r, (a.stage + 1) % p), []).append(Action(a.stage + 1, Kind.RECV_F, a.microbatch))
+            elif a.kind is Kind.SEND_B:
+                sent.setdefault((r, (a.stage - 1) % p), []).append(Action(a.stage - 1, Kind.RECV_B, a.microbatch))
+            elif a.kind is Kind.RECV_F:
+                posted.setdefault(((a.stage - 1) % p, r), []).append(a)
+            elif a.kind is Kind.RECV_B:
+                posted.setdefault(((a.stage + 1) % p, r), []).append(a)
+    for (src, dst), msgs in sent.items():
+        got = posted.get((src, dst), [])
+        for k, (x, y) in enumerate(zip(msgs, got)):
+            if x != y:
+                raise ScheduleError(
+                    f"channel rank {src} -> rank {dst}: message {k} is sent as the input of {x} but "
+                    f"rank {dst} posts {y} in that slot; messages match in issue order")
+
+
+# --------------------------------------------------------------------------
+# Timing.
+
+
+def _describe(key: tuple) -> str:
+    what, a = key
+    if what == "done":
+        return str(a)
+    return f"the message for {a} ({'activation' if a.kind is Kind.RECV_F else 'gradient'})"
+
+
+def timeline(schedule: Schedule, duration: Callable[[Action], float],
+             t_comm: float = 0.0) -> List[List[Event]]:
+    """Validate, then play the schedule; per rank, (start, end, action) in list order."""
+    validate(schedule)
+    p, S = schedule.num_ranks, schedule.num_stages
+    bwd = _backward_kinds(schedule)
+
+    def deps(a: Action) -> Sequence[tuple]:
+        s, i = a.stage, a.microbatch
+        if a.kind is Kind.F:
+            if s == 0:
+                return ()
+            if (s - 1) % p == s % p:
+                return (("done", Action(s - 1, Kind.F, i)),)
+            return (("msg", Action(s, Kind.RECV_F, i)),)
+        if a.kind in (Kind.B, Kind.I):
+            own = ("done", Action(s, Kind.F, i))
+            if s + 1 == S:
+                return (own,)
+            if (s + 1) % p == s % p:
+                return (own, ("done", Action(s + 1, bwd[(s + 1, i)], i)))
+            return (own, ("msg", Action(s, Kind.RECV_B, i)))
+        if a.kind is Kind.W:
+            return (("done", Action(s, Kind.I, i)),)
+        if a.kind is Kind.SEND_F:
+            return (("done", Action(s, Kind.F, i)),)
+        if a.kind is Kind.SEND_B:
+            return (("done", Action(s, bwd[(s, i)], i)),)
+        return ()  # RECV_*: posting a receive never waits
+
+    lists = schedule.per_rank
+    dep_lists = [[deps(a) for a in acts] for acts in lists]
+    ready: Dict[tuple, float] = {}
+    idx = [0] * p
+    clock = [0.0] * p
+    events: List[List[Event]] = [[] for _ in range(p)]
+    remaining = sum(len(acts) for acts in lists)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            acts, dl = lists[r], dep_lists[r]
+            while idx[r] < len(acts):
+                a, need = acts[idx[r]], dl[idx[r]]
+                if any(d not in ready for d in need):
+                    break
+                start = max([clock[r]] + [ready[d] for d in need])
+                end = start + duration(a)
+                clock[r] = end
+                events[r].append((start, end, a))
+                if a.kind.is_compute:
+                    ready[("done", a)] = end
+                elif a.kind is Kind.SEND_F:
+                    ready[("msg", Action(a.stage + 1, Kind.RECV_F, a.microbatch))] = end + t_comm
+                elif a.kind is Kind.SEND_B:
+                    ready[("msg", Action(a.stage - 1, Kind.RECV_B, a.microbatch))] = end + t_comm
+                idx[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = [f"rank {r} at {lists[r][idx[r]]} waits for "
+                     + ", ".join(_describe(d) for d in dep_lists[r][idx[r]] if d not in ready)
+                     for r in range(p) if idx[r] < len(lists[r])]
+            raise DeadlockError(f"{schedule.name} deadlocks: " + "; ".join(stuck))
+    return events

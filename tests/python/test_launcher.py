@@ -1,0 +1,312 @@
+"""meshcoll-run with real processes.
+
+The rank scripts are written to tmp_path and use only the standard library
+(no meshcoll import), so these tests need no C++ build. Scripts record their
+pids in files so that we can check afterwards that nothing was left behind.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+LAUNCH = [sys.executable, "-m", "meshcoll.run"]
+GRACE_S = 5.0  # meshcoll.run.GRACE_S; not imported, to keep meshcoll out of this process
+
+
+def clean_env(**extra):
+    # Inherited MESHCOLL_* values would change what the launcher does.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHCOLL_")}
+    env.update(extra)
+    return env
+
+
+def launch(tmp_path, *args, env=None, timeout=30):
+    return subprocess.run(LAUNCH + [str(a) for a in args], cwd=tmp_path, env=env or clean_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def script(tmp_path, body, name="rank.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # An orphan may linger as a zombie until init reaps it; that is not running.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def assert_all_dead(pids, within=2.0):
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert [p for p in pids if alive(p)] == []
+
+
+def read_pids(tmp_path, pattern="pid-*"):
+    return [int(p.read_text()) for p in sorted(tmp_path.glob(pattern))]
+
+
+def by_rank(text):
+    """{rank: [lines]} from "[rank N] ..." lines."""
+    out = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"\[rank (\d+)\] (.*)", line)
+        assert m, f"line without rank prefix: {line!r}"
+        out.setdefault(int(m.group(1)), []).append(m.group(2))
+    return out
+
+
+# Writes this rank's pid, waits until all `n` ranks have, then acts by rank.
+SYNC = """
+import os, sys, time, pathlib
+d, n = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+rank = int(os.environ["MESHCOLL_RANK"])
+(d / f"pid-{rank}.tmp").write_text(str(os.getpid()))
+os.rename(d / f"pid-{rank}.tmp", d / f"pid-{rank}")   # atomic: readers never see ""
+while len(list(d.glob("pid-?"))) < n:
+    time.sleep(0.01)
+"""
+
+PRINT_ENV = """
+import json, os, sys
+keys = ["MESHCOLL_RANK", "MESHCOLL_WORLD_SIZE", "MESHCOLL_LOCAL_RANK",
+        "MESHCOLL_LOCAL_WORLD_SIZE", "MESHCOLL_MASTER_ADDR", "MESHCOLL_MASTER_PORT",
+        "MESHCOLL_TOKEN", "MESHCOLL_NODE_RANK", "MESHCOLL_TIMEOUT", "PYTHONUNBUFFERED"]
+print(json.dumps({"env": {k: os.environ.get(k) for k in keys}, "argv": sys.argv[1:]}))
+print("to stderr", file=sys.stderr, end="")   # no newline: the launcher adds one
+"""
+
+
+def run_print_env(tmp_path, *launcher_args, env=None):
+    path = script(tmp_path, PRINT_ENV)
+    r = launch(tmp_path, *launcher_args, path, "a", "-n", "5", "--x", env=env)
+    assert r.returncode == 0, r.stderr
+    out = {rank: json.loads(lines[0]) for rank, lines in by_rank(r.stdout).items()}
+    return out, by_rank(r.stderr)
+
+
+def test_env_prefixes_and_args(tmp_path):
+    out, err = run_print_env(tmp_path, "-n", 3)
+    assert sorted(out) == [0, 1, 2]
+    ports = {o["env"]["MESHCOLL_MASTER_PORT"] for o in out.values()}
+    tokens = {o["env"]["MESHCOLL_TOKEN"] for o in out.values()}
+    assert len(ports) == 1 and 1 <= int(ports.pop()) <= 65535
+    assert len(tokens) == 1 and re.fullmatch(r"[0-9a-f]{32}", tokens.pop())
+    for rank, o in out.items():
+        e = o["env"]
+        assert (e["MESHCOLL_RANK"], e["MESHCOLL_WORLD_SIZE"], e["MESHCOLL_LOCAL_RANK"],
+                e["MESHCOLL_LOCAL_WORLD_SIZE"], e["MESHCOLL_NODE_RANK"],
+                e["MESHCOLL_MASTER_ADDR"], e["MESHCOLL_TIMEOUT"], e["PYTHONUNBUFFERED"]) == \
+            (str(rank), "3", str(rank), "3", "0", "127.0.0.1", None, "1")
+        # Script arguments that look like launcher options reach the script untouched.
+        assert o["argv"] == ["a", "-n", "5", "--x"]
+    assert err == {0: ["to stderr"], 1: ["to stderr"], 2: ["to stderr"]}
+
+
+def test_fixed_port_timeout_and_token(tmp_path):
+    out, _ = run_print_env(tmp_path, "-n", 2, "--master-port", 29555, "--timeout", 12.5,
+                           env=clean_env(MESHCOLL_TOKEN="from-env"))
+    for o in out.values():
+        assert o["env"]["MESHCOLL_MASTER_PORT"] == "29555"
+        assert float(o["env"]["MESHCOLL_TIMEOUT"]) == 12.5
+        assert o["env"]["MESHCOLL_TOKEN"] == "from-env"
+
+
+def test_master_port_zero_picks_a_free_port(tmp_path):
+    out, _ = run_print_env(tmp_path, "-n", 2, "--master-port", 0)
+    ports = {o["env"]["MESHCOLL_MASTER_PORT"] for o in out.values()}
+    assert len(ports) == 1 and 1 <= int(ports.pop()) <= 65535
+
+
+def test_multi_node_rank_math(tmp_path):
+    out, _ = run_print_env(tmp_path, "-n", 2, "--nnodes", 2, "--node-rank", 1,
+                           "--master-addr", "node0", "--master-port", 29501, "--token", "tok")
+    assert sorted(out) == [2, 3]
+    for rank, o in out.items():
+        e = o["env"]
+        assert (e["MESHCOLL_WORLD_SIZE"], e["MESHCOLL_LOCAL_RANK"], e["MESHCOLL_NODE_RANK"],
+                e["MESHCOLL_MASTER_ADDR"], e["MESHCOLL_TOKEN"]) == \
+            ("4", str(rank - 2), "1", "node0", "tok")
+
+
+def test_module_mode(tmp_path):
+    script(tmp_path, "import sys; print('module', sys.argv[1:])", name="mymod.py")
+    r = launch(tmp_path, "-n", 2, "-m", "mymod", "x", "--y")
+    assert r.returncode == 0, r.stderr
+    assert by_rank(r.stdout) == {0: ["module ['x', '--y']"], 1: ["module ['x', '--y']"]}
+
+
+def test_no_prefix(tmp_path):
+    path = script(tmp_path, "print('plain')")
+    r = launch(tmp_path, "-n", 2, "--no-prefix", path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["plain", "plain"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nnodes", 2, "--master-port", 1234], "MESHCOLL_TOKEN"),
+    (["--nnodes", 2, "--token", "t"], "--master-port"),
+    (["--nnodes", 2, "--node-rank", 2, "--master-port", 1, "--token", "t"], "--node-rank"),
+    (["-n", 0], "--nproc-per-node"),
+    (["--timeout", 0], "--timeout"),
+    (["--master-port", 70000], "--master-port"),
+])
+def test_bad_options(tmp_path, args, message):
+    path = script(tmp_path, "print('must not run')")
+    r = launch(tmp_path, *args, path)
+    assert r.returncode == 2
+    assert message in r.stderr and "must not run" not in r.stdout
+
+
+def test_failing_rank_code_propagates_and_others_are_killed(tmp_path):
+    path = script(tmp_path, SYNC + """
+if rank == 1:
+    sys.exit(3)
+time.sleep(1000)
+""")
+    start = time.monotonic()
+    r = launch(tmp_path, "-n", 3, path, tmp_path, 3)
+    elapsed = time.monotonic() - start
+    pids = read_pids(tmp_path)
+    assert r.returncode == 3, r.stderr
+    assert f"meshcoll-run: rank 1 (pid {pids[1]}) failed with exit code 3; " \
+           f"stopped the other 2 ranks" in r.stderr
+    assert elapsed < GRACE_S  # SIGTERM did it, no need for the SIGKILL fallback
+    assert_all_dead(pids)
+
+
+def test_rank_killed_by_signal_gives_128_plus_signum(tmp_path):
+    path = script(tmp_path, SYNC + """
+import signal
+if rank == 0:
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(1000)
+""")
+    r = launch(tmp_path, "-n", 2, path, tmp_path, 2)
+    assert r.returncode == 128 + signal.SIGKILL, r.stderr
+    assert "rank 0 (pid" in r.stderr and "was killed by SIGKILL" in r.stderr
+    assert_all_dead(read_pids(tmp_path))
+
+
+def test_grandchildren_are_killed(tmp_path):
+    path = script(tmp_path, """
+import os, subprocess, sys, time, pathlib
+d = pathlib.Path(sys.argv[1])
+rank = int(os.environ["MESHCOLL_RANK"])
+if rank == 0:
+    g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1000)"])
+    (d / "gpid.tmp").write_text(str(g.pid))
+    os.rename(d / "gpid.tmp", d / "gpid")
+    time.sleep(1000)
+while not (d / "gpid").exists():
+    time.sleep(0.01)
+sys.exit(5)
+""")
+    r = launch(tmp_path, "-n", 2, path, tmp_path)
+    assert r.returncode == 5, r.stderr
+    assert_all_dead([int((tmp_path / "gpid").read_text())])
+
+
+def test_survivor_ignoring_sigterm_is_killed_after_grace(tmp_path):
+    path = script(tmp_path, """
+import signal
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+""" + SYNC + """
+if rank == 0:
+    sys.exit(1)
+time.sleep(1000)
+""")
+    start = time.monotonic()
+    r = launch(tmp_path, "-n", 2, path, tmp_path, 2)
+    elapsed = time.monotonic() - start
+    assert r.returncode == 1, r.stderr
+    assert GRACE_S - 0.5 < elapsed < GRACE_S + 10
+    assert_all_dead(read_pids(tmp_path))
+
+
+def test_all_succeed(tmp_path):
+    path = script(tmp_path, SYNC)
+    r = launch(tmp_path, "-n", 3, path, tmp_path, 3)
+    assert r.returncode == 0 and "meshcoll-run" not in r.stderr, r.stderr
+    assert_all_dead(read_pids(tmp_path))
+
+
+# Ranks report the signal they got in a file, then exit 0 on their own.
+ON_SIGNAL = """
+import signal
+def handler(signum, frame):
+    (d / f"got-{rank}").write_text(signal.Signals(signum).name)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, handler)
+signal.signal(signal.SIGINT, handler)
+""" + SYNC.replace("import os, sys, time, pathlib", "") + """
+time.sleep(1000)
+"""
+
+
+def start_launcher(tmp_path, body, n):
+    path = script(tmp_path, "import os, sys, time, pathlib\n"
+                            "d = pathlib.Path(sys.argv[1]); rank = int(os.environ['MESHCOLL_RANK'])\n"
+                            + body)
+    with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err:
+        proc = subprocess.Popen(LAUNCH + ["-n", str(n), str(path), str(tmp_path), str(n)],
+                                cwd=tmp_path, env=clean_env(), stdout=out, stderr=err)
+    deadline = time.monotonic() + 30
+    while len(list(tmp_path.glob("pid-?"))) < n:
+        assert proc.poll() is None, (tmp_path / "err").read_text()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.1)  # the ranks are past SYNC and sleeping
+    return proc
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_is_forwarded(tmp_path, signum):
+    proc = start_launcher(tmp_path, ON_SIGNAL, 3)
+    try:
+        proc.send_signal(signum)
+        rc = proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    assert rc == 128 + signum
+    assert [(tmp_path / f"got-{r}").read_text() for r in range(3)] == [signum.name] * 3
+    assert f"got {signum.name}" in (tmp_path / "err").read_text()
+    assert_all_dead(read_pids(tmp_path))
+
+
+def test_second_signal_kills_at_once(tmp_path):
+    body = ("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            + SYNC.replace("import os, sys, time, pathlib", "") + "time.sleep(1000)\n")
+    proc = start_launcher(tmp_path, body, 2)
+    try:
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=30)
+        elapsed = time.monotonic() - start
+    finally:
+        proc.kill()
+    assert rc == 128 + signal.SIGTERM
+    assert elapsed < GRACE_S
+    assert_all_dead(read_pids(tmp_path))

@@ -1,0 +1,315 @@
+"""The dtype x op reduction kernels (csrc/reduce/kernels.cc), checked bit for bit against numpy.
+
+Runs against whichever SIMD level the machine dispatches to; test_other_simd_levels reruns this
+file in a subprocess with MESHCOLL_SIMD capped lower, so baseline and AVX2 are covered on an
+AVX-512 machine too.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from meshcoll import _C
+
+pytestmark = pytest.mark.timeout(60)
+
+DTYPES = ["bool", "int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+FLOATS = ["float16", "bfloat16", "float32", "float64"]
+OPS = ["sum", "prod", "min", "max", "avg", "band", "bor", "bxor"]
+BITWISE = ["band", "bor", "bxor"]
+COUNTS = [0, 1, 7, 1031, 100003]  # odd on purpose: every vector tail length gets hit
+HALVES = ["float16", "bfloat16"]  # combined in float32 and rounded back at each call
+
+# numpy spellings; bool has its own logic table below.
+NP_OPS = {
+    "sum": np.add,
+    "avg": np.add,  # the avg kernel is the sum kernel; _divide_by finishes it
+    "prod": np.multiply,
+    "min": np.minimum,
+    "max": np.maximum,
+    "band": np.bitwise_and,
+    "bor": np.bitwise_or,
+    "bxor": np.bitwise_xor,
+}
+BOOL_OPS = {
+    "sum": np.logical_or,
+    "prod": np.logical_and,
+    "min": np.logical_and,
+    "max": np.logical_or,
+    "band": np.logical_and,
+    "bor": np.logical_or,
+    "bxor": np.logical_xor,
+}
+
+
+def np_dtype(name):
+    if name == "bfloat16":
+        return pytest.importorskip("ml_dtypes").bfloat16
+    return np.dtype(name)
+
+
+def supported(dtype, op):
+    if dtype in FLOATS and op in BITWISE:
+        return False
+    return not (dtype == "bool" and op == "avg")
+
+
+def random_array(dtype, count, seed):
+    """Nonzero random values (a zero-filled buffer passes too many wrong kernels)."""
+    rng = np.random.default_rng(seed)
+    if dtype == "bool":
+        return rng.integers(0, 2, count).astype(bool)
+    if dtype in FLOATS:
+        # Mixed signs and magnitudes; f16 products stay finite, f32 sums round.
+        x = rng.standard_normal(count) * np.exp2(rng.integers(-8, 8, count))
+        x[x == 0] = 1.0
+        return x.astype(np.float32).astype(np_dtype(dtype))
+    info = np.iinfo(dtype)
+    x = rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+    x[x == 0] = 1
+    return x
+
+
+def reference(a, b, dtype, op):
+    if dtype == "bool":
+        return BOOL_OPS[op](a, b)
+    # Overflow to Inf and Inf - Inf are expected here; integer arrays wrap, as the kernels do.
+    with np.errstate(over="ignore", invalid="ignore"):
+        if dtype in HALVES:
+            r = NP_OPS[op](a.astype(np.float32), b.astype(np.float32))
+            return r.astype(np_dtype(dtype))
+        return NP_OPS[op](a, b)
+
+
+def assert_same(got, want):
+    """Exact equality: same bits for every non-NaN element, NaN where numpy has NaN."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype.kind in "biu":
+        np.testing.assert_array_equal(got, want)
+        return
+    got_nan, want_nan = np.isnan(got.astype(np.float64)), np.isnan(want.astype(np.float64))
+    np.testing.assert_array_equal(got_nan, want_nan)
+    keep = ~want_nan
+    bits = np.dtype(f"u{got.dtype.itemsize}")
+    np.testing.assert_array_equal(got.view(bits)[keep], want.view(bits)[keep])
+
+
+def raw(x):
+    """numpy cannot export ml_dtypes.bfloat16 through the buffer protocol ("cannot include
+    dtype 'E' in a buffer"), so bf16 arrays cross as same-size uint16 views."""
+    return x.view(np.uint16) if x.dtype == np_dtype("bfloat16") else x
+
+
+def reduce_into(dst, src, dtype, op):
+    _C._reduce_into(raw(dst), raw(src), dtype, op)
+    return dst
+
+
+@pytest.mark.parametrize("count", COUNTS)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_numpy(dtype, op, count):
+    if not supported(dtype, op):
+        pytest.skip("unsupported pair: covered by test_unsupported_pairs_raise")
+    a = random_array(dtype, count, seed=1)
+    b = random_array(dtype, count, seed=2)
+    want = reference(a, b, dtype, op)
+    got = reduce_into(a.copy(), b, dtype, op)
+    assert_same(got, want)
+    assert_same(b, random_array(dtype, count, seed=2))  # src untouched
+
+
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dst_may_alias_src(dtype, op):
+    a = random_array(dtype, 1031, seed=3)
+    want = reference(a, a, dtype, op)
+    assert_same(reduce_into(a, a, dtype, op), want)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("op", ["min", "max"])
+def test_min_max_propagate_nan(dtype, op):
+    count = 1031
+    a = random_array(dtype, count, seed=4)
+    b = random_array(dtype, count, seed=5)
+    a[::3] = np.nan  # NaN on the dst side, on the src side, and on both
+    b[::5] = np.nan
+    want = reference(a, b, dtype, op)
+    got = reduce_into(a.copy(), b, dtype, op)
+    assert np.isnan(got.astype(np.float64)[::3]).all() and np.isnan(got.astype(np.float64)[::5]).all()
+    assert_same(got, want)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("op", ["sum", "prod", "min", "max"])
+def test_special_values(dtype, op):
+    dt = np_dtype(dtype)
+    info = (np.finfo if dtype != "bfloat16" else pytest.importorskip("ml_dtypes").finfo)(dt)
+    specials = np.array(
+        [np.inf, -np.inf, np.nan, info.max, -info.max, info.tiny, -info.tiny,
+         info.smallest_subnormal, -info.smallest_subnormal, 1.0, -1.0, 0.5],
+        dtype=dt,
+    )
+    a = np.repeat(specials, len(specials))
+    b = np.tile(specials, len(specials))  # every pair of specials
+    want = reference(a, b, dtype, op)
+    assert_same(reduce_into(a.copy(), b, dtype, op), want)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_every_half_round_trips(dtype):
+    # x * 1 goes half -> f32 -> half for all 65536 bit patterns: exact, NaN stays NaN.
+    x = np.arange(1 << 16, dtype=np.uint16).view(np_dtype(dtype))
+    ones = np.ones_like(x)
+    assert_same(reduce_into(x.copy(), ones, dtype, "prod"), x)
+
+
+@pytest.mark.parametrize("dtype", HALVES)
+def test_rounding_of_every_half_sum(dtype):
+    # Each half plus a shuffled half: covers ties to even, overflow to Inf and subnormal results.
+    x = np.arange(1 << 16, dtype=np.uint16).view(np_dtype(dtype))
+    y = np.random.default_rng(6).permutation(x)
+    want = reference(x, y, dtype, "sum")
+    assert_same(reduce_into(x.copy(), y, dtype, "sum"), want)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int32", "int64"])
+def test_integer_wraparound(dtype):
+    info = np.iinfo(dtype)
+    a = np.array([info.max, info.min, info.max, info.min, -1 if info.min else 3], dtype=dtype)
+    b = np.array([1, -1 if info.min else 1, info.max, info.min, info.max], dtype=dtype)
+    for op in ["sum", "prod"]:
+        assert_same(reduce_into(a.copy(), b, dtype, op), reference(a, b, dtype, op))
+
+
+def test_bool_reads_any_nonzero_byte_as_true():
+    a = np.array([0, 2, 0, 255, 7], dtype=np.uint8)
+    b = np.array([0, 0, 3, 1, 9], dtype=np.uint8)
+    got = reduce_into(a.copy(), b, "bool", "bxor")
+    np.testing.assert_array_equal(got, [0, 1, 1, 0, 0])
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("op", BITWISE)
+def test_unsupported_pairs_raise(dtype, op):
+    a = random_array(dtype, 7, seed=7)
+    with pytest.raises(TypeError, match=f"reduction op '{op}' is not supported for dtype '{dtype}'"):
+        _C._reduce_into(raw(a), raw(a.copy()), dtype, op)
+
+
+def test_avg_on_bool_raises():
+    a = np.ones(7, dtype=bool)
+    with pytest.raises(TypeError, match="reduction op 'avg' is not supported for dtype 'bool'"):
+        _C._reduce_into(a, a.copy(), "bool", "avg")
+    with pytest.raises(TypeError, match="'avg' is not supported for dtype 'bool'"):
+        _C._divide_by(a, "bool", 2)
+
+
+def test_bad_arguments_raise_value_error():
+    a = np.ones(8, dtype=np.float32)
+    with pytest.raises(ValueError, match="unknown dtype 'float31'"):
+        _C._reduce_into(a, a.copy(), "float31", "sum")
+    with pytest.raises(ValueError, match="unknown reduction op 'mean'"):
+        _C._reduce_into(a, a.copy(), "float32", "mean")
+    with pytest.raises(ValueError, match="dst has 32 bytes but src has 28"):
+        _C._reduce_into(a, a[:7].copy(), "float32", "sum")
+    with pytest.raises(ValueError, match="not a whole number of float64 elements"):
+        _C._reduce_into(a[:7].copy(), a[:7].copy(), "float64", "sum")
+    ro = a.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="dst is read-only"):
+        _C._reduce_into(ro, a, "float32", "sum")
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        _C._reduce_into(np.ones(16, dtype=np.float32)[::2], a, "float32", "sum")
+    with pytest.raises(ValueError, match="overlap partially"):
+        _C._reduce_into(a[1:].view(), a[:-1].view(), "float32", "sum")
+    with pytest.raises(ValueError, match="size 0"):
+        _C._divide_by(a, "float32", 0)
+
+
+def test_accepts_any_contiguous_buffer():
+    dst = bytearray(np.arange(1, 9, dtype=np.int32).tobytes())
+    src = memoryview(np.full(8, 2, dtype=np.int32).tobytes())  # read-only src is fine
+    _C._reduce_into(dst, src, "int32", "prod")
+    np.testing.assert_array_equal(np.frombuffer(dst, dtype=np.int32), np.arange(1, 9) * 2)
+    m = np.arange(1, 13, dtype=np.float64).reshape(3, 4)
+    _C._reduce_into(m, m.copy(), "float64", "sum")
+    np.testing.assert_array_equal(m, np.arange(1, 13).reshape(3, 4) * 2)
+
+
+def truncating_div(a, n):
+    """C division (toward zero) on Python ints, so int64 extremes are exact."""
+    q = [abs(int(x)) // n * (1 if x >= 0 else -1) for x in a]
+    return np.array(q, dtype=a.dtype)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 300])
+@pytest.mark.parametrize("count", [0, 1, 7, 1031])
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != "bool"])
+def test_divide_by(dtype, count, n):
+    a = random_array(dtype, count, seed=8)
+    if dtype in HALVES:
+        want = (a.astype(np.float32) / np.float32(n)).astype(np_dtype(dtype))
+    elif dtype in FLOATS:
+        want = a / a.dtype.type(n)
+    else:
+        want = truncating_div(a, n)  # n = 300 on int8: must give 0, not x / (300 mod 256)
+    _C._divide_by(raw(a), dtype, n)
+    assert_same(a, want)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int32", "bfloat16"])
+def test_avg_is_sum_then_divide(dtype):
+    parts = [random_array(dtype, 1031, seed=s) for s in (10, 11, 12)]
+    if dtype == "int32":
+        parts = [p // 4 for p in parts]  # keep the sum from wrapping: avg of wrapped sums is moot
+    acc = parts[0].copy()
+    for p in parts[1:]:
+        _C._reduce_into(raw(acc), raw(p), dtype, "avg")
+    _C._divide_by(raw(acc), dtype, len(parts))
+    want = parts[0].copy()
+    for p in parts[1:]:
+        want = reference(want, p, dtype, "sum")
+    if dtype == "int32":
+        want = truncating_div(want, 3)
+    elif dtype in HALVES:
+        want = (want.astype(np.float32) / np.float32(3)).astype(np_dtype(dtype))
+    else:
+        want = want / np.float32(3)
+    assert_same(acc, want)
+
+
+def test_simd_level():
+    level = _C.simd_level()
+    assert level in ("baseline", "avx2", "avx512")
+    cap = os.environ.get("MESHCOLL_SIMD")
+    if cap:
+        order = ["baseline", "avx2", "avx512"]
+        assert order.index(level) <= order.index(cap)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif("MESHCOLL_SIMD" in os.environ, reason="already a capped rerun")
+@pytest.mark.parametrize("level", ["baseline", "avx2"])
+def test_other_simd_levels(level):
+    """Reruns this file with the kernels capped at `level`, so each compiled path is checked."""
+    env = dict(os.environ, MESHCOLL_SIMD=level)
+    probe = subprocess.run(
+        [sys.executable, "-c", "from meshcoll import _C; print(_C.simd_level())"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )
+    assert probe.returncode == 0, probe.stderr
+    if probe.stdout.strip() != level:
+        pytest.skip(f"this machine cannot run the {level} kernels (got {probe.stdout.strip()})")
+    # Make the child import the same meshcoll as this process.
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(_C.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root, env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+        env=env, capture_output=True, text=True, timeout=110,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
