@@ -235,8 +235,9 @@ void bind_comm(py::module_& m) {
              auto v = view_of(x, false, "send");
              auto d = desc(CollKind::kSendRecv, v.dtype, v.count);
              auto src = v.cbytes();
+             Millis t = timeout_arg(timeout);  // reads a Python object: before the release
              py::gil_scoped_release nogil;
-             return c.enqueue_p2p(true, peer, tag, d, timeout_arg(timeout),
+             return c.enqueue_p2p(true, peer, tag, d, t,
                                   [src, peer](Comm& cm, const transport::Envelope& env) {
                                     cm.wait(cm.transport().isend(peer, env, src));
                                   });
@@ -245,8 +246,9 @@ void bind_comm(py::module_& m) {
              auto v = view_of(x, true, "recv");
              auto d = desc(CollKind::kSendRecv, v.dtype, v.count);
              auto dst = v.mbytes();
+             Millis t = timeout_arg(timeout);  // reads a Python object: before the release
              py::gil_scoped_release nogil;
-             return c.enqueue_p2p(false, peer, tag, d, timeout_arg(timeout),
+             return c.enqueue_p2p(false, peer, tag, d, t,
                                   [dst, peer](Comm& cm, const transport::Envelope& env) {
                                     cm.wait(cm.transport().irecv(peer, env, dst));
                                   });

@@ -1,0 +1,96 @@
+"""A rank killed with SIGKILL mid-collective: every survivor raises PeerError or
+TimeoutError naming a rank, within its timeout plus 2 s, and never hangs."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import meshcoll
+
+pytestmark = pytest.mark.timeout(90)
+
+OP_TIMEOUT = 5.0
+
+
+def _die_during(pg, victim, op):
+    x = np.ones(1 << 16, np.float32)
+    for i in range(1000):
+        if pg.rank == victim and i == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            if op == "all_reduce":
+                pg.all_reduce(x, timeout=OP_TIMEOUT)
+            elif op == "broadcast":
+                pg.broadcast(x, src=0, timeout=OP_TIMEOUT)
+            elif op == "all_gather":
+                pg.all_gather(x[:1024], timeout=OP_TIMEOUT)
+            elif op == "sendrecv":
+                right, left = (pg.rank + 1) % pg.size, (pg.rank - 1) % pg.size
+                w = pg.isend(x, right, timeout=OP_TIMEOUT)
+                pg.recv(np.empty_like(x), left, timeout=OP_TIMEOUT)
+                w.wait()
+        except (meshcoll.PeerError, meshcoll.TimeoutError) as e:
+            return type(e).__name__, str(e), time.monotonic() - t0
+    return "no error", "", 0.0
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "broadcast", "all_gather", "sendrecv"])
+def test_sigkill_one_rank(run_ranks, op):
+    world, victim = 4, 2
+    res = run_ranks(world, _die_during, may_die=(victim,), victim=victim, op=op, timeout=60)
+    for rank, r in enumerate(res):
+        if rank == victim:
+            continue
+        kind, msg, elapsed = r
+        assert kind in ("PeerError", "TimeoutError"), (rank, r)
+        assert "rank" in msg, msg
+        assert elapsed < OP_TIMEOUT + 2, (rank, elapsed, msg)
+
+
+def _survivor_after_abort(pg):
+    """After a peer died, further collectives on the group fail at once with AbortedError."""
+    if pg.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    x = np.ones(8, np.float32)
+    with pytest.raises((meshcoll.PeerError, meshcoll.TimeoutError)):
+        pg.all_reduce(x, timeout=OP_TIMEOUT)
+    t0 = time.monotonic()
+    with pytest.raises(meshcoll.AbortedError, match="aborted"):
+        pg.all_reduce(x, timeout=OP_TIMEOUT)
+    return time.monotonic() - t0
+
+
+def test_group_is_aborted_after_a_failure(run_ranks):
+    res = run_ranks(3, _survivor_after_abort, may_die=(1,))
+    assert res[0] < 1.0 and res[2] < 1.0
+
+
+def _late_rank(pg):
+    return pg.rank
+
+
+def _never_arrives(rank, port, token):
+    os.environ["MESHCOLL_TOKEN"] = token
+    try:
+        meshcoll.init(rank=rank, world_size=3, master_addr="127.0.0.1", master_port=port, timeout=2)
+    except (meshcoll.TimeoutError, meshcoll.PeerError) as e:
+        return type(e).__name__ + ": " + str(e)
+    return "no error"
+
+
+def test_init_times_out_when_a_rank_never_arrives():
+    import multiprocessing as mp
+    from conftest import free_port
+    port = free_port()
+    with mp.get_context("spawn").Pool(2) as pool:
+        t0 = time.monotonic()
+        res = pool.starmap(_never_arrives, [(0, port, "t"), (1, port, "t")])
+        elapsed = time.monotonic() - t0
+    for r in res:
+        assert r.startswith("TimeoutError"), r
+        assert "rank 2" in r or "rank" in r
+    assert elapsed < 15
