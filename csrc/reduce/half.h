@@ -6,11 +6,11 @@
 // all 65536 halves on every SIMD level).
 //
 // Two forms:
-//  - portable scalar functions, written without branches so that GCC vectorises array loops
-//    that call them at -O3 on any target (see Note [Branch-free select]);
-//  - on x86-64, array functions using F16C. They carry their own target attribute, so only
-//    kernels compiled for an F16C-capable target may call them (kernels.cc picks them at run
-//    time). Nothing here needs -mf16c on the command line.
+//  - portable scalar functions, written without branches so that GCC vectorises loops that
+//    call them at -O3 on any target (see Note [Branch-free select]);
+//  - on x86-64, 8-lane F16C functions. They carry their own target attribute, so only kernels
+//    compiled for an F16C-capable target may call them (kernels.cc picks them at run time).
+//    Nothing here needs -mf16c on the command line.
 #pragma once
 
 #include <cstddef>
@@ -104,56 +104,22 @@ inline uint16_t float_to_bfloat16(float f) {
   return static_cast<uint16_t>(half_detail::select((u & 0x7fffffffu) > 0x7f800000u, nan, rounded));
 }
 
-// Array forms of the portable conversions. GCC vectorises each loop at -O3.
-inline void half_to_float(const uint16_t* in, float* out, size_t n) {
-  for (size_t i = 0; i < n; ++i) out[i] = half_to_float(in[i]);
-}
-inline void float_to_half(const float* in, uint16_t* out, size_t n) {
-  for (size_t i = 0; i < n; ++i) out[i] = float_to_half(in[i]);
-}
-inline void bfloat16_to_float(const uint16_t* in, float* out, size_t n) {
-  for (size_t i = 0; i < n; ++i) out[i] = bfloat16_to_float(in[i]);
-}
-inline void float_to_bfloat16(const float* in, uint16_t* out, size_t n) {
-  for (size_t i = 0; i < n; ++i) out[i] = float_to_bfloat16(in[i]);
-}
-
 #if defined(__x86_64__)
-// F16C array conversions, 8 lanes at a time. GCC (12) does not vectorise scalar _Float16 or
-// _cvtsh_ss conversions, so these use the 256-bit intrinsics directly; they are about ten
-// times faster than the vectorised bit twiddling above. Call only from code compiled for an
-// F16C target after checking the CPU (kernels.cc does both).
-__attribute__((target("avx2,f16c"))) inline void half_to_float_f16c(const uint16_t* in,
-                                                                     float* out, size_t n) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
-  }
-  if (i < n) {  // tail of 1..7: go through a zero-padded lane buffer
-    alignas(16) uint16_t h[8] = {};
-    alignas(32) float f[8];
-    std::memcpy(h, in + i, (n - i) * sizeof(uint16_t));
-    _mm256_store_ps(f, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(h))));
-    std::memcpy(out + i, f, (n - i) * sizeof(float));
-  }
+// F16C conversions of exactly 8 lanes. GCC (12) does not vectorise scalar _Float16 or
+// _cvtsh_ss conversions, and the vectorised bit twiddling above is several times slower than
+// one vcvtph2ps, so these use the 256-bit intrinsics directly. They carry their own target
+// attribute: call them only from code compiled for an F16C target after checking the CPU
+// (kernels.cc does both); there GCC inlines them and keeps the lanes in registers.
+__attribute__((target("avx2,f16c"))) inline void half8_to_float_f16c(const uint16_t* in,
+                                                                      float* out) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in));
+  _mm256_storeu_ps(out, _mm256_cvtph_ps(h));
 }
 
-__attribute__((target("avx2,f16c"))) inline void float_to_half_f16c(const float* in,
-                                                                     uint16_t* out, size_t n) {
-  size_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), h);
-  }
-  if (i < n) {
-    alignas(32) float f[8] = {};
-    alignas(16) uint16_t h[8];
-    std::memcpy(f, in + i, (n - i) * sizeof(float));
-    __m128i v = _mm256_cvtps_ph(_mm256_load_ps(f), _MM_FROUND_TO_NEAREST_INT);
-    _mm_store_si128(reinterpret_cast<__m128i*>(h), v);
-    std::memcpy(out + i, h, (n - i) * sizeof(uint16_t));
-  }
+__attribute__((target("avx2,f16c"))) inline void float8_to_half_f16c(const float* in,
+                                                                      uint16_t* out) {
+  __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in), _MM_FROUND_TO_NEAREST_INT);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), h);
 }
 #endif  // __x86_64__
 

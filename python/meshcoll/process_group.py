@@ -108,9 +108,24 @@ class ProcessGroup:
         self._children: List[object] = []
         self._next_child = 0
         self.config = CollectiveConfig(os.environ.get(_ALGO_ENV) or "auto")
-        prefixed = _C.PrefixStore(f"mc/{name}", store)
-        self._comm = _C.Comm(prefixed, rank, len(self._ranks), timeout, bind_host, token,
-                             _comm_id(name, token))
+        self._comm = self._make_comm(_C.PrefixStore(f"mc/{name}", store), rank, parent)
+
+    # ---- backend hooks: a backend subclass (meshcoll.nccl) overrides these ----------
+    def _make_comm(self, prefixed_store, rank: int, parent):
+        """The C++ communicator for this group; collective over the members."""
+        return _C.Comm(prefixed_store, rank, len(self._ranks), self._timeout, self._bind_host,
+                       self._token, _comm_id(self._name, self._token))
+
+    def _as_array(self, x, what: str, writable: bool = False):
+        return as_array(x, what, writable=writable)
+
+    def _empty(self, shape, like):
+        """A new output array of ``shape`` with ``like``'s dtype, where this backend works."""
+        return np.empty(shape, like.dtype)
+
+    def _child(self, ranks, rank, name, timeout):
+        return type(self)(self._store, ranks, rank, name, timeout=timeout or self._timeout,
+                          bind_host=self._bind_host, token=self._token, parent=self)
 
     # ---- identity -------------------------------------------------------------------
     @property
@@ -142,7 +157,7 @@ class ProcessGroup:
     def all_reduce(self, x, op: str = "sum", *, async_op: bool = False,
                    timeout: Optional[float] = None, algorithm: Optional[str] = None):
         """Reduce ``x`` across the group, in place; returns ``x`` (or a Work)."""
-        a = as_array(x, "all_reduce", writable=True)
+        a = self._as_array(x, "all_reduce", writable=True)
         cfg = self.config
         w = self._comm.all_reduce(a, a, op, algorithm or cfg.algorithm, timeout,
                                   cfg.max_segment_bytes, cfg.tree_threshold_bytes,
@@ -152,21 +167,21 @@ class ProcessGroup:
     def reduce(self, x, dst: int = 0, op: str = "sum", *, async_op: bool = False,
                timeout: Optional[float] = None):
         """Reduce ``x`` onto group rank ``dst``, in place there; other ranks' ``x`` is unchanged."""
-        a = as_array(x, "reduce", writable=True)
+        a = self._as_array(x, "reduce", writable=True)
         w = self._comm.reduce(a, a, dst, op, timeout)
         return _done(w, x, (a,), async_op, timeout)
 
     def broadcast(self, x, src: int = 0, *, async_op: bool = False, timeout: Optional[float] = None):
         """Copy ``x`` from group rank ``src`` into every rank's ``x``, in place."""
-        a = as_array(x, "broadcast", writable=True)
+        a = self._as_array(x, "broadcast", writable=True)
         w = self._comm.broadcast(a, src, timeout)
         return _done(w, x, (a,), async_op, timeout)
 
     def all_gather(self, x, out=None, *, async_op: bool = False, timeout: Optional[float] = None):
         """Every rank's ``x`` stacked along a new axis 0: shape ``(size, *x.shape)``."""
-        a = as_array(x, "all_gather")
-        out = np.empty((self.size,) + a.shape, a.dtype) if out is None else out
-        o = as_array(out, "all_gather out", writable=True)
+        a = self._as_array(x, "all_gather")
+        out = self._empty((self.size,) + a.shape, a) if out is None else out
+        o = self._as_array(out, "all_gather out", writable=True)
         if o.shape != (self.size,) + a.shape and o.size != self.size * a.size:
             raise ValueError(f"all_gather: out has shape {o.shape}, expected {(self.size,) + a.shape}")
         w = self._comm.all_gather(a, o, [a.size] * self.size, False, timeout)
@@ -175,7 +190,7 @@ class ProcessGroup:
     def all_gather_v(self, x, *, timeout: Optional[float] = None) -> Tuple[np.ndarray, List[int]]:
         """Concatenate each rank's ``x`` along axis 0, where ranks may hold different numbers
         of rows (same trailing shape). Returns ``(concatenation, rows per rank)``."""
-        a = as_array(x, "all_gather_v")
+        a = self._as_array(x, "all_gather_v")
         n = rows(a, "all_gather_v")
         row_elems = int(np.prod(a.shape[1:], dtype=np.int64))
         meta = self.all_gather(np.array([n, row_elems], np.int64), timeout=timeout)
@@ -184,7 +199,7 @@ class ProcessGroup:
             raise _C.MismatchError(
                 f"all_gather_v: ranks' arrays differ in their trailing shape (elements per row "
                 f"by rank: {[int(e) for e in meta[:, 1]]}); only axis 0 may differ")
-        out = np.empty((sum(counts),) + a.shape[1:], a.dtype)
+        out = self._empty((sum(counts),) + a.shape[1:], a)
         self._comm.all_gather(a, out, [c * row_elems for c in counts], True, timeout).wait()
         return out, counts
 
@@ -192,14 +207,14 @@ class ProcessGroup:
                        timeout: Optional[float] = None):
         """Reduce ``x`` across ranks and keep this rank's slice of axis 0 (which must divide
         evenly by the group size): shape ``(x.shape[0] // size, *x.shape[1:])``."""
-        a = as_array(x, "reduce_scatter")
+        a = self._as_array(x, "reduce_scatter")
         n = rows(a, "reduce_scatter")
         if n % self.size:
             raise ValueError(f"reduce_scatter: axis 0 has {n} rows, not divisible by the group "
                              f"size {self.size}; use reduce_scatter_v for uneven splits")
         shape = (n // self.size,) + a.shape[1:]
-        out = np.empty(shape, a.dtype) if out is None else out
-        o = as_array(out, "reduce_scatter out", writable=True)
+        out = self._empty(shape, a) if out is None else out
+        o = self._as_array(out, "reduce_scatter out", writable=True)
         if o.size != int(np.prod(shape)):
             raise ValueError(f"reduce_scatter: out has shape {o.shape}, expected {shape}")
         w = self._comm.reduce_scatter(a, o, [o.size] * self.size, op, False, timeout)
@@ -209,27 +224,27 @@ class ProcessGroup:
                          timeout: Optional[float] = None) -> np.ndarray:
         """Reduce ``x`` across ranks and keep rows ``[sum(counts[:rank]), +counts[rank])``.
         ``counts`` (rows per rank) must be the same on every rank."""
-        a = as_array(x, "reduce_scatter_v")
+        a = self._as_array(x, "reduce_scatter_v")
         n = rows(a, "reduce_scatter_v")
         counts = [int(c) for c in counts]
         if len(counts) != self.size or any(c < 0 for c in counts) or sum(counts) != n:
             raise ValueError(f"reduce_scatter_v: counts {counts} must have {self.size} "
                              f"non-negative entries summing to axis 0's length {n}")
         row_elems = int(np.prod(a.shape[1:], dtype=np.int64))
-        out = np.empty((counts[self.rank],) + a.shape[1:], a.dtype)
+        out = self._empty((counts[self.rank],) + a.shape[1:], a)
         self._comm.reduce_scatter(a, out, [c * row_elems for c in counts], op, True, timeout).wait()
         return out
 
     def all_to_all(self, x, out=None, *, async_op: bool = False, timeout: Optional[float] = None):
         """Block i of ``x``'s axis 0 goes to rank i; ``out``'s block j comes from rank j."""
-        a = as_array(x, "all_to_all")
+        a = self._as_array(x, "all_to_all")
         n = rows(a, "all_to_all")
         if n % self.size:
             raise ValueError(f"all_to_all: axis 0 has {n} rows, not divisible by the group size "
                              f"{self.size}; use all_to_all_v for uneven splits")
-        out = np.empty_like(a) if out is None else out
-        o = as_array(out, "all_to_all out", writable=True)
-        if o.size != a.size or np.shares_memory(a, o):
+        out = self._empty(a.shape, a) if out is None else out
+        o = self._as_array(out, "all_to_all out", writable=True)
+        if o.size != a.size or o is a:
             raise ValueError("all_to_all: out must be a separate array of x's size")
         blk = a.size // self.size
         w = self._comm.all_to_all(a, o, [blk] * self.size, [blk] * self.size, False, timeout)
@@ -239,7 +254,7 @@ class ProcessGroup:
                      timeout: Optional[float] = None) -> Tuple[np.ndarray, List[int]]:
         """Rows ``send_counts[i]`` of ``x`` (in order) go to rank i. Returns ``(received rows
         concatenated in rank order, rows received from each rank)``."""
-        a = as_array(x, "all_to_all_v")
+        a = self._as_array(x, "all_to_all_v")
         n = rows(a, "all_to_all_v")
         send_counts = [int(c) for c in send_counts]
         if len(send_counts) != self.size or any(c < 0 for c in send_counts) or sum(send_counts) != n:
@@ -248,15 +263,15 @@ class ProcessGroup:
         row_elems = int(np.prod(a.shape[1:], dtype=np.int64))
         recv_counts = self.all_to_all(np.array(send_counts, np.int64), timeout=timeout)
         recv_counts = [int(c) for c in recv_counts]
-        out = np.empty((sum(recv_counts),) + a.shape[1:], a.dtype)
+        out = self._empty((sum(recv_counts),) + a.shape[1:], a)
         self._comm.all_to_all(a, out, [c * row_elems for c in send_counts],
                               [c * row_elems for c in recv_counts], True, timeout).wait()
         return out, recv_counts
 
     def gather(self, x, dst: int = 0, *, timeout: Optional[float] = None) -> Optional[np.ndarray]:
         """On ``dst``: every rank's ``x`` stacked along a new axis 0; elsewhere None."""
-        a = as_array(x, "gather")
-        out = np.empty((self.size,) + a.shape, a.dtype) if self.rank == dst else np.empty(0, a.dtype)
+        a = self._as_array(x, "gather")
+        out = self._empty((self.size,) + a.shape, a) if self.rank == dst else self._empty(0, a)
         self._comm.gather(a, out, [a.size] * self.size, dst, timeout).wait()
         return out if self.rank == dst else None
 
@@ -266,13 +281,13 @@ class ProcessGroup:
         if self.rank == src or out is None:
             if x is None:
                 raise ValueError("scatter: pass out= (this rank's block) when x is None")
-            a = as_array(x, "scatter")
+            a = self._as_array(x, "scatter")
             if rows(a, "scatter") != self.size:
                 raise ValueError(f"scatter: x must have shape (group size={self.size}, ...), "
                                  f"got {a.shape}")
-            out = np.empty(a.shape[1:], a.dtype) if out is None else out
-        o = as_array(out, "scatter out", writable=True)
-        a = a if self.rank == src else np.empty(0, o.dtype)
+            out = self._empty(a.shape[1:], a) if out is None else out
+        o = self._as_array(out, "scatter out", writable=True)
+        a = a if self.rank == src else self._empty(0, o)
         self._comm.scatter(a, o, [o.size] * self.size, src, timeout).wait()
         return out
 
@@ -284,11 +299,11 @@ class ProcessGroup:
         return self.irecv(x, peer, tag, timeout=timeout).wait()
 
     def isend(self, x, peer: int, tag: int = 0, *, timeout: Optional[float] = None) -> Work:
-        a = as_array(x, "send")
+        a = self._as_array(x, "send")
         return Work(self._comm.send(a, peer, _tag(tag), timeout), None, (a,))
 
     def irecv(self, x, peer: int, tag: int = 0, *, timeout: Optional[float] = None) -> Work:
-        a = as_array(x, "recv", writable=True)
+        a = self._as_array(x, "recv", writable=True)
         return Work(self._comm.recv(a, peer, _tag(tag), timeout), x, (a,))
 
     def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None):
@@ -311,9 +326,7 @@ class ProcessGroup:
         if me not in ranks:
             child = NonMemberGroup(ranks, name)
         else:
-            child = ProcessGroup(self._store, ranks, ranks.index(me), name,
-                                 timeout=timeout or self._timeout, bind_host=self._bind_host,
-                                 token=self._token, parent=self)
+            child = self._child(ranks, ranks.index(me), name, timeout)
         self._children.append(child)
         return child
 
@@ -331,9 +344,7 @@ class ProcessGroup:
             members = sorted((int(k), int(g)) for cc, k, g in table if cc == c)
             ranks = [g for _, g in members]
             me = self._ranks[self.rank]
-            child = ProcessGroup(self._store, ranks, ranks.index(me), f"{name}.c{c}",
-                                 timeout=timeout or self._timeout, bind_host=self._bind_host,
-                                 token=self._token, parent=self)
+            child = self._child(ranks, ranks.index(me), f"{name}.c{c}", timeout)
         self._children.append(child)
         return child
 

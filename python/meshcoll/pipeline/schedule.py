@@ -339,12 +339,16 @@ def from_compute_orders(name: str, orders: Sequence[Sequence[Action]], num_micro
 
 
 def _add_comms(orders: Sequence[Sequence[Action]], p: int, num_stages: int) -> List[List[Action]]:
-    """Insert SENDs right after their producer and RECVs ahead of their consumer.
+    """Insert SENDs right after their producer and RECVs right before their consumer.
 
-    A RECV is posted one compute action before the compute that needs it, so a
-    receive is in flight while the previous compute runs (Megatron pairs the
-    send of one microbatch with the receive for the next the same way). RECVs
-    are emitted in each channel's send order (Note [Channel order]).
+    A RECV is posted no earlier than the compute that waits for it. Posting one
+    compute ahead would overlap the receive with that compute, but on a group
+    that carries out p2p ops one at a time in issue order (Note [Serial p2p]
+    in simulate.py) the early receive holds back the send the intervening
+    compute issues, and 1F1B's ranks then wait on each other for ever. RECVs
+    are emitted in each channel's send order (Note [Channel order]): a RECV
+    needed ahead of an earlier message on its channel brings that one's RECV
+    with it, which costs nothing, since that message arrives first anyway.
     """
     rank_of = lambda s: s % p  # noqa: E731
 
@@ -381,33 +385,20 @@ def _add_comms(orders: Sequence[Sequence[Action]], p: int, num_stages: int) -> L
     for dst, acts in enumerate(with_sends):
         posted: Dict[int, int] = {}  # peer -> how many of its messages are posted
         out: List[Action] = []
-        computes = [i for i, a in enumerate(acts) if a.kind.is_compute]
-
-        def post(peer: int, recv: Action) -> None:
-            stream = channel.get((peer, dst), [])
-            start = posted.get(peer, 0)
-            if recv in stream[:start]:
-                return
-            if recv not in stream[start:]:
-                # The sender never sends it; leave the RECV out so that the
-                # simulator reports the missing SEND by name.
-                out.append(recv)
-                return
-            end = stream.index(recv, start) + 1
-            out.extend(stream[start:end])
-            posted[peer] = end
-
-        nxt = 0
-        for i, a in enumerate(acts):
-            if a.kind.is_compute:
-                # Post what this compute needs (if not yet), then what the next one needs.
-                for peer, recv in needs(a):
-                    post(peer, recv)
-                nxt += 1
-                if nxt < len(computes):
-                    for peer, recv in needs(acts[computes[nxt]]):
-                        post(peer, recv)
+        for a in acts:
+            for peer, recv in needs(a) if a.kind.is_compute else ():
+                stream = channel.get((peer, dst), [])
+                start = posted.get(peer, 0)
+                if recv in stream[:start]:
+                    continue  # already posted ahead of an out-of-order need
+                if recv not in stream[start:]:
+                    # Nobody sends it; emit the RECV alone so that validate()
+                    # names the missing SEND.
+                    out.append(recv)
+                    continue
+                end = stream.index(recv, start) + 1
+                out.extend(stream[start:end])
+                posted[peer] = end
             out.append(a)
         result.append(out)
     return result
-

@@ -7,9 +7,10 @@ before their sends, receives posted before their consumers, and each channel's
 RECVs in its send order (Note [Channel order] in schedule.py).
 
 `simulate` then plays the lists: a rank runs its next action as soon as what
-it needs exists, exactly as the executor does (sends never block, a RECV only
-posts a receive, a compute waits for its inputs). If no rank can move, the
-schedule deadlocks and the error names each rank's stuck action.
+it needs exists, exactly as the executor does (sends never block the rank, a
+RECV only posts a receive, a compute waits for its inputs; Note [Serial p2p]
+says what a posted receive may hold back). If no rank can move, the schedule
+deadlocks and the error names each rank's stuck action.
 
 Cost model. F costs t_f and B costs t_b. For split backwards the B is divided,
 not added to: I costs t_b - t_w and W costs t_w, so a zero-bubble schedule does
@@ -49,14 +50,15 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0,
-             t_comm: float = 0.0) -> SimResult:
+             t_comm: float = 0.0, serial_p2p: bool = True) -> SimResult:
+    """Validate and time `schedule` (see the module docstring and Note [Serial p2p])."""
     for name, value in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w), ("t_comm", t_comm)):
         if not value >= 0:
             raise ValueError(f"{name} must be >= 0, got {value!r}")
     if t_w > t_b:
         raise ValueError(f"t_w ({t_w}) is the weight-gradient share of t_b ({t_b}), so t_w <= t_b")
     cost = {Kind.F: t_f, Kind.B: t_b, Kind.I: t_b - t_w, Kind.W: t_w}
-    lines = timeline(schedule, lambda a: cost.get(a.kind, 0.0), t_comm)
+    lines = timeline(schedule, lambda a: cost.get(a.kind, 0.0), t_comm, serial_p2p)
     makespan = max((end for events in lines for _, end, _ in events), default=0.0)
     busy = tuple(sum(end - start for start, end, a in events if a.kind.is_compute) for events in lines)
     bubble = tuple((makespan - b) / makespan if makespan > 0 else 0.0 for b in busy)
@@ -186,42 +188,82 @@ def _describe(key: tuple) -> str:
     what, a = key
     if what == "done":
         return str(a)
+    if what == "recv":
+        return f"the receive {a} to complete (this rank's p2p ops run in issue order)"
     return f"the message for {a} ({'activation' if a.kind is Kind.RECV_F else 'gradient'})"
 
 
-def timeline(schedule: Schedule, duration: Callable[[Action], float],
-             t_comm: float = 0.0) -> List[List[Event]]:
-    """Validate, then play the schedule; per rank, (start, end, action) in list order."""
+def timeline(schedule: Schedule, duration: Callable[[Action], float], t_comm: float = 0.0,
+             serial_p2p: bool = True) -> List[List[Event]]:
+    """Validate, then play the schedule; per rank, (start, end, action) in list order.
+
+    Note [Serial p2p]: with ``serial_p2p`` (the default) a rank's sends and
+    receives are carried out one at a time in the order it issues them, as
+    meshcoll's CPU backend does (one worker thread per group): a receive holds
+    back every send issued after it until its message has arrived. A schedule
+    that is sound this way is sound on any transport; one that posts a receive
+    too early (say, before a send its peer is waiting for) deadlocks here
+    exactly as it would on that backend. With ``serial_p2p=False`` receives
+    never hold anything back (a fully asynchronous transport).
+    """
     validate(schedule)
     p, S = schedule.num_ranks, schedule.num_stages
     bwd = _backward_kinds(schedule)
+    lists = schedule.per_rank
+    # A compute waits for its message to be received: with serial p2p that is
+    # the receive completing in turn ("recv"), otherwise just its arrival ("msg").
+    got = "recv" if serial_p2p else "msg"
 
-    def deps(a: Action) -> Sequence[tuple]:
+    def deps(a: Action, last_recv) -> Sequence[tuple]:
         s, i = a.stage, a.microbatch
         if a.kind is Kind.F:
             if s == 0:
                 return ()
             if (s - 1) % p == s % p:
                 return (("done", Action(s - 1, Kind.F, i)),)
-            return (("msg", Action(s, Kind.RECV_F, i)),)
+            return ((got, Action(s, Kind.RECV_F, i)),)
         if a.kind in (Kind.B, Kind.I):
             own = ("done", Action(s, Kind.F, i))
             if s + 1 == S:
                 return (own,)
             if (s + 1) % p == s % p:
                 return (own, ("done", Action(s + 1, bwd[(s + 1, i)], i)))
-            return (own, ("msg", Action(s, Kind.RECV_B, i)))
+            return (own, (got, Action(s, Kind.RECV_B, i)))
         if a.kind is Kind.W:
             return (("done", Action(s, Kind.I, i)),)
+        behind = (("recv", last_recv),) if serial_p2p and last_recv is not None else ()
         if a.kind is Kind.SEND_F:
-            return (("done", Action(s, Kind.F, i)),)
+            return (("done", Action(s, Kind.F, i)),) + behind
         if a.kind is Kind.SEND_B:
-            return (("done", Action(s, bwd[(s, i)], i)),)
+            return (("done", Action(s, bwd[(s, i)], i)),) + behind
         return ()  # RECV_*: posting a receive never waits
 
-    lists = schedule.per_rank
-    dep_lists = [[deps(a) for a in acts] for acts in lists]
+    dep_lists, recv_lists = [], []
+    for acts in lists:
+        last, dl, rl = None, [], []
+        for a in acts:
+            dl.append(deps(a, last))
+            if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                last = a
+                rl.append(a)
+        dep_lists.append(dl)
+        recv_lists.append(rl)
+
     ready: Dict[tuple, float] = {}
+    posted: Dict[Action, float] = {}
+    recv_next = [0] * p       # receives of each rank completed so far, in issue order
+    recv_clock = [0.0] * p    # when the last of them completed
+
+    def complete_receives(r: int) -> None:
+        rl = recv_lists[r]
+        while recv_next[r] < len(rl):
+            a = rl[recv_next[r]]
+            if a not in posted or ("msg", a) not in ready:
+                return
+            recv_clock[r] = max(posted[a], ready[("msg", a)], recv_clock[r])
+            ready[("recv", a)] = recv_clock[r]
+            recv_next[r] += 1
+
     idx = [0] * p
     clock = [0.0] * p
     events: List[List[Event]] = [[] for _ in range(p)]
@@ -231,6 +273,7 @@ def timeline(schedule: Schedule, duration: Callable[[Action], float],
         for r in range(p):
             acts, dl = lists[r], dep_lists[r]
             while idx[r] < len(acts):
+                complete_receives(r)
                 a, need = acts[idx[r]], dl[idx[r]]
                 if any(d not in ready for d in need):
                     break
@@ -244,6 +287,8 @@ def timeline(schedule: Schedule, duration: Callable[[Action], float],
                     ready[("msg", Action(a.stage + 1, Kind.RECV_F, a.microbatch))] = end + t_comm
                 elif a.kind is Kind.SEND_B:
                     ready[("msg", Action(a.stage - 1, Kind.RECV_B, a.microbatch))] = end + t_comm
+                else:
+                    posted[a] = end
                 idx[r] += 1
                 remaining -= 1
                 progressed = True
