@@ -69,6 +69,7 @@ std::shared_ptr<Work> Comm::push(Item item) {
     throw Aborted(str_cat("rank ", rank_, ": ", describe_op(item.env.op),
                           " was called on a destroyed group"));
   item.work = std::make_shared<Work>(str_cat("rank ", rank_, " ", describe_op(item.env.op)));
+  item.index = next_index_++;
   auto work = item.work;
   queue_.push_back(std::move(item));
   cv_.notify_all();
@@ -143,24 +144,34 @@ void Comm::worker_loop() {
 }
 
 namespace {
-// Same exception type, with the operation named in front.
-std::exception_ptr with_context(const std::string& ctx) {
+// An exception of the same type as `e`, with the message `msg`.
+std::exception_ptr same_type(std::exception_ptr e, const std::string& msg) {
   try {
-    throw;
-  } catch (const MismatchError& e) {
-    return std::make_exception_ptr(MismatchError(ctx + e.what()));
-  } catch (const TimeoutError& e) {
-    return std::make_exception_ptr(TimeoutError(ctx + e.what()));
-  } catch (const PeerError& e) {
-    return std::make_exception_ptr(PeerError(ctx + e.what()));
-  } catch (const Aborted& e) {
-    return std::make_exception_ptr(Aborted(ctx + e.what()));
-  } catch (const InvalidArgument& e) {
-    return std::make_exception_ptr(InvalidArgument(ctx + e.what()));
-  } catch (const TypeMismatch& e) {
-    return std::make_exception_ptr(TypeMismatch(ctx + e.what()));
-  } catch (const std::exception& e) {
-    return std::make_exception_ptr(Error(ctx + e.what()));
+    std::rethrow_exception(e);
+  } catch (const MismatchError&) {
+    return std::make_exception_ptr(MismatchError(msg));
+  } catch (const TimeoutError&) {
+    return std::make_exception_ptr(TimeoutError(msg));
+  } catch (const PeerError&) {
+    return std::make_exception_ptr(PeerError(msg));
+  } catch (const Aborted&) {
+    return std::make_exception_ptr(Aborted(msg));
+  } catch (const InvalidArgument&) {
+    return std::make_exception_ptr(InvalidArgument(msg));
+  } catch (const TypeMismatch&) {
+    return std::make_exception_ptr(TypeMismatch(msg));
+  } catch (...) {
+    return std::make_exception_ptr(Error(msg));
+  }
+}
+
+std::string message_of(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown error";
   }
 }
 }  // namespace
@@ -169,24 +180,29 @@ void Comm::run_item(Item& item) {
   std::exception_ptr error;
   std::string ctx = str_cat(describe_op(item.env.op), " [seq ", item.env.seq, "] on rank ", rank_,
                             " of ", size_, ": ");
-  if (transport_->aborted()) {
-    error = std::make_exception_ptr(
-        Aborted(str_cat(ctx, "the group was aborted by an earlier error (", abort_reason_,
-                        "); destroy it and create a new one")));
+  if (first_error_) {
+    // Operations already queued when the group failed report the failure's own type (a
+    // caller waiting on one of them learns that a peer died, not merely "aborted"); ones
+    // issued afterwards get Aborted.
+    std::string msg = str_cat(ctx, "not run: the group failed earlier (", message_of(first_error_),
+                              "); destroy it and create a new one");
+    error = item.index < failed_before_ ? same_type(first_error_, msg)
+                                        : std::make_exception_ptr(Aborted(msg));
   } else {
     current_ = item.env;
     deadline_ = Deadline(item.timeout);
     try {
       item.run(*this);
+      transport_->poll_once();
     } catch (...) {
-      error = with_context(ctx);
-      try {
-        std::rethrow_exception(error);
-      } catch (const std::exception& e) {
-        abort_reason_ = e.what();
-        // Any failure mid-operation leaves peers waiting on us: abort so they fail fast.
-        transport_->abort(transport::AbortKind::kGeneric, e.what());
+      error = same_type(std::current_exception(), ctx + message_of(std::current_exception()));
+      first_error_ = error;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        failed_before_ = next_index_;
       }
+      // Any failure mid-operation leaves peers waiting on us: abort so they fail fast.
+      transport_->abort(transport::AbortKind::kGeneric, message_of(error));
     }
   }
   item.work->finish(error);

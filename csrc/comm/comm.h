@@ -89,6 +89,7 @@ class Comm {
     Millis timeout;
     std::function<void(Comm&)> run;
     std::shared_ptr<Work> work;
+    uint64_t index = 0;  // position in issue order
   };
   std::shared_ptr<Work> push(Item item);
   void worker_loop();
@@ -105,6 +106,8 @@ class Comm {
   std::deque<Item> queue_;
   bool stopping_ = false;
   uint64_t next_seq_ = 1;
+  uint64_t next_index_ = 0;
+  uint64_t failed_before_ = 0;  // items issued before the first failure
   std::vector<uint64_t> p2p_send_seq_, p2p_recv_seq_;
   std::thread worker_;
 
@@ -112,7 +115,7 @@ class Comm {
   transport::Envelope current_;
   Deadline deadline_;
   std::vector<uint8_t> scratch_[kScratchSlots];
-  std::string abort_reason_;
+  std::exception_ptr first_error_;
 };
 
 }  // namespace meshcoll::comm

@@ -9,7 +9,6 @@
 //   5. build_table<Isa>(): the only switch on dtype and op, filling function pointers.
 #include "reduce/kernels.h"
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -141,30 +140,32 @@ struct Repr<bool> {
   static Storage store(Compute x) { return static_cast<Storage>(x); }
 };
 
-// f16 and bf16 are widened to f32 a block at a time (Note [Half blocks]).
+// f16 and bf16 are widened to f32 kHalfLanes at a time (Note [Half lanes]).
+constexpr size_t kHalfLanes = 16;
+
 template <>
 struct Repr<Float16> {
   using Storage = uint16_t;
   static constexpr bool kWidened = true;
   template <class Isa>
-  MC_ALWAYS_INLINE static void widen(const Storage* in, float* out, size_t n) {
+  MC_ALWAYS_INLINE static void widen(const Storage* in, float* out) {
 #if defined(__x86_64__)
     if constexpr (Isa::kF16C) {
-      half_to_float_f16c(in, out, n);
+      for (size_t j = 0; j < kHalfLanes; j += 8) half8_to_float_f16c(in + j, out + j);
       return;
     }
 #endif
-    half_to_float(in, out, n);
+    for (size_t j = 0; j < kHalfLanes; ++j) out[j] = half_to_float(in[j]);
   }
   template <class Isa>
-  MC_ALWAYS_INLINE static void narrow(const float* in, Storage* out, size_t n) {
+  MC_ALWAYS_INLINE static void narrow(const float* in, Storage* out) {
 #if defined(__x86_64__)
     if constexpr (Isa::kF16C) {
-      float_to_half_f16c(in, out, n);
+      for (size_t j = 0; j < kHalfLanes; j += 8) float8_to_half_f16c(in + j, out + j);
       return;
     }
 #endif
-    float_to_half(in, out, n);
+    for (size_t j = 0; j < kHalfLanes; ++j) out[j] = float_to_half(in[j]);
   }
 };
 
@@ -173,24 +174,49 @@ struct Repr<BFloat16> {
   using Storage = uint16_t;
   static constexpr bool kWidened = true;
   template <class Isa>
-  MC_ALWAYS_INLINE static void widen(const Storage* in, float* out, size_t n) {
-    bfloat16_to_float(in, out, n);
+  MC_ALWAYS_INLINE static void widen(const Storage* in, float* out) {
+    for (size_t j = 0; j < kHalfLanes; ++j) out[j] = bfloat16_to_float(in[j]);
   }
   template <class Isa>
-  MC_ALWAYS_INLINE static void narrow(const float* in, Storage* out, size_t n) {
-    float_to_bfloat16(in, out, n);
+  MC_ALWAYS_INLINE static void narrow(const float* in, Storage* out) {
+    for (size_t j = 0; j < kHalfLanes; ++j) out[j] = float_to_bfloat16(in[j]);
   }
 };
 
 // ---- 3. Loops -------------------------------------------------------------------------------
 
-// Note [Half blocks]
-// f16/bf16 go through f32 scratch on the stack, kHalfBlock elements at a time: widen dst and
-// src, combine in f32, narrow back into dst. So each element is rounded once per call, as NCCL
-// does, and each of the three loops is simple enough to vectorise on its own. It also lets the
-// x86 paths use F16C for the widening while baseline uses the portable bit twiddling, without
-// a second copy of the loop. 512 floats x 2 = 4 KiB of stack stays in L1.
-constexpr size_t kHalfBlock = 512;
+// Note [Half lanes]
+// f16/bf16 are combined kHalfLanes at a time: widen that many dst and src elements to f32,
+// combine in f32, narrow back into dst. So each element is rounded once per call, as NCCL
+// does. The lane count is a compile-time constant, so GCC unrolls the three little loops,
+// keeps the f32 lanes in registers and emits one fused loop (with F16C: vcvtph2ps, op,
+// vcvtps2ph); with a run-time block length it went through stack scratch at a third of the
+// speed. The last count % kHalfLanes elements go through a zero-padded copy.
+template <class R, class Isa, class F>
+MC_ALWAYS_INLINE void half_lanes(typename R::Storage* d, const typename R::Storage* s, F f) {
+  float a[kHalfLanes];
+  float b[kHalfLanes];
+  R::template widen<Isa>(d, a);
+  R::template widen<Isa>(s, b);
+  for (size_t j = 0; j < kHalfLanes; ++j) a[j] = f(a[j], b[j]);
+  R::template narrow<Isa>(a, d);
+}
+
+template <class R, class Isa, class F>
+MC_ALWAYS_INLINE void half_loop(typename R::Storage* d, const typename R::Storage* s,
+                                size_t count, F f) {
+  using Storage = typename R::Storage;
+  size_t i = 0;
+  for (; i + kHalfLanes <= count; i += kHalfLanes) half_lanes<R, Isa>(d + i, s + i, f);
+  if (i < count) {
+    Storage td[kHalfLanes] = {};
+    Storage ts[kHalfLanes] = {};
+    std::memcpy(td, d + i, (count - i) * sizeof(Storage));
+    std::memcpy(ts, s + i, (count - i) * sizeof(Storage));
+    half_lanes<R, Isa>(td, ts, f);
+    std::memcpy(d + i, td, (count - i) * sizeof(Storage));
+  }
+}
 
 // dst[i] = Op(dst[i], src[i]). No __restrict: dst == src is allowed (kernels.h), and GCC
 // versions the loop with a cheap run-time overlap check instead.
@@ -200,21 +226,18 @@ MC_ALWAYS_INLINE void reduce_loop(void* dst, const void* src, size_t count) {
   auto* d = static_cast<typename R::Storage*>(dst);
   auto* s = static_cast<const typename R::Storage*>(src);
   if constexpr (R::kWidened) {
-    const Op<float> op;
-    float a[kHalfBlock];
-    float b[kHalfBlock];
-    for (size_t i = 0; i < count; i += kHalfBlock) {
-      const size_t m = std::min(kHalfBlock, count - i);
-      R::template widen<Isa>(d + i, a, m);
-      R::template widen<Isa>(s + i, b, m);
-      for (size_t j = 0; j < m; ++j) a[j] = op(a[j], b[j]);
-      R::template narrow<Isa>(a, d + i, m);
-    }
+    half_loop<R, Isa>(d, s, count, Op<float>{});
   } else {
     const Op<typename R::Compute> op;
     for (size_t i = 0; i < count; ++i) d[i] = R::store(op(R::load(d[i]), R::load(s[i])));
   }
 }
+
+// x / n, as a functor so the half path can share half_loop (the second operand is unused).
+struct DivideBy {
+  float n;
+  float operator()(float x, float) const { return x / n; }
+};
 
 // buf[i] /= n for avg. Floats divide in their compute type (f32 for f16/bf16). Integers
 // truncate toward zero (C++ division, as NCCL's ncclAvg); they divide in 64 bits so that an
@@ -224,14 +247,7 @@ MC_ALWAYS_INLINE void divide_loop(void* buf, size_t count, size_t n) {
   using R = Repr<T>;
   auto* p = static_cast<typename R::Storage*>(buf);
   if constexpr (R::kWidened) {
-    const float fn = static_cast<float>(n);
-    float a[kHalfBlock];
-    for (size_t i = 0; i < count; i += kHalfBlock) {
-      const size_t m = std::min(kHalfBlock, count - i);
-      R::template widen<Isa>(p + i, a, m);
-      for (size_t j = 0; j < m; ++j) a[j] = a[j] / fn;
-      R::template narrow<Isa>(a, p + i, m);
-    }
+    half_loop<R, Isa>(p, p, count, DivideBy{static_cast<float>(n)});
   } else if constexpr (std::is_floating_point_v<T>) {
     const T tn = static_cast<T>(n);
     for (size_t i = 0; i < count; ++i) p[i] = p[i] / tn;

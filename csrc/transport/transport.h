@@ -78,6 +78,9 @@ class Transport {
   // pending, MismatchError, PeerError or Aborted; after a throw the transport is aborted.
   virtual void wait_all(const std::vector<Request>& reqs, const Deadline& d) = 0;
   void wait(const Request& r, const Deadline& d) { wait_all({r}, d); }
+  // One non-blocking pass over every peer: reads what has arrived, so an ABORT frame or a
+  // dead peer is noticed even by a rank whose operation only sent (and so never waited).
+  virtual void poll_once() = 0;
   // Fail every pending request and tell every peer (best effort), then close.
   virtual void abort(AbortKind kind, const std::string& why) = 0;
   virtual bool aborted() const = 0;

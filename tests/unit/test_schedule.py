@@ -137,7 +137,8 @@ def test_every_schedule_passes_dependency_checks(name):
 
 
 def test_interleaved_needs_m_multiple_of_ranks():
-    with pytest.raises(ScheduleError, match=r"num_microbatches % num_ranks == 0.*num_microbatches=6, num_ranks=4"):
+    with pytest.raises(ScheduleError,
+                       match=r"num_microbatches % num_ranks == 0.*num_microbatches=6, num_ranks=4"):
         make_schedule("interleaved_1f1b", 8, 6, virtual_stages=2)
 
 
@@ -182,8 +183,34 @@ def test_action_names():
 
 def test_1f1b_lists_with_comms():
     s = make_schedule("1f1b", 2, 2)
-    assert [str(a) for a in s.actions(0)] == ["0F0", "0sF0", "0rB0", "0F1", "0sF1", "0rB1", "0B0", "0B1"]
-    assert [str(a) for a in s.actions(1)] == ["1rF0", "1F0", "1rF1", "1B0", "1sB0", "1F1", "1B1", "1sB1"]
+    assert [str(a) for a in s.actions(0)] == ["0F0", "0sF0", "0F1", "0sF1", "0rB0", "0B0", "0rB1", "0B1"]
+    assert [str(a) for a in s.actions(1)] == ["1rF0", "1F0", "1B0", "1sB0", "1rF1", "1F1", "1B1", "1sB1"]
+
+
+def test_early_receive_deadlocks_serial_p2p():
+    # Receives posted one compute ahead (to overlap them with that compute):
+    # fine on a fully asynchronous transport, a deadlock when each rank's p2p
+    # ops run in issue order (Note [Serial p2p]): 0sF1 queues behind 0rB0,
+    # whose gradient 1sB0 queues behind 1rF1, which needs 0sF1.
+    s = make_schedule("1f1b", 2, 2)
+    r0, r1 = s.actions(0), s.actions(1)
+    r0.remove(Action(0, Kind.RECV_B, 0))
+    r0.insert(r0.index(Action(0, F, 1)), Action(0, Kind.RECV_B, 0))
+    r1.remove(Action(1, Kind.RECV_F, 1))
+    r1.insert(r1.index(Action(1, B, 0)), Action(1, Kind.RECV_F, 1))
+    early = Schedule(s.name, 2, 1, 2, (tuple(r0), tuple(r1)))
+    assert simulate(early, serial_p2p=False).makespan == simulate(s).makespan
+    with pytest.raises(DeadlockError, match=r"rank 0 at 0sF1 waits for the receive 0rB0 to complete.*"
+                                            r"rank 1 at 1sB0 waits for the receive 1rF1 to complete"):
+        simulate(early)
+
+
+@pytest.mark.parametrize("name,stages,m,v", [("1f1b", 4, 8, 1), ("zero_bubble", 5, 3, 1),
+                                             ("interleaved_1f1b", 6, 6, 2), ("gpipe", 3, 4, 1)])
+def test_builtin_schedules_lose_nothing_to_serial_p2p(name, stages, m, v):
+    s = make_schedule(name, stages, m, virtual_stages=v)
+    kw = dict(t_f=1.0, t_b=2.0, t_w=0.5, t_comm=0.3)
+    assert simulate(s, **kw).timeline == simulate(s, serial_p2p=False, **kw).timeline
 
 
 def test_zero_bubble_defers_w_by_rank():
@@ -259,7 +286,8 @@ def test_missing_send_is_named():
 def test_duplicate_action_is_named():
     s = make_schedule("gpipe", 2, 2)
     s = _with(s, 0, list(s.actions(0)) + [Action(0, F, 1)])
-    with pytest.raises(ScheduleError, match=r"duplicate action 0F1: on rank 0 position \d+ and rank 0 position 8"):
+    with pytest.raises(ScheduleError,
+                       match=r"duplicate action 0F1: on rank 0 position \d+ and rank 0 position 8"):
         validate(s)
 
 
@@ -275,7 +303,8 @@ def test_consumer_before_its_receive_is_rejected():
     acts = s.actions(1)
     acts.remove(Action(1, Kind.RECV_F, 0))
     acts.insert(acts.index(Action(1, F, 0)) + 1, Action(1, Kind.RECV_F, 0))
-    with pytest.raises(ScheduleError, match=r"rank 1: 1rF0 \(position 1\) must come before 1F0 \(position 0\)"):
+    with pytest.raises(ScheduleError,
+                       match=r"rank 1: 1rF0 \(position 1\) must come before 1F0 \(position 0\)"):
         validate(_with(s, 1, acts))
 
 
@@ -284,7 +313,8 @@ def test_channel_order_is_checked():
     acts = s.actions(1)
     acts.remove(Action(1, Kind.RECV_F, 1))
     acts.insert(0, Action(1, Kind.RECV_F, 1))  # posted before 1rF0, though sent after it
-    with pytest.raises(ScheduleError, match=r"channel rank 0 -> rank 1: message 0 is sent as the input of 1rF0"):
+    with pytest.raises(ScheduleError,
+                       match=r"channel rank 0 -> rank 1: message 0 is sent as the input of 1rF0"):
         validate(_with(s, 1, acts))
 
 
@@ -305,6 +335,11 @@ def test_deadlock_is_reported_with_each_stuck_rank():
         simulate(from_compute_orders("crossed", orders, 2))
     msg = str(info.value)
     assert "crossed deadlocks" in msg
+    assert "rank 0 at 0B0 waits for the receive 0rB0 to complete" in msg
+    assert "rank 1 at 1F1 waits for the receive 1rF1 to complete" in msg
+    with pytest.raises(DeadlockError) as info:
+        simulate(from_compute_orders("crossed", orders, 2), serial_p2p=False)
+    msg = str(info.value)
     assert "rank 0 at 0B0 waits for the message for 0rB0 (gradient)" in msg
     assert "rank 1 at 1F1 waits for the message for 1rF1 (activation)" in msg
 

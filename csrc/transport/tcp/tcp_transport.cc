@@ -20,6 +20,13 @@ constexpr uint16_t kHandshakeVersion = 1;
 constexpr uint8_t kFrameData = 0;
 constexpr uint8_t kFrameAbort = 1;
 constexpr size_t kMaxAbortMessage = 64 * 1024;
+// Note [Unexpected-message cap]
+// Frames that arrive before their receive is posted are buffered. A sender that only sends
+// (a broadcast root, a p2p producer) could otherwise run arbitrarily far ahead and grow a
+// slow receiver's memory without bound. Past this many buffered bytes from one peer we stop
+// reading from it, unless a receive from it is posted (its data may be next in the stream),
+// so TCP's own flow control holds the sender back.
+constexpr size_t kMaxUnexpectedBytes = 16ull << 20;
 
 #pragma pack(push, 1)
 struct Handshake {
@@ -83,6 +90,7 @@ struct TcpTransport::Peer {
   // EOF seen: the peer finished (or died). Not an error until a request needs it, since a
   // rank may legitimately exit while others still finish their last step with third ranks.
   bool closed = false;
+  size_t unexpected_bytes = 0;  // Note [Unexpected-message cap]
 };
 
 static TcpOp& as_tcp(const Request& r) { return static_cast<TcpOp&>(*r); }
@@ -235,6 +243,7 @@ void TcpTransport::match_posted(int peer, const Request& r) {
     } else {
       continue;
     }
+    p.unexpected_bytes -= u.data.size();
     if (u.complete) {
       complete_from_unexpected(u, r);
       p.unexpected.erase(it);
@@ -382,6 +391,7 @@ void TcpTransport::on_header(int peer) {
       auto u = std::make_unique<Unexpected>();
       u->hdr = h;
       u->data.resize(h.nbytes);
+      p.unexpected_bytes += h.nbytes;
       p.runexp = u.get();
       p.rdst = u->data.data();
       p.unexpected.push_back(std::move(u));
@@ -417,9 +427,43 @@ void TcpTransport::on_payload_done(int peer) {
   }
 }
 
+bool TcpTransport::poll_and_progress(int timeout_ms) {
+  pfds_.clear();
+  pfd_peer_.clear();
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_ || peers_[j]->fd < 0 || peers_[j]->closed) continue;
+    const Peer& p = *peers_[j];
+    short ev = p.unexpected_bytes < kMaxUnexpectedBytes || !p.posted.empty() || p.in_payload
+                   ? POLLIN
+                   : 0;
+    if (!p.sendq.empty()) ev |= POLLOUT;
+    if (!ev) continue;
+    pfds_.push_back({peers_[j]->fd, ev, 0});
+    pfd_peer_.push_back(j);
+  }
+  int rc = ::poll(pfds_.data(), pfds_.size(), timeout_ms);
+  if (rc < 0) {
+    if (errno == EINTR) return true;
+    fail(AbortKind::kGeneric, str_cat("rank ", rank_, ": poll failed: ", errno_text(errno)));
+  }
+  if (rc == 0) return false;
+  try {
+    for (size_t i = 0; i < pfds_.size(); ++i) {
+      if (pfds_[i].revents & POLLOUT) progress_send(pfd_peer_[i]);
+      if (pfds_[i].revents & (POLLIN | POLLHUP | POLLERR)) progress_recv(pfd_peer_[i]);
+    }
+  } catch (const PeerError& e) {
+    fail(AbortKind::kPeer, e.what());
+  }
+  return true;
+}
+
+void TcpTransport::poll_once() {
+  if (failed_) rethrow();
+  poll_and_progress(0);
+}
+
 void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d) {
-  std::vector<pollfd> fds;
-  std::vector<int> fd_peer;
   for (;;) {
     if (failed_) rethrow();
     bool all = true;
@@ -438,21 +482,7 @@ void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d)
                                        " it was pending: rank ", op.peer,
                                        " exited, crashed or aborted"));
     }
-    fds.clear();
-    fd_peer.clear();
-    for (int j = 0; j < size_; ++j) {
-      if (j == rank_ || peers_[j]->fd < 0 || peers_[j]->closed) continue;
-      short ev = POLLIN;
-      if (!peers_[j]->sendq.empty()) ev |= POLLOUT;
-      fds.push_back({peers_[j]->fd, ev, 0});
-      fd_peer.push_back(j);
-    }
-    int rc = ::poll(fds.data(), fds.size(), d.poll_ms());
-    if (rc < 0) {
-      if (errno == EINTR) continue;
-      fail(AbortKind::kGeneric, str_cat("rank ", rank_, ": poll failed: ", errno_text(errno)));
-    }
-    if (rc == 0) {
+    if (!poll_and_progress(d.poll_ms())) {
       std::string waiting;
       for (const auto& r : reqs) {
         if (r->complete()) continue;
@@ -464,14 +494,6 @@ void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d)
            str_cat("rank ", rank_, " timed out after ", d.timeout().count(),
                    " ms waiting for: ", waiting,
                    "; that rank is slow, stuck in other code, or called a different collective"));
-    }
-    try {
-      for (size_t i = 0; i < fds.size(); ++i) {
-        if (fds[i].revents & POLLOUT) progress_send(fd_peer[i]);
-        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) progress_recv(fd_peer[i]);
-      }
-    } catch (const PeerError& e) {
-      fail(AbortKind::kPeer, e.what());
     }
   }
 }

@@ -2,6 +2,8 @@
 // thread waits (the communicator's worker). Frames: FrameHeader + payload.
 #pragma once
 
+#include <poll.h>
+
 #include <deque>
 #include <memory>
 #include <string>
@@ -47,6 +49,7 @@ class TcpTransport : public Transport {
   Request isend(int peer, const Envelope& env, ConstBytes src) override;
   Request irecv(int peer, const Envelope& env, MutBytes dst) override;
   void wait_all(const std::vector<Request>& reqs, const Deadline& d) override;
+  void poll_once() override;
   void abort(AbortKind kind, const std::string& why) override;
   bool aborted() const override { return failed_; }
 
@@ -54,6 +57,8 @@ class TcpTransport : public Transport {
   struct Peer;
   struct Unexpected;
   void connect_all(store::Store& store, const TcpOptions& opts, const Deadline& d);
+  // poll() every live peer for `timeout_ms` and progress what is ready; false on timeout.
+  bool poll_and_progress(int timeout_ms);
   void progress_send(int peer);
   void progress_recv(int peer);
   void on_header(int peer);
@@ -71,7 +76,8 @@ class TcpTransport : public Transport {
   bool failed_ = false;
   AbortKind fail_kind_ = AbortKind::kGeneric;
   std::string fail_msg_;
-  bool fail_reported_ = false;  // the first throw carries the original type
+  std::vector<struct pollfd> pfds_;  // reused by every poll
+  std::vector<int> pfd_peer_;
 };
 
 }  // namespace meshcoll::transport

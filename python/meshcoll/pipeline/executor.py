@@ -16,9 +16,12 @@ rank's action list (`schedule.actions(group.rank)`) and, per action:
 Note [Why sends are waited at the end]: a blocking send (or waiting on an
 isend right away) to a rank that is itself busy sending can stall on large
 arrays, and in a pipeline every rank sends both ways. Here nothing blocks but
-a compute waiting for its input, so the executor makes progress exactly when
-`simulate` says the schedule does. Finished sends are dropped as the step
-goes (when the Work can say so); the rest are waited when the step ends.
+a compute waiting for its input, and receives are posted only right before
+that compute (see Note [Serial p2p] in simulate.py for why not earlier), so
+the executor makes progress exactly when `simulate` says the schedule does;
+the constructor plays the schedule once to make sure. Finished sends are
+dropped as the step goes (when the Work can say so); the rest are waited when
+the step ends.
 
 Messages carry no header: every rank knows the shape and dtype of the array
 crossing each stage boundary from `specs`, one `ArraySpec` per boundary
@@ -43,7 +46,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Seque
 import numpy as np
 
 from .schedule import Action, Kind, Schedule
-from .simulate import validate
+from .simulate import timeline
 
 __all__ = ["ArraySpec", "Stage", "SplitStage", "PipelineExecutor"]
 
@@ -101,7 +104,9 @@ class PipelineExecutor:
     def __init__(self, schedule: Schedule, stage_fns: Mapping[int, Stage], group: Any,
                  specs: Union[ArraySpec, Sequence[ArraySpec], None] = None,
                  loss_fn: Optional[LossFn] = None, timeout: Optional[float] = None) -> None:
-        validate(schedule)
+        # Validate and play the schedule once (unit costs) so that a malformed or
+        # deadlocking custom schedule fails here, by name, instead of hanging.
+        timeline(schedule, lambda a: 1.0)
         if group.size != schedule.num_ranks:
             raise ValueError(f"{schedule.name} schedule has {schedule.num_ranks} ranks but the group "
                              f"has {group.size}")
@@ -115,7 +120,8 @@ class PipelineExecutor:
         self.stages = dict(stage_fns)
         if schedule.uses_split_backward:
             for s, fn in self.stages.items():
-                missing = [n for n in ("backward_input", "backward_weight") if not callable(getattr(fn, n, None))]
+                missing = [n for n in ("backward_input", "backward_weight")
+                           if not callable(getattr(fn, n, None))]
                 if missing:
                     raise TypeError(f"{schedule.name} splits the backward: stage {s} needs "
                                     f"{' and '.join(missing)}")
@@ -131,7 +137,8 @@ class PipelineExecutor:
         if self.schedule.num_ranks == 1:
             return []  # every hand-over is local; nothing crosses the wire
         if specs is None:
-            raise ValueError("specs (the ArraySpec of each stage boundary) is required with more than one rank")
+            raise ValueError("specs (the ArraySpec of each stage boundary) is required with "
+                             "more than one rank")
         if isinstance(specs, ArraySpec):
             return [specs] * n
         specs = list(specs)

@@ -130,14 +130,14 @@ class Schedule:
         if timed:
             # Imported here: simulate imports this module, and a schedule must
             # stay printable without anything else.
-            from .simulate import ScheduleError as _SE, timeline
+            from .simulate import timeline
 
             try:
                 lines = timeline(self, lambda a: 1.0 if a.kind.is_compute else 0.0, t_comm=0.0)
                 columns = [{int(round(start)): str(a) for start, _, a in events if a.kind.is_compute}
                            for events in lines]
                 header += "  (unit-time steps)"
-            except _SE as e:
+            except ScheduleError as e:
                 header += f"  (list order; does not simulate: {e})"
                 timed = False
         if not timed:
@@ -264,7 +264,9 @@ def zero_bubble(num_stages: int, num_microbatches: int, virtual_stages: int = 1)
     each I is followed by one pending W, which fills the wait for the next
     gradient, and the leftover Ws run last. Because an I is cheaper than a B,
     the backward wave climbs the pipeline faster, which is what shrinks the
-    bubble; with t_w = 0 the timing is exactly 1F1B's.
+    bubble: with m >= p the simulated makespan is the paper's
+    m(t_f + t_b) + (p-1)(t_f + t_I - t_w), t_I = t_b - t_w; with t_w = 0 the
+    timing is exactly 1F1B's.
     """
     p = _check_common(num_stages, num_microbatches, virtual_stages)
     _no_virtual("zero_bubble", virtual_stages)

@@ -164,9 +164,11 @@ def validate(schedule: Schedule) -> None:
     for r, acts in enumerate(schedule.per_rank):
         for a in acts:
             if a.kind is Kind.SEND_F:
-                sent.setdefault((r, (a.stage + 1) % p), []).append(Action(a.stage + 1, Kind.RECV_F, a.microbatch))
+                sent.setdefault((r, (a.stage + 1) % p), []).append(
+                    Action(a.stage + 1, Kind.RECV_F, a.microbatch))
             elif a.kind is Kind.SEND_B:
-                sent.setdefault((r, (a.stage - 1) % p), []).append(Action(a.stage - 1, Kind.RECV_B, a.microbatch))
+                sent.setdefault((r, (a.stage - 1) % p), []).append(
+                    Action(a.stage - 1, Kind.RECV_B, a.microbatch))
             elif a.kind is Kind.RECV_F:
                 posted.setdefault(((a.stage - 1) % p, r), []).append(a)
             elif a.kind is Kind.RECV_B:

@@ -1,0 +1,356 @@
+"""meshcoll against torch.distributed (Gloo) and mpi4py (Open MPI) on one host, in one run.
+
+    python bench/python/compare_cpu.py                      # 4 ranks, all_reduce, 1K..64M
+    python bench/python/compare_cpu.py -N 2 --ops all_reduce,all_gather --plot cpu.png
+
+A benchmark, not a test (CI does not run it). Each library runs as its own set of
+processes, one library after the other: ``meshcoll-bench`` for meshcoll, plain
+subprocesses with a TCP rendezvous for Gloo (``GLOO_SOCKET_IFNAME=lo``), ``mpirun`` for
+mpi4py. Each writes JSON lines; this parent merges them with a memcpy roofline (one
+thread, ``numpy.copyto`` of the same bytes) and prints one table per collective.
+
+Every library is timed the same way as ``meshcoll-bench``: per size, ``-w`` warm-up
+calls, then ``--repeats`` times a barrier and ``-n`` back-to-back calls, each rank timing
+its own loop; a repeat's time is the largest per-rank mean, the reported time the median
+over repeats. When several collectives are measured they take turns within each repeat.
+Sizes and busbw follow nccl-tests (see ``meshcoll.bench``): all_reduce in place,
+all_gather with ``size`` = the output bytes. The ratios are meshcoll's busbw over the
+other's (> 1: meshcoll is faster).
+
+Needs: ``pip install torch`` (CPU wheel is enough) and, for MPI, Debian's
+``libopenmpi-dev openmpi-bin`` then ``pip install mpi4py``. A missing library is skipped
+with a note. As root, mpirun needs ``--allow-run-as-root`` (added when running as root);
+``--oversubscribe`` lets it start more ranks than cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+from meshcoll.bench import BUS_FACTORS, element_counts, parse_size, plot_records, size_steps
+
+LIBS = ("meshcoll", "gloo", "mpi")
+OPS = ("all_reduce", "all_gather")
+_LAUNCH_PREFIXES = ("MESHCOLL_", "OMPI_", "PMI_", "PMIX_", "SLURM_")
+_LAUNCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT")
+
+
+# ---- the timing every worker shares ---------------------------------------------------
+
+def sweep(args) -> List[int]:
+    return size_steps(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor, 0)
+
+
+def run_worker(args, rank: int, world: int, library: str,
+               make: Callable[[str, int], Callable[[], None]],
+               barrier: Callable[[], None], allmax: Callable[[float], float]) -> None:
+    """meshcoll-bench's loop for another library; rank 0 writes the records to args.out."""
+    records = []
+    for nbytes in sweep(args):
+        cases = [(op, element_counts(op, nbytes, 4, world)) for op in args.ops]
+        runs = [make(op, count) for op, count in cases]
+        for run in runs:
+            for _ in range(args.warmup):
+                run()
+        times: List[List[float]] = [[] for _ in runs]
+        for _ in range(args.repeats):
+            for k, run in enumerate(runs):
+                barrier()
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    run()
+                times[k].append(allmax((time.perf_counter() - t0) / args.iters))
+        for (op, count), ts in zip(cases, times):
+            t = statistics.median(ts)
+            size = count * 4
+            algbw = size / t / 1e9
+            records.append({"library": library, "op": op, "size": size, "count": count,
+                            "type": "float", "redop": "sum" if op == "all_reduce" else "none",
+                            "time": t * 1e6, "algbw": algbw,
+                            "busbw": algbw * BUS_FACTORS[op](world),
+                            "times": [x * 1e6 for x in ts], "ranks": world,
+                            "iters": args.iters, "warmup": args.warmup,
+                            "repeats": args.repeats})
+        del runs
+    if rank == 0:
+        with open(args.out, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+
+
+def worker_gloo(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+                            rank=args.rank, world_size=args.world)
+    n = args.world
+
+    def make(op: str, count: int):
+        if op == "all_reduce":
+            x = torch.ones(count, dtype=torch.float32)
+            return lambda: dist.all_reduce(x)
+        x = torch.ones(count // n, dtype=torch.float32)
+        out = torch.empty(count, dtype=torch.float32)
+        return lambda: dist.all_gather_into_tensor(out, x)
+
+    def allmax(v: float) -> float:
+        t = torch.tensor([v], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    run_worker(args, args.rank, n, "gloo", make, dist.barrier, allmax)
+    dist.destroy_process_group()
+
+
+def worker_mpi(args) -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    n = comm.Get_size()
+
+    def make(op: str, count: int):
+        if op == "all_reduce":
+            x = np.ones(count, np.float32)
+            return lambda: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+        x = np.ones(count // n, np.float32)
+        out = np.empty(count, np.float32)
+        return lambda: comm.Allgather(x, out)
+
+    run_worker(args, comm.Get_rank(), n, "mpi", make, comm.Barrier,
+               lambda v: comm.allreduce(v, op=MPI.MAX))
+
+
+# ---- the parent: one library after the other ------------------------------------------
+
+def _clean_env(**extra) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(_LAUNCH_PREFIXES) and k not in _LAUNCH_NAMES}
+    env.update(extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _common(args) -> List[str]:
+    return ["-b", args.minbytes, "-e", args.maxbytes, "-f", str(args.stepfactor),
+            "-n", str(args.iters), "-w", str(args.warmup), "--repeats", str(args.repeats)]
+
+
+def _worker_args(args, out: str) -> List[str]:
+    return _common(args) + ["--ops", ",".join(args.ops), "--out", out]
+
+
+def available(lib: str) -> Optional[str]:
+    """None if ``lib`` can run here, else why not."""
+    if lib == "gloo" and importlib.util.find_spec("torch") is None:
+        return "torch is not installed (pip install torch)"
+    if lib == "mpi":
+        if importlib.util.find_spec("mpi4py") is None:
+            return "mpi4py is not installed (pip install mpi4py)"
+        if shutil.which("mpirun") is None:
+            return "mpirun is not on PATH (apt-get install openmpi-bin libopenmpi-dev)"
+    return None
+
+
+def run_lib(lib: str, args, tmp: str) -> List[dict]:
+    out = os.path.join(tmp, f"{lib}.jsonl")
+    me = os.path.abspath(__file__)
+    if lib == "meshcoll":
+        cmd = [sys.executable, "-m", "meshcoll.bench", "-N", str(args.nproc), "--op",
+               ",".join(args.ops), "-c", "1", "--json", out] + _common(args)
+        p = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True,
+                           timeout=args.stage_timeout)
+        procs = [p]
+    elif lib == "gloo":
+        port = _free_port()
+        env = _clean_env(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+        popen = [subprocess.Popen([sys.executable, me, "--worker", "gloo", "--rank", str(r),
+                                   "--world", str(args.nproc), "--port", str(port)]
+                                  + _worker_args(args, out),
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True) for r in range(args.nproc)]
+        procs = []
+        deadline = time.monotonic() + args.stage_timeout
+        try:
+            for q in popen:
+                stdout, _ = q.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                procs.append(subprocess.CompletedProcess(q.args, q.returncode, stdout, ""))
+        finally:
+            for q in popen:
+                if q.poll() is None:
+                    q.kill()
+                    q.wait()
+    else:
+        mpirun = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(args.nproc)]
+        if os.geteuid() == 0:
+            mpirun.insert(1, "--allow-run-as-root")
+        cmd = mpirun + [sys.executable, me, "--worker", "mpi"] + _worker_args(args, out)
+        procs = [subprocess.run(cmd, env=_clean_env(OMP_NUM_THREADS="1"), capture_output=True,
+                                text=True, timeout=args.stage_timeout)]
+    failed = [p for p in procs if p.returncode != 0]
+    if failed:
+        p = failed[0]
+        raise RuntimeError(f"{lib} exited with {p.returncode}:\n{p.stdout}\n{p.stderr}")
+    with open(out) as f:
+        recs = [json.loads(line) for line in f]
+    for r in recs:
+        r["library"] = lib
+        if lib == "meshcoll" and r.get("wrong"):
+            raise RuntimeError(f"meshcoll gave {r['wrong']} wrong elements at {r['size']} B")
+    return recs
+
+
+def memcpy_roofline(args) -> List[dict]:
+    """Bytes copied per second by one thread (numpy.copyto), per size."""
+    recs = []
+    for nbytes in sweep(args):
+        src = np.ones(nbytes // 4, np.float32)
+        dst = np.empty_like(src)
+        for _ in range(args.warmup):
+            np.copyto(dst, src)
+        ts = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            for _ in range(args.iters):
+                np.copyto(dst, src)
+            ts.append((time.perf_counter() - t0) / args.iters)
+        t = statistics.median(ts)
+        recs.append({"library": "memcpy", "op": "memcpy", "size": src.nbytes, "time": t * 1e6,
+                     "algbw": src.nbytes / t / 1e9, "busbw": src.nbytes / t / 1e9,
+                     "times": [x * 1e6 for x in ts]})
+    return recs
+
+
+def machine() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{os.cpu_count()} CPUs ({model}), {platform.system()} {platform.release()}"
+
+
+def _fmt(v: Optional[float], spec: str, width: int) -> str:
+    return f"{'-':>{width}}" if v is None else f"{v:{width}{spec}}"
+
+
+def print_table(op: str, records: List[dict], libs: List[str], args) -> None:
+    by = {(r["library"], r["size"]): r for r in records if r["op"] in (op, "memcpy")}
+    sizes = sorted({r["size"] for r in records if r["op"] == op})
+    print(f"# compare_cpu  {op}  float32{' sum' if op == 'all_reduce' else ''}  ranks={args.nproc}  iters={args.iters} "
+          f"warmup={args.warmup}  median of {args.repeats} repeats")
+    print("#" + f"{'size':>11}" + "".join(f"{l:>10}" for l in libs)
+          + "".join(f"{l:>10}" for l in libs) + f"{'memcpy':>10}"
+          + "".join(f"{'mc/' + l:>9}" for l in libs if l != "meshcoll"))
+    print("#" + f"{'(B)':>11}" + f"{'time (us)':>{10 * len(libs)}}"
+          + f"{'busbw (GB/s)':>{10 * len(libs)}}" + f"{'(GB/s)':>10}"
+          + f"{'busbw ratio':>{9 * (len(libs) - 1)}}")
+    for size in sizes:
+        rs = {l: by.get((l, size)) for l in libs}
+        mc = rs.get("meshcoll")
+        # memcpy of the bytes each rank holds: the output for all_gather, the buffer else
+        cp = by.get(("memcpy", size))
+        line = f"{size:12d}"
+        line += "".join(_fmt(rs[l] and rs[l]["time"], ".1f", 10) for l in libs)
+        line += "".join(_fmt(rs[l] and rs[l]["busbw"], ".3f", 10) for l in libs)
+        line += _fmt(cp and cp["busbw"], ".2f", 10)
+        for l in libs:
+            if l != "meshcoll":
+                ratio = mc["busbw"] / rs[l]["busbw"] if mc and rs[l] else None
+                line += _fmt(ratio, ".2f", 9)
+        print(line)
+    print()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("-N", "--nproc", type=int, default=4, help="ranks (default 4)")
+    p.add_argument("--ops", default="all_reduce",
+                   help="comma-separated: all_reduce, all_gather (default all_reduce)")
+    p.add_argument("--libs", default=",".join(LIBS), help="comma-separated: meshcoll,gloo,mpi")
+    p.add_argument("-b", "--minbytes", default="1K")
+    p.add_argument("-e", "--maxbytes", default="64M")
+    p.add_argument("-f", "--stepfactor", type=int, default=2)
+    p.add_argument("-n", "--iters", type=int, default=20)
+    p.add_argument("-w", "--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--stage-timeout", type=float, default=1800.0,
+                   help="seconds allowed for each library's run")
+    p.add_argument("--json", default=None, help="write every record (JSON lines) here")
+    p.add_argument("--plot", default=None, help="busbw against size, every library (PNG)")
+    # internal: a worker rank of one library
+    p.add_argument("--worker", choices=["gloo", "mpi"], help=argparse.SUPPRESS)
+    p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.ops = [o for o in a.ops.split(",") if o]
+    a.libs = [l for l in a.libs.split(",") if l]
+    if set(a.ops) - set(OPS) or set(a.libs) - set(LIBS):
+        p.error(f"--ops takes {', '.join(OPS)}; --libs takes {', '.join(LIBS)}")
+    return a
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker == "gloo":
+        worker_gloo(args)
+        return 0
+    if args.worker == "mpi":
+        worker_mpi(args)
+        return 0
+
+    print(f"# machine: {machine()}; shared with other work, so expect noise")
+    records: List[dict] = []
+    libs: List[str] = []
+    t_start = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        for lib in args.libs:
+            why = available(lib)
+            if why:
+                print(f"# skipping {lib}: {why}")
+                continue
+            t0 = time.monotonic()
+            records += run_lib(lib, args, tmp)
+            libs.append(lib)
+            print(f"# {lib}: {time.monotonic() - t0:.0f} s", flush=True)
+    records += memcpy_roofline(args)
+    print(f"# total {time.monotonic() - t_start:.0f} s\n")
+    for op in args.ops:
+        print_table(op, records, libs, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+    if args.plot:
+        for r in records:
+            r["series"] = r["library"] if r["op"] == "memcpy" else f"{r['library']} {r['op']}"
+        plot_records(records, args.plot, title=f"CPU collectives, {args.nproc} ranks, float32")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

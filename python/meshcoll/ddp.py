@@ -1,0 +1,449 @@
+"""DataParallel: average gradients over a group while backward is still running.
+
+    params = {"w1": w1, "b1": b1, "w2": w2, "b2": b2}      # name -> numpy array
+    ddp = meshcoll.DataParallel(params, bucket_cap_mb=1)   # broadcasts params from rank 0
+    for batch in shard:
+        ...backward, last layer first:
+        ddp.grad_ready("w2", gw2); ddp.grad_ready("b2", gb2)  # bucket full: all-reduce starts
+        ddp.grad_ready("w1", gw1); ddp.grad_ready("b1", gb1)
+        ddp.wait()                      # gw2, gb2, gw1, gb1 now hold the average over ranks
+        ...optimizer step...; ddp.step()
+
+Note [Buckets]
+Gradients are packed into flat buckets in reverse registration order (the order backward
+produces them), cut before a bucket would exceed ``bucket_cap_mb`` or change dtype. A bucket's
+all-reduce is queued the moment its last gradient arrives, and buckets are queued strictly in
+index order: every rank must issue the same collectives in the same order, and a rank whose
+backward produces gradients in another order must not reorder the all-reduces. The group's
+worker thread runs them while Python goes on computing the rest of backward.
+
+Note [Stats]
+Each queued all-reduce is handed to one completion thread per DataParallel, which waits on it
+and stamps the time it finished. Ops of one group complete in issue order, so a bucket's
+communication time is counted from max(its launch, the previous bucket's end) to its end: the
+time the worker spent on it, not its time queued behind our own previous bucket. The part of
+that before ``wait()`` was called is "overlapped". The end stamp is taken when the completion
+thread gets the GIL back, so pure-Python compute on the main thread can delay it a little.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+import weakref
+from typing import Callable, Dict, Iterator, List, Mapping, Optional
+
+import numpy as np
+
+from .arrays import as_array
+
+_MB = 1 << 20
+
+
+class LocalSGD:
+    """Synchronisation mode for ``DataParallel(mode=LocalSGD(period=k))``: gradients stay
+    local, every rank steps on its own, and every ``period``-th ``ddp.step()`` replaces the
+    parameters by their average over the group (so ranks drift for at most k steps)."""
+
+    def __init__(self, period: int):
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValueError(f"LocalSGD: period must be an integer >= 1, got {period!r}")
+        self.period = period
+
+    def __repr__(self) -> str:
+        return f"LocalSGD(period={self.period})"
+
+
+class _Flight:
+    """One queued all-reduce (or hook) of one bucket, as the completion thread sees it."""
+
+    __slots__ = ("work", "t_launch", "t_end", "error", "done", "blocking", "nbytes")
+
+    def __init__(self, work, t_launch: float, nbytes: int, blocking: bool = False):
+        self.work, self.t_launch, self.nbytes, self.blocking = work, t_launch, nbytes, blocking
+        self.t_end = t_launch
+        self.error: Optional[BaseException] = None
+        self.done = threading.Event()
+
+
+def _complete(q: "queue.SimpleQueue[Optional[_Flight]]") -> None:
+    # A module-level function holding only the queue, so the thread never keeps its
+    # DataParallel alive; a None from the finalizer ends it.
+    while True:
+        fl = q.get()
+        if fl is None:
+            return
+        try:
+            if fl.work is not None:
+                fl.work.wait()
+        except BaseException as e:  # handed to the main thread, which re-raises it
+            fl.error = e
+        fl.t_end = time.perf_counter()
+        fl.done.set()
+
+
+class _Bucket:
+    __slots__ = ("names", "buf", "half", "missing", "flight")
+
+    def __init__(self, names: List[str], buf: np.ndarray):
+        self.names, self.buf = names, buf
+        self.half: Optional[np.ndarray] = None  # bf16/fp16 copy sent instead of buf
+        self.missing = len(names)               # gradients still to come this step
+        self.flight: Optional[_Flight] = None
+
+
+def _host(x, what: str) -> np.ndarray:
+    # numpy arrays are used as they are (any strides: we copy in and out); other objects
+    # are viewed through the buffer protocol / DLPack, which also rejects device memory.
+    return x if isinstance(x, np.ndarray) else as_array(x, what)
+
+
+class DataParallel:
+    """Average gradients of ``params`` (dict name -> numpy array) over ``group``.
+
+    - ``bucket_cap_mb``: bucket size limit in MiB (see Note [Buckets]); small caps mean more,
+      earlier all-reduces.
+    - ``average``: divide the sum by the group size (else leave the sum).
+    - ``broadcast_from``: group rank whose parameters every rank copies at construction
+      (None: skip, the caller guarantees equal parameters).
+    - ``compression``: None; ``"bf16"`` / ``"fp16"`` (send a half-precision copy of each float
+      bucket and restore it; fp16 divides by the group size *before* the sum so it cannot
+      overflow); or a hook ``fn(group, bucket) -> Work or None`` that replaces the all-reduce
+      of one bucket. ``bucket`` is the flat array of this rank's gradients; the hook must leave
+      there the *sum* over the group once its Work's ``wait()`` returns (or when it returns
+      None, which counts as blocking communication, never overlapped). DataParallel divides by
+      the group size afterwards when ``average``, calls ``wait()`` exactly once, from its
+      completion thread, and counts ``bucket.nbytes`` as the bytes sent.
+    - ``mode``: ``"sync"`` (average gradients every step) or ``LocalSGD(period)``.
+    """
+
+    def __init__(self, params: Mapping[str, object], *, group=None, bucket_cap_mb: float = 25,
+                 average: bool = True, broadcast_from: Optional[int] = 0,
+                 compression=None, mode="sync"):
+        from .process_group import get_world_group
+        self._group = group if group is not None else get_world_group()
+        if not isinstance(params, Mapping) or not params:
+            raise ValueError("DataParallel: params must be a non-empty dict name -> array")
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"DataParallel: bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        if not (mode == "sync" or isinstance(mode, LocalSGD)):
+            raise ValueError(f"DataParallel: mode must be 'sync' or LocalSGD(period), got {mode!r}")
+        if isinstance(mode, LocalSGD) and compression is not None:
+            raise ValueError("DataParallel: compression applies to gradients, which LocalSGD "
+                             "mode never communicates (parameters are averaged in full precision)")
+        self._params = {str(n): _host(p, f"DataParallel: parameter {n!r}") for n, p in params.items()}
+        for n, p in self._params.items():
+            if not p.flags.writeable:
+                raise ValueError(f"DataParallel: parameter {n!r} is read-only; it is updated "
+                                 "in place by the broadcast and by LocalSGD averaging")
+            if p.dtype.kind != "f" and p.dtype.name != "bfloat16":
+                raise TypeError(f"DataParallel: parameter {n!r} has dtype {p.dtype}; "
+                                "gradients are averaged, so parameters must be floating point")
+        self._mode = mode
+        self._average = bool(average)
+        self._half = self._compression_dtype(compression)
+        self._hook: Optional[Callable] = compression if callable(compression) else None
+        self._build_buckets(float(bucket_cap_mb) * _MB)
+
+        self._given: Dict[str, np.ndarray] = {}   # this step's gradient arrays, for write-back
+        self._accumulated: set = set()             # names whose slot holds a no_sync sum
+        self._next_launch = 0                      # buckets launch in index order only
+        self._no_sync = False
+        self._steps = 0
+        self.reset_stats()
+        # The completion thread starts with the first all-reduce and ends with this object.
+        self._queue: "queue.SimpleQueue[Optional[_Flight]]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._finalizer = weakref.finalize(self, self._queue.put, None)
+
+        if broadcast_from is not None:
+            self._broadcast_parameters(int(broadcast_from))
+
+    # ---- construction ---------------------------------------------------------------
+    @staticmethod
+    def _compression_dtype(compression):
+        if compression is None or callable(compression):
+            return None
+        if compression == "fp16":
+            return np.dtype(np.float16)
+        if compression == "bf16":
+            try:
+                import ml_dtypes
+            except ImportError:
+                raise ImportError("DataParallel: compression='bf16' needs ml_dtypes "
+                                  "(pip install ml_dtypes, or meshcoll[bf16])") from None
+            return np.dtype(ml_dtypes.bfloat16)
+        raise ValueError(f"DataParallel: compression must be None, 'bf16', 'fp16' or a callable "
+                         f"hook(group, bucket) -> Work, got {compression!r}")
+
+    def _build_buckets(self, cap_bytes: float) -> None:
+        # Reverse registration order, cut before exceeding the cap or changing dtype; a
+        # parameter larger than the cap gets a bucket of its own (Note [Buckets]).
+        groups: List[List[str]] = []
+        size = 0.0
+        for n in reversed(list(self._params)):
+            p = self._params[n]
+            if groups and (size + p.nbytes > cap_bytes
+                           or self._params[groups[-1][0]].dtype != p.dtype):
+                groups.append([])
+                size = 0.0
+            if not groups:
+                groups.append([])
+            groups[-1].append(n)
+            size += p.nbytes
+        self._buckets: List[_Bucket] = []
+        self._slot: Dict[str, tuple] = {}  # name -> (bucket index, view of its slot)
+        for i, names in enumerate(groups):
+            dtype = self._params[names[0]].dtype
+            buf = np.empty(sum(self._params[n].size for n in names), dtype)
+            off = 0
+            for n in names:
+                p = self._params[n]
+                self._slot[n] = (i, buf[off:off + p.size].reshape(p.shape))
+                off += p.size
+            b = _Bucket(names, buf)
+            # Compress only buckets wider than the wire type (a bf16 bucket is sent as is).
+            if self._half is not None and dtype.itemsize > self._half.itemsize:
+                b.half = np.empty(buf.size, self._half)
+            self._buckets.append(b)
+
+    def _broadcast_parameters(self, src: int) -> None:
+        # Through the buckets: a few large broadcasts instead of one round trip per parameter.
+        works = []
+        for b in self._buckets:
+            if self._group.rank == src:
+                for n in b.names:
+                    self._slot[n][1][...] = self._params[n]
+            works.append(self._group.broadcast(b.buf, src, async_op=True))
+        for b, w in zip(self._buckets, works):
+            w.wait()
+            if self._group.rank != src:
+                for n in b.names:
+                    self._params[n][...] = self._slot[n][1]
+
+    # ---- gradients ------------------------------------------------------------------
+    def grad_ready(self, name: str, grad) -> None:
+        """Hand over the gradient of ``name``; starts its bucket's all-reduce once the bucket
+        is complete. ``grad`` receives the averaged value at ``wait()``. Under ``no_sync()``
+        it is added to this rank's running sum instead."""
+        if name not in self._slot:
+            known = ", ".join(list(self._slot)[:8]) + (", ..." if len(self._slot) > 8 else "")
+            raise KeyError(f"grad_ready: unknown parameter {name!r} (registered: {known})")
+        g = _host(grad, f"grad_ready({name!r})")
+        p = self._params[name]
+        if g.shape != p.shape or g.dtype != p.dtype:
+            raise ValueError(f"grad_ready({name!r}): gradient has shape {g.shape} and dtype "
+                             f"{g.dtype}; the parameter has shape {p.shape} and dtype {p.dtype}")
+        if isinstance(self._mode, LocalSGD):
+            return  # gradients stay local: only validated
+        if name in self._given:
+            raise ValueError(f"grad_ready({name!r}): this gradient was already given in this "
+                             "step; call wait() before handing over the next step's gradients")
+        idx, slot = self._slot[name]
+        if self._no_sync:
+            # Accumulate locally; no step bookkeeping, a name may come any number of times.
+            if name in self._accumulated:
+                slot += g
+            else:
+                slot[...] = g
+                self._accumulated.add(name)
+            return
+        if not g.flags.writeable:
+            raise ValueError(f"grad_ready({name!r}): the gradient is read-only, but wait() "
+                             "writes the averaged value into it")
+        if name in self._accumulated:
+            slot += g  # the sync step carries the no_sync sum plus this gradient
+            self._accumulated.discard(name)
+        else:
+            slot[...] = g
+        self._given[name] = g
+        self._buckets[idx].missing -= 1
+        try:
+            while (self._next_launch < len(self._buckets)
+                   and self._buckets[self._next_launch].missing == 0):
+                self._launch(self._buckets[self._next_launch])
+                self._next_launch += 1
+        except BaseException:
+            self._abort_step()
+            raise
+
+    def _abort_step(self) -> None:
+        # A launch failed (e.g. a hook raised): let the launched buckets finish, since their
+        # buffers are in use, and drop the step so the object stays usable.
+        for b in self._buckets:
+            if b.flight is not None:
+                b.flight.done.wait()
+            b.flight, b.missing = None, len(b.names)
+        self._given.clear()
+        self._next_launch = 0
+
+    def _launch(self, b: _Bucket, op: Optional[str] = None) -> None:
+        n = self._group.size
+        t0 = time.perf_counter()
+        if op is not None:  # LocalSGD parameter averaging: plain, uncompressed
+            fl = _Flight(self._group.all_reduce(b.buf, op=op, async_op=True), t0, b.buf.nbytes)
+        elif self._hook is not None:
+            work = self._hook(self._group, b.buf)
+            if work is None:  # the hook communicated synchronously: time it, never overlapped
+                fl = _Flight(None, t0, b.buf.nbytes, blocking=True)
+                fl.t_end = time.perf_counter()
+                fl.done.set()
+                b.flight = fl
+                return
+            if not callable(getattr(work, "wait", None)):
+                raise TypeError(f"DataParallel: the compression hook returned "
+                                f"{type(work).__name__}; it must return a Work (an object "
+                                "with wait()) or None once the bucket holds the sum")
+            fl = _Flight(work, t0, b.buf.nbytes)
+        elif b.half is not None:
+            if self._half == np.float16 and self._average:
+                np.divide(b.buf, n, out=b.half, casting="unsafe")  # fp16 overflows at 65504
+            else:
+                b.half[...] = b.buf
+            fl = _Flight(self._group.all_reduce(b.half, op="sum", async_op=True), t0,
+                         b.half.nbytes)
+        else:
+            fl = _Flight(self._group.all_reduce(b.buf, op="avg" if self._average else "sum",
+                                                async_op=True), t0, b.buf.nbytes)
+        b.flight = fl
+        if self._thread is None:
+            self._thread = threading.Thread(target=_complete, args=(self._queue,),
+                                            name="meshcoll-ddp-completion", daemon=True)
+            self._thread.start()
+        self._queue.put(fl)
+
+    def wait(self) -> None:
+        """Finish every bucket's all-reduce and write the averages into the gradient arrays
+        given to ``grad_ready``. Under ``no_sync()`` and in LocalSGD mode nothing is sent:
+        gradients stay this rank's own (LocalSGD's ``grad_ready`` only validates)."""
+        if self._no_sync or isinstance(self._mode, LocalSGD):
+            return
+        missing = [n for n in self._slot if n not in self._given]
+        if missing:
+            self._raise_missing(missing)
+        self._finish(time.perf_counter(), write_back=True)
+
+    def _raise_missing(self, missing: List[str]) -> None:
+        shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
+        raise RuntimeError(f"wait: no gradient was given for {shown}; call grad_ready for "
+                           "every parameter before wait() (the step stays open: give them "
+                           "and call wait() again)")
+
+    def _finish(self, t_wait: float, write_back: bool) -> None:
+        # Every bucket was launched (nothing is missing). Finish in launch order, writing
+        # bucket i back while bucket i+1 is still on the wire.
+        n = self._group.size
+        error: Optional[BaseException] = None
+        prev_end = 0.0
+        for b in self._buckets:
+            fl = b.flight
+            fl.done.wait()
+            b.flight, b.missing = None, len(b.names)
+            error = error or fl.error
+            start = max(fl.t_launch, prev_end)
+            prev_end = fl.t_end
+            self._stats["calls"] += 1
+            self._stats["bytes"] += fl.nbytes
+            self._stats["comm_seconds"] += fl.t_end - start
+            if not fl.blocking:
+                self._stats["overlapped_seconds"] += max(0.0, min(fl.t_end, t_wait) - start)
+            if error is not None:
+                continue  # still drain the other flights: their buffers are in use
+            if b.half is not None and self._hook is None and write_back:
+                b.buf[...] = b.half
+                if self._half != np.float16 and self._average:
+                    b.buf /= n
+            elif self._hook is not None and self._average and write_back:
+                b.buf /= n
+            for name in b.names:
+                dst = self._given[name] if write_back else self._params[name]
+                dst[...] = self._slot[name][1]
+        self._given.clear()
+        self._next_launch = 0
+        if error is not None:
+            raise error
+
+    def sync_gradients(self, grads: Mapping[str, object]) -> Mapping[str, object]:
+        """``grad_ready`` for every entry (in bucket order) then ``wait()``; returns ``grads``
+        with the averaged values written in."""
+        unknown = [n for n in grads if n not in self._slot]
+        if unknown:
+            raise KeyError(f"sync_gradients: unknown parameters {unknown}")
+        for b in self._buckets:
+            for n in b.names:
+                if n in grads:
+                    self.grad_ready(n, grads[n])
+        self.wait()
+        return grads
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation: inside, ``grad_ready`` adds to this rank's running sum and
+        nothing is sent. The next synchronised step sends (running sum + its own gradient),
+        so ``wait()`` yields the group average of each rank's summed gradients."""
+        if isinstance(self._mode, LocalSGD):
+            raise RuntimeError("no_sync: LocalSGD mode never communicates gradients; "
+                               "accumulate them yourself")
+        if self._given:
+            raise RuntimeError("no_sync: a synchronised step is in progress (gradients were "
+                               "given without wait()); finish it first")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    # ---- parameters -----------------------------------------------------------------
+    def step(self) -> None:
+        """Call after each optimizer step. In LocalSGD mode every ``period``-th call replaces
+        the parameters by their group average; in sync mode it only counts steps."""
+        if isinstance(self._mode, LocalSGD):
+            self._steps += 1
+            if self._steps % self._mode.period == 0:
+                self.average_parameters()
+
+    def average_parameters(self) -> None:
+        """Replace every parameter by its average over the group, through the buckets."""
+        if self._given:
+            raise RuntimeError("average_parameters: gradients of an unfinished step are "
+                               "in the buckets; call wait() first")
+        for b in self._buckets:  # copying bucket i+1 overlaps bucket i's all-reduce
+            for n in b.names:
+                self._slot[n][1][...] = self._params[n]
+            self._launch(b, op="avg")
+        self._finish(time.perf_counter(), write_back=False)
+
+    # ---- introspection --------------------------------------------------------------
+    @property
+    def group(self):
+        return self._group
+
+    @property
+    def bucket_names(self) -> List[List[str]]:
+        """Parameter names of each bucket, in launch order."""
+        return [list(b.names) for b in self._buckets]
+
+    def stats(self) -> Dict[str, float]:
+        """Measured communication of the gradient (or LocalSGD parameter) all-reduces since
+        construction or ``reset_stats()`` (see Note [Stats]): ``calls`` (bucket all-reduces),
+        ``bytes`` (payload handed to them on this rank), ``comm_seconds``,
+        ``overlapped_seconds`` (communication before ``wait()`` was called),
+        ``overlap_fraction`` and ``algbw_gbps`` (bytes / comm_seconds, in GB/s)."""
+        s = dict(self._stats)
+        t = s["comm_seconds"]
+        s["overlap_fraction"] = s["overlapped_seconds"] / t if t > 0 else 0.0
+        s["algbw_gbps"] = s["bytes"] / t / 1e9 if t > 0 else 0.0
+        return s
+
+    def reset_stats(self) -> None:
+        self._stats = {"calls": 0, "bytes": 0, "comm_seconds": 0.0, "overlapped_seconds": 0.0}
+
+    def close(self) -> None:
+        """Stop the completion thread (also done when the object is collected)."""
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        return (f"DataParallel({len(self._params)} parameters in {len(self._buckets)} buckets, "
+                f"group={self._group.name!r}, mode={self._mode!r})")

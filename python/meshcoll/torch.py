@@ -1,0 +1,117 @@
+"""PyTorch adapter: ``meshcoll.torch.DistributedDataParallel(module, **kw)``.
+
+    import meshcoll, meshcoll.torch
+    meshcoll.init()
+    model = meshcoll.torch.DistributedDataParallel(net, bucket_cap_mb=1)
+    loss_fn(model(x), y).backward()      # gradients are averaged by the end of backward
+    opt.step()
+
+meshcoll does not depend on torch: only importing this module imports it. Parameters and
+gradients are handed to ``meshcoll.DataParallel`` as numpy views of the tensors' own memory
+(``Tensor.numpy()``, zero-copy), so the construction broadcast writes the module's
+parameters and ``wait()`` writes the averages into ``p.grad`` directly. A post-accumulate-grad
+hook on every parameter feeds ``grad_ready`` the moment autograd has its final gradient, so
+bucket all-reduces start during backward; the hook of the last parameter finishes the sync.
+
+CPU tensors on the CPU backend only: this build has no NCCL backend for CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, Iterator
+
+import numpy as np
+import torch
+
+from .ddp import DataParallel, LocalSGD
+
+
+def _numpy_view(t: torch.Tensor, what: str) -> np.ndarray:
+    """A numpy array sharing ``t``'s memory."""
+    if t.device.type != "cpu":
+        raise TypeError(f"meshcoll.torch: {what} is on {t.device}; this build's CPU backend "
+                        "takes CPU tensors only (no NCCL backend for CUDA tensors)")
+    if not t.is_contiguous():
+        raise ValueError(f"meshcoll.torch: {what} is not contiguous; its numpy view would not "
+                         "be the tensor's whole memory")
+    t = t.detach()
+    if t.dtype == torch.bfloat16:  # numpy has no bf16: view the bits as ml_dtypes.bfloat16
+        import ml_dtypes
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wrap ``module``: averages the gradients of its parameters (those with
+    ``requires_grad``) over the group during backward. Keyword arguments go to
+    ``meshcoll.DataParallel`` (group, bucket_cap_mb, average, broadcast_from, compression,
+    mode). Every such parameter must get a gradient in each synchronised backward; if some
+    do not, call ``finish_gradient_sync()``, which names them.
+
+    With ``mode=LocalSGD(k)`` gradients stay local: call ``step()`` after each optimizer
+    step, and every k-th call averages the parameters."""
+
+    def __init__(self, module: torch.nn.Module, **kw):
+        super().__init__()
+        self.module = module
+        self._params: Dict[str, torch.nn.Parameter] = {
+            n: p for n, p in module.named_parameters() if p.requires_grad}
+        if not self._params:
+            raise ValueError("meshcoll.torch.DistributedDataParallel: the module has no "
+                             "parameter that requires grad")
+        self.ddp = DataParallel({n: _numpy_view(p.data, f"parameter {n!r}")
+                                 for n, p in self._params.items()}, **kw)
+        self._sync = True
+        self._arrived = 0
+        self._local = isinstance(kw.get("mode"), LocalSGD)
+        self._handles = [] if self._local else [
+            p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._params.items()]
+
+    def _hook(self, name: str):
+        def on_grad(p: torch.Tensor) -> None:
+            # Under no_sync() torch itself accumulates into p.grad; the next synchronised
+            # backward hands over that sum, so DataParallel must not accumulate again.
+            if not self._sync:
+                return
+            self.ddp.grad_ready(name, _numpy_view(p.grad, f"gradient of {name!r}"))
+            self._arrived += 1
+            if self._arrived == len(self._params):
+                self.finish_gradient_sync()
+        return on_grad
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_sync(self) -> None:
+        """Wait for the bucket all-reduces and write the averages into ``p.grad``. Called by
+        the last parameter's hook; call it yourself when some parameters got no gradient
+        (it raises, naming them)."""
+        self._arrived = 0
+        self.ddp.wait()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward inside accumulates into ``p.grad`` without communication; the next
+        backward outside averages the accumulated gradients."""
+        if self._local:
+            raise RuntimeError("no_sync: LocalSGD mode never communicates gradients")
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def step(self) -> None:
+        """Call after each optimizer step (LocalSGD averages parameters every k-th call)."""
+        self.ddp.step()
+
+    def stats(self):
+        return self.ddp.stats()
+
+    def close(self) -> None:
+        """Remove the hooks and stop the completion thread."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.ddp.close()

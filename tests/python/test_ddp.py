@@ -1,0 +1,256 @@
+"""DataParallel: N-rank training equals one-process full-batch training, no_sync accumulation,
+compression, hooks, LocalSGD, stats, and every error. Each test spawns one world and loops
+over its cases inside it (a spawn costs more than the training)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshcoll.examples.train_ddp import forward_backward, init_params, make_dataset, max_rel_diff
+
+pytestmark = pytest.mark.timeout(120)
+
+SIZES = (8, 16, 16, 4)       # w1 512 B, b1 64, w2 1 KiB, b2 64, w3 256, b3 16
+CAP_MB = 600 / 2**20         # 600 B: buckets [b3 w3 b2] [w2] [b1 w1] -> several all-reduces
+NBYTES = 4 * (8 * 16 + 16 + 16 * 16 + 16 + 16 * 4 + 4)
+BATCH, STEPS, LR = 24, 5, 0.2
+
+
+@pytest.fixture(autouse=True)
+def _one_blas_thread(monkeypatch):
+    # Spawned ranks inherit this: 2-4 ranks each running a multi-threaded spinning BLAS on
+    # 2 cores would make every step wait for the others' threads.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def _data():
+    return make_dataset(BATCH * STEPS * 3, dim=SIZES[0], classes=SIZES[-1], seed=1)
+
+
+def _global_batches(accum):
+    """Index arrays of each optimizer step: ``accum`` micro-batches of BATCH samples."""
+    return [np.arange(s * BATCH * accum, (s + 1) * BATCH * accum) for s in range(STEPS)]
+
+
+def _reference(accum):
+    """One process, the whole (accumulated) batch of every step."""
+    x, y = _data()
+    params = init_params(SIZES, seed=0)
+    for idx in _global_batches(accum):
+        grads = {}
+        forward_backward(params, x[idx], y[idx], 1.0 / len(idx), grads.__setitem__)
+        for n, p in params.items():
+            p -= np.float32(LR) * grads[n]
+    return params
+
+
+def _train(pg, accum=1, **ddp_kw):
+    """DataParallel training; every micro-batch is split over the ranks (unevenly for 3 and
+    4 ranks: 24 samples = 8+8+8, 6x4; with accum the micro-batch is 24 of 24*accum)."""
+    from meshcoll.ddp import DataParallel
+    x, y = _data()
+    params = init_params(SIZES, seed=pg.rank)  # differs per rank: construction broadcasts
+    ddp = DataParallel(params, group=pg, bucket_cap_mb=CAP_MB, **ddp_kw)
+    for idx in _global_batches(accum):
+        for m, micro in enumerate(np.array_split(idx, accum)):
+            shard = np.array_split(micro, pg.size)[pg.rank]
+            grads = {}
+
+            def on_grad(name, g):
+                grads[name] = g
+                ddp.grad_ready(name, g)
+            last = m == accum - 1
+            with (ddp.no_sync() if not last else _nothing()):
+                forward_backward(params, x[shard], y[shard], pg.size / len(idx), on_grad)
+            if last:
+                ddp.wait()
+        for n, p in params.items():
+            p -= np.float32(LR) * grads[n]
+    stats = ddp.stats()
+    return params, stats, ddp.bucket_names
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _training_cases(pg):
+    out = {}
+    calls = []
+
+    def hook(group, bucket):
+        calls.append(bucket.size)
+        return group.all_reduce(bucket, op="sum", async_op=True)
+
+    out["plain"] = _train(pg)
+    out["accum"] = _train(pg, accum=3)
+    out["bf16"] = _train(pg, compression="bf16")
+    out["fp16"] = _train(pg, compression="fp16")
+    out["hook"] = _train(pg, compression=hook)
+    out["hook_calls"] = calls
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_training_matches_one_process(run_ranks, world):
+    results = run_ranks(world, _training_cases, timeout=90)
+    ref, ref_accum = _reference(1), _reference(3)
+    for rank, r in enumerate(results):
+        params, stats, buckets = r["plain"]
+        assert buckets == [["b3", "w3", "b2"], ["w2"], ["b1", "w1"]]
+        assert max_rel_diff(params, ref) < 1e-5, (rank, max_rel_diff(params, ref))
+        assert max_rel_diff(r["accum"][0], ref_accum) < 1e-5, rank
+        assert max_rel_diff(r["hook"][0], ref) < 1e-5, rank
+        # Half precision: ~3 (bf16) / ~4 (fp16) significant digits per step.
+        assert max_rel_diff(r["bf16"][0], ref) < 2e-2, (rank, max_rel_diff(r["bf16"][0], ref))
+        assert max_rel_diff(r["fp16"][0], ref) < 5e-3, (rank, max_rel_diff(r["fp16"][0], ref))
+        assert 0 < max_rel_diff(r["bf16"][0], ref), "bf16 compression sent fp32"
+        # The hook replaced each bucket's all-reduce: once per bucket per step.
+        assert r["hook_calls"] == [4 + 16 * 4 + 16, 16 * 16, 16 + 8 * 16] * STEPS
+        # Stats: exact counts and bytes, positive consistent times.
+        for case, per_step in (("plain", NBYTES), ("accum", NBYTES), ("hook", NBYTES),
+                               ("bf16", NBYTES // 2), ("fp16", NBYTES // 2)):
+            s = r[case][1]
+            assert s["calls"] == 3 * STEPS, (case, s)
+            assert s["bytes"] == per_step * STEPS, (case, s)
+            assert s["comm_seconds"] > 0 and 0 <= s["overlapped_seconds"] <= s["comm_seconds"]
+            assert s["overlap_fraction"] == pytest.approx(s["overlapped_seconds"] / s["comm_seconds"])
+            assert s["algbw_gbps"] == pytest.approx(s["bytes"] / s["comm_seconds"] / 1e9)
+    # Every rank ends with the same parameters, bit for bit.
+    for r in results[1:]:
+        for n in ref:
+            np.testing.assert_array_equal(r["plain"][0][n], results[0]["plain"][0][n])
+
+
+def _local_sgd(pg, period):
+    from meshcoll.ddp import DataParallel, LocalSGD
+    x, y = _data()
+    params = init_params(SIZES, seed=0)
+    ddp = DataParallel(params, group=pg, bucket_cap_mb=CAP_MB,
+                                    mode=LocalSGD(period))
+    snapshots = []
+    for idx in _global_batches(1):
+        shard = np.array_split(idx, pg.size)[pg.rank]
+        grads = {}
+        forward_backward(params, x[shard], y[shard], 1.0 / len(shard), grads.__setitem__)
+        ddp.sync_gradients(grads)  # LocalSGD: validated, left local
+        for n, p in params.items():
+            p -= np.float32(LR) * grads[n]
+        ddp.step()
+        snapshots.append({n: p.copy() for n, p in params.items()})
+    return snapshots, ddp.stats()
+
+
+def test_local_sgd_matches_simulation(run_ranks):
+    world, period = 3, 2
+    results = run_ranks(world, _local_sgd, period=period)
+    # Simulate: each rank steps on its own shard; every `period` steps all take the average.
+    x, y = _data()
+    replicas = [init_params(SIZES, seed=0) for _ in range(world)]
+    for step, idx in enumerate(_global_batches(1), start=1):
+        for r, params in enumerate(replicas):
+            shard = np.array_split(idx, world)[r]
+            grads = {}
+            forward_backward(params, x[shard], y[shard], 1.0 / len(shard), grads.__setitem__)
+            for n, p in params.items():
+                p -= np.float32(LR) * grads[n]
+        if step % period == 0:
+            for n in replicas[0]:
+                mean = sum(p[n] for p in replicas) / np.float32(world)
+                for p in replicas:
+                    p[n][...] = mean
+        for r in range(world):
+            assert max_rel_diff(results[r][0][step - 1], replicas[r]) < 1e-5, (step, r)
+    # Ranks differ between averages and agree right after one.
+    assert max_rel_diff(results[0][0][0], results[1][0][0]) > 1e-4
+    assert max_rel_diff(results[0][0][1], results[1][0][1]) < 1e-6
+    s = results[0][1]
+    assert s["calls"] == 3 * (STEPS // period) and s["bytes"] == NBYTES * (STEPS // period)
+
+
+def _errors(pg):
+    from meshcoll.ddp import DataParallel, LocalSGD
+    seen = []
+
+    def raises(exc, match, fn, *a, **kw):
+        with pytest.raises(exc, match=match):
+            fn(*a, **kw)
+        seen.append(match)
+
+    def params():
+        return {"a": np.zeros((2, 3), np.float32), "b": np.zeros(5, np.float64),
+                "c": np.zeros(4, np.float32)}
+
+    # Construction
+    raises(ValueError, "non-empty dict", DataParallel, {}, group=pg)
+    raises(ValueError, "bucket_cap_mb", DataParallel, params(), group=pg, bucket_cap_mb=0)
+    raises(ValueError, "mode must be", DataParallel, params(), group=pg, mode="async")
+    raises(ValueError, "period", LocalSGD, 0)
+    raises(ValueError, "compression must be", DataParallel, params(), group=pg, compression="int8")
+    raises(ValueError, "LocalSGD mode never", DataParallel, params(), group=pg,
+           compression="bf16", mode=LocalSGD(2))
+    raises(TypeError, "floating point", DataParallel, {"i": np.zeros(3, np.int32)}, group=pg)
+    ro = np.zeros(3, np.float32)
+    ro.flags.writeable = False
+    raises(ValueError, "read-only", DataParallel, {"r": ro}, group=pg)
+
+    # Buckets split by dtype; construction broadcasts from broadcast_from.
+    p = params()
+    p["a"] += pg.rank + 7
+    ddp = DataParallel(p, group=pg, broadcast_from=pg.size - 1)
+    assert ddp.bucket_names == [["c"], ["b"], ["a"]]
+    assert (p["a"] == pg.size - 1 + 7).all()
+
+    g = {n: np.full(v.shape, pg.rank + 1, v.dtype) for n, v in p.items()}
+    raises(KeyError, "unknown parameter 'nope'", ddp.grad_ready, "nope", g["a"])
+    raises(ValueError, r"shape \(3, 2\)", ddp.grad_ready, "a", np.zeros((3, 2), np.float32))
+    raises(ValueError, "dtype float32", ddp.grad_ready, "b", np.zeros(5, np.float32))
+    rog = np.zeros(4, np.float32)
+    rog.flags.writeable = False
+    raises(ValueError, "read-only", ddp.grad_ready, "c", rog)
+    ddp.grad_ready("c", g["c"])
+    raises(ValueError, "already given", ddp.grad_ready, "c", g["c"])
+    raises(RuntimeError, "no gradient was given for b, a", ddp.wait)
+    raises(RuntimeError, "step is in progress", ddp.no_sync().__enter__)
+    raises(RuntimeError, "unfinished step", ddp.average_parameters)
+    ddp.grad_ready("a", g["a"])
+    ddp.grad_ready("b", g["b"])
+    ddp.wait()  # the step stayed open: completing it works
+    mean = (pg.size + 1) / 2
+    assert all((v == mean).all() for v in g.values()), g
+    raises(KeyError, "unknown parameters", ddp.sync_gradients, {"zz": g["a"]})
+    # no_sync accumulates: 2 local gradients + the synced one, averaged over ranks.
+    with ddp.no_sync():
+        for _ in range(2):
+            ddp.sync_gradients({n: np.full(v.shape, pg.rank + 1, v.dtype) for n, v in p.items()})
+    g = ddp.sync_gradients({n: np.full(v.shape, pg.rank + 1, v.dtype) for n, v in p.items()})
+    assert all((v == 3 * mean).all() for v in g.values()), g
+
+    # A hook must return a Work or None; a failed launch leaves the object usable.
+    bad = DataParallel(params(), group=pg, compression=lambda group, b: b)
+    raises(TypeError, "must return a Work", bad.sync_gradients,
+           {n: v.copy() for n, v in params().items()})
+    def blocking_hook(group, b):
+        group.all_reduce(b)  # synchronous: DataParallel times it as blocking
+
+    blocking = DataParallel(params(), group=pg, compression=blocking_hook)
+    g = blocking.sync_gradients({n: np.full(v.shape, pg.rank + 1, v.dtype) for n, v in p.items()})
+    assert all((v == mean).all() for v in g.values())
+    s = blocking.stats()
+    assert s["calls"] == 3 and s["overlapped_seconds"] == 0 and s["comm_seconds"] > 0
+
+    local = DataParallel(params(), group=pg, mode=LocalSGD(3))
+    raises(RuntimeError, "LocalSGD mode never communicates", local.no_sync().__enter__)
+    ddp.close()
+    pg.barrier()  # the ranks' collectives stayed matched through every error
+    return seen
+
+
+def test_errors(run_ranks):
+    results = run_ranks(2, _errors)
+    assert len(results[0]) == 19 and results[0] == results[1]
