@@ -1,5 +1,8 @@
 #include "comm/comm.h"
 
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include "common/check.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -48,10 +51,15 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
                                                          Deadline(opts.timeout));
   p2p_send_seq_.assign(size, 0);
   p2p_recv_seq_.assign(size, 0);
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake_fd_ < 0) throw SystemError(str_cat("eventfd failed: ", errno_text(errno)));
   worker_ = std::thread([this] { worker_loop(); });
 }
 
-Comm::~Comm() { shutdown(); }
+Comm::~Comm() {
+  shutdown();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
 
 void Comm::shutdown() {
   {
@@ -73,6 +81,10 @@ std::shared_ptr<Work> Comm::push(Item item) {
   auto work = item.work;
   queue_.push_back(std::move(item));
   cv_.notify_all();
+  if (polling_idle_.load()) {
+    uint64_t one = 1;
+    (void)!::write(wake_fd_, &one, sizeof(one));
+  }
   return work;
 }
 
@@ -91,23 +103,25 @@ std::shared_ptr<Work> Comm::enqueue(const transport::OpDesc& desc, Millis timeou
   return push(std::move(item));
 }
 
-std::shared_ptr<Work> Comm::enqueue_p2p(
-    bool is_send, int peer, uint32_t tag, const transport::OpDesc& desc, Millis timeout,
-    std::function<void(Comm&, const transport::Envelope&)> run) {
+std::shared_ptr<Work> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag, ConstBytes src,
+                                        MutBytes dst, const transport::OpDesc& desc,
+                                        Millis timeout) {
   MC_ARG_CHECK(peer >= 0 && peer < size_, "peer ", peer, " is out of range for a group of ",
-               size_);
+               size_, " ranks (0..", size_ - 1, ")");
   MC_ARG_CHECK(peer != rank_, "rank ", rank_, " cannot send to or receive from itself");
   Item item;
   item.env.channel = transport::Channel::kP2P;
   item.env.tag = tag;
   item.env.op = desc;
   item.timeout = timeout.count() < 0 ? opts_.timeout : timeout;
+  item.peer = peer;
+  item.is_send = is_send;
+  item.src = src;
+  item.dst = dst;
   {
     std::lock_guard<std::mutex> lock(mu_);
     item.env.seq = is_send ? p2p_send_seq_[peer]++ : p2p_recv_seq_[peer]++;
   }
-  auto env = item.env;
-  item.run = [run = std::move(run), env](Comm& c) { run(c, env); };
   return push(std::move(item));
 }
 
@@ -132,15 +146,82 @@ uint8_t* Comm::scratch(int slot, size_t bytes) {
 void Comm::worker_loop() {
   for (;;) {
     Item item;
+    bool have = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and everything queued has run
-      item = std::move(queue_.front());
-      queue_.pop_front();
+      if (in_flight_.empty()) cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (!queue_.empty()) {
+        item = std::move(queue_.front());
+        queue_.pop_front();
+        have = true;
+      } else if (in_flight_.empty()) {
+        return;  // stopping, and everything issued has finished
+      } else {
+        polling_idle_ = true;  // from here on, push() wakes the poll below
+      }
     }
-    run_item(item);
+    if (have) {
+      run_item(item);
+    } else {
+      progress_in_flight();
+      polling_idle_ = false;
+      uint64_t drained;
+      while (::read(wake_fd_, &drained, sizeof(drained)) > 0) {
+      }
+    }
+    reap_in_flight();
   }
+}
+
+// Only posted point-to-point transfers are pending: drive them until one completes, new work
+// is issued, or the earliest deadline passes (then that transfer times out).
+void Comm::progress_in_flight() {
+  std::vector<transport::Request> reqs;
+  Deadline earliest = in_flight_.front().deadline;
+  for (const auto& f : in_flight_) {
+    reqs.push_back(f.req);
+    int ms = f.deadline.poll_ms(), best = earliest.poll_ms();  // -1 means never
+    if (ms >= 0 && (best < 0 || ms < best)) earliest = f.deadline;
+  }
+  try {
+    if (!transport_->wait_any(reqs, earliest, wake_fd_)) {
+      for (const auto& f : in_flight_) {
+        if (!f.req->complete() && f.deadline.expired())
+          throw TimeoutError(str_cat(f.what, "timed out after ", f.deadline.timeout().count(),
+                                     " ms: the peer never posted the matching ",
+                                     f.what.find("send") == 0 ? "recv" : "send",
+                                     ", or it is stuck in other code"));
+      }
+    }
+  } catch (...) {
+    std::exception_ptr e = std::current_exception();
+    fail_group(e);
+  }
+}
+
+void Comm::reap_in_flight() {
+  for (size_t i = 0; i < in_flight_.size();) {
+    if (in_flight_[i].req->complete()) {
+      in_flight_[i].work->finish(nullptr);
+      in_flight_[i] = std::move(in_flight_.back());
+      in_flight_.pop_back();
+    } else {
+      ++i;
+    }
+  }
+}
+
+void Comm::start_p2p(Item& item, const std::string& ctx) {
+  transport::Request req = item.is_send ? transport_->isend(item.peer, item.env, item.src)
+                                        : transport_->irecv(item.peer, item.env, item.dst);
+  if (req->complete()) {
+    item.work->finish(nullptr);
+  } else {
+    in_flight_.push_back({req, item.work, Deadline(item.timeout),
+                          str_cat(item.is_send ? "send to rank " : "recv from rank ", item.peer,
+                                  " (tag ", item.env.tag, ") on rank ", rank_, ": ")});
+  }
+  (void)ctx;
 }
 
 namespace {
@@ -176,6 +257,20 @@ std::string message_of(std::exception_ptr e) {
 }
 }  // namespace
 
+// The group is dead after its first failure: record it, tell the peers (abort), and fail
+// every posted point-to-point transfer with the same error.
+void Comm::fail_group(std::exception_ptr error) {
+  if (!first_error_) {
+    first_error_ = error;
+    std::lock_guard<std::mutex> lock(mu_);
+    failed_before_ = next_index_;
+  }
+  // Any failure mid-operation leaves peers waiting on us: abort so they fail fast.
+  transport_->abort(transport::AbortKind::kGeneric, message_of(error));
+  for (auto& f : in_flight_) f.work->finish(same_type(error, f.what + message_of(error)));
+  in_flight_.clear();
+}
+
 void Comm::run_item(Item& item) {
   std::exception_ptr error;
   std::string ctx = str_cat(describe_op(item.env.op), " [seq ", item.env.seq, "] on rank ", rank_,
@@ -192,17 +287,15 @@ void Comm::run_item(Item& item) {
     current_ = item.env;
     deadline_ = Deadline(item.timeout);
     try {
+      if (item.peer >= 0) {
+        start_p2p(item, ctx);
+        return;
+      }
       item.run(*this);
       transport_->poll_once();
     } catch (...) {
       error = same_type(std::current_exception(), ctx + message_of(std::current_exception()));
-      first_error_ = error;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        failed_before_ = next_index_;
-      }
-      // Any failure mid-operation leaves peers waiting on us: abort so they fail fast.
-      transport_->abort(transport::AbortKind::kGeneric, message_of(error));
+      fail_group(error);
     }
   }
   item.work->finish(error);

@@ -65,9 +65,11 @@ class Comm {
   std::shared_ptr<Work> enqueue(const transport::OpDesc& desc, Millis timeout,
                                 std::function<void(Comm&)> run);
   // Queues a point-to-point send or receive; the per-peer message count is its sequence.
-  std::shared_ptr<Work> enqueue_p2p(bool is_send, int peer, uint32_t tag,
-                                    const transport::OpDesc& desc, Millis timeout,
-                                    std::function<void(Comm&, const transport::Envelope&)> run);
+  // Note [Point-to-point in flight]: the worker only *posts* it and moves on to the next
+  // operation, so `irecv` then `isend` on both sides of a pair cannot deadlock; posted
+  // transfers progress during every later wait and complete their Work when done.
+  std::shared_ptr<Work> enqueue_p2p(bool is_send, int peer, uint32_t tag, ConstBytes src,
+                                    MutBytes dst, const transport::OpDesc& desc, Millis timeout);
   // Stops accepting work, finishes what is queued (each op is bounded by its deadline).
   void shutdown();
 
@@ -87,13 +89,27 @@ class Comm {
   struct Item {
     transport::Envelope env;
     Millis timeout;
-    std::function<void(Comm&)> run;
+    std::function<void(Comm&)> run;  // collectives
+    int peer = -1;                   // point-to-point: post to/from this peer
+    bool is_send = false;
+    ConstBytes src;
+    MutBytes dst;
     std::shared_ptr<Work> work;
     uint64_t index = 0;  // position in issue order
   };
   std::shared_ptr<Work> push(Item item);
+  struct InFlight {
+    transport::Request req;
+    std::shared_ptr<Work> work;
+    Deadline deadline;
+    std::string what;
+  };
   void worker_loop();
   void run_item(Item& item);
+  void start_p2p(Item& item, const std::string& ctx);
+  void progress_in_flight();
+  void reap_in_flight();
+  void fail_group(std::exception_ptr error);
 
   int rank_;
   int size_;
@@ -110,12 +126,15 @@ class Comm {
   uint64_t failed_before_ = 0;  // items issued before the first failure
   std::vector<uint64_t> p2p_send_seq_, p2p_recv_seq_;
   std::thread worker_;
+  int wake_fd_ = -1;                     // eventfd: new work while polling in-flight p2p
+  std::atomic<bool> polling_idle_{false};
 
   // Worker-thread state.
   transport::Envelope current_;
   Deadline deadline_;
   std::vector<uint8_t> scratch_[kScratchSlots];
   std::exception_ptr first_error_;
+  std::vector<InFlight> in_flight_;
 };
 
 }  // namespace meshcoll::comm

@@ -233,25 +233,17 @@ void bind_comm(py::module_& m) {
            }, py::arg("timeout"))
       .def("send", [](Comm& c, const py::array& x, int peer, uint32_t tag, const py::object& timeout) {
              auto v = view_of(x, false, "send");
-             auto d = desc(CollKind::kSendRecv, v.dtype, v.count);
-             auto src = v.cbytes();
              Millis t = timeout_arg(timeout);  // reads a Python object: before the release
              py::gil_scoped_release nogil;
-             return c.enqueue_p2p(true, peer, tag, d, t,
-                                  [src, peer](Comm& cm, const transport::Envelope& env) {
-                                    cm.wait(cm.transport().isend(peer, env, src));
-                                  });
+             return c.enqueue_p2p(true, peer, tag, v.cbytes(), MutBytes(),
+                                  desc(CollKind::kSendRecv, v.dtype, v.count), t);
            }, py::arg("x"), py::arg("peer"), py::arg("tag"), py::arg("timeout"))
       .def("recv", [](Comm& c, const py::array& x, int peer, uint32_t tag, const py::object& timeout) {
              auto v = view_of(x, true, "recv");
-             auto d = desc(CollKind::kSendRecv, v.dtype, v.count);
-             auto dst = v.mbytes();
-             Millis t = timeout_arg(timeout);  // reads a Python object: before the release
+             Millis t = timeout_arg(timeout);
              py::gil_scoped_release nogil;
-             return c.enqueue_p2p(false, peer, tag, d, t,
-                                  [dst, peer](Comm& cm, const transport::Envelope& env) {
-                                    cm.wait(cm.transport().irecv(peer, env, dst));
-                                  });
+             return c.enqueue_p2p(false, peer, tag, ConstBytes(), v.mbytes(),
+                                  desc(CollKind::kSendRecv, v.dtype, v.count), t);
            }, py::arg("x"), py::arg("peer"), py::arg("tag"), py::arg("timeout"));
 }
 

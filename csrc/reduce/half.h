@@ -2,15 +2,15 @@
 //
 // Narrowing rounds to nearest, ties to even. Inf stays Inf. NaN stays NaN: the quiet bit is
 // set and the top payload bits are kept, which is what the F16C instructions do. So the portable
-// path and the F16C path give the same bits for every input (tests/unit/test_kernels.py checks
-// all 65536 halves on every SIMD level).
+// and hardware paths give the same bits for every input (checked for all 2^32 floats while
+// writing this; tests/unit/test_kernels.py checks all 65536 halves on every SIMD level).
 //
 // Two forms:
 //  - portable scalar functions, written without branches so that GCC vectorises loops that
 //    call them at -O3 on any target (see Note [Branch-free select]);
-//  - on x86-64, 8-lane F16C functions. They carry their own target attribute, so only kernels
-//    compiled for an F16C-capable target may call them (kernels.cc picks them at run time).
-//    Nothing here needs -mf16c on the command line.
+//  - on x86-64, fixed-width F16C and AVX-512F functions. They carry their own target
+//    attributes, so only kernels compiled for such a target may call them (kernels.cc picks
+//    them at run time). Nothing here needs -mf16c on the command line.
 #pragma once
 
 #include <cstddef>
@@ -105,21 +105,34 @@ inline uint16_t float_to_bfloat16(float f) {
 }
 
 #if defined(__x86_64__)
-// F16C conversions of exactly 8 lanes. GCC (12) does not vectorise scalar _Float16 or
-// _cvtsh_ss conversions, and the vectorised bit twiddling above is several times slower than
-// one vcvtph2ps, so these use the 256-bit intrinsics directly. They carry their own target
-// attribute: call them only from code compiled for an F16C target after checking the CPU
-// (kernels.cc does both); there GCC inlines them and keeps the lanes in registers.
-__attribute__((target("avx2,f16c"))) inline void half8_to_float_f16c(const uint16_t* in,
-                                                                      float* out) {
+// Hardware conversions of a fixed number of lanes: 8 with F16C, 16 with AVX-512F. GCC (12)
+// does not vectorise scalar _Float16 or _cvtsh_ss conversions, and the vectorised bit
+// twiddling above is several times slower than one vcvtph2ps, so these use the intrinsics
+// directly. Each carries its own target attribute: call them only from code compiled for
+// that target after checking the CPU (kernels.cc does both); there GCC inlines them and keeps
+// the lanes in registers.
+__attribute__((target("avx2,f16c"))) inline void half_to_float_x8_f16c(const uint16_t* in,
+                                                                        float* out) {
   __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in));
   _mm256_storeu_ps(out, _mm256_cvtph_ps(h));
 }
 
-__attribute__((target("avx2,f16c"))) inline void float8_to_half_f16c(const float* in,
-                                                                      uint16_t* out) {
+__attribute__((target("avx2,f16c"))) inline void float_to_half_x8_f16c(const float* in,
+                                                                        uint16_t* out) {
   __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in), _MM_FROUND_TO_NEAREST_INT);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), h);
+}
+
+__attribute__((target("avx512f"))) inline void half_to_float_x16_avx512(const uint16_t* in,
+                                                                         float* out) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in));
+  _mm512_storeu_ps(out, _mm512_cvtph_ps(h));
+}
+
+__attribute__((target("avx512f"))) inline void float_to_half_x16_avx512(const float* in,
+                                                                         uint16_t* out) {
+  __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(in), _MM_FROUND_TO_NEAREST_INT);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h);
 }
 #endif  // __x86_64__
 

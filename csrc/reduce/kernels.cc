@@ -143,6 +143,10 @@ struct Repr<bool> {
 // f16 and bf16 are widened to f32 kHalfLanes at a time (Note [Half lanes]).
 constexpr size_t kHalfLanes = 16;
 
+// How an instruction set converts f16 (bf16 is always the portable bit twiddling: it is
+// cheap, and AVX-512 BF16 is too rare to add a level for).
+enum class HalfCvt { kPortable, kF16C, kAvx512 };
+
 template <>
 struct Repr<Float16> {
   using Storage = uint16_t;
@@ -150,8 +154,12 @@ struct Repr<Float16> {
   template <class Isa>
   MC_ALWAYS_INLINE static void widen(const Storage* in, float* out) {
 #if defined(__x86_64__)
-    if constexpr (Isa::kF16C) {
-      for (size_t j = 0; j < kHalfLanes; j += 8) half8_to_float_f16c(in + j, out + j);
+    if constexpr (Isa::kHalfCvt == HalfCvt::kAvx512) {
+      static_assert(kHalfLanes == 16);
+      half_to_float_x16_avx512(in, out);
+      return;
+    } else if constexpr (Isa::kHalfCvt == HalfCvt::kF16C) {
+      for (size_t j = 0; j < kHalfLanes; j += 8) half_to_float_x8_f16c(in + j, out + j);
       return;
     }
 #endif
@@ -160,8 +168,11 @@ struct Repr<Float16> {
   template <class Isa>
   MC_ALWAYS_INLINE static void narrow(const float* in, Storage* out) {
 #if defined(__x86_64__)
-    if constexpr (Isa::kF16C) {
-      for (size_t j = 0; j < kHalfLanes; j += 8) float8_to_half_f16c(in + j, out + j);
+    if constexpr (Isa::kHalfCvt == HalfCvt::kAvx512) {
+      float_to_half_x16_avx512(in, out);
+      return;
+    } else if constexpr (Isa::kHalfCvt == HalfCvt::kF16C) {
+      for (size_t j = 0; j < kHalfLanes; j += 8) float_to_half_x8_f16c(in + j, out + j);
       return;
     }
 #endif
@@ -272,10 +283,10 @@ MC_ALWAYS_INLINE void divide_loop(void* buf, size_t count, size_t n) {
 // AVX-512 pays on f16/f32/int8 at L1/L2-resident segment sizes (see the kernel benchmark in
 // the report of the change that added this); prefer-vector-width=512 is needed because GCC's
 // generic tuning otherwise keeps 256-bit vectors even when AVX-512 is enabled.
-#define MC_DEFINE_ISA(Name, level, has_f16c, target_attr)                                 \
+#define MC_DEFINE_ISA(Name, level, half_cvt, target_attr)                                 \
   struct Name {                                                                          \
     static constexpr const char* kLevel = level;                                         \
-    static constexpr bool kF16C = has_f16c;                                               \
+    static constexpr HalfCvt kHalfCvt = half_cvt;                                        \
     template <class T, template <class> class Op>                                        \
     target_attr static void reduce(void* dst, const void* src, size_t count) {           \
       reduce_loop<Name, T, Op>(dst, src, count);                                         \
@@ -286,10 +297,10 @@ MC_ALWAYS_INLINE void divide_loop(void* buf, size_t count, size_t n) {
     }                                                                                    \
   };
 
-MC_DEFINE_ISA(Baseline, "baseline", false, /* no target attribute */)
+MC_DEFINE_ISA(Baseline, "baseline", HalfCvt::kPortable, /* no target attribute */)
 #if defined(__x86_64__)
-MC_DEFINE_ISA(Avx2, "avx2", true, __attribute__((target("avx2,f16c,fma"))))
-MC_DEFINE_ISA(Avx512, "avx512", true,
+MC_DEFINE_ISA(Avx2, "avx2", HalfCvt::kF16C, __attribute__((target("avx2,f16c,fma"))))
+MC_DEFINE_ISA(Avx512, "avx512", HalfCvt::kAvx512,
               __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma,"
                                     "prefer-vector-width=512"))))
 #endif

@@ -78,6 +78,9 @@ class Transport {
   // pending, MismatchError, PeerError or Aborted; after a throw the transport is aborted.
   virtual void wait_all(const std::vector<Request>& reqs, const Deadline& d) = 0;
   void wait(const Request& r, const Deadline& d) { wait_all({r}, d); }
+  // Progress until any of `reqs` completes, `wake_fd` (if >= 0) becomes readable, or the
+  // deadline passes; false only at the deadline. Failures throw as in wait_all.
+  virtual bool wait_any(const std::vector<Request>& reqs, const Deadline& d, int wake_fd) = 0;
   // One non-blocking pass over every peer: reads what has arrived, so an ABORT frame or a
   // dead peer is noticed even by a rank whose operation only sent (and so never waited).
   virtual void poll_once() = 0;

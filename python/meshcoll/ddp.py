@@ -164,17 +164,15 @@ class DataParallel:
     # ---- construction ---------------------------------------------------------------
     @staticmethod
     def _compression_dtype(compression):
-        if compression is None or callable(compression):
-            return None
-        if compression == "fp16":
-            return np.dtype(np.float16)
+        if compression is None or callable(compression) or compression == "fp16":
+            return None if compression != "fp16" else np.dtype(np.float16)
         if compression == "bf16":
             try:
-                import ml_dtypes
+                from ml_dtypes import bfloat16
             except ImportError:
                 raise ImportError("DataParallel: compression='bf16' needs ml_dtypes "
                                   "(pip install ml_dtypes, or meshcoll[bf16])") from None
-            return np.dtype(ml_dtypes.bfloat16)
+            return np.dtype(bfloat16)
         raise ValueError(f"DataParallel: compression must be None, 'bf16', 'fp16' or a callable "
                          f"hook(group, bucket) -> Work, got {compression!r}")
 
@@ -185,12 +183,10 @@ class DataParallel:
         size = 0.0
         for n in reversed(list(self._params)):
             p = self._params[n]
-            if groups and (size + p.nbytes > cap_bytes
-                           or self._params[groups[-1][0]].dtype != p.dtype):
+            if not groups or size + p.nbytes > cap_bytes or \
+                    self._params[groups[-1][0]].dtype != p.dtype:
                 groups.append([])
                 size = 0.0
-            if not groups:
-                groups.append([])
             groups[-1].append(n)
             size += p.nbytes
         self._buckets: List[_Bucket] = []
@@ -280,6 +276,8 @@ class DataParallel:
         self._next_launch = 0
 
     def _launch(self, b: _Bucket, op: Optional[str] = None) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("DataParallel: used after close()")
         n = self._group.size
         t0 = time.perf_counter()
         if op is not None:  # LocalSGD parameter averaging: plain, uncompressed
@@ -287,10 +285,9 @@ class DataParallel:
         elif self._hook is not None:
             work = self._hook(self._group, b.buf)
             if work is None:  # the hook communicated synchronously: time it, never overlapped
-                fl = _Flight(None, t0, b.buf.nbytes, blocking=True)
-                fl.t_end = time.perf_counter()
-                fl.done.set()
-                b.flight = fl
+                b.flight = _Flight(None, t0, b.buf.nbytes, blocking=True)
+                b.flight.t_end = time.perf_counter()
+                b.flight.done.set()
                 return
             if not callable(getattr(work, "wait", None)):
                 raise TypeError(f"DataParallel: the compression hook returned "
@@ -322,14 +319,11 @@ class DataParallel:
             return
         missing = [n for n in self._slot if n not in self._given]
         if missing:
-            self._raise_missing(missing)
+            more = f", ... ({len(missing)} in all)" if len(missing) > 10 else ""
+            raise RuntimeError(f"wait: no gradient was given for {', '.join(missing[:10])}{more}; "
+                               "call grad_ready for every parameter before wait() (the step "
+                               "stays open: give them and call wait() again)")
         self._finish(time.perf_counter(), write_back=True)
-
-    def _raise_missing(self, missing: List[str]) -> None:
-        shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
-        raise RuntimeError(f"wait: no gradient was given for {shown}; call grad_ready for "
-                           "every parameter before wait() (the step stays open: give them "
-                           "and call wait() again)")
 
     def _finish(self, t_wait: float, write_back: bool) -> None:
         # Every bucket was launched (nothing is missing). Finish in launch order, writing
@@ -441,7 +435,8 @@ class DataParallel:
         self._stats = {"calls": 0, "bytes": 0, "comm_seconds": 0.0, "overlapped_seconds": 0.0}
 
     def close(self) -> None:
-        """Stop the completion thread (also done when the object is collected)."""
+        """Stop the completion thread (also done when the object is collected); the object
+        cannot communicate afterwards."""
         self._finalizer()
 
     def __repr__(self) -> str:

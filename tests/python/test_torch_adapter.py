@@ -83,7 +83,7 @@ def _max_rel(a, b):
     return max(float(np.abs(a[n] - b[n]).max() / np.abs(b[n]).max()) for n in b)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])
 def test_torch_ddp_matches_one_process(run_ranks, world):
     results = run_ranks(world, _cases, timeout=100)
     ref, ref_accum = _reference(1), _reference(3)

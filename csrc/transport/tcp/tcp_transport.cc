@@ -427,7 +427,7 @@ void TcpTransport::on_payload_done(int peer) {
   }
 }
 
-bool TcpTransport::poll_and_progress(int timeout_ms) {
+TcpTransport::PollResult TcpTransport::poll_and_progress(int timeout_ms, int wake_fd) {
   pfds_.clear();
   pfd_peer_.clear();
   for (int j = 0; j < size_; ++j) {
@@ -438,29 +438,61 @@ bool TcpTransport::poll_and_progress(int timeout_ms) {
                    : 0;
     if (!p.sendq.empty()) ev |= POLLOUT;
     if (!ev) continue;
-    pfds_.push_back({peers_[j]->fd, ev, 0});
+    pfds_.push_back({p.fd, ev, 0});
     pfd_peer_.push_back(j);
+  }
+  if (wake_fd >= 0) {
+    pfds_.push_back({wake_fd, POLLIN, 0});
+    pfd_peer_.push_back(-1);
   }
   int rc = ::poll(pfds_.data(), pfds_.size(), timeout_ms);
   if (rc < 0) {
-    if (errno == EINTR) return true;
+    if (errno == EINTR) return kProgressed;
     fail(AbortKind::kGeneric, str_cat("rank ", rank_, ": poll failed: ", errno_text(errno)));
   }
-  if (rc == 0) return false;
+  if (rc == 0) return kTimedOut;
+  bool woken = false;
   try {
     for (size_t i = 0; i < pfds_.size(); ++i) {
+      if (pfd_peer_[i] < 0) {
+        woken = pfds_[i].revents != 0;
+        continue;
+      }
       if (pfds_[i].revents & POLLOUT) progress_send(pfd_peer_[i]);
       if (pfds_[i].revents & (POLLIN | POLLHUP | POLLERR)) progress_recv(pfd_peer_[i]);
     }
   } catch (const PeerError& e) {
     fail(AbortKind::kPeer, e.what());
   }
-  return true;
+  return woken ? kWoken : kProgressed;
 }
 
 void TcpTransport::poll_once() {
   if (failed_) rethrow();
   poll_and_progress(0);
+}
+
+void TcpTransport::check_pending_peers(const std::vector<Request>& reqs) {
+  for (const auto& r : reqs) {
+    const TcpOp& op = as_tcp(r);
+    if (!r->complete() && peers_[op.peer]->closed)
+      fail(AbortKind::kPeer, str_cat("rank ", rank_, ": the connection to rank ", op.peer,
+                                     " closed while a ", op.is_send ? "send to" : "receive from",
+                                     " it was pending: rank ", op.peer,
+                                     " exited, crashed or aborted"));
+  }
+}
+
+bool TcpTransport::wait_any(const std::vector<Request>& reqs, const Deadline& d, int wake_fd) {
+  for (;;) {
+    if (failed_) rethrow();
+    for (const auto& r : reqs)
+      if (r->complete()) return true;
+    check_pending_peers(reqs);
+    PollResult res = poll_and_progress(d.poll_ms(), wake_fd);
+    if (res == kWoken) return true;
+    if (res == kTimedOut) return false;
+  }
 }
 
 void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d) {
@@ -474,15 +506,8 @@ void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d)
       }
     }
     if (all) return;
-    for (const auto& r : reqs) {
-      const TcpOp& op = as_tcp(r);
-      if (!r->complete() && peers_[op.peer]->closed)
-        fail(AbortKind::kPeer, str_cat("rank ", rank_, ": the connection to rank ", op.peer,
-                                       " closed while a ", op.is_send ? "send to" : "receive from",
-                                       " it was pending: rank ", op.peer,
-                                       " exited, crashed or aborted"));
-    }
-    if (!poll_and_progress(d.poll_ms())) {
+    check_pending_peers(reqs);
+    if (poll_and_progress(d.poll_ms()) == kTimedOut) {
       std::string waiting;
       for (const auto& r : reqs) {
         if (r->complete()) continue;

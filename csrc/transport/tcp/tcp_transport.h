@@ -49,6 +49,7 @@ class TcpTransport : public Transport {
   Request isend(int peer, const Envelope& env, ConstBytes src) override;
   Request irecv(int peer, const Envelope& env, MutBytes dst) override;
   void wait_all(const std::vector<Request>& reqs, const Deadline& d) override;
+  bool wait_any(const std::vector<Request>& reqs, const Deadline& d, int wake_fd) override;
   void poll_once() override;
   void abort(AbortKind kind, const std::string& why) override;
   bool aborted() const override { return failed_; }
@@ -57,8 +58,11 @@ class TcpTransport : public Transport {
   struct Peer;
   struct Unexpected;
   void connect_all(store::Store& store, const TcpOptions& opts, const Deadline& d);
-  // poll() every live peer for `timeout_ms` and progress what is ready; false on timeout.
-  bool poll_and_progress(int timeout_ms);
+  // poll() every live peer (and wake_fd, if >= 0) for `timeout_ms` and progress what is
+  // ready. Returns kTimedOut, kProgressed or kWoken.
+  enum PollResult { kTimedOut, kProgressed, kWoken };
+  PollResult poll_and_progress(int timeout_ms, int wake_fd = -1);
+  void check_pending_peers(const std::vector<Request>& reqs);
   void progress_send(int peer);
   void progress_recv(int peer);
   void on_header(int peer);

@@ -1,0 +1,150 @@
+"""Is DataParallel's overlap real? Time one training step's backward three ways:
+
+    meshcoll-run -n 4 bench/python/bench_ddp.py
+    meshcoll-run -n 4 bench/python/bench_ddp.py --compute matmul --json ddp.jsonl
+
+* compute-only: the backward (``--layers`` layers, last first), no communication;
+* comm-only: every gradient handed over at once, then ``wait()``: communication alone;
+* overlapped step: the backward calling ``ddp.grad_ready`` per layer, then ``wait()``.
+
+Each row is the median over ``--repeats`` of the slowest rank's time (each repeat starts
+after a barrier). If overlap is real, overlapped < compute + comm; the hidden share is
+(compute + comm - overlapped) / min(compute, comm). ``--compute sleep`` (default) stands for
+an accelerator's backward: it leaves the host CPU free. ``--compute matmul`` runs numpy
+matmuls on the same cores as the communication, so on a machine with fewer cores than
+ranks x 2 threads there is little to hide into. The last line quotes ``ddp.stats()`` of the
+overlapped steps: what DataParallel itself measured.
+"""
+
+from __future__ import annotations
+
+import os
+
+# One BLAS thread per rank, before numpy loads: ranks x BLAS threads spinning on few cores
+# would time the scheduler, not the overlap.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import meshcoll  # noqa: E402
+from meshcoll.ddp import DataParallel  # noqa: E402
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layer-mb", type=float, default=0.5, help="gradient MiB per layer")
+    p.add_argument("--bucket-cap-mb", type=float, default=0.5)
+    p.add_argument("--compute", choices=("sleep", "matmul"), default="sleep")
+    p.add_argument("--ms-per-layer", type=float, default=4.0,
+                   help="backward time per layer (sleep), or its target (matmul: calibrated)")
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", metavar="FILE", help="append one json record per row")
+    return p.parse_args()
+
+
+class Backward:
+    """A backward pass that takes time per layer and hands over precomputed gradients."""
+
+    def __init__(self, args, grads):
+        self.grads, self.kind, self.ms = grads, args.compute, args.ms_per_layer
+        self.a = np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32)
+        self.reps = self._calibrate() if self.kind == "matmul" else 0
+
+    def _calibrate(self) -> int:
+        t0, n = time.perf_counter(), 50
+        for _ in range(n):
+            self.a @ self.a
+        return max(1, round(self.ms / 1e3 / ((time.perf_counter() - t0) / n)))
+
+    def layer(self) -> None:
+        if self.kind == "sleep":
+            time.sleep(self.ms / 1e3)
+        else:
+            for _ in range(self.reps):
+                self.a @ self.a
+
+    def run(self, on_grad) -> None:
+        for name in reversed(list(self.grads)):
+            self.layer()
+            on_grad(name, self.grads[name])
+
+
+def timed(pg, fn, args) -> float:
+    """Median over repeats of the slowest rank's seconds."""
+    times = []
+    for i in range(args.warmup + args.repeats):
+        pg.barrier()
+        t0 = time.perf_counter()
+        fn()
+        t = np.array([time.perf_counter() - t0])
+        pg.all_reduce(t, op="max")
+        if i >= args.warmup:
+            times.append(float(t[0]))
+    return statistics.median(times)
+
+
+def main() -> None:
+    args = parse_args()
+    pg = meshcoll.init()
+    n = max(1, int(args.layer_mb * 2**20) // 4)
+    params = {f"w{i}": np.zeros(n, np.float32) for i in range(args.layers)}
+    grads = {k: np.ones(n, np.float32) for k in params}
+    ddp = DataParallel(params, group=pg, bucket_cap_mb=args.bucket_cap_mb)
+    bw = Backward(args, grads)
+
+    def overlapped():
+        bw.run(ddp.grad_ready)
+        ddp.wait()
+
+    compute = timed(pg, lambda: bw.run(lambda name, g: None), args)
+    comm = timed(pg, lambda: ddp.sync_gradients(grads), args)
+    ddp.reset_stats()
+    step = timed(pg, overlapped, args)
+    s = ddp.stats()
+    steps = args.warmup + args.repeats
+    hidden = compute + comm - step
+    frac = hidden / min(compute, comm)
+    if pg.rank == 0:
+        total_mb = args.layers * n * 4 / 2**20
+        what = (f"sleep {args.ms_per_layer:g} ms" if args.compute == "sleep"
+                else f"matmul x{bw.reps} (~{args.ms_per_layer:g} ms)")
+        print(f"# meshcoll {meshcoll.__version__}  ddp overlap  ranks={pg.size}  "
+              f"layers={args.layers} x {args.layer_mb:g} MiB = {total_mb:g} MiB  "
+              f"buckets={len(ddp.bucket_names)}  compute={what} per layer  "
+              f"repeats={args.repeats} warmup={args.warmup}")
+        print(f"# {'phase':>16} {'time':>9} {'algbw':>8}")
+        print(f"# {'':>16} {'(ms)':>9} {'(GB/s)':>8}")
+        rows = [("compute-only", compute, None), ("comm-only", comm, total_mb * 2**20 / comm / 1e9),
+                ("overlapped step", step, None)]
+        for name, t, algbw in rows:
+            bw_col = f"{algbw:8.3f}" if algbw is not None else f"{'-':>8}"
+            print(f"  {name:>16} {t * 1e3:9.2f} {bw_col}")
+        print(f"# compute + comm = {(compute + comm) * 1e3:.2f} ms; overlapped step "
+              f"{'<' if step < compute + comm else '>='} that; hidden {hidden * 1e3:.2f} ms = "
+              f"{100 * frac:.0f}% of min(compute, comm)")
+        print(f"# ddp.stats() over the overlapped steps (rank 0): "
+              f"{s['comm_seconds'] / steps * 1e3:.2f} ms comm/step, "
+              f"{s['overlapped_seconds'] / steps * 1e3:.2f} ms before wait() "
+              f"({100 * s['overlap_fraction']:.0f}%), {s['algbw_gbps']:.3f} GB/s")
+        if args.json:
+            with open(args.json, "a") as f:
+                for name, t, _ in rows:
+                    f.write(json.dumps({"bench": "ddp", "phase": name, "time_ms": t * 1e3,
+                                        "ranks": pg.size, "layers": args.layers,
+                                        "layer_mb": args.layer_mb, "compute": args.compute,
+                                        "ms_per_layer": args.ms_per_layer,
+                                        "buckets": len(ddp.bucket_names),
+                                        "overlap_fraction": frac}) + "\n")
+    ddp.close()
+    meshcoll.destroy()
+
+
+if __name__ == "__main__":
+    main()
