@@ -24,7 +24,9 @@ def run_case(pg, call):
     class and message (or None), the seconds until it raised, and what a further collective
     on the same group raised."""
     g = pg.new_group(list(range(pg.size)))
-    g.barrier(timeout=CALL_TIMEOUT)  # start together, so elapsed times measure detection
+    # Start together, so elapsed times measure detection. The barrier runs on the parent: one
+    # on g itself could still be finishing on a slow rank when a fast rank's abort of g lands.
+    pg.barrier(timeout=CALL_TIMEOUT)
     t0 = time.monotonic()
     err = None
     try:

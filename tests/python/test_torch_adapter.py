@@ -85,7 +85,8 @@ def _max_rel(a, b):
 
 @pytest.mark.parametrize("world", [3])
 def test_torch_ddp_matches_one_process(run_ranks, world):
-    results = run_ranks(world, _cases, timeout=100)
+    # Three ranks importing torch at once on a loaded 2-core box: give the rendezvous time.
+    results = run_ranks(world, _cases, timeout=110, init_timeout=90)
     ref, ref_accum = _reference(1), _reference(3)
     for r in results:
         params, stats, buckets = r["plain"]
