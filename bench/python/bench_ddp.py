@@ -7,8 +7,8 @@
 * comm-only: every gradient handed over at once, then ``wait()``: communication alone;
 * overlapped step: the backward calling ``ddp.grad_ready`` per layer, then ``wait()``.
 
-Each row is the median over ``--repeats`` of the slowest rank's time (each repeat starts
-after a barrier). If overlap is real, overlapped < compute + comm; the hidden share is
+Each row is the median over ``--repeats`` of the slowest rank's time; within a repeat the
+three phases take turns, each after a barrier. If overlap is real, overlapped < compute + comm; the hidden share is
 (compute + comm - overlapped) / min(compute, comm). ``--compute sleep`` (default) stands for
 an accelerator's backward: it leaves the host CPU free. ``--compute matmul`` runs numpy
 matmuls on the same cores as the communication, so on a machine with fewer cores than
@@ -43,7 +43,7 @@ def parse_args():
     p.add_argument("--compute", choices=("sleep", "matmul"), default="sleep")
     p.add_argument("--ms-per-layer", type=float, default=4.0,
                    help="backward time per layer (sleep), or its target (matmul: calibrated)")
-    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--repeats", type=int, default=25)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", metavar="FILE", help="append one json record per row")
     return p.parse_args()
@@ -76,18 +76,27 @@ class Backward:
             on_grad(name, self.grads[name])
 
 
-def timed(pg, fn, args) -> float:
-    """Median over repeats of the slowest rank's seconds."""
-    times = []
+def timed(pg, fns, args, ddp):
+    """Median over repeats of the slowest rank's seconds, for each of ``fns``. The phases
+    take turns within each repeat, so the machine's slow moments fall on all of them alike.
+    Also returns ddp.stats() summed over the timed calls of the last phase."""
+    times = [[] for _ in fns]
+    stats = {"comm_seconds": 0.0, "overlapped_seconds": 0.0, "bytes": 0}
     for i in range(args.warmup + args.repeats):
-        pg.barrier()
-        t0 = time.perf_counter()
-        fn()
-        t = np.array([time.perf_counter() - t0])
-        pg.all_reduce(t, op="max")
-        if i >= args.warmup:
-            times.append(float(t[0]))
-    return statistics.median(times)
+        for j, fn in enumerate(fns):
+            pg.barrier()
+            before = ddp.stats()
+            t0 = time.perf_counter()
+            fn()
+            t = np.array([time.perf_counter() - t0])
+            after = ddp.stats()
+            pg.all_reduce(t, op="max")
+            if i >= args.warmup:
+                times[j].append(float(t[0]))
+                if j == len(fns) - 1:
+                    for k in stats:
+                        stats[k] += after[k] - before[k]
+    return [statistics.median(t) for t in times], stats
 
 
 def main() -> None:
@@ -103,12 +112,10 @@ def main() -> None:
         bw.run(ddp.grad_ready)
         ddp.wait()
 
-    compute = timed(pg, lambda: bw.run(lambda name, g: None), args)
-    comm = timed(pg, lambda: ddp.sync_gradients(grads), args)
-    ddp.reset_stats()
-    step = timed(pg, overlapped, args)
-    s = ddp.stats()
-    steps = args.warmup + args.repeats
+    (compute, comm, step), s = timed(
+        pg, [lambda: bw.run(lambda name, g: None), lambda: ddp.sync_gradients(grads),
+             overlapped], args, ddp)
+    steps = args.repeats
     hidden = compute + comm - step
     frac = hidden / min(compute, comm)
     if pg.rank == 0:
@@ -132,7 +139,8 @@ def main() -> None:
         print(f"# ddp.stats() over the overlapped steps (rank 0): "
               f"{s['comm_seconds'] / steps * 1e3:.2f} ms comm/step, "
               f"{s['overlapped_seconds'] / steps * 1e3:.2f} ms before wait() "
-              f"({100 * s['overlap_fraction']:.0f}%), {s['algbw_gbps']:.3f} GB/s")
+              f"({100 * s['overlapped_seconds'] / s['comm_seconds']:.0f}%), "
+              f"{s['bytes'] / s['comm_seconds'] / 1e9:.3f} GB/s")
         if args.json:
             with open(args.json, "a") as f:
                 for name, t, _ in rows:

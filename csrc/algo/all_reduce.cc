@@ -15,13 +15,14 @@ const char* algorithm_name(Algorithm a) {
     case Algorithm::kTree: return "tree";
     case Algorithm::kHalvingDoubling: return "halving_doubling";
     case Algorithm::kDirect: return "direct";
+    case Algorithm::kShm: return "shm";
   }
   return "unknown";
 }
 
 bool algorithm_from_name(const std::string& name, Algorithm* out) {
   for (auto a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree,
-                 Algorithm::kHalvingDoubling, Algorithm::kDirect}) {
+                 Algorithm::kHalvingDoubling, Algorithm::kDirect, Algorithm::kShm}) {
     if (name == algorithm_name(a)) {
       *out = a;
       return true;
@@ -44,10 +45,14 @@ void all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
   if (comm.size() == 1) return;  // avg over one rank is the value itself
   AllreduceArgs b = a;
   b.in = ConstBytes(a.out.data, nbytes);  // every algorithm below works in place on out
-  Algorithm algo = a.algorithm == Algorithm::kAuto
-                       ? select_all_reduce(nbytes, comm.size(), a.select)
-                       : a.algorithm;
+  Algorithm algo = a.algorithm;
+  if (algo == Algorithm::kAuto)
+    algo = comm.shm() ? Algorithm::kShm : select_all_reduce(nbytes, comm.size(), a.select);
+  if (algo == Algorithm::kShm && !comm.shm())
+    throw InvalidArgument(str_cat("all_reduce: algorithm 'shm' needs every rank on one host "
+                                  "with shared memory; this group uses ", comm.shm_status()));
   switch (algo) {
+    case Algorithm::kShm: shm_all_reduce(comm, b); break;
     case Algorithm::kRing: ring_all_reduce(comm, b); break;
     case Algorithm::kTree: tree_all_reduce(comm, b); break;
     case Algorithm::kHalvingDoubling: halving_doubling_all_reduce(comm, b); break;

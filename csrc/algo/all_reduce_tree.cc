@@ -61,6 +61,10 @@ void tree_all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
 void broadcast(comm::Comm& comm, const BroadcastArgs& a) {
   const int n = comm.size();
   if (n == 1) return;
+  if (comm.shm()) {
+    shm_broadcast(comm, a);
+    return;
+  }
   if (a.buf.size <= 64 * 1024 || n == 2) {
     binomial_broadcast(comm, a.buf, a.root, 0);
     return;

@@ -15,7 +15,7 @@ namespace meshcoll::algo {
 
 inline constexpr size_t kMaxSegmentBytes = 512 * 1024;
 
-enum class Algorithm : uint8_t { kAuto = 0, kRing, kTree, kHalvingDoubling, kDirect };
+enum class Algorithm : uint8_t { kAuto = 0, kRing, kTree, kHalvingDoubling, kDirect, kShm };
 const char* algorithm_name(Algorithm a);
 bool algorithm_from_name(const std::string& name, Algorithm* out);
 
@@ -41,6 +41,7 @@ void ring_all_reduce(comm::Comm& comm, const AllreduceArgs& a);
 void tree_all_reduce(comm::Comm& comm, const AllreduceArgs& a);
 void halving_doubling_all_reduce(comm::Comm& comm, const AllreduceArgs& a);
 void direct_all_reduce(comm::Comm& comm, const AllreduceArgs& a);
+void shm_all_reduce(comm::Comm& comm, const AllreduceArgs& a);  // same host only
 
 struct BroadcastArgs {
   MutBytes buf;  // root: source; others: destination
@@ -48,6 +49,7 @@ struct BroadcastArgs {
   size_t max_segment_bytes = kMaxSegmentBytes;
 };
 void broadcast(comm::Comm& comm, const BroadcastArgs& a);
+void shm_broadcast(comm::Comm& comm, const BroadcastArgs& a);
 
 // Reduce to root: out is written on root only (may alias in).
 struct ReduceArgs {
@@ -68,6 +70,7 @@ struct AllGatherArgs {
   size_t max_segment_bytes = kMaxSegmentBytes;
 };
 void all_gather(comm::Comm& comm, const AllGatherArgs& a);
+void shm_all_gather(comm::Comm& comm, const AllGatherArgs& a);
 
 struct ReduceScatterArgs {
   ConstBytes in;              // the whole vector: every rank's block, in rank order
@@ -96,5 +99,6 @@ void gather(comm::Comm& comm, const GatherArgs& a);
 void scatter(comm::Comm& comm, const GatherArgs& a);
 
 void barrier(comm::Comm& comm);
+void shm_barrier(comm::Comm& comm);
 
 }  // namespace meshcoll::algo

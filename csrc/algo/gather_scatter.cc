@@ -33,6 +33,10 @@ void all_gather(comm::Comm& comm, const AllGatherArgs& a) {
   if (a.in.data != a.out.data + off[r] && a.bytes[r])
     std::memcpy(a.out.data + off[r], a.in.data, a.bytes[r]);
   if (n == 1) return;
+  if (comm.shm()) {
+    shm_all_gather(comm, a);
+    return;
+  }
   const int right = mod(r + 1, n), left = mod(r - 1, n);
   const Segments segs(max_of(a.bytes), a.max_segment_bytes, 1);
   auto seg = [&](int block, size_t j) {
@@ -159,6 +163,11 @@ void scatter(comm::Comm& comm, const GatherArgs& a) {
 // after ceil(log2 n) rounds every rank has heard, transitively, from every other.
 void barrier(comm::Comm& comm) {
   const int n = comm.size(), r = comm.rank();
+  if (n == 1) return;
+  if (comm.shm()) {
+    shm_barrier(comm);
+    return;
+  }
   uint32_t round = 0;
   for (int k = 1; k < n; k <<= 1, ++round) {
     comm.wait({comm.send(mod(r + k, n), round, ConstBytes()),

@@ -49,6 +49,26 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
   topts.comm_id = comm_id;
   transport_ = std::make_unique<transport::TcpTransport>(rank, size, *store_, topts, &describe_op,
                                                          Deadline(opts.timeout));
+  Deadline setup(opts.timeout);
+  if (size > 1 && opts.transport != "tcp") {
+    std::string why;
+    shm_ = transport::ShmGroup::create(rank, size, *store_, opts.shm_bytes, setup, &why);
+    if (!shm_ && opts.transport == "shm")
+      throw Error(str_cat("rank ", rank, ": MESHCOLL_TRANSPORT=shm but shared memory is not usable: ",
+                          why));
+    shm_status_ = shm_ ? "shm" : "tcp (shared memory unusable: " + why + ")";
+  } else {
+    shm_status_ = "tcp";
+  }
+  shm_check_ = [this](const std::vector<int>& missing) {
+    transport_->poll_once();
+    for (int p : missing)
+      if (transport_->peer_closed(p))
+        throw PeerError(str_cat("rank ", rank_, ": rank ", p,
+                                " closed its connection while the group waited for it in shared "
+                                "memory: rank ", p, " exited, crashed or aborted"));
+    transport_->check_unexpected(current_);
+  };
   p2p_send_seq_.assign(size, 0);
   p2p_recv_seq_.assign(size, 0);
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);

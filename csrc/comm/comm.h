@@ -18,6 +18,7 @@
 #include "common/deadline.h"
 #include "common/dtype.h"
 #include "store/store.h"
+#include "transport/shm/segment.h"
 #include "transport/transport.h"
 
 namespace meshcoll::comm {
@@ -43,6 +44,10 @@ std::string describe_op(const transport::OpDesc& d);
 
 struct CommOptions {
   Millis timeout{300000};
+  // "auto": shared memory between the ranks when they are all on one host (falls back to TCP,
+  // with a warning, if /dev/shm is too small); "shm": required; "tcp": never.
+  std::string transport = "auto";
+  size_t shm_bytes = 4u << 20;  // per-rank data area for same-host collectives
   std::string bind_host;  // interface to listen on; empty = the one that reaches the store
   std::string token;
 };
@@ -79,6 +84,13 @@ class Comm {
   void wait(const std::vector<transport::Request>& reqs) { transport_->wait_all(reqs, deadline_); }
   void wait(const transport::Request& r) { transport_->wait(r, deadline_); }
   transport::Transport& transport() { return *transport_; }
+  // Same-host shared memory, or nullptr (ranks on several hosts, or MESHCOLL_TRANSPORT=tcp).
+  transport::ShmGroup* shm() { return shm_.get(); }
+  const std::string& shm_status() const { return shm_status_; }
+  uint64_t next_shm_round() { return ++shm_round_; }
+  const Deadline& deadline() const { return deadline_; }
+  // For waits in shared memory: polls the TCP links, fails on a dead peer or an ABORT.
+  const transport::ShmGroup::Check& shm_check() const { return shm_check_; }
   const transport::Envelope& current() const { return current_; }
   // Per-comm scratch memory, reused across operations (grown on demand, never shrunk).
   // Slots are independent buffers, so an algorithm may hold several at once.
@@ -116,6 +128,10 @@ class Comm {
   CommOptions opts_;
   std::shared_ptr<store::Store> store_;
   std::unique_ptr<transport::Transport> transport_;
+  std::unique_ptr<transport::ShmGroup> shm_;
+  std::string shm_status_;
+  transport::ShmGroup::Check shm_check_;
+  uint64_t shm_round_ = 0;
 
   std::mutex mu_;  // guards queue_, stopping_, seq counters
   std::condition_variable cv_;

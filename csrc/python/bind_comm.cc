@@ -99,7 +99,7 @@ void bind_comm(py::module_& m) {
            });
 
   m.def("algorithm_names", [] {
-    return std::vector<std::string>{"auto", "ring", "tree", "halving_doubling", "direct"};
+    return std::vector<std::string>{"auto", "ring", "tree", "halving_doubling", "direct", "shm"};
   });
   m.def("select_all_reduce", [](size_t nbytes, int world, size_t tree_threshold, size_t hd_threshold) {
         algo::SelectConfig cfg{tree_threshold, hd_threshold};
@@ -109,8 +109,14 @@ void bind_comm(py::module_& m) {
 
   py::class_<Comm, std::shared_ptr<Comm>>(m, "Comm", "CPU communicator of one group.")
       .def(py::init([](std::shared_ptr<store::Store> store, int rank, int size, double timeout_s,
-                       const std::string& bind_host, const std::string& token, uint64_t comm_id) {
+                       const std::string& bind_host, const std::string& token, uint64_t comm_id,
+                       const std::string& transport, size_t shm_bytes) {
+             if (transport != "auto" && transport != "shm" && transport != "tcp")
+               throw py::value_error(str_cat("MESHCOLL_TRANSPORT must be auto, shm or tcp, got '",
+                                             transport, "'"));
              comm::CommOptions o;
+             o.transport = transport;
+             o.shm_bytes = shm_bytes;
              o.timeout = Millis(static_cast<int64_t>(timeout_s * 1000.0));
              o.bind_host = bind_host;
              o.token = token;
@@ -118,8 +124,10 @@ void bind_comm(py::module_& m) {
              return std::make_shared<Comm>(store, rank, size, o, comm_id);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
-           py::arg("bind_host"), py::arg("token"), py::arg("comm_id"))
+           py::arg("bind_host"), py::arg("token"), py::arg("comm_id"), py::arg("transport") = "auto",
+           py::arg("shm_bytes") = size_t(4) << 20)
       .def_property_readonly("rank", &Comm::rank)
+      .def_property_readonly("transport", &Comm::shm_status)
       .def_property_readonly("size", &Comm::size)
       .def("shutdown", [](Comm& c) {
         py::gil_scoped_release nogil;

@@ -101,7 +101,9 @@ inline uint16_t float_to_bfloat16(float f) {
   const uint32_t u = half_detail::bits_of(f);
   const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   const uint32_t nan = (u >> 16) | 0x40u;
-  return static_cast<uint16_t>(half_detail::select((u & 0x7fffffffu) > 0x7f800000u, nan, rounded));
+  // Integer-only, so a plain ?: vectorises (a blend); the signed compare saves a sign flip.
+  const bool is_nan = static_cast<int32_t>(u & 0x7fffffffu) > 0x7f800000;
+  return static_cast<uint16_t>(is_nan ? nan : rounded);
 }
 
 #if defined(__x86_64__)
@@ -125,13 +127,15 @@ __attribute__((target("avx2,f16c"))) inline void float_to_half_x8_f16c(const flo
 
 __attribute__((target("avx512f"))) inline void half_to_float_x16_avx512(const uint16_t* in,
                                                                          float* out) {
+  // The maskz forms with a full mask compile to the plain instruction; the plain intrinsics
+  // trip a -Wmaybe-uninitialized false positive in GCC 12's headers (_mm512_undefined_*).
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in));
-  _mm512_storeu_ps(out, _mm512_cvtph_ps(h));
+  _mm512_storeu_ps(out, _mm512_maskz_cvtph_ps(0xffff, h));
 }
 
 __attribute__((target("avx512f"))) inline void float_to_half_x16_avx512(const float* in,
                                                                          uint16_t* out) {
-  __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(in), _MM_FROUND_TO_NEAREST_INT);
+  __m256i h = _mm512_maskz_cvtps_ph(0xffff, _mm512_loadu_ps(in), _MM_FROUND_TO_NEAREST_INT);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h);
 }
 #endif  // __x86_64__

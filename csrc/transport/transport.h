@@ -84,6 +84,11 @@ class Transport {
   // One non-blocking pass over every peer: reads what has arrived, so an ABORT frame or a
   // dead peer is noticed even by a rank whose operation only sent (and so never waited).
   virtual void poll_once() = 0;
+  // True once the peer's connection has closed (it exited or died).
+  virtual bool peer_closed(int peer) const = 0;
+  // Throws MismatchError if a peer already sent a frame for collective `current.seq` with a
+  // different OpDesc (a rank waiting in shared memory learns of a mismatch this way).
+  virtual void check_unexpected(const Envelope& current) = 0;
   // Fail every pending request and tell every peer (best effort), then close.
   virtual void abort(AbortKind kind, const std::string& why) = 0;
   virtual bool aborted() const = 0;

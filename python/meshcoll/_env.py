@@ -30,6 +30,8 @@ MASTER_PORT = "MESHCOLL_MASTER_PORT"
 TOKEN = "MESHCOLL_TOKEN"
 TIMEOUT = "MESHCOLL_TIMEOUT"
 SOCKET_IFNAME = "MESHCOLL_SOCKET_IFNAME"
+TRANSPORT = "MESHCOLL_TRANSPORT"
+SHM_BYTES = "MESHCOLL_SHM_BYTES"
 
 # torchrun's names for the master; the fallback after ours for every scheme.
 _TORCH_MASTER_ADDR = "MASTER_ADDR"
@@ -333,3 +335,24 @@ def launcher_env(*, rank: int, world_size: int, local_rank: int, local_world_siz
     if timeout is not None:
         env[TIMEOUT] = repr(float(timeout))
     return env
+
+
+def transport_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``MESHCOLL_TRANSPORT``: auto (default), shm or tcp."""
+    env = os.environ if environ is None else environ
+    value = (_get(env, TRANSPORT) or "auto").lower()
+    if value not in ("auto", "shm", "tcp"):
+        raise ValueError(f"{TRANSPORT}={value!r}: use auto, shm or tcp")
+    return value
+
+
+def shm_bytes_from_env(environ: Optional[Mapping[str, str]] = None) -> int:
+    """``MESHCOLL_SHM_BYTES``: each rank's shared-memory data area (default 4 MiB)."""
+    env = os.environ if environ is None else environ
+    text = _get(env, SHM_BYTES)
+    if text is None:
+        return 4 << 20
+    value = _parse_int(text, SHM_BYTES)
+    if value < 4096:
+        raise ValueError(f"{SHM_BYTES}={value}: must be at least 4096 bytes")
+    return value

@@ -114,7 +114,8 @@ class ProcessGroup:
     def _make_comm(self, prefixed_store, rank: int, parent):
         """The C++ communicator for this group; collective over the members."""
         return _C.Comm(prefixed_store, rank, len(self._ranks), self._timeout, self._bind_host,
-                       self._token, _comm_id(self._name, self._token))
+                       self._token, _comm_id(self._name, self._token),
+                       _env.transport_from_env(), _env.shm_bytes_from_env())
 
     def _as_array(self, x, what: str, writable: bool = False):
         return as_array(x, what, writable=writable)
@@ -149,6 +150,11 @@ class ProcessGroup:
     @property
     def name(self) -> str:
         return self._name
+
+    @property
+    def transport(self) -> str:
+        """"shm" when the members share memory on one host, else "tcp" (with the reason)."""
+        return self._comm.transport
 
     def __repr__(self) -> str:
         return f"ProcessGroup(name={self._name!r}, rank={self.rank}, size={self.size}, ranks={self._ranks})"

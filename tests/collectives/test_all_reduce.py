@@ -296,6 +296,19 @@ def _forms_body(pg):
     seen["nd avg"] = z.shape == (3, 5, 7) and bool(
         np.allclose(z, np.arange(105).reshape(3, 5, 7) * (n + 1) / 2, rtol=1e-12))
 
+    # Bools are logic on any nonzero byte, not bitwise on the raw bytes (2 & 1 is 0, but
+    # True and True is True).
+    raw = np.array([2, 4, 0, 255, 1, 0], np.uint8) if rank % 2 == 0 else \
+        np.array([1, 8, 3, 0, 0, 0], np.uint8)
+    logic = {"band": np.logical_and, "bor": np.logical_or, "bxor": np.logical_xor,
+             "min": np.logical_and, "max": np.logical_or}
+    for op, fn in logic.items():
+        b = raw.copy().view(np.bool_)
+        pg.all_reduce(b, op)
+        inputs = [(np.array([2, 4, 0, 255, 1, 0]) if r % 2 == 0 else np.array([1, 8, 3, 0, 0, 0]))
+                  != 0 for r in range(n)]
+        seen[f"bool {op} on nonzero bytes"] = [bool(v) for v in b] == fn.reduce(inputs).tolist()
+
     # A 0-d array is one element.
     s = np.array(rank + 1, np.int64)
     pg.all_reduce(s)

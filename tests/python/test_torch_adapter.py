@@ -66,8 +66,27 @@ def _train(pg, accum):
             stats, model.ddp.bucket_names)
 
 
+def _local_sgd(pg, period):
+    import meshcoll.torch as mt
+    from meshcoll.ddp import LocalSGD
+    model = mt.DistributedDataParallel(_model(0), group=pg, mode=LocalSGD(period))
+    x, y = _data(BATCH * period)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    snapshots = []
+    for s in range(period):
+        opt.zero_grad()
+        shard = torch.as_tensor(np.array_split(np.arange(s * BATCH, (s + 1) * BATCH),
+                                               pg.size)[pg.rank])
+        torch.nn.functional.cross_entropy(model(x[shard]), y[shard]).backward()
+        opt.step()
+        model.step()  # the period-th call averages the parameters
+        snapshots.append(np.concatenate([p.detach().numpy().ravel() for p in model.parameters()]))
+    model.close()
+    return snapshots
+
+
 def _cases(pg):
-    out = {"plain": _train(pg, 1), "accum": _train(pg, 3)}
+    out = {"plain": _train(pg, 1), "accum": _train(pg, 3), "local": _local_sgd(pg, 2)}
     # Missing gradients: a parameter outside the graph never fires its hook.
     import meshcoll.torch as mt
     net = torch.nn.ModuleDict({"used": torch.nn.Linear(2, 2), "unused": torch.nn.Linear(2, 2)})
@@ -96,3 +115,8 @@ def test_torch_ddp_matches_one_process(run_ranks, world):
         nbytes = sum(v.nbytes for v in ref.values())
         assert stats["calls"] == len(buckets) * STEPS and stats["bytes"] == nbytes * STEPS
         assert stats["comm_seconds"] > 0
+    # LocalSGD: ranks drift apart on their own shards, then agree after the average.
+    first, second = [r["local"][0] for r in results], [r["local"][1] for r in results]
+    assert not np.allclose(first[0], first[1])
+    for s in second[1:]:
+        np.testing.assert_allclose(s, second[0], rtol=1e-6)

@@ -472,6 +472,18 @@ void TcpTransport::poll_once() {
   poll_and_progress(0);
 }
 
+bool TcpTransport::peer_closed(int peer) const { return peers_[peer]->closed; }
+
+void TcpTransport::check_unexpected(const Envelope& current) {
+  for (int j = 0; j < size_; ++j) {
+    for (const auto& u : peers_[j]->unexpected) {
+      if (u->hdr.channel == static_cast<uint8_t>(Channel::kCollective) &&
+          u->hdr.seq == current.seq && u->hdr.op != current.op)
+        check_agreement(j, u->hdr, current, u->hdr.nbytes);
+    }
+  }
+}
+
 void TcpTransport::check_pending_peers(const std::vector<Request>& reqs) {
   for (const auto& r : reqs) {
     const TcpOp& op = as_tcp(r);

@@ -51,6 +51,8 @@ class TcpTransport : public Transport {
   void wait_all(const std::vector<Request>& reqs, const Deadline& d) override;
   bool wait_any(const std::vector<Request>& reqs, const Deadline& d, int wake_fd) override;
   void poll_once() override;
+  bool peer_closed(int peer) const override;
+  void check_unexpected(const Envelope& current) override;
   void abort(AbortKind kind, const std::string& why) override;
   bool aborted() const override { return failed_; }
 

@@ -1,6 +1,7 @@
 """Data-parallel training of a small numpy MLP, the README's first command:
 
     meshcoll-run -n 4 -m meshcoll.examples.train_ddp --check
+    python -m meshcoll.examples.train_ddp --check        # the same: starts meshcoll-run -n 4
 
 Every rank generates the same synthetic classification set (fixed seed), takes its shard of
 each global batch, and runs forward and backward in numpy. Backward hands each layer's
@@ -14,9 +15,10 @@ instead of gradients every step.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Tuple
 
 import numpy as np
 
@@ -180,6 +182,8 @@ def train_distributed(pg, args, x, y) -> Tuple[Params, DataParallel]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-N", "--nproc", type=int, default=4,
+                   help="ranks to start when not already under a launcher (default 4)")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=128, help="global batch (default 128)")
     p.add_argument("--samples", type=int, default=4096)
@@ -200,7 +204,17 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if meshcoll._env._find_scheme(os.environ) is None:
+        # Not under a launcher: start the ranks with meshcoll-run (exec, so that signals go
+        # straight to it), one BLAS thread each unless told otherwise: N ranks of spinning
+        # BLAS threads on a few cores would spend the job waiting for each other.
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "meshcoll.run", "-n", str(args.nproc),
+                                   "-m", "meshcoll.examples.train_ddp", *argv], env)
     pg = meshcoll.init()
     try:
         x, y = make_dataset(args.samples, seed=args.seed)

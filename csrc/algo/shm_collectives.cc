@@ -1,0 +1,158 @@
+// Same-host collectives over shared memory (csrc/transport/shm/segment.h): ranks read each
+// other's data areas directly, with no kernel copies and no per-byte syscalls.
+//
+// Note [Shared-memory rounds]
+// Work moves in rounds; every rank runs the same rounds in the same order (one counter per
+// group). Each rank writes only its own segment, and before it overwrites it in round R it
+// waits until every rank has *released* round R-1, i.e. finished reading the segments. A
+// round publishes its OpDesc and sequence number with `arrived`, so ranks compare what they
+// called before reading anything (the agreement check of the TCP path, in memory).
+#include <cstring>
+
+#include "algo/collectives.h"
+#include "algo/plan.h"
+#include "common/check.h"
+#include "reduce/kernels.h"
+#include "transport/shm/segment.h"
+
+namespace meshcoll::algo {
+
+namespace {
+using transport::ShmGroup;
+
+const char* op_name(const comm::Comm& comm) {
+  return comm::coll_name(static_cast<comm::CollKind>(comm.current().op.coll));
+}
+
+// Round R begins: wait until every rank is done reading round R-1, then publish.
+uint64_t begin_round(comm::Comm& comm, ShmGroup& g) {
+  uint64_t round = comm.next_shm_round();
+  g.wait_all(ShmGroup::kReleased, round - 1, comm.deadline(), comm.shm_check(), op_name(comm));
+  auto& me = g.control(g.rank());
+  me.desc = comm.current().op;
+  me.seq = comm.current().seq;
+  return round;
+}
+
+void arrive(ShmGroup& g, uint64_t round) {
+  g.control(g.rank()).arrived.store(round, std::memory_order_release);
+}
+
+void check_agreement(comm::Comm& comm, ShmGroup& g, int peer) {
+  const auto& mine = g.control(g.rank());
+  const auto& theirs = g.control(peer);
+  if (theirs.seq == mine.seq && theirs.desc == mine.desc) return;
+  throw MismatchError(str_cat(
+      "collective mismatch: rank ", peer, " called ", comm::describe_op(theirs.desc), " [seq ",
+      theirs.seq, "] but rank ", g.rank(), " called ", comm::describe_op(mine.desc), " [seq ",
+      mine.seq, "]; every rank of a group must call the same collectives, with the same count, "
+      "dtype, op and root, in the same order"));
+}
+
+void check_all(comm::Comm& comm, ShmGroup& g) {
+  for (int p = 0; p < g.size(); ++p) check_agreement(comm, g, p);
+}
+
+void release(ShmGroup& g, uint64_t round) {
+  g.control(g.rank()).released.store(round, std::memory_order_release);
+}
+}  // namespace
+
+// All-reduce of a chunk per round: every rank copies its chunk in; rank r folds slice r of
+// every rank's chunk in rank order (deterministic) and publishes it; every rank copies the
+// other slices out. Per rank that reads and writes each byte about three times, against
+// 2(n-1)/n sends plus kernel copies on each side for the TCP ring.
+void shm_all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
+  ShmGroup& g = *comm.shm();
+  const int n = g.size(), r = g.rank();
+  const size_t esz = dtype_size(a.dtype);
+  const size_t chunk = std::max<size_t>(1, g.data_bytes() / esz);
+  auto fold = reduce::lookup(a.dtype, a.op);
+  const char* what = op_name(comm);
+  size_t off = 0;
+  do {
+    const size_t c = std::min(chunk, a.count - off);
+    uint8_t* out = a.out.data + off * esz;
+    uint64_t round = begin_round(comm, g);
+    std::memcpy(g.data(r), out, c * esz);
+    arrive(g, round);
+    g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
+    check_all(comm, g);
+    const Blocks slices(c, n);
+    const size_t s = slices.offset(r) * esz, len = slices.length(r);
+    if (len) {
+      std::memcpy(out + s, g.data(0) + s, len * esz);
+      for (int p = 1; p < n; ++p) fold(out + s, g.data(p) + s, len);
+      std::memcpy(g.data(r) + s, out + s, len * esz);
+    }
+    g.control(r).reduced.store(round, std::memory_order_release);
+    g.wait_all(ShmGroup::kReduced, round, comm.deadline(), comm.shm_check(), what);
+    for (int p = 0; p < n; ++p) {
+      if (p == r) continue;
+      size_t ps = slices.offset(p) * esz;
+      std::memcpy(out + ps, g.data(p) + ps, slices.length(p) * esz);
+    }
+    release(g, round);
+    off += c;
+  } while (off < a.count);
+}
+
+// Broadcast: the root copies a chunk in per round; the others copy it out.
+void shm_broadcast(comm::Comm& comm, const BroadcastArgs& a) {
+  ShmGroup& g = *comm.shm();
+  const int r = g.rank();
+  const char* what = op_name(comm);
+  size_t off = 0;
+  do {
+    const size_t c = std::min(g.data_bytes(), a.buf.size - off);
+    uint64_t round = begin_round(comm, g);
+    if (r == a.root) std::memcpy(g.data(r), a.buf.data + off, c);
+    arrive(g, round);
+    if (r != a.root) {
+      g.wait_one(a.root, ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
+      check_agreement(comm, g, a.root);
+      std::memcpy(a.buf.data + off, g.data(a.root), c);
+    }
+    release(g, round);
+    off += c;
+  } while (off < a.buf.size);
+}
+
+// All-gather: in round k every rank copies chunk k of its block in, then every rank copies
+// every other rank's chunk k out. Blocks may differ in size (the _v variant).
+void shm_all_gather(comm::Comm& comm, const AllGatherArgs& a) {
+  ShmGroup& g = *comm.shm();
+  const int n = g.size(), r = g.rank();
+  const char* what = op_name(comm);
+  std::vector<size_t> at(n + 1, 0);
+  for (int p = 0; p < n; ++p) at[p + 1] = at[p] + a.bytes[p];
+  MC_CHECK_EQ(at[n], a.out.size);
+  if (a.in.data != a.out.data + at[r] && a.bytes[r]) std::memmove(a.out.data + at[r], a.in.data, a.bytes[r]);
+  const size_t longest = *std::max_element(a.bytes.begin(), a.bytes.end());
+  const size_t S = g.data_bytes();
+  size_t off = 0;
+  do {
+    uint64_t round = begin_round(comm, g);
+    if (off < a.bytes[r]) std::memcpy(g.data(r), a.in.data + off, std::min(S, a.bytes[r] - off));
+    arrive(g, round);
+    g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
+    check_all(comm, g);
+    for (int p = 0; p < n; ++p) {
+      if (p == r || off >= a.bytes[p]) continue;
+      std::memcpy(a.out.data + at[p] + off, g.data(p), std::min(S, a.bytes[p] - off));
+    }
+    release(g, round);
+    off += S;
+  } while (off < longest);
+}
+
+void shm_barrier(comm::Comm& comm) {
+  ShmGroup& g = *comm.shm();
+  uint64_t round = begin_round(comm, g);
+  arrive(g, round);
+  g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), "barrier");
+  check_all(comm, g);
+  release(g, round);
+}
+
+}  // namespace meshcoll::algo

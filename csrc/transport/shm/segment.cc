@@ -1,0 +1,209 @@
+#include "transport/shm/segment.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include "common/error.h"
+
+namespace meshcoll::transport {
+
+namespace {
+constexpr size_t kControlBytes = sizeof(ShmControl);
+
+std::string read_first_line(const char* path) {
+  std::ifstream f(path);
+  std::string s;
+  std::getline(f, s);
+  return s;
+}
+
+std::string link_target(const char* path) {
+  char buf[256];
+  ssize_t n = ::readlink(path, buf, sizeof(buf) - 1);
+  return n > 0 ? std::string(buf, n) : std::string();
+}
+}  // namespace
+
+std::string ShmGroup::host_identity() {
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  // Same boot and same IPC namespace: two containers on one host may not share /dev/shm.
+  return str_cat(host, "|", read_first_line("/proc/sys/kernel/random/boot_id"), "|",
+                 link_target("/proc/self/ns/ipc"));
+}
+
+ShmGroup::ShmGroup(int rank, int size, size_t data_bytes)
+    : rank_(rank), size_(size), data_bytes_(data_bytes), seg_bytes_(kControlBytes + data_bytes) {
+  maps_.assign(size, nullptr);
+  ctrl_.assign(size, nullptr);
+  data_.assign(size, nullptr);
+  for (int r = 0; r < size; ++r) all_ranks_.push_back(r);
+}
+
+std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& store,
+                                           size_t data_bytes, const Deadline& d, std::string* why) {
+  Millis left(d.poll_ms() < 0 ? 24LL * 3600 * 1000 : std::max(1, d.poll_ms()));
+  // Every rank publishes a verdict for each step and reads everyone's, so all ranks take the
+  // same branch even when only one of them fails.
+  auto agree = [&](const std::string& step, const std::string& my_error) {
+    std::string mine = my_error.empty() ? "ok" : my_error;
+    store.set(str_cat("shm/", step, "/", rank), store::Bytes(mine.begin(), mine.end()));
+    for (int r = 0; r < size; ++r) {
+      auto v = store.get(str_cat("shm/", step, "/", r), left);
+      std::string s(v.begin(), v.end());
+      if (s != "ok") {
+        *why = str_cat("rank ", r, ": ", s);
+        return false;
+      }
+    }
+    return true;
+  };
+  // Same host and IPC namespace as rank 0?
+  std::string id = host_identity();
+  if (rank == 0) store.set("shm/host", store::Bytes(id.begin(), id.end()));
+  auto host0 = store.get("shm/host", left);
+  bool same = std::string(host0.begin(), host0.end()) == id;
+  if (!agree("host", same ? "" : "on another host or IPC namespace than rank 0")) return nullptr;
+
+  // A nonce from rank 0 makes the names unique across concurrent jobs on the host.
+  if (rank == 0) {
+    std::string nonce = str_cat(getpid(), "-", Clock::now().time_since_epoch().count());
+    store.set("shm/nonce", store::Bytes(nonce.begin(), nonce.end()));
+  }
+  auto nb = store.get("shm/nonce", left);
+  std::string base = str_cat("/meshcoll-", std::string(nb.begin(), nb.end()), "-");
+  auto shm_name = [&](int r) { return str_cat(base, r); };
+
+  std::unique_ptr<ShmGroup> g(new ShmGroup(rank, size, data_bytes));
+  std::string mine = shm_name(rank);
+  std::string err;
+  int fd = shm_open(mine.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+  if (fd < 0) {
+    err = str_cat("cannot create shared memory ", mine, ": ", errno_text(errno));
+  } else {
+    int rc = posix_fallocate(fd, 0, static_cast<off_t>(g->seg_bytes_));
+    if (rc != 0) {
+      err = str_cat("/dev/shm has no room for ", g->seg_bytes_, " bytes (", errno_text(rc),
+                    "); the group needs ", size, " x ", g->seg_bytes_,
+                    " bytes there: enlarge it (docker --shm-size), lower MESHCOLL_SHM_BYTES, "
+                    "or set MESHCOLL_TRANSPORT=tcp");
+    } else {
+      void* m = mmap(nullptr, g->seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (m == MAP_FAILED) {
+        err = str_cat("mmap of shared memory failed: ", errno_text(errno));
+      } else {
+        g->maps_[rank] = m;
+        new (m) ShmControl();
+        g->ctrl_[rank] = static_cast<ShmControl*>(m);
+        g->data_[rank] = static_cast<uint8_t*>(m) + kControlBytes;
+      }
+    }
+    ::close(fd);
+  }
+  if (!agree("created", err)) {
+    shm_unlink(mine.c_str());
+    return nullptr;
+  }
+  for (int r = 0; r < size && err.empty(); ++r) {
+    if (r == rank) continue;
+    int pfd = shm_open(shm_name(r).c_str(), O_RDWR, 0600);
+    if (pfd < 0) {
+      err = str_cat("cannot open rank ", r, "'s shared memory: ", errno_text(errno));
+      break;
+    }
+    void* m = mmap(nullptr, g->seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, pfd, 0);
+    ::close(pfd);
+    if (m == MAP_FAILED) {
+      err = str_cat("mmap of rank ", r, "'s shared memory failed: ", errno_text(errno));
+      break;
+    }
+    g->maps_[r] = m;
+    g->ctrl_[r] = static_cast<ShmControl*>(m);
+    g->data_[r] = static_cast<uint8_t*>(m) + kControlBytes;
+  }
+  bool ok = agree("mapped", err);
+  shm_unlink(mine.c_str());  // every rank has mapped it (or given up): the name can go
+  if (!ok) return nullptr;
+  return g;
+}
+
+ShmGroup::~ShmGroup() {
+  for (auto* m : maps_)
+    if (m) munmap(m, seg_bytes_);
+}
+
+std::atomic<uint64_t>& ShmGroup::counter(int r, Phase p) {
+  ShmControl& c = *ctrl_[r];
+  return p == kArrived ? c.arrived : p == kReduced ? c.reduced : c.released;
+}
+
+namespace {
+// Spin briefly (the peer is usually a few hundred ns behind), then yield the core (ranks may
+// outnumber cores), then nap; run `check` every ~5 ms.
+template <class Ready, class Periodic>
+void spin_until(Ready ready, Periodic periodic) {
+  for (int i = 0; i < 2000; ++i) {
+    if (ready()) return;
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  auto next_check = Clock::now();
+  for (int i = 0;; ++i) {
+    if (ready()) return;
+    auto now = Clock::now();
+    if (now >= next_check) {
+      periodic();
+      next_check = now + Millis(5);
+    }
+    if (i < 200)
+      sched_yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+}  // namespace
+
+void ShmGroup::wait_until(const std::vector<int>& ranks, Phase phase, uint64_t round,
+                          const Deadline& d, const Check& check, const char* what) {
+  size_t i = 0;
+  auto ready = [&] {
+    for (; i < ranks.size(); ++i)
+      if (counter(ranks[i], phase).load(std::memory_order_acquire) < round) return false;
+    return true;
+  };
+  auto periodic = [&] {
+    std::vector<int> missing;
+    for (int r : ranks)
+      if (counter(r, phase).load(std::memory_order_acquire) < round) missing.push_back(r);
+    if (check) check(missing);
+    if (d.expired()) {
+      std::string list;
+      for (int r : missing) list += str_cat(list.empty() ? "" : ", ", r);
+      throw TimeoutError(str_cat("rank ", rank_, " timed out after ", d.timeout().count(),
+                                 " ms in ", what, " (shared memory): rank(s) ", list,
+                                 " had not arrived; they are slow, stuck in other code, or "
+                                 "called another collective"));
+    }
+  };
+  spin_until(ready, periodic);
+}
+
+void ShmGroup::wait_all(Phase phase, uint64_t round, const Deadline& d, const Check& check,
+                        const char* what) {
+  wait_until(all_ranks_, phase, round, d, check, what);
+}
+
+void ShmGroup::wait_one(int r, Phase phase, uint64_t round, const Deadline& d, const Check& check,
+                        const char* what) {
+  wait_until({r}, phase, round, d, check, what);
+}
+
+}  // namespace meshcoll::transport
