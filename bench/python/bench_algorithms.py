@@ -13,7 +13,8 @@ The proposal searches the thresholds of the current selection rule (the real one
 ``CollectiveConfig.select_all_reduce``: direct for world <= 2 and tree otherwise up to
 ``tree_threshold_bytes``; halving-doubling on power-of-two worlds up to
 ``hd_threshold_bytes``; ring above) for the pair that minimises the geometric-mean
-slowdown of auto's pick against the fastest algorithm, over every measured (world, size).
+slowdown of auto's pick against the fastest algorithm, over every measured (world, size);
+among pairs within 1% of the best it takes the smallest thresholds (ties go to ring).
 Timings are only as good as the machine: on a shared 2-core box, rerun and compare.
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import os
 import subprocess
 import sys
@@ -67,10 +69,11 @@ def run_world(world: int, args: argparse.Namespace) -> List[dict]:
 
 
 def to_table(records: List[dict]) -> Table:
-    t: Table = {}
+    """size -> algorithm -> time; the median where several runs measured the same point."""
+    times: Dict[int, Dict[str, List[float]]] = {}
     for r in records:
-        t.setdefault(r["size"], {})[r["algo"]] = r["time"]
-    return t
+        times.setdefault(r["size"], {}).setdefault(r["algo"], []).append(r["time"])
+    return {s: {a: statistics.median(v) for a, v in row.items()} for s, row in times.items()}
 
 
 def winner(row: Dict[str, float]) -> str:
@@ -82,10 +85,13 @@ def select(cfg_tree: int, cfg_hd: int, nbytes: int, world: int) -> str:
     return cfg.select_all_reduce(nbytes, world)
 
 
-def print_table(world: int, table: Table, args: argparse.Namespace, wrong: int) -> None:
+def print_table(world: int, table: Table, args: argparse.Namespace, recs: List[dict]) -> None:
     cur = meshcoll.CollectiveConfig()
-    print(f"# all_reduce {args.dtype} sum  ranks={world}  iters={args.small_iters} up to "
-          f"{args.split}, {args.iters} above  warmup={args.warmup}  median of {args.repeats} repeats  time per call (us)"
+    wrong = sum(r["wrong"] or 0 for r in recs)
+    iters = "/".join(str(i) for i in sorted({r["iters"] for r in recs}, reverse=True))
+    print(f"# all_reduce {recs[0]['type']} {recs[0]['redop']}  ranks={world}  iters={iters} "
+          f"(small/large sizes)  warmup={recs[0]['warmup']}  median of {args.repeats} "
+          f"repeats  time per call (us)"
           f"{'' if not wrong else f'  WRONG ELEMENTS: {wrong}'}")
     names = {"halving_doubling": "hd"}
     print("#" + f"{'size':>11}" + "".join(f"{names.get(a, a):>11}" for a in ALGORITHMS)
@@ -134,19 +140,17 @@ def score(tables: Dict[int, Table], tree: int, hd: int) -> float:
     return math.exp(sum(logs) / len(logs))
 
 
-def propose(tables: Dict[int, Table]) -> Tuple[int, int, float]:
+def propose(tables: Dict[int, Table], margin: float = 0.01) -> Tuple[int, int, float]:
+    """The thresholds whose score is within ``margin`` of the best pair's, preferring the
+    smallest hd threshold and then the smallest tree threshold: where timings tie within
+    the noise, ring (segmented, pipelined, bandwidth-optimal) is the safer pick."""
     sizes = sorted({s for t in tables.values() for s in t})
     cands = [0] + sizes
-    best = None
-    for tree in cands:
-        for hd in cands:
-            if hd < tree:
-                continue
-            s = score(tables, tree, hd)
-            # ties (plateaus between grid points) go to the smaller thresholds
-            if best is None or s < best[2] - 1e-12:
-                best = (tree, hd, s)
-    return best
+    scored = [(score(tables, tree, hd), tree, hd) for tree in cands for hd in cands if hd >= tree]
+    best = min(s for s, _, _ in scored)
+    s, tree, hd = min(((s, tree, hd) for s, tree, hd in scored if s <= best * (1 + margin)),
+                      key=lambda c: (c[2], c[1]))
+    return tree, hd, s
 
 
 def main() -> int:
@@ -161,15 +165,27 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("-d", "--dtype", default="float32")
     p.add_argument("--json", default=None, help="write every record (JSON lines) here")
+    p.add_argument("--load", nargs="+", metavar="JSONL", default=None,
+                   help="measure nothing: analyse the records of earlier --json runs (several "
+                        "runs: the median per world, size and algorithm)")
     args = p.parse_args()
 
+    loaded: Dict[int, List[dict]] = {}
+    if args.load:
+        for path in args.load:
+            with open(path) as f:
+                for line in f:
+                    r = json.loads(line)
+                    loaded.setdefault(r["ranks"], []).append(r)
+        args.worlds = ",".join(str(w) for w in sorted(loaded))
+        args.repeats = f"{len(args.load)} run(s) x {loaded[min(loaded)][0]['repeats']}"
     tables: Dict[int, Table] = {}
     records: List[dict] = []
     for world in (int(w) for w in args.worlds.split(",")):
-        recs = run_world(world, args)
+        recs = loaded[world] if args.load else run_world(world, args)
         records += recs
         tables[world] = to_table(recs)
-        print_table(world, tables[world], args, sum(r["wrong"] or 0 for r in recs))
+        print_table(world, tables[world], args, recs)
         print("# crossovers: " + ("; ".join(
             f"{old}->{new} at {format_size(s)}" for s, old, new in crossovers(tables[world]))
             or "none"))
@@ -186,7 +202,8 @@ def main() -> int:
           f"hd_threshold_bytes={cur.hd_threshold_bytes}: auto is "
           f"{score(tables, cur.tree_threshold_bytes, cur.hd_threshold_bytes):.3f}x the best "
           f"(geometric mean over worlds {args.worlds} and sizes)")
-    print(f"# proposed tree_threshold_bytes={tree} hd_threshold_bytes={hd}: {s:.3f}x")
+    print(f"# proposed tree_threshold_bytes={tree} hd_threshold_bytes={hd}: {s:.3f}x"
+          + ("  (hd <= tree: no halving-doubling window)" if hd <= tree else ""))
     for world, table in tables.items():
         print(f"#   ranks={world}: current {score({world: table}, cur.tree_threshold_bytes, cur.hd_threshold_bytes):.3f}x"
               f", proposed {score({world: table}, tree, hd):.3f}x")

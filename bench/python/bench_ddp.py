@@ -52,16 +52,20 @@ def parse_args():
 class Backward:
     """A backward pass that takes time per layer and hands over precomputed gradients."""
 
-    def __init__(self, args, grads):
+    def __init__(self, pg, args, grads):
         self.grads, self.kind, self.ms = grads, args.compute, args.ms_per_layer
         self.a = np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32)
-        self.reps = self._calibrate() if self.kind == "matmul" else 0
+        self.reps = self._calibrate(pg) if self.kind == "matmul" else 0
 
-    def _calibrate(self) -> int:
+    def _calibrate(self, pg) -> int:
+        # All ranks at once, as in the run; every rank then uses the smallest count, so that
+        # no rank's backward is longer by design.
+        pg.barrier()
         t0, n = time.perf_counter(), 50
         for _ in range(n):
             self.a @ self.a
-        return max(1, round(self.ms / 1e3 / ((time.perf_counter() - t0) / n)))
+        reps = np.array([max(1, round(self.ms / 1e3 / ((time.perf_counter() - t0) / n)))])
+        return int(pg.all_reduce(reps, op="min")[0])
 
     def layer(self) -> None:
         if self.kind == "sleep":
@@ -106,7 +110,7 @@ def main() -> None:
     params = {f"w{i}": np.zeros(n, np.float32) for i in range(args.layers)}
     grads = {k: np.ones(n, np.float32) for k in params}
     ddp = DataParallel(params, group=pg, bucket_cap_mb=args.bucket_cap_mb)
-    bw = Backward(args, grads)
+    bw = Backward(pg, args, grads)
 
     def overlapped():
         bw.run(ddp.grad_ready)

@@ -266,6 +266,21 @@ std::exception_ptr same_type(std::exception_ptr e, const std::string& msg) {
   }
 }
 
+// The ABORT frame carries the error's kind, so every peer raises the same type.
+transport::AbortKind abort_kind_of(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const MismatchError&) {
+    return transport::AbortKind::kMismatch;
+  } catch (const TimeoutError&) {
+    return transport::AbortKind::kTimeout;
+  } catch (const PeerError&) {
+    return transport::AbortKind::kPeer;
+  } catch (...) {
+    return transport::AbortKind::kGeneric;
+  }
+}
+
 std::string message_of(std::exception_ptr e) {
   try {
     std::rethrow_exception(e);
@@ -286,7 +301,7 @@ void Comm::fail_group(std::exception_ptr error) {
     failed_before_ = next_index_;
   }
   // Any failure mid-operation leaves peers waiting on us: abort so they fail fast.
-  transport_->abort(transport::AbortKind::kGeneric, message_of(error));
+  transport_->abort(abort_kind_of(error), message_of(error));
   for (auto& f : in_flight_) f.work->finish(same_type(error, f.what + message_of(error)));
   in_flight_.clear();
 }

@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 from . import _C
 from ._C import (AbortedError, MeshcollError, MismatchError, PeerError, PrefixStore, Store,
                  TimeoutError)
+from .ddp import DataParallel, LocalSGD
 from .device_mesh import DeviceMesh, MeshLayout, init_device_mesh
 from .process_group import (CollectiveConfig, NonMemberGroup, ProcessGroup, Work, destroy,
                             get_world_group, init, is_initialized, new_group)
@@ -58,7 +59,7 @@ del _name
 __all__ = [
     "init", "destroy", "is_initialized", "get_rank", "get_world_size", "get_world_group",
     "new_group", "ProcessGroup", "NonMemberGroup", "Work", "CollectiveConfig", "TCPStore",
-    "PrefixStore", "Store", "MeshLayout", "DeviceMesh", "init_device_mesh",
+    "PrefixStore", "Store", "DataParallel", "LocalSGD", "MeshLayout", "DeviceMesh", "init_device_mesh",
     "MeshcollError", "TimeoutError", "PeerError", "MismatchError", "AbortedError",
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_v", "reduce_scatter",
     "reduce_scatter_v", "all_to_all", "all_to_all_v", "gather", "scatter", "send", "recv",

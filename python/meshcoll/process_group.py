@@ -109,6 +109,10 @@ class ProcessGroup:
         self._next_child = 0
         self.config = CollectiveConfig(os.environ.get(_ALGO_ENV) or "auto")
         self._comm = self._make_comm(_C.PrefixStore(f"mc/{name}", store), rank, parent)
+        if self._comm_transport().startswith("tcp (") and rank == 0:
+            import warnings
+            warnings.warn(f"meshcoll group {name!r}: {self._comm_transport()}; falling back to "
+                          "TCP between same-host ranks", RuntimeWarning, stacklevel=3)
 
     # ---- backend hooks: a backend subclass (meshcoll.nccl) overrides these ----------
     def _make_comm(self, prefixed_store, rank: int, parent):
@@ -116,6 +120,9 @@ class ProcessGroup:
         return _C.Comm(prefixed_store, rank, len(self._ranks), self._timeout, self._bind_host,
                        self._token, _comm_id(self._name, self._token),
                        _env.transport_from_env(), _env.shm_bytes_from_env())
+
+    def _comm_transport(self) -> str:
+        return self._comm.transport
 
     def _as_array(self, x, what: str, writable: bool = False):
         return as_array(x, what, writable=writable)
@@ -154,7 +161,7 @@ class ProcessGroup:
     @property
     def transport(self) -> str:
         """"shm" when the members share memory on one host, else "tcp" (with the reason)."""
-        return self._comm.transport
+        return self._comm_transport()
 
     def __repr__(self) -> str:
         return f"ProcessGroup(name={self._name!r}, rank={self.rank}, size={self.size}, ranks={self._ranks})"
@@ -165,7 +172,7 @@ class ProcessGroup:
         """Reduce ``x`` across the group, in place; returns ``x`` (or a Work)."""
         a = self._as_array(x, "all_reduce", writable=True)
         cfg = self.config
-        w = self._comm.all_reduce(a, a, op, algorithm or cfg.algorithm, timeout,
+        w = self._comm.all_reduce(a, a, op, cfg.algorithm if algorithm is None else algorithm, timeout,
                                   cfg.max_segment_bytes, cfg.tree_threshold_bytes,
                                   cfg.hd_threshold_bytes)
         return _done(w, x, (a,), async_op, timeout)

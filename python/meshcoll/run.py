@@ -155,6 +155,10 @@ class _Job:
             # Without this, a child's print() sits in its buffer until exit, and
             # lines of a crashed rank would never reach us.
             env["PYTHONUNBUFFERED"] = "1"
+            if a.nproc_per_node > 1:
+                # N ranks x a spinning BLAS thread pool each oversubscribe the cores (torchrun
+                # sets the same default); an explicit OMP_NUM_THREADS wins.
+                env.setdefault("OMP_NUM_THREADS", "1")
             pipe = None if a.no_prefix else subprocess.PIPE
             # A new session per child: our SIGTERM/SIGKILL then reaches the whole
             # process group, grandchildren included, with os.killpg(child.pid).

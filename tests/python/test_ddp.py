@@ -4,6 +4,8 @@ over its cases inside it (a spawn costs more than the training)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -14,7 +16,7 @@ pytestmark = pytest.mark.timeout(120)
 SIZES = (8, 16, 16, 4)       # w1 512 B, b1 64, w2 1 KiB, b2 64, w3 256, b3 16
 CAP_MB = 600 / 2**20         # 600 B: buckets [b3 w3 b2] [w2] [b1 w1] -> several all-reduces
 NBYTES = 4 * (8 * 16 + 16 + 16 * 16 + 16 + 16 * 4 + 4)
-BATCH, STEPS, LR = 24, 5, 0.2
+BATCH, STEPS, LR = 26, 5, 0.2  # 26 splits unevenly over 3 and 4 ranks
 
 
 @pytest.fixture(autouse=True)
@@ -46,8 +48,9 @@ def _reference(accum):
 
 
 def _train(pg, accum=1, **ddp_kw):
-    """DataParallel training; every micro-batch is split over the ranks (unevenly for 3 and
-    4 ranks: 24 samples = 8+8+8, 6x4; with accum the micro-batch is 24 of 24*accum)."""
+    """DataParallel training: every micro-batch is split over the ranks (26 = 9+9+8 on 3
+    ranks, 7+7+6+6 on 4), each rank's loss scaled so the group average is the mean over the
+    whole step; with ``accum`` micro-batches the first ones run under no_sync()."""
     from meshcoll.ddp import DataParallel
     x, y = _data()
     params = init_params(SIZES, seed=pg.rank)  # differs per rank: construction broadcasts
@@ -61,7 +64,7 @@ def _train(pg, accum=1, **ddp_kw):
                 grads[name] = g
                 ddp.grad_ready(name, g)
             last = m == accum - 1
-            with (ddp.no_sync() if not last else _nothing()):
+            with ddp.no_sync() if not last else contextlib.nullcontext():
                 forward_backward(params, x[shard], y[shard], pg.size / len(idx), on_grad)
             if last:
                 ddp.wait()
@@ -69,14 +72,6 @@ def _train(pg, accum=1, **ddp_kw):
             p -= np.float32(LR) * grads[n]
     stats = ddp.stats()
     return params, stats, ddp.bucket_names
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _training_cases(pg):

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.timeout(120)
 
-BATCH, STEPS, LR = 24, 4, 0.2
+BATCH, STEPS, LR = 26, 4, 0.2  # 26 = 9+9+8 over 3 ranks: uneven shards
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,198 @@
+// The NCCL communicator of one group: unique id through the store, non-blocking init with a
+// deadline, ncclCommSplit for subgroups, every collective, a completion event per op and a
+// watchdog that turns a stuck or failed op into TimeoutError / PeerError.
+//
+// Note [NCCL streams and Works]
+// An op runs on the caller's stream (the array's stream, the stream= argument, or the
+// legacy default stream), so a synchronous call costs one NCCL enqueue plus one event
+// record and never blocks the host. With async=true it runs on this communicator's internal
+// stream, ordered after the caller's stream through an event, so the caller's stream keeps
+// computing meanwhile; Work::wait makes the caller's stream wait for the op's completion
+// event (cuStreamWaitEvent: no host block) and Work::synchronize blocks the host, with a
+// timeout. Every op's completion event sits in a fixed ring of kSlots slots, reused only
+// after the watchdog has seen the op complete: the hot path allocates nothing but the Work.
+// An op enqueued while its stream is being captured into a CUDA graph has no event and no
+// deadline (it runs at each replay); its Work::wait is a no-op and synchronize refuses.
+//
+// Note [NCCL failure model]
+// The watchdog thread polls ncclCommGetAsyncError and the oldest pending ops' events every
+// few milliseconds. An asynchronous NCCL error, or an op still running past its deadline,
+// records the first error, calls ncclCommAbort (the kernels exit, so every event
+// completes) and marks the communicator dead: ops not finished by then report that error
+// (TimeoutError, PeerError or MeshcollError); new calls raise AbortedError. As on the CPU
+// backend, a dead group must be rebuilt. A group is used by one thread at a time, as NCCL
+// requires; one mutex (uncontended on the hot path) orders the caller and the watchdog.
+#pragma once
+
+#include <array>
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/deadline.h"
+#include "common/dtype.h"
+#include "nccl/nccl_abi.h"
+#include "nccl/nccl_api.h"
+#include "store/store.h"
+
+namespace meshcoll::nccl {
+
+class NcclComm;
+
+// Handle on one enqueued op.
+class NcclWork {
+ public:
+  NcclWork(std::shared_ptr<NcclComm> comm, uint64_t seq, abi::CUstream issue_stream,
+           bool async, bool captured, bool host_blocking)
+      : comm_(std::move(comm)), seq_(seq), issue_stream_(issue_stream), async_(async),
+        captured_(captured), host_blocking_(host_blocking) {}
+  // Orders `stream` (has_stream=false: the stream the op was issued from) after the op:
+  // no host block, except for a barrier, which blocks the host (timeout < 0: the op's own
+  // deadline). Raises the op's failure if it is known to have failed.
+  void wait(bool has_stream, abi::CUstream stream, Millis timeout);
+  // Blocks the host until the op completes; TimeoutError if `timeout` (>= 0) passes first
+  // (the op goes on and fails by its own deadline if it is stuck).
+  void synchronize(Millis timeout);
+  bool is_completed();
+  std::exception_ptr exception();
+  bool captured() const { return captured_; }
+
+ private:
+  std::shared_ptr<NcclComm> comm_;
+  uint64_t seq_;
+  abi::CUstream issue_stream_;
+  bool async_, captured_, host_blocking_;
+};
+
+// Where and how one op runs. timeout < 0: the communicator's default.
+struct CallOpts {
+  abi::CUstream stream = nullptr;  // the caller's stream (nullptr = legacy default)
+  bool async = false;
+  Millis timeout{-1};
+};
+
+class NcclComm : public std::enable_shared_from_this<NcclComm> {
+ public:
+  static constexpr size_t kSlots = 1024;  // ops in flight before an enqueue waits
+
+  // Collective over the group the store is namespaced for: rank 0 makes the unique id and
+  // publishes it; every rank initialises on `device` within `timeout`.
+  static std::shared_ptr<NcclComm> create(std::shared_ptr<store::Store> store, int rank,
+                                          int size, int device, Millis timeout);
+  // Whether split() uses ncclCommSplit (NCCL >= 2.18, and MESHCOLL_NCCL_SPLIT is not 0).
+  static bool split_supported();
+  // Collective over every rank of this communicator: ranks with the same color >= 0 form a
+  // new communicator, ordered by key; color < 0 joins none and gets nullptr.
+  std::shared_ptr<NcclComm> split(int color, int key, Millis timeout);
+
+  ~NcclComm();
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int device() const { return device_; }
+  Millis timeout() const { return timeout_; }
+  // Lets issued work finish (each op's deadline bounds it), then frees the communicator.
+  void shutdown();
+  // Aborts now (ncclCommAbort); pending ops fail with Aborted.
+  void abort(const std::string& why);
+
+  using WorkPtr = std::shared_ptr<NcclWork>;
+  // Counts are in elements; the caller validated buffers against them. `in` may alias `out`.
+  WorkPtr all_reduce(const CallOpts& c, const void* in, void* out, size_t count, DType dt, RedOp op);
+  WorkPtr reduce(const CallOpts& c, const void* in, void* out, size_t count, DType dt, RedOp op,
+                 int root);
+  WorkPtr broadcast(const CallOpts& c, void* buf, size_t count, DType dt, int root);
+  // counts[r]: elements from rank r, placed in rank order. Equal counts: ncclAllGather;
+  // otherwise grouped ncclBroadcast.
+  WorkPtr all_gather(const CallOpts& c, const void* in, void* out, const std::vector<size_t>& counts,
+                     DType dt);
+  // counts[r]: elements rank r keeps. Equal: ncclReduceScatter; otherwise grouped ncclReduce.
+  WorkPtr reduce_scatter(const CallOpts& c, const void* in, void* out,
+                         const std::vector<size_t>& counts, DType dt, RedOp op);
+  // Grouped ncclSend/ncclRecv (every NCCL version has them).
+  WorkPtr all_to_all(const CallOpts& c, const void* in, void* out,
+                     const std::vector<size_t>& send_counts,
+                     const std::vector<size_t>& recv_counts, DType dt);
+  WorkPtr gather(const CallOpts& c, const void* in, void* out, const std::vector<size_t>& counts,
+                 DType dt, int root);
+  WorkPtr scatter(const CallOpts& c, const void* in, void* out, const std::vector<size_t>& counts,
+                  DType dt, int root);
+  WorkPtr send(const CallOpts& c, const void* buf, size_t count, DType dt, int peer);
+  WorkPtr recv(const CallOpts& c, void* buf, size_t count, DType dt, int peer);
+  // A one-element all_reduce; its Work's wait() blocks the host.
+  WorkPtr barrier(const CallOpts& c);
+  // Small metadata exchange through device scratch on a private stream: every rank's
+  // `bytes` bytes, concatenated in rank order. Blocks the host (bounded by `timeout`).
+  std::vector<uint8_t> host_all_gather(const void* data, size_t bytes, Millis timeout);
+
+ private:
+  friend class NcclWork;
+  struct Slot {
+    abi::CUevent event = nullptr;
+    Clock::time_point deadline;
+    int64_t timeout_ms = 0;
+    const char* what = "";
+  };
+  struct Issue;  // one op's enqueue state (nccl_comm.cc)
+
+  NcclComm(abi::ncclComm_t comm, int rank, int size, int device, abi::CUcontext ctx,
+           Millis timeout);
+  static abi::ncclComm_t init_rank(const abi::ncclUniqueId& id, int rank, int size,
+                                   const Deadline& deadline, const std::string& where);
+
+  // Runs `launch(stream)` under the lock with the op's bookkeeping around it.
+  template <class Launch>
+  WorkPtr run(const CallOpts& c, const char* what, bool host_blocking, Launch&& launch);
+  void check_nccl_locked(abi::ncclResult_t r, const char* what, const Deadline& d);
+  void wait_ready_locked(abi::ncclComm_t comm, const Deadline& d, const char* what);
+  void usable_locked() const;
+  void claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d);
+  void fail_locked(std::exception_ptr error);
+  void abort_locked();
+  void poll_locked();  // advances completed_, checks async errors and deadlines
+  void watchdog();
+  // NcclWork's questions about op `seq`.
+  bool op_done_locked(uint64_t seq, std::exception_ptr* error);
+  void op_synchronize(uint64_t seq, Millis timeout);
+  void op_stream_wait(uint64_t seq, abi::CUstream stream);
+  std::string where() const;  // "rank 1 of 4, CUDA device 1"
+
+  const NcclApi& nc_;
+  const CudaApi& cu_;
+  abi::ncclComm_t comm_;  // nullptr once aborted or destroyed
+  int rank_, size_, device_;
+  abi::CUcontext ctx_;
+  Millis timeout_;
+  abi::CUstream internal_ = nullptr;  // async ops
+  abi::CUstream meta_ = nullptr;      // host_all_gather only: never waits on user work
+  abi::CUevent order_event_ = nullptr;  // caller stream -> internal stream ordering
+  abi::CUdeviceptr barrier_buf_ = 0;
+  abi::CUdeviceptr scratch_ = 0;
+  size_t scratch_bytes_ = 0;
+
+  mutable std::mutex mu_;
+  std::array<Slot, kSlots> slots_{};
+  uint64_t issued_ = 0;     // ops with a slot so far
+  uint64_t completed_ = 0;  // every op below this has completed
+  bool failed_ = false;
+  uint64_t failed_from_ = 0;  // ops at or above this failed with error_
+  std::exception_ptr error_;
+  bool shut_down_ = false;
+
+  std::mutex wd_mu_;
+  std::condition_variable wd_cv_;
+  bool wd_stop_ = false;
+  std::thread watchdog_;
+};
+
+// DType / RedOp -> NCCL enums; TypeMismatch naming both for pairs NCCL lacks.
+abi::ncclDataType_t nccl_dtype(DType t, bool reduction, const NcclApi& api);
+abi::ncclRedOp_t nccl_redop(RedOp op, DType t, const NcclApi& api);
+
+}  // namespace meshcoll::nccl

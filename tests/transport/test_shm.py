@@ -1,0 +1,93 @@
+"""Same-host shared memory: chosen automatically, nothing left in /dev/shm after a normal
+exit or kill -9, and a clear fallback or error when /dev/shm is too small."""
+
+import glob
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import meshcoll
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _ours():
+    return set(glob.glob("/dev/shm/meshcoll-*"))
+
+
+def _transport_and_sum(pg):
+    x = np.full(1000, pg.rank + 1.0)
+    pg.all_reduce(x)
+    return pg.transport, float(x[0])
+
+
+def test_auto_picks_shm_and_leaves_nothing(run_ranks):
+    before = _ours()
+    res = run_ranks(3, _transport_and_sum)
+    assert res == [("shm", 6.0)] * 3
+    assert _ours() - before == set()
+
+
+def test_tcp_can_be_forced(run_ranks):
+    res = run_ranks(2, _transport_and_sum, env={"MESHCOLL_TRANSPORT": "tcp"})
+    assert res == [("tcp", 3.0)] * 2
+
+
+def _die_in_shm_all_reduce(pg):
+    x = np.ones(1 << 18, np.float32)
+    for i in range(100000):
+        if pg.rank == 1 and i == 5:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            pg.all_reduce(x, timeout=5)
+        except (meshcoll.PeerError, meshcoll.TimeoutError) as e:
+            return type(e).__name__, str(e), time.monotonic() - t0
+    return "no error", "", 0.0
+
+
+def test_kill9_in_shm_collective_fails_fast_and_leaves_nothing(run_ranks):
+    before = _ours()
+    res = run_ranks(3, _die_in_shm_all_reduce, may_die=(1,))
+    for rank in (0, 2):
+        kind, msg, elapsed = res[rank]
+        assert kind in ("PeerError", "TimeoutError"), res[rank]
+        assert "rank 1" in msg, msg
+        assert elapsed < 7, elapsed
+    assert _ours() - before == set()
+
+
+def test_small_dev_shm_falls_back_to_tcp_with_the_reason(run_ranks):
+    huge = str(1 << 50)  # no /dev/shm has room for this
+    res = run_ranks(2, _transport_and_sum, env={"MESHCOLL_SHM_BYTES": huge})
+    for transport, total in res:
+        assert transport.startswith("tcp (") and "no room" in transport, transport
+        assert total == 3.0
+
+
+def _forced_shm(pg):
+    return pg.transport
+
+
+def test_small_dev_shm_with_shm_forced_is_an_error_naming_the_size(run_ranks):
+    with pytest.raises(AssertionError, match=r"no room for \d+ bytes"):
+        run_ranks(2, _forced_shm, env={"MESHCOLL_SHM_BYTES": str(1 << 50),
+                                       "MESHCOLL_TRANSPORT": "shm"})
+
+
+def _mismatch_in_shm(pg):
+    x = np.ones(10 + pg.rank, np.float32)
+    t0 = time.monotonic()
+    with pytest.raises(meshcoll.MismatchError) as e:
+        pg.all_reduce(x, timeout=30)
+    return str(e.value), time.monotonic() - t0
+
+
+def test_mismatch_detected_in_shared_memory(run_ranks):
+    res = run_ranks(3, _mismatch_in_shm)
+    for msg, elapsed in res:
+        assert "count=10" in msg and ("count=11" in msg or "count=12" in msg), msg
+        assert elapsed < 2
