@@ -4,10 +4,13 @@
     python bench/python/bench_algorithms.py --worlds 2,4 -e 1M --repeats 7 --json algos.jsonl
 
 For each world size this runs ``meshcoll-bench --op all_reduce --algo ring,tree,
-halving_doubling,direct`` (the four algorithms interleaved within each repeat, so a noisy
+halving_doubling,direct --transport tcp`` (the four algorithms interleaved within each repeat, so a noisy
 moment of the machine hits all of them), then prints one table per world size with the
 median time per call of each algorithm, the winner, and what ``algorithm="auto"`` picks
-today, followed by the crossover points (sizes where the winner changes).
+today, followed by the crossover points (sizes where the winner changes) and, steadier
+under noise, the size from which one algorithm stays faster than another. The transport is
+forced to TCP: the thresholds choose among these algorithms only where shared memory is not
+available (ranks on several hosts, or MESHCOLL_TRANSPORT=tcp).
 
 The proposal searches the thresholds of the current selection rule (the real one,
 ``CollectiveConfig.select_all_reduce``: direct for world <= 2 and tree otherwise up to
@@ -31,7 +34,11 @@ import tempfile
 from typing import Dict, List, Tuple
 
 import meshcoll
-from meshcoll.bench import ALGORITHMS, format_size, parse_size
+from meshcoll.bench import format_size, parse_size
+
+# The point-to-point algorithms that auto chooses between by size, over TCP. (On one host
+# auto takes the shared-memory algorithm "shm" instead; these thresholds then do not apply.)
+ALGORITHMS = ("ring", "tree", "halving_doubling", "direct")
 
 Table = Dict[int, Dict[str, float]]  # size -> algorithm -> median us
 
@@ -57,7 +64,8 @@ def run_world(world: int, args: argparse.Namespace) -> List[dict]:
             cmd = [sys.executable, "-m", "meshcoll.bench", "-N", str(world), "--op",
                    "all_reduce", "--algo", ",".join(ALGORITHMS), "-b", str(lo), "-e", str(hi),
                    "-f", "2", "-n", str(iters), "-w", str(args.warmup), "-c", "1",
-                   "-d", args.dtype, "--repeats", str(args.repeats), "--json", out]
+                   "-d", args.dtype, "--repeats", str(args.repeats), "--transport", "tcp",
+                   "--json", out]
             env = {k: v for k, v in os.environ.items() if not k.startswith("MESHCOLL_")}
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if p.returncode != 0:

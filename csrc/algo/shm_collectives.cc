@@ -34,9 +34,7 @@ uint64_t begin_round(comm::Comm& comm, ShmGroup& g) {
   return round;
 }
 
-void arrive(ShmGroup& g, uint64_t round) {
-  g.control(g.rank()).arrived.store(round, std::memory_order_release);
-}
+void arrive(ShmGroup& g, uint64_t round) { g.publish(ShmGroup::kArrived, round); }
 
 void check_agreement(comm::Comm& comm, ShmGroup& g, int peer) {
   const auto& mine = g.control(g.rank());
@@ -53,9 +51,7 @@ void check_all(comm::Comm& comm, ShmGroup& g) {
   for (int p = 0; p < g.size(); ++p) check_agreement(comm, g, p);
 }
 
-void release(ShmGroup& g, uint64_t round) {
-  g.control(g.rank()).released.store(round, std::memory_order_release);
-}
+void release(ShmGroup& g, uint64_t round) { g.publish(ShmGroup::kReleased, round); }
 }  // namespace
 
 // All-reduce of a chunk per round: every rank copies its chunk in; rank r folds slice r of
@@ -85,7 +81,7 @@ void shm_all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
       for (int p = 1; p < n; ++p) fold(out + s, g.data(p) + s, len);
       std::memcpy(g.data(r) + s, out + s, len * esz);
     }
-    g.control(r).reduced.store(round, std::memory_order_release);
+    g.publish(ShmGroup::kReduced, round);
     g.wait_all(ShmGroup::kReduced, round, comm.deadline(), comm.shm_check(), what);
     for (int p = 0; p < n; ++p) {
       if (p == r) continue;

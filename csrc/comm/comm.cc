@@ -91,14 +91,25 @@ void Comm::shutdown() {
   if (worker_.joinable()) worker_.join();
 }
 
-std::shared_ptr<Work> Comm::push(Item item) {
-  std::lock_guard<std::mutex> lock(mu_);
+std::shared_ptr<Work> Comm::push(Item item, bool blocking) {
+  std::unique_lock<std::mutex> lock(mu_);
   if (stopping_)
     throw Aborted(str_cat("rank ", rank_, ": ", describe_op(item.env.op),
                           " was called on a destroyed group"));
+  if (item.env.channel == transport::Channel::kCollective) item.env.seq = next_seq_++;
   item.work = std::make_shared<Work>(str_cat("rank ", rank_, " ", describe_op(item.env.op)));
   item.index = next_index_++;
   auto work = item.work;
+  if (blocking && !busy_ && queue_.empty() && in_flight_count_ == 0) {
+    busy_ = true;
+    lock.unlock();
+    run_item(item);
+    lock.lock();
+    busy_ = false;
+    lock.unlock();
+    cv_.notify_all();
+    return work;
+  }
   queue_.push_back(std::move(item));
   cv_.notify_all();
   if (polling_idle_.load()) {
@@ -109,18 +120,13 @@ std::shared_ptr<Work> Comm::push(Item item) {
 }
 
 std::shared_ptr<Work> Comm::enqueue(const transport::OpDesc& desc, Millis timeout,
-                                    std::function<void(Comm&)> run) {
+                                    std::function<void(Comm&)> run, bool blocking) {
   Item item;
-  item.env.channel = transport::Channel::kCollective;
+  item.env.channel = transport::Channel::kCollective;  // push() takes the sequence number
   item.env.op = desc;
   item.timeout = timeout.count() < 0 ? opts_.timeout : timeout;
   item.run = std::move(run);
-  {
-    // The sequence number is taken in issue order, on the calling thread.
-    std::lock_guard<std::mutex> lock(mu_);
-    item.env.seq = next_seq_++;
-  }
-  return push(std::move(item));
+  return push(std::move(item), blocking);
 }
 
 std::shared_ptr<Work> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag, ConstBytes src,
@@ -169,16 +175,19 @@ void Comm::worker_loop() {
     bool have = false;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      if (in_flight_.empty()) cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      cv_.wait(lock, [this] {
+        return !busy_ && (stopping_ || !queue_.empty() || in_flight_count_ > 0);
+      });
       if (!queue_.empty()) {
         item = std::move(queue_.front());
         queue_.pop_front();
         have = true;
-      } else if (in_flight_.empty()) {
+      } else if (in_flight_count_ == 0) {
         return;  // stopping, and everything issued has finished
       } else {
         polling_idle_ = true;  // from here on, push() wakes the poll below
       }
+      busy_ = true;
     }
     if (have) {
       run_item(item);
@@ -190,7 +199,17 @@ void Comm::worker_loop() {
       }
     }
     reap_in_flight();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_ = false;
+    }
+    cv_.notify_all();
   }
+}
+
+void Comm::sync_in_flight_count() {
+  std::lock_guard<std::mutex> lock(mu_);
+  in_flight_count_ = in_flight_.size();
 }
 
 // Only posted point-to-point transfers are pending: drive them until one completes, new work
@@ -229,6 +248,7 @@ void Comm::reap_in_flight() {
       ++i;
     }
   }
+  sync_in_flight_count();
 }
 
 void Comm::start_p2p(Item& item, const std::string& ctx) {
@@ -240,6 +260,7 @@ void Comm::start_p2p(Item& item, const std::string& ctx) {
     in_flight_.push_back({req, item.work, Deadline(item.timeout),
                           str_cat(item.is_send ? "send to rank " : "recv from rank ", item.peer,
                                   " (tag ", item.env.tag, ") on rank ", rank_, ": ")});
+    sync_in_flight_count();
   }
   (void)ctx;
 }
@@ -304,6 +325,7 @@ void Comm::fail_group(std::exception_ptr error) {
   transport_->abort(abort_kind_of(error), message_of(error));
   for (auto& f : in_flight_) f.work->finish(same_type(error, f.what + message_of(error)));
   in_flight_.clear();
+  sync_in_flight_count();
 }
 
 void Comm::run_item(Item& item) {

@@ -67,8 +67,11 @@ class Comm {
   const std::shared_ptr<store::Store>& store() const { return store_; }
 
   // Queues a collective; `run` executes on the worker thread. timeout < 0: the comm default.
+  // Note [Inline execution]: with `blocking` (the caller will wait at once) and the group
+  // idle (nothing queued, running or in flight), it runs on the calling thread instead,
+  // saving two thread hand-offs per call; issue order is kept either way.
   std::shared_ptr<Work> enqueue(const transport::OpDesc& desc, Millis timeout,
-                                std::function<void(Comm&)> run);
+                                std::function<void(Comm&)> run, bool blocking = false);
   // Queues a point-to-point send or receive; the per-peer message count is its sequence.
   // Note [Point-to-point in flight]: the worker only *posts* it and moves on to the next
   // operation, so `irecv` then `isend` on both sides of a pair cannot deadlock; posted
@@ -109,7 +112,8 @@ class Comm {
     std::shared_ptr<Work> work;
     uint64_t index = 0;  // position in issue order
   };
-  std::shared_ptr<Work> push(Item item);
+  std::shared_ptr<Work> push(Item item, bool blocking = false);
+  void sync_in_flight_count();
   struct InFlight {
     transport::Request req;
     std::shared_ptr<Work> work;
@@ -137,6 +141,8 @@ class Comm {
   std::condition_variable cv_;
   std::deque<Item> queue_;
   bool stopping_ = false;
+  bool busy_ = false;  // a thread (worker or inline caller) owns the transport
+  size_t in_flight_count_ = 0;  // in_flight_.size(), readable under mu_
   uint64_t next_seq_ = 1;
   uint64_t next_index_ = 0;
   uint64_t failed_before_ = 0;  // items issued before the first failure

@@ -182,3 +182,660 @@ ncclComm_t NcclComm::init_rank(const ncclUniqueId& id, int rank, int size, const
   std::rethrow_exception(
       nccl_failure(r, str_cat("ncclCommInitRankConfig failed on ", where, ": ", text)));
 }
+
+std::shared_ptr<NcclComm> NcclComm::create(std::shared_ptr<store::Store> store, int rank,
+                                           int size, int device, Millis timeout) {
+  const auto& nc = nccl();
+  const auto& cu = cuda();
+  MC_ARG_CHECK(size >= 1 && rank >= 0 && rank < size, "NCCL backend: rank ", rank,
+               " is out of range for a group of ", size);
+  const int n = cuda_device_count();
+  if (device < 0 || device >= n) {
+    const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
+    throw InvalidArgument(str_cat("NCCL backend: rank ", rank, " asked for CUDA device ", device,
+                                  " but ", n, " device", n == 1 ? " is" : "s are",
+                                  " visible (CUDA_VISIBLE_DEVICES=", vis ? vis : "unset",
+                                  "); pass device= or set LOCAL_RANK"));
+  }
+  const std::string where = str_cat("rank ", rank, " of ", size, ", CUDA device ", device);
+  PrimaryCtx pc(cu, device);
+  CtxGuard guard(cu, pc.get());
+  Deadline d(timeout);
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof(id));
+  if (rank == 0) {
+    ncclResult_t r = nc.get_unique_id(&id);
+    if (r != ncclSuccess)
+      throw Error(str_cat("ncclGetUniqueId failed on ", where, ": ", nc.error_text(r)));
+    store->set(kUidKey, store::Bytes(id.internal, id.internal + sizeof(id.internal)));
+  } else {
+    store::Bytes b;
+    try {
+      b = store->get(kUidKey, timeout);
+    } catch (const TimeoutError& e) {
+      throw TimeoutError(str_cat("NCCL init on ", where, ": rank 0's unique id did not arrive "
+                                 "within ", timeout.count(), " ms (did rank 0 call init with "
+                                 "backend='nccl'?): ", e.what()));
+    }
+    MC_CHECK_EQ(b.size(), sizeof(id.internal), "NCCL unique id size in the store");
+    std::memcpy(id.internal, b.data(), b.size());
+  }
+  ncclComm_t comm = init_rank(id, rank, size, d, where);
+  try {
+    return std::shared_ptr<NcclComm>(new NcclComm(comm, rank, size, device, pc.get(), timeout));
+  } catch (...) {
+    nc.comm_abort(comm);
+    throw;
+  }
+}
+
+NcclComm::NcclComm(ncclComm_t comm, int rank, int size, int device, CUcontext ctx,
+                   Millis timeout)
+    : nc_(nccl()), cu_(cuda()), comm_(comm), rank_(rank), size_(size), device_(device),
+      ctx_(ctx), timeout_(timeout) {
+  // Our own reference on the primary context, released in the destructor.
+  CUdevice dev = 0;
+  cu_.check(cu_.device_get(&dev, device), "cuDeviceGet");
+  CUcontext again = nullptr;
+  cu_.check(cu_.primary_ctx_retain(&again, dev), "cuDevicePrimaryCtxRetain");
+  CtxGuard guard(cu_, ctx_);
+  try {
+    cu_.check(cu_.stream_create(&internal_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    cu_.check(cu_.stream_create(&meta_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    cu_.check(cu_.event_create(&order_event_, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    cu_.check(cu_.mem_alloc(&barrier_buf_, 16), "cuMemAlloc (barrier word)");
+  } catch (...) {
+    if (internal_) cu_.stream_destroy(internal_);
+    if (meta_) cu_.stream_destroy(meta_);
+    if (order_event_) cu_.event_destroy(order_event_);
+    cu_.primary_ctx_release(dev);
+    throw;
+  }
+  watchdog_ = std::thread([this] { watchdog(); });
+}
+
+bool NcclComm::split_supported() {
+  const char* env = std::getenv(kSplitEnv);
+  if (env && std::strcmp(env, "0") == 0) return false;
+  return nccl().comm_split != nullptr;
+}
+
+std::shared_ptr<NcclComm> NcclComm::split(int color, int key, Millis timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  usable_locked();
+  if (!nc_.comm_split)
+    throw Error(str_cat("ncclCommSplit needs NCCL 2.18 or later; loaded ", nc_.describe()));
+  CtxGuard guard(cu_, ctx_);
+  const Millis t = timeout.count() < 0 ? timeout_ : timeout;
+  Deadline d(t);
+  ncclConfig_t cfg = make_config();
+  cfg.blocking = 0;
+  ncclComm_t child = nullptr;
+  ncclResult_t r = nc_.comm_split(comm_, color < 0 ? ncclSplitNoColor : color, key, &child, &cfg);
+  // Non-blocking: both the parent and the new communicator may be "in progress".
+  if (r == ncclSuccess || r == ncclInProgress) r = poll_ready(nc_, comm_, d);
+  if ((r == ncclSuccess) && child) r = poll_ready(nc_, child, d);
+  if (r != ncclSuccess) {
+    if (child) nc_.comm_abort(child);
+    std::string msg = str_cat("ncclCommSplit(color=", color, ", key=", key, ") on ", where());
+    fail_locked(r == ncclInProgress
+                    ? std::make_exception_ptr(TimeoutError(str_cat(
+                          msg, " did not finish within ", t.count(), " ms: every rank of the "
+                          "parent group must create the subgroup, in the same order")))
+                    : nccl_failure(r, str_cat(msg, " failed: ", nc_.error_text(r, comm_))));
+    std::rethrow_exception(error_);
+  }
+  if (!child) return nullptr;
+  int crank = -1, csize = 0;
+  nc_.comm_user_rank(child, &crank);
+  nc_.comm_count(child, &csize);
+  try {
+    return std::shared_ptr<NcclComm>(new NcclComm(child, crank, csize, device_, ctx_, t));
+  } catch (...) {
+    nc_.comm_abort(child);
+    throw;
+  }
+}
+
+// ---- teardown ----------------------------------------------------------------------------
+
+NcclComm::~NcclComm() {
+  {
+    std::lock_guard<std::mutex> wl(wd_mu_);
+    wd_stop_ = true;
+  }
+  wd_cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  // No shutdown() was called (the process is exiting, or the object was dropped): do not
+  // block in a destructor; abort instead, which never waits for peers.
+  if (cu_.ctx_set_current(ctx_) != CUDA_SUCCESS) return;  // the driver is gone already
+  abort_locked();
+  for (auto& s : slots_)
+    if (s.event) cu_.event_destroy(s.event);
+  if (order_event_) cu_.event_destroy(order_event_);
+  if (internal_) cu_.stream_destroy(internal_);
+  if (meta_) cu_.stream_destroy(meta_);
+  if (barrier_buf_) cu_.mem_free(barrier_buf_);
+  if (scratch_) cu_.mem_free(scratch_);
+  CUdevice dev = 0;
+  if (cu_.device_get(&dev, device_) == CUDA_SUCCESS) cu_.primary_ctx_release(dev);
+}
+
+void NcclComm::shutdown() {
+  {
+    std::lock_guard<std::mutex> wl(wd_mu_);
+    wd_stop_ = true;
+  }
+  wd_cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (!comm_) return;
+  CtxGuard guard(cu_, ctx_);
+  // Flush: ncclCommFinalize completes every issued op (non-blocking: we poll with the
+  // group's timeout); a peer that never finishes gets us an abort instead of a hang.
+  Deadline d(timeout_);
+  ncclResult_t r = nc_.comm_finalize ? nc_.comm_finalize(comm_) : ncclSuccess;
+  if (r == ncclSuccess || r == ncclInProgress) r = poll_ready(nc_, comm_, d);
+  if (r != ncclSuccess) {
+    abort_locked();
+    return;
+  }
+  nc_.comm_destroy(comm_);
+  comm_ = nullptr;
+  completed_ = issued_;
+}
+
+void NcclComm::abort(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!comm_) return;
+  CtxGuard guard(cu_, ctx_);
+  fail_locked(std::make_exception_ptr(
+      Aborted(str_cat("the NCCL communicator (", where(), ") was aborted: ", why))));
+}
+
+void NcclComm::abort_locked() {
+  if (!comm_) return;
+  nc_.comm_abort(comm_);
+  comm_ = nullptr;
+}
+
+// ---- failure bookkeeping -----------------------------------------------------------------
+
+std::string NcclComm::where() const {
+  return str_cat("rank ", rank_, " of ", size_, ", CUDA device ", device_);
+}
+
+void NcclComm::usable_locked() const {
+  if (failed_)
+    throw Aborted(str_cat("the NCCL communicator (", where(), ") was aborted by an earlier "
+                          "error; rebuild the group: ", message_of(error_)));
+  if (shut_down_ || !comm_)
+    throw Aborted(str_cat("the NCCL communicator (", where(), ") was destroyed"));
+}
+
+void NcclComm::fail_locked(std::exception_ptr error) {
+  if (failed_) return;
+  // Ops that completed before the failure keep their success.
+  while (completed_ < issued_ &&
+         cu_.event_query(slots_[completed_ % kSlots].event) == CUDA_SUCCESS)
+    ++completed_;
+  failed_ = true;
+  failed_from_ = completed_;
+  error_ = std::move(error);
+  abort_locked();  // the kernels exit, so every pending event completes
+}
+
+void NcclComm::check_nccl_locked(ncclResult_t r, const char* what, const Deadline& d) {
+  if (r == ncclSuccess) return;
+  if (r == ncclInProgress) {
+    wait_ready_locked(comm_, d, what);
+    return;
+  }
+  std::string msg = str_cat(what, " on ", where(), ": ", nc_.error_text(r, comm_));
+  if (r == ncclInvalidArgument || r == ncclInvalidUsage) throw InvalidArgument(msg);
+  fail_locked(nccl_failure(r, msg + "; the communicator was aborted"));
+  std::rethrow_exception(error_);
+}
+
+void NcclComm::wait_ready_locked(ncclComm_t comm, const Deadline& d, const char* what) {
+  ncclResult_t r = poll_ready(nc_, comm, d);
+  if (r == ncclSuccess) return;
+  if (r == ncclInProgress)
+    fail_locked(std::make_exception_ptr(TimeoutError(str_cat(
+        what, " on ", where(), " was still in progress after ", d.timeout().count(),
+        " ms (connection setup with a peer that never arrived?); the communicator was "
+        "aborted"))));
+  else
+    fail_locked(nccl_failure(r, str_cat(what, " on ", where(), ": ", nc_.error_text(r, comm),
+                                        "; the communicator was aborted")));
+  std::rethrow_exception(error_);
+}
+
+void NcclComm::poll_locked() {
+  if (failed_ || !comm_) return;
+  ncclResult_t st = ncclSuccess;
+  ncclResult_t r = nc_.comm_get_async_error(comm_, &st);
+  if (r != ncclSuccess) st = r;
+  if (st != ncclSuccess && st != ncclInProgress) {
+    fail_locked(nccl_failure(st, str_cat("NCCL reported an asynchronous error on ", where(), ": ",
+                                         nc_.error_text(st, comm_),
+                                         "; the communicator was aborted")));
+    return;
+  }
+  while (completed_ < issued_) {
+    CUresult q = cu_.event_query(slots_[completed_ % kSlots].event);
+    if (q == CUDA_SUCCESS) {
+      ++completed_;
+      continue;
+    }
+    if (q != CUDA_ERROR_NOT_READY) {
+      fail_locked(std::make_exception_ptr(Error(str_cat(
+          "CUDA error while waiting for NCCL op ", slots_[completed_ % kSlots].what, " on ",
+          where(), ": ", cu_.error_text(q), "; the communicator was aborted"))));
+      return;
+    }
+    break;
+  }
+  // Ops may sit on different streams and finish out of order: check every pending deadline.
+  const auto now = Clock::now();
+  for (uint64_t k = completed_; k < issued_; ++k) {
+    const Slot& s = slots_[k % kSlots];
+    if (now < s.deadline || cu_.event_query(s.event) == CUDA_SUCCESS) continue;
+    fail_locked(std::make_exception_ptr(TimeoutError(str_cat(
+        "NCCL ", s.what, " (op ", k, ") on ", where(), " did not complete within ",
+        s.timeout_ms, " ms; the communicator was aborted. A peer may have died, or not "
+        "called the same collectives in the same order; rebuild the group"))));
+    return;
+  }
+}
+
+void NcclComm::watchdog() {
+  // Relaxed capture mode: our event queries must never invalidate a CUDA graph that
+  // another thread is capturing.
+  int mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+  cu_.thread_exchange_capture_mode(&mode);
+  cu_.ctx_set_current(ctx_);
+  for (;;) {
+    bool pending;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      poll_locked();
+      pending = !failed_ && completed_ < issued_;
+    }
+    std::unique_lock<std::mutex> wl(wd_mu_);
+    if (wd_cv_.wait_for(wl, pending ? kPollBusy : kPollIdle, [this] { return wd_stop_; })) return;
+  }
+}
+
+// ---- the op path -------------------------------------------------------------------------
+
+void NcclComm::claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d) {
+  if (issued_ - completed_ < kSlots) return;
+  // The ring is full: kSlots ops are in flight. Wait for the oldest (rare; bounded by d).
+  int round = 0;
+  for (;;) {
+    poll_locked();
+    usable_locked();
+    if (issued_ - completed_ < kSlots) return;
+    if (d.expired())
+      throw TimeoutError(str_cat("NCCL: ", kSlots, " ops are in flight on ", where(),
+                                 " and none completed within ", d.timeout().count(), " ms"));
+    lock.unlock();
+    backoff(round);
+    lock.lock();
+  }
+}
+
+template <class Launch>
+NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_blocking,
+                                Launch&& launch) {
+  std::unique_lock<std::mutex> lock(mu_);
+  usable_locked();
+  CtxGuard guard(cu_, ctx_);
+  CUstream user = c.stream;
+  int capture = CU_STREAM_CAPTURE_STATUS_NONE;
+  if (CUresult cr = cu_.stream_is_capturing(user, &capture); cr != CUDA_SUCCESS)
+    throw InvalidArgument(str_cat(what, " on ", where(), ": cuStreamIsCapturing failed on the "
+                                  "caller's stream: ", cu_.error_text(cr),
+                                  " (a stream of another device, or destroyed?)"));
+  const bool captured = capture != CU_STREAM_CAPTURE_STATUS_NONE;
+  const bool async = c.async && !captured;
+  const Millis t = c.timeout.count() < 0 ? timeout_ : c.timeout;
+  Deadline d(t);
+  if (!captured) claim_slot_locked(lock, d);
+  CUstream exec = user;
+  if (async) {
+    cu_.check(cu_.event_record(order_event_, user), "cuEventRecord (caller's stream)");
+    cu_.check(cu_.stream_wait_event(internal_, order_event_, 0), "cuStreamWaitEvent");
+    exec = internal_;
+  }
+  launch(exec, d);
+  if (captured)
+    return std::make_shared<NcclWork>(shared_from_this(), 0, user, false, true, host_blocking);
+  Slot& s = slots_[issued_ % kSlots];
+  if (!s.event) cu_.check(cu_.event_create(&s.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+  cu_.check(cu_.event_record(s.event, exec), "cuEventRecord (op completion)");
+  s.deadline = deadline_at(t);
+  s.timeout_ms = t.count();
+  s.what = what;
+  const uint64_t seq = issued_++;
+  return std::make_shared<NcclWork>(shared_from_this(), seq, user, async, false, host_blocking);
+}
+
+NcclComm::WorkPtr NcclComm::all_reduce(const CallOpts& c, const void* in, void* out,
+                                       size_t count, DType dt, RedOp op) {
+  const auto ndt = nccl_dtype(dt, true, nc_);
+  const auto nop = nccl_redop(op, dt, nc_);
+  return run(c, "all_reduce", false, [&](CUstream s, const Deadline& d) {
+    check_nccl_locked(nc_.all_reduce(in, out, count, ndt, nop, comm_, s), "ncclAllReduce", d);
+  });
+}
+
+NcclComm::WorkPtr NcclComm::reduce(const CallOpts& c, const void* in, void* out, size_t count,
+                                   DType dt, RedOp op, int root) {
+  const auto ndt = nccl_dtype(dt, true, nc_);
+  const auto nop = nccl_redop(op, dt, nc_);
+  return run(c, "reduce", false, [&](CUstream s, const Deadline& d) {
+    check_nccl_locked(nc_.reduce(in, out, count, ndt, nop, root, comm_, s), "ncclReduce", d);
+  });
+}
+
+NcclComm::WorkPtr NcclComm::broadcast(const CallOpts& c, void* buf, size_t count, DType dt,
+                                      int root) {
+  const auto ndt = nccl_dtype(dt, false, nc_);
+  return run(c, "broadcast", false, [&](CUstream s, const Deadline& d) {
+    check_nccl_locked(nc_.broadcast(buf, buf, count, ndt, root, comm_, s), "ncclBroadcast", d);
+  });
+}
+
+namespace {
+// ncclGroupStart/End around `body`; the group is closed even when body throws.
+template <class Check, class Body>
+void grouped(const NcclApi& nc, Check&& check, Body&& body) {
+  check(nc.group_start(), "ncclGroupStart");
+  try {
+    body();
+  } catch (...) {
+    nc.group_end();
+    throw;
+  }
+  check(nc.group_end(), "ncclGroupEnd");
+}
+}  // namespace
+
+NcclComm::WorkPtr NcclComm::all_gather(const CallOpts& c, const void* in, void* out,
+                                       const std::vector<size_t>& counts, DType dt) {
+  MC_CHECK_EQ(counts.size(), static_cast<size_t>(size_), "all_gather counts");
+  const auto ndt = nccl_dtype(dt, false, nc_);
+  const size_t es = dtype_size(dt);
+  return run(c, "all_gather", false, [&](CUstream s, const Deadline& d) {
+    auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
+    if (all_equal(counts)) {
+      check(nc_.all_gather(in, out, counts[0], ndt, comm_, s), "ncclAllGather");
+      return;
+    }
+    // Uneven: rank r broadcasts its counts[r] elements into their place in every out.
+    grouped(nc_, check, [&] {
+      size_t off = 0;
+      for (int r = 0; r < size_; ++r) {
+        auto* dst = static_cast<uint8_t*>(out) + off * es;
+        if (counts[r])
+          check(nc_.broadcast(r == rank_ ? in : dst, dst, counts[r], ndt, r, comm_, s),
+                "ncclBroadcast (all_gather_v)");
+        off += counts[r];
+      }
+    });
+  });
+}
+
+NcclComm::WorkPtr NcclComm::reduce_scatter(const CallOpts& c, const void* in, void* out,
+                                           const std::vector<size_t>& counts, DType dt,
+                                           RedOp op) {
+  MC_CHECK_EQ(counts.size(), static_cast<size_t>(size_), "reduce_scatter counts");
+  const auto ndt = nccl_dtype(dt, true, nc_);
+  const auto nop = nccl_redop(op, dt, nc_);
+  const size_t es = dtype_size(dt);
+  return run(c, "reduce_scatter", false, [&](CUstream s, const Deadline& d) {
+    auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
+    if (all_equal(counts)) {
+      check(nc_.reduce_scatter(in, out, counts[0], ndt, nop, comm_, s), "ncclReduceScatter");
+      return;
+    }
+    // Uneven: one reduce per block, rooted at the rank that keeps it.
+    grouped(nc_, check, [&] {
+      size_t off = 0;
+      for (int r = 0; r < size_; ++r) {
+        if (counts[r])
+          check(nc_.reduce(static_cast<const uint8_t*>(in) + off * es, r == rank_ ? out : nullptr,
+                           counts[r], ndt, nop, r, comm_, s),
+                "ncclReduce (reduce_scatter_v)");
+        off += counts[r];
+      }
+    });
+  });
+}
+
+NcclComm::WorkPtr NcclComm::all_to_all(const CallOpts& c, const void* in, void* out,
+                                       const std::vector<size_t>& send_counts,
+                                       const std::vector<size_t>& recv_counts, DType dt) {
+  MC_CHECK_EQ(send_counts.size(), static_cast<size_t>(size_), "all_to_all send counts");
+  MC_CHECK_EQ(recv_counts.size(), static_cast<size_t>(size_), "all_to_all recv counts");
+  const auto ndt = nccl_dtype(dt, false, nc_);
+  const size_t es = dtype_size(dt);
+  return run(c, "all_to_all", false, [&](CUstream s, const Deadline& d) {
+    auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
+    grouped(nc_, check, [&] {
+      size_t soff = 0, roff = 0;
+      for (int p = 0; p < size_; ++p) {
+        if (send_counts[p])
+          check(nc_.send(static_cast<const uint8_t*>(in) + soff * es, send_counts[p], ndt, p,
+                         comm_, s), "ncclSend (all_to_all)");
+        if (recv_counts[p])
+          check(nc_.recv(static_cast<uint8_t*>(out) + roff * es, recv_counts[p], ndt, p, comm_, s),
+                "ncclRecv (all_to_all)");
+        soff += send_counts[p];
+        roff += recv_counts[p];
+      }
+    });
+  });
+}
+
+NcclComm::WorkPtr NcclComm::gather(const CallOpts& c, const void* in, void* out,
+                                   const std::vector<size_t>& counts, DType dt, int root) {
+  MC_CHECK_EQ(counts.size(), static_cast<size_t>(size_), "gather counts");
+  const auto ndt = nccl_dtype(dt, false, nc_);
+  const size_t es = dtype_size(dt);
+  return run(c, "gather", false, [&](CUstream s, const Deadline& d) {
+    auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
+    grouped(nc_, check, [&] {
+      if (counts[rank_]) check(nc_.send(in, counts[rank_], ndt, root, comm_, s), "ncclSend (gather)");
+      if (rank_ != root) return;
+      size_t off = 0;
+      for (int r = 0; r < size_; ++r) {
+        if (counts[r])
+          check(nc_.recv(static_cast<uint8_t*>(out) + off * es, counts[r], ndt, r, comm_, s),
+                "ncclRecv (gather)");
+        off += counts[r];
+      }
+    });
+  });
+}
+
+NcclComm::WorkPtr NcclComm::scatter(const CallOpts& c, const void* in, void* out,
+                                    const std::vector<size_t>& counts, DType dt, int root) {
+  MC_CHECK_EQ(counts.size(), static_cast<size_t>(size_), "scatter counts");
+  const auto ndt = nccl_dtype(dt, false, nc_);
+  const size_t es = dtype_size(dt);
+  return run(c, "scatter", false, [&](CUstream s, const Deadline& d) {
+    auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
+    grouped(nc_, check, [&] {
+      if (rank_ == root) {
+        size_t off = 0;
+        for (int r = 0; r < size_; ++r) {
+          if (counts[r])
+            check(nc_.send(static_cast<const uint8_t*>(in) + off * es, counts[r], ndt, r, comm_, s),
+                  "ncclSend (scatter)");
+          off += counts[r];
+        }
+      }
+      if (counts[rank_]) check(nc_.recv(out, counts[rank_], ndt, root, comm_, s), "ncclRecv (scatter)");
+    });
+  });
+}
+
+NcclComm::WorkPtr NcclComm::send(const CallOpts& c, const void* buf, size_t count, DType dt,
+                                 int peer) {
+  const auto ndt = nccl_dtype(dt, false, nc_);
+  return run(c, "send", false, [&](CUstream s, const Deadline& d) {
+    check_nccl_locked(nc_.send(buf, count, ndt, peer, comm_, s), "ncclSend", d);
+  });
+}
+
+NcclComm::WorkPtr NcclComm::recv(const CallOpts& c, void* buf, size_t count, DType dt, int peer) {
+  const auto ndt = nccl_dtype(dt, false, nc_);
+  return run(c, "recv", false, [&](CUstream s, const Deadline& d) {
+    check_nccl_locked(nc_.recv(buf, count, ndt, peer, comm_, s), "ncclRecv", d);
+  });
+}
+
+NcclComm::WorkPtr NcclComm::barrier(const CallOpts& c) {
+  return run(c, "barrier", true, [&](CUstream s, const Deadline& d) {
+    void* w = reinterpret_cast<void*>(static_cast<uintptr_t>(barrier_buf_));
+    check_nccl_locked(nc_.all_reduce(w, w, 1, ncclFloat32, ncclSum, comm_, s),
+                      "ncclAllReduce (barrier)", d);
+  });
+}
+
+void NcclComm::order_streams(CUstream producer, CUstream waiter) {
+  std::lock_guard<std::mutex> lock(mu_);
+  usable_locked();
+  CtxGuard guard(cu_, ctx_);
+  cu_.check(cu_.event_record(order_event_, producer), "cuEventRecord (array's stream)");
+  cu_.check(cu_.stream_wait_event(waiter, order_event_, 0), "cuStreamWaitEvent (stream=)");
+}
+
+std::vector<uint8_t> NcclComm::host_all_gather(const void* data, size_t bytes, Millis timeout) {
+  std::vector<uint8_t> out(bytes * size_);
+  if (bytes == 0) return out;
+  CallOpts c;
+  c.stream = meta_;
+  c.timeout = timeout;
+  // meta_ carries nothing but these exchanges, each finished before the next: the pageable
+  // copies below (which synchronize their stream) never wait on user work.
+  auto work = run(c, "host_all_gather", false, [&](CUstream s, const Deadline& d) {
+    const size_t need = bytes * (size_ + 1);
+    if (scratch_bytes_ < need) {
+      CUdeviceptr p = 0;
+      cu_.check(cu_.mem_alloc(&p, need), "cuMemAlloc (metadata scratch)");
+      if (scratch_) cu_.mem_free(scratch_);
+      scratch_ = p;
+      scratch_bytes_ = need;
+    }
+    cu_.check(cu_.memcpy_htod_async(scratch_, data, bytes, s), "cuMemcpyHtoDAsync");
+    auto* dev = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(scratch_));
+    check_nccl_locked(nc_.all_gather(dev, dev + bytes, bytes, ncclUint8, comm_, s),
+                      "ncclAllGather (metadata)", d);
+  });
+  work->synchronize(Millis(-1));  // bounded by the op's deadline (watchdog)
+  std::lock_guard<std::mutex> lock(mu_);
+  usable_locked();
+  CtxGuard guard(cu_, ctx_);
+  cu_.check(cu_.memcpy_dtoh_async(out.data(), scratch_ + bytes, bytes * size_, meta_),
+            "cuMemcpyDtoHAsync");
+  return out;
+}
+
+// ---- Work --------------------------------------------------------------------------------
+
+bool NcclComm::op_done_locked(uint64_t seq, std::exception_ptr* error) {
+  if (failed_ && seq >= failed_from_) {
+    *error = error_;
+    return true;
+  }
+  if (seq < completed_ || shut_down_) return true;
+  CUresult q = cu_.event_query(slots_[seq % kSlots].event);
+  if (q == CUDA_SUCCESS) return true;
+  if (q == CUDA_ERROR_NOT_READY) return false;
+  *error = std::make_exception_ptr(
+      Error(str_cat("CUDA error on NCCL op ", seq, " on ", where(), ": ", cu_.error_text(q))));
+  return true;
+}
+
+void NcclComm::op_synchronize(uint64_t seq, Millis timeout) {
+  Deadline own(timeout);
+  int round = 0;
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::exception_ptr e;
+      if (op_done_locked(seq, &e)) {
+        if (e) std::rethrow_exception(e);
+        return;
+      }
+    }
+    if (own.expired())
+      throw TimeoutError(str_cat("NCCL op ", seq, " on ", where(), " did not complete within ",
+                                 timeout.count(), " ms (Work.synchronize timeout); it keeps "
+                                 "running and fails by its own deadline if it is stuck"));
+    backoff(round);
+  }
+}
+
+void NcclComm::op_stream_wait(uint64_t seq, CUstream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failed_ && seq >= failed_from_) std::rethrow_exception(error_);
+  if (seq < completed_ || shut_down_) return;
+  CtxGuard guard(cu_, ctx_);
+  cu_.check(cu_.stream_wait_event(stream, slots_[seq % kSlots].event, 0),
+            "cuStreamWaitEvent (Work.wait)");
+}
+
+void NcclWork::wait(bool has_stream, CUstream stream, Millis timeout) {
+  if (captured_) {
+    if (has_stream && stream != issue_stream_)
+      throw InvalidArgument("Work.wait(stream=...): this op was captured into a CUDA graph on "
+                            "another stream; order streams inside the capture instead");
+    return;
+  }
+  if (host_blocking_) {
+    comm_->op_synchronize(seq_, timeout);
+    return;
+  }
+  CUstream target = has_stream ? stream : issue_stream_;
+  if (!async_ && target == issue_stream_) {
+    // Already ordered on that stream: only report a known failure.
+    std::lock_guard<std::mutex> lock(comm_->mu_);
+    if (comm_->failed_ && seq_ >= comm_->failed_from_) std::rethrow_exception(comm_->error_);
+    return;
+  }
+  comm_->op_stream_wait(seq_, target);
+}
+
+void NcclWork::synchronize(Millis timeout) {
+  if (captured_)
+    throw InvalidArgument("Work.synchronize: this op was captured into a CUDA graph; it runs "
+                          "when the graph is replayed: synchronize the replay's stream");
+  comm_->op_synchronize(seq_, timeout);
+}
+
+bool NcclWork::is_completed() {
+  if (captured_)
+    throw InvalidArgument("Work.is_completed: this op was captured into a CUDA graph; it runs "
+                          "when the graph is replayed");
+  std::lock_guard<std::mutex> lock(comm_->mu_);
+  std::exception_ptr e;
+  return comm_->op_done_locked(seq_, &e);
+}
+
+std::exception_ptr NcclWork::exception() {
+  if (captured_) return nullptr;
+  std::lock_guard<std::mutex> lock(comm_->mu_);
+  std::exception_ptr e;
+  comm_->op_done_locked(seq_, &e);
+  return e;
+}
+
+}  // namespace meshcoll::nccl

@@ -127,6 +127,8 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   WorkPtr recv(const CallOpts& c, void* buf, size_t count, DType dt, int peer);
   // A one-element all_reduce; its Work's wait() blocks the host.
   WorkPtr barrier(const CallOpts& c);
+  // Orders `waiter` after the work issued so far on `producer` (an event; no host block).
+  void order_streams(abi::CUstream producer, abi::CUstream waiter);
   // Small metadata exchange through device scratch on a private stream: every rank's
   // `bytes` bytes, concatenated in rank order. Blocks the host (bounded by `timeout`).
   std::vector<uint8_t> host_all_gather(const void* data, size_t bytes, Millis timeout);

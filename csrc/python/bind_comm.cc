@@ -66,10 +66,13 @@ std::vector<size_t> to_bytes(const std::vector<size_t>& counts, DType dt) {
   return out;
 }
 
+// `blocking`: the caller waits right away (async_op=False), so the operation may run on the
+// calling thread when the group is idle (Note [Inline execution]).
 template <class F>
-std::shared_ptr<Work> enqueue(Comm& c, const transport::OpDesc& d, Millis t, F&& run) {
+std::shared_ptr<Work> enqueue(Comm& c, const transport::OpDesc& d, Millis t, F&& run,
+                              bool blocking) {
   py::gil_scoped_release nogil;
-  return c.enqueue(d, t, std::forward<F>(run));
+  return c.enqueue(d, t, std::forward<F>(run), blocking);
 }
 }  // namespace
 
@@ -135,7 +138,8 @@ void bind_comm(py::module_& m) {
       })
       .def("all_reduce", [](Comm& c, const py::array& x, const py::array& out, const std::string& op,
                             const std::string& algorithm, const py::object& timeout,
-                            size_t max_segment_bytes, size_t tree_threshold, size_t hd_threshold) {
+                            size_t max_segment_bytes, size_t tree_threshold, size_t hd_threshold,
+                            bool blocking) {
              const char* what = "all_reduce";
              auto in = view_of(x, false, what);
              auto o = view_of(out, true, what);
@@ -154,18 +158,18 @@ void bind_comm(py::module_& m) {
              a.max_segment_bytes = max_segment_bytes;
              a.select = {tree_threshold, hd_threshold};
              return enqueue(c, desc(CollKind::kAllReduce, in.dtype, in.count, a.op), timeout_arg(timeout),
-                            [a](Comm& cm) { algo::all_reduce(cm, a); });
+                            [a](Comm& cm) { algo::all_reduce(cm, a); }, blocking);
            }, py::arg("x"), py::arg("out"), py::arg("op"), py::arg("algorithm"), py::arg("timeout"),
-           py::arg("max_segment_bytes"), py::arg("tree_threshold_bytes"), py::arg("hd_threshold_bytes"))
-      .def("broadcast", [](Comm& c, const py::array& x, int root, const py::object& timeout) {
+           py::arg("max_segment_bytes"), py::arg("tree_threshold_bytes"), py::arg("hd_threshold_bytes"), py::arg("blocking") = false)
+      .def("broadcast", [](Comm& c, const py::array& x, int root, const py::object& timeout, bool blocking) {
              auto v = view_of(x, true, "broadcast");
              check_root(c, root, "broadcast");
              algo::BroadcastArgs a{v.mbytes(), root};
              return enqueue(c, desc(CollKind::kBroadcast, v.dtype, v.count, RedOp::kSum, root),
-                            timeout_arg(timeout), [a](Comm& cm) { algo::broadcast(cm, a); });
-           }, py::arg("x"), py::arg("root"), py::arg("timeout"))
+                            timeout_arg(timeout), [a](Comm& cm) { algo::broadcast(cm, a); }, blocking);
+           }, py::arg("x"), py::arg("root"), py::arg("timeout"), py::arg("blocking") = false)
       .def("reduce", [](Comm& c, const py::array& x, const py::array& out, int root,
-                        const std::string& op, const py::object& timeout) {
+                        const std::string& op, const py::object& timeout, bool blocking) {
              auto in = view_of(x, false, "reduce");
              auto o = view_of(out, true, "reduce");
              check_same(in, o, "reduce");
@@ -173,10 +177,10 @@ void bind_comm(py::module_& m) {
              algo::ReduceArgs a{in.cbytes(), o.mbytes(), in.count, in.dtype,
                                 redop_arg(op, in.dtype, "reduce"), root};
              return enqueue(c, desc(CollKind::kReduce, in.dtype, in.count, a.op, root),
-                            timeout_arg(timeout), [a](Comm& cm) { algo::reduce(cm, a); });
-           }, py::arg("x"), py::arg("out"), py::arg("root"), py::arg("op"), py::arg("timeout"))
+                            timeout_arg(timeout), [a](Comm& cm) { algo::reduce(cm, a); }, blocking);
+           }, py::arg("x"), py::arg("out"), py::arg("root"), py::arg("op"), py::arg("timeout"), py::arg("blocking") = false)
       .def("all_gather", [](Comm& c, const py::array& x, const py::array& out,
-                            const std::vector<size_t>& counts, bool uneven, const py::object& timeout) {
+                            const std::vector<size_t>& counts, bool uneven, const py::object& timeout, bool blocking) {
              auto in = view_of(x, false, "all_gather");
              auto o = view_of(out, true, "all_gather");
              check_same(in, o, "all_gather");
@@ -184,11 +188,11 @@ void bind_comm(py::module_& m) {
              for (auto n : counts) total += n;
              algo::AllGatherArgs a{in.cbytes(), o.mbytes(), to_bytes(counts, in.dtype)};
              return enqueue(c, desc(uneven ? CollKind::kAllGatherV : CollKind::kAllGather, in.dtype, total),
-                            timeout_arg(timeout), [a](Comm& cm) { algo::all_gather(cm, a); });
-           }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("uneven"), py::arg("timeout"))
+                            timeout_arg(timeout), [a](Comm& cm) { algo::all_gather(cm, a); }, blocking);
+           }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("uneven"), py::arg("timeout"), py::arg("blocking") = false)
       .def("reduce_scatter", [](Comm& c, const py::array& x, const py::array& out,
                                 const std::vector<size_t>& counts, const std::string& op, bool uneven,
-                                const py::object& timeout) {
+                                const py::object& timeout, bool blocking) {
              auto in = view_of(x, false, "reduce_scatter");
              auto o = view_of(out, true, "reduce_scatter");
              check_same(in, o, "reduce_scatter");
@@ -198,12 +202,12 @@ void bind_comm(py::module_& m) {
                                        redop_arg(op, in.dtype, "reduce_scatter")};
              return enqueue(c, desc(uneven ? CollKind::kReduceScatterV : CollKind::kReduceScatter,
                                     in.dtype, total, a.op),
-                            timeout_arg(timeout), [a](Comm& cm) { algo::reduce_scatter(cm, a); });
+                            timeout_arg(timeout), [a](Comm& cm) { algo::reduce_scatter(cm, a); }, blocking);
            }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("op"), py::arg("uneven"),
-           py::arg("timeout"))
+           py::arg("timeout"), py::arg("blocking") = false)
       .def("all_to_all", [](Comm& c, const py::array& x, const py::array& out,
                             const std::vector<size_t>& send_counts, const std::vector<size_t>& recv_counts,
-                            bool uneven, const py::object& timeout) {
+                            bool uneven, const py::object& timeout, bool blocking) {
              auto in = view_of(x, false, "all_to_all");
              auto o = view_of(out, true, "all_to_all");
              check_same(in, o, "all_to_all");
@@ -212,33 +216,33 @@ void bind_comm(py::module_& m) {
              // Uneven: per-rank totals differ, so only the message sizes are checked.
              return enqueue(c, desc(uneven ? CollKind::kAllToAllV : CollKind::kAllToAll, in.dtype,
                                     uneven ? 0 : in.count),
-                            timeout_arg(timeout), [a](Comm& cm) { algo::all_to_all(cm, a); });
+                            timeout_arg(timeout), [a](Comm& cm) { algo::all_to_all(cm, a); }, blocking);
            }, py::arg("x"), py::arg("out"), py::arg("send_counts"), py::arg("recv_counts"),
-           py::arg("uneven"), py::arg("timeout"))
+           py::arg("uneven"), py::arg("timeout"), py::arg("blocking") = false)
       .def("gather", [](Comm& c, const py::array& x, const py::array& out, const std::vector<size_t>& counts,
-                        int root, const py::object& timeout) {
+                        int root, const py::object& timeout, bool blocking) {
              check_root(c, root, "gather");
              auto in = view_of(x, false, "gather");
              auto o = view_of(out, true, "gather");
              check_same(in, o, "gather");
              algo::GatherArgs a{in.cbytes(), o.mbytes(), to_bytes(counts, in.dtype), root};
              return enqueue(c, desc(CollKind::kGather, in.dtype, in.count, RedOp::kSum, root),
-                            timeout_arg(timeout), [a](Comm& cm) { algo::gather(cm, a); });
-           }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("root"), py::arg("timeout"))
+                            timeout_arg(timeout), [a](Comm& cm) { algo::gather(cm, a); }, blocking);
+           }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("root"), py::arg("timeout"), py::arg("blocking") = false)
       .def("scatter", [](Comm& c, const py::array& x, const py::array& out, const std::vector<size_t>& counts,
-                         int root, const py::object& timeout) {
+                         int root, const py::object& timeout, bool blocking) {
              check_root(c, root, "scatter");
              auto in = view_of(x, false, "scatter");
              auto o = view_of(out, true, "scatter");
              check_same(in, o, "scatter");
              algo::GatherArgs a{in.cbytes(), o.mbytes(), to_bytes(counts, in.dtype), root};
              return enqueue(c, desc(CollKind::kScatter, in.dtype, o.count, RedOp::kSum, root),
-                            timeout_arg(timeout), [a](Comm& cm) { algo::scatter(cm, a); });
-           }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("root"), py::arg("timeout"))
-      .def("barrier", [](Comm& c, const py::object& timeout) {
+                            timeout_arg(timeout), [a](Comm& cm) { algo::scatter(cm, a); }, blocking);
+           }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("root"), py::arg("timeout"), py::arg("blocking") = false)
+      .def("barrier", [](Comm& c, const py::object& timeout, bool blocking) {
              return enqueue(c, desc(CollKind::kBarrier, DType::kUint8, 0), timeout_arg(timeout),
-                            [](Comm& cm) { algo::barrier(cm); });
-           }, py::arg("timeout"))
+                            [](Comm& cm) { algo::barrier(cm); }, blocking);
+           }, py::arg("timeout"), py::arg("blocking") = false)
       .def("send", [](Comm& c, const py::array& x, int peer, uint32_t tag, const py::object& timeout) {
              auto v = view_of(x, false, "send");
              Millis t = timeout_arg(timeout);  // reads a Python object: before the release

@@ -8,6 +8,7 @@ void bind_errors(py::module_& m);
 void bind_store(py::module_& m);
 void bind_comm(py::module_& m);
 void bind_reduce(py::module_& m);
+void bind_nccl(py::module_& m);
 }  // namespace meshcoll::python
 
 PYBIND11_MODULE(_C, m) {
@@ -16,4 +17,5 @@ PYBIND11_MODULE(_C, m) {
   meshcoll::python::bind_store(m);
   meshcoll::python::bind_comm(m);
   meshcoll::python::bind_reduce(m);
+  meshcoll::python::bind_nccl(m);
 }

@@ -28,6 +28,10 @@ What the columns mean (the nccl-tests definitions):
   result, summed over ranks (``N/A`` without ``-c``); a non-zero total makes the exit
   status 1.
 
+The header names the transport the group uses (``shm`` when every rank is on one host,
+else ``tcp``; ``--transport`` forces one) and, for all_reduce, the algorithm (``auto``
+picks ``shm`` on shared memory, else by size as ``CollectiveConfig.select_all_reduce``).
+
 With several series (``--op a,b`` or ``--algo ring,tree``), every size runs each series in
 turn within each repeat, so that the machine's slow moments fall on all series alike; the
 tables print at the end. ``--json FILE`` writes one ``json.dumps`` record per table row;
@@ -48,7 +52,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
-from meshcoll import __version__, _env
+import meshcoll
+from meshcoll import _C, __version__, _env
 
 # busbw = algbw x factor(ranks): the bytes each rank's busiest link carries per byte of
 # ``size`` in the bandwidth-optimal algorithm (nccl-tests' PERFORMANCE.md).
@@ -63,7 +68,7 @@ BUS_FACTORS: Dict[str, Callable[[int], float]] = {
 OPS = tuple(BUS_FACTORS)
 _REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 _SPLIT = ("all_gather", "reduce_scatter", "all_to_all")  # count must divide by ranks
-ALGORITHMS = ("ring", "tree", "halving_doubling", "direct")
+ALGORITHMS = tuple(a for a in _C.algorithm_names() if a != "auto")
 REDOPS = ("sum", "prod", "min", "max", "avg")
 
 # numpy name -> the name nccl-tests prints in the type column.
@@ -159,6 +164,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="all_reduce algorithm(s), comma-separated, or 'all' (default auto)")
     p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce")
     p.add_argument("--backend", default="cpu", choices=["cpu"], help="backend (default cpu)")
+    p.add_argument("--transport", default=None, choices=["auto", "shm", "tcp"],
+                   help="set MESHCOLL_TRANSPORT for the ranks (default: as the environment "
+                        "says, else auto: shared memory when every rank is on one host)")
     p.add_argument("--repeats", type=int, default=3,
                    help="repeat the timed loop this often and report the median (default 3)")
     p.add_argument("--max-segment-bytes", type=parse_size, default=None,
@@ -321,7 +329,8 @@ def time_loop(pg, run: Callable[[], None], iters: int) -> float:
 
 
 def make_record(series: Series, *, count: int, dtype: np.dtype, redop: str, times_s: List[float],
-                wrong: Optional[int], ranks: int, args: argparse.Namespace) -> dict:
+                wrong: Optional[int], ranks: int, transport: str,
+                args: argparse.Namespace) -> dict:
     t = statistics.median(times_s)
     size = count * dtype.itemsize
     algbw = size / t / 1e9
@@ -332,7 +341,7 @@ def make_record(series: Series, *, count: int, dtype: np.dtype, redop: str, time
         "root": args.root if series.op in ("broadcast", "reduce") else None,
         "time": t * 1e6, "algbw": algbw, "busbw": algbw * BUS_FACTORS[series.op](ranks),
         "wrong": wrong, "times": [x * 1e6 for x in times_s],
-        "ranks": ranks, "backend": args.backend, "iters": args.iters,
+        "ranks": ranks, "backend": args.backend, "transport": transport, "iters": args.iters,
         "warmup": args.warmup_iters, "repeats": args.repeats,
         "library": "meshcoll", "version": __version__,
     }
@@ -365,7 +374,8 @@ def measure(pg, series_list: Sequence[Series], sizes: Iterable[int], args: argpa
         for c in cases:
             rec = make_record(c.series, count=c.count, dtype=dtype, redop=args.redop,
                               times_s=times[c.series.label],
-                              wrong=wrong.get(c.series.label), ranks=pg.size, args=args)
+                              wrong=wrong.get(c.series.label), ranks=pg.size,
+                              transport=transport_name(pg), args=args)
             rows[c.series.label].append(rec)
             if on_row is not None:
                 on_row(rec)
@@ -375,14 +385,19 @@ def measure(pg, series_list: Sequence[Series], sizes: Iterable[int], args: argpa
 
 # ---- output --------------------------------------------------------------------------
 
-def header(series: Series, args: argparse.Namespace, ranks: int) -> str:
-    extra = ""
+def transport_name(pg) -> str:
+    """"shm" or "tcp" (the group's transport string may add why shm was not used)."""
+    return pg.transport.split()[0]
+
+
+def header(series: Series, args: argparse.Namespace, pg) -> str:
+    extra = f"  transport={transport_name(pg)}"
     if series.op == "all_reduce":
-        extra = f"  algo={series.algo}"
+        extra += f"  algo={series.algo}"
     elif series.op in ("broadcast", "reduce"):
-        extra = f"  root={args.root}"
+        extra += f"  root={args.root}"
     return "\n".join([
-        f"# meshcoll {__version__}  {series.op}  backend={args.backend}  ranks={ranks}  "
+        f"# meshcoll {__version__}  {series.op}  backend={args.backend}  ranks={pg.size}  "
         f"iters={args.iters} warmup={args.warmup_iters}{extra}",
         f"# time: median of {args.repeats} repeat(s) of the slowest rank's mean per call",
         "#" + f"{'size':>11}{'count':>10}{'type':>9}{'redop':>7}{'time':>9}"
@@ -450,9 +465,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stderr.flush()
         os.execv(sys.executable, cmd)
 
-    import meshcoll  # the extension loads only in the ranks
-
     dtype = numpy_dtype(args.dtype)
+    if args.transport is not None:
+        os.environ[_env.TRANSPORT] = args.transport
     pg = meshcoll.init()
     try:
         if args.nproc is not None and args.nproc != pg.size:
@@ -469,7 +484,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         lead = pg.rank == 0
         stream = len(series) == 1 and lead
         if stream:
-            print(header(series[0], args, pg.size), flush=True)
+            print(header(series[0], args, pg), flush=True)
         records = measure(pg, series, sizes, args, dtype,
                           on_row=(lambda r: print(format_row(r), flush=True)) if stream else None)
         wrong = sum(r["wrong"] or 0 for r in records)
@@ -477,7 +492,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for i, s in enumerate(series):
                 rows = [r for r in records if r["series"] == s.label]
                 if not stream:
-                    print(("\n" if i else "") + header(s, args, pg.size))
+                    print(("\n" if i else "") + header(s, args, pg))
                     for r in rows:
                         print(format_row(r))
                 print(footer(rows), flush=True)

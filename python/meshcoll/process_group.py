@@ -174,20 +174,20 @@ class ProcessGroup:
         cfg = self.config
         w = self._comm.all_reduce(a, a, op, cfg.algorithm if algorithm is None else algorithm, timeout,
                                   cfg.max_segment_bytes, cfg.tree_threshold_bytes,
-                                  cfg.hd_threshold_bytes)
+                                  cfg.hd_threshold_bytes, blocking=not async_op)
         return _done(w, x, (a,), async_op, timeout)
 
     def reduce(self, x, dst: int = 0, op: str = "sum", *, async_op: bool = False,
                timeout: Optional[float] = None):
         """Reduce ``x`` onto group rank ``dst``, in place there; other ranks' ``x`` is unchanged."""
         a = self._as_array(x, "reduce", writable=True)
-        w = self._comm.reduce(a, a, dst, op, timeout)
+        w = self._comm.reduce(a, a, dst, op, timeout, blocking=not async_op)
         return _done(w, x, (a,), async_op, timeout)
 
     def broadcast(self, x, src: int = 0, *, async_op: bool = False, timeout: Optional[float] = None):
         """Copy ``x`` from group rank ``src`` into every rank's ``x``, in place."""
         a = self._as_array(x, "broadcast", writable=True)
-        w = self._comm.broadcast(a, src, timeout)
+        w = self._comm.broadcast(a, src, timeout, blocking=not async_op)
         return _done(w, x, (a,), async_op, timeout)
 
     def all_gather(self, x, out=None, *, async_op: bool = False, timeout: Optional[float] = None):
@@ -197,7 +197,8 @@ class ProcessGroup:
         o = self._as_array(out, "all_gather out", writable=True)
         if o.shape != (self.size,) + a.shape and o.size != self.size * a.size:
             raise ValueError(f"all_gather: out has shape {o.shape}, expected {(self.size,) + a.shape}")
-        w = self._comm.all_gather(a, o, [a.size] * self.size, False, timeout)
+        w = self._comm.all_gather(a, o, [a.size] * self.size, False, timeout,
+                                  blocking=not async_op)
         return _done(w, out, (a, o), async_op, timeout)
 
     def all_gather_v(self, x, *, timeout: Optional[float] = None) -> Tuple[np.ndarray, List[int]]:
@@ -230,7 +231,8 @@ class ProcessGroup:
         o = self._as_array(out, "reduce_scatter out", writable=True)
         if o.size != int(np.prod(shape)):
             raise ValueError(f"reduce_scatter: out has shape {o.shape}, expected {shape}")
-        w = self._comm.reduce_scatter(a, o, [o.size] * self.size, op, False, timeout)
+        w = self._comm.reduce_scatter(a, o, [o.size] * self.size, op, False, timeout,
+                                      blocking=not async_op)
         return _done(w, out, (a, o), async_op, timeout)
 
     def reduce_scatter_v(self, x, counts: Sequence[int], op: str = "sum", *,
@@ -260,7 +262,8 @@ class ProcessGroup:
         if o.size != a.size or o is a:
             raise ValueError("all_to_all: out must be a separate array of x's size")
         blk = a.size // self.size
-        w = self._comm.all_to_all(a, o, [blk] * self.size, [blk] * self.size, False, timeout)
+        w = self._comm.all_to_all(a, o, [blk] * self.size, [blk] * self.size, False, timeout,
+                                  blocking=not async_op)
         return _done(w, out, (a, o), async_op, timeout)
 
     def all_to_all_v(self, x, send_counts: Sequence[int], *,
@@ -320,7 +323,7 @@ class ProcessGroup:
         return Work(self._comm.recv(a, peer, _tag(tag), timeout), x, (a,))
 
     def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None):
-        return _done(self._comm.barrier(timeout), None, (), async_op, timeout)
+        return _done(self._comm.barrier(timeout, blocking=not async_op), None, (), async_op, timeout)
 
     # ---- subgroups ------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int], *, timeout: Optional[float] = None):

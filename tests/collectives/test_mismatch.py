@@ -1,10 +1,13 @@
 """Ranks that disagree about a call raise MismatchError quickly, on every rank, instead of
-hanging until the timeout (Note [Agreement check] in csrc/transport/transport.h).
+hanging until the timeout (Note [Agreement check] in csrc/transport/transport.h, Note
+[Shared-memory rounds] in csrc/algo/shm_collectives.cc, README "Errors").
 
 Timeouts are generous on purpose (30 s at init and per call): a mismatch must be reported by
 the agreement check in well under 2 s, so a pass cannot be a timeout in disguise. Each case
 runs on a fresh group (``new_group`` over every rank) because a mismatch aborts the group;
-all cases of one world share one spawned job.
+all cases of one world share one spawned job. Cases run over TCP and, where a collective has
+a shared-memory path (all_reduce "auto"/"shm", broadcast, all_gather, barrier), over shared
+memory too (MESHCOLL_TRANSPORT).
 """
 
 import re
@@ -16,7 +19,13 @@ import pytest
 import meshcoll
 
 CALL_TIMEOUT = 30.0
+SHORT_TIMEOUT = 3.0  # for cases known to hang: still above FAST, so no pass can be a timeout
 FAST = 2.0  # seconds: every rank must have raised by then
+TRANSPORTS = ["tcp", "shm"]
+
+
+def env_for(transport):
+    return {"MESHCOLL_TRANSPORT": transport}
 
 
 def run_case(pg, call):
@@ -41,23 +50,24 @@ def run_case(pg, call):
         after = type(e).__name__
     g.destroy()
     return {"error": type(err).__name__ if err else None, "message": str(err) if err else "",
-            "elapsed": elapsed, "after": after}
+            "elapsed": elapsed, "after": after, "transport": g.transport}
 
 
-def _count_body(pg, odd):
-    out = {}
-    for algo in ["auto", "ring", "tree", "halving_doubling", "direct"]:
-        def call(g, algo=algo):
-            count = 1030 if g.rank == odd else 1031
-            g.all_reduce(np.ones(count, np.float32), algorithm=algo, timeout=CALL_TIMEOUT)
-        out[algo] = run_case(pg, call)
-    return out
-
-
-def check_all_raised(results, cls="MismatchError", names=()):
+def check_all_raised(results, cls="MismatchError", names=(), late_ok=False):
     """Every rank raised ``cls`` within FAST seconds, with a message naming two different
-    ranks and each of ``names``; afterwards the group refuses further collectives."""
+    ranks and each of ``names``; afterwards the group refuses further collectives.
+
+    ``late_ok``: a rank whose call only sends (a broadcast root, a reduce leaf) cannot learn of
+    the disagreement before returning; it may instead raise from its next collective."""
+    raised = []
     for rank, r in enumerate(results):
+        if late_ok and r["error"] is None:
+            assert r["after"] in ("MismatchError", "AbortedError"), \
+                f"rank {rank} raised nothing, and its next collective raised {r['after']}"
+            continue
+        raised.append((rank, r))
+    assert raised, "no rank raised in the mismatched call"
+    for rank, r in raised:
         assert r["error"] == cls, f"rank {rank} raised {r['error']}: {r['message']}"
         assert r["elapsed"] < FAST, f"rank {rank} took {r['elapsed']:.2f} s to raise"
         ranks = set(re.findall(r"rank (\d+)", r["message"]))
@@ -68,14 +78,36 @@ def check_all_raised(results, cls="MismatchError", names=()):
             f"rank {rank}: a collective after the mismatch raised {r['after']}"
 
 
+def check_transport(results, transport):
+    for rank, r in enumerate(results):
+        assert r["transport"].startswith(transport), f"rank {rank} ran over {r['transport']}"
+
+
+# ---- all_reduce with different counts ---------------------------------------------------
+
+def _count_body(pg, odd, algos):
+    out = {}
+    for algo in algos:
+        def call(g, algo=algo):
+            count = 1030 if g.rank == odd else 1031
+            g.all_reduce(np.ones(count, np.float32), algorithm=algo, timeout=CALL_TIMEOUT)
+        out[algo] = run_case(pg, call)
+    return out
+
+
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world,odd", [(2, 1), (3, 2), (4, 0), (5, 3)])
-def test_all_reduce_count_mismatch(run_ranks, world, odd):
-    res = run_ranks(world, _count_body, timeout=80, odd=odd)
+def test_all_reduce_count_mismatch(run_ranks, world, odd, transport):
+    algos = (["auto", "ring", "tree", "halving_doubling", "direct"] if transport == "tcp"
+             else ["auto", "shm"])  # the named TCP algorithms run over TCP either way
+    res = run_ranks(world, _count_body, timeout=80, env=env_for(transport), odd=odd,
+                    algos=algos)
     for case in res[0]:
         per_rank = [r[case] for r in res]
         try:
-            # The message shows both calls: both counts appear in it.
+            check_transport(per_rank, transport)
+            # The message shows both calls: both counts appear in it, and the odd rank.
             check_all_raised(per_rank, names=("count=1030", "count=1031"))
             for rank, r in enumerate(per_rank):
                 assert str(odd) in re.findall(r"rank (\d+)", r["message"]), \
@@ -84,8 +116,10 @@ def test_all_reduce_count_mismatch(run_ranks, world, odd):
             raise AssertionError(f"case {case!r}: {e}") from None
 
 
+# ---- different dtype, op, collective, shapes ----------------------------------------------
+
 def _dtype_and_kind_body(pg):
-    n, rank = pg.size, pg.rank
+    n = pg.size
     out = {}
     # Same count and bytes, different dtype on the last rank.
     out["dtype"] = run_case(pg, lambda g: g.all_reduce(
@@ -93,66 +127,95 @@ def _dtype_and_kind_body(pg):
     # Same everything but the op.
     out["op"] = run_case(pg, lambda g: g.all_reduce(
         np.ones(257, np.float32), "max" if g.rank == 0 else "sum", timeout=CALL_TIMEOUT))
-    # Different collectives: the broadcast root's data reaches ranks inside all_reduce.
+    # Different collectives: broadcast from rank 0 there, all_reduce elsewhere.
     out["kind"] = run_case(pg, lambda g: g.broadcast(np.ones(64, np.float32), 0,
                                                      timeout=CALL_TIMEOUT)
                            if g.rank == 0 else
-                           g.all_reduce(np.ones(64, np.float32), algorithm="ring",
-                                        timeout=CALL_TIMEOUT))
+                           g.all_reduce(np.ones(64, np.float32), timeout=CALL_TIMEOUT))
+    # all_gather with a different size on rank 0.
+    out["gather size"] = run_case(pg, lambda g: g.all_gather(
+        np.ones(65 if g.rank == 0 else 64, np.float32), timeout=CALL_TIMEOUT))
+    # barrier against all_gather.
+    out["barrier"] = run_case(pg, lambda g: g.barrier(timeout=CALL_TIMEOUT) if g.rank == n - 1
+                              else g.all_gather(np.ones(4, np.float32), timeout=CALL_TIMEOUT))
     return out
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_dtype_op_and_kind_mismatch(run_ranks, world):
-    res = run_ranks(world, _dtype_and_kind_body, timeout=80)
+def test_dtype_op_and_kind_mismatch(run_ranks, world, transport):
+    res = run_ranks(world, _dtype_and_kind_body, timeout=80, env=env_for(transport))
     expect_names = {"dtype": ("int32", "float32"), "op": ("max", "sum"),
-                    "kind": ("broadcast", "all_reduce")}
+                    "kind": ("broadcast", "all_reduce"), "gather size": ("count=", ),
+                    "barrier": ("barrier", "all_gather")}
     for case, names in expect_names.items():
         per_rank = [r[case] for r in res]
-        if case == "kind":
-            # A broadcast root only sends, so its call may finish before the receiver's
-            # verdict comes back; it must then fail its next collective instead.
-            for rank, r in enumerate(per_rank):
-                if r["error"] is None:
-                    assert r["after"] in ("MismatchError", "AbortedError"), \
-                        f"case {case!r}: rank {rank} raised nothing, then {r['after']}"
-            per_rank = [r for r in per_rank if r["error"] is not None]
-            assert per_rank, f"case {case!r}: no rank raised"
         try:
-            check_all_raised(per_rank, names=names)
+            check_transport(per_rank, transport)
+            # kind: the broadcast root only sends, so it may learn of it one call later.
+            check_all_raised(per_rank, names=names, late_ok=case == "kind")
         except AssertionError as e:
             raise AssertionError(f"case {case!r}: {e}") from None
 
 
-def _algo_split_body(pg, odd, call_timeout):
-    # Counts so different that "auto" picks different algorithms on different ranks (tree or
-    # direct for 10 elements, ring for 128 Ki). Frames with the other algorithm's OpDesc reach
-    # some rank under the same sequence number, so the disagreement is visible.
-    return run_case(pg, lambda g: g.all_reduce(
-        np.ones(10 if g.rank == odd else 1 << 17, np.float32), timeout=call_timeout))
+def _reduce_vs_broadcast_body(pg):
+    # broadcast from rank 0 there, reduce onto rank 0 elsewhere: every call only sends (the
+    # root's broadcast, the leaves' reduce), so each rank learns of it at its next call at the
+    # latest.
+    def call(g):
+        x = np.ones(64, np.float32)
+        if g.rank == 0:
+            g.broadcast(x, 0, timeout=CALL_TIMEOUT)
+        else:
+            g.reduce(x, 0, timeout=CALL_TIMEOUT)
+    return run_case(pg, call)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("world,odd", [
-    (2, 1), (3, 2), (5, 3),
-    pytest.param(4, 0, marks=pytest.mark.xfail(strict=True, reason=(
-        "bug: a frame whose OpDesc differs but that no posted receive claims is buffered "
-        "without the agreement check; here rank 0 (tree) waits on rank 1 while ranks 1-3 (ring) "
-        "wait on rank 0, rank 3's ring frame sits unchecked in rank 0's unexpected queue, and "
-        "every rank raises TimeoutError after the full timeout instead of MismatchError"))),
+@pytest.mark.parametrize("transport", [
+    pytest.param("tcp", marks=pytest.mark.xfail(strict=True, reason=(
+        "bug: over TCP no rank ever raises: the reduce leaves' frames reach rank 0 after its "
+        "broadcast finished and sit in its unexpected queue unchecked; later collectives on "
+        "the group keep succeeding"))),
+    "shm",
 ])
-def test_all_reduce_count_mismatch_across_algorithms(run_ranks, world, odd):
-    # 3 s per call (not 30), so the known-bad case fails fast; still above FAST.
-    res = run_ranks(world, _algo_split_body, timeout=50, odd=odd, call_timeout=3.0)
-    check_all_raised(res, names=("count=10", "count=131072"))
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_vs_broadcast_mismatch(run_ranks, world, transport):
+    res = run_ranks(world, _reduce_vs_broadcast_body, timeout=50, env=env_for(transport))
+    check_all_raised(res, late_ok=True)
 
+
+# ---- broadcast from different roots ------------------------------------------------------
+
+def _root_body(pg):
+    def call(g):
+        x = np.full(64, g.rank, np.float32)
+        g.broadcast(x, 1 if g.rank == 1 else 0, timeout=CALL_TIMEOUT)
+    return run_case(pg, call)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: broadcast with src=1 on rank 1 and src=0 elsewhere raises nothing on any rank, over "
+    "TCP and shared memory alike; the ranks end with different data and later collectives on "
+    "the group still succeed. Over TCP both roots only send and the frames carrying root=1 "
+    "land in unexpected queues the agreement check never looks at; in shared memory a root "
+    "never compares, and the others compare only against the root they were told"))
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_broadcast_root_mismatch(run_ranks, world, transport):
+    res = run_ranks(world, _root_body, timeout=50, env=env_for(transport))
+    check_all_raised(res, names=("root=0", "root=1"), late_ok=True)
+
+
+# ---- same OpDesc, different algorithm settings (TCP algorithms) ---------------------------
 
 def _settings_body(pg, algos, segments):
     def call(g):
         g.config.max_segment_bytes = segments[g.rank % len(segments)]
         g.all_reduce(np.ones(1031, np.float32), algorithm=algos[g.rank % len(algos)],
-                     timeout=3.0)
+                     timeout=SHORT_TIMEOUT)
     return run_case(pg, call)
 
 
@@ -163,45 +226,39 @@ def _settings_body(pg, algos, segments):
     (3, ["ring"], [256, 512 * 1024]),
     (4, ["ring"], [256, 512 * 1024]),
     pytest.param(4, ["ring", "halving_doubling"], [512 * 1024], marks=pytest.mark.xfail(
-        strict=True, reason="bug: same root cause as the (4, 0) algorithm split: ring frames "
-        "reach ranks whose halving-doubling step posted no receive from that peer, sit "
-        "unchecked, and every rank times out instead of raising MismatchError")),
+        strict=True, reason="bug: ring frames reach ranks whose halving-doubling step posted "
+        "no receive from that peer and sit unchecked in the unexpected queue; every rank "
+        "times out instead of raising MismatchError")),
 ])
 def test_all_reduce_settings_mismatch(run_ranks, world, algos, segments):
     # The OpDesc agrees (same count, dtype, op) but the ranks run different algorithms or
-    # segment sizes: the message sizes disagree, which the receiver must catch. 3 s per call.
-    res = run_ranks(world, _settings_body, timeout=50, algos=algos, segments=segments)
+    # segment sizes: the message sizes disagree, which the receiver must catch.
+    res = run_ranks(world, _settings_body, timeout=50, env=env_for("tcp"), algos=algos,
+                    segments=segments)
     check_all_raised(res)
 
 
-def _root_body(pg):
-    n, rank = pg.size, pg.rank
-
-    def call(g):
-        x = np.full(64, g.rank, np.float32)
-        g.broadcast(x, 1 if g.rank == 1 else 0, timeout=CALL_TIMEOUT)
-    return run_case(pg, call)
+def _algo_split_body(pg, odd):
+    # Counts so different that "auto" picks different TCP algorithms on different ranks (tree
+    # or direct for 10 elements, ring for 128 Ki).
+    return run_case(pg, lambda g: g.all_reduce(
+        np.ones(10 if g.rank == odd else 1 << 17, np.float32), timeout=SHORT_TIMEOUT))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: broadcast with src=1 on rank 1 and src=0 elsewhere raises nothing on any rank, ranks "
-    "end with different data, and later collectives on the group still succeed: both roots "
-    "only send, and frames carrying root=1 land in unexpected queues that the agreement check "
-    "never looks at"))
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_broadcast_root_mismatch(run_ranks, world):
-    res = run_ranks(world, _root_body, timeout=50)
-    check_all_raised(res, names=("root=0", "root=1"))
+@pytest.mark.parametrize("world,odd", [(2, 1), (3, 2), (4, 0), (5, 3)])
+def test_all_reduce_count_mismatch_across_algorithms(run_ranks, world, odd):
+    res = run_ranks(world, _algo_split_body, timeout=50, env=env_for("tcp"), odd=odd)
+    check_all_raised(res, names=("count=10", "count=131072"))
 
 
-def _silent_kind_body(pg, call_timeout):
-    # all_reduce (tree) on rank 0, broadcast from rank 0 on the others: under these algorithms
-    # every rank starts by receiving, so no data frame carries the disagreement.
+def _silent_kind_body(pg):
+    # all_reduce (tree) on rank 0, broadcast from rank 0 on the others: every rank starts by
+    # receiving, so no data frame carries the disagreement.
     return run_case(pg, lambda g: g.all_reduce(np.ones(64, np.float32), algorithm="tree",
-                                               timeout=call_timeout)
+                                               timeout=SHORT_TIMEOUT)
                     if g.rank == 0 else
-                    g.broadcast(np.ones(64, np.float32), 0, timeout=call_timeout))
+                    g.broadcast(np.ones(64, np.float32), 0, timeout=SHORT_TIMEOUT))
 
 
 @pytest.mark.xfail(strict=True, reason="bug: the agreement check only compares the OpDesc of data "
@@ -210,15 +267,13 @@ def _silent_kind_body(pg, call_timeout):
                    "timeout, then raises TimeoutError instead of MismatchError")
 @pytest.mark.timeout(60)
 def test_mismatch_when_every_rank_receives_first(run_ranks):
-    # 3 s per call (not 30) to keep the expected failure short; still above FAST.
-    res = run_ranks(2, _silent_kind_body, timeout=50, call_timeout=3.0)
+    res = run_ranks(2, _silent_kind_body, timeout=50, env=env_for("tcp"))
     check_all_raised(res, names=("broadcast", "all_reduce"))
 
 
-def _p2p_body(pg):
-    rank = pg.rank
-    out = {}
+# ---- point to point -------------------------------------------------------------------------
 
+def _p2p_body(pg):
     def tagged(g):
         if g.rank == 0:
             g.send(np.ones(4, np.float32), 1, tag=1, timeout=CALL_TIMEOUT)
@@ -237,9 +292,8 @@ def _p2p_body(pg):
         elif g.rank == 1:
             g.recv(np.zeros(4, np.float32), 0, timeout=CALL_TIMEOUT)
 
-    for name, fn in [("tag", tagged), ("size", sized), ("dtype", typed)]:
-        out[name] = run_case(pg, fn)
-    return out
+    return {name: run_case(pg, fn) for name, fn in
+            [("tag", tagged), ("size", sized), ("dtype", typed)]}
 
 
 @pytest.mark.timeout(60)

@@ -2,7 +2,9 @@
 
 #include <fcntl.h>
 #include <sched.h>
+#include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -145,44 +147,28 @@ std::atomic<uint64_t>& ShmGroup::counter(int r, Phase p) {
 }
 
 namespace {
-// Spin briefly (the peer is usually a few hundred ns behind), then yield the core (ranks may
-// outnumber cores), then nap; run `check` every ~5 ms.
-template <class Ready, class Periodic>
-void spin_until(Ready ready, Periodic periodic) {
-  for (int i = 0; i < 2000; ++i) {
-    if (ready()) return;
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
-  auto next_check = Clock::now();
-  for (int i = 0;; ++i) {
-    if (ready()) return;
-    auto now = Clock::now();
-    if (now >= next_check) {
-      periodic();
-      next_check = now + Millis(5);
-    }
-    if (i < 200)
-      sched_yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
-  }
+long futex(std::atomic<uint32_t>* word, int op, uint32_t val, const timespec* timeout) {
+  // Process-shared (no FUTEX_PRIVATE_FLAG): the word lives in a MAP_SHARED mapping.
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, val, timeout, nullptr, 0);
 }
 }  // namespace
 
+void ShmGroup::publish(Phase phase, uint64_t round) {
+  ShmControl& me = *ctrl_[rank_];
+  counter(rank_, phase).store(round, std::memory_order_seq_cst);
+  me.epoch.fetch_add(1, std::memory_order_seq_cst);
+  if (me.sleepers.load(std::memory_order_seq_cst) > 0) futex(&me.epoch, FUTEX_WAKE, INT32_MAX, nullptr);
+}
+
+// Spin for a few microseconds (the peer is usually just behind), then sleep on the peer's
+// futex in naps of at most 5 ms, running `periodic` (dead peer, ABORT, deadline) between.
 void ShmGroup::wait_until(const std::vector<int>& ranks, Phase phase, uint64_t round,
                           const Deadline& d, const Check& check, const char* what) {
-  size_t i = 0;
-  auto ready = [&] {
-    for (; i < ranks.size(); ++i)
-      if (counter(ranks[i], phase).load(std::memory_order_acquire) < round) return false;
-    return true;
-  };
+  auto reached = [&](int r) { return counter(r, phase).load(std::memory_order_acquire) >= round; };
   auto periodic = [&] {
     std::vector<int> missing;
     for (int r : ranks)
-      if (counter(r, phase).load(std::memory_order_acquire) < round) missing.push_back(r);
+      if (!reached(r)) missing.push_back(r);
     if (check) check(missing);
     if (d.expired()) {
       std::string list;
@@ -193,7 +179,35 @@ void ShmGroup::wait_until(const std::vector<int>& ranks, Phase phase, uint64_t r
                                  "called another collective"));
     }
   };
-  spin_until(ready, periodic);
+  auto spin_start = Clock::now();
+  auto next_check = spin_start + Millis(5);
+  for (int r : ranks) {
+    for (int i = 0; !reached(r); ++i) {
+      if (i < 256) {
+#if defined(__x86_64__)
+        __builtin_ia32_pause();
+#endif
+        continue;
+      }
+      auto now = Clock::now();
+      if (now >= next_check) {
+        periodic();
+        next_check = now + Millis(5);
+      }
+      if (now - spin_start < std::chrono::microseconds(20)) {
+        i = 0;
+        continue;
+      }
+      ShmControl& c = *ctrl_[r];
+      uint32_t seen = c.epoch.load(std::memory_order_seq_cst);
+      c.sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (!reached(r)) {
+        timespec nap{0, 5 * 1000 * 1000};
+        futex(&c.epoch, FUTEX_WAIT, seen, &nap);
+      }
+      c.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
 }
 
 void ShmGroup::wait_all(Phase phase, uint64_t round, const Deadline& d, const Check& check,

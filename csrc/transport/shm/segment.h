@@ -34,7 +34,13 @@ struct alignas(64) ShmControl {
   char pad2[56];
   OpDesc desc;   // the operation of the round in `arrived`, for the agreement check
   uint64_t seq;  // its collective sequence number
-  char pad3[40];
+  // Note [Futex wake-ups]: bumped on every publish; a waiter that has spun long enough sleeps
+  // on it (a process-shared futex) after announcing itself in `sleepers`, so an idle or
+  // oversubscribed host does not burn cores, and a publisher only pays for a wake-up
+  // syscall when someone sleeps.
+  std::atomic<uint32_t> epoch;
+  std::atomic<uint32_t> sleepers;
+  char pad3[32];
 };
 static_assert(sizeof(ShmControl) == 256, "control block layout");
 
@@ -56,6 +62,8 @@ class ShmGroup {
   uint8_t* data(int r) { return data_[r]; }
 
   enum Phase { kArrived, kReduced, kReleased };
+  // Publishes this rank's `phase` counter for `round` and wakes sleeping waiters.
+  void publish(Phase phase, uint64_t round);
   // Called every few ms while waiting, with the ranks not there yet: polls the TCP links for
   // a dead peer or an ABORT frame, and throws.
   using Check = std::function<void(const std::vector<int>& missing)>;

@@ -1,0 +1,174 @@
+"""Tier 2: shard / all_gather / reduce_scatter_dim and the tensor-parallel example over
+real processes (the `run_ranks` fixture). Each test spawns one world and loops over its
+cases inside it: spawning costs more than the cases."""
+
+import numpy as np
+import pytest
+
+from meshcoll.examples import tensor_parallel
+from meshcoll.partition import ShardedArray, reduce_scatter_dim, shard
+
+pytestmark = pytest.mark.timeout(120)
+
+# (shape, dim): odd lengths along dims 0, 1 and -1, lengths below the world size
+# (empty shards), and a zero-length dim.
+CASES = [((7, 5, 3), 0), ((7, 5, 3), 1), ((7, 5, 3), -1), ((1, 9), 0), ((3, 2), -1),
+         ((11,), 0), ((2, 13), 1), ((5, 3, 1), -2), ((0, 3), 0), ((4, 3), 1)]
+DTYPES = [np.float64, np.float32, np.int32]
+
+
+def _round_trip(pg):
+    checked = 0
+    for (shape, dim) in CASES:
+        for dtype in DTYPES:
+            x = (np.arange(int(np.prod(shape))) * 3 - 7).astype(dtype).reshape(shape)
+            sh = shard(x, dim, group=pg)
+            want = np.array_split(x, pg.size, axis=dim)[pg.rank]
+            np.testing.assert_array_equal(sh.local, want)
+            assert sh.local.dtype == x.dtype and sh.local.flags.c_contiguous
+            assert not np.shares_memory(sh.local, x)  # a copy, even where a view would do
+            assert (sh.global_shape, sh.dim, sh.parts, sh.index) == \
+                   (shape, dim % len(shape), pg.size, pg.rank)
+            assert sh.stop - sh.start == want.shape[dim]
+            full = sh.all_gather()
+            assert full.shape == shape and full.dtype == x.dtype and full.flags.c_contiguous
+            np.testing.assert_array_equal(full, x)
+            checked += 1
+    # The world group is the default.
+    x = np.arange(35.0).reshape(5, 7)
+    np.testing.assert_array_equal(shard(x, -1).all_gather(), x)
+    # A shard gathers over a group of its size and rank only.
+    wrong = ShardedArray(np.zeros((1, 2)), (pg.size + 1, 2), 0, pg.rank, pg.rank + 1,
+                         pg.size + 1, pg.rank)
+    with pytest.raises(ValueError, match=f"cannot be gathered over a group of size {pg.size}"):
+        wrong.all_gather(pg)
+    with pytest.raises(ValueError, match="dim 2 is out of range"):
+        shard(x, 2, group=pg)
+    return checked
+
+
+def _subgroups(pg):
+    """Shards over a subgroup (the even or the odd ranks) gather within it."""
+    sub = pg.split(color=pg.rank % 2)
+    x = np.arange(9 * 4, dtype=np.float64).reshape(9, 4) + 100 * (pg.rank % 2)
+    sh = shard(x, 0, group=sub)
+    np.testing.assert_array_equal(sh.local, np.array_split(x, sub.size)[sub.rank])
+    np.testing.assert_array_equal(sh.all_gather(), x)  # uses the shard's own group
+    return sub.size
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_shard_all_gather_round_trip(run_ranks, world):
+    results = run_ranks(world, _round_trip)
+    assert results == [len(CASES) * len(DTYPES)] * world
+
+
+def test_shard_over_subgroups(run_ranks):
+    assert run_ranks(3, _subgroups) == [2, 1, 2]
+
+
+def _rank_data(rank, shape, dtype):
+    rng = np.random.default_rng([2024, rank])
+    if np.dtype(dtype).kind == "i":
+        return rng.integers(-50, 51, shape).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _reduce_scatter(pg):
+    ops = {"sum": lambda xs: np.sum(xs, axis=0), "max": lambda xs: np.max(xs, axis=0),
+           "min": lambda xs: np.min(xs, axis=0), "avg": lambda xs: np.mean(xs, axis=0)}
+    checked = 0
+    for (shape, dim) in CASES:
+        for dtype in (np.float64, np.int64):
+            everyone = [_rank_data(r, shape, dtype) for r in range(pg.size)]
+            for op, ref in ops.items():
+                if op == "avg" and dtype == np.int64:
+                    continue
+                want_full = ref(np.stack(everyone)).astype(dtype)
+                want = np.array_split(want_full, pg.size, axis=dim)[pg.rank]
+                sh = reduce_scatter_dim(everyone[pg.rank].copy(), dim, op=op, group=pg)
+                assert isinstance(sh, ShardedArray) and sh.local.dtype == dtype
+                assert (sh.global_shape, sh.dim) == (shape, dim % len(shape))
+                assert sh.local.shape == want.shape and sh.local.flags.c_contiguous
+                # Integers and max/min are exact; float sums differ from numpy's order.
+                np.testing.assert_allclose(sh.local, want, rtol=1e-13, atol=1e-13)
+                np.testing.assert_allclose(sh.all_gather(), want_full, rtol=1e-13, atol=1e-13)
+                checked += 1
+    # Input is left as it was (the reduction goes to a new array).
+    x = _rank_data(pg.rank, (6, 5), np.int64)
+    before = x.copy()
+    reduce_scatter_dim(x, 1)
+    np.testing.assert_array_equal(x, before)
+    return checked
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_reduce_scatter_dim_matches_numpy(run_ranks, world):
+    results = run_ranks(world, _reduce_scatter)
+    assert results[0] > 0 and len(set(results)) == 1
+
+
+def _tensor_parallel(pg, tp_sizes):
+    return {(tp, dtype): tensor_parallel.run(pg, tp, dtype=dtype, verbose=False)
+            for tp in tp_sizes for dtype in ("float64", "float32")}
+
+
+@pytest.mark.parametrize("world,tp_sizes", [(2, [2]), (4, [4, 2])])
+def test_tensor_parallel_example_matches_unsharded(run_ranks, world, tp_sizes):
+    for errs in run_ranks(world, _tensor_parallel, tp_sizes=tp_sizes):
+        for (tp, dtype), err in errs.items():
+            assert err < tensor_parallel.TOLERANCE[dtype], (tp, dtype, err)
+
+
+def _torch_group(pg):
+    """A ProcessGroup subclass whose hooks take torch tensors (CPU memory, the real CPU comm
+    underneath), as a GPU backend takes device arrays: partition.py must handle them with
+    what numpy and torch arrays share and allocate through ``_empty``. The collectives
+    themselves still return numpy arrays (process_group hands ``_empty``'s output for
+    numpy-like inputs straight to the comm), so results are compared by value."""
+    import torch
+
+    from meshcoll.arrays import as_array
+    from meshcoll.process_group import ProcessGroup
+
+    class TorchCPUGroup(ProcessGroup):
+        backend_name = "torch-cpu"
+
+        def _as_array(self, x, what, writable=False):
+            return x.numpy() if isinstance(x, torch.Tensor) else as_array(x, what, writable=writable)
+
+        def _empty(self, shape, like):
+            if isinstance(like, torch.Tensor):
+                return torch.empty(tuple(shape), dtype=like.dtype)
+            return super()._empty(shape, like)
+
+    # Collective, as _child is: every rank builds the group's comm under one new name.
+    return TorchCPUGroup(pg._store, pg.ranks, pg.rank, "world.torch", timeout=pg._timeout,
+                         bind_host=pg._bind_host, token=pg._token)
+
+
+def _torch_arrays(pg):
+    import torch
+
+    tg = _torch_group(pg)
+    try:
+        for shape, dim in [((7, 5, 3), 1), ((7, 5, 3), -1), ((2, 13), 0), ((3, 2), 1)]:
+            x = torch.arange(int(np.prod(shape)), dtype=torch.float64).reshape(shape)
+            sh = shard(x, dim, group=tg)
+            assert isinstance(sh.local, torch.Tensor) and sh.local.is_contiguous()
+            assert sh.local.data_ptr() != x.data_ptr() or sh.local.numel() == 0
+            np.testing.assert_array_equal(
+                sh.local.numpy(), np.array_split(x.numpy(), pg.size, axis=dim)[pg.rank])
+            np.testing.assert_array_equal(np.asarray(sh.all_gather()), x.numpy())
+            y = x * (pg.rank + 1)
+            rs = reduce_scatter_dim(y, dim, group=tg)
+            want = np.array_split(x.numpy() * sum(range(1, pg.size + 1)), pg.size, axis=dim)
+            np.testing.assert_array_equal(np.asarray(rs.local), want[pg.rank])
+    finally:
+        tg.destroy()
+    return True
+
+
+def test_non_numpy_arrays_go_through_the_group_hooks(run_ranks):
+    pytest.importorskip("torch")
+    assert run_ranks(2, _torch_arrays) == [True] * 2
