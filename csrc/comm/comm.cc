@@ -1,6 +1,9 @@
 #include "comm/comm.h"
 
 #include <sys/eventfd.h>
+
+#include <cstdio>
+#include <cstdlib>
 #include <unistd.h>
 
 #include "common/check.h"
@@ -49,6 +52,8 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
   topts.comm_id = comm_id;
   transport_ = std::make_unique<transport::TcpTransport>(rank, size, *store_, topts, &describe_op,
                                                          Deadline(opts.timeout));
+  const char* dbg = std::getenv("MESHCOLL_DEBUG");
+  debug_ = dbg && *dbg && std::string(dbg) != "0";
   Deadline setup(opts.timeout);
   if (size > 1 && opts.transport != "tcp") {
     std::string why;
@@ -348,8 +353,20 @@ void Comm::run_item(Item& item) {
         start_p2p(item, ctx);
         return;
       }
+      auto t0 = Clock::now();
+      algorithm_ = "";
       item.run(*this);
       transport_->poll_once();
+      if (debug_) {
+        auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
+        std::fprintf(stderr, "meshcoll[rank %d/%d] %s seq=%llu algo=%s bytes=%llu time=%lldus\n",
+                     rank_, size_, describe_op(item.env.op).c_str(),
+                     static_cast<unsigned long long>(item.env.seq),
+                     *algorithm_ ? algorithm_ : (shm_ ? "shm" : "tcp"),
+                     static_cast<unsigned long long>(
+                         item.env.op.count * dtype_size(static_cast<DType>(item.env.op.dtype))),
+                     static_cast<long long>(us));
+      }
     } catch (...) {
       error = same_type(std::current_exception(), ctx + message_of(std::current_exception()));
       fail_group(error);

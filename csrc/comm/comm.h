@@ -92,6 +92,8 @@ class Comm {
   const std::string& shm_status() const { return shm_status_; }
   uint64_t next_shm_round() { return ++shm_round_; }
   const Deadline& deadline() const { return deadline_; }
+  // Algorithms name themselves for MESHCOLL_DEBUG=1 logs.
+  void set_algorithm(const char* name) { algorithm_ = name; }
   // For waits in shared memory: polls the TCP links, fails on a dead peer or an ABORT.
   const transport::ShmGroup::Check& shm_check() const { return shm_check_; }
   const transport::Envelope& current() const { return current_; }
@@ -156,6 +158,8 @@ class Comm {
   Deadline deadline_;
   std::vector<uint8_t> scratch_[kScratchSlots];
   std::exception_ptr first_error_;
+  bool debug_ = false;  // MESHCOLL_DEBUG=1: one line per operation on stderr
+  const char* algorithm_ = "";
   std::vector<InFlight> in_flight_;
 };
 

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <thread>
@@ -34,6 +35,8 @@ std::string link_target(const char* path) {
 }  // namespace
 
 std::string ShmGroup::host_identity() {
+  // MESHCOLL_HOST_ID overrides (tests that emulate several hosts on one machine).
+  if (const char* forced = std::getenv("MESHCOLL_HOST_ID"); forced && *forced) return forced;
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   // Same boot and same IPC namespace: two containers on one host may not share /dev/shm.
