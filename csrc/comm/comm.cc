@@ -102,7 +102,7 @@ std::shared_ptr<Work> Comm::push(Item item, bool blocking) {
     throw Aborted(str_cat("rank ", rank_, ": ", describe_op(item.env.op),
                           " was called on a destroyed group"));
   if (item.env.channel == transport::Channel::kCollective) item.env.seq = next_seq_++;
-  item.work = std::make_shared<Work>(str_cat("rank ", rank_, " ", describe_op(item.env.op)));
+  item.work = std::make_shared<Work>(rank_, item.env.op);
   item.index = next_index_++;
   auto work = item.work;
   if (blocking && !busy_ && queue_.empty() && in_flight_count_ == 0) {
@@ -231,9 +231,10 @@ void Comm::progress_in_flight() {
     if (!transport_->wait_any(reqs, earliest, wake_fd_)) {
       for (const auto& f : in_flight_) {
         if (!f.req->complete() && f.deadline.expired())
-          throw TimeoutError(str_cat(f.what, "timed out after ", f.deadline.timeout().count(),
+          throw TimeoutError(str_cat(f.what(rank_), "timed out after ",
+                                     f.deadline.timeout().count(),
                                      " ms: the peer never posted the matching ",
-                                     f.what.find("send") == 0 ? "recv" : "send",
+                                     f.is_send ? "recv" : "send",
                                      ", or it is stuck in other code"));
       }
     }
@@ -256,18 +257,21 @@ void Comm::reap_in_flight() {
   sync_in_flight_count();
 }
 
-void Comm::start_p2p(Item& item, const std::string& ctx) {
+std::string Comm::InFlight::what(int rank) const {
+  return str_cat(is_send ? "send to rank " : "recv from rank ", peer, " (tag ", tag, ") on rank ",
+                 rank, ": ");
+}
+
+void Comm::start_p2p(Item& item) {
   transport::Request req = item.is_send ? transport_->isend(item.peer, item.env, item.src)
                                         : transport_->irecv(item.peer, item.env, item.dst);
   if (req->complete()) {
     item.work->finish(nullptr);
   } else {
-    in_flight_.push_back({req, item.work, Deadline(item.timeout),
-                          str_cat(item.is_send ? "send to rank " : "recv from rank ", item.peer,
-                                  " (tag ", item.env.tag, ") on rank ", rank_, ": ")});
+    in_flight_.push_back({req, item.work, Deadline(item.timeout), item.peer, item.env.tag,
+                          item.is_send});
     sync_in_flight_count();
   }
-  (void)ctx;
 }
 
 namespace {
@@ -328,20 +332,22 @@ void Comm::fail_group(std::exception_ptr error) {
   }
   // Any failure mid-operation leaves peers waiting on us: abort so they fail fast.
   transport_->abort(abort_kind_of(error), message_of(error));
-  for (auto& f : in_flight_) f.work->finish(same_type(error, f.what + message_of(error)));
+  for (auto& f : in_flight_) f.work->finish(same_type(error, f.what(rank_) + message_of(error)));
   in_flight_.clear();
   sync_in_flight_count();
 }
 
 void Comm::run_item(Item& item) {
   std::exception_ptr error;
-  std::string ctx = str_cat(describe_op(item.env.op), " [seq ", item.env.seq, "] on rank ", rank_,
-                            " of ", size_, ": ");
+  auto ctx = [&] {  // formatted only on failure
+    return str_cat(describe_op(item.env.op), " [seq ", item.env.seq, "] on rank ", rank_, " of ",
+                   size_, ": ");
+  };
   if (first_error_) {
     // Operations already queued when the group failed report the failure's own type (a
     // caller waiting on one of them learns that a peer died, not merely "aborted"); ones
     // issued afterwards get Aborted.
-    std::string msg = str_cat(ctx, "not run: the group failed earlier (", message_of(first_error_),
+    std::string msg = str_cat(ctx(), "not run: the group failed earlier (", message_of(first_error_),
                               "); destroy it and create a new one");
     error = item.index < failed_before_ ? same_type(first_error_, msg)
                                         : std::make_exception_ptr(Aborted(msg));
@@ -350,13 +356,13 @@ void Comm::run_item(Item& item) {
     deadline_ = Deadline(item.timeout);
     try {
       if (item.peer >= 0) {
-        start_p2p(item, ctx);
+        start_p2p(item);
         return;
       }
       auto t0 = Clock::now();
       algorithm_ = "";
       item.run(*this);
-      transport_->poll_once();
+      if (size_ > 1) transport_->poll_once();
       if (debug_) {
         auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
         std::fprintf(stderr, "meshcoll[rank %d/%d] %s seq=%llu algo=%s bytes=%llu time=%lldus\n",
@@ -368,7 +374,7 @@ void Comm::run_item(Item& item) {
                      static_cast<long long>(us));
       }
     } catch (...) {
-      error = same_type(std::current_exception(), ctx + message_of(std::current_exception()));
+      error = same_type(std::current_exception(), ctx() + message_of(std::current_exception()));
       fail_group(error);
     }
   }

@@ -120,11 +120,14 @@ class Comm {
     transport::Request req;
     std::shared_ptr<Work> work;
     Deadline deadline;
-    std::string what;
+    int peer;
+    uint32_t tag;
+    bool is_send;
+    std::string what(int rank) const;  // for errors only
   };
   void worker_loop();
   void run_item(Item& item);
-  void start_p2p(Item& item, const std::string& ctx);
+  void start_p2p(Item& item);
   void progress_in_flight();
   void reap_in_flight();
   void fail_group(std::exception_ptr error);

@@ -1,5 +1,6 @@
 #include "comm/work.h"
 
+#include "comm/comm.h"
 #include "common/error.h"
 
 namespace meshcoll::comm {
@@ -9,12 +10,14 @@ void Work::wait(Millis timeout) {
   if (timeout.count() < 0) {
     cv_.wait(lock, [this] { return done_; });
   } else if (!cv_.wait_for(lock, timeout, [this] { return done_; })) {
-    throw TimeoutError(str_cat(what_, " did not complete within ", timeout.count(),
+    throw TimeoutError(str_cat(what(), " did not complete within ", timeout.count(),
                                " ms (Work.wait timeout); it keeps running and fails by its "
                                "own deadline if a peer never arrives"));
   }
   if (error_) std::rethrow_exception(error_);
 }
+
+std::string Work::what() const { return str_cat("rank ", rank_, " ", describe_op(op_)); }
 
 bool Work::is_completed() {
   std::lock_guard<std::mutex> lock(mu_);
