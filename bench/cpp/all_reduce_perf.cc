@@ -1,0 +1,198 @@
+// all_reduce_perf: nccl-tests-style table for the CPU backend, ranks as forked processes.
+//   all_reduce_perf -n 4 -b 8 -e 16M -f 2 -i 20 -w 5 -c 1 [-a ring|tree|...] [-t auto|shm|tcp] [-j out.jsonl]
+// Same columns as meshcoll-bench: size count type redop time algbw busbw #wrong.
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "algo/collectives.h"
+#include "comm/comm.h"
+#include "store/tcp_store.h"
+
+using namespace meshcoll;
+
+namespace {
+
+struct Options {
+  int ranks = 4;
+  size_t min_bytes = 8, max_bytes = 16 << 20;
+  double factor = 2;
+  int iters = 20, warmup = 5;
+  bool check = true;
+  std::string algo = "auto", transport = "auto", json;
+};
+
+size_t parse_size(const char* s) {
+  char* end = nullptr;
+  double v = std::strtod(s, &end);
+  switch (end && *end ? *end : ' ') {
+    case 'K': case 'k': v *= 1024; break;
+    case 'M': case 'm': v *= 1024 * 1024; break;
+    case 'G': case 'g': v *= 1024.0 * 1024 * 1024; break;
+    default: break;
+  }
+  return static_cast<size_t>(v);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    std::string k = argv[i];
+    const char* v = argv[i + 1];
+    if (k == "-n") o.ranks = std::atoi(v);
+    else if (k == "-b") o.min_bytes = parse_size(v);
+    else if (k == "-e") o.max_bytes = parse_size(v);
+    else if (k == "-f") o.factor = std::atof(v);
+    else if (k == "-i") o.iters = std::atoi(v);
+    else if (k == "-w") o.warmup = std::atoi(v);
+    else if (k == "-c") o.check = std::atoi(v) != 0;
+    else if (k == "-a") o.algo = v;
+    else if (k == "-t") o.transport = v;
+    else if (k == "-j") o.json = v;
+    else {
+      std::fprintf(stderr, "unknown option %s\n", k.c_str());
+      std::exit(2);
+    }
+  }
+  return o;
+}
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  socklen_t len = sizeof(a);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// Runs one all_reduce of `count` floats through the comm's queue and waits.
+void run_all_reduce(comm::Comm& c, float* buf, size_t count, algo::Algorithm alg) {
+  algo::AllreduceArgs a;
+  a.in = ConstBytes(buf, count * 4);
+  a.out = MutBytes(buf, count * 4);
+  a.count = count;
+  a.dtype = DType::kFloat32;
+  a.algorithm = alg;
+  transport::OpDesc d;
+  d.coll = static_cast<uint8_t>(comm::CollKind::kAllReduce);
+  d.dtype = static_cast<uint8_t>(DType::kFloat32);
+  d.count = count;
+  c.enqueue(d, Millis(-1), [a](comm::Comm& cm) { algo::all_reduce(cm, a); }, true)->wait(Millis(-1));
+}
+
+int rank_main(int rank, int port, const Options& o) {
+  auto store = std::make_shared<store::TcpStore>("127.0.0.1", port, rank == 0, Millis(60000), "");
+  comm::CommOptions copts;
+  copts.timeout = Millis(60000);
+  copts.bind_host = "127.0.0.1";
+  copts.transport = o.transport;
+  auto prefixed = std::make_shared<store::PrefixStore>("bench", store);
+  comm::Comm c(prefixed, rank, o.ranks, copts, 42);
+  algo::Algorithm alg;
+  if (!algo::algorithm_from_name(o.algo, &alg)) {
+    std::fprintf(stderr, "unknown algorithm %s\n", o.algo.c_str());
+    return 2;
+  }
+  FILE* json = rank == 0 && !o.json.empty() ? std::fopen(o.json.c_str(), "w") : nullptr;
+  const double bus = 2.0 * (o.ranks - 1) / o.ranks;  // all-reduce busbw factor
+  if (rank == 0) {
+    std::printf("# meshcoll all_reduce_perf  transport=%s  ranks=%d  iters=%d warmup=%d  algo=%s\n",
+                c.shm_status().c_str(), o.ranks, o.iters, o.warmup, o.algo.c_str());
+    std::printf("#%12s %10s %6s %6s %10s %8s %8s %7s\n", "size", "count", "type", "redop", "time",
+                "algbw", "busbw", "#wrong");
+    std::printf("#%12s %10s %6s %6s %10s %8s %8s %7s\n", "(B)", "(elems)", "", "", "(us)", "(GB/s)",
+                "(GB/s)", "");
+  }
+  double bw_sum = 0;
+  int bw_n = 0;
+  std::vector<float> buf, timing(1);
+  for (size_t bytes = o.min_bytes; bytes <= o.max_bytes;
+       bytes = std::max(bytes + 4, static_cast<size_t>(bytes * o.factor))) {
+    size_t count = std::max<size_t>(1, bytes / 4);
+    buf.assign(count, 0);
+    for (int i = 0; i < o.warmup; ++i) run_all_reduce(c, buf.data(), count, alg);
+    auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < o.iters; ++i) run_all_reduce(c, buf.data(), count, alg);
+    double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() /
+                o.iters;
+    timing[0] = static_cast<float>(us);  // the slowest rank's time is the collective's
+    algo::AllreduceArgs m;
+    m.in = ConstBytes(timing.data(), 4);
+    m.out = MutBytes(timing.data(), 4);
+    m.count = 1;
+    m.op = RedOp::kMax;
+    transport::OpDesc d;
+    d.coll = static_cast<uint8_t>(comm::CollKind::kAllReduce);
+    d.dtype = static_cast<uint8_t>(DType::kFloat32);
+    d.redop = static_cast<uint8_t>(RedOp::kMax);
+    d.count = 1;
+    c.enqueue(d, Millis(-1), [m](comm::Comm& cm) { algo::all_reduce(cm, m); }, true)->wait(Millis(-1));
+    us = timing[0];
+    size_t wrong = 0;
+    if (o.check) {  // rank r contributes (r+1) * (i % 7 + 1): small integers, exact in f32
+      for (size_t i = 0; i < count; ++i) buf[i] = static_cast<float>((rank + 1) * (i % 7 + 1));
+      run_all_reduce(c, buf.data(), count, alg);
+      const float tri = o.ranks * (o.ranks + 1) / 2.0f;
+      for (size_t i = 0; i < count; ++i) wrong += buf[i] != tri * (i % 7 + 1);
+    }
+    double algbw = count * 4 / us / 1e3;
+    if (rank == 0) {
+      std::printf(" %12zu %10zu %6s %6s %10.2f %8.3f %8.3f %7zu\n", count * 4, count, "float", "sum",
+                  us, algbw, algbw * bus, wrong);
+      if (json)
+        std::fprintf(json,
+                     "{\"op\": \"all_reduce\", \"size\": %zu, \"count\": %zu, \"type\": \"float\", "
+                     "\"redop\": \"sum\", \"time_us\": %.3f, \"algbw\": %.4f, \"busbw\": %.4f, "
+                     "\"wrong\": %zu, \"ranks\": %d}\n",
+                     count * 4, count, us, algbw, algbw * bus, wrong, o.ranks);
+    }
+    bw_sum += algbw * bus;
+    ++bw_n;
+  }
+  if (rank == 0) std::printf("# Avg bus bandwidth : %.3f\n", bw_n ? bw_sum / bw_n : 0.0);
+  if (json) std::fclose(json);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o = parse(argc, argv);
+  int port = free_port();
+  std::vector<pid_t> kids;
+  for (int r = 0; r < o.ranks; ++r) {
+    pid_t pid = fork();
+    if (pid == 0) {
+      int rc = 1;
+      try {
+        rc = rank_main(r, port, o);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
+      }
+      std::fflush(stdout);
+      _exit(rc);
+    }
+    kids.push_back(pid);
+  }
+  int worst = 0;
+  for (pid_t k : kids) {
+    int st = 0;
+    waitpid(k, &st, 0);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) worst = 1;
+  }
+  return worst;
+}
