@@ -11,17 +11,19 @@ zero items (``length < parts``); the collectives below handle empty shards.
 The communication goes through the group's uneven collectives, which work on axis 0:
 the split dim is swapped to the front, made contiguous, sent, and swapped back.
 ``swapaxes`` rather than ``moveaxis`` because numpy, CuPy and torch arrays all have
-the method, and a swap is its own inverse. New arrays come from the group's
-``_empty`` hook (filled with ``out[...] = view``), so a GPU backend returns arrays of
-its own kind. Only numpy on the CPU backend is tested; GPU arrays are untested until a
-GPU backend exists.
+the method, and a swap is its own inverse. Copies of numpy arrays are numpy; copies of
+other arrays come from the group's ``_empty`` hook (filled with ``out[...] = view``), so
+the NCCL backend allocates them in the input's own framework (torch ``new_empty``, CuPy
+``empty``) and the copy runs on that framework's current stream. Tested: numpy on the CPU
+backend, and torch CPU tensors through a group whose hooks hand them out. Not tested:
+CUDA arrays on the NCCL backend.
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Tuple
 
 import numpy as np
 
@@ -136,7 +138,7 @@ def reduce_scatter_dim(x, dim: int, op: str = "sum", group=None) -> ShardedArray
 
 def _resolve(group):
     if group is None:
-        from . import process_group  # at call time: partition_range needs no C++ core
+        from . import process_group  # at call time, as device_mesh does
         group = process_group.get_world_group()
     if not getattr(group, "is_member", True):
         raise ValueError(f"this rank is not a member of group {group.name} "
@@ -166,6 +168,9 @@ def _swap(a, d: int):
 
 
 def _copy(group, view):
+    """A C-contiguous copy in ``view``'s framework."""
+    if isinstance(view, np.ndarray):
+        return view.copy(order="C")
     out = group._empty(tuple(view.shape), view)
     out[...] = view
     return out

@@ -109,6 +109,9 @@ class ProcessGroup:
         self._next_child = 0
         self.config = CollectiveConfig(os.environ.get(_ALGO_ENV) or "auto")
         self._comm = self._make_comm(_C.PrefixStore(f"mc/{name}", store), rank, parent)
+        # Every member is done with the store for this group before anyone returns: rank 0
+        # may otherwise exit (closing the store) while a peer still rendezvouses through it.
+        self.barrier()
         if self._comm_transport().startswith("tcp (") and rank == 0:
             import warnings
             warnings.warn(f"meshcoll group {name!r}: {self._comm_transport()}; falling back to "
@@ -414,15 +417,18 @@ class _Default:
 
 def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
          world_size: Optional[int] = None, master_addr: Optional[str] = None,
-         master_port: Optional[int] = None, timeout: Optional[float] = None) -> ProcessGroup:
+         master_port: Optional[int] = None, timeout: Optional[float] = None,
+         device=None) -> ProcessGroup:
     """Join the job: rendezvous through rank 0's TCP store, connect to every rank, return
     the world group. With no arguments it reads meshcoll-run's, torchrun's, Slurm's or
-    Open MPI's environment variables."""
+    Open MPI's environment variables. ``backend``: "cpu" (the default), "nccl" (CUDA
+    arrays; ``device`` defaults to the launcher's local rank), or "auto" (nccl when every
+    rank has a GPU and NCCL loads, else cpu)."""
     if _Default.world is not None:
         raise RuntimeError("meshcoll.init was already called in this process; call "
                            "meshcoll.destroy() first to re-initialise")
-    if backend not in (None, "auto", "cpu"):
-        raise ValueError(f"meshcoll.init: unknown backend {backend!r}; this build offers 'cpu'")
+    if backend not in (None, "auto", "cpu", "nccl"):
+        raise ValueError(f"meshcoll.init: unknown backend {backend!r}; use 'cpu', 'nccl' or 'auto'")
     rv = _env.rendezvous_from_env(rank=rank, world_size=world_size, master_addr=master_addr,
                                   master_port=master_port)
     timeout = float(timeout) if timeout is not None else _env.timeout_from_env()
@@ -431,8 +437,16 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
     store = _C.TCPStore(host, rv.master_port, is_server=rv.rank == 0, timeout=timeout,
                         token=token)
     bind_host = _bind_host(store)
-    world = ProcessGroup(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
-                         bind_host=bind_host, token=token)
+    if backend in ("nccl", "auto"):
+        from . import nccl
+        if backend == "auto":
+            backend = nccl.agree_on_backend(store, rv.rank, rv.world_size, timeout)
+    if backend == "nccl":
+        world = nccl.make_world(store, rv.rank, rv.world_size, timeout, bind_host, token,
+                                device if device is not None else rv.local_rank)
+    else:
+        world = ProcessGroup(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
+                             bind_host=bind_host, token=token)
     _Default.world, _Default.store = world, store
     return world
 

@@ -27,13 +27,14 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from dataclasses import replace
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
 import meshcoll
 from meshcoll.device_mesh import init_device_mesh
-from meshcoll.partition import ShardedArray, partition_range, reduce_scatter_dim, shard
+from meshcoll.partition import partition_range, reduce_scatter_dim, shard
 
 # Relative to the largest entry of each reference tensor. float64 lands near 1e-16; the
 # float32 bound leaves room for matmul reassociation across the split.
@@ -91,10 +92,8 @@ def tensor_parallel(p: Dict[str, np.ndarray], tp) -> Tuple[Dict[str, object], np
     dZ = (dO @ B.local.T) * gelu_grad(Z)
     dA = X.T @ dZ
     dX = tp.all_reduce(dZ @ A.local.T)
-    return {"O": O, "dX": dX,
-            "dA": ShardedArray(dA, A.global_shape, A.dim, A.start, A.stop, A.parts, A.index, tp),
-            "dB": ShardedArray(dB, B.global_shape, B.dim, B.start, B.stop, B.parts, B.index, tp),
-            }, partial
+    # A weight's gradient is sharded exactly as the weight is.
+    return {"O": O, "dX": dX, "dA": replace(A, local=dA), "dB": replace(B, local=dB)}, partial
 
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> float:
@@ -156,11 +155,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     world = meshcoll.init()
     try:
-        err = run(world, args.tp, args.batch, args.hidden, args.ffn, args.dtype)
+        tp = args.tp or world.size
+        if tp < 1 or world.size % tp:
+            # Every rank stops here; the barrier first lets them all finish joining.
+            world.barrier()
+            if world.rank == 0:
+                print(f"tensor_parallel: --tp {tp} must divide the world size {world.size}",
+                      file=sys.stderr, flush=True)
+            return 2
+        err = run(world, tp, args.batch, args.hidden, args.ffn, args.dtype)
         worst = float(world.all_reduce(np.array([err]), op="max")[0])
         tol = TOLERANCE[args.dtype]
         if world.rank == 0:
-            tp = args.tp or world.size
             print(f"{'OK' if worst < tol else 'FAILED'}: GeLU(X A) B with tp={tp} "
                   f"(dp={world.size // tp}), {args.dtype}, X ({args.batch}, {args.hidden}), "
                   f"ffn {args.ffn}: max relative error vs unsharded = {worst:.2e} "
