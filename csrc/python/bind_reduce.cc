@@ -1,6 +1,7 @@
 // Bindings for csrc/reduce/kernels.h: the raw kernel table, for tests and Python-side folds.
-// Buffers come in through the buffer protocol and are reinterpreted as the named dtype; the
-// kernel runs with the GIL released, after every check is done.
+// Buffers come in through the buffer protocol and are reinterpreted as the named dtype (so an
+// ml_dtypes.bfloat16 array works as is); the kernel runs with the GIL released, after every
+// check is done.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -39,20 +40,41 @@ RedOp parse_redop(const std::string& name) {
   return op;
 }
 
-// Byte length of a C-contiguous buffer; strided views are refused rather than copied.
-size_t contiguous_nbytes(const py::buffer_info& info, const char* fn, const char* what) {
-  if (info.size == 0) return 0;
-  py::ssize_t expect = info.itemsize;
-  for (py::ssize_t k = info.ndim - 1; k >= 0; --k) {
-    const py::ssize_t extent = info.shape[static_cast<size_t>(k)];
-    const py::ssize_t stride = info.strides[static_cast<size_t>(k)];
-    MC_ARG_CHECK(extent == 1 || stride == expect, fn, ": ", what,
-                 " is not C-contiguous (dimension ", k, " has stride ", stride, ", expected ",
-                 expect, "); pass a contiguous copy, e.g. numpy.ascontiguousarray");
-    expect *= extent;
+// A buffer view that asks for no format string: the dtype is the caller's argument, and numpy
+// refuses to describe ml_dtypes.bfloat16 in PEP 3118 terms ("cannot include dtype 'E' in a
+// buffer"), which py::buffer::request() always asks for. Released in the destructor, so it must
+// die with the GIL held (declare it before any gil_scoped_release).
+class RawBuffer {
+ public:
+  explicit RawBuffer(const py::buffer& obj) {
+    if (PyObject_GetBuffer(obj.ptr(), &view_, PyBUF_STRIDES) != 0) throw py::error_already_set();
   }
-  return static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
-}
+  ~RawBuffer() { PyBuffer_Release(&view_); }
+  RawBuffer(const RawBuffer&) = delete;
+  RawBuffer& operator=(const RawBuffer&) = delete;
+
+  void* ptr() const { return view_.buf; }
+  bool readonly() const { return view_.readonly != 0; }
+
+  // Byte length; strided views are refused rather than copied.
+  size_t contiguous_nbytes(const char* fn, const char* what) const {
+    if (view_.len == 0) return 0;
+    py::ssize_t expect = view_.itemsize;
+    for (int k = view_.ndim - 1; k >= 0; --k) {
+      const py::ssize_t extent = view_.shape[k];
+      const py::ssize_t stride = view_.strides[k];
+      MC_ARG_CHECK(extent == 1 || stride == expect, fn, ": ", what,
+                   " is not C-contiguous (dimension ", k, " has stride ", stride,
+                   ", expected ", expect, "); pass a contiguous copy, e.g. "
+                   "numpy.ascontiguousarray");
+      expect *= extent;
+    }
+    return static_cast<size_t>(view_.len);
+  }
+
+ private:
+  Py_buffer view_{};
+};
 
 // Element count of a byte length, which must hold whole elements of t.
 size_t element_count(size_t nbytes, DType t, const char* fn) {
@@ -69,34 +91,33 @@ void reduce_into(const py::buffer& dst, const py::buffer& src, const std::string
   const RedOp r = parse_redop(op);
   const reduce::ReduceFn fn = reduce::lookup(t, r);  // TypeMismatch before touching buffers
 
-  const py::buffer_info d = dst.request();
-  const py::buffer_info s = src.request();
-  MC_ARG_CHECK(!d.readonly, fn_name, ": dst is read-only; pass a writable buffer");
-  const size_t d_bytes = contiguous_nbytes(d, fn_name, "dst");
-  const size_t s_bytes = contiguous_nbytes(s, fn_name, "src");
+  const RawBuffer d(dst);
+  const RawBuffer s(src);
+  MC_ARG_CHECK(!d.readonly(), fn_name, ": dst is read-only; pass a writable buffer");
+  const size_t d_bytes = d.contiguous_nbytes(fn_name, "dst");
+  const size_t s_bytes = s.contiguous_nbytes(fn_name, "src");
   MC_ARG_CHECK(d_bytes == s_bytes, fn_name, ": dst has ", d_bytes, " bytes but src has ",
                s_bytes, "; they must be the same size");
   const size_t count = element_count(d_bytes, t, fn_name);
 
   // The kernel allows dst == src but not a partial overlap.
-  const auto d0 = reinterpret_cast<uintptr_t>(d.ptr);
-  const auto s0 = reinterpret_cast<uintptr_t>(s.ptr);
+  const auto d0 = reinterpret_cast<uintptr_t>(d.ptr());
+  const auto s0 = reinterpret_cast<uintptr_t>(s.ptr());
   MC_ARG_CHECK(d0 == s0 || d0 + d_bytes <= s0 || s0 + s_bytes <= d0, fn_name,
                ": dst and src overlap partially; use the same buffer or disjoint ones");
 
-  // d and s (which hold the buffer views) are released after this scope, with the GIL held.
-  py::gil_scoped_release nogil;
-  fn(d.ptr, s.ptr, count);
+  py::gil_scoped_release nogil;  // ends before d and s are released
+  fn(d.ptr(), s.ptr(), count);
 }
 
 void divide_by(const py::buffer& buf, const std::string& dtype, size_t n) {
   const char* fn_name = "_divide_by";
   const DType t = parse_dtype(dtype);
-  const py::buffer_info b = buf.request();
-  MC_ARG_CHECK(!b.readonly, fn_name, ": buf is read-only; pass a writable buffer");
-  const size_t count = element_count(contiguous_nbytes(b, fn_name, "buf"), t, fn_name);
+  const RawBuffer b(buf);
+  MC_ARG_CHECK(!b.readonly(), fn_name, ": buf is read-only; pass a writable buffer");
+  const size_t count = element_count(b.contiguous_nbytes(fn_name, "buf"), t, fn_name);
   py::gil_scoped_release nogil;
-  reduce::divide_by(t, b.ptr, count, n);
+  reduce::divide_by(t, b.ptr(), count, n);
 }
 
 }  // namespace
