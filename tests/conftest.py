@@ -28,8 +28,8 @@ def _rank_main(fn, rank, world, port, token, init_timeout, env, conn, kwargs):
     os.environ.update(env)
     try:
         import meshcoll
-        pg = meshcoll.init(rank=rank, world_size=world, master_addr="127.0.0.1",
-                           master_port=port, timeout=init_timeout)
+        store = meshcoll.TCPStore("127.0.0.1", port, timeout=init_timeout)
+        pg = meshcoll.init(rank=rank, world_size=world, store=store, timeout=init_timeout)
         try:
             result = fn(pg, **kwargs)
         finally:
@@ -49,9 +49,13 @@ def launch(world, fn, *, timeout=60.0, init_timeout=30.0, env=None, may_die=(), 
     """Run ``fn(pg, **kwargs)`` on ``world`` fresh processes; return each rank's result.
     Raises RankFailure listing every rank that failed or did not finish by ``timeout``.
     Ranks in ``may_die`` (fault tests kill them) get the result None if they die."""
+    import meshcoll
     ctx = mp.get_context("spawn")
-    port = free_port()
     token = secrets.token_hex(8)
+    # The parent hosts the store on a port the kernel picks: no free-port race between
+    # concurrent test runs.
+    server = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=init_timeout, token=token)
+    port = server.port
     procs, conns = [], []
     for rank in range(world):
         parent_end, child_end = ctx.Pipe(duplex=False)
@@ -89,6 +93,7 @@ def launch(world, fn, *, timeout=60.0, init_timeout=30.0, env=None, may_die=(), 
         if p.is_alive():
             p.kill()
         p.join(5)
+    del server
     if failures:
         text = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures))
         raise RankFailure(f"{len(failures)} of {world} ranks failed:\n{text}")

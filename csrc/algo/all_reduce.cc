@@ -51,7 +51,7 @@ void all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
   if (algo == Algorithm::kShm && !comm.shm())
     throw InvalidArgument(str_cat("all_reduce: algorithm 'shm' needs every rank on one host "
                                   "with shared memory; this group uses ", comm.shm_status()));
-  comm.set_algorithm(algorithm_name(algo));
+  comm.set_algorithm(algorithm_name(algo), static_cast<uint8_t>(algo));
   switch (algo) {
     case Algorithm::kShm: shm_all_reduce(comm, b); break;
     case Algorithm::kRing: ring_all_reduce(comm, b); break;

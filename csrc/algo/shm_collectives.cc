@@ -104,11 +104,11 @@ void shm_broadcast(comm::Comm& comm, const BroadcastArgs& a) {
     uint64_t round = begin_round(comm, g);
     if (r == a.root) std::memcpy(g.data(r), a.buf.data + off, c);
     arrive(g, round);
-    if (r != a.root) {
-      g.wait_one(a.root, ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
-      check_agreement(comm, g, a.root);
-      std::memcpy(a.buf.data + off, g.data(a.root), c);
-    }
+    // Every rank waits for all (not only the root) and compares every OpDesc, so ranks that
+    // name different roots all raise MismatchError instead of silently diverging.
+    g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
+    check_all(comm, g);
+    if (r != a.root) std::memcpy(a.buf.data + off, g.data(a.root), c);
     release(g, round);
     off += c;
   } while (off < a.buf.size);

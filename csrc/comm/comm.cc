@@ -38,6 +38,9 @@ std::string describe_op(const transport::OpDesc& d) {
       kind == CollKind::kReduceScatter || kind == CollKind::kReduceScatterV)
     s += str_cat(", ", redop_name(static_cast<RedOp>(d.redop)));
   if (d.root >= 0) s += str_cat(", root=", d.root);
+  // Codes of algo::Algorithm (the layer above cannot be included here).
+  static const char* const kAlgorithms[] = {"auto", "ring", "tree", "halving_doubling", "direct", "shm"};
+  if (d.algo) s += str_cat(", ", d.algo < 6 ? kAlgorithms[d.algo] : "?");
   return s + ")";
 }
 
@@ -72,7 +75,7 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
         throw PeerError(str_cat("rank ", rank_, ": rank ", p,
                                 " closed its connection while the group waited for it in shared "
                                 "memory: rank ", p, " exited, crashed or aborted"));
-    transport_->check_unexpected(current_);
+    transport_->check_unexpected();
   };
   p2p_send_seq_.assign(size, 0);
   p2p_recv_seq_.assign(size, 0);
@@ -257,6 +260,12 @@ void Comm::reap_in_flight() {
   sync_in_flight_count();
 }
 
+void Comm::set_algorithm(const char* name, uint8_t code) {
+  algorithm_ = name;
+  current_.op.algo = code;
+  transport_->check_unexpected();
+}
+
 std::string Comm::InFlight::what(int rank) const {
   return str_cat(is_send ? "send to rank " : "recv from rank ", peer, " (tag ", tag, ") on rank ",
                  rank, ": ");
@@ -361,6 +370,7 @@ void Comm::run_item(Item& item) {
       }
       auto t0 = Clock::now();
       algorithm_ = "";
+      transport_->begin_collective(current_);
       item.run(*this);
       if (size_ > 1) transport_->poll_once();
       if (debug_) {

@@ -92,8 +92,10 @@ class Comm {
   const std::string& shm_status() const { return shm_status_; }
   uint64_t next_shm_round() { return ++shm_round_; }
   const Deadline& deadline() const { return deadline_; }
-  // Algorithms name themselves for MESHCOLL_DEBUG=1 logs.
-  void set_algorithm(const char* name) { algorithm_ = name; }
+  // An entry point that chooses among algorithms records its choice before moving data: it
+  // travels in every frame's OpDesc (ranks that chose differently get MismatchError) and
+  // names the algorithm in MESHCOLL_DEBUG=1 logs.
+  void set_algorithm(const char* name, uint8_t code);
   // For waits in shared memory: polls the TCP links, fails on a dead peer or an ABORT.
   const transport::ShmGroup::Check& shm_check() const { return shm_check_; }
   const transport::Envelope& current() const { return current_; }

@@ -1,6 +1,7 @@
 #include "nccl/nccl_api.h"
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -13,6 +14,12 @@ namespace meshcoll::nccl {
 namespace {
 
 constexpr const char* kNcclEnv = "MESHCOLL_NCCL_LIBRARY";
+
+// MESHCOLL_NCCL_TRACE=1 prints each loading step to stderr (for a crash inside a library).
+void trace(const std::string& what) {
+  static const bool on = std::getenv("MESHCOLL_NCCL_TRACE") != nullptr;
+  if (on) std::fprintf(stderr, "[meshcoll nccl] %s\n", what.c_str());
+}
 
 // Loading state. Loads happen once per process (under mu); readers on the hot path only
 // touch the atomics, which are set after the table is complete.
@@ -46,9 +53,11 @@ std::string version_string(int code) {
 }
 
 std::unique_ptr<CudaApi> load_cuda() {
+  trace("dlopen libcuda.so.1");
   auto lib = DynamicLibrary::open("the CUDA driver (libcuda.so.1)", {"libcuda.so.1"});
   auto api = std::make_unique<CudaApi>();
   api->path = lib.path();
+  trace("loaded " + api->path);
   bind(lib, api->init, "cuInit");
   bind(lib, api->driver_get_version, "cuDriverGetVersion");
   bind(lib, api->device_get_count, "cuDeviceGetCount");
@@ -74,7 +83,9 @@ std::unique_ptr<CudaApi> load_cuda() {
   bind(lib, api->mem_free, "cuMemFree_v2");
   bind(lib, api->memcpy_htod_async, "cuMemcpyHtoDAsync_v2");
   bind(lib, api->memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2");
+  trace("cuInit");
   abi::CUresult r = api->init(0);
+  trace(str_cat("cuInit returned ", r));
   if (r != abi::CUDA_SUCCESS)
     throw Error(str_cat("cuInit failed in ", api->path, ": ", api->error_text(r),
                         r == abi::CUDA_ERROR_NO_DEVICE ? " (no CUDA device is visible: check "
@@ -94,6 +105,7 @@ std::unique_ptr<NcclApi> load_nccl(const std::vector<std::string>& wheel_candida
                          : str_cat(" (set ", kNcclEnv, " to a libnccl.so.2, or pip install "
                                    "'meshcoll[cuda13]' or 'meshcoll[cuda12]')");
   std::unique_ptr<DynamicLibrary> lib;
+  for (const auto& c : candidates) trace("NCCL candidate " + c);
   try {
     lib = std::make_unique<DynamicLibrary>(DynamicLibrary::open("NCCL (libnccl.so.2)", candidates));
   } catch (const Error& e) {
@@ -101,6 +113,7 @@ std::unique_ptr<NcclApi> load_nccl(const std::vector<std::string>& wheel_candida
   }
   auto api = std::make_unique<NcclApi>();
   api->path = lib->path();
+  trace("loaded " + api->path);
   bind(*lib, api->get_version, "ncclGetVersion");
   bind(*lib, api->get_unique_id, "ncclGetUniqueId");
   bind(*lib, api->comm_init_rank, "ncclCommInitRank");
@@ -123,7 +136,9 @@ std::unique_ptr<NcclApi> load_nccl(const std::vector<std::string>& wheel_candida
   bind_optional(*lib, api->comm_finalize, "ncclCommFinalize");
   bind_optional(*lib, api->comm_split, "ncclCommSplit");
   bind_optional(*lib, api->get_last_error, "ncclGetLastError");
+  trace("ncclGetVersion");
   abi::ncclResult_t r = api->get_version(&api->version);
+  trace(str_cat("ncclGetVersion returned ", static_cast<int>(r), ", version ", api->version));
   if (r != abi::ncclSuccess)
     throw Error(str_cat("ncclGetVersion failed in ", api->path, ": ", api->error_text(r)));
   if (api->version < abi::nccl_version_code(2, 7, 0))
@@ -199,7 +214,9 @@ bool nccl_available(std::string* why) {
   bool ok = false;
   try {
     const auto& cu = cuda();
+    trace("cuDeviceGetCount");
     int n = cuda_device_count();
+    trace(str_cat(n, " devices"));
     const auto& nc = nccl();
     if (n < 1) {
       text = str_cat("no CUDA device is visible (cuDeviceGetCount returned 0; driver ",

@@ -154,6 +154,10 @@ void bind_comm(py::module_& m) {
              if (!algo::algorithm_from_name(algorithm, &a.algorithm))
                throw py::value_error(str_cat("all_reduce: unknown algorithm '", algorithm,
                                              "'; use auto, ring, tree, halving_doubling or direct"));
+             if (a.algorithm == algo::Algorithm::kShm && !c.shm())
+               throw py::value_error(str_cat("all_reduce: algorithm 'shm' needs every rank on one "
+                                             "host with shared memory; this group uses ",
+                                             c.shm_status()));
              if (max_segment_bytes == 0) throw py::value_error("max_segment_bytes must be > 0");
              a.max_segment_bytes = max_segment_bytes;
              a.select = {tree_threshold, hd_threshold};

@@ -339,7 +339,7 @@ DeviceArray make_array(const py::handle& x, const char* what, bool writable,
     case Kind::kUnknown:
       throw py::type_error(str_cat(what, ": expected a CUDA array (with __dlpack__ or "
                                    "__cuda_array_interface__), got ",
-                                   std::string(py::str(x.get_type().attr("__name__")))));
+                                   std::string(py::str(py::type::handle_of(x).attr("__name__")))));
   }
   if (a.count && !a.ptr) throw InvalidArgument(str_cat(what, ": the array has a null data pointer"));
   if (writable && a.readonly)
@@ -549,22 +549,27 @@ void bind_nccl(py::module_& m) {
       .def("all_reduce", [](NcclComm& c, const py::handle& x, const py::handle& out,
                             const std::string& op, const py::handle& /*algorithm*/,
                             const py::handle& timeout, const py::handle&, const py::handle&,
-                            const py::handle&, const py::handle& stream, const py::handle& async_op) {
+                            const py::handle&, const py::handle& stream, const py::handle& async_op,
+                            bool /*blocking*/) {
              return enqueue_all_reduce(c, x, out, op, timeout, stream, async_op);
            }, py::arg("x"), py::arg("out"), py::arg("op"), py::arg("algorithm") = "auto",
            py::arg("timeout") = py::none(), py::arg("max_segment_bytes") = py::none(),
            py::arg("tree_threshold_bytes") = py::none(), py::arg("hd_threshold_bytes") = py::none(),
            py::arg("stream") = py::none(), py::arg("async_op") = py::none(),
-           "The CPU Comm's signature; NCCL picks its own algorithm (NCCL_ALGO), so the "
-           "algorithm and threshold arguments are not used.")
-      .def("broadcast", [](NcclComm& c, const py::handle& x, int root, const py::handle& timeout) {
+           py::arg("blocking") = false,
+           "The CPU Comm's signature. NCCL picks its own algorithm (NCCL_ALGO), so the "
+           "algorithm and threshold arguments are not used; `blocking` (the CPU backend's hint "
+           "to run inline) neither: an NCCL op is always enqueued on its stream.")
+      .def("broadcast", [](NcclComm& c, const py::handle& x, int root, const py::handle& timeout,
+                           bool /*blocking*/) {
              auto a = arg(x, "broadcast", true, nullptr);
              check_root(c, root, "broadcast");
              auto o = call(c, a, timeout, "broadcast");
              return c.broadcast(o, vptr(a), a.count, a.dtype, root);
-           }, py::arg("x"), py::arg("root"), py::arg("timeout") = py::none())
+           }, py::arg("x"), py::arg("root"), py::arg("timeout") = py::none(),
+           py::arg("blocking") = false)
       .def("reduce", [](NcclComm& c, const py::handle& x, const py::handle& out, int root,
-                        const std::string& op, const py::handle& timeout) {
+                        const std::string& op, const py::handle& timeout, bool /*blocking*/) {
              auto a = arg(x, "reduce", false, nullptr);
              auto o = arg(out, "reduce", true, &a);
              same_dtype(a, o, "reduce");
@@ -573,9 +578,11 @@ void bind_nccl(py::module_& m) {
                throw py::value_error("reduce: out must have x's size on the root");
              auto opts = call(c, a, timeout, "reduce");
              return c.reduce(opts, vptr(a), vptr(o), a.count, a.dtype, redop_arg(op, "reduce"), root);
-           }, py::arg("x"), py::arg("out"), py::arg("root"), py::arg("op"), py::arg("timeout") = py::none())
+           }, py::arg("x"), py::arg("out"), py::arg("root"), py::arg("op"), py::arg("timeout") = py::none(),
+           py::arg("blocking") = false)
       .def("all_gather", [](NcclComm& c, const py::handle& x, const py::handle& out,
-                            const std::vector<size_t>& counts, bool /*uneven*/, const py::handle& timeout) {
+                            const std::vector<size_t>& counts, bool /*uneven*/, const py::handle& timeout,
+                            bool /*blocking*/) {
              auto a = arg(x, "all_gather", false, nullptr);
              auto o = arg(out, "all_gather", true, &a);
              same_dtype(a, o, "all_gather");
@@ -586,10 +593,11 @@ void bind_nccl(py::module_& m) {
                                              total(counts)));
              auto opts = call(c, a, timeout, "all_gather");
              return c.all_gather(opts, vptr(a), vptr(o), counts, a.dtype);
-           }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("uneven"), py::arg("timeout") = py::none())
+           }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("uneven"), py::arg("timeout") = py::none(),
+           py::arg("blocking") = false)
       .def("reduce_scatter", [](NcclComm& c, const py::handle& x, const py::handle& out,
                                 const std::vector<size_t>& counts, const std::string& op,
-                                bool /*uneven*/, const py::handle& timeout) {
+                                bool /*uneven*/, const py::handle& timeout, bool /*blocking*/) {
              auto a = arg(x, "reduce_scatter", false, nullptr);
              auto o = arg(out, "reduce_scatter", true, &a);
              same_dtype(a, o, "reduce_scatter");
@@ -602,11 +610,11 @@ void bind_nccl(py::module_& m) {
              return c.reduce_scatter(opts, vptr(a), vptr(o), counts, a.dtype,
                                      redop_arg(op, "reduce_scatter"));
            }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("op"), py::arg("uneven"),
-           py::arg("timeout") = py::none())
+           py::arg("timeout") = py::none(), py::arg("blocking") = false)
       .def("all_to_all", [](NcclComm& c, const py::handle& x, const py::handle& out,
                             const std::vector<size_t>& send_counts,
                             const std::vector<size_t>& recv_counts, bool /*uneven*/,
-                            const py::handle& timeout) {
+                            const py::handle& timeout, bool /*blocking*/) {
              auto a = arg(x, "all_to_all", false, nullptr);
              auto o = arg(out, "all_to_all", true, &a);
              same_dtype(a, o, "all_to_all");
@@ -619,7 +627,7 @@ void bind_nccl(py::module_& m) {
              auto opts = call(c, a, timeout, "all_to_all");
              return c.all_to_all(opts, vptr(a), vptr(o), send_counts, recv_counts, a.dtype);
            }, py::arg("x"), py::arg("out"), py::arg("send_counts"), py::arg("recv_counts"),
-           py::arg("uneven"), py::arg("timeout") = py::none())
+           py::arg("uneven"), py::arg("timeout") = py::none(), py::arg("blocking") = false)
       .def("gather", [](NcclComm& c, const py::handle& x, const py::handle& out,
                         const std::vector<size_t>& counts, int root, const py::handle& timeout) {
              check_root(c, root, "gather");
@@ -645,14 +653,16 @@ void bind_nccl(py::module_& m) {
              auto opts = call(c, o, timeout, "scatter");
              return c.scatter(opts, vptr(a), vptr(o), counts, a.dtype, root);
            }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("root"), py::arg("timeout") = py::none())
-      .def("barrier", [](NcclComm& c, const py::handle& timeout, const py::handle& stream) {
+      .def("barrier", [](NcclComm& c, const py::handle& timeout, const py::handle& stream,
+                         bool /*blocking*/) {
              uintptr_t s = kLegacy;
              stream_arg(stream, &s);
              nccl::CallOpts o;
              o.stream = to_cu(s);
              o.timeout = timeout_arg(timeout);
              return c.barrier(o);
-           }, py::arg("timeout") = py::none(), py::arg("stream") = py::none())
+           }, py::arg("timeout") = py::none(), py::arg("stream") = py::none(),
+           py::arg("blocking") = false)
       .def("send", [](NcclComm& c, const py::handle& x, int peer, uint32_t tag, const py::handle& timeout) {
              auto a = arg(x, "send", false, nullptr);
              check_peer(c, peer, tag, "send");

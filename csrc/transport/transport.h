@@ -32,12 +32,13 @@ struct OpDesc {
   uint8_t coll = 0;    // algo::CollKind
   uint8_t dtype = 0;   // DType
   uint8_t redop = 0;   // RedOp
-  uint8_t pad = 0;
+  uint8_t algo = 0;   // algorithm code when several exist (all_reduce), so a rank running
+                      // another algorithm is a mismatch, not a hang
   int32_t root = -1;
   uint64_t count = 0;  // elements (per rank, as the collective defines it)
   bool operator==(const OpDesc& o) const {
-    return coll == o.coll && dtype == o.dtype && redop == o.redop && root == o.root &&
-           count == o.count;
+    return coll == o.coll && dtype == o.dtype && redop == o.redop && algo == o.algo &&
+           root == o.root && count == o.count;
   }
   bool operator!=(const OpDesc& o) const { return !(*this == o); }
 };
@@ -86,9 +87,13 @@ class Transport {
   virtual void poll_once() = 0;
   // True once the peer's connection has closed (it exited or died).
   virtual bool peer_closed(int peer) const = 0;
-  // Throws MismatchError if a peer already sent a frame for collective `current.seq` with a
-  // different OpDesc (a rank waiting in shared memory learns of a mismatch this way).
-  virtual void check_unexpected(const Envelope& current) = 0;
+  // The collective this rank runs now. Frames of the same sequence number with another
+  // OpDesc, or frames of an earlier sequence number (the peer ran a different algorithm or
+  // collective), raise MismatchError when they arrive or, if already buffered, at once.
+  virtual void begin_collective(const Envelope& current) = 0;
+  // Re-checks buffered frames against the current collective (after its OpDesc changed, e.g.
+  // once the algorithm is chosen; and while waiting in shared memory).
+  virtual void check_unexpected() = 0;
   // Fail every pending request and tell every peer (best effort), then close.
   virtual void abort(AbortKind kind, const std::string& why) = 0;
   virtual bool aborted() const = 0;

@@ -418,24 +418,29 @@ class _Default:
 def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
          world_size: Optional[int] = None, master_addr: Optional[str] = None,
          master_port: Optional[int] = None, timeout: Optional[float] = None,
-         device=None) -> ProcessGroup:
+         device=None, store=None) -> ProcessGroup:
     """Join the job: rendezvous through rank 0's TCP store, connect to every rank, return
     the world group. With no arguments it reads meshcoll-run's, torchrun's, Slurm's or
     Open MPI's environment variables. ``backend``: "cpu" (the default), "nccl" (CUDA
     arrays; ``device`` defaults to the launcher's local rank), or "auto" (nccl when every
-    rank has a GPU and NCCL loads, else cpu)."""
+    rank has a GPU and NCCL loads, else cpu). ``store``: an existing ``meshcoll.TCPStore``
+    (client or server) to rendezvous through instead of rank 0 hosting one; ``rank`` and
+    ``world_size`` then come from the arguments or the environment as usual."""
     if _Default.world is not None:
         raise RuntimeError("meshcoll.init was already called in this process; call "
                            "meshcoll.destroy() first to re-initialise")
     if backend not in (None, "auto", "cpu", "nccl"):
         raise ValueError(f"meshcoll.init: unknown backend {backend!r}; use 'cpu', 'nccl' or 'auto'")
+    if store is not None:  # the store is given: the master address and port are not used
+        master_addr = master_addr or store.host or "127.0.0.1"
+        master_port = master_port or store.port
     rv = _env.rendezvous_from_env(rank=rank, world_size=world_size, master_addr=master_addr,
                                   master_port=master_port)
     timeout = float(timeout) if timeout is not None else _env.timeout_from_env()
     token = rv.token or ""
-    host = rv.master_addr
-    store = _C.TCPStore(host, rv.master_port, is_server=rv.rank == 0, timeout=timeout,
-                        token=token)
+    if store is None:
+        store = _C.TCPStore(rv.master_addr, rv.master_port, is_server=rv.rank == 0,
+                            timeout=timeout, token=token)
     bind_host = _bind_host(store)
     if backend in ("nccl", "auto"):
         from . import nccl

@@ -42,7 +42,8 @@ def bad_calls(pg):
          ValueError, "contiguous"),
         ("scatter strided", lambda: pg.scatter(np.zeros((n, 4))[:, ::2], 0),
          ValueError, "contiguous"),
-        ("all_gather out strided", lambda: pg.all_gather(f, out=np.zeros((n, 16), np.float32)[:, ::2]),
+        ("all_gather out strided",
+         lambda: pg.all_gather(f, out=np.zeros((n, 16), np.float32)[:, ::2]),
          ValueError, "contiguous"),
     ]
 
@@ -56,10 +57,12 @@ def bad_calls(pg):
         ("broadcast read-only", lambda: pg.broadcast(readonly(f), 0), ValueError, "read-only"),
         ("recv read-only", lambda: pg.recv(readonly(f), (pg.rank + 1) % n), ValueError,
          "read-only"),
-        ("all_gather out read-only", lambda: pg.all_gather(f, out=readonly(np.zeros((n, 8), np.float32))),
+        ("all_gather out read-only",
+         lambda: pg.all_gather(f, out=readonly(np.zeros((n, 8), np.float32))),
          ValueError, "read-only"),
         ("reduce_scatter out read-only",
-         lambda: pg.reduce_scatter(np.zeros(n * 2, np.float32), out=readonly(np.zeros(2, np.float32))),
+         lambda: pg.reduce_scatter(np.zeros(n * 2, np.float32),
+                                   out=readonly(np.zeros(2, np.float32))),
          ValueError, "read-only"),
     ]
 
@@ -96,7 +99,8 @@ def bad_calls(pg):
     calls += [
         ("send to self", lambda: pg.send(np.zeros(4), pg.rank), ValueError, "itself"),
         ("recv from self", lambda: pg.irecv(np.zeros(4), pg.rank), ValueError, "itself"),
-        ("send tag -1", lambda: pg.send(np.zeros(4), (pg.rank + 1) % n, tag=-1), ValueError, "tag"),
+        ("send tag -1", lambda: pg.send(np.zeros(4), (pg.rank + 1) % n, tag=-1), ValueError,
+         "tag"),
         ("send tag 2**32", lambda: pg.send(np.zeros(4), (pg.rank + 1) % n, tag=2**32),
          ValueError, "tag"),
     ]
@@ -112,7 +116,8 @@ def bad_calls(pg):
          ValueError, "out"),
         ("reduce_scatter_v counts length",
          lambda: pg.reduce_scatter_v(np.zeros(4), [4] + [0] * n), ValueError, "counts"),
-        ("reduce_scatter_v counts sum", lambda: pg.reduce_scatter_v(np.zeros(4), [5] + [0] * (n - 1)),
+        ("reduce_scatter_v counts sum",
+         lambda: pg.reduce_scatter_v(np.zeros(4), [5] + [0] * (n - 1)),
          ValueError, "counts"),
         ("reduce_scatter_v negative",
          lambda: pg.reduce_scatter_v(np.zeros(4), [5, -1] + [0] * (n - 2) if n > 1 else [-1]),
@@ -140,7 +145,7 @@ def bad_calls(pg):
             (f"reduce_scatter op={op!r}", lambda op=op: pg.reduce_scatter(np.zeros(n), op=op),
              ValueError, "unknown reduction op"),
         ]
-    for algo in ("rings", "Ring", "nccl"):
+    for algo in ("rings", "Ring", "", "nccl"):
         calls.append((f"all_reduce algorithm={algo!r}",
                       lambda algo=algo: pg.all_reduce(np.zeros(4), algorithm=algo),
                       ValueError, "algorithm"))
@@ -199,24 +204,32 @@ def _bad_input_body(pg):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("world", [1, 2])
-def test_bad_input(run_ranks, world):
-    wrong = [w for r in run_ranks(world, _bad_input_body, timeout=50) for w in r]
+@pytest.mark.parametrize("world,transport", [(1, "tcp"), (2, "tcp"), (2, "shm")])
+def test_bad_input(run_ranks, world, transport):
+    wrong = [w for r in run_ranks(world, _bad_input_body, timeout=50,
+                                  env={"MESHCOLL_TRANSPORT": transport}) for w in r]
     assert not wrong, f"{len(wrong)} problem(s):\n" + "\n".join(wrong)
 
 
-def _empty_algorithm_body(pg):
+def _shm_algorithm_on_tcp_body(pg):
+    out = {"transport": pg.transport}
     try:
-        pg.all_reduce(np.zeros(4), algorithm="")
-    except ValueError as e:
-        return str(e)
-    return None
+        pg.all_reduce(np.zeros(4), algorithm="shm")
+        out["error"] = None
+    except Exception as e:  # noqa: BLE001 - the class is what is checked
+        out["error"] = type(e).__name__
+    x = np.ones(4)
+    try:
+        pg.all_reduce(x)
+        out["after"] = x.tolist()
+    except Exception as e:  # noqa: BLE001
+        out["after"] = f"{type(e).__name__}: {e}"
+    return out
 
 
-@pytest.mark.xfail(strict=True, reason="bug: ProcessGroup.all_reduce uses `algorithm or "
-                   "self.config.algorithm`, so algorithm='' silently runs the configured default "
-                   "instead of raising like every other unknown name")
 @pytest.mark.timeout(30)
-def test_empty_algorithm_name(run_ranks):
-    msg = run_ranks(1, _empty_algorithm_body)[0]
-    assert msg is not None and "algorithm" in msg
+def test_shm_algorithm_on_tcp_group(run_ranks):
+    for r in run_ranks(2, _shm_algorithm_on_tcp_body, env={"MESHCOLL_TRANSPORT": "tcp"}):
+        assert r["transport"] == "tcp"
+        assert r["error"] == "ValueError"
+        assert r["after"] == [2.0] * 4

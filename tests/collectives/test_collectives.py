@@ -18,6 +18,10 @@ import meshcoll
 
 DTYPES = ["float32", "int64", "bfloat16"]
 WORLDS = [1, 2, 3, 4, 5]
+# broadcast, all_gather(_v) and barrier have a shared-memory path; run those tests over both
+# transports. A 64 KiB shared data area makes the large cases take several rounds.
+TRANSPORT_ENV = {"tcp": {"MESHCOLL_TRANSPORT": "tcp"},
+                 "shm": {"MESHCOLL_TRANSPORT": "shm", "MESHCOLL_SHM_BYTES": str(64 * 1024)}}
 
 
 def np_dtype(name):
@@ -136,12 +140,6 @@ def _rooted_body(pg):
     return ck.failures
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", WORLDS)
-def test_rooted_collectives(run_ranks, world):
-    assert_no_failures(run_ranks(world, _rooted_body, timeout=110))
-
-
 # ---- gathers and exchanges: all_gather(_v), all_to_all(_v) -----------------------------------
 
 def _gather_body(pg):
@@ -200,12 +198,6 @@ def _gather_body(pg):
     return ck.failures
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", WORLDS)
-def test_gather_collectives(run_ranks, world):
-    assert_no_failures(run_ranks(world, _gather_body, timeout=110))
-
-
 # ---- reduce_scatter(_v) ---------------------------------------------------------------------
 
 def _reduce_scatter_body(pg):
@@ -246,13 +238,7 @@ def _reduce_scatter_body(pg):
     return ck.failures
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", WORLDS)
-def test_reduce_scatter(run_ranks, world):
-    assert_no_failures(run_ranks(world, _reduce_scatter_body, timeout=110))
-
-
-# ---- point to point and barrier -------------------------------------------------------------
+# ---- point to point and barrier ------------------------------------------------------------
 
 def _p2p_body(pg):
     n, rank = pg.size, pg.rank
@@ -305,73 +291,78 @@ def _p2p_body(pg):
     return ck.failures
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("world", [2, 3, 4, 5])
-def test_send_recv(run_ranks, world):
-    assert_no_failures(run_ranks(world, _p2p_body, timeout=50))
-
-
-def _recv_posted_first_body(pg):
+def _recv_posted_first(pg, ck):
     # The usual exchange: post the receive, then the send, then wait for both. Both calls are
-    # non-blocking, so this must not depend on another rank's send being queued first.
+    # non-blocking, so this must not depend on another rank's send being queued first
+    # (regression: the worker once ran them one at a time and this deadlocked).
     n, rank = pg.size, pg.rank
-    buf = np.zeros(4, np.float32)
-    rw = pg.irecv(buf, (rank - 1) % n, timeout=3)
-    sw = pg.isend(np.full(4, rank, np.float32), (rank + 1) % n, timeout=3)
-    rw.wait()
-    sw.wait()
-    return buf.tolist()
-
-
-@pytest.mark.xfail(strict=True, reason="bug: the comm worker runs isend/irecv one at a time in "
-                   "issue order, so an irecv posted before the isend on every rank blocks the "
-                   "worker and the sends are never started (times out)")
-@pytest.mark.timeout(60)
-def test_irecv_posted_before_isend(run_ranks):
-    res = run_ranks(3, _recv_posted_first_body, timeout=30)
-    assert res == [[float((r - 1) % 3)] * 4 for r in range(3)]
-
-
-def _p2p_timeout_body(pg):
-    # A per-call timeout on point-to-point calls, int and float (regression: the bindings once
-    # parsed it with the GIL released, which crashed the process).
-    n, rank = pg.size, pg.rank
+    for count in (4, 200_000):
+        buf = np.zeros(count, np.float32)
+        rw = pg.irecv(buf, (rank - 1) % n, timeout=30)
+        sw = pg.isend(np.full(count, rank, np.float32), (rank + 1) % n, timeout=30.0)
+        rw.wait()
+        sw.wait()
+        ck.same(f"irecv posted before isend, count={count}", buf,
+                np.full(count, (rank - 1) % n, np.float32))
+    # Per-call timeouts, int and float (regression: once parsed with the GIL released, which
+    # crashed the process).
     buf = np.zeros(4, np.float32)
     sw = pg.isend(np.full(4, rank, np.float32), (rank + 1) % n, timeout=30)
     pg.recv(buf, (rank - 1) % n, timeout=30.0)
-    sw.wait()
-    return buf.tolist()
+    sw.wait(timeout=30)
+    ck.same("send/recv with timeout=", buf, np.full(4, (rank - 1) % n, np.float32))
 
 
-@pytest.mark.timeout(60)
-def test_send_recv_with_timeout(run_ranks):
-    res = run_ranks(2, _p2p_timeout_body, timeout=30)
-    assert res == [[1.0] * 4, [0.0] * 4]
-
-
-def _barrier_body(pg, delay):
+def _barrier(pg, ck, delay=0.5):
     # The last rank arrives late; nobody may leave the barrier before it arrives.
     n, rank = pg.size, pg.rank
-    pg.barrier()  # line everyone up after init
+    pg.barrier()  # line everyone up
     if rank == n - 1:
         time.sleep(delay)
     t0 = time.monotonic()
     pg.barrier()
     waited = time.monotonic() - t0
+    if rank != n - 1:
+        ck.true("barrier waits for the last rank", waited >= delay * 0.8,
+                f"left after {waited:.3f} s")
     w = pg.barrier(async_op=True)
-    ok_async = w.wait() is None and w.is_completed()
+    ck.true("barrier async", w.wait() is None and w.is_completed())
     meshcoll.barrier()
     for _ in range(20):  # back-to-back barriers do not mix rounds
         pg.barrier()
-    return waited, ok_async
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
-def test_barrier(run_ranks, world):
-    delay = 0.5
-    res = run_ranks(world, _barrier_body, delay=delay)
-    for rank, (waited, ok_async) in enumerate(res):
-        assert ok_async
-        if rank != world - 1:
-            assert waited >= delay * 0.8, f"rank {rank} left the barrier after {waited:.3f} s"
+# ---- the tests ------------------------------------------------------------------------------
+
+def _shm_capable_body(pg):
+    ck = Checker(pg)
+    ck.failures += _rooted_body(pg)
+    ck.failures += _gather_body(pg)
+    _barrier(pg, ck)
+    return ck.failures
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world,transport", [(w, "tcp") for w in WORLDS] +
+                         [(w, "shm") for w in WORLDS if w > 1])
+def test_rooted_gather_and_barrier(run_ranks, world, transport):
+    # reduce, broadcast, gather, scatter, all_gather(_v), all_to_all(_v) and barrier; every
+    # root. broadcast, all_gather and barrier take the shared-memory path under "shm".
+    assert_no_failures(run_ranks(world, _shm_capable_body, timeout=140,
+                                 env=TRANSPORT_ENV[transport]))
+
+
+def _tcp_only_body(pg):
+    ck = Checker(pg)
+    ck.failures += _reduce_scatter_body(pg)
+    if pg.size > 1:
+        ck.failures += _p2p_body(pg)
+        _recv_posted_first(pg, ck)
+    return ck.failures
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", WORLDS)
+def test_reduce_scatter_and_send_recv(run_ranks, world):
+    # reduce_scatter(_v) and point to point have no shared-memory path: one transport is enough.
+    assert_no_failures(run_ranks(world, _tcp_only_body, timeout=110))

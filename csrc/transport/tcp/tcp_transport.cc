@@ -369,6 +369,7 @@ void TcpTransport::on_header(int peer) {
     p.rdst = reinterpret_cast<uint8_t*>(p.abort_msg.data());
     p.rleft = p.abort_msg.size();
   } else {
+    check_against_current(peer, h);
     Request target;
     for (auto it = p.posted.begin(); it != p.posted.end(); ++it) {
       TcpOp& op = as_tcp(*it);
@@ -474,13 +475,31 @@ void TcpTransport::poll_once() {
 
 bool TcpTransport::peer_closed(int peer) const { return peers_[peer]->closed; }
 
-void TcpTransport::check_unexpected(const Envelope& current) {
-  for (int j = 0; j < size_; ++j) {
-    for (const auto& u : peers_[j]->unexpected) {
-      if (u->hdr.channel == static_cast<uint8_t>(Channel::kCollective) &&
-          u->hdr.seq == current.seq && u->hdr.op != current.op)
-        check_agreement(j, u->hdr, current, u->hdr.nbytes);
-    }
+void TcpTransport::begin_collective(const Envelope& current) {
+  current_ = current;
+  in_collective_ = true;
+  check_unexpected();
+}
+
+void TcpTransport::check_unexpected() {
+  for (int j = 0; j < size_; ++j)
+    for (const auto& u : peers_[j]->unexpected) check_against_current(j, u->hdr);
+}
+
+// Note [Agreement check], for frames no posted receive claims: a frame of the running
+// collective must carry its OpDesc, and no frame may belong to one this rank has finished.
+void TcpTransport::check_against_current(int peer, const FrameHeader& h) {
+  if (!in_collective_ || h.channel != static_cast<uint8_t>(Channel::kCollective)) return;
+  OpDesc theirs = h.op;
+  if (current_.op.algo == 0) theirs.algo = 0;  // this rank has not chosen its algorithm yet
+  if (h.seq == current_.seq && theirs != current_.op) {
+    check_agreement(peer, h, current_, h.nbytes);
+  } else if (h.seq < current_.seq) {
+    fail(AbortKind::kMismatch,
+         str_cat("collective mismatch: rank ", peer, " sent data for ", describe_(h.op),
+                 " [seq ", h.seq, "] after rank ", rank_, " had finished its collective of that "
+                 "sequence number; the ranks ran different collectives or algorithms (compare "
+                 "MESHCOLL_ALGO, algorithm= and the call order on every rank)"));
   }
 }
 

@@ -52,7 +52,8 @@ class TcpTransport : public Transport {
   bool wait_any(const std::vector<Request>& reqs, const Deadline& d, int wake_fd) override;
   void poll_once() override;
   bool peer_closed(int peer) const override;
-  void check_unexpected(const Envelope& current) override;
+  void begin_collective(const Envelope& current) override;
+  void check_unexpected() override;
   void abort(AbortKind kind, const std::string& why) override;
   bool aborted() const override { return failed_; }
 
@@ -72,6 +73,7 @@ class TcpTransport : public Transport {
   void match_posted(int peer, const Request& op);
   void complete_from_unexpected(Unexpected& u, const Request& op);
   void check_agreement(int peer, const FrameHeader& h, const Envelope& mine, size_t my_bytes);
+  void check_against_current(int peer, const FrameHeader& h);
   [[noreturn]] void fail(AbortKind kind, const std::string& why);
   [[noreturn]] void rethrow() const;
 
@@ -82,6 +84,8 @@ class TcpTransport : public Transport {
   bool failed_ = false;
   AbortKind fail_kind_ = AbortKind::kGeneric;
   std::string fail_msg_;
+  Envelope current_;       // the collective running now (begin_collective)
+  bool in_collective_ = false;
   std::vector<struct pollfd> pfds_;  // reused by every poll
   std::vector<int> pfd_peer_;
 };
