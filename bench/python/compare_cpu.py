@@ -4,7 +4,8 @@
     python bench/python/compare_cpu.py -N 2 --ops all_reduce,all_gather --plot cpu.png
 
 A benchmark, not a test (CI does not run it). Each library runs as its own set of
-processes, one library after the other: ``meshcoll-bench`` for meshcoll, plain
+processes, one library after the other: ``meshcoll-bench`` for meshcoll (once as it
+comes, shared memory on one host, and once forced onto TCP as ``meshcoll-tcp``), plain
 subprocesses with a TCP rendezvous for Gloo (``GLOO_SOCKET_IFNAME=lo``), ``mpirun`` for
 mpi4py. Each writes JSON lines; this parent merges them with a memcpy roofline (one
 thread, ``numpy.copyto`` of the same bytes) and prints one table per collective.
@@ -15,7 +16,8 @@ its own loop; a repeat's time is the largest per-rank mean, the reported time th
 over repeats. When several collectives are measured they take turns within each repeat.
 Sizes and busbw follow nccl-tests (see ``meshcoll.bench``): all_reduce in place,
 all_gather with ``size`` = the output bytes. The ratios are meshcoll's busbw over the
-other's (> 1: meshcoll is faster).
+other's (> 1: meshcoll is faster; at small sizes it is the inverse ratio of the times),
+and ``mc/cpy`` meshcoll's busbw over the memcpy bandwidth.
 
 Needs: ``pip install torch`` (CPU wheel is enough) and, for MPI, Debian's
 ``libopenmpi-dev openmpi-bin`` then ``pip install mpi4py``. A missing library is skipped
@@ -43,7 +45,8 @@ import numpy as np
 
 from meshcoll.bench import BUS_FACTORS, element_counts, parse_size, plot_records, size_steps
 
-LIBS = ("meshcoll", "gloo", "mpi")
+LIBS = ("meshcoll", "meshcoll-tcp", "gloo", "mpi")
+_SHORT = {"meshcoll-tcp": "mc-tcp"}  # column titles
 OPS = ("all_reduce", "all_gather")
 _LAUNCH_PREFIXES = ("MESHCOLL_", "OMPI_", "PMI_", "PMIX_", "SLURM_")
 _LAUNCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -176,31 +179,42 @@ def available(lib: str) -> Optional[str]:
 def run_lib(lib: str, args, tmp: str) -> List[dict]:
     out = os.path.join(tmp, f"{lib}.jsonl")
     me = os.path.abspath(__file__)
-    if lib == "meshcoll":
+    if lib.startswith("meshcoll"):
         cmd = [sys.executable, "-m", "meshcoll.bench", "-N", str(args.nproc), "--op",
                ",".join(args.ops), "-c", "1", "--json", out] + _common(args)
+        if lib == "meshcoll-tcp":
+            cmd += ["--transport", "tcp"]
         p = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True,
                            timeout=args.stage_timeout)
         procs = [p]
     elif lib == "gloo":
+        # Plain processes, as torchrun would start them; the first to fail stops the rest.
         port = _free_port()
         env = _clean_env(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+        logs = [open(os.path.join(tmp, f"gloo_{r}.log"), "w+") for r in range(args.nproc)]
         popen = [subprocess.Popen([sys.executable, me, "--worker", "gloo", "--rank", str(r),
                                    "--world", str(args.nproc), "--port", str(port)]
                                   + _worker_args(args, out),
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) for r in range(args.nproc)]
-        procs = []
+                                  env=env, stdout=logs[r], stderr=subprocess.STDOUT)
+                 for r in range(args.nproc)]
         deadline = time.monotonic() + args.stage_timeout
         try:
-            for q in popen:
-                stdout, _ = q.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                procs.append(subprocess.CompletedProcess(q.args, q.returncode, stdout, ""))
+            while any(q.poll() is None for q in popen):
+                if any(q.returncode not in (None, 0) for q in popen):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"gloo did not finish within {args.stage_timeout:g} s")
+                time.sleep(0.1)
         finally:
             for q in popen:
                 if q.poll() is None:
                     q.kill()
                     q.wait()
+        procs = []
+        for q, log in zip(popen, logs):
+            log.seek(0)
+            procs.append(subprocess.CompletedProcess(q.args, q.returncode, log.read(), ""))
+            log.close()
     else:
         mpirun = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(args.nproc)]
         if os.geteuid() == 0:
@@ -208,7 +222,8 @@ def run_lib(lib: str, args, tmp: str) -> List[dict]:
         cmd = mpirun + [sys.executable, me, "--worker", "mpi"] + _worker_args(args, out)
         procs = [subprocess.run(cmd, env=_clean_env(OMP_NUM_THREADS="1"), capture_output=True,
                                 text=True, timeout=args.stage_timeout)]
-    failed = [p for p in procs if p.returncode != 0]
+    # a rank that failed on its own (exit code > 0) explains more than one we killed
+    failed = sorted((p for p in procs if p.returncode != 0), key=lambda p: p.returncode < 0)
     if failed:
         p = failed[0]
         raise RuntimeError(f"{lib} exited with {p.returncode}:\n{p.stdout}\n{p.stderr}")
@@ -216,7 +231,7 @@ def run_lib(lib: str, args, tmp: str) -> List[dict]:
         recs = [json.loads(line) for line in f]
     for r in recs:
         r["library"] = lib
-        if lib == "meshcoll" and r.get("wrong"):
+        if r.get("wrong"):
             raise RuntimeError(f"meshcoll gave {r['wrong']} wrong elements at {r['size']} B")
     return recs
 
@@ -259,14 +274,19 @@ def _fmt(v: Optional[float], spec: str, width: int) -> str:
 def print_table(op: str, records: List[dict], libs: List[str], args) -> None:
     by = {(r["library"], r["size"]): r for r in records if r["op"] in (op, "memcpy")}
     sizes = sorted({r["size"] for r in records if r["op"] == op})
-    print(f"# compare_cpu  {op}  float32{' sum' if op == 'all_reduce' else ''}  ranks={args.nproc}  iters={args.iters} "
-          f"warmup={args.warmup}  median of {args.repeats} repeats")
-    print("#" + f"{'size':>11}" + "".join(f"{l:>10}" for l in libs)
-          + "".join(f"{l:>10}" for l in libs) + f"{'memcpy':>10}"
-          + "".join(f"{'mc/' + l:>9}" for l in libs if l != "meshcoll"))
+    others = [l for l in libs if l in ("gloo", "mpi")]
+    transports = sorted({f"{r['library']}={r['transport']}" for r in records
+                         if r["op"] == op and "transport" in r})
+    print(f"# compare_cpu  {op}  float32{' sum' if op == 'all_reduce' else ''}  "
+          f"ranks={args.nproc}  iters={args.iters} warmup={args.warmup}  median of "
+          f"{args.repeats} repeats  {' '.join(transports)}")
+    names = [_SHORT.get(l, l) for l in libs]
+    print("#" + f"{'size':>11}" + "".join(f"{l:>10}" for l in names)
+          + "".join(f"{l:>10}" for l in names) + f"{'memcpy':>10}"
+          + "".join(f"{'mc/' + l:>9}" for l in others + ["cpy"]))
     print("#" + f"{'(B)':>11}" + f"{'time (us)':>{10 * len(libs)}}"
           + f"{'busbw (GB/s)':>{10 * len(libs)}}" + f"{'(GB/s)':>10}"
-          + f"{'busbw ratio':>{9 * (len(libs) - 1)}}")
+          + f"{'busbw ratio':>{9 * (len(others) + 1)}}")
     for size in sizes:
         rs = {l: by.get((l, size)) for l in libs}
         mc = rs.get("meshcoll")
@@ -276,10 +296,9 @@ def print_table(op: str, records: List[dict], libs: List[str], args) -> None:
         line += "".join(_fmt(rs[l] and rs[l]["time"], ".1f", 10) for l in libs)
         line += "".join(_fmt(rs[l] and rs[l]["busbw"], ".3f", 10) for l in libs)
         line += _fmt(cp and cp["busbw"], ".2f", 10)
-        for l in libs:
-            if l != "meshcoll":
-                ratio = mc["busbw"] / rs[l]["busbw"] if mc and rs[l] else None
-                line += _fmt(ratio, ".2f", 9)
+        for l in others:
+            line += _fmt(mc["busbw"] / rs[l]["busbw"] if mc and rs[l] else None, ".2f", 9)
+        line += _fmt(mc["busbw"] / cp["busbw"] if mc and cp else None, ".2f", 9)
         print(line)
     print()
 
@@ -289,7 +308,9 @@ def parse_args(argv=None):
     p.add_argument("-N", "--nproc", type=int, default=4, help="ranks (default 4)")
     p.add_argument("--ops", default="all_reduce",
                    help="comma-separated: all_reduce, all_gather (default all_reduce)")
-    p.add_argument("--libs", default=",".join(LIBS), help="comma-separated: meshcoll,gloo,mpi")
+    p.add_argument("--libs", default=",".join(LIBS),
+                   help="comma-separated: meshcoll (its default transport: shared memory on "
+                        "one host), meshcoll-tcp (MESHCOLL_TRANSPORT=tcp), gloo, mpi")
     p.add_argument("-b", "--minbytes", default="1K")
     p.add_argument("-e", "--maxbytes", default="64M")
     p.add_argument("-f", "--stepfactor", type=int, default=2)

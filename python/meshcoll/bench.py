@@ -429,12 +429,18 @@ def plot_records(records: Sequence[dict], path: str, *, title: Optional[str] = N
                          "(pip install 'meshcoll[plot]')") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for name in dict.fromkeys(r[key] for r in records):
         pts = sorted((r["size"], r["busbw"]) for r in records if r[key] == name)
         ax.plot([s for s, _ in pts], [b for _, b in pts], marker="o", ms=3, label=name)
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(
+        lambda v, _: format_size(int(v)) if v >= 1 else ""))
+    bws = [r["busbw"] for r in records if r["busbw"] > 0]
+    if bws and max(bws) > 100 * min(bws):
+        ax.set_yscale("log")  # small sizes would sit flat on the axis otherwise
     ax.set_xlabel("size (bytes per rank)")
     ax.set_ylabel("busbw (GB/s)")
     ax.grid(True, which="both", alpha=0.3)
