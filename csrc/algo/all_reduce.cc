@@ -32,7 +32,7 @@ bool algorithm_from_name(const std::string& name, Algorithm* out) {
 }
 
 Algorithm select_all_reduce(size_t nbytes, int world_size, const SelectConfig& cfg) {
-  if (world_size <= 2 && nbytes <= cfg.tree_threshold_bytes) return Algorithm::kDirect;
+  if (world_size <= 8 && nbytes <= cfg.direct_threshold_bytes) return Algorithm::kDirect;
   if (nbytes <= cfg.tree_threshold_bytes) return Algorithm::kTree;
   bool pow2 = (world_size & (world_size - 1)) == 0;
   if (pow2 && nbytes <= cfg.hd_threshold_bytes) return Algorithm::kHalvingDoubling;

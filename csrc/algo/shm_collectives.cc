@@ -3,10 +3,12 @@
 //
 // Note [Shared-memory rounds]
 // Work moves in rounds; every rank runs the same rounds in the same order (one counter per
-// group). Each rank writes only its own segment, and before it overwrites it in round R it
-// waits until every rank has *released* round R-1, i.e. finished reading the segments. A
-// round publishes its OpDesc and sequence number with `arrived`, so ranks compare what they
-// called before reading anything (the agreement check of the TCP path, in memory).
+// group). Each rank writes only its own segment. The data area is split in two halves used
+// by alternate rounds, so before writing round R a rank waits only until every rank has
+// *released* round R-2 (finished reading that half): the wait is almost always already
+// satisfied, and a round costs one or two synchronisations instead of three. A round
+// publishes its OpDesc and sequence number (per half) with `arrived`, so ranks compare what
+// they called before reading anything: the agreement check of the TCP path, in memory.
 #include <cstring>
 
 #include "algo/collectives.h"
@@ -24,45 +26,59 @@ const char* op_name(const comm::Comm& comm) {
   return comm::coll_name(static_cast<comm::CollKind>(comm.current().op.coll));
 }
 
-// Round R begins: wait until every rank is done reading round R-1, then publish.
+// Round R begins: wait until every rank is done reading round R-2 (same half), then publish.
 uint64_t begin_round(comm::Comm& comm, ShmGroup& g) {
   uint64_t round = comm.next_shm_round();
-  g.wait_all(ShmGroup::kReleased, round - 1, comm.deadline(), comm.shm_check(), op_name(comm));
+  if (round > 2)
+    g.wait_all(ShmGroup::kReleased, round - 2, comm.deadline(), comm.shm_check(), op_name(comm));
   auto& me = g.control(g.rank());
-  me.desc = comm.current().op;
-  me.seq = comm.current().seq;
+  me.desc[round & 1] = comm.current().op;
+  me.seq[round & 1] = comm.current().seq;
   return round;
 }
 
+// Rank p's half of the data area for `round`, and its size.
+uint8_t* area(ShmGroup& g, int p, uint64_t round) {
+  return g.data(p) + (round & 1) * (g.data_bytes() / 2);
+}
+size_t area_bytes(const ShmGroup& g) { return g.data_bytes() / 2; }
+
+// At or below this many bytes read per rank, every rank folds the whole vector itself: one
+// synchronisation (arrive) instead of two (arrive, reduced), for the cost of n reads.
+constexpr size_t kFoldAllBytes = 64 * 1024;
+
 void arrive(ShmGroup& g, uint64_t round) { g.publish(ShmGroup::kArrived, round); }
 
-void check_agreement(comm::Comm& comm, ShmGroup& g, int peer) {
+void check_agreement(ShmGroup& g, int peer, uint64_t round) {
+  const int h = round & 1;
   const auto& mine = g.control(g.rank());
   const auto& theirs = g.control(peer);
-  if (theirs.seq == mine.seq && theirs.desc == mine.desc) return;
+  if (theirs.seq[h] == mine.seq[h] && theirs.desc[h] == mine.desc[h]) return;
   throw MismatchError(str_cat(
-      "collective mismatch: rank ", peer, " called ", comm::describe_op(theirs.desc), " [seq ",
-      theirs.seq, "] but rank ", g.rank(), " called ", comm::describe_op(mine.desc), " [seq ",
-      mine.seq, "]; every rank of a group must call the same collectives, with the same count, "
-      "dtype, op and root, in the same order"));
+      "collective mismatch: rank ", peer, " called ", comm::describe_op(theirs.desc[h]),
+      " [seq ", theirs.seq[h], "] but rank ", g.rank(), " called ",
+      comm::describe_op(mine.desc[h]), " [seq ", mine.seq[h],
+      "]; every rank of a group must call the same collectives, with the same count, dtype, op "
+      "and root, in the same order"));
 }
 
-void check_all(comm::Comm& comm, ShmGroup& g) {
-  for (int p = 0; p < g.size(); ++p) check_agreement(comm, g, p);
+void check_all(ShmGroup& g, uint64_t round) {
+  for (int p = 0; p < g.size(); ++p) check_agreement(g, p, round);
 }
 
 void release(ShmGroup& g, uint64_t round) { g.publish(ShmGroup::kReleased, round); }
 }  // namespace
 
-// All-reduce of a chunk per round: every rank copies its chunk in; rank r folds slice r of
-// every rank's chunk in rank order (deterministic) and publishes it; every rank copies the
-// other slices out. Per rank that reads and writes each byte about three times, against
-// 2(n-1)/n sends plus kernel copies on each side for the TCP ring.
+// All-reduce of a chunk per round: every rank copies its chunk in. Small chunks: every rank
+// folds the whole chunk from every area, in rank order. Large ones: rank r folds slice r of
+// every area in rank order (deterministic) and publishes it, then every rank copies the other
+// slices out. Per rank that reads and writes each byte about three times, against 2(n-1)/n
+// sends plus kernel copies on each side for the TCP ring.
 void shm_all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
   ShmGroup& g = *comm.shm();
   const int n = g.size(), r = g.rank();
   const size_t esz = dtype_size(a.dtype);
-  const size_t chunk = std::max<size_t>(1, g.data_bytes() / esz);
+  const size_t chunk = std::max<size_t>(1, area_bytes(g) / esz);
   auto fold = reduce::lookup(a.dtype, a.op);
   const char* what = op_name(comm);
   size_t off = 0;
@@ -70,23 +86,30 @@ void shm_all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
     const size_t c = std::min(chunk, a.count - off);
     uint8_t* out = a.out.data + off * esz;
     uint64_t round = begin_round(comm, g);
-    std::memcpy(g.data(r), out, c * esz);
+    std::memcpy(area(g, r, round), out, c * esz);
     arrive(g, round);
     g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
-    check_all(comm, g);
-    const Blocks slices(c, n);
-    const size_t s = slices.offset(r) * esz, len = slices.length(r);
-    if (len) {
-      std::memcpy(out + s, g.data(0) + s, len * esz);
-      for (int p = 1; p < n; ++p) fold(out + s, g.data(p) + s, len);
-      std::memcpy(g.data(r) + s, out + s, len * esz);
-    }
-    g.publish(ShmGroup::kReduced, round);
-    g.wait_all(ShmGroup::kReduced, round, comm.deadline(), comm.shm_check(), what);
-    for (int p = 0; p < n; ++p) {
-      if (p == r) continue;
-      size_t ps = slices.offset(p) * esz;
-      std::memcpy(out + ps, g.data(p) + ps, slices.length(p) * esz);
+    check_all(g, round);
+    if (c * esz * n <= kFoldAllBytes) {
+      if (c) {
+        std::memcpy(out, area(g, 0, round), c * esz);
+        for (int p = 1; p < n; ++p) fold(out, area(g, p, round), c);
+      }
+    } else {
+      const Blocks slices(c, n);
+      const size_t s = slices.offset(r) * esz, len = slices.length(r);
+      if (len) {
+        std::memcpy(out + s, area(g, 0, round) + s, len * esz);
+        for (int p = 1; p < n; ++p) fold(out + s, area(g, p, round) + s, len);
+        std::memcpy(area(g, r, round) + s, out + s, len * esz);
+      }
+      g.publish(ShmGroup::kReduced, round);
+      g.wait_all(ShmGroup::kReduced, round, comm.deadline(), comm.shm_check(), what);
+      for (int p = 0; p < n; ++p) {
+        if (p == r) continue;
+        size_t ps = slices.offset(p) * esz;
+        std::memcpy(out + ps, area(g, p, round) + ps, slices.length(p) * esz);
+      }
     }
     release(g, round);
     off += c;
@@ -100,15 +123,15 @@ void shm_broadcast(comm::Comm& comm, const BroadcastArgs& a) {
   const char* what = op_name(comm);
   size_t off = 0;
   do {
-    const size_t c = std::min(g.data_bytes(), a.buf.size - off);
+    const size_t c = std::min(area_bytes(g), a.buf.size - off);
     uint64_t round = begin_round(comm, g);
-    if (r == a.root) std::memcpy(g.data(r), a.buf.data + off, c);
+    if (r == a.root) std::memcpy(area(g, r, round), a.buf.data + off, c);
     arrive(g, round);
     // Every rank waits for all (not only the root) and compares every OpDesc, so ranks that
     // name different roots all raise MismatchError instead of silently diverging.
     g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
-    check_all(comm, g);
-    if (r != a.root) std::memcpy(a.buf.data + off, g.data(a.root), c);
+    check_all(g, round);
+    if (r != a.root) std::memcpy(a.buf.data + off, area(g, a.root, round), c);
     release(g, round);
     off += c;
   } while (off < a.buf.size);
@@ -125,17 +148,18 @@ void shm_all_gather(comm::Comm& comm, const AllGatherArgs& a) {
   MC_CHECK_EQ(at[n], a.out.size);
   if (a.in.data != a.out.data + at[r] && a.bytes[r]) std::memmove(a.out.data + at[r], a.in.data, a.bytes[r]);
   const size_t longest = *std::max_element(a.bytes.begin(), a.bytes.end());
-  const size_t S = g.data_bytes();
+  const size_t S = area_bytes(g);
   size_t off = 0;
   do {
     uint64_t round = begin_round(comm, g);
-    if (off < a.bytes[r]) std::memcpy(g.data(r), a.in.data + off, std::min(S, a.bytes[r] - off));
+    if (off < a.bytes[r])
+      std::memcpy(area(g, r, round), a.in.data + off, std::min(S, a.bytes[r] - off));
     arrive(g, round);
     g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
-    check_all(comm, g);
+    check_all(g, round);
     for (int p = 0; p < n; ++p) {
       if (p == r || off >= a.bytes[p]) continue;
-      std::memcpy(a.out.data + at[p] + off, g.data(p), std::min(S, a.bytes[p] - off));
+      std::memcpy(a.out.data + at[p] + off, area(g, p, round), std::min(S, a.bytes[p] - off));
     }
     release(g, round);
     off += S;
@@ -147,7 +171,7 @@ void shm_barrier(comm::Comm& comm) {
   uint64_t round = begin_round(comm, g);
   arrive(g, round);
   g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), "barrier");
-  check_all(comm, g);
+  check_all(g, round);
   release(g, round);
 }
 

@@ -103,6 +103,37 @@ ncclResult_t poll_ready(const NcclApi& nc, ncclComm_t comm, const Deadline& d) {
   }
 }
 
+// Runs `fn` on a helper thread and waits until the deadline; false if it has not returned
+// by then. The thread is then left to finish (or stay blocked) on its own: `fn` must own
+// everything it touches (capture shared_ptrs and values, never locals by reference).
+template <class F>
+bool run_bounded(F fn, const Deadline& d) {
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto st = std::make_shared<State>();
+  std::thread([st, fn = std::move(fn)]() mutable {
+    fn();
+    std::lock_guard<std::mutex> lock(st->mu);
+    st->done = true;
+    st->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(st->mu);
+  auto done = [&] { return st->done; };
+  if (d.poll_ms() < 0) {
+    st->cv.wait(lock, done);
+    return true;
+  }
+  return st->cv.wait_for(lock, Millis(d.poll_ms()), done);
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
 std::exception_ptr nccl_failure(ncclResult_t st, const std::string& msg) {
   if (st == ncclRemoteError || st == ncclSystemError)
     return std::make_exception_ptr(
@@ -155,32 +186,44 @@ ncclRedOp_t nccl_redop(RedOp op, DType t, const NcclApi& api) {
 
 // ---- creation ----------------------------------------------------------------------------
 
-ncclComm_t NcclComm::init_rank(const ncclUniqueId& id, int rank, int size, const Deadline& d,
-                               const std::string& where) {
+// Note [Blocking communicators]
+// NCCL's non-blocking mode (config.blocking = 0) would bound init by polling, but it launches
+// every collective from a new thread (ncclGroupEnd returns ncclInProgress): ~50 us per call
+// measured on 2 H200s. So communicators are blocking, and the blocking steps get deadlines
+// another way: init runs on a helper thread we stop waiting for (after a store check-in,
+// so a rank that never arrives is caught before NCCL starts); a collective or split that
+// blocks inside NCCL (connection setup with a peer that never comes) is aborted from the
+// watchdog thread, which NCCL supports for exactly this (see run()).
+ncclComm_t NcclComm::init_rank(const ncclUniqueId& id, int rank, int size, CUcontext ctx,
+                               const Deadline& d, const std::string& where) {
   const auto& nc = nccl();
-  ncclComm_t comm = nullptr;
-  if (!nc.comm_init_rank_config) {
-    // NCCL < 2.14 has no non-blocking init: every rank already holds the id, so this
-    // blocks only while a peer dies mid-init.
-    ncclResult_t r = nc.comm_init_rank(&comm, size, id, rank);
-    if (r != ncclSuccess)
-      throw Error(str_cat("ncclCommInitRank failed on ", where, ": ", nc.error_text(r)));
-    return comm;
-  }
-  // Non-blocking init: we poll, so a rank that never arrives becomes a TimeoutError.
-  ncclConfig_t cfg = make_config();
-  cfg.blocking = 0;
-  ncclResult_t r = nc.comm_init_rank_config(&comm, size, id, rank, &cfg);
-  if (r == ncclSuccess || r == ncclInProgress) r = poll_ready(nc, comm, d);
-  if (r == ncclSuccess) return comm;
-  std::string text = r == ncclInProgress ? "" : nc.error_text(r, comm);
-  if (comm) nc.comm_abort(comm);
-  if (r == ncclInProgress)
+  const auto& cu = cuda();
+  struct Result {
+    ncclResult_t r = ncclInternalError;
+    ncclComm_t comm = nullptr;
+  };
+  auto res = std::make_shared<Result>();
+  bool finished = run_bounded([res, id, rank, size, ctx, &nc, &cu] {
+    cu.ctx_set_current(ctx);
+    if (nc.comm_init_rank_config) {
+      ncclConfig_t cfg = make_config();
+      cfg.blocking = 1;
+      res->r = nc.comm_init_rank_config(&res->comm, size, id, rank, &cfg);
+    } else {
+      res->r = nc.comm_init_rank(&res->comm, size, id, rank);
+    }
+  }, d);
+  if (!finished)
     throw TimeoutError(str_cat("NCCL init on ", where, " did not finish within ",
-                               d.timeout().count(), " ms: a rank did not join (every rank "
-                               "must call init with backend='nccl'), or a peer died"));
-  std::rethrow_exception(
-      nccl_failure(r, str_cat("ncclCommInitRankConfig failed on ", where, ": ", text)));
+                               d.timeout().count(), " ms: a peer died during init (every rank "
+                               "had checked in); this process should exit"));
+  if (res->r != ncclSuccess) {
+    std::string text = nc.error_text(res->r, res->comm);
+    if (res->comm) nc.comm_abort(res->comm);
+    std::rethrow_exception(
+        nccl_failure(res->r, str_cat("ncclCommInitRank failed on ", where, ": ", text)));
+  }
+  return res->comm;
 }
 
 std::shared_ptr<NcclComm> NcclComm::create(std::shared_ptr<store::Store> store, int rank,
@@ -220,7 +263,18 @@ std::shared_ptr<NcclComm> NcclComm::create(std::shared_ptr<store::Store> store, 
     MC_CHECK_EQ(b.size(), sizeof(id.internal), "NCCL unique id size in the store");
     std::memcpy(id.internal, b.data(), b.size());
   }
-  ncclComm_t comm = init_rank(id, rank, size, d, where);
+  // Check in: every rank is here and holds the id before anyone blocks inside NCCL.
+  store->set(str_cat("nccl/arrived/", rank), store::Bytes{1});
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(str_cat("nccl/arrived/", r));
+  try {
+    store->wait(keys, timeout);
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(str_cat("NCCL init on ", where, ": not every rank arrived within ",
+                               timeout.count(), " ms (every rank must call init with "
+                               "backend='nccl'): ", e.what()));
+  }
+  ncclComm_t comm = init_rank(id, rank, size, pc.get(), d, where);
   try {
     return std::shared_ptr<NcclComm>(new NcclComm(comm, rank, size, device, pc.get(), timeout));
   } catch (...) {
@@ -269,21 +323,15 @@ std::shared_ptr<NcclComm> NcclComm::split(int color, int key, Millis timeout) {
   const Millis t = timeout.count() < 0 ? timeout_ : timeout;
   Deadline d(t);
   ncclConfig_t cfg = make_config();
-  cfg.blocking = 0;
+  cfg.blocking = 1;
   ncclComm_t child = nullptr;
-  ncclResult_t r = nc_.comm_split(comm_, color < 0 ? ncclSplitNoColor : color, key, &child, &cfg);
-  // Non-blocking: both the parent and the new communicator may be "in progress".
-  if (r == ncclSuccess || r == ncclInProgress) r = poll_ready(nc_, comm_, d);
-  if ((r == ncclSuccess) && child) r = poll_ready(nc_, child, d);
+  // Blocks until every rank of this communicator calls it: the watchdog aborts us at t.
+  ncclResult_t r = guarded_locked(d, "ncclCommSplit", [&] {
+    return nc_.comm_split(comm_, color < 0 ? ncclSplitNoColor : color, key, &child, &cfg);
+  });
   if (r != ncclSuccess) {
     if (child) nc_.comm_abort(child);
-    std::string msg = str_cat("ncclCommSplit(color=", color, ", key=", key, ") on ", where());
-    fail_locked(r == ncclInProgress
-                    ? std::make_exception_ptr(TimeoutError(str_cat(
-                          msg, " did not finish within ", t.count(), " ms: every rank of the "
-                          "parent group must create the subgroup, in the same order")))
-                    : nccl_failure(r, str_cat(msg, " failed: ", nc_.error_text(r, comm_))));
-    std::rethrow_exception(error_);
+    check_nccl_locked(r, "ncclCommSplit", d);  // throws
   }
   if (!child) return nullptr;
   int crank = -1, csize = 0;
@@ -329,23 +377,39 @@ void NcclComm::shutdown() {
   }
   wd_cv_.notify_all();
   if (watchdog_.joinable()) watchdog_.join();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   if (shut_down_) return;
   shut_down_ = true;
   if (!comm_) return;
   CtxGuard guard(cu_, ctx_);
-  // Flush: ncclCommFinalize completes every issued op (non-blocking: we poll with the
-  // group's timeout); a peer that never finishes gets us an abort instead of a hang.
+  // Let issued work finish (bounded by the group's timeout); work still running then is
+  // aborted, which never waits for peers.
   Deadline d(timeout_);
-  ncclResult_t r = nc_.comm_finalize ? nc_.comm_finalize(comm_) : ncclSuccess;
-  if (r == ncclSuccess || r == ncclInProgress) r = poll_ready(nc_, comm_, d);
-  if (r != ncclSuccess) {
-    abort_locked();
-    return;
+  int round = 0;
+  for (;;) {
+    while (completed_ < issued_ &&
+           cu_.event_query(slots_[completed_ % kSlots].event) == CUDA_SUCCESS)
+      ++completed_;
+    if (completed_ == issued_) break;
+    if (d.expired()) {
+      abort_locked();
+      return;
+    }
+    lock.unlock();
+    backoff(round);
+    lock.lock();
   }
-  nc_.comm_destroy(comm_);
+  // ncclCommDestroy tears down connections; bound it too, and leave it behind if a peer
+  // vanished meanwhile (the process is shutting the group down anyway).
+  ncclComm_t c = comm_;
   comm_ = nullptr;
-  completed_ = issued_;
+  CUcontext ctx = ctx_;
+  const NcclApi* nc = &nc_;
+  const CudaApi* cu = &cu_;
+  run_bounded([c, ctx, nc, cu] {
+    cu->ctx_set_current(ctx);
+    nc->comm_destroy(c);
+  }, Deadline(timeout_));
 }
 
 void NcclComm::abort(const std::string& why) {
@@ -390,6 +454,9 @@ void NcclComm::fail_locked(std::exception_ptr error) {
 
 void NcclComm::check_nccl_locked(ncclResult_t r, const char* what, const Deadline& d) {
   if (r == ncclSuccess) return;
+  // The watchdog aborted this call (Note [Stuck calls]): guarded_locked reports it.
+  if (enqueue_deadline_.load(std::memory_order_acquire) == -1)
+    throw Aborted(str_cat(what, " was aborted by the watchdog"));
   if (r == ncclInProgress) {
     wait_ready_locked(comm_, d, what);
     return;
@@ -452,6 +519,47 @@ void NcclComm::poll_locked() {
   }
 }
 
+// Note [Stuck calls]
+// A blocking NCCL call can wait on a peer (lazy connection setup, ncclCommSplit). While it
+// runs, enqueue_deadline_ holds its deadline; the watchdog claims an expired one (CAS to -1)
+// and calls ncclCommAbort from its own thread, which makes the stuck call return. The caller
+// then sees the claim, waits until the abort is done, and fails with TimeoutError.
+template <class Call>
+ncclResult_t NcclComm::guarded_locked(const Deadline& d, const char* what, Call&& call) {
+  const int64_t t = d.timeout().count();
+  const int64_t dl = t < 0 ? 0 : now_ns() + t * 1000000;
+  enqueue_comm_.store(comm_, std::memory_order_relaxed);
+  enqueue_deadline_.store(dl, std::memory_order_release);
+  ncclResult_t r = ncclSuccess;
+  std::exception_ptr thrown;
+  try {
+    r = call();
+  } catch (...) {
+    thrown = std::current_exception();
+  }
+  int64_t expect = dl;
+  if (dl == 0 || enqueue_deadline_.compare_exchange_strong(expect, 0)) {
+    if (dl == 0) enqueue_deadline_.store(0, std::memory_order_release);
+    if (thrown) std::rethrow_exception(thrown);
+    return r;
+  }
+  // The watchdog claimed this call and aborts (or aborted) the communicator.
+  while (!wd_aborted_.load(std::memory_order_acquire)) std::this_thread::yield();
+  enqueue_deadline_.store(0, std::memory_order_release);
+  comm_ = nullptr;  // already aborted
+  if (!failed_) {
+    while (completed_ < issued_ &&
+           cu_.event_query(slots_[completed_ % kSlots].event) == CUDA_SUCCESS)
+      ++completed_;
+    failed_ = true;
+    failed_from_ = completed_;
+    error_ = std::make_exception_ptr(TimeoutError(str_cat(
+        "NCCL ", what, " on ", where(), " was still blocked inside NCCL after ", t,
+        " ms (a peer never made the matching call, or died); the communicator was aborted")));
+  }
+  std::rethrow_exception(error_);
+}
+
 void NcclComm::watchdog() {
   // Relaxed capture mode: our event queries must never invalidate a CUDA graph that
   // another thread is capturing.
@@ -459,11 +567,19 @@ void NcclComm::watchdog() {
   cu_.thread_exchange_capture_mode(&mode);
   cu_.ctx_set_current(ctx_);
   for (;;) {
-    bool pending;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
+    bool pending = true;
+    int64_t dl = enqueue_deadline_.load(std::memory_order_acquire);
+    if (dl > 0 && now_ns() > dl && enqueue_deadline_.compare_exchange_strong(dl, -1)) {
+      // A call is stuck inside NCCL past its deadline (Note [Stuck calls]): abort from here.
+      nc_.comm_abort(enqueue_comm_.load(std::memory_order_relaxed));
+      wd_aborted_.store(true, std::memory_order_release);
+      return;
+    }
+    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);  // a caller may be in NCCL
+    if (lock.owns_lock()) {
       poll_locked();
       pending = !failed_ && completed_ < issued_;
+      lock.unlock();
     }
     std::unique_lock<std::mutex> wl(wd_mu_);
     if (wd_cv_.wait_for(wl, pending ? kPollBusy : kPollIdle, [this] { return wd_stop_; })) return;
@@ -512,7 +628,10 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
     cu_.check(cu_.stream_wait_event(internal_, order_event_, 0), "cuStreamWaitEvent");
     exec = internal_;
   }
-  launch(exec, d);
+  guarded_locked(d, what, [&] {
+    launch(exec, d);
+    return ncclSuccess;
+  });
   if (captured)
     return std::make_shared<NcclWork>(shared_from_this(), 0, user, false, true, host_blocking);
   Slot& s = slots_[issued_ % kSlots];

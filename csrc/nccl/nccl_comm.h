@@ -20,11 +20,14 @@
 // records the first error, calls ncclCommAbort (the kernels exit, so every event
 // completes) and marks the communicator dead: ops not finished by then report that error
 // (TimeoutError, PeerError or MeshcollError); new calls raise AbortedError. As on the CPU
-// backend, a dead group must be rebuilt. A group is used by one thread at a time, as NCCL
+// backend, a dead group must be rebuilt. A call stuck inside NCCL (a blocking connection
+// setup or split waiting for a peer) is aborted by the watchdog at its deadline too (Note
+// [Stuck calls] in nccl_comm.cc). A group is used by one thread at a time, as NCCL
 // requires; one mutex (uncontended on the hot path) orders the caller and the watchdog.
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <condition_variable>
 #include <exception>
 #include <memory>
@@ -146,11 +149,15 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   NcclComm(abi::ncclComm_t comm, int rank, int size, int device, abi::CUcontext ctx,
            Millis timeout);
   static abi::ncclComm_t init_rank(const abi::ncclUniqueId& id, int rank, int size,
-                                   const Deadline& deadline, const std::string& where);
+                                   abi::CUcontext ctx, const Deadline& deadline,
+                                   const std::string& where);
 
   // Runs `launch(stream)` under the lock with the op's bookkeeping around it.
   template <class Launch>
   WorkPtr run(const CallOpts& c, const char* what, bool host_blocking, Launch&& launch);
+  // Runs a call that may block inside NCCL, under the watchdog's deadline (Note [Stuck calls]).
+  template <class Call>
+  abi::ncclResult_t guarded_locked(const Deadline& d, const char* what, Call&& call);
   void check_nccl_locked(abi::ncclResult_t r, const char* what, const Deadline& d);
   void wait_ready_locked(abi::ncclComm_t comm, const Deadline& d, const char* what);
   void usable_locked() const;
@@ -186,6 +193,12 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   uint64_t failed_from_ = 0;  // ops at or above this failed with error_
   std::exception_ptr error_;
   bool shut_down_ = false;
+
+  // Note [Stuck calls]: the deadline (steady-clock ns) of the NCCL call in progress, 0 when
+  // none, -1 once the watchdog claimed it; the communicator it runs on; set once aborted.
+  std::atomic<int64_t> enqueue_deadline_{0};
+  std::atomic<abi::ncclComm_t> enqueue_comm_{nullptr};
+  std::atomic<bool> wd_aborted_{false};
 
   std::mutex wd_mu_;
   std::condition_variable wd_cv_;

@@ -105,7 +105,9 @@ void bind_comm(py::module_& m) {
     return std::vector<std::string>{"auto", "ring", "tree", "halving_doubling", "direct", "shm"};
   });
   m.def("select_all_reduce", [](size_t nbytes, int world, size_t tree_threshold, size_t hd_threshold) {
-        algo::SelectConfig cfg{tree_threshold, hd_threshold};
+        algo::SelectConfig cfg;
+        cfg.tree_threshold_bytes = tree_threshold;
+        cfg.hd_threshold_bytes = hd_threshold;
         return std::string(algo::algorithm_name(algo::select_all_reduce(nbytes, world, cfg)));
       }, py::arg("nbytes"), py::arg("world_size"), py::arg("tree_threshold_bytes"),
       py::arg("hd_threshold_bytes"));
@@ -154,13 +156,14 @@ void bind_comm(py::module_& m) {
              if (!algo::algorithm_from_name(algorithm, &a.algorithm))
                throw py::value_error(str_cat("all_reduce: unknown algorithm '", algorithm,
                                              "'; use auto, ring, tree, halving_doubling or direct"));
-             if (a.algorithm == algo::Algorithm::kShm && !c.shm())
+             if (a.algorithm == algo::Algorithm::kShm && !c.shm() && c.size() > 1)
                throw py::value_error(str_cat("all_reduce: algorithm 'shm' needs every rank on one "
                                              "host with shared memory; this group uses ",
                                              c.shm_status()));
              if (max_segment_bytes == 0) throw py::value_error("max_segment_bytes must be > 0");
              a.max_segment_bytes = max_segment_bytes;
-             a.select = {tree_threshold, hd_threshold};
+             a.select.tree_threshold_bytes = tree_threshold;
+             a.select.hd_threshold_bytes = hd_threshold;
              return enqueue(c, desc(CollKind::kAllReduce, in.dtype, in.count, a.op), timeout_arg(timeout),
                             [a](Comm& cm) { algo::all_reduce(cm, a); }, blocking);
            }, py::arg("x"), py::arg("out"), py::arg("op"), py::arg("algorithm"), py::arg("timeout"),

@@ -22,12 +22,13 @@ _ALGO_ENV = "MESHCOLL_ALGO"
 
 class CollectiveConfig:
     """Algorithm choice for all_reduce. ``algorithm="auto"`` picks by size and world size:
-    tree at or below ``tree_threshold_bytes``, recursive halving-doubling at or below
-    ``hd_threshold_bytes`` on power-of-two worlds, ring above (thresholds measured with
+    on one host, shared memory; over TCP, direct up to 64 KiB (<= 8 ranks), tree at or below
+    ``tree_threshold_bytes``, recursive halving-doubling at or below ``hd_threshold_bytes`` on
+    power-of-two worlds, ring above (thresholds measured with
     bench/python/bench_algorithms.py; see README). ``MESHCOLL_ALGO`` overrides auto."""
 
-    def __init__(self, algorithm: str = "auto", *, tree_threshold_bytes: int = 16 * 1024,
-                 hd_threshold_bytes: int = 256 * 1024, max_segment_bytes: int = 512 * 1024,
+    def __init__(self, algorithm: str = "auto", *, tree_threshold_bytes: int = 256 * 1024,
+                 hd_threshold_bytes: int = 8 << 20, max_segment_bytes: int = 512 * 1024,
                  tree_arity: int = 2):
         self.algorithm = algorithm
         self.tree_threshold_bytes = tree_threshold_bytes

@@ -18,7 +18,7 @@
 namespace meshcoll::transport {
 
 namespace {
-constexpr size_t kControlBytes = sizeof(ShmControl);
+constexpr size_t kControlBytes = (sizeof(ShmControl) + 4095) / 4096 * 4096;
 
 std::string read_first_line(const char* path) {
   std::ifstream f(path);
@@ -50,6 +50,8 @@ ShmGroup::ShmGroup(int rank, int size, size_t data_bytes)
   ctrl_.assign(size, nullptr);
   data_.assign(size, nullptr);
   for (int r = 0; r < size; ++r) all_ranks_.push_back(r);
+  unsigned cores = std::thread::hardware_concurrency();
+  spin_ = std::chrono::microseconds(cores == 0 || static_cast<unsigned>(size) > cores ? 5 : 100);
 }
 
 std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& store,
@@ -197,7 +199,7 @@ void ShmGroup::wait_until(const std::vector<int>& ranks, Phase phase, uint64_t r
         periodic();
         next_check = now + Millis(5);
       }
-      if (now - spin_start < std::chrono::microseconds(20)) {
+      if (now - spin_start < spin_) {
         i = 0;
         continue;
       }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -32,17 +33,18 @@ struct alignas(64) ShmControl {
   char pad1[56];
   std::atomic<uint64_t> released;  // this rank finished reading peers' data areas
   char pad2[56];
-  OpDesc desc;   // the operation of the round in `arrived`, for the agreement check
-  uint64_t seq;  // its collective sequence number
+  // The operation of the rounds in flight, for the agreement check: one per half of the data
+  // area (Note [Shared-memory rounds]), indexed by round parity.
+  OpDesc desc[2];
+  uint64_t seq[2];
   // Note [Futex wake-ups]: bumped on every publish; a waiter that has spun long enough sleeps
   // on it (a process-shared futex) after announcing itself in `sleepers`, so an idle or
   // oversubscribed host does not burn cores, and a publisher only pays for a wake-up
   // syscall when someone sleeps.
   std::atomic<uint32_t> epoch;
   std::atomic<uint32_t> sleepers;
-  char pad3[32];
 };
-static_assert(sizeof(ShmControl) == 256, "control block layout");
+static_assert(sizeof(ShmControl) % 64 == 0, "control block layout");
 
 class ShmGroup {
  public:
@@ -89,6 +91,10 @@ class ShmGroup {
   std::vector<ShmControl*> ctrl_;
   std::vector<uint8_t*> data_;
   std::vector<int> all_ranks_;
+  // How long a waiter spins before sleeping on the futex: long when every rank can have a core
+  // (the peer is running and about to publish), short when ranks outnumber cores (spinning
+  // would steal the core the awaited peer needs).
+  std::chrono::microseconds spin_{100};
 };
 
 }  // namespace meshcoll::transport

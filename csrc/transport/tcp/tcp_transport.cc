@@ -5,6 +5,7 @@
 #include <sys/uio.h>
 
 #include <algorithm>
+#include <thread>
 #include <cstring>
 
 #include "common/error.h"
@@ -99,6 +100,8 @@ TcpTransport::TcpTransport(int rank, int size, store::Store& store, const TcpOpt
                            DescribeOp describe, const Deadline& d)
     : rank_(rank), size_(size), describe_(describe) {
   for (int i = 0; i < size; ++i) peers_.push_back(std::make_unique<Peer>());
+  unsigned cores = std::thread::hardware_concurrency();
+  spin_ = cores != 0 && static_cast<unsigned>(size) <= cores;
   if (size > 1) {
     try {
       connect_all(store, opts, d);
@@ -527,6 +530,7 @@ bool TcpTransport::wait_any(const std::vector<Request>& reqs, const Deadline& d,
 }
 
 void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d) {
+  const auto spin_start = Clock::now();
   for (;;) {
     if (failed_) rethrow();
     bool all = true;
@@ -538,7 +542,14 @@ void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d)
     }
     if (all) return;
     check_pending_peers(reqs);
-    if (poll_and_progress(d.poll_ms()) == kTimedOut) {
+    // Busy-poll briefly before sleeping in poll(): a reply is usually microseconds away, and
+    // a wake-up from a blocking poll costs tens of microseconds. Not when ranks outnumber
+    // cores: spinning would steal the core the peer needs.
+    int timeout_ms = d.poll_ms();
+    if (spin_ && Clock::now() - spin_start < std::chrono::microseconds(50)) timeout_ms = 0;
+    PollResult res = poll_and_progress(timeout_ms);
+    if (res == kTimedOut && timeout_ms == 0) continue;
+    if (res == kTimedOut) {
       std::string waiting;
       for (const auto& r : reqs) {
         if (r->complete()) continue;

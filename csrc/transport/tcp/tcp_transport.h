@@ -84,6 +84,7 @@ class TcpTransport : public Transport {
   bool failed_ = false;
   AbortKind fail_kind_ = AbortKind::kGeneric;
   std::string fail_msg_;
+  bool spin_ = false;      // busy-poll before blocking (ranks <= cores)
   Envelope current_;       // the collective running now (begin_collective)
   bool in_collective_ = false;
   std::vector<struct pollfd> pfds_;  // reused by every poll
