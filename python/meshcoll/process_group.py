@@ -179,7 +179,10 @@ class ProcessGroup:
         w = self._comm.all_reduce(a, a, op, cfg.algorithm if algorithm is None else algorithm, timeout,
                                   cfg.max_segment_bytes, cfg.tree_threshold_bytes,
                                   cfg.hd_threshold_bytes, blocking=not async_op)
-        return _done(w, x, (a,), async_op, timeout)
+        if not async_op:  # the hot path: no Python Work object
+            w.wait()
+            return x
+        return Work(w, x, (a,))
 
     def reduce(self, x, dst: int = 0, op: str = "sum", *, async_op: bool = False,
                timeout: Optional[float] = None):
