@@ -11,8 +11,10 @@ _SUPPORTED = "bool, int8, uint8, int32, int64, float16, bfloat16 (ml_dtypes), fl
 
 def as_array(x, what: str, *, writable: bool = False) -> np.ndarray:
     """A numpy view of ``x`` sharing its memory; TypeError for what cannot be viewed."""
-    if type(x) is np.ndarray:
-        return x  # the C++ side checks dtype, contiguity and writability (python/buffers.cc)
+    if type(x) is np.ndarray:  # the hot path; C++ checks the dtype (python/buffers.cc)
+        f = x.flags
+        if f.c_contiguous and (f.writeable or not writable) and x.dtype.hasobject is False:
+            return x
     if isinstance(x, np.ndarray):
         a = x
     elif hasattr(x, "__dlpack__"):
