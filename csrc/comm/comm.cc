@@ -346,6 +346,18 @@ void Comm::fail_group(std::exception_ptr error) {
   sync_in_flight_count();
 }
 
+void Comm::log_op(const Item& item, Clock::time_point t0, std::exception_ptr error) {
+  auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
+  std::fprintf(stderr, "meshcoll[rank %d/%d] %s seq=%llu algo=%s bytes=%llu time=%lldus%s%s\n",
+               rank_, size_, describe_op(item.env.op).c_str(),
+               static_cast<unsigned long long>(item.env.seq),
+               *algorithm_ ? algorithm_ : (shm_ ? "shm" : "tcp"),
+               static_cast<unsigned long long>(item.env.op.count *
+                                               dtype_size(static_cast<DType>(item.env.op.dtype))),
+               static_cast<long long>(us), error ? " FAILED: " : "",
+               error ? message_of(error).c_str() : "");
+}
+
 void Comm::run_item(Item& item) {
   std::exception_ptr error;
   auto ctx = [&] {  // formatted only on failure
@@ -363,28 +375,20 @@ void Comm::run_item(Item& item) {
   } else {
     current_ = item.env;
     deadline_ = Deadline(item.timeout);
+    const auto t0 = Clock::now();
     try {
       if (item.peer >= 0) {
         start_p2p(item);
         return;
       }
-      auto t0 = Clock::now();
       algorithm_ = "";
       transport_->begin_collective(current_);
       item.run(*this);
       if (size_ > 1) transport_->poll_once();
-      if (debug_) {
-        auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
-        std::fprintf(stderr, "meshcoll[rank %d/%d] %s seq=%llu algo=%s bytes=%llu time=%lldus\n",
-                     rank_, size_, describe_op(item.env.op).c_str(),
-                     static_cast<unsigned long long>(item.env.seq),
-                     *algorithm_ ? algorithm_ : (shm_ ? "shm" : "tcp"),
-                     static_cast<unsigned long long>(
-                         item.env.op.count * dtype_size(static_cast<DType>(item.env.op.dtype))),
-                     static_cast<long long>(us));
-      }
+      if (debug_) log_op(item, t0, nullptr);
     } catch (...) {
       error = same_type(std::current_exception(), ctx() + message_of(std::current_exception()));
+      if (debug_) log_op(item, t0, error);  // the failed one is what a hang diagnosis needs
       fail_group(error);
     }
   }

@@ -129,6 +129,7 @@ class Comm {
   };
   void worker_loop();
   void run_item(Item& item);
+  void log_op(const Item& item, Clock::time_point t0, std::exception_ptr error);
   void start_p2p(Item& item);
   void progress_in_flight();
   void reap_in_flight();

@@ -62,7 +62,7 @@ void TcpStoreServer::stop() {
   char c = 0;
   (void)!::write(wake_pipe_[1], &c, 1);
   if (acceptor_.joinable()) acceptor_.join();
-  std::vector<std::thread> threads;
+  std::map<std::thread::id, std::thread> threads;
   {
     std::lock_guard<std::mutex> lock(mu_);
     // shutdown() wakes every serving thread blocked in poll/recv on its client.
@@ -70,7 +70,7 @@ void TcpStoreServer::stop() {
     threads.swap(client_threads_);
   }
   cv_.notify_all();
-  for (auto& t : threads) t.join();
+  for (auto& [id, t] : threads) t.join();
   net::close_fd(listen_fd_);
   net::close_fd(wake_pipe_[0]);
   net::close_fd(wake_pipe_[1]);
@@ -89,9 +89,28 @@ void TcpStoreServer::accept_loop() {
     } catch (const Error&) {
       continue;
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    client_fds_.push_back(fd);
-    client_threads_.emplace_back([this, fd] { serve(fd); });
+    std::vector<std::thread> finished;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto id : done_) {
+        auto it = client_threads_.find(id);
+        if (it != client_threads_.end()) {
+          finished.push_back(std::move(it->second));
+          client_threads_.erase(it);
+        }
+      }
+      done_.clear();
+      client_fds_.push_back(fd);
+      try {
+        std::thread t([this, fd] { serve(fd); });
+        auto id = t.get_id();
+        client_threads_.emplace(id, std::move(t));
+      } catch (const std::system_error&) {  // out of threads: refuse this client, keep serving
+        client_fds_.pop_back();
+        net::close_fd(fd);
+      }
+    }
+    for (auto& t : finished) t.join();
   }
 }
 
@@ -102,9 +121,10 @@ void TcpStoreServer::serve(int fd) {
     auto hello = read_pod<wire::Hello>(fd, hello_deadline);
     std::string reply_msg;
     wire::HelloStatus status = wire::HelloStatus::kOk;
-    if (hello.magic != wire::kMagic) return;  // not our protocol: drop silently
+    // Not our protocol: drop it (the cleanup below closes the descriptor).
+    if (hello.magic != wire::kMagic || hello.token_len > wire::kMaxTokenBytes)
+      throw InvalidArgument("not a meshcoll store client");
     std::string token;
-    if (hello.token_len > wire::kMaxTokenBytes) return;
     token.resize(hello.token_len);
     if (hello.token_len) net::recv_all(fd, token.data(), token.size(), hello_deadline, "store");
     if (hello.version != wire::kVersion) {
@@ -134,6 +154,7 @@ void TcpStoreServer::serve(int fd) {
     }
   }
   net::close_fd(fd);
+  done_.push_back(std::this_thread::get_id());
 }
 
 bool TcpStoreServer::handle_one(int fd) {

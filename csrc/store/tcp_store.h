@@ -5,6 +5,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <map>
+#include <system_error>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -39,7 +40,10 @@ class TcpStoreServer {
   std::condition_variable cv_;
   std::map<std::string, Bytes> data_;
   std::vector<int> client_fds_;
-  std::vector<std::thread> client_threads_;
+  // Serving threads; finished ones (their id in done_) are joined by the acceptor, so a
+  // stream of short connections does not pile up thread stacks.
+  std::map<std::thread::id, std::thread> client_threads_;
+  std::vector<std::thread::id> done_;
 };
 
 class TcpStore : public Store {

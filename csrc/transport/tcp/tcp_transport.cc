@@ -149,34 +149,76 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
     net::send_all(fd, &hs, sizeof(hs), d, what);
     net::send_all(fd, opts.token.data(), opts.token.size(), d, what);
   }
+  // Accept the higher ranks. Handshakes are read from all pending connections at once, so
+  // a stray client that connects and stays silent cannot delay the real peers.
+  struct Pending {
+    int fd;
+    std::string bytes;
+    Clock::time_point since;
+  };
+  std::vector<Pending> pending;
   int expected = size_ - 1 - rank_;
+  auto drop = [&](size_t i) {
+    net::close_fd(pending[i].fd);
+    pending[i] = std::move(pending.back());
+    pending.pop_back();
+  };
   while (expected > 0) {
-    int fd = net::accept_one(listen_fd, d, str_cat("rank ", rank_, ": waiting for ", expected,
-                                                   " higher rank(s) to connect"));
-    Handshake in{};
-    std::string token;
-    uint8_t ok = 0;
-    try {
-      Deadline hd = Deadline::after_ms(std::min<int64_t>(10000, remaining(d).count()));
-      net::recv_all(fd, &in, sizeof(in), hd, "handshake");
-      if (in.magic == kHandshakeMagic && in.token_len <= 1024) {
-        token.resize(in.token_len);
-        net::recv_all(fd, token.data(), token.size(), hd, "handshake");
-        ok = in.version == kHandshakeVersion && same_token(token, opts.token) &&
-             in.comm_id == opts.comm_id && in.size == size_ && in.rank > rank_ &&
-             in.rank < size_ && peers_[in.rank]->fd < 0;
+    if (d.expired()) {
+      for (auto& p : pending) net::close_fd(p.fd);
+      throw TimeoutError(str_cat("rank ", rank_, ": waiting for ", expected,
+                                 " higher rank(s) to connect: no connection arrived within ",
+                                 d.timeout().count(), " ms; did every rank start?"));
+    }
+    std::vector<pollfd> fds{{listen_fd, POLLIN, 0}};
+    for (auto& p : pending) fds.push_back({p.fd, POLLIN, 0});
+    int ms = d.poll_ms();
+    ::poll(fds.data(), fds.size(), ms < 0 || ms > 100 ? 100 : ms);
+    if (fds[0].revents & POLLIN) {
+      for (;;) {
+        int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) break;
+        net::set_nodelay(fd);
+        pending.push_back({fd, std::string(), Clock::now()});
       }
-      net::send_all(fd, &ok, 1, hd, "handshake");
-    } catch (const Error&) {
-      ok = 0;
     }
-    if (!ok) {
-      net::close_fd(fd);  // a stray or mistaken client: refuse it and keep waiting
-      continue;
+    for (size_t i = pending.size(); i-- > 0;) {
+      Pending& p = pending[i];
+      char buf[256];
+      ssize_t n = ::recv(p.fd, buf, sizeof(buf), 0);
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        drop(i);
+        continue;
+      }
+      if (n > 0) p.bytes.append(buf, static_cast<size_t>(n));
+      Handshake in{};
+      if (p.bytes.size() >= sizeof(in)) std::memcpy(&in, p.bytes.data(), sizeof(in));
+      bool header = p.bytes.size() >= sizeof(in);
+      if (header && (in.magic != kHandshakeMagic || in.token_len > 1024)) {
+        drop(i);
+        continue;
+      }
+      if (!header || p.bytes.size() < sizeof(in) + in.token_len) {
+        if (Clock::now() - p.since > Millis(10000)) drop(i);  // too slow: a stray
+        continue;
+      }
+      std::string token = p.bytes.substr(sizeof(in), in.token_len);
+      uint8_t ok = in.version == kHandshakeVersion && same_token(token, opts.token) &&
+                   in.comm_id == opts.comm_id && in.size == size_ && in.rank > rank_ &&
+                   in.rank < size_ && peers_[in.rank]->fd < 0 &&
+                   p.bytes.size() == sizeof(in) + in.token_len;
+      (void)!::send(p.fd, &ok, 1, MSG_NOSIGNAL);
+      if (!ok) {
+        drop(i);  // a stray or mistaken client: refused, keep waiting
+        continue;
+      }
+      peers_[in.rank]->fd = p.fd;
+      --expected;
+      pending[i] = std::move(pending.back());
+      pending.pop_back();
     }
-    peers_[in.rank]->fd = fd;
-    --expected;
   }
+  for (auto& p : pending) net::close_fd(p.fd);
   for (int j = 0; j < rank_; ++j) {
     uint8_t ok = 0;
     std::string what = str_cat("rank ", rank_, ": handshake with rank ", j);
