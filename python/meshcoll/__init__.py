@@ -15,6 +15,7 @@ from ._C import (AbortedError, MeshcollError, MismatchError, PeerError, PrefixSt
 from .ddp import DataParallel, LocalSGD
 from .device_mesh import DeviceMesh, MeshLayout, init_device_mesh
 from .monitor import monitored_barrier
+from .nccl import nccl_available
 from .partition import ShardedArray, partition_range, reduce_scatter_dim, shard
 from .process_group import (CollectiveConfig, NonMemberGroup, ProcessGroup, Work, destroy,
                             get_world_group, init, is_initialized, new_group)
@@ -62,7 +63,7 @@ __all__ = [
     "init", "destroy", "is_initialized", "get_rank", "get_world_size", "get_world_group",
     "new_group", "ProcessGroup", "NonMemberGroup", "Work", "CollectiveConfig", "TCPStore",
     "PrefixStore", "Store", "DataParallel", "LocalSGD", "MeshLayout", "DeviceMesh", "init_device_mesh",
-    "monitored_barrier", "ShardedArray", "partition_range", "reduce_scatter_dim", "shard",
+    "monitored_barrier", "nccl_available", "ShardedArray", "partition_range", "reduce_scatter_dim", "shard",
     "MeshcollError", "TimeoutError", "PeerError", "MismatchError", "AbortedError",
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_v", "reduce_scatter",
     "reduce_scatter_v", "all_to_all", "all_to_all_v", "gather", "scatter", "send", "recv",

@@ -1,0 +1,581 @@
+"""Tier 3: the NCCL backend on real GPUs, one process per GPU.
+
+Every test that needs a GPU skips with the reason ``meshcoll.nccl.nccl_available()`` gives
+(so CI without GPUs reports a clear skip); the missing-library / no-GPU error tests run
+everywhere. Ranks are launched by ``run_nccl`` below (the shared ``run_ranks`` fixture
+initialises the CPU backend): each rank calls ``meshcoll.init(backend="nccl", device=rank)``.
+Arrays are PyTorch CUDA tensors unless a test says otherwise (CuPy where installed).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import secrets
+import subprocess
+import sys
+import textwrap
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+from conftest import RankFailure, free_port
+
+import meshcoll
+from meshcoll import _C
+from meshcoll.nccl import nccl_available
+
+OK, WHY = nccl_available()
+NGPU = int(_C.cuda_device_count()) if OK else 0
+try:
+    import torch
+    HAVE_TORCH_CUDA = OK and torch.cuda.is_available()
+except ImportError:  # pragma: no cover - torch is in the GPU image
+    HAVE_TORCH_CUDA = False
+
+needs_gpu = pytest.mark.skipif(not OK, reason=f"NCCL backend unavailable: {WHY}")
+needs_torch = pytest.mark.skipif(not HAVE_TORCH_CUDA,
+                                 reason=f"needs PyTorch with CUDA ({WHY if not OK else 'no torch.cuda'})")
+
+
+def gpus(n):
+    return pytest.mark.skipif(NGPU < n, reason=f"needs {n} GPUs, {NGPU} visible ({WHY})")
+
+
+# ---- launcher ------------------------------------------------------------------------
+
+def _rank_main(fn, rank, world, port, token, timeout, env, conn, kwargs):
+    import faulthandler
+    faulthandler.enable()
+    os.environ.update(env)
+    os.environ["MESHCOLL_TOKEN"] = token
+    try:
+        import torch
+        torch.cuda.set_device(rank)
+        import meshcoll
+        pg = meshcoll.init(backend="nccl", rank=rank, world_size=world, master_addr="127.0.0.1",
+                           master_port=port, timeout=timeout, device=rank)
+        try:
+            result = fn(pg, **kwargs)
+        finally:
+            meshcoll.destroy()
+        conn.send(("ok", result))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def run_nccl(world, fn, *, deadline=180.0, timeout=60.0, env=None, may_die=(), **kwargs):
+    """Run ``fn(pg, **kwargs)`` on ``world`` processes, rank r on GPU r; every rank's
+    failure is reported; ranks in ``may_die`` may exit without a result."""
+    ctx = mp.get_context("spawn")
+    port, token = free_port(), secrets.token_hex(8)
+    env = {"NCCL_NVLS_ENABLE": "0", **(env or {})}
+    procs, conns = [], []
+    for rank in range(world):
+        parent_end, child_end = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_rank_main, daemon=True,
+                        args=(fn, rank, world, port, token, timeout, env, child_end, kwargs))
+        p.start()
+        child_end.close()
+        procs.append(p)
+        conns.append(parent_end)
+    end = time.monotonic() + deadline
+    results, failures, pending = [None] * world, {}, set(range(world))
+    while pending and time.monotonic() < end:
+        for rank in list(pending):
+            if conns[rank].poll(0.02):
+                try:
+                    status, value = conns[rank].recv()
+                except EOFError:
+                    status, value = "error", f"exited with code {procs[rank].exitcode} without a result"
+                pending.discard(rank)
+                (results.__setitem__(rank, value) if status == "ok"
+                 else failures.__setitem__(rank, value))
+            elif not procs[rank].is_alive() and not conns[rank].poll(0):
+                pending.discard(rank)
+                failures[rank] = f"exited with code {procs[rank].exitcode} without a result"
+    for rank in pending:
+        failures[rank] = f"did not finish within {deadline} s (killed)"
+    for rank in may_die:
+        if rank in failures and "without a result" in failures[rank]:
+            del failures[rank]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    if failures:
+        text = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures))
+        raise RankFailure(f"{len(failures)} of {world} ranks failed:\n{text}")
+    return results
+
+
+# ---- reference data --------------------------------------------------------------------
+
+DTYPES = ["int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+OPS = ["sum", "prod", "min", "max", "avg"]
+TOL = {"float16": 2e-2, "bfloat16": 6e-2, "float32": 1e-5, "float64": 1e-12}
+
+
+def _data(seed, rank, n, dtype, op="sum"):
+    """Rank ``rank``'s input, reproducible on every rank (for the numpy reference)."""
+    rng = np.random.default_rng([seed, rank])
+    if dtype in ("int8", "uint8", "int32", "int64"):
+        lo = 0 if dtype == "uint8" else -3
+        return rng.integers(lo, 4, n).astype(np.int64)
+    if op == "prod":
+        return rng.uniform(0.5, 1.5, n)
+    return rng.standard_normal(n) + 0.25
+
+
+def _tensor(values, dtype):
+    import torch
+    t = torch.tensor(values, dtype=torch.float64 if dtype.startswith(("float", "bfloat")) else torch.int64)
+    return t.to(getattr(torch, dtype)).cuda()
+
+
+def _exact(values, dtype):
+    """What the inputs are after rounding to ``dtype`` (float64 / int64 numpy)."""
+    t = _tensor(values, dtype)
+    return t.cpu().double().numpy() if dtype.startswith(("float", "bfloat")) else t.cpu().numpy()
+
+
+def _reduce(arrays, op, dtype):
+    a = np.stack(arrays)
+    if op == "sum":
+        r = a.sum(0)
+    elif op == "prod":
+        r = a.prod(0)
+    elif op == "min":
+        r = a.min(0)
+    elif op == "max":
+        r = a.max(0)
+    else:
+        r = a.mean(0)
+    if dtype in ("int8", "uint8", "int32", "int64"):  # wrap as the device does
+        r = r.astype(getattr(np, dtype)).astype(np.int64)
+    return r
+
+
+def _close(got, want, dtype, what, fails):
+    got = got.detach().cpu()
+    got = got.double().numpy() if dtype.startswith(("float", "bfloat")) else got.numpy().astype(np.int64)
+    want = np.asarray(want).reshape(got.shape)
+    if dtype in TOL:
+        scale = np.maximum(np.abs(want), 1.0)
+        bad = np.abs(got - want) > TOL[dtype] * scale
+    else:
+        bad = got != want
+    if got.dtype.kind == "f":
+        bad |= np.isnan(got)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        fails.append(f"{what} {dtype}: {int(bad.sum())} wrong, first at {i}: "
+                     f"got {got.ravel()[i]}, want {want.ravel()[i]}")
+
+
+# ---- bodies (run on every rank) ----------------------------------------------------------
+
+def _all_collectives(pg, n, seed):
+    import torch
+    fails = []
+    r, w = pg.rank, pg.size
+    for dtype in DTYPES:
+        floating = dtype.startswith(("float", "bfloat"))
+        for op in OPS:
+            if op == "avg" and not floating:
+                continue
+            ins = [_exact(_data(seed, k, n, dtype, op), dtype) for k in range(w)]
+            x = _tensor(ins[r], dtype)
+            pg.all_reduce(x, op=op)
+            _close(x, _reduce(ins, op, dtype), dtype, f"all_reduce[{op}]", fails)
+            # out-of-place reduce onto the last rank
+            x = _tensor(ins[r], dtype)
+            pg.reduce(x, dst=w - 1, op=op)
+            _close(x, _reduce(ins, op, dtype) if r == w - 1 else ins[r], dtype,
+                   f"reduce[{op}]", fails)
+        ins = [_exact(_data(seed + 1, k, n, dtype), dtype) for k in range(w)]
+        x = _tensor(ins[r], dtype)
+        pg.broadcast(x, src=w - 1)
+        _close(x, ins[w - 1], dtype, "broadcast", fails)
+        _close(pg.all_gather(_tensor(ins[r], dtype)), np.stack(ins), dtype, "all_gather", fails)
+        # uneven: rank k holds k+1 rows of 3
+        rows = [_exact(_data(seed + 2, k, 3 * (k + 1), dtype), dtype).reshape(k + 1, 3)
+                for k in range(w)]
+        out, counts = pg.all_gather_v(_tensor(rows[r], dtype).reshape(r + 1, 3))
+        assert counts == [k + 1 for k in range(w)], counts
+        _close(out, np.concatenate(rows), dtype, "all_gather_v", fails)
+        for op in ("sum", "max") + (("avg",) if floating else ()):
+            big = [_exact(_data(seed + 3, k, w * n, dtype), dtype) for k in range(w)]
+            red = _reduce(big, op, dtype)
+            got = pg.reduce_scatter(_tensor(big[r], dtype).reshape(w, n), op=op)
+            _close(got, red[r * n:(r + 1) * n], dtype, f"reduce_scatter[{op}]", fails)
+            counts = [k + 1 for k in range(w)]
+            tot = sum(counts)
+            big = [_exact(_data(seed + 4, k, tot * 2, dtype), dtype) for k in range(w)]
+            red = _reduce(big, op, dtype).reshape(tot, 2)
+            got = pg.reduce_scatter_v(_tensor(big[r], dtype).reshape(tot, 2), counts, op=op)
+            lo = sum(counts[:r])
+            _close(got, red[lo:lo + counts[r]], dtype, f"reduce_scatter_v[{op}]", fails)
+        blocks = [_exact(_data(seed + 5, k, w * n, dtype), dtype).reshape(w, n) for k in range(w)]
+        got = pg.all_to_all(_tensor(blocks[r], dtype).reshape(w, n))
+        _close(got, np.stack([blocks[k][r] for k in range(w)]), dtype, "all_to_all", fails)
+        # all_to_all_v: rank k sends (k + j) % 3 + 1 rows to rank j
+        sc = [[(k + j) % 3 + 1 for j in range(w)] for k in range(w)]
+        src = [_exact(_data(seed + 6, k, sum(sc[k]) * 2, dtype), dtype).reshape(-1, 2) for k in range(w)]
+        got, rc = pg.all_to_all_v(_tensor(src[r], dtype).reshape(-1, 2), sc[r])
+        assert rc == [sc[k][r] for k in range(w)], rc
+        want = np.concatenate([src[k][sum(sc[k][:r]):sum(sc[k][:r + 1])] for k in range(w)])
+        _close(got, want, dtype, "all_to_all_v", fails)
+        got = pg.gather(_tensor(ins[r], dtype), dst=0)
+        if r == 0:
+            _close(got, np.stack(ins), dtype, "gather", fails)
+        else:
+            assert got is None
+        full = np.stack(ins)
+        got = pg.scatter(_tensor(full.ravel(), dtype).reshape(w, n) if r == w - 1 else None,
+                         src=w - 1, out=_tensor(np.zeros(n), dtype))
+        _close(got, full[r], dtype, "scatter", fails)
+        if w > 1:  # ring: send right, receive from the left
+            y = _tensor(np.zeros(n), dtype)
+            if r % 2 == 0:
+                pg.send(_tensor(ins[r], dtype), (r + 1) % w)
+                pg.recv(y, (r - 1) % w)
+            else:
+                pg.recv(y, (r - 1) % w)
+                pg.send(_tensor(ins[r], dtype), (r + 1) % w)
+            _close(y, ins[(r - 1) % w], dtype, "send/recv", fails)
+    pg.barrier()
+    torch.cuda.synchronize()
+    return fails
+
+
+@needs_torch
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_collective_dtype_and_op(world):
+    if NGPU < world:
+        pytest.skip(f"needs {world} GPUs, {NGPU} visible")
+    results = run_nccl(world, _all_collectives, n=1031, seed=7)
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
+    assert not fails, "\n".join(fails)
+
+
+def _large(pg, n):
+    import torch
+    x = torch.full((n,), float(pg.rank + 1), device="cuda")
+    pg.all_reduce(x)
+    y = pg.all_gather(torch.full((n,), float(pg.rank), device="cuda"))
+    torch.cuda.synchronize()
+    want = pg.size * (pg.size + 1) / 2
+    return (bool((x == want).all()),
+            all(bool((y[k] == k).all()) for k in range(pg.size)))
+
+
+@needs_torch
+@gpus(2)
+def test_large_buffers():
+    for ok_reduce, ok_gather in run_nccl(2, _large, n=(64 << 20) + 3):
+        assert ok_reduce and ok_gather
+
+
+def _subgroups(pg):
+    import torch
+    r, w = pg.rank, pg.size
+    out = {}
+    first = pg.new_group(list(range(w - 1)))  # everyone but the last rank
+    if first.is_member:
+        x = torch.full((5,), float(r + 1), device="cuda")
+        first.all_reduce(x)
+        out["new_group"] = float(x[0])
+        out["new_group_ranks"] = first.ranks
+        inner = first.new_group([0])  # nested: a group of one
+        if inner.is_member:
+            y = torch.ones(3, device="cuda")
+            inner.all_reduce(y)
+            out["nested"] = float(y[0])
+    else:
+        out["new_group"] = None
+    half = pg.split(color=r % 2, key=-r)  # reversed order within each color
+    x = torch.full((7,), float(r), device="cuda")
+    half.all_reduce(x)
+    out["split"] = (float(x[0]), half.rank, half.ranks)
+    none = pg.split(color=None if r == 0 else 1)
+    out["split_none"] = none.is_member
+    x = torch.full((2,), 1.0, device="cuda")
+    pg.all_reduce(x)  # the parent still works after the splits
+    out["parent"] = float(x[0])
+    torch.cuda.synchronize()
+    return out
+
+
+@needs_torch
+@gpus(2)
+@pytest.mark.parametrize("split", ["ncclCommSplit", "store"])
+def test_subgroups(split):
+    world = 4 if NGPU >= 4 else 2
+    if split == "ncclCommSplit" and not _C.nccl_split_supported():
+        pytest.skip("the loaded NCCL has no ncclCommSplit")
+    env = {"MESHCOLL_NCCL_SPLIT": "1" if split == "ncclCommSplit" else "0"}
+    res = run_nccl(world, _subgroups, env=env)
+    for r, o in enumerate(res):
+        if r < world - 1:
+            assert o["new_group"] == sum(k + 1 for k in range(world - 1))
+            assert o["new_group_ranks"] == list(range(world - 1))
+            if r == 0:
+                assert o["nested"] == 1.0
+        else:
+            assert o["new_group"] is None
+        same = [k for k in range(world) if k % 2 == r % 2]
+        val, rank_in, ranks = o["split"]
+        assert val == sum(same)
+        assert ranks == sorted(same, reverse=True) and rank_in == ranks.index(r)
+        assert o["split_none"] == (r != 0)
+        assert o["parent"] == world
+
+
+def _async_streams(pg):
+    import torch
+    r = pg.rank
+    n = 1 << 16
+    x = torch.full((n,), float(r + 1), device="cuda")
+    pg.all_reduce(torch.zeros(n, device="cuda"), async_op=True).synchronize()  # connect first
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time on the caller's stream
+    t0 = time.perf_counter()
+    w = pg.all_reduce(x, async_op=True)
+    w.wait()  # the caller's stream waits for the op: no host block
+    host = time.perf_counter() - t0
+    pending = not w.is_completed()
+    y = x * 2  # ordered after the all_reduce by wait()
+    w.synchronize(timeout=30)
+    done = w.is_completed()
+    torch.cuda.synchronize()
+    want = pg.size * (pg.size + 1) / 2
+    # explicit stream=: the op runs on a side stream
+    s = torch.cuda.Stream()
+    z = torch.full((n,), 2.0, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        pg.all_reduce(z, stream=s)
+        zz = z + 1
+    s.synchronize()
+    return dict(host=host, pending=pending, done=done, x_ok=bool((x == want).all()),
+                y_ok=bool((y == 2 * want).all()), z_ok=bool((zz == 2.0 * pg.size + 1).all()))
+
+
+@needs_torch
+@gpus(2)
+def test_async_op_wait_orders_the_stream_without_blocking():
+    for o in run_nccl(2, _async_streams):
+        assert o["host"] < 0.05, f"wait() blocked the host for {o['host']:.3f} s"
+        assert o["pending"], "the op completed before the caller's sleeping stream released it"
+        assert o["done"] and o["x_ok"] and o["y_ok"] and o["z_ok"], o
+
+
+def _graph(pg):
+    import torch
+    x = torch.zeros(1024, device="cuda")
+    pg.all_reduce(x)  # warm up: connections are made outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        pg.all_reduce(x)  # on the capture stream (torch's current stream)
+        x.mul_(2)
+    ok = []
+    for i in range(3):
+        x.fill_(pg.rank + i)
+        g.replay()
+        torch.cuda.synchronize()
+        want = 2 * sum(k + i for k in range(pg.size))
+        ok.append(bool((x == want).all()))
+    return ok
+
+
+@needs_torch
+@gpus(2)
+def test_cuda_graph_capture():
+    for ok in run_nccl(2, _graph):
+        assert all(ok), ok
+
+
+def _killed(pg):
+    import torch
+    x = torch.ones(1 << 10, device="cuda")
+    pg.all_reduce(x)
+    torch.cuda.synchronize()
+    if pg.rank == 1:
+        os._exit(3)  # dies without a word
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    w = pg.all_reduce(x, async_op=True)
+    try:
+        w.synchronize(timeout=60)
+        kind = "no error"
+    except (meshcoll.TimeoutError, meshcoll.PeerError) as e:
+        kind = type(e).__name__
+    took = time.monotonic() - t0
+    try:
+        pg.all_reduce(x)
+        after = "no error"
+    except meshcoll.AbortedError:
+        after = "AbortedError"
+    return kind, took, after
+
+
+@needs_torch
+@gpus(2)
+def test_killed_rank_becomes_an_error_not_a_hang():
+    res = run_nccl(2, _killed, timeout=5.0, may_die=(1,), deadline=120)
+    kind, took, after = res[0]
+    assert kind in ("TimeoutError", "PeerError"), kind
+    assert took < 30, f"the failure took {took:.1f} s to surface"
+    assert after == "AbortedError"
+
+
+def _cupy(pg):
+    import cupy
+    with cupy.cuda.Device(pg.device):
+        x = cupy.full(33, pg.rank + 1, dtype=cupy.float32)
+        pg.all_reduce(x)
+        y = pg.all_gather(cupy.arange(4, dtype=cupy.int32) + pg.rank)
+        cupy.cuda.Device().synchronize()
+        return (float(x[0]), type(y).__module__, cupy.asnumpy(y).tolist())
+
+
+@needs_gpu
+@gpus(2)
+def test_cupy_arrays():
+    pytest.importorskip("cupy")
+    for x0, mod, y in run_nccl(2, _cupy):
+        assert x0 == 3.0 and mod.startswith("cupy")
+        assert y == [[0, 1, 2, 3], [1, 2, 3, 4]]
+
+
+@needs_torch
+def test_device_array_protocols():
+    """The boundary reads PyTorch (fast path), DLPack-only and interface-only objects alike."""
+    t = torch.arange(12, dtype=torch.float32, device="cuda").reshape(3, 4)
+
+    class OnlyDLPack:
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack__(self, stream=None):
+            return self.t.__dlpack__(stream=stream)
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+    class OnlyCAI:
+        def __init__(self, t):
+            self.__cuda_array_interface__ = t.__cuda_array_interface__
+
+    for obj in (t, OnlyDLPack(t), OnlyCAI(t)):
+        a = _C.nccl_array(obj, "test", True)
+        assert (a.ptr, a.size, a.shape, a.dtype, a.ndim) == (t.data_ptr(), 12, (3, 4), "float32", 2)
+    b = _C.nccl_array(OnlyDLPack(t.to(torch.bfloat16)), "test", True)
+    assert b.dtype == "bfloat16"
+    with pytest.raises(ValueError, match="contiguous"):
+        _C.nccl_array(t.t(), "test", True)
+    with pytest.raises(TypeError, match="CPU|host"):
+        _C.nccl_array(torch.ones(3), "test", True)
+    with pytest.raises(TypeError, match="host"):
+        _C.nccl_array(np.ones(3), "test", True)
+    s = torch.cuda.Stream()
+    assert _C.nccl_array(t, "test", True, s).stream == s.cuda_stream
+
+
+def _bad_calls(pg):
+    import torch
+    errors = []
+    x = torch.ones(4, device="cuda")
+    for call in (lambda: pg.broadcast(x, src=pg.size),
+                 lambda: pg.all_reduce(torch.ones(4, dtype=torch.bool, device="cuda")),
+                 lambda: pg.all_reduce(x, op="band"),
+                 lambda: pg.all_reduce(x, algorithm="ring"),
+                 lambda: pg.send(x, (pg.rank + 1) % pg.size, tag=5),
+                 lambda: pg.all_reduce(np.ones(3)),
+                 lambda: pg.all_reduce(torch.ones(4, device=f"cuda:{(pg.device + 1) % 2}"))):
+        try:
+            call()
+            errors.append("no error")
+        except (ValueError, TypeError) as e:
+            errors.append(type(e).__name__)
+    pg.all_reduce(x)  # the group is still fine
+    torch.cuda.synchronize()
+    errors.append(float(x[0]))
+    return errors
+
+
+@needs_torch
+@gpus(2)
+def test_bad_arguments_raise_and_leave_the_group_usable():
+    for errs in run_nccl(2, _bad_calls):
+        assert "no error" not in errs[:-1], errs
+        assert errs[-1] == 2.0
+
+
+# ---- runs everywhere: the errors a machine without GPU or NCCL gets ----------------------
+
+def _python(code, env):
+    full = {**os.environ, "NCCL_NVLS_ENABLE": "0", **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_nccl_available_returns_a_reason():
+    ok, why = nccl_available()
+    assert isinstance(ok, bool) and why
+
+
+def test_missing_nccl_says_where_it_looked():
+    r = _python("""
+        import meshcoll, meshcoll.nccl as n
+        from meshcoll import _C
+        n._Loader.done = True                  # no wheel candidates
+        _C.nccl_set_library_candidates([])
+        ok, why = n.nccl_available()
+        print("OK" if ok else "MISSING"); print(why)
+        if ok:  # a system libnccl.so.2 was found after the path we gave
+            raise SystemExit(0)
+        try:
+            meshcoll.init(backend="nccl", rank=0, world_size=1)
+            print("INIT-OK")
+        except meshcoll.MeshcollError as e:
+            print("INIT-ERROR", e)
+    """, {"MESHCOLL_NCCL_LIBRARY": "/nonexistent/libnccl.so.2", "LD_LIBRARY_PATH": ""})
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    if out.startswith("OK"):  # a system libnccl.so.2 exists: it was found after ours
+        assert "/nonexistent" not in out.splitlines()[1]
+        return
+    assert "INIT-ERROR" in out
+    # either the driver is missing (no GPU machine) or NCCL is, with the path we gave
+    assert "libcuda.so.1" in out or "/nonexistent/libnccl.so.2" in out, out
+
+
+def test_rank_without_gpu_gets_a_clear_error():
+    r = _python("""
+        import meshcoll
+        try:
+            meshcoll.init(backend="nccl", rank=0, world_size=1)
+            print("INIT-OK")
+        except meshcoll.MeshcollError as e:
+            print("INIT-ERROR", e)
+    """, {"CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    assert "INIT-ERROR" in r.stdout and ("device" in r.stdout or "libcuda" in r.stdout), r.stdout
+
+
+def test_auto_backend_agrees_across_ranks():
+    r = _python("""
+        import meshcoll
+        pg = meshcoll.init(backend="auto", rank=0, world_size=1)
+        print(pg.backend_name)
+        meshcoll.destroy()
+    """, {})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == ("nccl" if OK else "cpu")
