@@ -263,7 +263,7 @@ void Comm::reap_in_flight() {
 void Comm::set_algorithm(const char* name, uint8_t code) {
   algorithm_ = name;
   current_.op.algo = code;
-  transport_->check_unexpected();
+  transport_->begin_collective(current_);  // re-check buffered frames with the algorithm known
 }
 
 std::string Comm::InFlight::what(int rank) const {

@@ -521,6 +521,7 @@ void TcpTransport::poll_once() {
 bool TcpTransport::peer_closed(int peer) const { return peers_[peer]->closed; }
 
 void TcpTransport::begin_collective(const Envelope& current) {
+  recent_[current_.seq % 16] = current_;
   current_ = current;
   in_collective_ = true;
   check_unexpected();
@@ -540,6 +541,8 @@ void TcpTransport::check_against_current(int peer, const FrameHeader& h) {
   if (h.seq == current_.seq && theirs != current_.op) {
     check_agreement(peer, h, current_, h.nbytes);
   } else if (h.seq < current_.seq) {
+    const Envelope& past = recent_[h.seq % 16];
+    if (past.seq == h.seq && past.op != h.op) check_agreement(peer, h, past, h.nbytes);
     fail(AbortKind::kMismatch,
          str_cat("collective mismatch: rank ", peer, " sent data for ", describe_(h.op),
                  " [seq ", h.seq, "] after rank ", rank_, " had finished its collective of that "

@@ -86,6 +86,7 @@ class TcpTransport : public Transport {
   std::string fail_msg_;
   bool spin_ = false;      // busy-poll before blocking (ranks <= cores)
   Envelope current_;       // the collective running now (begin_collective)
+  Envelope recent_[16];    // the last collectives, by seq % 16, to name a late frame's pair
   bool in_collective_ = false;
   std::vector<struct pollfd> pfds_;  // reused by every poll
   std::vector<int> pfd_peer_;
