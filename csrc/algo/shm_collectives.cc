@@ -57,8 +57,9 @@ void check_agreement(ShmGroup& g, int peer, uint64_t round) {
   throw MismatchError(str_cat(
       "collective mismatch: rank ", peer, " called ", comm::describe_op(theirs.desc[h]),
       " [seq ", theirs.seq[h], "] but rank ", g.rank(), " called ",
-      comm::describe_op(mine.desc[h]), " [seq ", mine.seq[h],
-      "]; every rank of a group must call the same collectives, with the same count, dtype, op "
+      comm::describe_op(mine.desc[h]), " [seq ", mine.seq[h], "]",
+      theirs.desc[h].shape != mine.desc[h].shape ? " (array shapes differ)" : "",
+      "; every rank of a group must call the same collectives, with the same count, dtype, op "
       "and root, in the same order"));
 }
 

@@ -48,6 +48,20 @@ transport::OpDesc desc(CollKind k, DType dt, size_t count, RedOp op = RedOp::kSu
   return d;
 }
 
+// FNV-1a over the dimensions: a cheap fingerprint for the agreement check.
+uint32_t shape_hash(const py::array& a) {
+  uint32_t h = 2166136261u;
+  auto mix = [&h](uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<uint8_t>(v >> (8 * i));
+      h *= 16777619u;
+    }
+  };
+  mix(static_cast<uint64_t>(a.ndim()));
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) mix(static_cast<uint64_t>(a.shape(i)));
+  return h | 1u;  // never 0, which means "not checked"
+}
+
 void check_root(const Comm& c, int root, const char* what) {
   if (root < 0 || root >= c.size())
     throw py::value_error(str_cat(what, ": root ", root, " is out of range for a group of ",
@@ -194,7 +208,11 @@ void bind_comm(py::module_& m) {
              size_t total = 0;
              for (auto n : counts) total += n;
              algo::AllGatherArgs a{in.cbytes(), o.mbytes(), to_bytes(counts, in.dtype)};
-             return enqueue(c, desc(uneven ? CollKind::kAllGatherV : CollKind::kAllGather, in.dtype, total),
+             auto d = desc(uneven ? CollKind::kAllGatherV : CollKind::kAllGather, in.dtype, total);
+             // The result is stacked by shape: (2, 3) on one rank and (3, 2) on another is a
+             // mismatch even with equal counts. (The _v form checks shapes in Python.)
+             if (!uneven) d.shape = shape_hash(x);
+             return enqueue(c, d,
                             timeout_arg(timeout), [a](Comm& cm) { algo::all_gather(cm, a); }, blocking);
            }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("uneven"), py::arg("timeout"), py::arg("blocking") = false)
       .def("reduce_scatter", [](Comm& c, const py::array& x, const py::array& out,

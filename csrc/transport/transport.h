@@ -36,14 +36,16 @@ struct OpDesc {
                       // another algorithm is a mismatch, not a hang
   int32_t root = -1;
   uint64_t count = 0;  // elements (per rank, as the collective defines it)
+  uint32_t shape = 0;  // hash of the array's shape where the result depends on it (all_gather)
+  uint32_t pad = 0;
   bool operator==(const OpDesc& o) const {
     return coll == o.coll && dtype == o.dtype && redop == o.redop && algo == o.algo &&
-           root == o.root && count == o.count;
+           root == o.root && count == o.count && shape == o.shape;
   }
   bool operator!=(const OpDesc& o) const { return !(*this == o); }
 };
 #pragma pack(pop)
-static_assert(sizeof(OpDesc) == 16, "OpDesc travels on the wire");
+static_assert(sizeof(OpDesc) == 24, "OpDesc travels on the wire");
 
 struct Envelope {
   Channel channel = Channel::kCollective;

@@ -214,11 +214,6 @@ def test_all_gather_shapes_differ(job, case, transport):
             assert c["after"] in ("AbortedError", "MismatchError"), (rank, c)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: all_gather with the same element count but "
-                   "different shapes ((2, 3) on rank 0, (3, 2) elsewhere) succeeds silently: the "
-                   "agreement header carries op, dtype and count but no shape, so rank 0 gets "
-                   "the other ranks' (3, 2) blocks reinterpreted as (2, 3)")
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_all_gather_same_count_different_shape(job, transport):
     for rank, r in enumerate(job):
