@@ -87,22 +87,31 @@ void shm_all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
     const size_t c = std::min(chunk, a.count - off);
     uint8_t* out = a.out.data + off * esz;
     uint64_t round = begin_round(comm, g);
-    std::memcpy(area(g, r, round), out, c * esz);
+    const bool fold_all = c * esz * n <= kFoldAllBytes;
+    const Blocks slices(c, n);
+    const size_t s = slices.offset(r) * esz, len = slices.length(r);
+    uint8_t* mine = area(g, r, round);
+    if (fold_all) {
+      std::memcpy(mine, out, c * esz);
+    } else {  // every slice but my own: that one only I fold, straight from `out`
+      std::memcpy(mine, out, s);
+      std::memcpy(mine + s + len * esz, out + s + len * esz, (c - slices.offset(r) - len) * esz);
+    }
     arrive(g, round);
     g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
     check_all(g, round);
-    if (c * esz * n <= kFoldAllBytes) {
+    if (fold_all) {
       if (c) {
         std::memcpy(out, area(g, 0, round), c * esz);
         for (int p = 1; p < n; ++p) fold(out, area(g, p, round), c);
       }
     } else {
-      const Blocks slices(c, n);
-      const size_t s = slices.offset(r) * esz, len = slices.length(r);
+      // Slice r: this rank's own values (still in `out`), then every other rank's in rank
+      // order. Only this rank computes slice r, so all ranks get the same bits.
       if (len) {
-        std::memcpy(out + s, area(g, 0, round) + s, len * esz);
-        for (int p = 1; p < n; ++p) fold(out + s, area(g, p, round) + s, len);
-        std::memcpy(area(g, r, round) + s, out + s, len * esz);
+        for (int p = 0; p < n; ++p)
+          if (p != r) fold(out + s, area(g, p, round) + s, len);
+        std::memcpy(mine + s, out + s, len * esz);
       }
       g.publish(ShmGroup::kReduced, round);
       g.wait_all(ShmGroup::kReduced, round, comm.deadline(), comm.shm_check(), what);
