@@ -85,6 +85,7 @@ struct ReduceScatterArgs {
   size_t max_segment_bytes = kMaxSegmentBytes;
 };
 void reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a);
+void shm_reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a);
 
 struct AllToAllArgs {
   ConstBytes in;  // blocks for rank 0, 1, ... in order

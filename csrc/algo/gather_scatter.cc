@@ -70,6 +70,8 @@ void reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a) {
   MC_CHECK_EQ(bytes[r], a.out.size);
   if (n == 1) {
     if (a.out.data != a.in.data && bytes[0]) std::memcpy(a.out.data, a.in.data, bytes[0]);
+  } else if (comm.shm()) {
+    shm_reduce_scatter(comm, a);
   } else {
     const int right = mod(r + 1, n), left = mod(r - 1, n);
     uint8_t* work = comm.scratch(2, off[n]);

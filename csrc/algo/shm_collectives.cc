@@ -176,6 +176,44 @@ void shm_all_gather(comm::Comm& comm, const AllGatherArgs& a) {
   } while (off < longest);
 }
 
+// Reduce-scatter: in round k every rank copies chunk k of every other rank's block into its
+// area (block b at slot b); rank r then folds chunk k of its own block: its own values,
+// straight from its input, then every other rank's in rank order. One synchronisation per
+// round, and only the owner computes a block, so the result is deterministic.
+void shm_reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a) {
+  ShmGroup& g = *comm.shm();
+  const int n = g.size(), r = g.rank();
+  const size_t esz = dtype_size(a.dtype);
+  const char* what = op_name(comm);
+  auto fold = reduce::lookup(a.dtype, a.op);
+  std::vector<size_t> at(n + 1, 0);
+  for (int p = 0; p < n; ++p) at[p + 1] = at[p] + a.counts[p];
+  const size_t q = std::max<size_t>(1, area_bytes(g) / esz / n);  // elements per block per round
+  const size_t longest = *std::max_element(a.counts.begin(), a.counts.end());
+  size_t off = 0;
+  do {
+    uint64_t round = begin_round(comm, g);
+    uint8_t* mine = area(g, r, round);
+    for (int b = 0; b < n; ++b) {
+      if (b == r || off >= a.counts[b]) continue;
+      std::memcpy(mine + b * q * esz, a.in.data + (at[b] + off) * esz,
+                  std::min(q, a.counts[b] - off) * esz);
+    }
+    arrive(g, round);
+    g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
+    check_all(g, round);
+    if (off < a.counts[r]) {
+      const size_t len = std::min(q, a.counts[r] - off);
+      uint8_t* dst = a.out.data + off * esz;
+      std::memmove(dst, a.in.data + (at[r] + off) * esz, len * esz);
+      for (int p = 0; p < n; ++p)
+        if (p != r) fold(dst, area(g, p, round) + r * q * esz, len);
+    }
+    release(g, round);
+    off += q;
+  } while (off < longest);
+}
+
 void shm_barrier(comm::Comm& comm) {
   ShmGroup& g = *comm.shm();
   uint64_t round = begin_round(comm, g);

@@ -91,3 +91,25 @@ def test_mismatch_detected_in_shared_memory(run_ranks):
     for msg, elapsed in res:
         assert "count=10" in msg and ("count=11" in msg or "count=12" in msg), msg
         assert elapsed < 2
+
+
+def _reduce_scatter_rounds(pg, counts):
+    # Every rank's input from its own seed; the reference folds all of them in float64.
+    data = [np.random.default_rng(100 + r).standard_normal((sum(counts), 3)) for r in range(pg.size)]
+    total = np.sum(data, axis=0)
+    out = pg.reduce_scatter_v(data[pg.rank], counts)
+    start = sum(counts[:pg.rank])
+    np.testing.assert_allclose(out, total[start:start + counts[pg.rank]], rtol=1e-12)
+    even = pg.reduce_scatter(data[pg.rank][: 6 * pg.size], op="max")
+    ref = np.max([d[: 6 * pg.size] for d in data], axis=0)[6 * pg.rank: 6 * pg.rank + 6]
+    np.testing.assert_array_equal(even, ref)
+    return pg.transport
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatter_in_many_shared_memory_rounds(run_ranks, world):
+    # A 4 KiB area: every block takes several rounds; block sizes differ, one is empty.
+    counts = [700, 0, 333][:world] if world == 3 else [700, 333]
+    res = run_ranks(world, _reduce_scatter_rounds, counts=counts,
+                    env={"MESHCOLL_SHM_BYTES": "4096"})
+    assert res == ["shm"] * world
