@@ -346,6 +346,33 @@ void Comm::fail_group(std::exception_ptr error) {
   sync_in_flight_count();
 }
 
+// Note [Timeout census]: a timeout names the peer this rank waited for, which may itself be
+// waiting on the rank that never came. So every rank whose operation failed by a timeout
+// (its own, or a peer's ABORT) reports in through the store, waits briefly for the others,
+// and names the ranks that never reported: those never reached the operation.
+std::string Comm::census(uint64_t seq) {
+  try {
+    const std::string base = str_cat("census/", seq, "/");
+    store_->set(base + std::to_string(rank_), {1});
+    auto until = Clock::now() + Millis(1500);
+    std::vector<std::string> missing;
+    for (;;) {
+      missing.clear();
+      for (int r = 0; r < size_; ++r)
+        if (!store_->check({base + std::to_string(r)})) missing.push_back(std::to_string(r));
+      if (missing.empty() || Clock::now() >= until) break;
+      std::this_thread::sleep_for(Millis(20));
+    }
+    if (missing.empty()) return "";
+    std::string list;
+    for (const auto& m : missing) list += (list.empty() ? "" : ", ") + m;
+    return str_cat("; rank(s) ", list, " never reached this operation (every other rank ",
+                   "reported in)");
+  } catch (const std::exception&) {
+    return "";  // the store is gone too (rank 0 died): nothing more to learn
+  }
+}
+
 void Comm::log_op(const Item& item, Clock::time_point t0, std::exception_ptr error) {
   auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
   std::fprintf(stderr, "meshcoll[rank %d/%d] %s seq=%llu algo=%s bytes=%llu time=%lldus%s%s\n",
@@ -388,6 +415,11 @@ void Comm::run_item(Item& item) {
       if (debug_) log_op(item, t0, nullptr);
     } catch (...) {
       error = same_type(std::current_exception(), ctx() + message_of(std::current_exception()));
+      if (abort_kind_of(error) == transport::AbortKind::kTimeout) {
+        // Tell the peers first (they then join the census at once), then take it.
+        transport_->abort(transport::AbortKind::kTimeout, message_of(error));
+        error = same_type(error, message_of(error) + census(item.env.seq));
+      }
       if (debug_) log_op(item, t0, error);  // the failed one is what a hang diagnosis needs
       fail_group(error);
     }

@@ -130,6 +130,7 @@ class Comm {
   void worker_loop();
   void run_item(Item& item);
   void log_op(const Item& item, Clock::time_point t0, std::exception_ptr error);
+  std::string census(uint64_t seq);
   void start_p2p(Item& item);
   void progress_in_flight();
   void reap_in_flight();

@@ -187,11 +187,6 @@ def test_timeout_names_collective_seq_and_missing_rank(job, transport):
         assert elapsed < SLOW + 2, (rank, elapsed)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="bug: over TCP a timeout names only the peer this rank "
-                   "waited for. When rank 1 (waiting for rank 0 in the tree) times out before "
-                   "rank 0 (waiting for rank 2), every rank's error says 'waiting for: receive "
-                   "from rank 0' and nothing names rank 2, the rank that never arrived")
 def test_timeout_downstream_still_names_missing_rank(job):
     for rank in (0, 1):
         kind, msg, elapsed = job[rank]["timeout downstream"]
