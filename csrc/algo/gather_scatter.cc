@@ -120,6 +120,15 @@ void all_to_all(comm::Comm& comm, const AllToAllArgs& a) {
   MC_CHECK_EQ(soff[n], a.in.size);
   MC_CHECK_EQ(roff[n], a.out.size);
   MC_CHECK_EQ(a.send_bytes[r], a.recv_bytes[r]);
+  // Equal blocks on one host: shared memory (every rank knows the number of rounds). Uneven
+  // blocks stay on TCP: a rank knows only its own row and column of the size matrix.
+  bool equal = std::all_of(a.send_bytes.begin(), a.send_bytes.end(),
+                           [&](size_t b) { return b == a.send_bytes[0]; });
+  if (comm.shm() && n > 1 && equal && comm.current().op.coll ==
+                                          static_cast<uint8_t>(comm::CollKind::kAllToAll)) {
+    shm_all_to_all(comm, a);
+    return;
+  }
   std::vector<transport::Request> reqs;
   for (int s = 1; s < n; ++s) {
     int from = mod(r - s, n);

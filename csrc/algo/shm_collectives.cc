@@ -214,6 +214,35 @@ void shm_reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a) {
   } while (off < longest);
 }
 
+// All-to-all with equal blocks: in round k every rank copies chunk k of each block it sends
+// into its area (the block for rank p at slot p), then copies chunk k of slot r from every
+// peer's area into its output. One synchronisation per round.
+void shm_all_to_all(comm::Comm& comm, const AllToAllArgs& a) {
+  ShmGroup& g = *comm.shm();
+  const int n = g.size(), r = g.rank();
+  const char* what = op_name(comm);
+  const size_t block = a.send_bytes[0];
+  const size_t q = std::max<size_t>(1, area_bytes(g) / n);  // bytes per block per round
+  size_t off = 0;
+  do {
+    const size_t len = std::min(q, block - std::min(block, off));
+    uint64_t round = begin_round(comm, g);
+    uint8_t* mine = area(g, r, round);
+    for (int p = 0; p < n; ++p)
+      if (p != r && len) std::memcpy(mine + p * q, a.in.data + p * block + off, len);
+    arrive(g, round);
+    g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
+    check_all(g, round);
+    for (int p = 0; p < n; ++p) {
+      if (!len) break;
+      const uint8_t* src = p == r ? a.in.data + r * block + off : area(g, p, round) + r * q;
+      std::memmove(a.out.data + p * block + off, src, len);
+    }
+    release(g, round);
+    off += q;
+  } while (off < block);
+}
+
 void shm_barrier(comm::Comm& comm) {
   ShmGroup& g = *comm.shm();
   uint64_t round = begin_round(comm, g);

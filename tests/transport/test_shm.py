@@ -113,3 +113,17 @@ def test_reduce_scatter_in_many_shared_memory_rounds(run_ranks, world):
     res = run_ranks(world, _reduce_scatter_rounds, counts=counts,
                     env={"MESHCOLL_SHM_BYTES": "4096"})
     assert res == ["shm"] * world
+
+
+def _all_to_all_rounds(pg):
+    data = [np.random.default_rng(200 + r).standard_normal((pg.size * 300, 2)) for r in range(pg.size)]
+    out = pg.all_to_all(data[pg.rank])
+    ref = np.concatenate([d[300 * pg.rank: 300 * (pg.rank + 1)] for d in data])
+    np.testing.assert_array_equal(out, ref)
+    return pg.transport
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_to_all_in_many_shared_memory_rounds(run_ranks, world):
+    res = run_ranks(world, _all_to_all_rounds, env={"MESHCOLL_SHM_BYTES": "4096"})
+    assert res == ["shm"] * world
