@@ -1,4 +1,4 @@
-# Type stubs for the C++ core (csrc/python/*.cc). Arrays are C-contiguous numpy arrays.
+# Type hints for the C++ core (csrc/python/*.cc). Arrays are C-contiguous numpy arrays.
 import builtins
 from typing import Any, List, Optional, Sequence, Union
 

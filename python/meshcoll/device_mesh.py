@@ -233,7 +233,7 @@ class DeviceInfo:
             np.ascontiguousarray(record, dtype=np.uint8).tobytes())
 
         def text(b: bytes) -> str:
-            # struct truncates long fields, possibly mid-character: drop the stub.
+            # struct truncates long fields, possibly mid-character: drop the cut character.
             return b.rstrip(b"\0").decode("utf-8", errors="ignore")
 
         return cls(text(kind), int(index), text(name), text(host),
