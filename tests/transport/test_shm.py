@@ -127,3 +127,15 @@ def _all_to_all_rounds(pg):
 def test_all_to_all_in_many_shared_memory_rounds(run_ranks, world):
     res = run_ranks(world, _all_to_all_rounds, env={"MESHCOLL_SHM_BYTES": "4096"})
     assert res == ["shm"] * world
+
+
+def test_setup_sweeps_segments_left_by_dead_jobs(run_ranks):
+    import subprocess
+    import sys
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    stale = f"/dev/shm/meshcoll-{dead}-1-0"  # what a rank killed mid-setup leaves
+    with open(stale, "wb") as f:
+        f.write(b"x" * 64)
+    run_ranks(2, _transport_and_sum)
+    assert not os.path.exists(stale)

@@ -8,6 +8,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <dirent.h>
+#include <signal.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -33,6 +36,23 @@ std::string link_target(const char* path) {
   return n > 0 ? std::string(buf, n) : std::string();
 }
 }  // namespace
+
+// A process killed inside the setup window (between creating its segment and unlinking it)
+// leaves the name behind. Names carry rank 0's pid: sweep the ones whose process is gone.
+// (A pid from another pid namespace sharing /dev/shm may look dead; removing a name only
+// makes a setup in progress there fall back to TCP, never breaks mapped memory.)
+static void sweep_stale_segments() {
+  DIR* d = opendir("/dev/shm");
+  if (!d) return;
+  while (dirent* e = readdir(d)) {
+    const char* name = e->d_name;
+    if (std::strncmp(name, "meshcoll-", 9) != 0) continue;
+    long pid = std::strtol(name + 9, nullptr, 10);
+    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)
+      shm_unlink((std::string("/") + name).c_str());
+  }
+  closedir(d);
+}
 
 std::string ShmGroup::host_identity() {
   // MESHCOLL_HOST_ID overrides (tests that emulate several hosts on one machine).
@@ -81,6 +101,7 @@ std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& sto
 
   // A nonce from rank 0 makes the names unique across concurrent jobs on the host.
   if (rank == 0) {
+    sweep_stale_segments();
     std::string nonce = str_cat(getpid(), "-", Clock::now().time_since_epoch().count());
     store.set("shm/nonce", store::Bytes(nonce.begin(), nonce.end()));
   }
