@@ -303,10 +303,6 @@ def test_all_reduce_count_mismatch_across_algorithms(outcomes, world):
     check_all_raised(outcomes(world, "tcp")("algo split"), names=("count=10", "count=131072"))
 
 
-@pytest.mark.xfail(strict=True, reason="known limit: the agreement check rides on data frames, so "
-                   "when every rank's first step is a receive (tree all_reduce on the root vs "
-                   "broadcast elsewhere) nothing is sent and each rank raises TimeoutError "
-                   "naming the peer it waited for, not MismatchError; needs a header exchange")
 @pytest.mark.timeout(120)
 def test_mismatch_when_every_rank_receives_first(outcomes):
     check_all_raised(outcomes(2, "tcp")("silent kind"), names=("broadcast", "all_reduce"))

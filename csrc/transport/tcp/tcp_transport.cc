@@ -20,6 +20,13 @@ constexpr uint32_t kHandshakeMagic = 0x5348434d;  // "MCHS"
 constexpr uint16_t kHandshakeVersion = 1;
 constexpr uint8_t kFrameData = 0;
 constexpr uint8_t kFrameAbort = 1;
+// Note [Probes]: the agreement check rides on data frames, so two ranks that both wait to
+// *receive* first (say a tree all_reduce against a broadcast) would never compare their
+// calls. A rank that has waited this long for a collective's data sends each silent peer a
+// header-only probe with its OpDesc; a peer running another call at that sequence number
+// raises MismatchError (and aborts, so both learn), one running the same call ignores it.
+constexpr uint8_t kFrameProbe = 2;
+constexpr auto kProbeAfter = std::chrono::milliseconds(500);
 constexpr size_t kMaxAbortMessage = 64 * 1024;
 // Note [Unexpected-message cap]
 // Frames that arrive before their receive is posted are buffered. A sender that only sends
@@ -408,7 +415,15 @@ void TcpTransport::on_header(int peer) {
     fail(AbortKind::kGeneric, str_cat("rank ", rank_, ": corrupt frame from rank ", peer,
                                       " (bad magic); is a different program on this port?"));
   p.in_payload = true;
-  if (h.type == kFrameAbort) {
+  if (h.type == kFrameProbe) {
+    p.rleft = 0;
+    if (in_collective_ && h.channel == static_cast<uint8_t>(Channel::kCollective) &&
+        h.seq == current_.seq) {
+      OpDesc theirs = h.op;
+      if (current_.op.algo == 0) theirs.algo = 0;  // this rank has not chosen its algorithm
+      if (theirs != current_.op) check_agreement(peer, h, current_, 0);
+    }
+  } else if (h.type == kFrameAbort) {
     p.reading_abort = true;
     p.abort_msg.assign(std::min<uint64_t>(h.nbytes, kMaxAbortMessage), '\0');
     p.rdst = reinterpret_cast<uint8_t*>(p.abort_msg.data());
@@ -574,8 +589,31 @@ bool TcpTransport::wait_any(const std::vector<Request>& reqs, const Deadline& d,
   }
 }
 
+void TcpTransport::send_probes(const std::vector<Request>& reqs) {
+  for (const auto& r : reqs) {
+    const TcpOp& op = as_tcp(r);
+    Peer& p = *peers_[op.peer];
+    // Between frames only (nothing queued to that peer), and only for collectives.
+    if (r->complete() || op.is_send || op.env.channel != Channel::kCollective ||
+        !p.sendq.empty() || p.closed)
+      continue;
+    FrameHeader h{};
+    h.magic = kFrameMagic;
+    h.type = kFrameProbe;
+    h.channel = static_cast<uint8_t>(Channel::kCollective);
+    h.tag = op.env.tag;
+    h.seq = op.env.seq;
+    h.op = op.env.op;
+    try {
+      net::send_all(p.fd, &h, sizeof(h), Deadline::after_ms(100), "probe");
+    } catch (const Error&) {
+    }
+  }
+}
+
 void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d) {
   const auto spin_start = Clock::now();
+  bool probed = false;
   for (;;) {
     if (failed_) rethrow();
     bool all = true;
@@ -591,9 +629,23 @@ void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d)
     // a wake-up from a blocking poll costs tens of microseconds. Not when ranks outnumber
     // cores: spinning would steal the core the peer needs.
     int timeout_ms = d.poll_ms();
-    if (spin_ && Clock::now() - spin_start < std::chrono::microseconds(50)) timeout_ms = 0;
+    const auto waited = Clock::now() - spin_start;
+    if (spin_ && waited < std::chrono::microseconds(50)) timeout_ms = 0;
+    bool probe_due = false;
+    if (!probed) {
+      if (waited >= kProbeAfter) {
+        send_probes(reqs);
+        probed = true;
+      } else {
+        auto left = std::chrono::duration_cast<Millis>(kProbeAfter - waited).count() + 1;
+        if (timeout_ms < 0 || left < timeout_ms) {
+          timeout_ms = static_cast<int>(left);
+          probe_due = true;
+        }
+      }
+    }
     PollResult res = poll_and_progress(timeout_ms);
-    if (res == kTimedOut && timeout_ms == 0) continue;
+    if (res == kTimedOut && (timeout_ms == 0 || probe_due)) continue;
     if (res == kTimedOut) {
       std::string waiting;
       for (const auto& r : reqs) {

@@ -66,6 +66,7 @@ class TcpTransport : public Transport {
   enum PollResult { kTimedOut, kProgressed, kWoken };
   PollResult poll_and_progress(int timeout_ms, int wake_fd = -1);
   void check_pending_peers(const std::vector<Request>& reqs);
+  void send_probes(const std::vector<Request>& reqs);  // Note [Probes]
   void progress_send(int peer);
   void progress_recv(int peer);
   void on_header(int peer);
