@@ -114,8 +114,11 @@ std::shared_ptr<Work> Comm::push(Item item, bool blocking) {
     run_item(item);
     lock.lock();
     busy_ = false;
+    // Wake the worker only if work arrived meanwhile: a needless wake-up is a context switch
+    // on every call.
+    bool wake = !queue_.empty() || in_flight_count_ > 0 || stopping_;
     lock.unlock();
-    cv_.notify_all();
+    if (wake) cv_.notify_all();
     return work;
   }
   queue_.push_back(std::move(item));
@@ -211,7 +214,6 @@ void Comm::worker_loop() {
       std::lock_guard<std::mutex> lock(mu_);
       busy_ = false;
     }
-    cv_.notify_all();
   }
 }
 
