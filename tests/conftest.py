@@ -21,7 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, rank, world, port, token, init_timeout, env, conn, kwargs):
+def _rank_main(fn, rank, world, port, token, init_timeout, env, conn, kwargs, backend):
     import faulthandler
     faulthandler.enable()  # a crash prints every thread's stack to the test's stderr
     os.environ["MESHCOLL_TOKEN"] = token
@@ -29,7 +29,13 @@ def _rank_main(fn, rank, world, port, token, init_timeout, env, conn, kwargs):
     try:
         import meshcoll
         store = meshcoll.TCPStore("127.0.0.1", port, timeout=init_timeout)
-        pg = meshcoll.init(rank=rank, world_size=world, store=store, timeout=init_timeout)
+        device = None
+        if backend == "nccl":  # rank r on GPU r
+            import torch
+            torch.cuda.set_device(rank)
+            device = rank
+        pg = meshcoll.init(backend, rank=rank, world_size=world, store=store,
+                           timeout=init_timeout, device=device)
         try:
             result = fn(pg, **kwargs)
         finally:
@@ -45,10 +51,12 @@ class RankFailure(AssertionError):
     pass
 
 
-def launch(world, fn, *, timeout=60.0, init_timeout=30.0, env=None, may_die=(), **kwargs):
+def launch(world, fn, *, timeout=60.0, init_timeout=30.0, env=None, may_die=(), backend=None,
+           **kwargs):
     """Run ``fn(pg, **kwargs)`` on ``world`` fresh processes; return each rank's result.
     Raises RankFailure listing every rank that failed or did not finish by ``timeout``.
-    Ranks in ``may_die`` (fault tests kill them) get the result None if they die."""
+    Ranks in ``may_die`` (fault tests kill them) get the result None if they die.
+    ``backend="nccl"`` puts rank r on GPU r (tests/gpu)."""
     import meshcoll
     ctx = mp.get_context("spawn")
     token = secrets.token_hex(8)
@@ -60,7 +68,8 @@ def launch(world, fn, *, timeout=60.0, init_timeout=30.0, env=None, may_die=(), 
     for rank in range(world):
         parent_end, child_end = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_rank_main, args=(fn, rank, world, port, token, init_timeout,
-                                                 env or {}, child_end, kwargs), daemon=True)
+                                                 env or {}, child_end, kwargs, backend),
+                        daemon=True)
         p.start()
         child_end.close()
         procs.append(p)

@@ -2,26 +2,23 @@
 
 Every test that needs a GPU skips with the reason ``meshcoll.nccl.nccl_available()`` gives
 (so CI without GPUs reports a clear skip); the missing-library / no-GPU error tests run
-everywhere. Ranks are launched by ``run_nccl`` below (the shared ``run_ranks`` fixture
-initialises the CPU backend): each rank calls ``meshcoll.init(backend="nccl", device=rank)``.
+everywhere. Ranks are launched by ``run_nccl`` below, the shared launcher of tests/conftest.py
+with ``backend="nccl"``: each rank calls ``meshcoll.init(backend="nccl", device=rank)``.
 Arrays are PyTorch CUDA tensors unless a test says otherwise (CuPy where installed).
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import secrets
 import subprocess
 import sys
 import textwrap
 import time
-import traceback
 
 import numpy as np
 import pytest
 
-from conftest import RankFailure, free_port
+from conftest import launch
 
 import meshcoll
 from meshcoll import _C
@@ -46,71 +43,12 @@ def gpus(n):
 
 # ---- launcher ------------------------------------------------------------------------
 
-def _rank_main(fn, rank, world, port, token, timeout, env, conn, kwargs):
-    import faulthandler
-    faulthandler.enable()
-    os.environ.update(env)
-    os.environ["MESHCOLL_TOKEN"] = token
-    try:
-        import torch
-        torch.cuda.set_device(rank)
-        import meshcoll
-        pg = meshcoll.init(backend="nccl", rank=rank, world_size=world, master_addr="127.0.0.1",
-                           master_port=port, timeout=timeout, device=rank)
-        try:
-            result = fn(pg, **kwargs)
-        finally:
-            meshcoll.destroy()
-        conn.send(("ok", result))
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
-
-
 def run_nccl(world, fn, *, deadline=180.0, timeout=60.0, env=None, may_die=(), **kwargs):
-    """Run ``fn(pg, **kwargs)`` on ``world`` processes, rank r on GPU r; every rank's
-    failure is reported; ranks in ``may_die`` may exit without a result."""
-    ctx = mp.get_context("spawn")
-    port, token = free_port(), secrets.token_hex(8)
-    env = {"NCCL_NVLS_ENABLE": "0", **(env or {})}
-    procs, conns = [], []
-    for rank in range(world):
-        parent_end, child_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_rank_main, daemon=True,
-                        args=(fn, rank, world, port, token, timeout, env, child_end, kwargs))
-        p.start()
-        child_end.close()
-        procs.append(p)
-        conns.append(parent_end)
-    end = time.monotonic() + deadline
-    results, failures, pending = [None] * world, {}, set(range(world))
-    while pending and time.monotonic() < end:
-        for rank in list(pending):
-            if conns[rank].poll(0.02):
-                try:
-                    status, value = conns[rank].recv()
-                except EOFError:
-                    status, value = "error", f"exited with code {procs[rank].exitcode} without a result"
-                pending.discard(rank)
-                (results.__setitem__(rank, value) if status == "ok"
-                 else failures.__setitem__(rank, value))
-            elif not procs[rank].is_alive() and not conns[rank].poll(0):
-                pending.discard(rank)
-                failures[rank] = f"exited with code {procs[rank].exitcode} without a result"
-    for rank in pending:
-        failures[rank] = f"did not finish within {deadline} s (killed)"
-    for rank in may_die:
-        if rank in failures and "without a result" in failures[rank]:
-            del failures[rank]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join(5)
-    if failures:
-        text = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures))
-        raise RankFailure(f"{len(failures)} of {world} ranks failed:\n{text}")
-    return results
+    """``run_ranks`` (tests/conftest.py) on the NCCL backend, rank r on GPU r, NVLink
+    multicast off; ``deadline`` bounds the whole run, ``timeout`` each rank's init."""
+    return launch(world, fn, timeout=deadline, init_timeout=timeout,
+                  env={"NCCL_NVLS_ENABLE": "0", **(env or {})}, may_die=may_die,
+                  backend="nccl", **kwargs)
 
 
 # ---- reference data --------------------------------------------------------------------
