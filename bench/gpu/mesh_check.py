@@ -1,6 +1,6 @@
 """Issue 10's mesh check on NCCL, for any GPU count: build a (dp, pp, tp) DeviceMesh, then
-check an all_reduce along each dim, an all_gather along tp and send/recv between pp stages
-against CPU (numpy) references.
+check an all_reduce along each dim, an all_gather along tp, send/recv between pp stages and
+the DataParallel helper (CUDA tensors, 3 buckets) along dp against CPU (numpy) references.
 
     NCCL_NVLS_ENABLE=0 meshcoll-run -n 8 bench/gpu/mesh_check.py --shape 2 2 2
     NCCL_NVLS_ENABLE=0 meshcoll-run -n 4 bench/gpu/mesh_check.py --shape 2 2 1
@@ -49,6 +49,26 @@ def main():
         torch.cuda.synchronize()
         ok = np.array_equal(buf.cpu().numpy(), data[pp.ranks[prv]])
         checks.append((f"send/recv between pp stages (ranks {pp.ranks})", ok, 0.0))
+    # DataParallel along dp: gradients averaged over the dp replicas, parameters broadcast
+    # from dp rank 0 at construction.
+    dp = mesh.get_group("dp")
+    shapes = {"w1": (64, 33), "b1": (33,), "w2": (33, 7)}
+    params = {n: torch.from_numpy(np.random.default_rng([rank, i]).standard_normal(s)
+                                  .astype(np.float32)).to(dev) for i, (n, s) in enumerate(shapes.items())}
+    ddp = meshcoll.DataParallel(params, group=dp, bucket_cap_mb=33 * 7 * 4 / 2**20)
+    grads = {n: torch.from_numpy(np.random.default_rng([rank, 9, i]).standard_normal(s)
+                                 .astype(np.float32)).to(dev) for i, (n, s) in enumerate(shapes.items())}
+    ddp.sync_gradients(grads)
+    err = 0.0
+    for i, (n, s) in enumerate(shapes.items()):
+        want_p = np.random.default_rng([dp.ranks[0], i]).standard_normal(s).astype(np.float32)
+        want_g = np.mean([np.random.default_rng([r, 9, i]).standard_normal(s).astype(np.float32)
+                          for r in dp.ranks], axis=0)
+        err = max(err, float(np.abs(params[n].cpu().numpy() - want_p).max()),
+                  float(np.abs(grads[n].cpu().numpy() - want_g).max()))
+    checks.append((f"DataParallel along dp (ranks {dp.ranks}, {len(ddp.bucket_names)} buckets)",
+                   err < 1e-5, err))
+    ddp.close()
     bad = [c for c in checks if not c[1]]
     for name, ok, err in checks:
         print(f"rank {rank} coord {mesh.get_coordinate()}: {'ok  ' if ok else 'FAIL'} {name}"

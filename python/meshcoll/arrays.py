@@ -45,6 +45,18 @@ def as_array(x, what: str, *, writable: bool = False) -> np.ndarray:
     return a
 
 
+def numpy_dtype(name: str, what: str) -> np.dtype:
+    """The numpy dtype called ``name``; bfloat16 comes from ml_dtypes (an optional extra)."""
+    if name != "bfloat16":
+        return np.dtype(name)
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ImportError(f"{what}: bfloat16 on the host needs ml_dtypes "
+                          "(pip install ml_dtypes, or meshcoll[bf16])") from None
+    return np.dtype(ml_dtypes.bfloat16)
+
+
 def rows(a: np.ndarray, what: str) -> int:
     """Length of axis 0; 0-d arrays have no rows to split or stack by."""
     if a.ndim == 0:

@@ -24,6 +24,17 @@ communication time is counted from max(its launch, the previous bucket's end) to
 time the worker spent on it, not its time queued behind our own previous bucket. The part of
 that before ``wait()`` was called is "overlapped". The end stamp is taken when the completion
 thread gets the GIL back, so pure-Python compute on the main thread can delay it a little.
+
+Note [Arrays]
+On the CPU backend parameters and gradients are numpy arrays (or viewed as numpy through the
+buffer protocol / DLPack). On the NCCL backend they are the caller's GPU arrays, PyTorch
+tensors or CuPy arrays, one type for all, and DataParallel computes with their own operators
+(flat buckets from the group's allocator, slice views, ``[...] =``, ``+=``, ``/=``), so it
+never imports a framework. Stream order: gradients are copied into a bucket on the caller's
+current stream and the bucket's all-reduce is queued after that stream's work (the NCCL
+group's rule for async ops); ``wait()`` blocks the host until every bucket's all-reduce is
+done on the device (the completion thread calls ``Work.synchronize()``) and then writes the
+averages back on the current stream. Compression casts with the same operators.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ import numpy as np
 from .arrays import as_array
 
 _MB = 1 << 20
+_FLOAT_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}  # name -> itemsize
 
 
 class LocalSGD:
@@ -77,7 +89,9 @@ def _complete(q: "queue.SimpleQueue[Optional[_Flight]]") -> None:
             return
         try:
             if fl.work is not None:
-                fl.work.wait()
+                # A GPU Work's wait() only orders a stream; synchronize() blocks until the
+                # all-reduce is done on the device, which the end stamp and wait() rely on.
+                getattr(fl.work, "synchronize", fl.work.wait)()
         except BaseException as e:  # handed to the main thread, which re-raises it
             fl.error = e
         fl.t_end = time.perf_counter()
@@ -87,21 +101,38 @@ def _complete(q: "queue.SimpleQueue[Optional[_Flight]]") -> None:
 class _Bucket:
     __slots__ = ("names", "buf", "half", "missing", "flight")
 
-    def __init__(self, names: List[str], buf: np.ndarray):
-        self.names, self.buf = names, buf
-        self.half: Optional[np.ndarray] = None  # bf16/fp16 copy sent instead of buf
+    def __init__(self, names: List[str], buf):
+        self.names, self.buf = names, buf  # buf: flat array of the parameters' dtype
+        self.half = None  # a bf16/fp16 copy sent instead of buf (compression)
         self.missing = len(names)               # gradients still to come this step
         self.flight: Optional[_Flight] = None
 
 
-def _host(x, what: str) -> np.ndarray:
-    # numpy arrays are used as they are (any strides: we copy in and out); other objects
-    # are viewed through the buffer protocol / DLPack, which also rejects device memory.
-    return x if isinstance(x, np.ndarray) else as_array(x, what)
+def _numel(x) -> int:
+    numel = getattr(x, "numel", None)  # PyTorch: size is a method
+    return int(numel()) if callable(numel) else int(x.size)
+
+
+def _dtype_name(x) -> str:
+    d = x.dtype  # numpy / CuPy: np.dtype; PyTorch: torch.float32
+    return d.name if isinstance(d, np.dtype) else str(d).rpartition(".")[2]
+
+
+def _operand(group, x, what: str):
+    """The array DataParallel computes with (Note [Arrays]): a numpy view on the CPU backend;
+    on the NCCL backend the caller's own GPU array (validated by the backend), detached from
+    autograd so in-place writes are allowed."""
+    detach = getattr(x, "detach", None)
+    x = detach() if callable(detach) else x
+    if group.backend_name == "cpu":
+        return x if isinstance(x, np.ndarray) else as_array(x, what)
+    group._as_array(x, what)  # TypeError for host memory, an unsupported dtype, ...
+    return x
 
 
 class DataParallel:
-    """Average gradients of ``params`` (dict name -> numpy array) over ``group``.
+    """Average gradients of ``params`` (dict name -> array) over ``group``: numpy arrays on
+    the CPU backend, PyTorch or CuPy GPU arrays on the NCCL backend (Note [Arrays]).
 
     - ``bucket_cap_mb``: bucket size limit in MiB (see Note [Buckets]); small caps mean more,
       earlier all-reduces.
@@ -133,14 +164,19 @@ class DataParallel:
         if isinstance(mode, LocalSGD) and compression is not None:
             raise ValueError("DataParallel: compression applies to gradients, which LocalSGD "
                              "mode never communicates (parameters are averaged in full precision)")
-        self._params = {str(n): _host(p, f"DataParallel: parameter {n!r}") for n, p in params.items()}
+        self._params = {str(n): _operand(self._group, p, f"DataParallel: parameter {n!r}")
+                        for n, p in params.items()}
         for n, p in self._params.items():
-            if not p.flags.writeable:
+            if isinstance(p, np.ndarray) and not p.flags.writeable:
                 raise ValueError(f"DataParallel: parameter {n!r} is read-only; it is updated "
                                  "in place by the broadcast and by LocalSGD averaging")
-            if p.dtype.kind != "f" and p.dtype.name != "bfloat16":
-                raise TypeError(f"DataParallel: parameter {n!r} has dtype {p.dtype}; "
+            if _dtype_name(p) not in _FLOAT_DTYPES:
+                raise TypeError(f"DataParallel: parameter {n!r} has dtype {_dtype_name(p)}; "
                                 "gradients are averaged, so parameters must be floating point")
+            if type(p) is not type(next(iter(self._params.values()))):
+                raise TypeError(f"DataParallel: parameter {n!r} is a {type(p).__name__}, others "
+                                f"are {type(next(iter(self._params.values()))).__name__}; use "
+                                "one array type for all parameters")
         self._mode = mode
         self._average = bool(average)
         self._half = self._compression_dtype(compression)
@@ -163,16 +199,11 @@ class DataParallel:
 
     # ---- construction ---------------------------------------------------------------
     @staticmethod
-    def _compression_dtype(compression):
-        if compression is None or callable(compression) or compression == "fp16":
-            return None if compression != "fp16" else np.dtype(np.float16)
-        if compression == "bf16":
-            try:
-                from ml_dtypes import bfloat16
-            except ImportError:
-                raise ImportError("DataParallel: compression='bf16' needs ml_dtypes "
-                                  "(pip install ml_dtypes, or meshcoll[bf16])") from None
-            return np.dtype(bfloat16)
+    def _compression_dtype(compression) -> Optional[str]:
+        if compression is None or callable(compression):
+            return None
+        if compression in ("fp16", "bf16"):
+            return "float16" if compression == "fp16" else "bfloat16"
         raise ValueError(f"DataParallel: compression must be None, 'bf16', 'fp16' or a callable "
                          f"hook(group, bucket) -> Work, got {compression!r}")
 
@@ -184,7 +215,7 @@ class DataParallel:
         for n in reversed(list(self._params)):
             p = self._params[n]
             if not groups or size + p.nbytes > cap_bytes or \
-                    self._params[groups[-1][0]].dtype != p.dtype:
+                    _dtype_name(self._params[groups[-1][0]]) != _dtype_name(p):
                 groups.append([])
                 size = 0.0
             groups[-1].append(n)
@@ -192,17 +223,18 @@ class DataParallel:
         self._buckets: List[_Bucket] = []
         self._slot: Dict[str, tuple] = {}  # name -> (bucket index, view of its slot)
         for i, names in enumerate(groups):
-            dtype = self._params[names[0]].dtype
-            buf = np.empty(sum(self._params[n].size for n in names), dtype)
+            first = self._params[names[0]]
+            total = sum(_numel(self._params[n]) for n in names)
+            buf = self._group._empty(total, first)
             off = 0
             for n in names:
                 p = self._params[n]
-                self._slot[n] = (i, buf[off:off + p.size].reshape(p.shape))
-                off += p.size
+                self._slot[n] = (i, buf[off:off + _numel(p)].reshape(p.shape))
+                off += _numel(p)
             b = _Bucket(names, buf)
             # Compress only buckets wider than the wire type (a bf16 bucket is sent as is).
-            if self._half is not None and dtype.itemsize > self._half.itemsize:
-                b.half = np.empty(buf.size, self._half)
+            if self._half is not None and _FLOAT_DTYPES[_dtype_name(first)] > 2:
+                b.half = self._group._empty(total, first, dtype=self._half)
             self._buckets.append(b)
 
     def _broadcast_parameters(self, src: int) -> None:
@@ -227,11 +259,16 @@ class DataParallel:
         if name not in self._slot:
             known = ", ".join(list(self._slot)[:8]) + (", ..." if len(self._slot) > 8 else "")
             raise KeyError(f"grad_ready: unknown parameter {name!r} (registered: {known})")
-        g = _host(grad, f"grad_ready({name!r})")
+        g = _operand(self._group, grad, f"grad_ready({name!r})")
         p = self._params[name]
-        if g.shape != p.shape or g.dtype != p.dtype:
-            raise ValueError(f"grad_ready({name!r}): gradient has shape {g.shape} and dtype "
-                             f"{g.dtype}; the parameter has shape {p.shape} and dtype {p.dtype}")
+        if type(g) is not type(p) or getattr(g, "device", None) != getattr(p, "device", None):
+            raise TypeError(f"grad_ready({name!r}): the gradient is a {type(g).__name__} on "
+                            f"{getattr(g, 'device', 'the host')}; the parameter is a "
+                            f"{type(p).__name__} on {getattr(p, 'device', 'the host')}")
+        if tuple(g.shape) != tuple(p.shape) or _dtype_name(g) != _dtype_name(p):
+            raise ValueError(f"grad_ready({name!r}): gradient has shape {tuple(g.shape)} and "
+                             f"dtype {_dtype_name(g)}; the parameter has shape "
+                             f"{tuple(p.shape)} and dtype {_dtype_name(p)}")
         if isinstance(self._mode, LocalSGD):
             return  # gradients stay local: only validated
         if name in self._given:
@@ -246,7 +283,7 @@ class DataParallel:
                 slot[...] = g
                 self._accumulated.add(name)
             return
-        if not g.flags.writeable:
+        if isinstance(g, np.ndarray) and not g.flags.writeable:
             raise ValueError(f"grad_ready({name!r}): the gradient is read-only, but wait() "
                              "writes the averaged value into it")
         if name in self._accumulated:
@@ -295,10 +332,9 @@ class DataParallel:
                                 "with wait()) or None once the bucket holds the sum")
             fl = _Flight(work, t0, b.buf.nbytes)
         elif b.half is not None:
-            if self._half == np.float16 and self._average:
-                np.divide(b.buf, n, out=b.half, casting="unsafe")  # fp16 overflows at 65504
-            else:
-                b.half[...] = b.buf
+            if self._half == "float16" and self._average:
+                b.buf /= n  # before the sum: fp16 overflows at 65504 (buf is our own copy)
+            b.half[...] = b.buf
             fl = _Flight(self._group.all_reduce(b.half, op="sum", async_op=True), t0,
                          b.half.nbytes)
         else:
@@ -347,7 +383,7 @@ class DataParallel:
                 continue  # still drain the other flights: their buffers are in use
             if b.half is not None and self._hook is None and write_back:
                 b.buf[...] = b.half
-                if self._half != np.float16 and self._average:
+                if self._half != "float16" and self._average:
                     b.buf /= n
             elif self._hook is not None and self._average and write_back:
                 b.buf /= n

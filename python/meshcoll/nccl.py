@@ -50,6 +50,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _C
+from .arrays import numpy_dtype
 from .process_group import ProcessGroup, Work
 
 __all__ = ["nccl_available", "NcclProcessGroup", "NcclWork", "make_world", "agree_on_backend"]
@@ -169,18 +170,18 @@ class NcclProcessGroup(ProcessGroup):
     def _as_array(self, x, what: str, writable: bool = False):
         return _C.nccl_array(x, what, writable, self._call_stream, self._call_async)
 
-    def _empty(self, shape, like):
+    def _empty(self, shape, like, dtype: Optional[str] = None):
         x = like.obj if isinstance(like, _C.DeviceArray) else like
         shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         new_empty = getattr(x, "new_empty", None)
-        if callable(new_empty):  # PyTorch: same dtype and device
-            return new_empty(shape)
         mod = sys.modules.get(type(x).__module__.split(".")[0])
+        if callable(new_empty):  # PyTorch: x's device, x's dtype unless one is named
+            return new_empty(shape) if dtype is None else new_empty(shape, dtype=getattr(mod, dtype))
         empty = getattr(mod, "empty", None)
         device = getattr(x, "device", None)
         if callable(empty) and hasattr(device, "__enter__"):  # CuPy: empty() on x's device
             with device:
-                return empty(shape, dtype=x.dtype)
+                return empty(shape, dtype=x.dtype if dtype is None else numpy_dtype(dtype, "CuPy"))
         raise TypeError(f"the NCCL backend cannot allocate an output like a "
                         f"{type(x).__module__}.{type(x).__name__}; pass out= (or use PyTorch "
                         "or CuPy arrays)")

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _C, _env
-from .arrays import as_array, rows
+from .arrays import as_array, numpy_dtype, rows
 
 _ALGO_ENV = "MESHCOLL_ALGO"
 
@@ -131,9 +131,10 @@ class ProcessGroup:
     def _as_array(self, x, what: str, writable: bool = False):
         return as_array(x, what, writable=writable)
 
-    def _empty(self, shape, like):
-        """A new output array of ``shape`` with ``like``'s dtype, where this backend works."""
-        return np.empty(shape, like.dtype)
+    def _empty(self, shape, like, dtype: Optional[str] = None):
+        """A new array of ``shape`` with ``like``'s dtype (or the dtype named ``dtype``),
+        where this backend works."""
+        return np.empty(shape, like.dtype if dtype is None else numpy_dtype(dtype, self._name))
 
     def _child(self, ranks, rank, name, timeout):
         return type(self)(self._store, ranks, rank, name, timeout=timeout or self._timeout,

@@ -6,14 +6,13 @@
     loss_fn(model(x), y).backward()      # gradients are averaged by the end of backward
     opt.step()
 
-meshcoll does not depend on torch: only importing this module imports it. Parameters and
-gradients are handed to ``meshcoll.DataParallel`` as numpy views of the tensors' own memory
-(``Tensor.numpy()``, zero-copy), so the construction broadcast writes the module's
+meshcoll does not depend on torch: only importing this module imports it. CPU tensors (CPU
+backend) are handed to ``meshcoll.DataParallel`` as numpy views of their own memory
+(``Tensor.numpy()``, zero-copy); CUDA tensors (NCCL backend, ``meshcoll.init(backend="nccl")``)
+as the tensors themselves, detached. Either way the construction broadcast writes the module's
 parameters and ``wait()`` writes the averages into ``p.grad`` directly. A post-accumulate-grad
 hook on every parameter feeds ``grad_ready`` the moment autograd has its final gradient, so
 bucket all-reduces start during backward; the hook of the last parameter finishes the sync.
-
-CPU tensors on the CPU backend only: this build has no NCCL backend for CUDA tensors.
 """
 
 from __future__ import annotations
@@ -27,15 +26,20 @@ import torch
 from .ddp import DataParallel, LocalSGD
 
 
-def _numpy_view(t: torch.Tensor, what: str) -> np.ndarray:
-    """A numpy array sharing ``t``'s memory."""
-    if t.device.type != "cpu":
-        raise TypeError(f"meshcoll.torch: {what} is on {t.device}; this build's CPU backend "
-                        "takes CPU tensors only (no NCCL backend for CUDA tensors)")
+def _operand(t: torch.Tensor, group, what: str):
+    """What DataParallel gets for ``t``: a numpy array sharing a CPU tensor's memory on the
+    CPU backend, the detached CUDA tensor itself on NCCL."""
+    want = "cuda" if group.backend_name == "nccl" else "cpu"
+    if t.device.type != want:
+        raise TypeError(f"meshcoll.torch: {what} is on {t.device}, but group {group.name!r} "
+                        f"(backend {group.backend_name}) takes {want} tensors; move the module "
+                        "(module.to(...)) or init the matching backend")
     if not t.is_contiguous():
-        raise ValueError(f"meshcoll.torch: {what} is not contiguous; its numpy view would not "
-                         "be the tensor's whole memory")
+        raise ValueError(f"meshcoll.torch: {what} is not contiguous; DataParallel would not "
+                         "write into the tensor's own memory")
     t = t.detach()
+    if want == "cuda":
+        return t
     if t.dtype == torch.bfloat16:  # numpy has no bf16: view the bits as ml_dtypes.bfloat16
         import ml_dtypes
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
@@ -60,7 +64,9 @@ class DistributedDataParallel(torch.nn.Module):
         if not self._params:
             raise ValueError("meshcoll.torch.DistributedDataParallel: the module has no "
                              "parameter that requires grad")
-        self.ddp = DataParallel({n: _numpy_view(p.data, f"parameter {n!r}")
+        from .process_group import get_world_group
+        group = kw.get("group") or get_world_group()
+        self.ddp = DataParallel({n: _operand(p.data, group, f"parameter {n!r}")
                                  for n, p in self._params.items()}, **kw)
         self._sync = True
         self._arrived = 0
@@ -74,7 +80,7 @@ class DistributedDataParallel(torch.nn.Module):
             # backward hands over that sum, so DataParallel must not accumulate again.
             if not self._sync:
                 return
-            self.ddp.grad_ready(name, _numpy_view(p.grad, f"gradient of {name!r}"))
+            self.ddp.grad_ready(name, _operand(p.grad, self.ddp.group, f"gradient of {name!r}"))
             self._arrived += 1
             if self._arrived == len(self._params):
                 self.finish_gradient_sync()

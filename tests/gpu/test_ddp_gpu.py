@@ -1,0 +1,162 @@
+"""DataParallel and meshcoll.torch.DistributedDataParallel with GPU arrays on the NCCL backend
+(issue 7): N-rank training of CUDA modules equals one-process full-batch training (CPU
+reference), with and without no_sync, with fp16 compression; CuPy arrays straight through
+DataParallel; clear errors for arrays of the wrong kind. Skips without GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from test_nccl import NGPU, gpus, needs_torch, run_nccl
+
+pytestmark = pytest.mark.timeout(240)
+
+BATCH, STEPS, LR = 24, 3, 0.2
+
+
+def _model(seed):
+    import torch
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                               torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def _data(n):
+    import torch
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _reference(accum):
+    """One process, CPU, the whole batch of each step."""
+    import torch
+    net = _model(0)
+    x, y = _data(BATCH * STEPS * accum)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    for s in range(STEPS):
+        idx = slice(s * BATCH * accum, (s + 1) * BATCH * accum)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+        opt.step()
+    return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+
+
+def _train(pg, accum, compression=None):
+    import torch
+    import meshcoll.torch as mt
+    dev = torch.device("cuda", pg.device)
+    # Every rank starts from other weights: the construction broadcast must equalise them.
+    model = mt.DistributedDataParallel(_model(pg.rank).to(dev), group=pg,
+                                       bucket_cap_mb=1000 / 2**20, compression=compression)
+    x, y = _data(BATCH * STEPS * accum)
+    x, y = x.to(dev), y.to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for s in range(STEPS):
+        opt.zero_grad()
+        idx = np.arange(s * BATCH * accum, (s + 1) * BATCH * accum)
+        for m, micro in enumerate(np.array_split(idx, accum)):
+            shard = torch.as_tensor(np.array_split(micro, pg.size)[pg.rank], device=dev)
+            ctx = model.no_sync() if m < accum - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = torch.nn.functional.cross_entropy(model(x[shard]), y[shard], reduction="sum")
+                (loss * pg.size / len(idx)).backward()
+        opt.step()
+    stats, buckets = model.stats(), model.ddp.bucket_names
+    model.close()
+    return ({n: p.detach().cpu().numpy() for n, p in model.module.named_parameters()},
+            stats, buckets)
+
+
+def _cupy(pg):
+    """DataParallel on CuPy arrays: broadcast, averaged gradients, no_sync accumulation."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    import meshcoll
+    shapes = {"a": (5, 7), "b": (7,), "c": (3, 2, 4)}
+    rng = lambda *k: np.random.default_rng([pg.rank, *k])  # noqa: E731
+    with cupy.cuda.Device(pg.device):
+        params = {n: cupy.asarray(rng(i).standard_normal(s)) for i, (n, s) in enumerate(shapes.items())}
+        ddp = meshcoll.DataParallel(params, group=pg, bucket_cap_mb=40 * 8 / 2**20)
+        acc = {n: rng(10, i).standard_normal(s) for i, (n, s) in enumerate(shapes.items())}
+        with ddp.no_sync():
+            for n in reversed(list(shapes)):
+                ddp.grad_ready(n, cupy.asarray(acc[n]))
+        grads = {n: cupy.asarray(rng(20, i).standard_normal(s)) for i, (n, s) in enumerate(shapes.items())}
+        ddp.sync_gradients(grads)
+        out = ({n: cupy.asnumpy(p) for n, p in params.items()},
+               {n: cupy.asnumpy(g) for n, g in grads.items()}, ddp.bucket_names)
+        ddp.close()
+    return out
+
+
+def _errors(pg):
+    import torch
+    import meshcoll
+    import meshcoll.torch as mt
+    msgs = []
+    for make in (lambda: meshcoll.DataParallel({"w": np.ones(3, np.float32)}, group=pg),
+                 lambda: mt.DistributedDataParallel(torch.nn.Linear(2, 2), group=pg)):
+        try:
+            make()
+        except TypeError as e:
+            msgs.append(str(e))
+    dev = torch.device("cuda", pg.device)
+    ddp = meshcoll.DataParallel({"w": torch.ones(3, device=dev)}, group=pg)
+    for bad in (torch.ones(3), torch.ones(4, device=dev), torch.ones(3, device=dev, dtype=torch.float64)):
+        try:
+            ddp.grad_ready("w", bad)
+        except (TypeError, ValueError) as e:
+            msgs.append(str(e))
+    ddp.close()
+    return msgs
+
+
+def _cases(pg):
+    return {"plain": _train(pg, 1), "accum": _train(pg, 3), "fp16": _train(pg, 1, "fp16"),
+            "cupy": _cupy(pg), "errors": _errors(pg)}
+
+
+def _max_rel(a, b):
+    return max(float(np.abs(a[n] - b[n]).max() / np.abs(b[n]).max()) for n in b)
+
+
+@needs_torch
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpu_data_parallel_matches_one_process(world):
+    if NGPU < world:
+        pytest.skip(f"needs {world} GPUs, {NGPU} visible")
+    results = run_nccl(world, _cases)
+    ref, ref_accum = _reference(1), _reference(3)
+    nbytes = sum(v.nbytes for v in ref.values())
+    for r, res in enumerate(results):
+        params, stats, buckets = res["plain"]
+        assert len(buckets) >= 3, buckets
+        # GPU and CPU float32 matmuls round differently: 1e-4 relative, not bit equality.
+        assert _max_rel(params, ref) < 1e-4, (r, _max_rel(params, ref))
+        assert _max_rel(res["accum"][0], ref_accum) < 1e-4
+        assert _max_rel(res["fp16"][0], ref) < 1e-2  # gradients rounded to fp16 on the wire
+        assert stats["calls"] == len(buckets) * STEPS and stats["bytes"] == nbytes * STEPS
+        assert stats["comm_seconds"] > 0
+        msgs = res["errors"]
+        assert len(msgs) == 5, msgs
+        assert "host memory" in msgs[0] or "numpy" in msgs[0] or "CUDA" in msgs[0], msgs[0]
+        assert "takes cuda tensors" in msgs[1], msgs[1]
+        assert "CPU tensor" in msgs[2] and "shape (4,)" in msgs[3] and "float64" in msgs[4], msgs
+    cp = [res["cupy"] for res in results]
+    if cp[0] is None:
+        return  # no CuPy in this image
+    shapes = {"a": (5, 7), "b": (7,), "c": (3, 2, 4)}
+    for params, grads, buckets in cp:
+        assert len(buckets) >= 2, buckets
+        for i, (n, s) in enumerate(shapes.items()):
+            np.testing.assert_array_equal(params[n], np.random.default_rng([0, i]).standard_normal(s))
+            want = np.mean([np.random.default_rng([k, 10, i]).standard_normal(s)
+                            + np.random.default_rng([k, 20, i]).standard_normal(s)
+                            for k in range(world)], axis=0)
+            np.testing.assert_allclose(grads[n], want, rtol=1e-12, atol=1e-12)
