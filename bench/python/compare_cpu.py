@@ -219,6 +219,10 @@ def run_lib(lib: str, args, tmp: str) -> List[dict]:
         mpirun = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(args.nproc)]
         if os.geteuid() == 0:
             mpirun.insert(1, "--allow-run-as-root")
+        if shutil.which("ssh") is None and shutil.which("rsh") is None:
+            # One host needs no remote agent, but Open MPI 4 refuses to start when its
+            # default one (ssh : rsh) is missing, as in most containers.
+            mpirun[1:1] = ["--mca", "plm_rsh_agent", "false"]
         cmd = mpirun + [sys.executable, me, "--worker", "mpi"] + _worker_args(args, out)
         procs = [subprocess.run(cmd, env=_clean_env(OMP_NUM_THREADS="1"), capture_output=True,
                                 text=True, timeout=args.stage_timeout)]
