@@ -6,7 +6,9 @@ size_t dtype_size(DType t) {
   switch (t) {
     case DType::kBool:
     case DType::kInt8:
-    case DType::kUint8: return 1;
+    case DType::kUint8:
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2: return 1;
     case DType::kFloat16:
     case DType::kBFloat16: return 2;
     case DType::kInt32:
@@ -28,6 +30,8 @@ const char* dtype_name(DType t) {
     case DType::kBFloat16: return "bfloat16";
     case DType::kFloat32: return "float32";
     case DType::kFloat64: return "float64";
+    case DType::kFloat8E4M3: return "float8_e4m3fn";  // torch's and ml_dtypes' names
+    case DType::kFloat8E5M2: return "float8_e5m2";
   }
   return "unknown";
 }
@@ -48,7 +52,7 @@ const char* redop_name(RedOp op) {
 
 bool is_floating(DType t) {
   return t == DType::kFloat16 || t == DType::kBFloat16 || t == DType::kFloat32 ||
-         t == DType::kFloat64;
+         t == DType::kFloat64 || t == DType::kFloat8E4M3 || t == DType::kFloat8E5M2;
 }
 
 bool dtype_from_name(const std::string& name, DType* out) {

@@ -18,8 +18,11 @@ enum class DType : uint8_t {
   kBFloat16 = 6,
   kFloat32 = 7,
   kFloat64 = 8,
+  // NCCL only (2.24+): the CPU backend has no float8 kernels and numpy no float8 dtype.
+  kFloat8E4M3 = 9,   // float8_e4m3fn (OCP E4M3: no infinities)
+  kFloat8E5M2 = 10,  // float8_e5m2
 };
-inline constexpr int kNumDTypes = 9;
+inline constexpr int kNumDTypes = 11;
 
 enum class RedOp : uint8_t {
   kSum = 0,

@@ -45,7 +45,9 @@ typedef enum {
   ncclFloat16 = 6,
   ncclFloat32 = 7,
   ncclFloat64 = 8,
-  ncclBfloat16 = 9,  // 2.10 (with CUDA 11)
+  ncclBfloat16 = 9,     // 2.10 (with CUDA 11)
+  ncclFloat8e4m3 = 10,  // 2.24 (reductions need sm_90+)
+  ncclFloat8e5m2 = 11,  // 2.24
 } ncclDataType_t;
 
 typedef enum {

@@ -46,6 +46,7 @@ struct NcclApi {
 
   bool has_bf16() const { return version >= abi::nccl_version_code(2, 10, 0); }
   bool has_avg() const { return version >= abi::nccl_version_code(2, 10, 0); }
+  bool has_fp8() const { return version >= abi::nccl_version_code(2, 24, 0); }
   // "NCCL 2.28.9 (/path/libnccl.so.2)"
   std::string describe() const;
   // ncclGetErrorString plus, where available, the comm's last error message.

@@ -164,6 +164,13 @@ ncclDataType_t nccl_dtype(DType t, bool reduction, const NcclApi& api) {
       return ncclBfloat16;
     case DType::kFloat32: return ncclFloat32;
     case DType::kFloat64: return ncclFloat64;
+    case DType::kFloat8E4M3:
+    case DType::kFloat8E5M2:
+      if (api.has_fp8()) return t == DType::kFloat8E4M3 ? ncclFloat8e4m3 : ncclFloat8e5m2;
+      // Before 2.24 NCCL has no float8 types: moving the bytes is exact, reducing is not.
+      if (!reduction) return ncclUint8;
+      throw TypeMismatch(str_cat("reductions of ", dtype_name(t), " need NCCL 2.24 or later; "
+                                 "loaded ", api.describe()));
   }
   throw TypeMismatch(str_cat("dtype ", dtype_name(t), " is not supported by the NCCL backend"));
 }

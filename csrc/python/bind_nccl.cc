@@ -32,7 +32,7 @@ using nccl::NcclComm;
 using nccl::NcclWork;
 namespace abi = nccl::abi;
 
-// ---- DLPack ABI (dlpack.h v0.8 / v1.0; plain C structs) ----------------------------------
+// ---- DLPack ABI (dlpack.h v0.8 / v1.0 / v1.1; plain C structs) ---------------------------
 struct DLDevice {
   int32_t device_type;
   int32_t device_id;
@@ -65,6 +65,7 @@ struct DLManagedTensorVersioned {
 };
 constexpr int32_t kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13;
 constexpr uint8_t kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLBool = 6;
+constexpr uint8_t kDLFloat8_e4m3fn = 10, kDLFloat8_e5m2 = 12;  // DLPack 1.1 (torch >= 2.7)
 constexpr uint64_t kDLReadOnly = 1;
 
 // Stream handles as the array protocols spell them: 1 legacy default, 2 per-thread default.
@@ -115,10 +116,13 @@ DType dtype_from_dl(DLDataType t, const char* what) {
     if (t.code == kDLFloat && t.bits == 64) return DType::kFloat64;
     if (t.code == kDLBfloat && t.bits == 16) return DType::kBFloat16;
     if (t.code == kDLBool && t.bits == 8) return DType::kBool;
+    if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return DType::kFloat8E4M3;
+    if (t.code == kDLFloat8_e5m2 && t.bits == 8) return DType::kFloat8E5M2;
   }
   throw TypeMismatch(str_cat(what, ": DLPack dtype (code ", int(t.code), ", bits ", int(t.bits),
                              ", lanes ", t.lanes, ") is not supported; use int8, uint8, int32, "
-                             "int64, float16, bfloat16, float32, float64 or bool"));
+                             "int64, float16, bfloat16, float32, float64, bool, float8_e4m3fn "
+                             "or float8_e5m2"));
 }
 
 DType dtype_from_typestr(const std::string& ts, const char* what) {
@@ -136,7 +140,8 @@ DType dtype_from_typestr(const std::string& ts, const char* what) {
   }
   throw TypeMismatch(str_cat(what, ": __cuda_array_interface__ typestr '", ts, "' is not "
                              "supported; use int8, uint8, int32, int64, float16, float32, "
-                             "float64 or bool (bfloat16 through DLPack)"));
+                             "float64 or bool (bfloat16 and float8 through DLPack: the "
+                             "interface has no typestr for them)"));
 }
 
 void check_compact(const std::vector<int64_t>& shape, const int64_t* strides, size_t unit,
@@ -207,7 +212,8 @@ DType torch_dtype(const py::handle& dt, const char* what) {
       {"torch.int32", DType::kInt32},     {"torch.int64", DType::kInt64},
       {"torch.float16", DType::kFloat16}, {"torch.bfloat16", DType::kBFloat16},
       {"torch.float32", DType::kFloat32}, {"torch.float64", DType::kFloat64},
-      {"torch.bool", DType::kBool}};
+      {"torch.bool", DType::kBool},       {"torch.float8_e4m3fn", DType::kFloat8E4M3},
+      {"torch.float8_e5m2", DType::kFloat8E5M2}};
   std::string s = py::str(dt);
   for (const auto& [n, d] : names)
     if (s == n) {
@@ -215,7 +221,8 @@ DType torch_dtype(const py::handle& dt, const char* what) {
       return d;
     }
   throw TypeMismatch(str_cat(what, ": dtype ", s, " is not supported by the NCCL backend; use "
-                             "int8, uint8, int32, int64, float16, bfloat16, float32, float64 or bool"));
+                             "int8, uint8, int32, int64, float16, bfloat16, float32, float64, "
+                             "bool, float8_e4m3fn or float8_e5m2"));
 }
 
 uintptr_t torch_stream(int device) {

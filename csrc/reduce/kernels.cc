@@ -364,6 +364,8 @@ Table build_table() {
       case DType::kBFloat16: fill<Isa, BFloat16>(&table, t); break;
       case DType::kFloat32: fill<Isa, float>(&table, t); break;
       case DType::kFloat64: fill<Isa, double>(&table, t); break;
+      case DType::kFloat8E4M3:
+      case DType::kFloat8E5M2: break;  // NCCL only: no CPU kernels
     }
   }
   return table;
@@ -413,6 +415,9 @@ void check_enums(DType t, RedOp op) {
 }
 
 [[noreturn]] void throw_unsupported(DType t, RedOp op) {
+  if (t == DType::kFloat8E4M3 || t == DType::kFloat8E5M2)
+    MC_THROW(TypeMismatch, "dtype '", dtype_name(t), "' has no CPU reduction kernels; float8 "
+             "reductions run on the NCCL backend only");
   MC_THROW(TypeMismatch, "reduction op '", redop_name(op), "' is not supported for dtype '",
            dtype_name(t), "'",
            is_floating(t) ? "; band/bor/bxor need an integer or bool dtype"

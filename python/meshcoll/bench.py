@@ -36,11 +36,23 @@ With several series (``--op a,b`` or ``--algo ring,tree``), every size runs each
 turn within each repeat, so that the machine's slow moments fall on all series alike; the
 tables print at the end. ``--json FILE`` writes one ``json.dumps`` record per table row;
 ``--plot FILE.png`` draws busbw against size per series (needs ``meshcoll[plot]``).
+
+``--backend nccl`` runs the same tables on GPUs (``-N`` defaults to the visible GPUs; rank r
+uses GPU LOCAL_RANK, as ``meshcoll.init(backend="nccl")`` picks it). Buffers are PyTorch
+tensors, else CuPy arrays (``--array``; neither is a dependency). Inputs are random: rank
+r's element i comes from ``numpy.random.default_rng([seed, r, chunk])``, so every rank can
+recompute every other rank's input and ``-c 1`` compares the result, copied to the host,
+with a numpy reference (small non-negative integers: exact for sum, prod, min, max in every
+dtype; avg of floats within a few ulps, since NCCL scales each input by 1/n first). Time is
+nccl-tests': a barrier, ``-n`` back-to-back calls, a device synchronize, on the host clock,
+per call; the slowest rank's mean, median over ``--repeats``. ``--algo`` and
+``--transport`` are CPU-backend choices (NCCL_ALGO / NCCL_PROTO steer NCCL).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -70,6 +82,8 @@ _REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 _SPLIT = ("all_gather", "reduce_scatter", "all_to_all")  # count must divide by ranks
 ALGORITHMS = tuple(a for a in _C.algorithm_names() if a != "auto")
 REDOPS = ("sum", "prod", "min", "max", "avg")
+BACKENDS = ("cpu", "nccl")
+ARRAY_LIBS = ("torch", "cupy")
 
 # numpy name -> the name nccl-tests prints in the type column.
 _TYPE_NAMES = {"float32": "float", "float64": "double", "float16": "half",
@@ -163,7 +177,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    type=lambda s: _list_arg(s, ("auto",) + ALGORITHMS, "--algo"),
                    help="all_reduce algorithm(s), comma-separated, or 'all' (default auto)")
     p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce")
-    p.add_argument("--backend", default="cpu", choices=["cpu"], help="backend (default cpu)")
+    p.add_argument("--backend", default="cpu", choices=list(BACKENDS),
+                   help="cpu (default): numpy buffers; nccl: CUDA buffers, one GPU per rank")
+    p.add_argument("--array", default="auto", choices=["auto"] + list(ARRAY_LIBS),
+                   help="--backend nccl: allocate device buffers with torch or cupy (default "
+                        "auto: torch when importable, else cupy)")
+    p.add_argument("--seed", type=int, default=1234,
+                   help="--backend nccl: seed of the random inputs (default 1234)")
     p.add_argument("--transport", default=None, choices=["auto", "shm", "tcp"],
                    help="set MESHCOLL_TRANSPORT for the ranks (default: as the environment "
                         "says, else auto: shared memory when every rank is on one host)")
@@ -190,6 +210,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("need -n >= 1, -w >= 0 and --repeats >= 1")
     if a.algo != ["auto"] and "all_reduce" not in a.op:
         p.error("--algo chooses the all_reduce algorithm; add all_reduce to --op")
+    if a.backend == "nccl":
+        if a.algo != ["auto"]:
+            p.error("--algo is a CPU-backend choice; NCCL picks its own (set NCCL_ALGO)")
+        if a.transport is not None or a.max_segment_bytes is not None:
+            p.error("--transport and --max-segment-bytes are CPU-backend options")
+    elif a.array != "auto":
+        p.error("--array applies to --backend nccl only")
     return a
 
 
@@ -314,6 +341,235 @@ class Case:
         return int(np.count_nonzero(self.result() != self.expected()))
 
 
+# ---- the NCCL backend: device buffers, random inputs, a host reference -------------------
+# Rank r's input is a sequence of chunks; chunk k holds default_rng([seed, r, k]) integers
+# in the op kind's range (lengths depend only on the buffer's element count, which every
+# rank knows), so any rank recomputes any rank's input, a chunk at a time, without the
+# memory of n full buffers. The ranges keep every result an exact small integer in every
+# dtype: reductions 0..3 (prod 1..2: at most 2**n), data movement 0..63. The results are
+# compared a chunk at a time, in float64 (floats) or int64 (integers).
+
+_CHUNK = 1 << 22  # elements per generated chunk
+_RANGES = {"reduce": (0, 4), "prod": (1, 3), "move": (0, 64)}
+_INTS = ("int8", "uint8", "int32", "int64")
+_EPS = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7, "float32": 2.0 ** -23,
+        "float64": 2.0 ** -52}
+
+
+@dataclass(frozen=True)
+class DeviceDType:
+    """What the table needs of a dtype that may have no numpy counterpart (bfloat16
+    without ml_dtypes): the numpy-style name and the element size."""
+    name: str
+    itemsize: int
+
+
+_ITEMSIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int8": 1, "uint8": 1,
+              "int32": 4, "int64": 8}
+
+
+def device_dtype(name: str) -> DeviceDType:
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in _ITEMSIZES:
+        raise SystemExit(f"meshcoll-bench: unknown --dtype {name!r}; use one of "
+                         f"{', '.join(_ITEMSIZES)}")
+    return DeviceDType(name, _ITEMSIZES[name])
+
+
+def rank_values(seed: int, rank: int, in_count: int, start: int, stop: int,
+                kind: str) -> np.ndarray:
+    """Elements ``[start, stop)`` of rank ``rank``'s ``in_count``-element input (uint8)."""
+    lo, hi = _RANGES[kind]
+    chunk = max(min(_CHUNK, in_count), 1)
+    parts = []
+    for k in range(start // chunk, (stop - 1) // chunk + 1 if stop > start else 0):
+        c0 = k * chunk
+        vals = np.random.default_rng([seed, rank, k]).integers(
+            lo, hi, min(chunk, in_count - c0), dtype=np.uint8)
+        parts.append(vals[max(start - c0, 0):stop - c0])
+    return np.concatenate(parts) if parts else np.empty(0, np.uint8)
+
+
+def reference_reduce(parts: Sequence[np.ndarray], redop: str, dtype: str) -> np.ndarray:
+    """The reduction of every rank's values, as the device computes it in ``dtype``
+    (integers wrap), in float64 for floats and int64 for integers."""
+    a = np.stack([p.astype(np.int64) for p in parts])
+    n = len(parts)
+    if redop == "sum":
+        r = a.sum(0)
+    elif redop == "prod":
+        r = a.prod(0)
+    elif redop == "min":
+        r = a.min(0)
+    elif redop == "max":
+        r = a.max(0)
+    elif dtype in _INTS:  # avg of integers: the sum divided by n, truncated (non-negative)
+        r = a.sum(0) // n
+    else:
+        return a.sum(0) / n
+    if dtype in _INTS:
+        return r.astype(dtype).astype(np.int64)
+    return r.astype(np.float64)
+
+
+def count_wrong(got: np.ndarray, want: np.ndarray, dtype: str, n: int, inexact: bool) -> int:
+    """Elements of ``got`` that differ from ``want``; ``inexact`` (avg of floats) allows a
+    relative error of (n + 1) ulps of ``dtype``."""
+    if inexact:
+        tol = (n + 1) * _EPS[dtype] * np.maximum(np.abs(want), 1.0)
+        bad = ~(np.abs(got - want) <= tol)  # NaN counts as wrong
+    else:
+        bad = got != want
+    return int(np.count_nonzero(bad))
+
+
+class TorchArrays:
+    """Device buffers as PyTorch CUDA tensors (ops run on torch's current stream)."""
+
+    name = "torch"
+
+    def __init__(self, device: int):
+        import torch
+        self.torch = torch
+        torch.cuda.set_device(device)
+        self.device = torch.device("cuda", device)
+
+    def empty(self, count: int, dtype: str):
+        return self.torch.empty(count, dtype=getattr(self.torch, dtype), device=self.device)
+
+    def write(self, x, start: int, values: np.ndarray) -> None:
+        x[start:start + values.size].copy_(self.torch.from_numpy(values).to(self.device))
+
+    def fill(self, x, value) -> None:
+        x.fill_(value)
+
+    def read(self, x, start: int, stop: int, integer: bool) -> np.ndarray:
+        t = x[start:stop].to(self.torch.int64 if integer else self.torch.float64)
+        return t.cpu().numpy()
+
+    def synchronize(self) -> None:
+        self.torch.cuda.synchronize(self.device)
+
+
+class CupyArrays:
+    """Device buffers as CuPy arrays (no bfloat16: CuPy has none)."""
+
+    name = "cupy"
+
+    def __init__(self, device: int):
+        import cupy
+        self.cupy = cupy
+        self.dev = cupy.cuda.Device(device)
+        self.dev.use()
+
+    def empty(self, count: int, dtype: str):
+        if dtype == "bfloat16":
+            raise SystemExit("meshcoll-bench: CuPy has no bfloat16; use --array torch")
+        with self.dev:
+            return self.cupy.empty(count, dtype=np.dtype(dtype))
+
+    def write(self, x, start: int, values: np.ndarray) -> None:
+        with self.dev:
+            x[start:start + values.size] = self.cupy.asarray(values).astype(x.dtype)
+
+    def fill(self, x, value) -> None:
+        x.fill(value)
+
+    def read(self, x, start: int, stop: int, integer: bool) -> np.ndarray:
+        return self.cupy.asnumpy(x[start:stop]).astype(np.int64 if integer else np.float64)
+
+    def synchronize(self) -> None:
+        self.dev.synchronize()
+
+
+def array_library(choice: str) -> str:
+    """"torch" or "cupy": ``choice``, or for "auto" the first importable one. Raises
+    SystemExit naming both when neither is installed."""
+    libs = ARRAY_LIBS if choice == "auto" else (choice,)
+    for lib in libs:
+        if importlib.util.find_spec(lib) is not None:
+            return lib
+    raise SystemExit(f"meshcoll-bench: --backend nccl allocates device buffers with "
+                     f"{' or '.join(libs)}, and {'neither is' if len(libs) > 1 else 'it is not'} "
+                     f"installed (pip install torch, or cupy-cuda12x / cupy-cuda13x)")
+
+
+def make_arrays(choice: str, device: int):
+    return {"torch": TorchArrays, "cupy": CupyArrays}[array_library(choice)](device)
+
+
+class DeviceCase(Case):
+    """A Case whose buffers live on the GPU (``arrays``: TorchArrays, CupyArrays, or any
+    object with their methods), filled with random data and checked against a host
+    reference. ``run`` and ``result`` are Case's."""
+
+    def __init__(self, pg, series: Series, count: int, dtype: DeviceDType, redop: str, root: int,
+                 arrays, seed: int):
+        self.pg, self.series, self.count, self.dtype = pg, series, count, dtype
+        self.redop, self.root, self.arrays, self.seed = redop, root, arrays, seed
+        n, op = pg.size, series.op
+        self.blk = count // n if op in _SPLIT else count
+        self.in_count = self.blk if op == "all_gather" else count
+        self.kind = ("prod" if redop == "prod" else "reduce") if op in _REDUCING else "move"
+        self.x = arrays.empty(self.in_count, dtype.name)
+        self.out = None
+        if op in ("all_gather", "all_to_all"):
+            self.out = arrays.empty(count, dtype.name)
+        elif op == "reduce_scatter":
+            self.out = arrays.empty(self.blk, dtype.name)
+        self.fill()
+
+    def values(self, rank: int, start: int, stop: int) -> np.ndarray:
+        return rank_values(self.seed, rank, self.in_count, start, stop, self.kind)
+
+    def fill(self) -> None:
+        for a in range(0, self.in_count, _CHUNK):
+            self.arrays.write(self.x, a, self.values(self.pg.rank, a, min(a + _CHUNK, self.in_count)))
+        if self.out is not None:
+            self.arrays.fill(self.out, _SENTINEL)
+
+    def expected_range(self, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` of this rank's result (float64 / int64)."""
+        r, n, op, blk = self.pg.rank, self.pg.size, self.series.op, self.blk
+        integer = self.dtype.name in _INTS
+        as_result = (lambda v: v.astype(np.int64)) if integer else (lambda v: v.astype(np.float64))
+        if op in ("all_reduce", "reduce", "reduce_scatter"):
+            if op == "reduce" and r != self.root:
+                return as_result(self.values(r, start, stop))  # non-roots keep their input
+            off = r * blk if op == "reduce_scatter" else 0
+            parts = [self.values(k, off + start, off + stop) for k in range(n)]
+            return reference_reduce(parts, self.redop, self.dtype.name)
+        if op == "broadcast":
+            return as_result(self.values(self.root, start, stop))
+        # all_gather: block j is rank j's input; all_to_all: block j is rank j's block r
+        parts = []
+        for j in range(start // blk, (stop - 1) // blk + 1):
+            a, b = max(start, j * blk) - j * blk, min(stop, (j + 1) * blk) - j * blk
+            off = r * blk if op == "all_to_all" else 0
+            parts.append(self.values(j, off + a, off + b))
+        return as_result(np.concatenate(parts))
+
+    def check(self) -> int:
+        """Run once on fresh inputs; elements wrong on this rank."""
+        self.fill()
+        self.run()
+        self.arrays.synchronize()
+        return self.verify()
+
+    def verify(self) -> int:
+        """Elements of this rank's result that differ from the reference."""
+        res, integer = self.result(), self.dtype.name in _INTS
+        inexact = self.redop == "avg" and not integer and self.series.op in _REDUCING and \
+            (self.series.op != "reduce" or self.pg.rank == self.root)
+        size = self.blk if self.series.op == "reduce_scatter" else self.count
+        wrong = 0
+        for a in range(0, size, _CHUNK):
+            b = min(a + _CHUNK, size)
+            wrong += count_wrong(self.arrays.read(res, a, b, integer), self.expected_range(a, b),
+                                 self.dtype.name, self.pg.size, inexact)
+        return wrong
+
+
 # ---- timing --------------------------------------------------------------------------
 
 def time_loop(pg, run: Callable[[], None], iters: int) -> float:
@@ -326,6 +582,52 @@ def time_loop(pg, run: Callable[[], None], iters: int) -> float:
     t = np.array([(time.perf_counter() - t0) / iters])
     pg.all_reduce(t, "max")
     return float(t[0])
+
+
+def device_time_loop(pg, run: Callable[[], None], iters: int, arrays) -> float:
+    """nccl-tests' timing: after a barrier, ``iters`` back-to-back calls, then a device
+    synchronize; seconds per call on the host clock, the largest over ranks."""
+    pg.barrier()
+    arrays.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run()
+    arrays.synchronize()
+    t = (time.perf_counter() - t0) / iters
+    return float(pg.all_gather(np.array([t])).max())  # host metadata through the comm
+
+
+class HostRunner:
+    """How measure() builds cases, sums a count over ranks and times a loop: the CPU
+    backend (numpy buffers, exact patterns)."""
+
+    def case(self, pg, series: Series, count: int, dtype, args: argparse.Namespace) -> Case:
+        return Case(pg, series, count, dtype, args.redop, args.root)
+
+    def sum_over_ranks(self, pg, value: int) -> int:
+        w = np.array([value], np.int64)
+        pg.all_reduce(w, "sum")
+        return int(w[0])
+
+    def time_loop(self, pg, run: Callable[[], None], iters: int) -> float:
+        return time_loop(pg, run, iters)
+
+
+class DeviceRunner(HostRunner):
+    """The NCCL backend: device buffers from ``arrays``, random inputs, device timing.
+    Host integers go through the NCCL group's host all_gather."""
+
+    def __init__(self, arrays, seed: int):
+        self.arrays, self.seed = arrays, seed
+
+    def case(self, pg, series: Series, count: int, dtype, args: argparse.Namespace) -> Case:
+        return DeviceCase(pg, series, count, dtype, args.redop, args.root, self.arrays, self.seed)
+
+    def sum_over_ranks(self, pg, value: int) -> int:
+        return int(pg.all_gather(np.array([value], np.int64)).sum())
+
+    def time_loop(self, pg, run: Callable[[], None], iters: int) -> float:
+        return device_time_loop(pg, run, iters, self.arrays)
 
 
 def make_record(series: Series, *, count: int, dtype: np.dtype, redop: str, times_s: List[float],
@@ -348,8 +650,11 @@ def make_record(series: Series, *, count: int, dtype: np.dtype, redop: str, time
 
 
 def measure(pg, series_list: Sequence[Series], sizes: Iterable[int], args: argparse.Namespace,
-            dtype: np.dtype, on_row: Optional[Callable[[dict], None]] = None) -> List[dict]:
-    """Every series at every size; returns the records in (series, size) order."""
+            dtype: np.dtype, on_row: Optional[Callable[[dict], None]] = None,
+            runner: Optional[HostRunner] = None) -> List[dict]:
+    """Every series at every size; returns the records in (series, size) order.
+    ``runner``: HostRunner() (the default, CPU backend) or a DeviceRunner."""
+    runner = runner or HostRunner()
     rows: Dict[str, List[dict]] = {s.label: [] for s in series_list}
     last = {s.label: None for s in series_list}
     for nbytes in sizes:
@@ -358,19 +663,17 @@ def measure(pg, series_list: Sequence[Series], sizes: Iterable[int], args: argpa
             count = element_counts(s.op, nbytes, dtype.itemsize, pg.size)
             if count != last[s.label]:
                 last[s.label] = count
-                cases.append(Case(pg, s, count, dtype, args.redop, args.root))
+                cases.append(runner.case(pg, s, count, dtype, args))
         wrong = {}
         for c in cases:
             if args.check:
-                w = np.array([c.check()], np.int64)
-                pg.all_reduce(w, "sum")
-                wrong[c.series.label] = int(w[0])
+                wrong[c.series.label] = runner.sum_over_ranks(pg, c.check())
             for _ in range(args.warmup_iters):
                 c.run()
         times: Dict[str, List[float]] = {c.series.label: [] for c in cases}
         for _ in range(args.repeats):
             for c in cases:  # interleaved: a noisy moment hits every series
-                times[c.series.label].append(time_loop(pg, c.run, args.iters))
+                times[c.series.label].append(runner.time_loop(pg, c.run, args.iters))
         for c in cases:
             rec = make_record(c.series, count=c.count, dtype=dtype, redop=args.redop,
                               times_s=times[c.series.label],
@@ -390,16 +693,19 @@ def transport_name(pg) -> str:
     return pg.transport.split()[0]
 
 
-def header(series: Series, args: argparse.Namespace, pg) -> str:
+def header(series: Series, args: argparse.Namespace, pg, device_note: str = "") -> str:
+    """``device_note``: what the NCCL backend adds (library version, array library)."""
     extra = f"  transport={transport_name(pg)}"
     if series.op == "all_reduce":
         extra += f"  algo={series.algo}"
     elif series.op in ("broadcast", "reduce"):
         extra += f"  root={args.root}"
+    timing = (" (host clock around -n calls and a device synchronize)"
+              if args.backend == "nccl" else "")
     return "\n".join([
         f"# meshcoll {__version__}  {series.op}  backend={args.backend}  ranks={pg.size}  "
-        f"iters={args.iters} warmup={args.warmup_iters}{extra}",
-        f"# time: median of {args.repeats} repeat(s) of the slowest rank's mean per call",
+        f"iters={args.iters} warmup={args.warmup_iters}{extra}{device_note}",
+        f"# time: median of {args.repeats} repeat(s) of the slowest rank's mean per call{timing}",
         "#" + f"{'size':>11}{'count':>10}{'type':>9}{'redop':>7}{'time':>9}"
               f"{'algbw':>8}{'busbw':>8}{'#wrong':>8}",
         "#" + f"{'(B)':>11}{'(elems)':>10}{'':>9}{'':>7}{'(us)':>9}{'(GB/s)':>8}{'(GB/s)':>8}",
@@ -459,9 +765,31 @@ def _launched() -> bool:
     return _env._find_scheme(os.environ) is not None
 
 
+def nccl_preflight(args: argparse.Namespace) -> int:
+    """For --backend nccl: the visible GPU count, after checking that NCCL loads, a GPU is
+    visible and an array library is installed; SystemExit saying which is missing."""
+    from meshcoll import nccl
+    ok, why = nccl.nccl_available()
+    if not ok:
+        raise SystemExit(f"meshcoll-bench: --backend nccl: the NCCL backend is not available "
+                         f"here: {why}")
+    array_library(args.array)
+    return int(_C.cuda_device_count())
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    nccl = args.backend == "nccl"
+    if nccl and not _launched():
+        # Before starting ranks: say what is missing once, not once per rank. exec below
+        # replaces this process, so the CUDA driver it loaded goes with it.
+        gpus = nccl_preflight(args)
+        if args.nproc is None:
+            args.nproc = gpus
+        elif args.nproc > gpus:
+            raise SystemExit(f"meshcoll-bench: -N {args.nproc} ranks but {gpus} GPUs are "
+                             "visible (one rank per GPU)")
     if not _launched():
         # Start the ranks: meshcoll-run runs this module again, once per rank, with the
         # same arguments. exec, so that signals go straight to the launcher.
@@ -471,10 +799,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stderr.flush()
         os.execv(sys.executable, cmd)
 
-    dtype = numpy_dtype(args.dtype)
-    if args.transport is not None:
-        os.environ[_env.TRANSPORT] = args.transport
-    pg = meshcoll.init()
+    runner, device_note = None, ""
+    if nccl:
+        dtype = device_dtype(args.dtype)
+        nccl_preflight(args)
+        pg = meshcoll.init(backend="nccl")  # device: the launcher's local rank
+        arrays = make_arrays(args.array, pg.device)
+        runner = DeviceRunner(arrays, args.seed)
+        v = int(_C.nccl_version())  # NCCL_VERSION_CODE: X*10000 + Y*100 + Z since 2.9
+        device_note = f"  nccl={v // 10000}.{v // 100 % 100}.{v % 100}  array={arrays.name}"
+    else:
+        dtype = numpy_dtype(args.dtype)
+        if args.transport is not None:
+            os.environ[_env.TRANSPORT] = args.transport
+        pg = meshcoll.init()
     try:
         if args.nproc is not None and args.nproc != pg.size:
             raise SystemExit(f"meshcoll-bench: --nproc {args.nproc} but the launcher started "
@@ -490,15 +828,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         lead = pg.rank == 0
         stream = len(series) == 1 and lead
         if stream:
-            print(header(series[0], args, pg), flush=True)
+            print(header(series[0], args, pg, device_note), flush=True)
         records = measure(pg, series, sizes, args, dtype,
-                          on_row=(lambda r: print(format_row(r), flush=True)) if stream else None)
+                          on_row=(lambda r: print(format_row(r), flush=True)) if stream else None,
+                          runner=runner)
         wrong = sum(r["wrong"] or 0 for r in records)
         if lead:
             for i, s in enumerate(series):
                 rows = [r for r in records if r["series"] == s.label]
                 if not stream:
-                    print(("\n" if i else "") + header(s, args, pg))
+                    print(("\n" if i else "") + header(s, args, pg, device_note))
                     for r in rows:
                         print(format_row(r))
                 print(footer(rows), flush=True)

@@ -136,3 +136,99 @@ def test_bench_every_collective_verifies(tmp_path):
     assert headers == list(bench.OPS)
     rows = [m.groups() for m in map(_ROW.match, p.stdout.splitlines()) if m]
     assert len(rows) == 6 * 4 and all(r[-1] == "0" for r in rows)
+
+
+# ---- the NCCL backend's random inputs and host reference, on the CPU backend ----------
+
+
+class _NumpyArrays:
+    """bench.TorchArrays' methods on numpy arrays: DeviceCase runs on the CPU backend."""
+
+    name = "numpy"
+
+    def empty(self, count, dtype):
+        return np.empty(count, np.dtype(dtype))
+
+    def write(self, x, start, values):
+        x[start:start + values.size] = values
+
+    def fill(self, x, value):
+        x[...] = value
+
+    def read(self, x, start, stop, integer):
+        return x[start:stop].astype(np.int64 if integer else np.float64)
+
+    def synchronize(self):
+        pass
+
+
+def _device_cases(pg, counts, dtypes):
+    bench._CHUNK = 7  # many chunks per buffer, ragged ends
+    arrays, fails = _NumpyArrays(), []
+    for op in bench.OPS:
+        for redop in bench.REDOPS if op in bench._REDUCING else ["sum"]:
+            for name in dtypes:
+                dt = bench.device_dtype(name)
+                for nbytes in counts:
+                    count = bench.element_counts(op, nbytes * dt.itemsize, dt.itemsize, pg.size)
+                    c = bench.DeviceCase(pg, bench.Series(op, "auto" if op == "all_reduce" else None),
+                                         count, dt, redop, pg.size - 1, arrays, seed=5)
+                    w = c.check()
+                    if w:
+                        fails.append(f"{op}/{redop}/{name}/{count}: {w} wrong")
+                    # a wrong element must be seen: corrupt the last one of the result
+                    c.fill()
+                    c.run()
+                    res = c.result()
+                    if op == "reduce" and pg.rank != c.root:
+                        continue  # non-roots' result is their input, which run() keeps
+                    res[-1] = 101
+                    if c.verify() != 1:
+                        fails.append(f"{op}/{redop}/{name}/{count}: corruption not seen")
+    return fails
+
+
+@pytest.mark.timeout(120)
+def test_device_case_reference_matches_the_cpu_backend(run_ranks):
+    """DeviceCase (the --backend nccl path) with numpy arrays on 3 CPU ranks: random inputs
+    regenerated chunk by chunk, the host reference of every op and reduction, and the
+    comparison that finds one wrong element."""
+    results = run_ranks(3, _device_cases, counts=[1, 5, 23], dtypes=["float32", "int8", "float16"])
+    fails = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
+    assert not fails, "\n".join(fails[:20])
+
+
+def test_rank_values_are_chunk_independent():
+    full = bench.rank_values(3, 1, 50, 0, 50, "move")
+    assert full.dtype == np.uint8 and full.min() >= 0 and full.max() < 64
+    parts = [bench.rank_values(3, 1, 50, a, min(a + 9, 50), "move") for a in range(0, 50, 9)]
+    assert np.array_equal(np.concatenate(parts), full)
+    assert not np.array_equal(full, bench.rank_values(3, 2, 50, 0, 50, "move"))
+
+
+def test_reference_reduce_wraps_like_the_device():
+    two = [np.full(3, 2, np.uint8)] * 8  # 2**8 = 256 wraps to 0 in int8 and uint8
+    assert bench.reference_reduce(two, "prod", "int8").tolist() == [0, 0, 0]
+    assert bench.reference_reduce(two, "prod", "float16").tolist() == [256.0] * 3
+    assert bench.reference_reduce([np.array([1, 2], np.uint8)] * 2 + [np.array([0, 0], np.uint8)],
+                                  "avg", "int32").tolist() == [0, 1]
+
+
+def test_nccl_backend_without_gpu_says_why(tmp_path):
+    from meshcoll.nccl import nccl_available
+    ok, why = nccl_available()
+    if ok:
+        pytest.skip(f"NCCL is available here ({why})")
+    p = _bench(tmp_path, "--backend", "nccl", "-N", 2, "-b", 8, "-e", 8)
+    assert p.returncode != 0
+    assert "--backend nccl: the NCCL backend is not available here: " + why in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and p.stdout == ""
+
+
+def test_nccl_backend_rejects_cpu_options():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--backend", "nccl", "--algo", "ring"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--backend", "nccl", "--transport", "tcp"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--array", "torch"])  # cpu backend
