@@ -65,7 +65,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence
 import numpy as np
 
 import meshcoll
-from meshcoll import _C, __version__, _env
+from meshcoll import _C, __version__, _env, arrays
 
 # busbw = algbw x factor(ranks): the bytes each rank's busiest link carries per byte of
 # ``size`` in the bandwidth-optimal algorithm (nccl-tests' PERFORMANCE.md).
@@ -122,17 +122,13 @@ def size_steps(minbytes: int, maxbytes: int, factor: int, stepbytes: int) -> Lis
 
 def numpy_dtype(name: str) -> np.dtype:
     name = _DTYPE_ALIASES.get(name, name)
-    if name == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise SystemExit("meshcoll-bench: --dtype bfloat16 needs ml_dtypes "
-                             "(pip install 'meshcoll[bf16]')") from None
-        return np.dtype(ml_dtypes.bfloat16)
     if name not in _TYPE_NAMES:
         raise SystemExit(f"meshcoll-bench: unknown --dtype {name!r}; use one of "
                          f"{', '.join(_TYPE_NAMES)}")
-    return np.dtype(name)
+    try:
+        return arrays.numpy_dtype(name, "meshcoll-bench: --dtype bfloat16")
+    except ImportError as e:
+        raise SystemExit(str(e)) from None
 
 
 def _list_arg(text: str, choices: Sequence[str], what: str) -> List[str]:
