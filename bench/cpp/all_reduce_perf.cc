@@ -1,8 +1,6 @@
 // all_reduce_perf: nccl-tests-style table for the CPU backend, ranks as forked processes.
 //   all_reduce_perf -n 4 -b 8 -e 16M -f 2 -i 20 -w 5 -c 1 [-a ring|tree|...] [-t auto|shm|tcp] [-j out.jsonl]
 // Same columns as meshcoll-bench: size count type redop time algbw busbw #wrong.
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,6 +16,7 @@
 #include "algo/collectives.h"
 #include "comm/comm.h"
 #include "store/tcp_store.h"
+#include "fork_ranks.h"
 
 using namespace meshcoll;
 
@@ -65,18 +64,6 @@ Options parse(int argc, char** argv) {
     }
   }
   return o;
-}
-
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
 }
 
 // Runs one all_reduce of `count` floats through the comm's queue and waits.
@@ -172,27 +159,6 @@ int rank_main(int rank, int port, const Options& o) {
 
 int main(int argc, char** argv) {
   Options o = parse(argc, argv);
-  int port = free_port();
-  std::vector<pid_t> kids;
-  for (int r = 0; r < o.ranks; ++r) {
-    pid_t pid = fork();
-    if (pid == 0) {
-      int rc = 1;
-      try {
-        rc = rank_main(r, port, o);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
-      }
-      std::fflush(stdout);
-      _exit(rc);
-    }
-    kids.push_back(pid);
-  }
-  int worst = 0;
-  for (pid_t k : kids) {
-    int st = 0;
-    waitpid(k, &st, 0);
-    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) worst = 1;
-  }
-  return worst;
+  return bench::fork_ranks(o.ranks, "all_reduce_perf",
+                          [&](int r, int port) { return rank_main(r, port, o); });
 }

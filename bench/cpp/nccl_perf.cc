@@ -17,8 +17,6 @@
 //
 // Processes are forked before anything touches CUDA: the parent learns whether NCCL and a GPU
 // are there from a forked probe, so it never initialises the driver itself.
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -36,6 +34,7 @@
 #include "nccl/nccl_api.h"
 #include "reduce/half.h"
 #include "store/tcp_store.h"
+#include "fork_ranks.h"
 
 using namespace meshcoll;
 namespace abi = meshcoll::nccl::abi;
@@ -432,18 +431,6 @@ int rank_main(int rank, int port, const Options& o, int n) {
   return total_wrong > 0 ? 1 : 0;
 }
 
-int free_port() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 // Whether NCCL and a GPU are there, asked in a forked child: the parent must not initialise
 // CUDA before it forks the ranks. Returns the visible GPU count (0: not available, *why says).
 int probe(std::string* why) {
@@ -507,27 +494,6 @@ int main(int argc, char** argv) {
   const int n = o.ranks ? o.ranks : gpus;
   if (n > gpus) usage(str_cat("-N ", n, " ranks but ", gpus, " GPUs are visible (one rank per GPU)"));
   if (o.root < 0 || o.root >= n) usage(str_cat("-r ", o.root, " is not a rank of ", n));
-  const int port = free_port();
-  std::vector<pid_t> kids;
-  for (int r = 0; r < n; ++r) {
-    pid_t pid = fork();
-    if (pid == 0) {
-      int rc = 1;
-      try {
-        rc = rank_main(r, port, o, n);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "nccl_perf rank %d: %s\n", r, e.what());
-      }
-      std::fflush(stdout);
-      _exit(rc);
-    }
-    kids.push_back(pid);
-  }
-  int worst = 0;
-  for (pid_t k : kids) {
-    int st = 0;
-    waitpid(k, &st, 0);
-    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) worst = std::max(worst, WIFEXITED(st) ? WEXITSTATUS(st) : 1);
-  }
-  return worst;
+  return bench::fork_ranks(n, "nccl_perf",
+                          [&](int r, int port) { return rank_main(r, port, o, n); });
 }
