@@ -6,8 +6,6 @@ DataParallel; clear errors for arrays of the wrong kind. Skips without GPUs.
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 
@@ -18,57 +16,10 @@ pytestmark = pytest.mark.timeout(240)
 BATCH, STEPS, LR = 24, 3, 0.2
 
 
-def _model(seed):
-    import torch
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
-                               torch.nn.ReLU(), torch.nn.Linear(16, 3))
-
-
-def _data(n):
-    import torch
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-
-def _reference(accum):
-    """One process, CPU, the whole batch of each step."""
-    import torch
-    net = _model(0)
-    x, y = _data(BATCH * STEPS * accum)
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
-    for s in range(STEPS):
-        idx = slice(s * BATCH * accum, (s + 1) * BATCH * accum)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
-        opt.step()
-    return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
-
-
 def _train(pg, accum, compression=None):
-    import torch
-    import meshcoll.torch as mt
-    dev = torch.device("cuda", pg.device)
-    # Every rank starts from other weights: the construction broadcast must equalise them.
-    model = mt.DistributedDataParallel(_model(pg.rank).to(dev), group=pg,
-                                       bucket_cap_mb=1000 / 2**20, compression=compression)
-    x, y = _data(BATCH * STEPS * accum)
-    x, y = x.to(dev), y.to(dev)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for s in range(STEPS):
-        opt.zero_grad()
-        idx = np.arange(s * BATCH * accum, (s + 1) * BATCH * accum)
-        for m, micro in enumerate(np.array_split(idx, accum)):
-            shard = torch.as_tensor(np.array_split(micro, pg.size)[pg.rank], device=dev)
-            ctx = model.no_sync() if m < accum - 1 else contextlib.nullcontext()
-            with ctx:
-                loss = torch.nn.functional.cross_entropy(model(x[shard]), y[shard], reduction="sum")
-                (loss * pg.size / len(idx)).backward()
-        opt.step()
-    stats, buckets = model.stats(), model.ddp.bucket_names
-    model.close()
-    return ({n: p.detach().cpu().numpy() for n, p in model.module.named_parameters()},
-            stats, buckets)
+    import torch_ddp_common as common
+    return common.train(pg, accum, batch=BATCH, steps=STEPS, lr=LR,
+                        device=f"cuda:{pg.device}", compression=compression)
 
 
 def _cupy(pg):
@@ -122,25 +73,23 @@ def _cases(pg):
             "cupy": _cupy(pg), "errors": _errors(pg)}
 
 
-def _max_rel(a, b):
-    return max(float(np.abs(a[n] - b[n]).max() / np.abs(b[n]).max()) for n in b)
-
-
 @needs_torch
 @pytest.mark.parametrize("world", [2, 4])
 def test_gpu_data_parallel_matches_one_process(world):
     if NGPU < world:
         pytest.skip(f"needs {world} GPUs, {NGPU} visible")
     results = run_nccl(world, _cases)
-    ref, ref_accum = _reference(1), _reference(3)
+    import torch_ddp_common as common
+    ref = common.reference(1, batch=BATCH, steps=STEPS, lr=LR)
+    ref_accum = common.reference(3, batch=BATCH, steps=STEPS, lr=LR)
     nbytes = sum(v.nbytes for v in ref.values())
     for r, res in enumerate(results):
         params, stats, buckets = res["plain"]
         assert len(buckets) >= 3, buckets
         # GPU and CPU float32 matmuls round differently: 1e-4 relative, not bit equality.
-        assert _max_rel(params, ref) < 1e-4, (r, _max_rel(params, ref))
-        assert _max_rel(res["accum"][0], ref_accum) < 1e-4
-        assert _max_rel(res["fp16"][0], ref) < 1e-2  # gradients rounded to fp16 on the wire
+        assert common.max_rel(params, ref) < 1e-4, (r, common.max_rel(params, ref))
+        assert common.max_rel(res["accum"][0], ref_accum) < 1e-4
+        assert common.max_rel(res["fp16"][0], ref) < 1e-2  # gradients rounded to fp16 on the wire
         assert stats["calls"] == len(buckets) * STEPS and stats["bytes"] == nbytes * STEPS
         assert stats["comm_seconds"] > 0
         msgs = res["errors"]

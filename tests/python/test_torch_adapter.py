@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
+import torch_ddp_common as common  # noqa: E402  (needs torch)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -18,59 +19,16 @@ def _one_blas_thread(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned ranks
 
 
-def _model(seed):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
-                               torch.nn.ReLU(), torch.nn.Linear(16, 3))
-
-
-def _data(n):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-
-def _reference(accum):
-    net = _model(0)
-    x, y = _data(BATCH * STEPS * accum)
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
-    for s in range(STEPS):
-        idx = slice(s * BATCH * accum, (s + 1) * BATCH * accum)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
-        opt.step()
-    return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
-
-
 def _train(pg, accum):
-    import contextlib
-    import meshcoll.torch as mt
     torch.set_num_threads(1)
-    model = mt.DistributedDataParallel(_model(pg.rank), group=pg, bucket_cap_mb=1000 / 2**20)
-    x, y = _data(BATCH * STEPS * accum)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for s in range(STEPS):
-        opt.zero_grad()
-        idx = np.arange(s * BATCH * accum, (s + 1) * BATCH * accum)
-        for m, micro in enumerate(np.array_split(idx, accum)):
-            shard = torch.as_tensor(np.array_split(micro, pg.size)[pg.rank])
-            ctx = model.no_sync() if m < accum - 1 else contextlib.nullcontext()
-            with ctx:
-                # Scaled so the group average is the mean over the whole accumulated batch.
-                loss = torch.nn.functional.cross_entropy(model(x[shard]), y[shard],
-                                                         reduction="sum")
-                (loss * pg.size / len(idx)).backward()
-        opt.step()
-    stats = model.stats()
-    model.close()
-    return ({n: p.detach().numpy().copy() for n, p in model.module.named_parameters()},
-            stats, model.ddp.bucket_names)
+    return common.train(pg, accum, batch=BATCH, steps=STEPS, lr=LR)
 
 
 def _local_sgd(pg, period):
     import meshcoll.torch as mt
     from meshcoll.ddp import LocalSGD
-    model = mt.DistributedDataParallel(_model(0), group=pg, mode=LocalSGD(period))
-    x, y = _data(BATCH * period)
+    model = mt.DistributedDataParallel(common.model(0), group=pg, mode=LocalSGD(period))
+    x, y = common.data(BATCH * period)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     snapshots = []
     for s in range(period):
@@ -98,20 +56,17 @@ def _cases(pg):
     return out
 
 
-def _max_rel(a, b):
-    return max(float(np.abs(a[n] - b[n]).max() / np.abs(b[n]).max()) for n in b)
-
-
 @pytest.mark.parametrize("world", [3])
 def test_torch_ddp_matches_one_process(run_ranks, world):
     # Three ranks importing torch at once on a loaded 2-core box: give the rendezvous time.
     results = run_ranks(world, _cases, timeout=110, init_timeout=90)
-    ref, ref_accum = _reference(1), _reference(3)
+    ref = common.reference(1, batch=BATCH, steps=STEPS, lr=LR)
+    ref_accum = common.reference(3, batch=BATCH, steps=STEPS, lr=LR)
     for r in results:
         params, stats, buckets = r["plain"]
         assert len(buckets) >= 3, buckets
-        assert _max_rel(params, ref) < 1e-5
-        assert _max_rel(r["accum"][0], ref_accum) < 1e-5
+        assert common.max_rel(params, ref) < 1e-5
+        assert common.max_rel(r["accum"][0], ref_accum) < 1e-5
         nbytes = sum(v.nbytes for v in ref.values())
         assert stats["calls"] == len(buckets) * STEPS and stats["bytes"] == nbytes * STEPS
         assert stats["comm_seconds"] > 0

@@ -1,0 +1,67 @@
+"""What the PyTorch DataParallel tests share (CPU: tests/python/test_torch_adapter.py, GPU:
+tests/gpu/test_ddp_gpu.py): a small MLP, a fixed synthetic data set, one-process full-batch
+training as the reference, and the same training as N ranks through
+meshcoll.torch.DistributedDataParallel. torch is imported by the callers' modules."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+
+def model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16),
+                               torch.nn.ReLU(), torch.nn.Linear(16, 3))
+
+
+def data(n):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def reference(accum, *, batch, steps, lr):
+    """One process on the CPU, the whole (accumulated) batch of each step."""
+    net = model(0)
+    x, y = data(batch * steps * accum)
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    for s in range(steps):
+        idx = slice(s * batch * accum, (s + 1) * batch * accum)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x[idx]), y[idx]).backward()
+        opt.step()
+    return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
+
+
+def train(pg, accum, *, batch, steps, lr, device="cpu", **ddp_kw):
+    """The same training over ``pg``: each rank takes its numpy.array_split shard of every
+    microbatch, ``accum`` microbatches per step (all but the last under no_sync()). Every
+    rank starts from other weights, so the construction broadcast must equalise them.
+    Returns (parameters as numpy, stats, bucket names)."""
+    import meshcoll.torch as mt
+    net = mt.DistributedDataParallel(model(pg.rank).to(device), group=pg,
+                                     bucket_cap_mb=1000 / 2**20, **ddp_kw)
+    x, y = data(batch * steps * accum)
+    x, y = x.to(device), y.to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    for s in range(steps):
+        opt.zero_grad()
+        idx = np.arange(s * batch * accum, (s + 1) * batch * accum)
+        for m, micro in enumerate(np.array_split(idx, accum)):
+            shard = torch.as_tensor(np.array_split(micro, pg.size)[pg.rank], device=device)
+            ctx = net.no_sync() if m < accum - 1 else contextlib.nullcontext()
+            with ctx:
+                # Scaled so the group average is the mean over the whole accumulated batch.
+                loss = torch.nn.functional.cross_entropy(net(x[shard]), y[shard], reduction="sum")
+                (loss * pg.size / len(idx)).backward()
+        opt.step()
+    stats, buckets = net.stats(), net.ddp.bucket_names
+    net.close()
+    return ({n: p.detach().cpu().numpy() for n, p in net.module.named_parameters()},
+            stats, buckets)
+
+
+def max_rel(a, b):
+    return max(float(np.abs(a[n] - b[n]).max() / np.abs(b[n]).max()) for n in b)
