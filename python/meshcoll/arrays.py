@@ -45,6 +45,14 @@ def as_array(x, what: str, *, writable: bool = False) -> np.ndarray:
     return a
 
 
+def dtype_name(dtype) -> str:
+    """"float32" for np.float32, np.dtype("float32"), torch.float32 or a CuPy array's dtype."""
+    if isinstance(dtype, np.dtype):
+        return dtype.name
+    text = str(dtype)
+    return text[len("torch."):] if text.startswith("torch.") else np.dtype(dtype).name
+
+
 def numpy_dtype(name: str, what: str) -> np.dtype:
     """The numpy dtype called ``name``; bfloat16 comes from ml_dtypes (an optional extra)."""
     if name != "bfloat16":

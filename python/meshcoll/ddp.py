@@ -48,7 +48,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional
 
 import numpy as np
 
-from .arrays import as_array
+from .arrays import as_array, dtype_name
 
 _MB = 1 << 20
 _FLOAT_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}  # name -> itemsize
@@ -114,8 +114,7 @@ def _numel(x) -> int:
 
 
 def _dtype_name(x) -> str:
-    d = x.dtype  # numpy / CuPy: np.dtype; PyTorch: torch.float32
-    return d.name if isinstance(d, np.dtype) else str(d).rpartition(".")[2]
+    return dtype_name(x.dtype)
 
 
 def _operand(group, x, what: str):

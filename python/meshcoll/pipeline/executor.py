@@ -9,9 +9,9 @@ rank's action list (`schedule.actions(group.rank)`) and, per action:
   stage ``loss_fn(y, targets[i])`` returns (loss, dloss/dy).
 * ``B s i``: grad_x = stage.backward(i, grad_y). ``I`` / ``W`` (zero-bubble):
   grad_x = stage.backward_input(i, grad_y), later stage.backward_weight(i).
-* ``SEND_F`` / ``SEND_B``: ``group.isend`` of the activation / input gradient.
-* ``RECV_F`` / ``RECV_B``: ``group.irecv`` into a fresh buffer; the compute
-  that consumes it waits on it.
+* ``SEND_F`` / ``SEND_B``: ``isend`` of the activation / input gradient.
+* ``RECV_F`` / ``RECV_B``: ``irecv`` into a fresh buffer (``empty``); the
+  compute that consumes it waits on it.
 
 Note [Why sends are waited at the end]: a blocking send (or waiting on an
 isend right away) to a rank that is itself busy sending can stall on large
@@ -26,9 +26,24 @@ the step ends.
 Messages carry no header: every rank knows the shape and dtype of the array
 crossing each stage boundary from `specs`, one `ArraySpec` per boundary
 (boundary s is stage s's output = stage s+1's input; its gradient has the same
-spec). The tag names the boundary, the microbatch and the direction, so a
-message that arrives out of the expected order fails loudly in the transport
-instead of landing in the wrong buffer.
+spec). On the CPU backend the tag names the boundary, the microbatch and the
+direction, so a message that arrives out of the expected order fails loudly in
+the transport instead of landing in the wrong buffer.
+
+Note [Channels on NCCL]: NCCL has no tags (messages between two ranks match in
+posting order) and runs a communicator's sends and receives one after another
+on its stream, so a rank sending an activation while its peer sends a gradient
+the other way would block both streams. On the NCCL backend every ordered pair
+of neighbouring ranks therefore gets its own two-rank communicator
+(``new_group`` in the constructor, collective over the group): data flows one
+way on each, so its stream can only wait for the schedule's own dependencies.
+Posting order stands in for the tag: a valid schedule posts each channel's
+receives in the order of its sends (Note [Channel order] in schedule.py,
+checked by `validate` when the executor is built). Arrays stay the caller's GPU arrays:
+pass ``empty(shape, dtype)`` to allocate receive buffers (e.g. torch.empty on
+the rank's device); stage outputs are sent as they are (contiguous, the
+boundary's shape and dtype). Waits order the current stream after a transfer
+(no host block); a step's sends are waited, that way, when it ends.
 
 Gradients: stages own their parameters and accumulate parameter gradients in
 `backward` (or `backward_weight`), summed over the microbatches of a step and
@@ -45,6 +60,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Seque
 
 import numpy as np
 
+from ..arrays import dtype_name
 from .schedule import Action, Kind, Schedule
 from .simulate import timeline
 
@@ -60,10 +76,10 @@ class ArraySpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
-        object.__setattr__(self, "dtype", np.dtype(self.dtype))
-
-    def empty(self) -> np.ndarray:
-        return np.empty(self.shape, self.dtype)
+        try:
+            object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        except TypeError:
+            pass  # a framework's dtype (torch.float32), for GPU arrays: kept as given
 
 
 class Stage(Protocol):
@@ -99,11 +115,14 @@ class PipelineExecutor:
     loss_fn: ``loss_fn(y, target) -> (loss, grad_y)``; required on the rank
         that owns the last stage.
     timeout: seconds passed to every ``Work.wait`` (None: the group's default).
+    empty: ``empty(shape, dtype) -> array`` allocating receive buffers (default:
+        numpy; required on the NCCL backend, see Note [Channels on NCCL]).
     """
 
     def __init__(self, schedule: Schedule, stage_fns: Mapping[int, Stage], group: Any,
                  specs: Union[ArraySpec, Sequence[ArraySpec], None] = None,
-                 loss_fn: Optional[LossFn] = None, timeout: Optional[float] = None) -> None:
+                 loss_fn: Optional[LossFn] = None, timeout: Optional[float] = None,
+                 empty: Optional[Callable[[Tuple[int, ...], Any], Any]] = None) -> None:
         # Validate and play the schedule once (unit costs) so that a malformed or
         # deadlocking custom schedule fails here, by name, instead of hanging.
         timeline(schedule, lambda a: 1.0)
@@ -131,6 +150,20 @@ class PipelineExecutor:
             raise ValueError(f"rank {self.rank} owns the last stage ({self.last_stage}) and needs loss_fn")
         self.loss_fn = loss_fn
         self._actions = schedule.actions(self.rank)
+        self._host = getattr(group, "backend_name", "cpu") != "nccl"
+        if not self._host and self.specs and empty is None:
+            raise ValueError("PipelineExecutor on the NCCL backend needs empty=, e.g. "
+                             "lambda shape, dtype: torch.empty(shape, dtype=dtype, device='cuda')")
+        self._empty = empty or (lambda shape, dtype: np.empty(shape, dtype))
+        # (sending rank, receiving rank) -> two-rank group: Note [Channels on NCCL].
+        self._channels: Dict[Tuple[int, int], Any] = {}
+        if not self._host and self.specs:
+            links = {(self._peer(b), self._peer(b + 1)) for b in range(self.num_stages - 1)}
+            for src, dst in sorted(links | {(d, s) for s, d in links}):
+                # Collective over the group; src is the child's rank 0, dst its rank 1.
+                g = group.new_group([group.ranks[src], group.ranks[dst]], timeout=timeout)
+                if self.rank in (src, dst):
+                    self._channels[(src, dst)] = g
 
     def _normalize_specs(self, specs: Union[ArraySpec, Sequence[ArraySpec], None]) -> List[ArraySpec]:
         n = self.num_stages - 1
@@ -155,13 +188,23 @@ class PipelineExecutor:
     def _tag(self, boundary: int, mb: int, backward: bool) -> int:
         return 2 * (boundary * self.schedule.num_microbatches + mb) + int(backward)
 
-    def _wire_array(self, y: Any, boundary: int, what: str, stage: int, mb: int) -> np.ndarray:
+    def _wire_array(self, y: Any, boundary: int, what: str, stage: int, mb: int) -> Any:
         spec = self.specs[boundary]
-        arr = np.ascontiguousarray(y)
-        if arr.shape != spec.shape or arr.dtype != spec.dtype:
-            raise ValueError(f"stage {stage} microbatch {mb} produced {what} of shape {arr.shape} "
-                             f"{arr.dtype}; boundary {boundary} is declared {spec.shape} {spec.dtype}")
+        arr = np.ascontiguousarray(y) if self._host else y
+        if tuple(arr.shape) != spec.shape or dtype_name(arr.dtype) != dtype_name(spec.dtype):
+            raise ValueError(f"stage {stage} microbatch {mb} produced {what} of shape "
+                             f"{tuple(arr.shape)} {dtype_name(arr.dtype)}; boundary {boundary} is "
+                             f"declared {spec.shape} {dtype_name(spec.dtype)}")
         return arr
+
+    def _route(self, peer_stage: int, sending: bool, tag: int) -> Tuple[Any, int, int]:
+        """(group, peer's rank in it, tag) of one message to or from ``peer_stage``."""
+        peer = self._peer(peer_stage)
+        if self._host:
+            return self.group, peer, tag
+        if sending:
+            return self._channels[(self.rank, peer)], 1, 0
+        return self._channels[(peer, self.rank)], 0, 0
 
     def step(self, inputs: Optional[Sequence[np.ndarray]] = None,
              targets: Optional[Sequence[Any]] = None) -> Optional[List[float]]:
@@ -176,7 +219,7 @@ class PipelineExecutor:
         if owns_last and targets is not None and len(targets) != m:
             raise ValueError(f"targets has {len(targets)} entries for {m} microbatches")
 
-        group, timeout = self.group, self.timeout
+        timeout = self.timeout
         outputs: Dict[Tuple[int, int], np.ndarray] = {}  # (stage, mb) -> output not yet sent/consumed
         grads: Dict[Tuple[int, int], np.ndarray] = {}    # (stage, mb) -> input grad not yet sent/consumed
         loss_grads: Dict[int, np.ndarray] = {}
@@ -189,21 +232,25 @@ class PipelineExecutor:
             work.wait(timeout)
             return buf
 
-        def send(arr: np.ndarray, peer: int, tag: int) -> None:
+        def send(arr: Any, route: Tuple[Any, int, int]) -> None:
             # Drop sends the transport has finished, so a long step does not pin
             # every activation it ever sent.
             sends[:] = [(w, a) for w, a in sends
                         if not (callable(getattr(w, "is_completed", None)) and w.is_completed())]
-            sends.append((group.isend(arr, peer, tag=tag), arr))
+            g, peer, tag = route
+            sends.append((g.isend(arr, peer, tag=tag), arr))
+
+        def recv(spec: ArraySpec, route: Tuple[Any, int, int]) -> Tuple[Any, Any]:
+            buf = self._empty(spec.shape, spec.dtype)
+            g, peer, tag = route
+            return buf, g.irecv(buf, peer, tag=tag)
 
         for a in self._actions:
             s, i, kind = a.stage, a.microbatch, a.kind
             if kind is Kind.RECV_F:
-                buf = self.specs[s - 1].empty()
-                recvs[a] = (buf, group.irecv(buf, self._peer(s - 1), tag=self._tag(s - 1, i, False)))
+                recvs[a] = recv(self.specs[s - 1], self._route(s - 1, False, self._tag(s - 1, i, False)))
             elif kind is Kind.RECV_B:
-                buf = self.specs[s].empty()
-                recvs[a] = (buf, group.irecv(buf, self._peer(s + 1), tag=self._tag(s, i, True)))
+                recvs[a] = recv(self.specs[s], self._route(s + 1, False, self._tag(s, i, True)))
             elif kind is Kind.F:
                 if s == 0:
                     x = inputs[i]
@@ -234,10 +281,10 @@ class PipelineExecutor:
                 self.stages[s].backward_weight(i)
             elif kind is Kind.SEND_F:
                 arr = self._wire_array(outputs.pop((s, i)), s, "an activation", s, i)
-                send(arr, self._peer(s + 1), self._tag(s, i, False))
+                send(arr, self._route(s + 1, True, self._tag(s, i, False)))
             elif kind is Kind.SEND_B:
                 arr = self._wire_array(grads.pop((s, i)), s - 1, "an input gradient", s, i)
-                send(arr, self._peer(s - 1), self._tag(s - 1, i, True))
+                send(arr, self._route(s - 1, True, self._tag(s - 1, i, True)))
             else:  # pragma: no cover - validate() admits no other kind
                 raise AssertionError(f"unhandled action {a}")
 
