@@ -2,6 +2,8 @@
 
     meshcoll-run -n 4 bench/python/bench_ddp.py
     meshcoll-run -n 4 bench/python/bench_ddp.py --compute matmul --json ddp.jsonl
+    NCCL_NVLS_ENABLE=0 meshcoll-run -n 4 bench/python/bench_ddp.py --backend nccl \
+        --layer-mb 64 --ms-per-layer 1      # CUDA tensors; the backward is GPU time
 
 * compute-only: the backward (``--layers`` layers, last first), no communication;
 * comm-only: every gradient handed over at once, then ``wait()``: communication alone;
@@ -12,8 +14,11 @@ three phases take turns, each after a barrier. If overlap is real, overlapped < 
 (compute + comm - overlapped) / min(compute, comm). ``--compute sleep`` (default) stands for
 an accelerator's backward: it leaves the host CPU free. ``--compute matmul`` runs numpy
 matmuls on the same cores as the communication, so on a machine with fewer cores than
-ranks x 2 threads there is little to hide into. The last line quotes ``ddp.stats()`` of the
-overlapped steps: what DataParallel itself measured.
+ranks x 2 threads there is little to hide into. With ``--backend nccl`` parameters and
+gradients are CUDA tensors (torch) and a layer's backward is ``torch.cuda._sleep`` on the
+current stream (a kernel that keeps the GPU busy for the given time), so the all-reduces run
+on NCCL's stream beside it; every phase ends with a device synchronize. The last line quotes
+``ddp.stats()`` of the overlapped steps: what DataParallel itself measured.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ def parse_args():
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--layer-mb", type=float, default=0.5, help="gradient MiB per layer")
     p.add_argument("--bucket-cap-mb", type=float, default=0.5)
+    p.add_argument("--backend", choices=("cpu", "nccl"), default="cpu")
     p.add_argument("--compute", choices=("sleep", "matmul"), default="sleep")
     p.add_argument("--ms-per-layer", type=float, default=4.0,
                    help="backward time per layer (sleep), or its target (matmul: calibrated)")
@@ -56,6 +62,19 @@ class Backward:
         self.grads, self.kind, self.ms = grads, args.compute, args.ms_per_layer
         self.a = np.random.default_rng(0).standard_normal((128, 128)).astype(np.float32)
         self.reps = self._calibrate(pg) if self.kind == "matmul" else 0
+        self.gpu = args.backend == "nccl"
+        self.cycles = self._gpu_cycles() if self.gpu else 0
+
+    def _gpu_cycles(self) -> int:
+        # GPU clock cycles of torch.cuda._sleep per ms, timed with CUDA events.
+        import torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(10**6)  # warm-up
+        start.record()
+        torch.cuda._sleep(10**7)
+        end.record()
+        end.synchronize()
+        return int(10**7 / start.elapsed_time(end) * self.ms)
 
     def _calibrate(self, pg) -> int:
         # All ranks at once, as in the run; every rank then uses the smallest count, so that
@@ -65,10 +84,13 @@ class Backward:
         for _ in range(n):
             self.a @ self.a
         reps = np.array([max(1, round(self.ms / 1e3 / ((time.perf_counter() - t0) / n)))])
-        return int(pg.all_reduce(reps, op="min")[0])
+        return int(pg.all_gather(reps).min())
 
     def layer(self) -> None:
-        if self.kind == "sleep":
+        if self.gpu:
+            import torch
+            torch.cuda._sleep(self.cycles)
+        elif self.kind == "sleep":
             time.sleep(self.ms / 1e3)
         else:
             for _ in range(self.reps):
@@ -92,11 +114,14 @@ def timed(pg, fns, args, ddp):
             before = ddp.stats()
             t0 = time.perf_counter()
             fn()
-            t = np.array([time.perf_counter() - t0])
+            if args.backend == "nccl":
+                import torch
+                torch.cuda.synchronize()
+            t = time.perf_counter() - t0
             after = ddp.stats()
-            pg.all_reduce(t, op="max")
+            t = float(pg.all_gather(np.array([t])).max())  # host arrays: also on NCCL
             if i >= args.warmup:
-                times[j].append(float(t[0]))
+                times[j].append(t)
                 if j == len(fns) - 1:
                     for k in stats:
                         stats[k] += after[k] - before[k]
@@ -105,10 +130,15 @@ def timed(pg, fns, args, ddp):
 
 def main() -> None:
     args = parse_args()
-    pg = meshcoll.init()
+    pg = meshcoll.init(backend=args.backend)
     n = max(1, int(args.layer_mb * 2**20) // 4)
     params = {f"w{i}": np.zeros(n, np.float32) for i in range(args.layers)}
     grads = {k: np.ones(n, np.float32) for k in params}
+    if args.backend == "nccl":
+        import torch
+        dev = torch.device("cuda", pg.device)
+        params = {k: torch.from_numpy(v).to(dev) for k, v in params.items()}
+        grads = {k: torch.from_numpy(v).to(dev) for k, v in grads.items()}
     ddp = DataParallel(params, group=pg, bucket_cap_mb=args.bucket_cap_mb)
     bw = Backward(pg, args, grads)
 
@@ -124,9 +154,10 @@ def main() -> None:
     frac = hidden / min(compute, comm)
     if pg.rank == 0:
         total_mb = args.layers * n * 4 / 2**20
-        what = (f"sleep {args.ms_per_layer:g} ms" if args.compute == "sleep"
+        what = (f"GPU sleep {args.ms_per_layer:g} ms" if bw.gpu
+                else f"sleep {args.ms_per_layer:g} ms" if args.compute == "sleep"
                 else f"matmul x{bw.reps} (~{args.ms_per_layer:g} ms)")
-        print(f"# meshcoll {meshcoll.__version__}  ddp overlap  ranks={pg.size}  "
+        print(f"# meshcoll {meshcoll.__version__}  ddp overlap  backend={args.backend}  ranks={pg.size}  "
               f"layers={args.layers} x {args.layer_mb:g} MiB = {total_mb:g} MiB  "
               f"buckets={len(ddp.bucket_names)}  compute={what} per layer  "
               f"repeats={args.repeats} warmup={args.warmup}")
