@@ -100,6 +100,13 @@ void Comm::shutdown() {
 }
 
 std::shared_ptr<Work> Comm::push(Item item, bool blocking) {
+  if (blocking && item.env.channel == transport::Channel::kCollective &&
+      try_claim(item.env, &item.index)) {
+    item.work = std::make_shared<Work>(rank_, item.env.op);
+    run_item(item);
+    release_claim();
+    return item.work;
+  }
   std::unique_lock<std::mutex> lock(mu_);
   if (stopping_)
     throw Aborted(str_cat("rank ", rank_, ": ", describe_op(item.env.op),
@@ -108,19 +115,6 @@ std::shared_ptr<Work> Comm::push(Item item, bool blocking) {
   item.work = std::make_shared<Work>(rank_, item.env.op);
   item.index = next_index_++;
   auto work = item.work;
-  if (blocking && !busy_ && queue_.empty() && in_flight_count_ == 0) {
-    busy_ = true;
-    lock.unlock();
-    run_item(item);
-    lock.lock();
-    busy_ = false;
-    // Wake the worker only if work arrived meanwhile: a needless wake-up is a context switch
-    // on every call.
-    bool wake = !queue_.empty() || in_flight_count_ > 0 || stopping_;
-    lock.unlock();
-    if (wake) cv_.notify_all();
-    return work;
-  }
   queue_.push_back(std::move(item));
   cv_.notify_all();
   if (polling_idle_.load()) {
@@ -128,6 +122,28 @@ std::shared_ptr<Work> Comm::push(Item item, bool blocking) {
     (void)!::write(wake_fd_, &one, sizeof(one));
   }
   return work;
+}
+
+bool Comm::try_claim(transport::Envelope& env, uint64_t* index) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_)
+    throw Aborted(str_cat("rank ", rank_, ": ", describe_op(env.op),
+                          " was called on a destroyed group"));
+  if (busy_ || !queue_.empty() || in_flight_count_ > 0) return false;
+  busy_ = true;
+  env.seq = next_seq_++;
+  *index = next_index_++;
+  return true;
+}
+
+void Comm::release_claim() {
+  std::unique_lock<std::mutex> lock(mu_);
+  busy_ = false;
+  // Wake the worker only if work arrived meanwhile: a needless wake-up is a context switch
+  // on every call.
+  bool wake = !queue_.empty() || in_flight_count_ > 0 || stopping_;
+  lock.unlock();
+  if (wake) cv_.notify_all();
 }
 
 std::shared_ptr<Work> Comm::enqueue(const transport::OpDesc& desc, Millis timeout,
@@ -165,12 +181,14 @@ std::shared_ptr<Work> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag, Co
 transport::Request Comm::send(int peer, uint32_t tag, ConstBytes src) {
   transport::Envelope env = current_;
   env.tag = tag;
+  used_tcp_ = true;
   return transport_->isend(peer, env, src);
 }
 
 transport::Request Comm::recv(int peer, uint32_t tag, MutBytes dst) {
   transport::Envelope env = current_;
   env.tag = tag;
+  used_tcp_ = true;
   return transport_->irecv(peer, env, dst);
 }
 
@@ -375,23 +393,38 @@ std::string Comm::census(uint64_t seq) {
   }
 }
 
-void Comm::log_op(const Item& item, Clock::time_point t0, std::exception_ptr error) {
+void Comm::log_op(const transport::Envelope& env, Clock::time_point t0,
+                  std::exception_ptr error) {
   auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
   std::fprintf(stderr, "meshcoll[rank %d/%d] %s seq=%llu algo=%s bytes=%llu time=%lldus%s%s\n",
-               rank_, size_, describe_op(item.env.op).c_str(),
-               static_cast<unsigned long long>(item.env.seq),
+               rank_, size_, describe_op(env.op).c_str(), static_cast<unsigned long long>(env.seq),
                *algorithm_ ? algorithm_ : (shm_ ? "shm" : "tcp"),
-               static_cast<unsigned long long>(item.env.op.count *
-                                               dtype_size(static_cast<DType>(item.env.op.dtype))),
+               static_cast<unsigned long long>(env.op.count *
+                                               dtype_size(static_cast<DType>(env.op.dtype))),
                static_cast<long long>(us), error ? " FAILED: " : "",
                error ? message_of(error).c_str() : "");
 }
 
 void Comm::run_item(Item& item) {
-  std::exception_ptr error;
+  if (item.peer < 0) {
+    item.work->finish(execute(item.env, item.timeout, item.index, OpRef(item.run), true));
+    return;
+  }
+  // A posted transfer completes its Work later (Note [Point-to-point in flight]).
+  bool posted = false;
+  auto post = [&](Comm&) {
+    start_p2p(item);
+    posted = true;
+  };
+  std::exception_ptr error = execute(item.env, item.timeout, item.index, OpRef(post), false);
+  if (!posted) item.work->finish(error);
+}
+
+std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout, uint64_t index,
+                                 const OpRef& run, bool collective) {
   auto ctx = [&] {  // formatted only on failure
-    return str_cat(describe_op(item.env.op), " [seq ", item.env.seq, "] on rank ", rank_, " of ",
-                   size_, ": ");
+    return str_cat(describe_op(env.op), " [seq ", env.seq, "] on rank ", rank_, " of ", size_,
+                   ": ");
   };
   if (first_error_) {
     // Operations already queued when the group failed report the failure's own type (a
@@ -399,34 +432,40 @@ void Comm::run_item(Item& item) {
     // issued afterwards get Aborted.
     std::string msg = str_cat(ctx(), "not run: the group failed earlier (", message_of(first_error_),
                               "); destroy it and create a new one");
-    error = item.index < failed_before_ ? same_type(first_error_, msg)
-                                        : std::make_exception_ptr(Aborted(msg));
-  } else {
-    current_ = item.env;
-    deadline_ = Deadline(item.timeout);
-    const auto t0 = Clock::now();
-    try {
-      if (item.peer >= 0) {
-        start_p2p(item);
-        return;
-      }
-      algorithm_ = "";
-      transport_->begin_collective(current_);
-      item.run(*this);
-      if (size_ > 1) transport_->poll_once();
-      if (debug_) log_op(item, t0, nullptr);
-    } catch (...) {
-      error = same_type(std::current_exception(), ctx() + message_of(std::current_exception()));
-      if (abort_kind_of(error) == transport::AbortKind::kTimeout) {
-        // Tell the peers first (they then join the census at once), then take it.
-        transport_->abort(transport::AbortKind::kTimeout, message_of(error));
-        error = same_type(error, message_of(error) + census(item.env.seq));
-      }
-      if (debug_) log_op(item, t0, error);  // the failed one is what a hang diagnosis needs
-      fail_group(error);
-    }
+    return index < failed_before_ ? same_type(first_error_, msg)
+                                  : std::make_exception_ptr(Aborted(msg));
   }
-  item.work->finish(error);
+  current_ = env;
+  deadline_ = Deadline(timeout);
+  const auto t0 = debug_ ? Clock::now() : Clock::time_point();
+  try {
+    if (!collective) {
+      run(*this);
+      return nullptr;
+    }
+    algorithm_ = "";
+    used_tcp_ = false;
+    transport_->begin_collective(current_);
+    run(*this);
+    // After an operation that used TCP, collect an ABORT or a stray frame now (a send-only
+    // operation would otherwise learn of a failed peer only at its next wait), and progress
+    // posted transfers. A shared-memory operation heard from every peer in its last round,
+    // and its waits poll the links: a syscall per call saved.
+    if (size_ > 1 && (used_tcp_ || !in_flight_.empty())) transport_->poll_once();
+    if (debug_) log_op(env, t0, nullptr);
+    return nullptr;
+  } catch (...) {
+    std::exception_ptr error =
+        same_type(std::current_exception(), ctx() + message_of(std::current_exception()));
+    if (abort_kind_of(error) == transport::AbortKind::kTimeout) {
+      // Tell the peers first (they then join the census at once), then take it.
+      transport_->abort(transport::AbortKind::kTimeout, message_of(error));
+      error = same_type(error, message_of(error) + census(env.seq));
+    }
+    if (debug_) log_op(env, t0, error);  // the failed one is what a hang diagnosis needs
+    fail_group(error);
+    return error;
+  }
 }
 
 }  // namespace meshcoll::comm

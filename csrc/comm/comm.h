@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "comm/work.h"
@@ -52,6 +53,22 @@ struct CommOptions {
   std::string token;
 };
 
+class Comm;
+
+// A non-owning reference to a `void(Comm&)` callable: lets the inline path run a collective
+// without building a std::function (a heap allocation for most captures).
+class OpRef {
+ public:
+  template <class F, class = std::enable_if_t<!std::is_same_v<std::decay_t<F>, OpRef>>>
+  OpRef(F& f)  // NOLINT: implicit, like std::function
+      : obj_(&f), call_([](void* o, Comm& c) { (*static_cast<F*>(o))(c); }) {}
+  void operator()(Comm& c) const { call_(obj_, c); }
+
+ private:
+  void* obj_;
+  void (*call_)(void*, Comm&);
+};
+
 class Comm {
  public:
   // Connects to every peer through `store` (already namespaced for this group).
@@ -72,6 +89,23 @@ class Comm {
   // saving two thread hand-offs per call; issue order is kept either way.
   std::shared_ptr<Work> enqueue(const transport::OpDesc& desc, Millis timeout,
                                 std::function<void(Comm&)> run, bool blocking = false);
+  // Runs a collective and waits for it: inline when the group is idle, with no Work and no
+  // allocation (the per-call cost of small blocking collectives); otherwise queued behind
+  // the pending operations, then waited for. Throws what the operation threw.
+  template <class F>
+  void run_blocking(const transport::OpDesc& desc, Millis timeout, F&& run) {
+    transport::Envelope env;
+    env.op = desc;
+    uint64_t index;
+    if (!try_claim(env, &index)) {
+      enqueue(desc, timeout, std::forward<F>(run))->wait(Millis(-1));
+      return;
+    }
+    std::exception_ptr error =
+        execute(env, timeout.count() < 0 ? opts_.timeout : timeout, index, OpRef(run), true);
+    release_claim();
+    if (error) std::rethrow_exception(error);
+  }
   // Queues a point-to-point send or receive; the per-peer message count is its sequence.
   // Note [Point-to-point in flight]: the worker only *posts* it and moves on to the next
   // operation, so `irecv` then `isend` on both sides of a pair cannot deadlock; posted
@@ -117,6 +151,13 @@ class Comm {
     uint64_t index = 0;  // position in issue order
   };
   std::shared_ptr<Work> push(Item item, bool blocking = false);
+  // Note [Inline execution]: if the group is idle, takes the next sequence number and index
+  // for `env` and the transport for the calling thread; release_claim() gives it back.
+  bool try_claim(transport::Envelope& env, uint64_t* index);
+  void release_claim();
+  // Runs one operation on the thread that owns the transport; returns its error, if any.
+  std::exception_ptr execute(const transport::Envelope& env, Millis timeout, uint64_t index,
+                             const OpRef& run, bool collective);
   void sync_in_flight_count();
   struct InFlight {
     transport::Request req;
@@ -129,7 +170,7 @@ class Comm {
   };
   void worker_loop();
   void run_item(Item& item);
-  void log_op(const Item& item, Clock::time_point t0, std::exception_ptr error);
+  void log_op(const transport::Envelope& env, Clock::time_point t0, std::exception_ptr error);
   std::string census(uint64_t seq);
   void start_p2p(Item& item);
   void progress_in_flight();
@@ -167,6 +208,7 @@ class Comm {
   std::exception_ptr first_error_;
   bool debug_ = false;  // MESHCOLL_DEBUG=1: one line per operation on stderr
   const char* algorithm_ = "";
+  bool used_tcp_ = false;  // the running operation sent or received over TCP
   std::vector<InFlight> in_flight_;
 };
 

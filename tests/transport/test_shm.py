@@ -2,6 +2,7 @@
 exit or kill -9, and a clear fallback or error when /dev/shm is too small."""
 
 import glob
+import hashlib
 import os
 import signal
 import time
@@ -49,9 +50,12 @@ def _die_in_shm_all_reduce(pg):
     return "no error", "", 0.0
 
 
-def test_kill9_in_shm_collective_fails_fast_and_leaves_nothing(run_ranks):
+# 1 MiB reads and writes peers' memory (Note [Single-copy all_reduce]); MESHCOLL_CMA=0 sends
+# it through the data area.
+@pytest.mark.parametrize("cma", ["1", "0"])
+def test_kill9_in_shm_collective_fails_fast_and_leaves_nothing(run_ranks, cma):
     before = _ours()
-    res = run_ranks(3, _die_in_shm_all_reduce, may_die=(1,))
+    res = run_ranks(3, _die_in_shm_all_reduce, may_die=(1,), env={"MESHCOLL_CMA": cma})
     for rank in (0, 2):
         kind, msg, elapsed = res[rank]
         assert kind in ("PeerError", "TimeoutError"), res[rank]
@@ -78,8 +82,8 @@ def test_small_dev_shm_with_shm_forced_is_an_error_naming_the_size(run_ranks):
                                        "MESHCOLL_TRANSPORT": "shm"})
 
 
-def _mismatch_in_shm(pg):
-    x = np.ones(10 + pg.rank, np.float32)
+def _mismatch_in_shm(pg, base=10):
+    x = np.ones(base + pg.rank, np.float32)
     t0 = time.monotonic()
     with pytest.raises(meshcoll.MismatchError) as e:
         pg.all_reduce(x, timeout=30)
@@ -91,6 +95,79 @@ def test_mismatch_detected_in_shared_memory(run_ranks):
     for msg, elapsed in res:
         assert "count=10" in msg and ("count=11" in msg or "count=12" in msg), msg
         assert elapsed < 2
+
+
+def test_mismatch_detected_across_all_reduce_paths(run_ranks):
+    # 245 + rank floats: rank 0 (980 bytes) in the slots, ranks 1 and 2 (984, 988 bytes) on
+    # each side of the slot limit. Then 4095 + rank floats: 16 KiB - 4 through the data area,
+    # 16 KiB and + 4 single-copy. Every path agrees on the call before it moves data.
+    for base in (245, 4095):
+        res = run_ranks(3, _mismatch_in_shm, base=base)
+        for msg, elapsed in res:
+            assert "mismatch" in msg and f"count={base}" in msg, msg
+            assert elapsed < 2
+
+
+# Byte sizes around every switch of shm_all_reduce: the slot payload (984 bytes), the
+# single-copy threshold (16 KiB), and, with MESHCOLL_CMA=0, the fold-all limit (64 KiB read
+# per rank) and several data-area rounds (4 MiB area: 2 MiB halves). 5 MiB + 8 also takes
+# several single-copy pieces, the last one short.
+PATH_BYTES = [0, 4, 976, 984, 992, 8 << 10, (16 << 10) - 8, 16 << 10, 32 << 10, 96 << 10,
+              (2 << 20) + 8, (5 << 20) + 8]
+
+
+def _all_reduce_paths(pg):
+    n, rank = pg.size, pg.rank
+    failures, digests = [], []
+    for nbytes in PATH_BYTES:
+        for dtype in (np.float32, np.float64):
+            count = nbytes // np.dtype(dtype).itemsize
+            # Exact: small integers sum exactly in any order.
+            x = ((np.arange(count) % 7) + rank).astype(dtype)
+            pg.all_reduce(x)
+            want = (np.arange(count) % 7) * n + n * (n - 1) // 2
+            if not np.array_equal(x, want.astype(dtype)):
+                failures.append(f"{nbytes} bytes {np.dtype(dtype).name}: wrong sum")
+            # Random values: every rank must end with the same bits.
+            y = np.random.default_rng(nbytes + rank).standard_normal(count).astype(dtype)
+            ref = sum(np.random.default_rng(nbytes + r).standard_normal(count).astype(np.float64)
+                      for r in range(n))
+            pg.all_reduce(y)
+            if count and not np.allclose(y, ref, rtol=1e-5, atol=1e-5):
+                failures.append(f"{nbytes} bytes {np.dtype(dtype).name}: random sum off")
+            digests.append(hashlib.sha1(y.tobytes()).hexdigest())
+    return {"failures": failures, "digests": digests, "transport": pg.transport}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cma", ["1", "0"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_reduce_on_every_shared_memory_path(run_ranks, world, cma):
+    # MESHCOLL_CMA=0: large vectors take the data-area path instead of the single-copy one.
+    res = run_ranks(world, _all_reduce_paths, timeout=100, env={"MESHCOLL_CMA": cma})
+    for r in res:
+        assert r["transport"] == "shm"
+        assert not r["failures"], r["failures"]
+        assert r["digests"] == res[0]["digests"]
+
+
+def _blocking_behind_async(pg):
+    # A blocking all_reduce issued while async ones are queued cannot run inline: it waits
+    # its turn, and every result is right and in issue order.
+    n = pg.size
+    big = [np.full(1 << 20, float(pg.rank + k), np.float32) for k in range(3)]
+    works = [pg.all_reduce(b, async_op=True) for b in big]
+    small = np.full(3, float(pg.rank), np.float32)
+    pg.all_reduce(small)
+    for w in works:
+        w.wait()
+    tri = n * (n - 1) / 2
+    return (all(float(b[0]) == tri + n * k and float(b[-1]) == tri + n * k
+                for k, b in enumerate(big)) and small.tolist() == [tri] * 3)
+
+
+def test_blocking_all_reduce_behind_async_ones(run_ranks):
+    assert run_ranks(2, _blocking_behind_async) == [True, True]
 
 
 def _reduce_scatter_rounds(pg, counts):

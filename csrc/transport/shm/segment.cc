@@ -5,6 +5,7 @@
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -128,7 +129,9 @@ std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& sto
         err = str_cat("mmap of shared memory failed: ", errno_text(errno));
       } else {
         g->maps_[rank] = m;
-        new (m) ShmControl();
+        auto* ctrl = new (m) ShmControl();
+        ctrl->pid = getpid();
+        ctrl->self_addr = reinterpret_cast<uintptr_t>(ctrl);
         g->ctrl_[rank] = static_cast<ShmControl*>(m);
         g->data_[rank] = static_cast<uint8_t*>(m) + kControlBytes;
       }
@@ -159,7 +162,56 @@ std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& sto
   bool ok = agree("mapped", err);
   shm_unlink(mine.c_str());  // every rank has mapped it (or given up): the name can go
   if (!ok) return nullptr;
+
+  // Note [Cross-memory attach]: read each peer's pid field through the kernel and compare
+  // it with what the mapping shows. A failure only turns the feature off, on every rank.
+  std::string cma_why;
+  const char* cma_env = std::getenv("MESHCOLL_CMA");
+  if (cma_env && std::string(cma_env) == "0") cma_why = "disabled by MESHCOLL_CMA=0";
+  for (int r = 0; r < size && cma_why.empty(); ++r) {
+    if (r == rank) continue;
+    const ShmControl& peer = *g->ctrl_[r];
+    int64_t seen = 0;
+    try {
+      const uint64_t pid_at =
+          reinterpret_cast<uintptr_t>(&peer.pid) - reinterpret_cast<uintptr_t>(&peer);
+      g->read_peer(r, peer.self_addr + pid_at, &seen, sizeof(seen));
+      if (seen != peer.pid) cma_why = str_cat("rank ", r, "'s memory reads back wrong");
+    } catch (const std::exception& e) {
+      cma_why = e.what();
+    }
+  }
+  std::string verdict = cma_why.empty() ? "ok" : cma_why;
+  store.set(str_cat("shm/cma/", rank), store::Bytes(verdict.begin(), verdict.end()));
+  g->cma_ = true;
+  for (int r = 0; r < size; ++r) {
+    auto v = store.get(str_cat("shm/cma/", r), left);
+    if (std::string(v.begin(), v.end()) != "ok") g->cma_ = false;
+  }
   return g;
+}
+
+void ShmGroup::cross_copy(bool write, int r, uint64_t remote, void* local, size_t bytes) {
+  auto* at = static_cast<uint8_t*>(local);
+  const auto pid = static_cast<pid_t>(ctrl_[r]->pid);
+  while (bytes > 0) {  // the kernel may copy less than asked (a partial copy): go on
+    iovec l{at, bytes};
+    iovec p{reinterpret_cast<void*>(remote), bytes};
+    ssize_t got = write ? process_vm_writev(pid, &l, 1, &p, 1, 0)
+                        : process_vm_readv(pid, &l, 1, &p, 1, 0);
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0 && errno == ESRCH)
+      throw PeerError(str_cat("rank ", rank_, ": rank ", r, " (pid ", pid,
+                              ") exited while this rank ", write ? "wrote into" : "read",
+                              " its memory"));
+    if (got <= 0)
+      throw SystemError(str_cat("rank ", rank_, ": ", write ? "process_vm_writev to" :
+                                "process_vm_readv from", " rank ", r, " failed: ",
+                                got < 0 ? errno_text(errno) : std::string("no progress")));
+    at += got;
+    remote += static_cast<uint64_t>(got);
+    bytes -= static_cast<size_t>(got);
+  }
 }
 
 ShmGroup::~ShmGroup() {
@@ -167,9 +219,8 @@ ShmGroup::~ShmGroup() {
     if (m) munmap(m, seg_bytes_);
 }
 
-std::atomic<uint64_t>& ShmGroup::counter(int r, Phase p) {
-  ShmControl& c = *ctrl_[r];
-  return p == kArrived ? c.arrived : p == kReduced ? c.reduced : c.released;
+std::atomic<uint64_t>& ShmGroup::counter(int r, Phase p, uint64_t round) {
+  return p == kArrived ? slot(r, round).arrived : ctrl_[r]->reduced;
 }
 
 namespace {
@@ -181,7 +232,7 @@ long futex(std::atomic<uint32_t>* word, int op, uint32_t val, const timespec* ti
 
 void ShmGroup::publish(Phase phase, uint64_t round) {
   ShmControl& me = *ctrl_[rank_];
-  counter(rank_, phase).store(round, std::memory_order_seq_cst);
+  counter(rank_, phase, round).store(round, std::memory_order_seq_cst);
   me.epoch.fetch_add(1, std::memory_order_seq_cst);
   if (me.sleepers.load(std::memory_order_seq_cst) > 0) futex(&me.epoch, FUTEX_WAKE, INT32_MAX, nullptr);
 }
@@ -190,7 +241,9 @@ void ShmGroup::publish(Phase phase, uint64_t round) {
 // futex in naps of at most 5 ms, running `periodic` (dead peer, ABORT, deadline) between.
 void ShmGroup::wait_until(const std::vector<int>& ranks, Phase phase, uint64_t round,
                           const Deadline& d, const Check& check, const char* what) {
-  auto reached = [&](int r) { return counter(r, phase).load(std::memory_order_acquire) >= round; };
+  auto reached = [&](int r) {
+    return counter(r, phase, round).load(std::memory_order_acquire) >= round;
+  };
   auto periodic = [&] {
     std::vector<int> missing;
     for (int r : ranks)
@@ -205,8 +258,9 @@ void ShmGroup::wait_until(const std::vector<int>& ranks, Phase phase, uint64_t r
                                  "called another collective"));
     }
   };
-  auto spin_start = Clock::now();
-  auto next_check = spin_start + Millis(5);
+  // The clock is read only once the first spins have failed: most waits end before that.
+  Clock::time_point spin_start, next_check;
+  bool timing = false;
   for (int r : ranks) {
     for (int i = 0; !reached(r); ++i) {
       if (i < 256) {
@@ -216,6 +270,11 @@ void ShmGroup::wait_until(const std::vector<int>& ranks, Phase phase, uint64_t r
         continue;
       }
       auto now = Clock::now();
+      if (!timing) {
+        timing = true;
+        spin_start = now;
+        next_check = now + Millis(5);
+      }
       if (now >= next_check) {
         periodic();
         next_check = now + Millis(5);
@@ -239,11 +298,6 @@ void ShmGroup::wait_until(const std::vector<int>& ranks, Phase phase, uint64_t r
 void ShmGroup::wait_all(Phase phase, uint64_t round, const Deadline& d, const Check& check,
                         const char* what) {
   wait_until(all_ranks_, phase, round, d, check, what);
-}
-
-void ShmGroup::wait_one(int r, Phase phase, uint64_t round, const Deadline& d, const Check& check,
-                        const char* what) {
-  wait_until({r}, phase, round, d, check, what);
 }
 
 }  // namespace meshcoll::transport

@@ -24,25 +24,36 @@
 
 namespace meshcoll::transport {
 
-// One rank's control block. Each counter is written by its owner only and read by all; a
-// counter holds the last round for which the owner finished that phase.
+// Bytes of a small all_reduce vector that travel inside the round's slot, next to its flag.
+constexpr size_t kShmInlineBytes = 1024 - 2 * sizeof(uint64_t) - sizeof(OpDesc);
+
+// One round's announcement (Note [Shared-memory rounds]): the owner fills seq, desc and, for
+// small vectors, payload, then stores `arrived`. A waiter spins on the line holding `arrived`
+// and finds the OpDesc and the first payload bytes on the same line: an 8-byte all_reduce
+// moves one cache line per peer.
+struct alignas(64) ShmSlot {
+  std::atomic<uint64_t> arrived;  // last round of this slot's parity whose data is in place
+  uint64_t seq;                   // the round's collective, for the agreement check
+  OpDesc desc;
+  uint8_t payload[kShmInlineBytes];
+};
+static_assert(sizeof(ShmSlot) == 1024, "slot layout");
+
+// One rank's control block, written by its owner only and read by all.
 struct alignas(64) ShmControl {
-  std::atomic<uint64_t> arrived;  // data for the round is in the data area
+  ShmSlot slot[2];  // indexed by round parity, like the halves of the data area
+  std::atomic<uint64_t> reduced;  // last round whose reduced slice this rank has published
   char pad0[56];
-  std::atomic<uint64_t> reduced;  // this rank's reduced slice is published
-  char pad1[56];
-  std::atomic<uint64_t> released;  // this rank finished reading peers' data areas
-  char pad2[56];
-  // The operation of the rounds in flight, for the agreement check: one per half of the data
-  // area (Note [Shared-memory rounds]), indexed by round parity.
-  OpDesc desc[2];
-  uint64_t seq[2];
   // Note [Futex wake-ups]: bumped on every publish; a waiter that has spun long enough sleeps
   // on it (a process-shared futex) after announcing itself in `sleepers`, so an idle or
   // oversubscribed host does not burn cores, and a publisher only pays for a wake-up
   // syscall when someone sleeps.
   std::atomic<uint32_t> epoch;
   std::atomic<uint32_t> sleepers;
+  // Set at creation, for the cross-memory-attach probe (Note [Cross-memory attach]): the
+  // owner's pid and the address of this block in the owner's address space.
+  int64_t pid;
+  uint64_t self_addr;
 };
 static_assert(sizeof(ShmControl) % 64 == 0, "control block layout");
 
@@ -60,10 +71,11 @@ class ShmGroup {
   int rank() const { return rank_; }
   int size() const { return size_; }
   size_t data_bytes() const { return data_bytes_; }
-  ShmControl& control(int r) { return *ctrl_[r]; }
   uint8_t* data(int r) { return data_[r]; }
 
-  enum Phase { kArrived, kReduced, kReleased };
+  // kArrived is per round parity: slot(round).arrived (Note [Shared-memory rounds]).
+  enum Phase { kArrived, kReduced };
+  ShmSlot& slot(int r, uint64_t round) { return ctrl_[r]->slot[round & 1]; }
   // Publishes this rank's `phase` counter for `round` and wakes sleeping waiters.
   void publish(Phase phase, uint64_t round);
   // Called every few ms while waiting, with the ranks not there yet: polls the TCP links for
@@ -73,16 +85,33 @@ class ShmGroup {
   // naming the ranks that had not reached the phase.
   void wait_all(Phase phase, uint64_t round, const Deadline& d, const Check& check,
                 const char* what);
-  // Same, for one rank only (broadcast waits on the root).
-  void wait_one(int r, Phase phase, uint64_t round, const Deadline& d, const Check& check,
-                const char* what);
+
+  // Note [Cross-memory attach]
+  // process_vm_readv and process_vm_writev copy straight between this process and a peer's
+  // private memory (one copy, by the kernel), so all_reduce needs no staging through the
+  // data area (Note [Single-copy all_reduce]). The kernel allows it only
+  // where this process may ptrace the peer (same user, and Yama, seccomp or a container
+  // profile not in the way), so setup probes it: every rank reads every peer's control
+  // block through it, and the group uses it only if every probe succeeded (all ranks take
+  // the same algorithms). MESHCOLL_CMA=0 turns it off.
+  bool cma() const { return cma_; }
+  // Copies `bytes` between address `remote` in rank r's address space and `local`, from
+  // there (read) or to there (write). PeerError if rank r is gone, SystemError for any
+  // other failure.
+  void read_peer(int r, uint64_t remote, void* local, size_t bytes) {
+    cross_copy(false, r, remote, local, bytes);
+  }
+  void write_peer(int r, uint64_t remote, const void* local, size_t bytes) {
+    cross_copy(true, r, remote, const_cast<void*>(local), bytes);
+  }
 
   // Same-host groups only: the identity every rank publishes to decide (host, IPC namespace).
   static std::string host_identity();
 
  private:
   ShmGroup(int rank, int size, size_t data_bytes);
-  std::atomic<uint64_t>& counter(int r, Phase p);
+  std::atomic<uint64_t>& counter(int r, Phase p, uint64_t round);
+  void cross_copy(bool write, int r, uint64_t remote, void* local, size_t bytes);
   void wait_until(const std::vector<int>& ranks, Phase phase, uint64_t round, const Deadline& d,
                   const Check& check, const char* what);
   int rank_, size_;
@@ -91,6 +120,7 @@ class ShmGroup {
   std::vector<ShmControl*> ctrl_;
   std::vector<uint8_t*> data_;
   std::vector<int> all_ranks_;
+  bool cma_ = false;
   // How long a waiter spins before sleeping on the futex: long when every rank can have a core
   // (the peer is running and about to publish), short when ranks outnumber cores (spinning
   // would steal the core the awaited peer needs).

@@ -1,0 +1,113 @@
+"""Comm.all_reduce_sync, the METH_FASTCALL entry point behind a blocking
+ProcessGroup.all_reduce of a numpy array (Note [all_reduce_sync] in bind_comm.cc): its
+argument checks, its errors (through the same translators as every other binding), and the
+GIL released while it waits."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import meshcoll
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _args(pg, x, op="sum", algorithm="auto", timeout=None):
+    cfg = pg.config
+    return (x, op, algorithm, timeout, cfg.max_segment_bytes, cfg.tree_threshold_bytes,
+            cfg.hd_threshold_bytes)
+
+
+def _bad_calls(pg):
+    """(label, exception class, text) for each bad call; every rank makes the same ones."""
+    sync = pg._comm.all_reduce_sync
+    f = np.zeros(4, np.float32)
+    ro = np.zeros(4, np.float32)
+    ro.setflags(write=False)
+    cases = [
+        ("no arguments", lambda: sync(), TypeError, "7 positional"),
+        ("keywords", lambda: sync(*_args(pg, f)[:6], hd_threshold_bytes=1), TypeError, "keyword"),
+        ("list", lambda: sync(*_args(pg, [1.0])), TypeError, "numpy array"),
+        ("op not str", lambda: sync(*_args(pg, f, op=3)), TypeError, "op"),
+        ("negative size", lambda: sync(*_args(pg, f)[:4], -1, 1, 1), TypeError,
+         "max_segment_bytes"),
+        ("zero segment", lambda: sync(*_args(pg, f)[:4], 0, 1, 1), ValueError, "> 0"),
+        ("bad op", lambda: sync(*_args(pg, f, op="bogus")), ValueError, "bogus"),
+        ("bad algorithm", lambda: sync(*_args(pg, f, algorithm="zzz")), ValueError, "zzz"),
+        ("bad timeout", lambda: sync(*_args(pg, f, timeout=-1.0)), ValueError, "timeout"),
+        ("read-only", lambda: sync(*_args(pg, ro)), ValueError, "read-only"),
+        ("strided", lambda: sync(*_args(pg, np.zeros(8, np.float32)[::2])), ValueError,
+         "contiguous"),
+        ("dtype", lambda: sync(*_args(pg, np.zeros(4, np.complex64))), TypeError, "complex64"),
+        ("op for dtype", lambda: sync(*_args(pg, f, op="band")), TypeError, "band"),
+    ]
+    wrong = []
+    for label, call, cls, text in cases:
+        try:
+            call()
+        except cls as e:
+            if text not in str(e):
+                wrong.append(f"{label}: message lacks {text!r}: {e}")
+        except Exception as e:  # noqa: BLE001 - report the wrong class
+            wrong.append(f"{label}: {type(e).__name__} instead of {cls.__name__}: {e}")
+        else:
+            wrong.append(f"{label}: no error")
+    # The group still works, through both entry points.
+    x = np.full(5, pg.rank + 1.0, np.float32)
+    assert pg._comm.all_reduce_sync(*_args(pg, x)) is None
+    y = np.full(5, pg.rank + 1.0, np.float32)
+    assert pg.all_reduce(y) is y
+    n = pg.size
+    return wrong, x.tolist() == [n * (n + 1) / 2] * 5 and y.tolist() == x.tolist()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_bad_arguments_raise_and_leave_the_group_usable(run_ranks, world):
+    for wrong, ok in run_ranks(world, _bad_calls):
+        assert not wrong, wrong
+        assert ok
+
+
+def _mismatch(pg):
+    # A collective error raised inside the C++ call comes back as its own Python class.
+    x = np.ones(3 + pg.rank, np.float32)
+    with pytest.raises(meshcoll.MismatchError, match="mismatch"):
+        pg._comm.all_reduce_sync(*_args(pg, x, timeout=30))
+    return True
+
+
+def test_collective_errors_keep_their_class(run_ranks):
+    assert run_ranks(2, _mismatch) == [True, True]
+
+
+def _gil_body(pg):
+    x = np.ones(4, np.float32)
+    if pg.rank == 1:
+        time.sleep(1.0)  # rank 0 blocks in the shared-memory wait meanwhile
+        pg.all_reduce(x)
+        return None
+    ticks = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=spin)
+    t.start()
+    time.sleep(0.05)
+    before = ticks[0]
+    pg.all_reduce(x)
+    during = ticks[0] - before
+    stop.set()
+    t.join()
+    assert x.tolist() == [2.0] * 4
+    return during
+
+
+def test_other_threads_run_during_a_blocking_all_reduce(run_ranks):
+    during = run_ranks(2, _gil_body)[0]
+    assert during > 100  # ~1 s of 1 ms ticks; would be ~0 if the GIL were held
