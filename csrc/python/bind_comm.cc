@@ -12,6 +12,7 @@
 #include "common/error.h"
 #include "python/buffers.h"
 #include "reduce/kernels.h"
+#include "transport/shm/segment.h"
 
 namespace py = pybind11;
 
@@ -214,6 +215,9 @@ void bind_comm(py::module_& m) {
              }
            });
 
+  m.def("host_identity", &transport::ShmGroup::host_identity,
+        "What decides that two ranks share a host (and shared memory): hostname, boot id and "
+        "IPC namespace, or $MESHCOLL_HOST_ID.");
   m.def("algorithm_names", [] {
     return std::vector<std::string>{"auto", "ring", "tree", "halving_doubling", "direct", "shm"};
   });

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _C, _env
 from .arrays import as_array, numpy_dtype, rows
+from .hierarchy import Hierarchy, host_of_each_rank
 
 _ALGO_ENV = "MESHCOLL_ALGO"
 
@@ -113,10 +114,16 @@ class ProcessGroup:
         # Every member is done with the store for this group before anyone returns: rank 0
         # may otherwise exit (closing the store) while a peer still rendezvouses through it.
         self.barrier()
-        if self._comm_transport().startswith("tcp (") and rank == 0:
-            import warnings
-            warnings.warn(f"meshcoll group {name!r}: {self._comm_transport()}; falling back to "
-                          "TCP between same-host ranks", RuntimeWarning, stacklevel=3)
+        self._hier: Optional[Hierarchy] = None  # Note [Hierarchy] in hierarchy.py
+        if (self._comm_transport().startswith("tcp") and len(self._ranks) > 1
+                and _env.transport_from_env() == "auto"):
+            hosts = host_of_each_rank(self)
+            if len(set(hosts)) > 1:
+                self._hier = Hierarchy.build(self, hosts)
+            elif self._comm_transport().startswith("tcp (") and rank == 0:
+                import warnings
+                warnings.warn(f"meshcoll group {name!r}: {self._comm_transport()}; falling "
+                              "back to TCP between same-host ranks", RuntimeWarning, stacklevel=3)
 
     # ---- backend hooks: a backend subclass (meshcoll.nccl) overrides these ----------
     def _make_comm(self, prefixed_store, rank: int, parent):
@@ -176,6 +183,9 @@ class ProcessGroup:
                    timeout: Optional[float] = None, algorithm: Optional[str] = None):
         """Reduce ``x`` across the group, in place; returns ``x`` (or a Work)."""
         cfg = self.config
+        if self._hier is not None and (algorithm or cfg.algorithm) == "auto":
+            return self._hier.all_reduce(x, self._as_array(x, "all_reduce", writable=True), op,
+                                         timeout, async_op)
         if not async_op and type(x) is np.ndarray:
             # The hot path: one C++ call that validates x (contiguity, writability, dtype) as
             # as_array would, runs and waits (Note [all_reduce_sync] in bind_comm.cc).
@@ -382,6 +392,8 @@ class ProcessGroup:
 
     def destroy(self) -> None:
         """Finish queued work and close this group and every group created from it."""
+        if self._hier is not None:
+            self._hier.close()
         for child in self._children:
             child.destroy()
         self._children = []

@@ -1,0 +1,102 @@
+"""Hierarchical all_reduce (Note [Hierarchy] in meshcoll/hierarchy.py): a group whose ranks sit
+on several hosts reduces in shared memory inside each host and over TCP between one leader per
+host. Hosts are emulated with MESHCOLL_HOST_ID, set per rank before the group is made.
+
+Values are checked against a numpy reference built from every rank's seeded input; every rank
+must end with the same bytes. Blocking and async calls are mixed, so the FIFO that keeps the
+three steps in the same order on every rank is exercised.
+"""
+
+import hashlib
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import rand_array
+
+pytestmark = pytest.mark.timeout(120)
+
+LAYOUTS = {"2+2": "AABB", "interleaved": "ABAB", "3+1": "AAAB"}
+CASES = [("int32", "sum"), ("int32", "avg"), ("int64", "max"), ("float32", "sum"),
+         ("float32", "avg"), ("float64", "prod"), ("bfloat16", "sum"), ("float32", "min")]
+COUNTS = [0, 1, 1031, 70_000]  # 70_000 float32: several shm rounds, TCP ring segments
+RTOL = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 4e-2}
+
+
+def _dtype(name):
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def _input(rank, dtype, op, count, seed):
+    rng = np.random.default_rng([seed, rank])
+    if op == "prod":  # near 1: no overflow, no underflow
+        return rng.uniform(0.9, 1.1, count).astype(dtype)
+    return rand_array(rng, count, dtype)
+
+
+def _expected(world, dtype, op, count, seed):
+    xs = np.stack([_input(r, dtype, op, count, seed) for r in range(world)])
+    if dtype.kind in "iu":
+        if op in ("min", "max"):
+            return getattr(np, op)(xs, axis=0)
+        s = np.sum(xs, axis=0, dtype=dtype).astype(np.int64)  # wraps as the kernels do
+        return s if op == "sum" else (np.sign(s) * (np.abs(s) // world)).astype(dtype)
+    xs = xs.astype(np.float64)
+    return {"sum": xs.sum(0), "avg": xs.mean(0), "prod": xs.prod(0), "min": xs.min(0),
+            "max": xs.max(0)}[op]
+
+
+def _wrong(got, want, name):
+    if name in RTOL:
+        bad = ~np.isclose(got.astype(np.float64), want, rtol=RTOL[name], atol=RTOL[name])
+    else:
+        bad = got.astype(np.int64) != want.astype(np.int64)
+    return int(bad.sum())
+
+
+def _body(pg, hosts):
+    os.environ["MESHCOLL_HOST_ID"] = hosts[pg.rank]
+    g = pg.new_group(list(range(pg.size)))
+    h = g._hier
+    assert h is not None, "a group over two hosts with a shared host builds a hierarchy"
+    shape = (h.local.size, h.local._comm_transport(), h.leaders.is_member)
+    fails, digest = [], hashlib.sha256()
+    for seed, (name, op) in enumerate(CASES):
+        dtype = _dtype(name)
+        for count in COUNTS:
+            # Three async calls queued, then a blocking one that must wait its turn.
+            xs = [_input(g.rank, dtype, op, count, seed * 10 + k) for k in range(4)]
+            works = [g.all_reduce(x, op=op, async_op=True) for x in xs[:3]]
+            g.all_reduce(xs[3], op=op)
+            for w in works:
+                w.wait()
+            for k, x in enumerate(xs):
+                n = _wrong(x, _expected(g.size, dtype, op, count, seed * 10 + k), name)
+                if n:
+                    fails.append(f"{name} {op} count={count} call {k}: {n} wrong")
+                digest.update(x.tobytes())
+    return shape, fails, digest.hexdigest()
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_hierarchical_all_reduce(run_ranks, layout):
+    hosts = LAYOUTS[layout]
+    results = run_ranks(len(hosts), _body, hosts=hosts)
+    for r, (shape, fails, _) in enumerate(results):
+        assert not fails, f"rank {r}: {fails}"
+        local, transport, leader = shape
+        assert local == hosts.count(hosts[r]), shape
+        assert transport == "shm" or local == 1, shape  # a group of one needs no transport
+        assert leader == (hosts.index(hosts[r]) == r), shape  # lowest rank of its host
+    assert len({d for _, _, d in results}) == 1, "ranks ended with different bytes"
+
+
+def _one_host_body(pg):
+    g = pg.new_group(list(range(pg.size)))
+    return g._hier is None and g._comm_transport() == "shm"
+
+
+def test_one_host_has_no_hierarchy(run_ranks):
+    assert run_ranks(2, _one_host_body) == [True, True]
