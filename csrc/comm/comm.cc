@@ -89,6 +89,12 @@ Comm::~Comm() {
   if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
+void Comm::fail(const std::string& message) {
+  transport::OpDesc desc;
+  desc.coll = static_cast<uint8_t>(CollKind::kBarrier);
+  enqueue(desc, Millis(-1), [message](Comm&) { throw PeerError(message); });
+}
+
 void Comm::shutdown() {
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -114,6 +114,11 @@ class Comm {
                                     MutBytes dst, const transport::OpDesc& desc, Millis timeout);
   // Stops accepting work, finishes what is queued (each op is bounded by its deadline).
   void shutdown();
+  // Fails the group as an operation's failure would (every peer gets an ABORT and raises at
+  // once), queued behind the pending operations. For operations composed over several
+  // groups (Note [Hierarchy] in hierarchy.py): a failure in one group must reach the ranks
+  // that wait in another.
+  void fail(const std::string& message);
 
   // ---- for algorithms, on the worker thread, inside `run` ----
   transport::Request send(int peer, uint32_t tag, ConstBytes src);

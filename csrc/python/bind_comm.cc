@@ -261,6 +261,8 @@ void bind_comm(py::module_& m) {
       .def_property_readonly("rank", &Comm::rank)
       .def_property_readonly("transport", &Comm::shm_status)
       .def_property_readonly("size", &Comm::size)
+      .def("fail", &Comm::fail, py::arg("message"),
+           "Fails the group (peers raise PeerError with `message`), after pending operations.")
       .def("shutdown", [](Comm& c) {
         py::gil_scoped_release nogil;
         c.shutdown();

@@ -32,6 +32,7 @@ TIMEOUT = "MESHCOLL_TIMEOUT"
 SOCKET_IFNAME = "MESHCOLL_SOCKET_IFNAME"
 TRANSPORT = "MESHCOLL_TRANSPORT"
 SHM_BYTES = "MESHCOLL_SHM_BYTES"
+HIERARCHY = "MESHCOLL_HIERARCHY"
 
 # torchrun's names for the master; the fallback after ours for every scheme.
 _TORCH_MASTER_ADDR = "MASTER_ADDR"
@@ -344,6 +345,16 @@ def transport_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
     if value not in ("auto", "shm", "tcp"):
         raise ValueError(f"{TRANSPORT}={value!r}: use auto, shm or tcp")
     return value
+
+
+def hierarchy_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """``MESHCOLL_HIERARCHY``: 1 (default) lets groups spanning hosts reduce through shared
+    memory inside each host (Note [Hierarchy]); 0 keeps all of it on TCP."""
+    env = os.environ if environ is None else environ
+    value = _get(env, HIERARCHY) or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{HIERARCHY}={value!r}: use 0 or 1")
+    return value == "1"
 
 
 def shm_bytes_from_env(environ: Optional[Mapping[str, str]] = None) -> int:

@@ -20,8 +20,10 @@ on the caller's thread when that FIFO is empty and waits its turn otherwise. The
 other collectives keep using the group's own communicator.
 
 Failures. Each step gets what is left of the call's timeout; an error in any step is the
-call's error (a dead peer fails the child communicator it was in, whose ranks raise
-PeerError; ranks of other hosts see the leader's failure as theirs).
+call's error. The failed step's group tells its own ranks (as any collective does), and the
+rank then fails its other two groups and the parent (``Comm.fail``), so the ranks waiting
+there raise PeerError at once instead of at their timeout, and the whole group is dead, as
+after any failed collective.
 """
 
 from __future__ import annotations
@@ -149,9 +151,21 @@ class Hierarchy:
             return max(0.001, deadline - time.monotonic())
 
         red = "sum" if op == "avg" else op
-        self.local.all_reduce(a, red, timeout=left())
-        if self.leaders.is_member:
-            self.leaders.all_reduce(a, red, timeout=left())
-        self.local.broadcast(a, 0, timeout=left())
+        try:
+            self.local.all_reduce(a, red, timeout=left())
+            if self.leaders.is_member:
+                self.leaders.all_reduce(a, red, timeout=left())
+            self.local.broadcast(a, 0, timeout=left())
+        except (ValueError, TypeError):
+            raise  # bad arguments: nothing was sent
+        except Exception as e:
+            # The step that failed told its own peers; the ranks waiting in the other two
+            # groups learn it from these (Note [Hierarchy], Failures).
+            why = (f"rank {self.group.rank} of group {self.group.name!r}: hierarchical "
+                   f"all_reduce failed: {e}")
+            for g in (self.local, self.leaders, self.group):
+                if g.is_member:
+                    g._comm.fail(why)
+            raise
         if op == "avg":
             _C._divide_by(a, a.dtype.name, self.group.size)

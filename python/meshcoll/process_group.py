@@ -119,7 +119,7 @@ class ProcessGroup:
                 and _env.transport_from_env() == "auto"):
             hosts = host_of_each_rank(self)
             if len(set(hosts)) > 1:
-                self._hier = Hierarchy.build(self, hosts)
+                self._hier = Hierarchy.build(self, hosts) if _env.hierarchy_from_env() else None
             elif self._comm_transport().startswith("tcp (") and rank == 0:
                 import warnings
                 warnings.warn(f"meshcoll group {name!r}: {self._comm_transport()}; falling "

@@ -9,11 +9,14 @@ three steps in the same order on every rank is exercised.
 
 import hashlib
 import os
+import signal
+import time
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+import meshcoll
 from conftest import rand_array
 
 pytestmark = pytest.mark.timeout(120)
@@ -100,3 +103,32 @@ def _one_host_body(pg):
 
 def test_one_host_has_no_hierarchy(run_ranks):
     assert run_ranks(2, _one_host_body) == [True, True]
+
+
+def _die_body(pg, victim):
+    os.environ["MESHCOLL_HOST_ID"] = "AABB"[pg.rank]
+    g = pg.new_group(list(range(pg.size)))
+    x = np.ones(4096, np.float32)
+    g.all_reduce(x)
+    if pg.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        for _ in range(1000):
+            g.all_reduce(x, timeout=30.0)
+    except (meshcoll.PeerError, meshcoll.TimeoutError) as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "no error", "", 0.0
+
+
+@pytest.mark.parametrize("victim", [1, 3])  # a non-leader of host A, of host B
+def test_dead_rank_fails_every_host_fast(run_ranks, victim):
+    # The failure reaches the ranks of the other host through the leaders' group (Comm.fail),
+    # long before the 30 s timeout.
+    res = run_ranks(4, _die_body, may_die=(victim,), victim=victim, timeout=60)
+    for rank, r in enumerate(res):
+        if rank == victim:
+            continue
+        kind, msg, seconds = r
+        assert kind == "PeerError", (rank, r)
+        assert seconds < 10.0, (rank, r)
