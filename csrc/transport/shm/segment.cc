@@ -72,7 +72,11 @@ ShmGroup::ShmGroup(int rank, int size, size_t data_bytes)
   data_.assign(size, nullptr);
   for (int r = 0; r < size; ++r) all_ranks_.push_back(r);
   unsigned cores = std::thread::hardware_concurrency();
-  spin_ = std::chrono::microseconds(cores == 0 || static_cast<unsigned>(size) > cores ? 5 : 100);
+  // Oversubscribed (more ranks than cores): the peer we wait for may need our core to run,
+  // so the spin yields it (sched_yield) instead of pausing, for longer before sleeping: a
+  // futex sleep and wake-up costs several context switches per round.
+  yield_ = cores == 0 || static_cast<unsigned>(size) > cores;
+  spin_ = std::chrono::microseconds(yield_ ? 1000 : 100);
 }
 
 std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& store,
@@ -264,6 +268,10 @@ void ShmGroup::wait_until(const std::vector<int>& ranks, Phase phase, uint64_t r
   for (int r : ranks) {
     for (int i = 0; !reached(r); ++i) {
       if (i < 256) {
+        if (yield_) {
+          sched_yield();
+          i += 63;  // a yield is worth many pauses
+        }
 #if defined(__x86_64__)
         __builtin_ia32_pause();
 #endif

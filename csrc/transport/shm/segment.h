@@ -125,6 +125,7 @@ class ShmGroup {
   // (the peer is running and about to publish), short when ranks outnumber cores (spinning
   // would steal the core the awaited peer needs).
   std::chrono::microseconds spin_{100};
+  bool yield_ = false;  // more ranks than cores: spins yield the core (see the constructor)
 };
 
 }  // namespace meshcoll::transport
