@@ -1,10 +1,7 @@
 """Comm.all_reduce_sync, the METH_FASTCALL entry point behind a blocking
 ProcessGroup.all_reduce of a numpy array (Note [all_reduce_sync] in bind_comm.cc): its
-argument checks, its errors (through the same translators as every other binding), and the
-GIL released while it waits."""
-
-import threading
-import time
+argument checks and its errors (through the same translators as every other binding); the
+GIL released while it waits is tested in tests/python/test_gil_release.py."""
 
 import numpy as np
 import pytest
@@ -80,34 +77,3 @@ def _mismatch(pg):
 
 def test_collective_errors_keep_their_class(run_ranks):
     assert run_ranks(2, _mismatch) == [True, True]
-
-
-def _gil_body(pg):
-    x = np.ones(4, np.float32)
-    if pg.rank == 1:
-        time.sleep(1.0)  # rank 0 blocks in the shared-memory wait meanwhile
-        pg.all_reduce(x)
-        return None
-    ticks = [0]
-    stop = threading.Event()
-
-    def spin():
-        while not stop.is_set():
-            ticks[0] += 1
-            time.sleep(0.001)
-
-    t = threading.Thread(target=spin)
-    t.start()
-    time.sleep(0.05)
-    before = ticks[0]
-    pg.all_reduce(x)
-    during = ticks[0] - before
-    stop.set()
-    t.join()
-    assert x.tolist() == [2.0] * 4
-    return during
-
-
-def test_other_threads_run_during_a_blocking_all_reduce(run_ranks):
-    during = run_ranks(2, _gil_body)[0]
-    assert during > 100  # ~1 s of 1 ms ticks; would be ~0 if the GIL were held

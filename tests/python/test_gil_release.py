@@ -1,4 +1,5 @@
-"""Another Python thread keeps running while a collective blocks in C++."""
+"""Another Python thread keeps running while a call blocks in C++: a receive (the queued
+path) and a blocking all_reduce (the fast-call path that waits in shared memory)."""
 
 import threading
 import time
@@ -9,11 +10,14 @@ import pytest
 pytestmark = pytest.mark.timeout(60)
 
 
-def _body(pg):
+def _body(pg, op):
     x = np.zeros(4, np.float32)
     if pg.rank == 1:
-        time.sleep(1.0)  # rank 0 blocks in recv meanwhile
-        pg.send(np.arange(4, dtype=np.float32), 0)
+        time.sleep(1.0)  # rank 0 blocks in the call meanwhile
+        if op == "recv":
+            pg.send(np.arange(4, dtype=np.float32), 0)
+        else:
+            pg.all_reduce(np.arange(4, dtype=np.float32))
         return None
     ticks = [0]
     stop = threading.Event()
@@ -27,7 +31,7 @@ def _body(pg):
     t.start()
     time.sleep(0.05)
     before = ticks[0]
-    pg.recv(x, 1)
+    pg.recv(x, 1) if op == "recv" else pg.all_reduce(x)
     during = ticks[0] - before
     stop.set()
     t.join()
@@ -35,6 +39,7 @@ def _body(pg):
     return during
 
 
-def test_other_threads_run_during_blocking_recv(run_ranks):
-    during = run_ranks(2, _body)[0]
+@pytest.mark.parametrize("op", ["recv", "all_reduce"])
+def test_other_threads_run_during_a_blocking_call(run_ranks, op):
+    during = run_ranks(2, _body, op=op)[0]
     assert during > 100  # ~1 s of 1 ms ticks; would be ~0 if the GIL were held
