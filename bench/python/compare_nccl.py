@@ -252,16 +252,25 @@ def rank_main(rank, world, port, torch_port, token, args, conn):
                     iters = min(iters, cap)
                 rec = dict(op=name, size=nbytes, count=count, type="float", redop="sum",
                            ranks=world)
+                times = {lib: [] for lib in libs.names}
                 for lib in libs.names:
                     if name == "all_gather":
                         big_in[:count // world].uniform_(-1, 1)
                     bad = wrong(torch, libs, lib, name, inp, out)
                     bad_t = torch.tensor([bad], device="cuda")
                     libs.dist.all_reduce(bad_t)
-                    us = time_op(torch, libs, lib, name, inp, out, iters, args.warmup)
+                    rec[lib] = dict(wrong=int(bad_t.item()))
+                # The libraries take turns, each repeat starting one further along, so none is
+                # always the first timed after a change of size or op (a cold start).
+                for rep in range(args.repeats):
+                    k = rep % len(libs.names)
+                    for lib in libs.names[k:] + libs.names[:k]:
+                        times[lib].append(time_op(torch, libs, lib, name, inp, out, iters,
+                                                  args.warmup))
+                for lib in libs.names:
+                    us = statistics.median(times[lib])
                     algbw = nbytes / us / 1e3
-                    rec[lib] = dict(time_us=us, algbw=algbw, busbw=algbw * BUSBW[name](world),
-                                    wrong=int(bad_t.item()))
+                    rec[lib].update(time_us=us, algbw=algbw, busbw=algbw * BUSBW[name](world))
                 rows.append(rec)
         lat = host_latency(torch, libs, args.lat_rounds, args.lat_calls)
         lat_t = torch.tensor([lat[lib]["median_us"] for lib in libs.names], device="cuda")
@@ -290,7 +299,8 @@ def print_report(rows, lat, info, world, args, out=sys.stdout):
     p(f"# meshcoll {meshcoll.__version__} vs torch {info['torch']} (torch's NCCL "
       f"{info['nccl']}; meshcoll loaded {info['meshcoll_nccl']})")
     p(f"# GPU: {world} x {info['gpu']}   ranks={world}   NCCL_NVLS_ENABLE="
-      f"{os.environ.get('NCCL_NVLS_ENABLE', 'unset')}   warmup={args.warmup}")
+      f"{os.environ.get('NCCL_NVLS_ENABLE', 'unset')}   warmup={args.warmup}   "
+      f"median of {args.repeats} runs, libraries in rotating order")
     for name in args.ops:
         p("")
         p(f"# {name}  (time: slowest rank, us per call; bandwidth GB/s)")
@@ -337,6 +347,8 @@ def main(argv=None):
     ap.add_argument("--factor", type=int, default=2)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed runs per size and library, libraries in rotating order; median")
     ap.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,broadcast")
     ap.add_argument("--lat-rounds", type=int, default=4)
     ap.add_argument("--lat-calls", type=int, default=500)
