@@ -165,7 +165,10 @@ class Hierarchy:
                    f"all_reduce failed: {e}")
             for g in (self.local, self.leaders, self.group):
                 if g.is_member:
-                    g._comm.fail(why)
+                    try:
+                        g._comm.fail(why)
+                    except Exception:  # noqa: S110 - a group that already failed or shut down
+                        pass
             raise
         if op == "avg":
             _C._divide_by(a, a.dtype.name, self.group.size)
