@@ -47,7 +47,6 @@ size_t area_bytes(const ShmGroup& g) { return g.data_bytes() / 2; }
 // synchronisation (arrive) instead of two (arrive, reduced), for the cost of n reads.
 constexpr size_t kFoldAllBytes = 64 * 1024;
 
-void arrive(ShmGroup& g, uint64_t round) { g.publish(ShmGroup::kArrived, round); }
 
 void check_agreement(ShmGroup& g, int peer, uint64_t round) {
   const auto& mine = g.slot(g.rank(), round);
@@ -63,6 +62,14 @@ void check_agreement(ShmGroup& g, int peer, uint64_t round) {
 
 void check_all(ShmGroup& g, uint64_t round) {
   for (int p = 0; p < g.size(); ++p) check_agreement(g, p, round);
+}
+
+// This rank's part of round R is in place: announce it, wait until every rank has announced
+// R, and compare what they called before reading anything (Note [Shared-memory rounds]).
+void meet(comm::Comm& comm, ShmGroup& g, uint64_t round, const char* what) {
+  g.publish(ShmGroup::kArrived, round);
+  g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
+  check_all(g, round);
 }
 }  // namespace
 
@@ -91,9 +98,7 @@ void shm_all_reduce_single_copy(comm::Comm& comm, const AllreduceArgs& a) {
   uint64_t round = begin_round(comm, g);
   const uint64_t mine = reinterpret_cast<uintptr_t>(a.out.data);
   std::memcpy(g.slot(r, round).payload, &mine, sizeof(mine));
-  arrive(g, round);
-  g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
-  check_all(g, round);
+  meet(comm, g, round, what);
   auto vector_of = [&](int p) {
     uint64_t at;
     std::memcpy(&at, g.slot(p, round).payload, sizeof(at));
@@ -115,8 +120,7 @@ void shm_all_reduce_single_copy(comm::Comm& comm, const AllreduceArgs& a) {
   }
   // The empty round: every peer has finished reading from and writing into this vector.
   round = begin_round(comm, g);
-  arrive(g, round);
-  g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
+  meet(comm, g, round, what);
 }
 
 // All-reduce. Vectors of at most kShmInlineBytes take one round through the slots: every
@@ -136,9 +140,7 @@ void shm_all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
   if (a.count * esz <= transport::kShmInlineBytes) {
     uint64_t round = begin_round(comm, g);
     std::memcpy(g.slot(r, round).payload, a.out.data, a.count * esz);
-    arrive(g, round);
-    g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
-    check_all(g, round);
+    meet(comm, g, round, what);
     // Rank 0's values first (on rank 0 they are still in out), then the others in order.
     if (r != 0) std::memcpy(a.out.data, g.slot(0, round).payload, a.count * esz);
     for (int p = 1; p < n; ++p) fold(a.out.data, g.slot(p, round).payload, a.count);
@@ -164,9 +166,7 @@ void shm_all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
       std::memcpy(mine, out, s);
       std::memcpy(mine + s + len * esz, out + s + len * esz, (c - slices.offset(r) - len) * esz);
     }
-    arrive(g, round);
-    g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
-    check_all(g, round);
+    meet(comm, g, round, what);
     if (fold_all) {
       if (r != 0) std::memcpy(out, area(g, 0, round), c * esz);  // rank 0's values first
       for (int p = 1; p < n; ++p) fold(out, area(g, p, round), c);
@@ -201,11 +201,9 @@ void shm_broadcast(comm::Comm& comm, const BroadcastArgs& a) {
     const size_t c = std::min(area_bytes(g), a.buf.size - off);
     uint64_t round = begin_round(comm, g);
     if (r == a.root) std::memcpy(area(g, r, round), a.buf.data + off, c);
-    arrive(g, round);
     // Every rank waits for all (not only the root) and compares every OpDesc, so ranks that
     // name different roots all raise MismatchError instead of silently diverging.
-    g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
-    check_all(g, round);
+    meet(comm, g, round, what);
     if (r != a.root) std::memcpy(a.buf.data + off, area(g, a.root, round), c);
     off += c;
   } while (off < a.buf.size);
@@ -228,9 +226,7 @@ void shm_all_gather(comm::Comm& comm, const AllGatherArgs& a) {
     uint64_t round = begin_round(comm, g);
     if (off < a.bytes[r])
       std::memcpy(area(g, r, round), a.in.data + off, std::min(S, a.bytes[r] - off));
-    arrive(g, round);
-    g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
-    check_all(g, round);
+    meet(comm, g, round, what);
     for (int p = 0; p < n; ++p) {
       if (p == r || off >= a.bytes[p]) continue;
       std::memcpy(a.out.data + at[p] + off, area(g, p, round), std::min(S, a.bytes[p] - off));
@@ -262,9 +258,7 @@ void shm_reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a) {
       std::memcpy(mine + b * q * esz, a.in.data + (at[b] + off) * esz,
                   std::min(q, a.counts[b] - off) * esz);
     }
-    arrive(g, round);
-    g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
-    check_all(g, round);
+    meet(comm, g, round, what);
     if (off < a.counts[r]) {
       const size_t len = std::min(q, a.counts[r] - off);
       uint8_t* dst = a.out.data + off * esz;
@@ -292,9 +286,7 @@ void shm_all_to_all(comm::Comm& comm, const AllToAllArgs& a) {
     uint8_t* mine = area(g, r, round);
     for (int p = 0; p < n; ++p)
       if (p != r && len) std::memcpy(mine + p * q, a.in.data + p * block + off, len);
-    arrive(g, round);
-    g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
-    check_all(g, round);
+    meet(comm, g, round, what);
     for (int p = 0; p < n; ++p) {
       if (!len) break;
       const uint8_t* src = p == r ? a.in.data + r * block + off : area(g, p, round) + r * q;
@@ -307,9 +299,7 @@ void shm_all_to_all(comm::Comm& comm, const AllToAllArgs& a) {
 void shm_barrier(comm::Comm& comm) {
   ShmGroup& g = *comm.shm();
   uint64_t round = begin_round(comm, g);
-  arrive(g, round);
-  g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), "barrier");
-  check_all(g, round);
+  meet(comm, g, round, "barrier");
 }
 
 }  // namespace meshcoll::algo
