@@ -123,12 +123,14 @@ def _die_body(pg, victim):
 
 @pytest.mark.parametrize("victim", [1, 3])  # a non-leader of host A, of host B
 def test_dead_rank_fails_every_host_fast(run_ranks, victim):
-    # The failure reaches the ranks of the other host through the leaders' group (Comm.fail),
-    # long before the 30 s timeout.
+    # The failure reaches the ranks of the other host through the leaders' group (Comm.fail).
+    # Without that they would wait out the 30 s timeout and raise TimeoutError, so the error
+    # kind shows the propagation with no clock in the test.
     res = run_ranks(4, _die_body, may_die=(victim,), victim=victim, timeout=60)
     for rank, r in enumerate(res):
         if rank == victim:
             continue
-        kind, msg, seconds = r
+        kind, msg, _ = r
         assert kind == "PeerError", (rank, r)
-        assert seconds < 10.0, (rank, r)
+        if "AABB"[rank] != "AABB"[victim]:  # the other host hears it from its leader
+            assert "hierarchical all_reduce failed" in msg, (rank, msg)
