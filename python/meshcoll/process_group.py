@@ -9,6 +9,7 @@ group or on ``group=``.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from typing import List, Optional, Sequence, Tuple
 
@@ -83,8 +84,10 @@ class Work:
 
 
 def _done(work, result, keep, async_op, timeout, finish=None):
-    w = Work(work, result, keep, finish)
-    return w if async_op else w.wait()
+    if async_op:
+        return Work(work, result, keep, finish)
+    work.wait(None)  # what Work(...).wait() would do, without the object (host cost per call)
+    return result if finish is None else finish()
 
 
 def _comm_id(name: str, token: str) -> int:
@@ -207,13 +210,13 @@ class ProcessGroup:
                timeout: Optional[float] = None):
         """Reduce ``x`` onto group rank ``dst``, in place there; other ranks' ``x`` is unchanged."""
         a = self._as_array(x, "reduce", writable=True)
-        w = self._comm.reduce(a, a, dst, op, timeout, blocking=not async_op)
+        w = self._comm.reduce(a, a, dst, op, timeout, not async_op)
         return _done(w, x, (a,), async_op, timeout)
 
     def broadcast(self, x, src: int = 0, *, async_op: bool = False, timeout: Optional[float] = None):
         """Copy ``x`` from group rank ``src`` into every rank's ``x``, in place."""
         a = self._as_array(x, "broadcast", writable=True)
-        w = self._comm.broadcast(a, src, timeout, blocking=not async_op)
+        w = self._comm.broadcast(a, src, timeout, not async_op)
         return _done(w, x, (a,), async_op, timeout)
 
     def all_gather(self, x, out=None, *, async_op: bool = False, timeout: Optional[float] = None):
@@ -224,7 +227,7 @@ class ProcessGroup:
         if o.shape != (self.size,) + a.shape and o.size != self.size * a.size:
             raise ValueError(f"all_gather: out has shape {o.shape}, expected {(self.size,) + a.shape}")
         w = self._comm.all_gather(a, o, [a.size] * self.size, False, timeout,
-                                  blocking=not async_op)
+                                  not async_op)
         return _done(w, out, (a, o), async_op, timeout)
 
     def all_gather_v(self, x, *, timeout: Optional[float] = None) -> Tuple[np.ndarray, List[int]]:
@@ -232,7 +235,7 @@ class ProcessGroup:
         of rows (same trailing shape). Returns ``(concatenation, rows per rank)``."""
         a = self._as_array(x, "all_gather_v")
         n = rows(a, "all_gather_v")
-        row_elems = int(np.prod(a.shape[1:], dtype=np.int64))
+        row_elems = math.prod(a.shape[1:])
         meta = self.all_gather(np.array([n, row_elems], np.int64), timeout=timeout)
         counts = [int(c) for c in meta[:, 0]]
         if len(set(int(e) for e in meta[:, 1])) != 1:
@@ -255,10 +258,10 @@ class ProcessGroup:
         shape = (n // self.size,) + a.shape[1:]
         out = self._empty(shape, a) if out is None else out
         o = self._as_array(out, "reduce_scatter out", writable=True)
-        if o.size != int(np.prod(shape)):
+        if o.size != math.prod(shape):
             raise ValueError(f"reduce_scatter: out has shape {o.shape}, expected {shape}")
         w = self._comm.reduce_scatter(a, o, [o.size] * self.size, op, False, timeout,
-                                      blocking=not async_op)
+                                      not async_op)
         return _done(w, out, (a, o), async_op, timeout)
 
     def reduce_scatter_v(self, x, counts: Sequence[int], op: str = "sum", *,
@@ -271,7 +274,7 @@ class ProcessGroup:
         if len(counts) != self.size or any(c < 0 for c in counts) or sum(counts) != n:
             raise ValueError(f"reduce_scatter_v: counts {counts} must have {self.size} "
                              f"non-negative entries summing to axis 0's length {n}")
-        row_elems = int(np.prod(a.shape[1:], dtype=np.int64))
+        row_elems = math.prod(a.shape[1:])
         out = self._empty((counts[self.rank],) + a.shape[1:], a)
         self._comm.reduce_scatter(a, out, [c * row_elems for c in counts], op, True, timeout).wait()
         return out
@@ -289,7 +292,7 @@ class ProcessGroup:
             raise ValueError("all_to_all: out must be a separate array of x's size")
         blk = a.size // self.size
         w = self._comm.all_to_all(a, o, [blk] * self.size, [blk] * self.size, False, timeout,
-                                  blocking=not async_op)
+                                  not async_op)
         return _done(w, out, (a, o), async_op, timeout)
 
     def all_to_all_v(self, x, send_counts: Sequence[int], *,
@@ -302,7 +305,7 @@ class ProcessGroup:
         if len(send_counts) != self.size or any(c < 0 for c in send_counts) or sum(send_counts) != n:
             raise ValueError(f"all_to_all_v: send_counts {send_counts} must have {self.size} "
                              f"non-negative entries summing to axis 0's length {n}")
-        row_elems = int(np.prod(a.shape[1:], dtype=np.int64))
+        row_elems = math.prod(a.shape[1:])
         recv_counts = self.all_to_all(np.array(send_counts, np.int64), timeout=timeout)
         recv_counts = [int(c) for c in recv_counts]
         out = self._empty((sum(recv_counts),) + a.shape[1:], a)
