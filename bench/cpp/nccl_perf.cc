@@ -3,12 +3,13 @@
 // process per GPU; rank 0's ncclUniqueId travels through meshcoll's TCP store.
 //
 //   nccl_perf [-N ranks] [-p all_reduce,all_gather,reduce_scatter,broadcast|all] [-b 8] [-e 128M]
-//             [-f 2] [-n 20] [-w 5] [-c 1] [-d float] [-o sum] [-r 0] [-j out.jsonl]
+//             [-f 2] [-n 20] [-w 5] [-c 1] [-d float] [-o sum] [-r 0] [-j out.jsonl] [-s 0]
 //
 // Options as meshcoll-bench: -N ranks (default: every visible GPU), -n timed iterations, -w
 // warm-up iterations, -c check, -b/-e/-f the size sweep (K, M, G: powers of 1024), -d dtype
 // (float, double, half, bfloat16, int8, uint8, int32, int64), -o reduction (sum, prod, min, max,
-// avg), -r root of broadcast, -j one JSON record per row. Columns as nccl-tests (out-of-place):
+// avg), -r root of broadcast, -j one JSON record per row, -s 1 time each call with a
+// synchronize after it (the median; for per-call latency). Columns as nccl-tests (out-of-place):
 // size count type redop time algbw busbw #wrong; time is the slowest rank's mean per call over
 // -n back-to-back calls on one stream, host clock, after a barrier and up to a stream
 // synchronize. Check (-c 1): one call on the patterns meshcoll-bench uses (small integers, exact
@@ -52,6 +53,7 @@ struct Options {
   size_t factor = 2;
   int iters = 20, warmup = 5;
   bool check = true;
+  bool sync_each = false;  // -s 1: host-time each call up to its synchronize; report the median
   std::string dtype = "float", redop = "sum", json;
   int root = 0;
 };
@@ -59,7 +61,7 @@ struct Options {
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "nccl_perf: %s\nusage: nccl_perf [-N ranks] [-p op[,op...]|all] [-b minbytes] "
-               "[-e maxbytes] [-f factor] [-n iters] [-w warmup] [-c 0|1] [-d dtype] [-o redop] "
+               "[-e maxbytes] [-f factor] [-n iters] [-w warmup] [-c 0|1] [-s 0|1] [-d dtype] [-o redop] "
                "[-r root] [-j file.jsonl]\n",
                why.c_str());
   std::exit(2);
@@ -114,6 +116,7 @@ Options parse(int argc, char** argv) {
     else if (k == "-o") o.redop = v;
     else if (k == "-r") o.root = std::atoi(v.c_str());
     else if (k == "-j") o.json = v;
+    else if (k == "-s") o.sync_each = std::atoi(v.c_str()) != 0;
     else usage("unknown option " + k);
   }
   if (o.min_bytes == 0 || o.min_bytes > o.max_bytes) usage("need 0 < -b <= -e");
@@ -292,6 +295,34 @@ void launch(Rank& R, const std::string& op, const Shape& s, const Type& t, abi::
     R.check(R.nc.broadcast(in, out, s.in, t.nccl, root, R.comm, R.stream), "ncclBroadcast");
 }
 
+double us_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Mean host time per call over -n back-to-back calls, up to a synchronize after the last.
+template <class Call>
+double back_to_back_us(Rank& R, const Options& o, Call&& call) {
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < o.iters; ++i) call();
+  R.sync();
+  return us_since(t0) / o.iters;
+}
+
+// Median host time of one call followed by a synchronize (-s 1): the per-call cost when the
+// result is needed at once, as compare_nccl.py times torch and meshcoll.
+template <class Call>
+double synced_median_us(Rank& R, const Options& o, Call&& call) {
+  std::vector<double> ts(o.iters);
+  for (double& t : ts) {
+    auto t0 = std::chrono::steady_clock::now();
+    call();
+    R.sync();
+    t = us_since(t0);
+  }
+  std::nth_element(ts.begin(), ts.begin() + ts.size() / 2, ts.end());
+  return ts[ts.size() / 2];
+}
+
 // Fills the inputs, runs once, and counts this rank's wrong elements.
 size_t verify(Rank& R, const std::string& op, const Shape& s, const Type& t, abi::ncclRedOp_t red,
               int root) {
@@ -369,8 +400,12 @@ int rank_main(int rank, int port, const Options& o, int n) {
       std::printf("%s# meshcoll nccl_perf  %s  %s  ranks=%d  iters=%d warmup=%d%s\n", k ? "\n" : "",
                   op.c_str(), nc.describe().c_str(), n, o.iters, o.warmup,
                   op == "broadcast" ? str_cat("  root=", o.root).c_str() : "");
-      std::printf("# time: the slowest rank's mean per call over -n back-to-back calls "
-                  "(host clock, up to a stream synchronize)\n");
+      if (o.sync_each)
+        std::printf("# time: the slowest rank's median host time of one call followed by a "
+                    "stream synchronize, over -n calls\n");
+      else
+        std::printf("# time: the slowest rank's mean per call over -n back-to-back calls "
+                    "(host clock, up to a stream synchronize)\n");
       std::printf("#%11s%10s%9s%7s%9s%8s%8s%8s\n", "size", "count", "type", "redop", "time",
                   "algbw", "busbw", "#wrong");
       std::printf("#%11s%10s%9s%7s%9s%8s%8s%8s\n", "(B)", "(elems)", "", "", "(us)", "(GB/s)",
@@ -389,10 +424,8 @@ int rank_main(int rank, int port, const Options& o, int n) {
       for (int i = 0; i < o.warmup; ++i) launch(R, op, s, t, red, o.root);
       R.sync();
       R.all_reduce_host(0, abi::ncclSum);  // barrier
-      auto t0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < o.iters; ++i) launch(R, op, s, t, red, o.root);
-      R.sync();
-      double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / o.iters;
+      double us = o.sync_each ? synced_median_us(R, o, [&] { launch(R, op, s, t, red, o.root); })
+                              : back_to_back_us(R, o, [&] { launch(R, op, s, t, red, o.root); });
       us = R.all_reduce_host(us, abi::ncclMax);
       const size_t size = s.count * t.size;
       const double algbw = size / us / 1e3, busbw = algbw * bus_factor(op, n);

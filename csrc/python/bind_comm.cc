@@ -11,6 +11,7 @@
 #include "comm/comm.h"
 #include "common/error.h"
 #include "python/buffers.h"
+#include "python/fastcall.h"
 #include "reduce/kernels.h"
 #include "transport/shm/segment.h"
 
@@ -22,13 +23,6 @@ namespace {
 using comm::Comm;
 using comm::CollKind;
 using comm::Work;
-
-Millis timeout_arg(const py::object& seconds) {
-  if (seconds.is_none()) return Millis(-1);
-  double s = seconds.cast<double>();
-  if (!(s >= 0) || std::isinf(s)) throw py::value_error("timeout must be a finite number >= 0 seconds");
-  return Millis(static_cast<int64_t>(s * 1000.0));
-}
 
 RedOp redop_arg(const std::string& name, DType dtype, const char* what) {
   RedOp op;
@@ -110,48 +104,13 @@ algo::AllreduceArgs allreduce_args(Comm& c, const ArrayView& in, const ArrayView
 
 // Note [all_reduce_sync]
 // The synchronous in-place all_reduce, ProcessGroup.all_reduce's hot path: one call, one GIL
-// release, no Work object. It is what small-message latency is made of, so it is a plain
-// METH_FASTCALL method instead of a pybind11 one: pybind11's dispatcher took 0.15 us of the
-// 0.3 us a world-of-1 call cost with these seven arguments. Arguments are positional:
+// release, no Work object, a METH_FASTCALL method (Note [FASTCALL methods]): pybind11's
+// dispatcher took 0.15 us of the 0.3 us a world-of-1 call cost with these seven arguments.
+// Arguments are positional:
 // (x, op, algorithm, timeout, max_segment_bytes, tree_threshold_bytes, hd_threshold_bytes).
-
-// Sets the Python error for `e` through pybind11's registered translators (bind_errors.cc):
-// a pybind11 function that rethrows it, called from here.
-void set_python_error(std::exception_ptr e) {
-  static thread_local std::exception_ptr pending;
-  // Never destroyed: a py::object must not be released after the interpreter has finalized.
-  static const auto* rethrow =
-      new py::object(py::cpp_function([] { std::rethrow_exception(pending); }));
-  pending = e;
-  try {
-    (*rethrow)();
-  } catch (py::error_already_set& err) {
-    pending = nullptr;
-    err.restore();
-  }
-}
-
-std::string str_arg(PyObject* o, const char* name) {
-  Py_ssize_t n;
-  const char* s = PyUnicode_Check(o) ? PyUnicode_AsUTF8AndSize(o, &n) : nullptr;
-  if (!s) {
-    PyErr_Clear();
-    throw py::type_error(str_cat("all_reduce_sync: ", name, " must be a str"));
-  }
-  return std::string(s, static_cast<size_t>(n));
-}
-
-size_t size_arg(PyObject* o, const char* name) {
-  size_t v = PyLong_Check(o) ? PyLong_AsSize_t(o) : static_cast<size_t>(-1);
-  if (v == static_cast<size_t>(-1)) {
-    PyErr_Clear();
-    throw py::type_error(str_cat("all_reduce_sync: ", name, " must be an int >= 0"));
-  }
-  return v;
-}
-
 PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  try {
+  return fastcall([&]() -> PyObject* {
+    constexpr const char* what = "all_reduce_sync";
     if (nargs != 7)
       throw py::type_error(str_cat("all_reduce_sync takes 7 positional arguments (x, op, "
                                    "algorithm, timeout, max_segment_bytes, "
@@ -161,23 +120,19 @@ PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t narg
     if (!py::isinstance<py::array>(x))
       throw py::type_error("all_reduce_sync: x must be a numpy array");
     auto v = view_of(py::reinterpret_borrow<py::array>(x), true, "all_reduce");
-    auto a = allreduce_args(c, v, v, str_arg(args[1], "op"), str_arg(args[2], "algorithm"),
-                            size_arg(args[4], "max_segment_bytes"),
-                            size_arg(args[5], "tree_threshold_bytes"),
-                            size_arg(args[6], "hd_threshold_bytes"));
-    Millis t = timeout_arg(py::reinterpret_borrow<py::object>(args[3]));
+    auto a = allreduce_args(c, v, v, str_arg(args[1], what, "op"),
+                            str_arg(args[2], what, "algorithm"),
+                            size_arg(args[4], what, "max_segment_bytes"),
+                            size_arg(args[5], what, "tree_threshold_bytes"),
+                            size_arg(args[6], what, "hd_threshold_bytes"));
+    Millis t = timeout_arg(py::handle(args[3]));
     {
       py::gil_scoped_release nogil;
       c.run_blocking(desc(CollKind::kAllReduce, v.dtype, v.count, a.op), t,
                      [&a](Comm& cm) { algo::all_reduce(cm, a); });
     }
     Py_RETURN_NONE;
-  } catch (py::error_already_set& e) {
-    e.restore();
-  } catch (...) {
-    set_python_error(std::current_exception());
-  }
-  return nullptr;
+  });
 }
 
 // `blocking`: the caller waits right away (async_op=False), so the operation may run on the
@@ -236,9 +191,7 @@ void bind_comm(py::module_& m) {
       METH_FASTCALL,
       "all_reduce_sync(x, op, algorithm, timeout, max_segment_bytes, tree_threshold_bytes, "
       "hd_threshold_bytes): all_reduce x in place and wait (Note [all_reduce_sync])."};
-  PyObject* sync = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(comm.ptr()), &sync_def);
-  if (!sync) throw py::error_already_set();
-  comm.attr("all_reduce_sync") = py::reinterpret_steal<py::object>(sync);
+  add_fastcall_method(comm, &sync_def);
   comm
       .def(py::init([](std::shared_ptr<store::Store> store, int rank, int size, double timeout_s,
                        const std::string& bind_host, const std::string& token, uint64_t comm_id,

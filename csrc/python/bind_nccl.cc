@@ -22,6 +22,7 @@
 #include "common/error.h"
 #include "nccl/nccl_api.h"
 #include "nccl/nccl_comm.h"
+#include "python/fastcall.h"
 
 namespace py = pybind11;
 
@@ -367,13 +368,6 @@ DeviceArray arg(const py::handle& x, const char* what, bool writable, const Devi
   return make_array(x, what, writable, py::none(), false);
 }
 
-Millis timeout_arg(const py::handle& seconds) {
-  if (seconds.is_none()) return Millis(-1);
-  double s = seconds.cast<double>();
-  if (!(s >= 0) || std::isinf(s)) throw py::value_error("timeout must be a finite number >= 0 seconds");
-  return Millis(static_cast<int64_t>(s * 1000.0));
-}
-
 RedOp redop_arg(const std::string& name, const char* what) {
   RedOp op;
   if (!redop_from_name(name, &op))
@@ -444,6 +438,21 @@ std::shared_ptr<NcclWork> enqueue_all_reduce(NcclComm& c, const py::handle& x, c
   if (a.count != o.count) throw py::value_error("all_reduce: out must have x's size");
   auto opts = call(c, a, timeout, what);
   return c.all_reduce(opts, vptr(a), vptr(o), a.count, a.dtype, redop_arg(op, what));
+}
+
+// NcclProcessGroup.all_reduce's synchronous path, (x, op, timeout, stream): enqueue on the
+// caller's stream and return None, no Work (Note [FASTCALL methods]).
+PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return fastcall([&]() -> PyObject* {
+    if (nargs != 4)
+      throw py::type_error(str_cat("all_reduce_sync takes 4 positional arguments (x, op, "
+                                   "timeout, stream), got ", nargs));
+    NcclComm& c = py::cast<NcclComm&>(py::handle(self));
+    py::handle x(args[0]);
+    enqueue_all_reduce(c, x, x, str_arg(args[1], "all_reduce", "op"), py::handle(args[2]),
+                       py::handle(args[3]), py::handle(Py_False));
+    Py_RETURN_NONE;
+  });
 }
 
 }  // namespace
@@ -517,8 +526,16 @@ void bind_nccl(py::module_& m) {
         }
       });
 
-  py::class_<NcclComm, std::shared_ptr<NcclComm>>(
-      m, "NcclComm", "NCCL communicator of one group; methods mirror the CPU Comm's.")
+  py::class_<NcclComm, std::shared_ptr<NcclComm>> comm(
+      m, "NcclComm", "NCCL communicator of one group; methods mirror the CPU Comm's.");
+  static PyMethodDef sync_def = {
+      "all_reduce_sync",
+      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&all_reduce_sync)),
+      METH_FASTCALL,
+      "all_reduce_sync(x, op, timeout, stream): enqueue an in-place all_reduce of x on the "
+      "caller's stream (Note [FASTCALL methods])."};
+  add_fastcall_method(comm, &sync_def);
+  comm
       .def(py::init([](std::shared_ptr<store::Store> store, int rank, int size, int device,
                        double timeout_s) {
              Millis t(static_cast<int64_t>(timeout_s * 1000.0));

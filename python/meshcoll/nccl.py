@@ -208,9 +208,13 @@ class NcclProcessGroup(ProcessGroup):
         if algorithm not in (None, "auto"):
             raise ValueError(f"all_reduce: algorithm={algorithm!r} is a CPU-backend choice; "
                              "NCCL picks its own (set NCCL_ALGO to force one)")
-        # The latency-critical op calls the communicator directly (one Python frame).
-        w = self._comm.all_reduce(x, x, op, "auto", timeout, None, None, None, stream, async_op)
-        return NcclWork(w, x, (x,)) if async_op else x
+        # The latency-critical op calls the communicator directly (one Python frame; the
+        # synchronous one through a FASTCALL method that makes no Work).
+        if not async_op:
+            self._comm.all_reduce_sync(x, op, timeout, stream)
+            return x
+        w = self._comm.all_reduce(x, x, op, "auto", timeout, None, None, None, stream, True)
+        return NcclWork(w, x, (x,))
 
     def reduce(self, x, dst: int = 0, op: str = "sum", *, async_op: bool = False,
                timeout: Optional[float] = None, stream=None):

@@ -1,0 +1,58 @@
+#include "python/fastcall.h"
+
+#include <cmath>
+
+#include "common/error.h"
+
+namespace py = pybind11;
+
+namespace meshcoll::python {
+
+Millis timeout_arg(const py::handle& seconds) {
+  if (seconds.is_none()) return Millis(-1);
+  double s = seconds.cast<double>();
+  if (!(s >= 0) || std::isinf(s)) throw py::value_error("timeout must be a finite number >= 0 seconds");
+  return Millis(static_cast<int64_t>(s * 1000.0));
+}
+
+std::string str_arg(PyObject* o, const char* what, const char* name) {
+  Py_ssize_t n;
+  const char* s = PyUnicode_Check(o) ? PyUnicode_AsUTF8AndSize(o, &n) : nullptr;
+  if (!s) {
+    PyErr_Clear();
+    throw py::type_error(str_cat(what, ": ", name, " must be a str"));
+  }
+  return std::string(s, static_cast<size_t>(n));
+}
+
+size_t size_arg(PyObject* o, const char* what, const char* name) {
+  size_t v = PyLong_Check(o) ? PyLong_AsSize_t(o) : static_cast<size_t>(-1);
+  if (v == static_cast<size_t>(-1)) {
+    PyErr_Clear();
+    throw py::type_error(str_cat(what, ": ", name, " must be an int >= 0"));
+  }
+  return v;
+}
+
+void set_python_error(std::exception_ptr e) {
+  static thread_local std::exception_ptr pending;
+  // A pybind11 function that rethrows `pending`: calling it runs the registered translators.
+  // Never destroyed: a py::object must not be released after the interpreter has finalized.
+  static const auto* rethrow =
+      new py::object(py::cpp_function([] { std::rethrow_exception(pending); }));
+  pending = e;
+  try {
+    (*rethrow)();
+  } catch (py::error_already_set& err) {
+    pending = nullptr;
+    err.restore();
+  }
+}
+
+void add_fastcall_method(const py::handle& cls, PyMethodDef* def) {
+  PyObject* m = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(cls.ptr()), def);
+  if (!m) throw py::error_already_set();
+  cls.attr(def->ml_name) = py::reinterpret_steal<py::object>(m);
+}
+
+}  // namespace meshcoll::python
