@@ -239,26 +239,41 @@ uintptr_t torch_stream(int device) {
     }
   }
   if (c.torch_current_stream.is_none()) return kLegacy;
-  uintptr_t s = c.torch_current_stream(device).cast<uintptr_t>();
+  py::object dev = py::reinterpret_steal<py::object>(PyLong_FromLong(device));
+  if (!dev) throw py::error_already_set();
+  auto r = py::reinterpret_steal<py::object>(
+      PyObject_CallOneArg(c.torch_current_stream.ptr(), dev.ptr()));
+  if (!r) throw py::error_already_set();
+  uintptr_t s = r.cast<uintptr_t>();
   return s == 0 ? kLegacy : s;
+}
+
+// x.<name>(): interned name, no bound method object (a torch tensor is read on every call).
+py::object call_method(const py::handle& x, const char* name) {
+  static std::unordered_map<const char*, PyObject*>* names = new std::unordered_map<const char*, PyObject*>();
+  PyObject*& n = (*names)[name];
+  if (!n && !(n = PyUnicode_InternFromString(name))) throw py::error_already_set();
+  auto r = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(x.ptr(), n));
+  if (!r) throw py::error_already_set();
+  return r;
 }
 
 void from_torch(DeviceArray& a, const py::handle& x, bool has_stream, uintptr_t stream,
                 const char* what) {
-  a.device = x.attr("get_device")().cast<int>();
+  a.device = call_method(x, "get_device").cast<int>();
   if (a.device < 0)
     throw py::type_error(str_cat(what, ": a CPU tensor: the NCCL backend takes CUDA tensors "
                                        "(or use meshcoll.init(backend='cpu'))"));
-  if (!x.attr("is_contiguous")().cast<bool>())
+  if (!call_method(x, "is_contiguous").cast<bool>())
     throw InvalidArgument(str_cat(what, ": the tensor is not contiguous; pass x.contiguous() "
                                         "(and copy the result back)"));
   a.dtype = torch_dtype(x.attr("dtype"), what);
-  py::tuple shape(x.attr("shape"));
-  std::vector<int64_t> dims(shape.size());
-  for (size_t i = 0; i < dims.size(); ++i) dims[i] = shape[i].cast<int64_t>();
-  a.count = product(dims, what);
-  a.shape = to_tuple(dims);
-  a.ptr = x.attr("data_ptr")().cast<uintptr_t>();
+  py::object size = x.attr("shape");  // torch.Size, a tuple of ints
+  if (!PyTuple_Check(size.ptr())) throw py::type_error(str_cat(what, ": tensor.shape is not a tuple"));
+  a.shape = py::reinterpret_borrow<py::tuple>(size);
+  a.count = 1;
+  for (const py::handle d : a.shape) a.count *= d.cast<size_t>();  // torch sizes are >= 0
+  a.ptr = call_method(x, "data_ptr").cast<uintptr_t>();
   a.stream = has_stream ? stream : torch_stream(a.device);
 }
 
