@@ -30,11 +30,15 @@ On the CPU backend parameters and gradients are numpy arrays (or viewed as numpy
 buffer protocol / DLPack). On the NCCL backend they are the caller's GPU arrays, PyTorch
 tensors or CuPy arrays, one type for all, and DataParallel computes with their own operators
 (flat buckets from the group's allocator, slice views, ``[...] =``, ``+=``, ``/=``), so it
-never imports a framework. Stream order: gradients are copied into a bucket on the caller's
-current stream and the bucket's all-reduce is queued after that stream's work (the NCCL
-group's rule for async ops); ``wait()`` blocks the host until every bucket's all-reduce is
-done on the device (the completion thread calls ``Work.synchronize()``) and then writes the
-averages back on the current stream. Compression casts with the same operators.
+never imports a framework. Stream order, as torch's DDP: gradients are copied into a bucket on
+the caller's current stream, the bucket's all-reduce is queued after that stream's work, and
+``wait()`` makes the current stream wait for every all-reduce and queues the write-back of the
+averages there, without blocking the host: the next step's work can be queued while the last
+buckets are on the wire. The completion thread calls ``Work.synchronize()`` to stamp each
+bucket's end for Note [Stats]; those flights are settled (counted, and a failure raised) at the
+next ``wait()``, ``stats()`` or ``reset_stats()``, which block until the device got there. A
+compression hook's Work is waited for on the host, as on the CPU backend. Compression casts
+with the same operators.
 """
 
 from __future__ import annotations
@@ -71,11 +75,11 @@ class LocalSGD:
 class _Flight:
     """One queued all-reduce (or hook) of one bucket, as the completion thread sees it."""
 
-    __slots__ = ("work", "t_launch", "t_end", "error", "done", "blocking", "nbytes")
+    __slots__ = ("work", "t_launch", "t_end", "t_wait", "error", "done", "blocking", "nbytes")
 
     def __init__(self, work, t_launch: float, nbytes: int, blocking: bool = False):
         self.work, self.t_launch, self.nbytes, self.blocking = work, t_launch, nbytes, blocking
-        self.t_end = t_launch
+        self.t_end = self.t_wait = t_launch
         self.error: Optional[BaseException] = None
         self.done = threading.Event()
 
@@ -185,6 +189,11 @@ class DataParallel:
         self._given: Dict[str, np.ndarray] = {}   # this step's gradient arrays, for write-back
         self._accumulated: set = set()             # names whose slot holds a no_sync sum
         self._next_launch = 0                      # buckets launch in index order only
+        # GPU arrays: wait() orders the caller's stream instead of blocking (Note [Arrays]);
+        # its flights are counted once done on the device.
+        self._stream_ordered = self._group.backend_name != "cpu"
+        self._unsettled: List[_Flight] = []
+        self._prev_end = 0.0                       # end stamp of the last flight counted
         self._no_sync = False
         self._steps = 0
         self.reset_stats()
@@ -316,8 +325,11 @@ class DataParallel:
             raise RuntimeError("DataParallel: used after close()")
         n = self._group.size
         t0 = time.perf_counter()
+        # GPU arrays: queued after the stream the caller computes on (Note [Arrays]).
+        on = {"stream": self._group._current_stream(b.buf)} if self._stream_ordered else {}
         if op is not None:  # LocalSGD parameter averaging: plain, uncompressed
-            fl = _Flight(self._group.all_reduce(b.buf, op=op, async_op=True), t0, b.buf.nbytes)
+            fl = _Flight(self._group.all_reduce(b.buf, op=op, async_op=True, **on), t0,
+                         b.buf.nbytes)
         elif self._hook is not None:
             work = self._hook(self._group, b.buf)
             if work is None:  # the hook communicated synchronously: time it, never overlapped
@@ -334,11 +346,11 @@ class DataParallel:
             if self._half == "float16" and self._average:
                 b.buf /= n  # before the sum: fp16 overflows at 65504 (buf is our own copy)
             b.half[...] = b.buf
-            fl = _Flight(self._group.all_reduce(b.half, op="sum", async_op=True), t0,
+            fl = _Flight(self._group.all_reduce(b.half, op="sum", async_op=True, **on), t0,
                          b.half.nbytes)
         else:
             fl = _Flight(self._group.all_reduce(b.buf, op="avg" if self._average else "sum",
-                                                async_op=True), t0, b.buf.nbytes)
+                                                async_op=True, **on), t0, b.buf.nbytes)
         b.flight = fl
         if self._thread is None:
             self._thread = threading.Thread(target=_complete, args=(self._queue,),
@@ -362,22 +374,26 @@ class DataParallel:
 
     def _finish(self, t_wait: float, write_back: bool) -> None:
         # Every bucket was launched (nothing is missing). Finish in launch order, writing
-        # bucket i back while bucket i+1 is still on the wire.
+        # bucket i back while bucket i+1 is still on the wire. GPU arrays: the current stream
+        # waits for each all-reduce and the host goes on (Note [Arrays]).
+        self._settle()
         n = self._group.size
         error: Optional[BaseException] = None
-        prev_end = 0.0
+        stream = self._group._current_stream(self._buckets[0].buf) if self._stream_ordered else None
         for b in self._buckets:
             fl = b.flight
-            fl.done.wait()
             b.flight, b.missing = None, len(b.names)
-            error = error or fl.error
-            start = max(fl.t_launch, prev_end)
-            prev_end = fl.t_end
-            self._stats["calls"] += 1
-            self._stats["bytes"] += fl.nbytes
-            self._stats["comm_seconds"] += fl.t_end - start
-            if not fl.blocking:
-                self._stats["overlapped_seconds"] += max(0.0, min(fl.t_end, t_wait) - start)
+            fl.t_wait = t_wait
+            if self._stream_ordered and fl.work is not None and self._hook is None:
+                try:
+                    fl.work.wait(stream=stream)
+                except BaseException as e:  # the group already failed
+                    error = error or e
+                self._unsettled.append(fl)
+            else:
+                fl.done.wait()
+                self._count(fl)
+                error = error or fl.error
             if error is not None:
                 continue  # still drain the other flights: their buffers are in use
             if b.half is not None and self._hook is None and write_back:
@@ -391,6 +407,28 @@ class DataParallel:
                 dst[...] = self._slot[name][1]
         self._given.clear()
         self._next_launch = 0
+        if error is not None:
+            raise error
+
+    def _count(self, fl: _Flight) -> None:
+        # Note [Stats]: from max(launch, the previous flight's end) to this one's end.
+        start = max(fl.t_launch, self._prev_end)
+        self._prev_end = fl.t_end
+        self._stats["calls"] += 1
+        self._stats["bytes"] += fl.nbytes
+        self._stats["comm_seconds"] += fl.t_end - start
+        if not fl.blocking:
+            self._stats["overlapped_seconds"] += max(0.0, min(fl.t_end, fl.t_wait) - start)
+
+    def _settle(self) -> None:
+        """Counts the flights whose wait() only ordered a stream, blocking until the device
+        finished them; raises the first failure among them."""
+        flights, self._unsettled = self._unsettled, []
+        error: Optional[BaseException] = None
+        for fl in flights:
+            fl.done.wait()
+            self._count(fl)
+            error = error or fl.error
         if error is not None:
             raise error
 
@@ -459,7 +497,9 @@ class DataParallel:
         construction or ``reset_stats()`` (see Note [Stats]): ``calls`` (bucket all-reduces),
         ``bytes`` (payload handed to them on this rank), ``comm_seconds``,
         ``overlapped_seconds`` (communication before ``wait()`` was called),
-        ``overlap_fraction`` and ``algbw_gbps`` (bytes / comm_seconds, in GB/s)."""
+        ``overlap_fraction`` and ``algbw_gbps`` (bytes / comm_seconds, in GB/s). With GPU
+        arrays it first waits until the device finished the all-reduces so far."""
+        self._settle()
         s = dict(self._stats)
         t = s["comm_seconds"]
         s["overlap_fraction"] = s["overlapped_seconds"] / t if t > 0 else 0.0
@@ -467,6 +507,8 @@ class DataParallel:
         return s
 
     def reset_stats(self) -> None:
+        if getattr(self, "_unsettled", None):
+            self._settle()  # count nothing of before the reset later
         self._stats = {"calls": 0, "bytes": 0, "comm_seconds": 0.0, "overlapped_seconds": 0.0}
 
     def close(self) -> None:

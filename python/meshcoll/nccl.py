@@ -186,6 +186,17 @@ class NcclProcessGroup(ProcessGroup):
                         f"{type(x).__module__}.{type(x).__name__}; pass out= (or use PyTorch "
                         "or CuPy arrays)")
 
+    def _current_stream(self, like):
+        """The framework's current stream on ``like``'s device, found through the array's
+        own module as _empty finds its allocator: ``torch.cuda.current_stream(device)``,
+        ``cupy.cuda.get_current_stream()``; None (the backend's default) for other arrays."""
+        mod = sys.modules.get(type(like).__module__.split(".")[0])
+        cuda = getattr(mod, "cuda", None)
+        if callable(getattr(like, "new_empty", None)) and hasattr(cuda, "current_stream"):
+            return cuda.current_stream(like.device)
+        get = getattr(cuda, "get_current_stream", None)
+        return get() if callable(get) else None
+
     def _child(self, ranks, rank, name, timeout):
         return type(self)(self._store, ranks, rank, name, timeout=timeout or self._timeout,
                           bind_host=self._bind_host, token=self._token, parent=self)

@@ -146,6 +146,11 @@ class ProcessGroup:
         where this backend works."""
         return np.empty(shape, like.dtype if dtype is None else numpy_dtype(dtype, self._name))
 
+    def _current_stream(self, like):
+        """The stream the caller computes on for arrays like ``like`` (the NCCL backend's
+        ``stream=``); None on the CPU backend, which has no streams."""
+        return None
+
     def _child(self, ranks, rank, name, timeout):
         return type(self)(self._store, ranks, rank, name, timeout=timeout or self._timeout,
                           bind_host=self._bind_host, token=self._token, parent=self)

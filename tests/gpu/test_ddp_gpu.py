@@ -1,7 +1,8 @@
 """DataParallel and meshcoll.torch.DistributedDataParallel with GPU arrays on the NCCL backend
 (issue 7): N-rank training of CUDA modules equals one-process full-batch training (CPU
 reference), with and without no_sync, with fp16 compression; CuPy arrays straight through
-DataParallel; clear errors for arrays of the wrong kind. Skips without GPUs.
+DataParallel on a non-blocking stream; wait() orders the stream without blocking the host;
+clear errors for arrays of the wrong kind. Skips without GPUs.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def _cupy(pg):
     import meshcoll
     shapes = {"a": (5, 7), "b": (7,), "c": (3, 2, 4)}
     rng = lambda *k: np.random.default_rng([pg.rank, *k])  # noqa: E731
-    with cupy.cuda.Device(pg.device):
+    # A non-blocking stream: wait() must order this stream, not the legacy default one.
+    with cupy.cuda.Device(pg.device), cupy.cuda.Stream(non_blocking=True):
         params = {n: cupy.asarray(rng(i).standard_normal(s)) for i, (n, s) in enumerate(shapes.items())}
         ddp = meshcoll.DataParallel(params, group=pg, bucket_cap_mb=40 * 8 / 2**20)
         acc = {n: rng(10, i).standard_normal(s) for i, (n, s) in enumerate(shapes.items())}
@@ -68,9 +70,30 @@ def _errors(pg):
     return msgs
 
 
+def _no_host_block(pg):
+    """wait() queues the averaging behind the all-reduces on the current stream and returns
+    while the device is still busy (a 0.1 s sleep kernel ahead of them); the values are there
+    once the stream is synchronized, and stats() counts the step then."""
+    import torch
+    import meshcoll
+    dev = torch.device("cuda", pg.device)
+    params = {"a": torch.zeros(1 << 18, device=dev), "b": torch.zeros(1 << 18, device=dev)}
+    ddp = meshcoll.DataParallel(params, group=pg, bucket_cap_mb=1)
+    grads = {n: torch.full_like(p, float(pg.rank + 1 + i)) for i, (n, p) in enumerate(params.items())}
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e8))  # 2e8 GPU cycles: about 0.1 s
+    ddp.sync_gradients(grads)
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    got = {n: g.cpu().numpy() for n, g in grads.items()}
+    stats = ddp.stats()
+    ddp.close()
+    return busy, got, stats["calls"]
+
+
 def _cases(pg):
     return {"plain": _train(pg, 1), "accum": _train(pg, 3), "fp16": _train(pg, 1, "fp16"),
-            "cupy": _cupy(pg), "errors": _errors(pg)}
+            "cupy": _cupy(pg), "errors": _errors(pg), "no_host_block": _no_host_block(pg)}
 
 
 @needs_torch
@@ -97,6 +120,11 @@ def test_gpu_data_parallel_matches_one_process(world):
         assert "host memory" in msgs[0] or "numpy" in msgs[0] or "CUDA" in msgs[0], msgs[0]
         assert "takes cuda tensors" in msgs[1], msgs[1]
         assert "CPU tensor" in msgs[2] and "shape (4,)" in msgs[3] and "float64" in msgs[4], msgs
+        busy, got, calls = res["no_host_block"]
+        assert busy, "wait() blocked the host until the device was idle"
+        for i, n in enumerate(("a", "b")):
+            np.testing.assert_array_equal(got[n], np.full(1 << 18, (world + 1) / 2 + i, np.float32))
+        assert calls == 2
     cp = [res["cupy"] for res in results]
     if cp[0] is None:
         return  # no CuPy in this image
