@@ -245,16 +245,24 @@ class DataParallel:
                 b.half = self._group._empty(total, first, dtype=self._half)
             self._buckets.append(b)
 
+    def _on_stream(self) -> dict:
+        """``stream=`` for the group's calls and waits: GPU arrays are ordered against the
+        stream the caller computes on (Note [Arrays]); nothing on the CPU backend."""
+        if not self._stream_ordered:
+            return {}
+        return {"stream": self._group._current_stream(self._buckets[0].buf)}
+
     def _broadcast_parameters(self, src: int) -> None:
         # Through the buckets: a few large broadcasts instead of one round trip per parameter.
         works = []
+        on = self._on_stream()
         for b in self._buckets:
             if self._group.rank == src:
                 for n in b.names:
                     self._slot[n][1][...] = self._params[n]
-            works.append(self._group.broadcast(b.buf, src, async_op=True))
+            works.append(self._group.broadcast(b.buf, src, async_op=True, **on))
         for b, w in zip(self._buckets, works):
-            w.wait()
+            w.wait(**on)
             if self._group.rank != src:
                 for n in b.names:
                     self._params[n][...] = self._slot[n][1]
@@ -325,8 +333,7 @@ class DataParallel:
             raise RuntimeError("DataParallel: used after close()")
         n = self._group.size
         t0 = time.perf_counter()
-        # GPU arrays: queued after the stream the caller computes on (Note [Arrays]).
-        on = {"stream": self._group._current_stream(b.buf)} if self._stream_ordered else {}
+        on = self._on_stream()
         if op is not None:  # LocalSGD parameter averaging: plain, uncompressed
             fl = _Flight(self._group.all_reduce(b.buf, op=op, async_op=True, **on), t0,
                          b.buf.nbytes)
@@ -379,14 +386,14 @@ class DataParallel:
         self._settle()
         n = self._group.size
         error: Optional[BaseException] = None
-        stream = self._group._current_stream(self._buckets[0].buf) if self._stream_ordered else None
+        on = self._on_stream()
         for b in self._buckets:
             fl = b.flight
             b.flight, b.missing = None, len(b.names)
             fl.t_wait = t_wait
             if self._stream_ordered and fl.work is not None and self._hook is None:
                 try:
-                    fl.work.wait(stream=stream)
+                    fl.work.wait(**on)
                 except BaseException as e:  # the group already failed
                     error = error or e
                 self._unsettled.append(fl)
