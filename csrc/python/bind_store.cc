@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "store/file_store.h"
 #include "store/tcp_store.h"
 
 namespace py = pybind11;
@@ -91,6 +92,20 @@ void bind_store(py::module_& m) {
       .def_property_readonly("port", &store::TcpStore::port)
       .def_property_readonly("host", &store::TcpStore::host)
       .def_property_readonly("local_host", &store::TcpStore::local_host);
+
+  py::class_<store::FileStore, Store, std::shared_ptr<store::FileStore>>(
+      m, "FileStore",
+      "Key-value store in one file that every process opens (local disk or a shared filesystem "
+      "with POSIX locks, e.g. NFS with lockd). The last user to close it deletes the file; a "
+      "file left by a crashed job is reused as is, so use a fresh path per job.")
+      .def(py::init([](const py::object& path, const py::object& timeout) {
+             std::string p = py::module_::import("os").attr("fspath")(path).cast<std::string>();
+             Millis t = to_ms(timeout, Millis(300000));
+             py::gil_scoped_release nogil;
+             return std::make_shared<store::FileStore>(std::move(p), t);
+           }),
+           py::arg("path"), py::arg("timeout") = 300.0)
+      .def_property_readonly("path", &store::FileStore::path);
 
   py::class_<store::PrefixStore, Store, std::shared_ptr<store::PrefixStore>>(
       m, "PrefixStore", "Namespaces another store: every key gets 'prefix/'.")

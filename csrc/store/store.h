@@ -2,6 +2,7 @@
 // Every call is bounded by a timeout; values are byte strings.
 #pragma once
 
+#include <charconv>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -31,6 +32,19 @@ class Store {
   virtual int64_t num_keys() = 0;
   virtual Millis timeout() const = 0;  // default for calls without their own
 };
+
+// add()'s arithmetic, one for every store: a value holds decimal ASCII; absent or empty is 0.
+enum class AddResult { kOk, kNotDecimal, kOverflow };
+inline AddResult add_decimal(const Bytes& value, int64_t delta, int64_t* sum) {
+  int64_t cur = 0;
+  if (!value.empty()) {
+    const char* b = reinterpret_cast<const char*>(value.data());
+    const char* e = b + value.size();
+    auto [p, ec] = std::from_chars(b, e, cur);
+    if (ec != std::errc() || p != e) return AddResult::kNotDecimal;
+  }
+  return __builtin_add_overflow(cur, delta, sum) ? AddResult::kOverflow : AddResult::kOk;
+}
 
 // Namespaces another store: every key gets "prefix/". num_keys counts the whole store.
 class PrefixStore : public Store {

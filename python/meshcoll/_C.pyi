@@ -1,5 +1,6 @@
 # Type hints for the C++ core (csrc/python/*.cc). Arrays are C-contiguous numpy arrays.
 import builtins
+import os
 from typing import Any, List, Optional, Sequence, Union
 
 import numpy as np
@@ -27,6 +28,10 @@ class TCPStore(Store):
     local_host: str
     def __init__(self, host: str, port: int, *, is_server: bool = ..., timeout: Optional[float] = ...,
                  token: Optional[str] = ...) -> None: ...
+
+class FileStore(Store):
+    path: str
+    def __init__(self, path: Union[str, os.PathLike], timeout: Optional[float] = 300.0) -> None: ...
 
 class PrefixStore(Store):
     prefix: str
