@@ -217,14 +217,16 @@ bool TcpStoreServer::handle_one(int fd) {
     case wire::QueryType::kAdd: {
       std::string key = read_string(fd, wire::kMaxKeyBytes, io);
       auto delta = read_pod<int64_t>(fd, io);
-      int64_t result;
+      int64_t result = 0;
       {
         std::lock_guard<std::mutex> lock(mu_);
         Bytes& v = data_[key];
-        int64_t cur = v.empty() ? 0 : std::stoll(std::string(v.begin(), v.end()));
-        result = cur + delta;
-        std::string s = std::to_string(result);
-        v.assign(s.begin(), s.end());
+        if (add_decimal(v, delta, &result) == AddResult::kOk) {
+          std::string s = std::to_string(result);
+          v.assign(s.begin(), s.end());
+        } else {
+          status = wire::Status::kBadValue;  // the key keeps its value
+        }
       }
       cv_.notify_all();
       put(&result, 8);
@@ -395,6 +397,9 @@ void TcpStore::recv_status(const char* what, const std::string& key, const Deadl
   if (st == static_cast<uint8_t>(wire::Status::kTimeout))
     throw TimeoutError(str_cat(describe(), ": ", what, "(", key, ") timed out after ",
                                waited.count(), " ms"));
+  if (st == static_cast<uint8_t>(wire::Status::kBadValue))
+    throw InvalidArgument(str_cat(describe(), ": ", what, "(", key, "): the key's value is not "
+                                  "a decimal int64, or the sum overflows int64"));
   if (st != static_cast<uint8_t>(wire::Status::kOk))
     throw Error(str_cat(describe(), ": ", what, "(", key, ") failed on the server"));
 }

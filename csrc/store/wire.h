@@ -42,6 +42,7 @@ enum class QueryType : uint8_t {
   kNumKeys = 8,     // -                          -> i64
 };
 
-enum class Status : uint8_t { kOk = 0, kTimeout = 1, kError = 2 };
+// kBadValue: add() on a value that is not a decimal int64, or a sum that overflows.
+enum class Status : uint8_t { kOk = 0, kTimeout = 1, kError = 2, kBadValue = 3 };
 
 }  // namespace meshcoll::store::wire

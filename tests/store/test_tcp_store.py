@@ -38,6 +38,19 @@ def test_set_get_add_delete(server):
     assert c.check(["s", "n"]) and not c.check(["s", "missing"])
 
 
+def test_add_on_a_non_number_is_a_clear_error_and_keeps_the_connection(server):
+    c = client(server)
+    for value in (b"abc", b"12abc", b"99999999999999999999"):
+        c.set("v", value)
+        with pytest.raises(ValueError, match=r"add\(v\).*not a decimal int64"):
+            c.add("v", 1)
+        assert c.get("v") == value  # unchanged
+    c.set("big", str(2**63 - 1))
+    with pytest.raises(ValueError, match="overflows"):
+        c.add("big", 1)
+    assert c.add("n", 2) == 2  # the same connection still works
+
+
 def test_compare_set(server):
     c = client(server)
     assert c.compare_set("k", b"", b"first") == b"first"      # absent + empty expected: set
