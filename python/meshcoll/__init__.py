@@ -10,8 +10,8 @@
 __version__ = "0.1.0"
 
 from . import _C
-from ._C import (AbortedError, MeshcollError, MismatchError, PeerError, PrefixStore, Store,
-                 TimeoutError)
+from ._C import (AbortedError, FileStore, MeshcollError, MismatchError, PeerError, PrefixStore,
+                 Store, TimeoutError)
 from .ddp import DataParallel, LocalSGD
 from .device_mesh import DeviceMesh, MeshLayout, init_device_mesh
 from .monitor import monitored_barrier
@@ -62,7 +62,7 @@ del _name
 __all__ = [
     "init", "destroy", "is_initialized", "get_rank", "get_world_size", "get_world_group",
     "new_group", "ProcessGroup", "NonMemberGroup", "Work", "CollectiveConfig", "TCPStore",
-    "PrefixStore", "Store", "DataParallel", "LocalSGD", "MeshLayout", "DeviceMesh", "init_device_mesh",
+    "FileStore", "PrefixStore", "Store", "DataParallel", "LocalSGD", "MeshLayout", "DeviceMesh", "init_device_mesh",
     "monitored_barrier", "nccl_available", "ShardedArray", "partition_range", "reduce_scatter_dim", "shard",
     "MeshcollError", "TimeoutError", "PeerError", "MismatchError", "AbortedError",
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_v", "reduce_scatter",

@@ -33,6 +33,7 @@ SOCKET_IFNAME = "MESHCOLL_SOCKET_IFNAME"
 TRANSPORT = "MESHCOLL_TRANSPORT"
 SHM_BYTES = "MESHCOLL_SHM_BYTES"
 HIERARCHY = "MESHCOLL_HIERARCHY"
+INIT_METHOD = "MESHCOLL_INIT_METHOD"
 
 # torchrun's names for the master; the fallback after ours for every scheme.
 _TORCH_MASTER_ADDR = "MASTER_ADDR"
@@ -60,7 +61,7 @@ class Rendezvous:
     world_size: int
     local_rank: Optional[int]
     local_world_size: Optional[int]
-    master_addr: str
+    master_addr: str  # "" when no master is needed (the store is given or a file)
     master_port: int
     token: Optional[str]
     source: str  # "arguments", "meshcoll", "torchrun", "slurm", "openmpi" or "pmi"
@@ -166,6 +167,7 @@ def rendezvous_from_env(
     master_addr: Optional[str] = None,
     master_port: Optional[int] = None,
     environ: Optional[Mapping[str, str]] = None,
+    need_master: bool = True,
 ) -> Rendezvous:
     """Work out this process's rank, world size and master address.
 
@@ -174,7 +176,9 @@ def rendezvous_from_env(
     Slurm. The master address and port come from the arguments, else
     MESHCOLL_MASTER_ADDR/PORT, else torchrun's MASTER_ADDR/PORT, for every
     scheme (srun and mpirun do not provide one). A single process
-    (world_size 1) needs no master: it gets 127.0.0.1 and port 0.
+    (world_size 1) needs no master: it gets 127.0.0.1 and port 0. With
+    ``need_master=False`` (a given store, a file store) no master is looked up:
+    master_addr is "" and master_port 0.
 
     Raises ValueError naming the missing or malformed variable and the fix.
     """
@@ -219,7 +223,8 @@ def rendezvous_from_env(
         came_from = f"rank and world size came from {scheme.owner} {rank_from}/{world_from}"
     else:
         came_from = f"rank came from {rank_from}, world size from {world_from}"
-    addr, port = _master(env, master_addr, master_port, world_v, came_from)
+    addr, port = (_master(env, master_addr, master_port, world_v, came_from) if need_master
+                  else ("", 0))
 
     return Rendezvous(
         rank=rank_v, world_size=world_v, local_rank=local_rank,
@@ -294,6 +299,45 @@ def _master(env: Mapping[str, str], addr_arg: Optional[str], port_arg: Optional[
         raise ValueError(f"{_WHO}: master port {port} (from {port_from}) is out of "
                          f"range; ports are 1..65535")
     return addr, port
+
+
+@dataclass(frozen=True)
+class InitMethod:
+    """Where the store lives, as torch spells it: ``env://`` (the variables above),
+    ``tcp://host:port`` (rank 0 hosts a TCP store there) or ``file:///path`` (a store in a
+    file every rank can open, e.g. on a shared filesystem)."""
+
+    kind: str  # "env", "tcp" or "file"
+    host: Optional[str] = None
+    port: Optional[int] = None
+    path: Optional[str] = None
+
+
+def parse_init_method(text: str, source: str = "init_method=") -> InitMethod:
+    """Parses an init method; ValueError names ``source`` and the accepted forms."""
+    from urllib.parse import urlsplit
+    forms = "use env://, tcp://HOST:PORT or file:///ABSOLUTE/PATH"
+    value = str(text).strip()
+    try:
+        url = urlsplit(value)
+        port = url.port
+    except ValueError as e:
+        raise ValueError(f"{_WHO}: {source}{value!r} is malformed ({e}); {forms}") from None
+    if url.scheme == "env" and not (url.netloc or url.path):
+        return InitMethod("env")
+    if url.scheme == "tcp" and url.hostname and port is not None and url.path in ("", "/"):
+        return InitMethod("tcp", host=url.hostname, port=port)
+    if url.scheme == "file" and url.netloc in ("", "localhost") and url.path.startswith("/") \
+            and not url.path.endswith("/"):
+        return InitMethod("file", path=url.path)
+    raise ValueError(f"{_WHO}: {source}{value!r} is not an init method meshcoll knows; {forms}")
+
+
+def init_method_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[InitMethod]:
+    """``MESHCOLL_INIT_METHOD``, parsed, or None when unset."""
+    env = os.environ if environ is None else environ
+    text = _get(env, INIT_METHOD)
+    return None if text is None else parse_init_method(text, f"{INIT_METHOD}=")
 
 
 def timeout_from_env(default: float = DEFAULT_TIMEOUT_S,

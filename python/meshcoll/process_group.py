@@ -451,27 +451,44 @@ class _Default:
 def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
          world_size: Optional[int] = None, master_addr: Optional[str] = None,
          master_port: Optional[int] = None, timeout: Optional[float] = None,
-         device=None, store=None) -> ProcessGroup:
+         device=None, store=None, init_method: Optional[str] = None) -> ProcessGroup:
     """Join the job: rendezvous through rank 0's TCP store, connect to every rank, return
     the world group. With no arguments it reads meshcoll-run's, torchrun's, Slurm's or
     Open MPI's environment variables. ``backend``: "cpu" (the default), "nccl" (CUDA
     arrays; ``device`` defaults to the launcher's local rank), or "auto" (nccl when every
-    rank has a GPU and NCCL loads, else cpu). ``store``: an existing ``meshcoll.TCPStore``
-    (client or server) to rendezvous through instead of rank 0 hosting one; ``rank`` and
-    ``world_size`` then come from the arguments or the environment as usual."""
+    rank has a GPU and NCCL loads, else cpu). ``store``: an existing store
+    (``meshcoll.TCPStore``, client or server, or ``meshcoll.FileStore``) to rendezvous
+    through instead of rank 0 hosting one; ``rank`` and ``world_size`` then come from the
+    arguments or the environment as usual. ``init_method`` (else ``MESHCOLL_INIT_METHOD``),
+    as torch spells it: ``"env://"`` (the default), ``"tcp://host:port"`` (the master
+    address) or ``"file:///path"``: a ``FileStore`` at that path, for jobs with a shared
+    filesystem and no known master address (use a path no earlier job left behind)."""
     if _Default.world is not None:
         raise RuntimeError("meshcoll.init was already called in this process; call "
                            "meshcoll.destroy() first to re-initialise")
     if backend not in (None, "auto", "cpu", "nccl"):
         raise ValueError(f"meshcoll.init: unknown backend {backend!r}; use 'cpu', 'nccl' or 'auto'")
-    if store is not None:  # the store is given: the master address and port are not used
-        master_addr = master_addr or store.host or "127.0.0.1"
-        master_port = master_port or store.port
+    method = (_env.parse_init_method(init_method) if init_method is not None
+              else _env.init_method_from_env())
+    if method is not None and method.kind != "env" and store is not None:
+        raise ValueError("meshcoll.init: pass store= or an init method naming a store, not both")
+    if method is not None and method.kind == "tcp":
+        for given, name, value in ((master_addr, "master_addr", method.host),
+                                   (master_port, "master_port", method.port)):
+            if given is not None and given != value:
+                raise ValueError(f"meshcoll.init: {name}={given!r} contradicts the init "
+                                 f"method's {value!r}; give one of them")
+        master_addr, master_port = method.host, method.port
+    file_path = method.path if method is not None and method.kind == "file" else None
+    # A given store or a file needs no master address: the store is already where it is.
     rv = _env.rendezvous_from_env(rank=rank, world_size=world_size, master_addr=master_addr,
-                                  master_port=master_port)
+                                  master_port=master_port,
+                                  need_master=store is None and file_path is None)
     timeout = float(timeout) if timeout is not None else _env.timeout_from_env()
     token = rv.token or ""
-    if store is None:
+    if file_path is not None:
+        store = _C.FileStore(file_path, timeout)
+    elif store is None:
         store = _C.TCPStore(rv.master_addr, rv.master_port, is_server=rv.rank == 0,
                             timeout=timeout, token=token)
     bind_host = _bind_host(store)
@@ -505,7 +522,23 @@ def _bind_host(store) -> str:
             s.close()
         return socket.inet_ntoa(packed[20:24])
     # The interface that reaches the master is the one peers can reach us on.
-    return store.local_host
+    local = getattr(store, "local_host", None)
+    return local if local else _outbound_address()
+
+
+def _outbound_address() -> str:
+    """The address of the interface holding the default route (a store with no master, such
+    as a file, says nothing about the network): connecting a UDP socket sends no packet. A
+    host without a route gets the loopback address, enough for one host."""
+    import socket
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("10.255.255.255", 1))
+        return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        s.close()
 
 
 def destroy() -> None:

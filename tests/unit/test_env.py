@@ -6,8 +6,11 @@ Pure logic: every call gets an explicit `environ=` dict, never os.environ.
 import pytest
 
 from meshcoll._env import (
+    InitMethod,
     Rendezvous,
+    init_method_from_env,
     launcher_env,
+    parse_init_method,
     rendezvous_from_env,
     socket_ifname_from_env,
     timeout_from_env,
@@ -303,3 +306,35 @@ def test_launcher_env_round_trips():
     assert env["MESHCOLL_NODE_RANK"] == "1"
     assert timeout_from_env(environ=env) == 30.0
     assert rdv(env) == Rendezvous(5, 8, 1, 4, "n0", 29500, "t", "meshcoll")
+
+
+# -- init methods ---------------------------------------------------------------
+
+@pytest.mark.parametrize("text, want", [
+    ("env://", InitMethod("env")),
+    ("tcp://10.0.0.1:29500", InitMethod("tcp", host="10.0.0.1", port=29500)),
+    ("tcp://[::1]:80", InitMethod("tcp", host="::1", port=80)),
+    (" file:///shared/job42/store ", InitMethod("file", path="/shared/job42/store")),
+    ("file://localhost/tmp/s", InitMethod("file", path="/tmp/s")),
+])
+def test_init_method_forms(text, want):
+    assert parse_init_method(text) == want
+
+
+@pytest.mark.parametrize("text", ["tcp://host", "tcp://host:99999", "file://otherhost/x",
+                                  "file:///dir/", "file:relative", "http://x:1", "", "env://x"])
+def test_init_method_errors_name_the_forms(text):
+    with pytest.raises(ValueError, match="tcp://HOST:PORT or file:///ABSOLUTE/PATH"):
+        parse_init_method(text)
+
+
+def test_init_method_from_env():
+    assert init_method_from_env({}) is None
+    assert init_method_from_env({"MESHCOLL_INIT_METHOD": "file:///a/b"}) == InitMethod("file", path="/a/b")
+    with pytest.raises(ValueError, match="MESHCOLL_INIT_METHOD="):
+        init_method_from_env({"MESHCOLL_INIT_METHOD": "ftp://x"})
+
+
+def test_no_master_needed_for_a_given_store():
+    r = rdv({"MESHCOLL_RANK": "1", "MESHCOLL_WORLD_SIZE": "4"}, need_master=False)
+    assert (r.rank, r.world_size, r.master_addr, r.master_port) == (1, 4, "", 0)

@@ -1,0 +1,83 @@
+"""meshcoll.init(init_method=...): file:///path (a FileStore every rank opens, no master
+address), tcp://host:port and MESHCOLL_INIT_METHOD, with real processes; the world then
+all-reduces random data checked against numpy. Bad combinations fail before any rendezvous."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from conftest import free_port
+
+pytestmark = pytest.mark.timeout(90)
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import meshcoll
+    rank, world, method, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    kw = {} if method == "-" else {"init_method": method}
+    pg = meshcoll.init(rank=rank, world_size=world, timeout=30, **kw)
+    x = np.random.default_rng([7, rank]).standard_normal(1000)
+    pg.all_reduce(x)
+    sub = pg.new_group([0, world - 1])
+    y = np.full(3, float(rank + 1))
+    if sub.is_member:
+        sub.all_reduce(y)
+    meshcoll.destroy()
+    json.dump({"x": x.tolist(), "y": y.tolist()}, open(out, "w"))
+""")
+
+
+def _run(tmp_path, world, method, env=None):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MESHCOLL_", "MASTER_"))}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), method,
+                               str(tmp_path / f"out{r}.json")],
+                              env={**base, **(env or {})}, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    errs = [p.communicate(timeout=60)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(errs)
+    got = [json.load(open(tmp_path / f"out{r}.json")) for r in range(world)]
+    want = sum(np.random.default_rng([7, r]).standard_normal(1000) for r in range(world))
+    for r, g in enumerate(got):
+        np.testing.assert_allclose(g["x"], want, rtol=1e-12, atol=1e-12)
+        sub_sum = 1.0 + world  # ranks 0 and world-1 hold 1 and world
+        assert g["y"] == ([sub_sum] * 3 if r in (0, world - 1) else [float(r + 1)] * 3)
+
+
+def test_file_init_method(tmp_path):
+    path = tmp_path / "rendezvous" / "store"
+    path.parent.mkdir()
+    _run(tmp_path, 3, f"file://{path}")
+    assert not path.exists(), "the last rank to close the store removes its file"
+
+
+def test_file_init_method_from_env(tmp_path):
+    _run(tmp_path, 2, "-", env={"MESHCOLL_INIT_METHOD": f"file://{tmp_path}/store"})
+
+
+def test_tcp_init_method(tmp_path):
+    _run(tmp_path, 2, f"tcp://127.0.0.1:{free_port()}")
+
+
+def test_bad_combinations_fail_before_rendezvous(tmp_path):
+    import meshcoll
+    with pytest.raises(ValueError, match="not both"):
+        meshcoll.init(rank=0, world_size=2, init_method=f"file://{tmp_path}/s",
+                      store=meshcoll.TCPStore("127.0.0.1", 0, is_server=True))
+    with pytest.raises(ValueError, match="contradicts"):
+        meshcoll.init(rank=0, world_size=2, init_method="tcp://127.0.0.1:29511",
+                      master_port=29512)
+    with pytest.raises(ValueError, match="file:///ABSOLUTE/PATH"):
+        meshcoll.init(rank=0, world_size=2, init_method="file://relative/path")
+    with pytest.raises(Exception, match=str(tmp_path / "missing")):
+        meshcoll.init(rank=0, world_size=2, timeout=5,
+                      init_method=f"file://{tmp_path}/missing/dir/store")
