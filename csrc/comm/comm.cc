@@ -26,12 +26,14 @@ const char* coll_name(CollKind k) {
     case CollKind::kScatter: return "scatter";
     case CollKind::kBarrier: return "barrier";
     case CollKind::kSendRecv: return "send/recv";
+    case CollKind::kFail: return "relayed failure";
   }
   return "unknown";
 }
 
 std::string describe_op(const transport::OpDesc& d) {
   auto kind = static_cast<CollKind>(d.coll);
+  if (kind == CollKind::kFail) return coll_name(kind);  // no data: count and dtype say nothing
   std::string s = str_cat(coll_name(kind), "(count=", d.count, ", ",
                           dtype_name(static_cast<DType>(d.dtype)));
   if (kind == CollKind::kAllReduce || kind == CollKind::kReduce ||
@@ -91,7 +93,7 @@ Comm::~Comm() {
 
 void Comm::fail(const std::string& message) {
   transport::OpDesc desc;
-  desc.coll = static_cast<uint8_t>(CollKind::kBarrier);
+  desc.coll = static_cast<uint8_t>(CollKind::kFail);
   enqueue(desc, Millis(-1), [message](Comm&) { throw PeerError(message); });
 }
 

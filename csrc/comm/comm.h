@@ -39,6 +39,7 @@ enum class CollKind : uint8_t {
   kScatter,
   kBarrier,
   kSendRecv,  // point-to-point
+  kFail,      // Comm::fail: the group is failed on purpose (a relayed failure)
 };
 const char* coll_name(CollKind k);
 std::string describe_op(const transport::OpDesc& d);
