@@ -221,6 +221,11 @@ class ProcessGroup:
     def broadcast(self, x, src: int = 0, *, async_op: bool = False, timeout: Optional[float] = None):
         """Copy ``x`` from group rank ``src`` into every rank's ``x``, in place."""
         a = self._as_array(x, "broadcast", writable=True)
+        if self._hier is not None:
+            if not 0 <= src < self.size:
+                raise ValueError(f"broadcast: root {src} is out of range for a group of "
+                                 f"{self.size} ranks (0..{self.size - 1})")
+            return self._hier.broadcast(x, a, src, timeout, async_op)
         w = self._comm.broadcast(a, src, timeout, not async_op)
         return _done(w, x, (a,), async_op, timeout)
 
@@ -231,6 +236,8 @@ class ProcessGroup:
         o = self._as_array(out, "all_gather out", writable=True)
         if o.shape != (self.size,) + a.shape and o.size != self.size * a.size:
             raise ValueError(f"all_gather: out has shape {o.shape}, expected {(self.size,) + a.shape}")
+        if self._hier is not None:
+            return self._hier.all_gather(out, a, o, timeout, async_op)
         w = self._comm.all_gather(a, o, [a.size] * self.size, False, timeout,
                                   not async_op)
         return _done(w, out, (a, o), async_op, timeout)

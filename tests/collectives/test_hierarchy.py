@@ -1,6 +1,6 @@
-"""Hierarchical all_reduce (Note [Hierarchy] in meshcoll/hierarchy.py): a group whose ranks sit
-on several hosts reduces in shared memory inside each host and over TCP between one leader per
-host. Hosts are emulated with MESHCOLL_HOST_ID, set per rank before the group is made.
+"""Hierarchical all_reduce, broadcast and all_gather (Note [Hierarchy] in meshcoll/hierarchy.py):
+a group whose ranks sit on several hosts works in shared memory inside each host and over TCP
+between one leader per host. Hosts are emulated with MESHCOLL_HOST_ID, set per rank before the group is made.
 
 Values are checked against a numpy reference built from every rank's seeded input; every rank
 must end with the same bytes. Blocking and async calls are mixed, so the FIFO that keeps the
@@ -94,6 +94,48 @@ def test_hierarchical_all_reduce(run_ranks, layout):
         assert transport == "shm" or local == 1, shape  # a group of one needs no transport
         assert leader == (hosts.index(hosts[r]) == r), shape  # lowest rank of its host
     assert len({d for _, _, d in results}) == 1, "ranks ended with different bytes"
+
+
+def _bcast_gather_body(pg, hosts):
+    """Hierarchical broadcast from every root and all_gather of several shapes, blocking and
+    async, interleaved with all_reduces through the same FIFO; values against numpy."""
+    os.environ["MESHCOLL_HOST_ID"] = hosts[pg.rank]
+    g = pg.new_group(list(range(pg.size)))
+    assert g._hier is not None
+    fails, n = [], g.size
+    for seed, name in enumerate(["float32", "int64", "bfloat16", "uint8"]):
+        dtype = _dtype(name)
+        for count in (0, 1, 1031, 70_000):
+            for root in range(n):
+                k = (seed * 7 + root) * 100 + count % 97
+                x = _input(g.rank, dtype, "sum", count, k)
+                w = g.broadcast(x, root, async_op=True) if root % 2 else g.broadcast(x, root)
+                y = _input(g.rank, dtype, "sum", count, k + 1)
+                g.all_reduce(y)  # queued behind an async broadcast: the FIFO keeps the order
+                if root % 2:
+                    w.wait()
+                if not np.array_equal(x, _input(root, dtype, "sum", count, k)):
+                    fails.append(f"broadcast {name} count={count} root={root}")
+    for shape in [(), (0,), (5,), (3, 4), (1000, 7)]:
+        x = _input(g.rank, np.dtype("float64"), "sum", int(np.prod(shape)), 99).reshape(shape)
+        want = np.stack([_input(r, np.dtype("float64"), "sum", int(np.prod(shape)), 99)
+                         .reshape(shape) for r in range(n)])
+        got = g.all_gather(x)
+        out = np.empty((n,) + shape)
+        w = g.all_gather(x, out=out, async_op=True)
+        if w.wait() is not out or not np.array_equal(got, want) or not np.array_equal(out, want):
+            fails.append(f"all_gather shape={shape}")
+    with pytest.raises(ValueError, match="root 9 is out of range"):
+        g.broadcast(np.zeros(3), 9)
+    assert g._hier._thread is not None, "the async calls went through the hierarchy's FIFO"
+    return fails
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_hierarchical_broadcast_and_all_gather(run_ranks, layout):
+    hosts = LAYOUTS[layout]
+    for r, fails in enumerate(run_ranks(len(hosts), _bcast_gather_body, hosts=hosts)):
+        assert not fails, f"rank {r}: {fails}"
 
 
 def _one_host_body(pg):
