@@ -185,13 +185,10 @@ void bind_comm(py::module_& m) {
       py::arg("hd_threshold_bytes"));
 
   py::class_<Comm, std::shared_ptr<Comm>> comm(m, "Comm", "CPU communicator of one group.");
-  static PyMethodDef sync_def = {
-      "all_reduce_sync",
-      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&all_reduce_sync)),
-      METH_FASTCALL,
-      "all_reduce_sync(x, op, algorithm, timeout, max_segment_bytes, tree_threshold_bytes, "
-      "hd_threshold_bytes): all_reduce x in place and wait (Note [all_reduce_sync])."};
-  add_fastcall_method(comm, &sync_def);
+  add_fastcall_method(comm, "all_reduce_sync", &all_reduce_sync,
+                      "all_reduce_sync(x, op, algorithm, timeout, max_segment_bytes, "
+                      "tree_threshold_bytes, hd_threshold_bytes): all_reduce x in place and "
+                      "wait (Note [all_reduce_sync]).");
   comm
       .def(py::init([](std::shared_ptr<store::Store> store, int rank, int size, double timeout_s,
                        const std::string& bind_host, const std::string& token, uint64_t comm_id,

@@ -543,13 +543,9 @@ void bind_nccl(py::module_& m) {
 
   py::class_<NcclComm, std::shared_ptr<NcclComm>> comm(
       m, "NcclComm", "NCCL communicator of one group; methods mirror the CPU Comm's.");
-  static PyMethodDef sync_def = {
-      "all_reduce_sync",
-      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&all_reduce_sync)),
-      METH_FASTCALL,
-      "all_reduce_sync(x, op, timeout, stream): enqueue an in-place all_reduce of x on the "
-      "caller's stream (Note [FASTCALL methods])."};
-  add_fastcall_method(comm, &sync_def);
+  add_fastcall_method(comm, "all_reduce_sync", &all_reduce_sync,
+                      "all_reduce_sync(x, op, timeout, stream): enqueue an in-place all_reduce "
+                      "of x on the caller's stream (Note [FASTCALL methods]).");
   comm
       .def(py::init([](std::shared_ptr<store::Store> store, int rank, int size, int device,
                        double timeout_s) {

@@ -49,10 +49,14 @@ void set_python_error(std::exception_ptr e) {
   }
 }
 
-void add_fastcall_method(const py::handle& cls, PyMethodDef* def) {
+void add_fastcall_method(const py::handle& cls, const char* name, FastcallFn fn,
+                         const char* doc) {
+  // The descriptor points at its PyMethodDef for as long as the type lives: never freed.
+  auto* def = new PyMethodDef{name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fn)),
+                              METH_FASTCALL, doc};
   PyObject* m = PyDescr_NewMethod(reinterpret_cast<PyTypeObject*>(cls.ptr()), def);
   if (!m) throw py::error_already_set();
-  cls.attr(def->ml_name) = py::reinterpret_steal<py::object>(m);
+  cls.attr(name) = py::reinterpret_steal<py::object>(m);
 }
 
 }  // namespace meshcoll::python

@@ -41,7 +41,10 @@ PyObject* fastcall(Body&& body) noexcept {
   return nullptr;
 }
 
-// Adds `def` (METH_FASTCALL) to the pybind11 class `cls` as a method; `def` must outlive it.
-void add_fastcall_method(const pybind11::handle& cls, PyMethodDef* def);
+using FastcallFn = PyObject* (*)(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
+
+// Adds `fn` (METH_FASTCALL) to the pybind11 class `cls` as the method `name`.
+void add_fastcall_method(const pybind11::handle& cls, const char* name, FastcallFn fn,
+                         const char* doc);
 
 }  // namespace meshcoll::python
