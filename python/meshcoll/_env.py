@@ -42,6 +42,9 @@ _TORCH_MASTER_PORT = "MASTER_PORT"
 # Slurm describes tasks per node as e.g. "2(x3),1": three nodes with 2, one with 1.
 _SLURM_TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
 _SLURM_NODEID = "SLURM_NODEID"
+_SLURM_NODELIST = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
+_SLURM_JOB_ID = "SLURM_JOB_ID"
+_SLURM_STEP_ID = "SLURM_STEP_ID"
 
 _WHO = "meshcoll.init"
 DEFAULT_TIMEOUT_S = 300.0
@@ -223,8 +226,9 @@ def rendezvous_from_env(
         came_from = f"rank and world size came from {scheme.owner} {rank_from}/{world_from}"
     else:
         came_from = f"rank came from {rank_from}, world size from {world_from}"
-    addr, port = (_master(env, master_addr, master_port, world_v, came_from) if need_master
-                  else ("", 0))
+    slurm = scheme is not None and scheme.source == "slurm"
+    addr, port = (_master(env, master_addr, master_port, world_v, came_from, slurm)
+                  if need_master else ("", 0))
 
     return Rendezvous(
         rank=rank_v, world_size=world_v, local_rank=local_rank,
@@ -256,8 +260,36 @@ def _local_ranks(env: Mapping[str, str], scheme: Optional[_Scheme],
     return local_rank, local_world
 
 
+def _first_slurm_host(nodelist: str) -> Optional[str]:
+    """The first host of a Slurm hostlist ("gpu[003-005,9],cpu1" -> "gpu003"), or None for a
+    form this does not read (several bracket groups in one name)."""
+    m = re.match(r"([^,\[\]]+)(?:\[([^\]]+)\]([^,\[\]]*))?(?:,|$)", nodelist.strip())
+    if not m:
+        return None
+    prefix, ranges, suffix = m.groups()
+    if ranges is None:
+        return prefix
+    return prefix + re.split(r"[,-]", ranges)[0] + suffix
+
+
+def _slurm_master(env: Mapping[str, str]):
+    """Under srun with no master given: the step's first node, and a port every rank derives
+    from the job and step ids (20000 + (job + step) mod 20000), as (addr, port, where from)."""
+    addr = port = None
+    for name in _SLURM_NODELIST:
+        text = _get(env, name)
+        if text is not None:
+            addr = _first_slurm_host(text)
+            break
+    job = _get(env, _SLURM_JOB_ID)
+    if job is not None and job.isdigit():
+        step = _get(env, _SLURM_STEP_ID) or "0"
+        port = 20000 + (int(job) + (int(step) if step.isdigit() else 0)) % 20000
+    return addr, port
+
+
 def _master(env: Mapping[str, str], addr_arg: Optional[str], port_arg: Optional[int],
-            world: int, came_from: str):
+            world: int, came_from: str, slurm: bool = False):
     if addr_arg is not None:
         if not str(addr_arg).strip():
             raise ValueError(f"{_WHO}: master_addr is empty")
@@ -275,6 +307,12 @@ def _master(env: Mapping[str, str], addr_arg: Optional[str], port_arg: Optional[
             if text is not None:
                 port, port_from = _parse_int(text, name), name
                 break
+
+    if slurm and world > 1 and (addr is None or port is None):
+        slurm_addr, slurm_port = _slurm_master(env)
+        addr = addr if addr is not None else slurm_addr
+        if port is None and slurm_port is not None:
+            port, port_from = slurm_port, _SLURM_JOB_ID
 
     if world == 1:
         # One process hosts and joins its own store: any local address and a

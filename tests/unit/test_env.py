@@ -338,3 +338,34 @@ def test_init_method_from_env():
 def test_no_master_needed_for_a_given_store():
     r = rdv({"MESHCOLL_RANK": "1", "MESHCOLL_WORLD_SIZE": "4"}, need_master=False)
     assert (r.rank, r.world_size, r.master_addr, r.master_port) == (1, 4, "", 0)
+
+
+# -- Slurm without a master address ------------------------------------------------
+
+SRUN = {"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_JOB_ID": "123456",
+        "SLURM_STEP_ID": "2", "SLURM_STEP_NODELIST": "gpu[017-018,020]",
+        "SLURM_JOB_NODELIST": "gpu[001-099]"}
+
+
+def test_srun_derives_master_from_the_step():
+    r = rdv(SRUN)
+    assert (r.master_addr, r.master_port) == ("gpu017", 20000 + (123456 + 2) % 20000)
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("node7", "node7"), ("a-b[09-10]", "a-b09"), ("n[3,1-2]-ib,x9", "n3-ib"),
+    ("h1,h2", "h1"), ("x[7]", "x7")])
+def test_srun_first_host_of_a_hostlist(nodelist, first):
+    env = {**SRUN, "SLURM_STEP_NODELIST": nodelist}
+    assert rdv(env).master_addr == first
+
+
+def test_srun_explicit_master_wins_and_odd_lists_ask_for_one():
+    r = rdv({**SRUN, **MASTER})
+    assert (r.master_addr, r.master_port) == ("10.0.0.1", 29500)
+    env = {**SRUN, "SLURM_STEP_NODELIST": "rack[1-2]n[3-4]"}
+    with pytest.raises(ValueError, match="MESHCOLL_MASTER_ADDR is not set"):
+        rdv(env)
+    mpi = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", **SRUN}
+    with pytest.raises(ValueError, match="MESHCOLL_MASTER_ADDR"):  # only srun's own ranks
+        rdv(mpi)
