@@ -51,14 +51,18 @@ class DistributedDataParallel(torch.nn.Module):
     ``requires_grad``) over the group during backward. Keyword arguments go to
     ``meshcoll.DataParallel`` (group, bucket_cap_mb, average, broadcast_from, compression,
     mode). Every such parameter must get a gradient in each synchronised backward; if some
-    do not, call ``finish_gradient_sync()``, which names them.
+    do not, call ``finish_gradient_sync()``, which names them. Or pass
+    ``find_unused_parameters=True`` (as torch's DDP takes it): at the end of each backward the
+    parameters this rank did not use count as zero gradients, so ``p.grad`` becomes the
+    group's average (zero where no rank used it; torch would leave it None there).
 
     With ``mode=LocalSGD(k)`` gradients stay local: call ``step()`` after each optimizer
     step, and every k-th call averages the parameters."""
 
-    def __init__(self, module: torch.nn.Module, **kw):
+    def __init__(self, module: torch.nn.Module, *, find_unused_parameters: bool = False, **kw):
         super().__init__()
         self.module = module
+        self._find_unused = bool(find_unused_parameters)
         self._params: Dict[str, torch.nn.Parameter] = {
             n: p for n, p in module.named_parameters() if p.requires_grad}
         if not self._params:
@@ -69,7 +73,7 @@ class DistributedDataParallel(torch.nn.Module):
         self.ddp = DataParallel({n: _operand(p.data, group, f"parameter {n!r}")
                                  for n, p in self._params.items()}, **kw)
         self._sync = True
-        self._arrived = 0
+        self._arrived: set = set()  # names whose gradient this backward handed over
         self._local = isinstance(kw.get("mode"), LocalSGD)
         self._handles = [] if self._local else [
             p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._params.items()]
@@ -80,11 +84,25 @@ class DistributedDataParallel(torch.nn.Module):
             # backward hands over that sum, so DataParallel must not accumulate again.
             if not self._sync:
                 return
+            if not self._arrived and self._find_unused:
+                # Runs once autograd finished this backward, hooks included (torch's DDP
+                # marks unused parameters ready the same way).
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self.ddp.grad_ready(name, _operand(p.grad, self.ddp.group, f"gradient of {name!r}"))
-            self._arrived += 1
-            if self._arrived == len(self._params):
+            self._arrived.add(name)
+            if len(self._arrived) == len(self._params):
                 self.finish_gradient_sync()
         return on_grad
+
+    def _end_of_backward(self) -> None:
+        if not self._arrived:
+            return  # every parameter arrived: the last hook already finished the sync
+        for name, p in self._params.items():
+            if name not in self._arrived:
+                if p.grad is None:  # an earlier no_sync backward may have left a sum there
+                    p.grad = torch.zeros_like(p)
+                self.ddp.grad_ready(name, _operand(p.grad, self.ddp.group, f"gradient of {name!r}"))
+        self.finish_gradient_sync()
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -93,7 +111,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Wait for the bucket all-reduces and write the averages into ``p.grad``. Called by
         the last parameter's hook; call it yourself when some parameters got no gradient
         (it raises, naming them)."""
-        self._arrived = 0
+        self._arrived = set()
         self.ddp.wait()
 
     @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """meshcoll.torch.DistributedDataParallel: N-rank training of a torch module equals
-one-process full-batch training, with and without no_sync; skipped without torch."""
+one-process full-batch training, with and without no_sync; find_unused_parameters averages
+gradients of parameters some ranks did not use; skipped without torch."""
 
 from __future__ import annotations
 
@@ -54,6 +55,43 @@ def _cases(pg):
         model.finish_gradient_sync()
     model.close()
     return out
+
+
+class _Branchy(torch.nn.Module):
+    """y = a*x on every rank, + b*x on rank 0 only; c is in no graph at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.ones(5))
+        self.b = torch.nn.Parameter(torch.ones(5))
+        self.c = torch.nn.Parameter(torch.ones(5))
+
+    def forward(self, x, rank):
+        return self.a * x + (self.b * x if rank == 0 else 0)
+
+
+def _unused(pg):
+    import meshcoll.torch as mt
+    model = mt.DistributedDataParallel(_Branchy(), group=pg, find_unused_parameters=True)
+    grads = []
+    for step in range(2):  # the second step checks the state was reset
+        model.zero_grad()
+        x = torch.as_tensor(np.random.default_rng([step, pg.rank]).standard_normal(5))
+        model(x.float(), pg.rank).sum().backward()  # no explicit sync call: backward ends it
+        grads.append({n: p.grad.numpy().copy() for n, p in model.module.named_parameters()})
+    model.close()
+    return grads
+
+
+def test_find_unused_parameters(run_ranks):
+    world = 3
+    for grads in run_ranks(world, _unused):
+        for step, g in enumerate(grads):
+            xs = [np.random.default_rng([step, r]).standard_normal(5).astype(np.float32)
+                  for r in range(world)]
+            np.testing.assert_allclose(g["a"], sum(xs) / world, rtol=1e-6)
+            np.testing.assert_allclose(g["b"], xs[0] / world, rtol=1e-6)  # rank 0 only
+            np.testing.assert_array_equal(g["c"], np.zeros(5, np.float32))
 
 
 @pytest.mark.parametrize("world", [3])
