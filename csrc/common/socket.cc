@@ -110,8 +110,9 @@ int listen_on(const std::string& host, int port, int backlog, int* bound_port) {
     ::close(fd);
   }
   std::string hint = last_err == EADDRINUSE
-                         ? "; another process is using this port: pick another --master-port, or 0 "
-                           "to let meshcoll choose one"
+                         ? "; another process is using this port: set another master port "
+                           "(MESHCOLL_MASTER_PORT, master_port=, or meshcoll-run --master-port, "
+                           "where 0 lets a one-node job choose)"
                          : (last_err == EADDRNOTAVAIL
                                 ? "; this host has no interface with that address: check "
                                   "MESHCOLL_MASTER_ADDR / MESHCOLL_SOCKET_IFNAME"

@@ -38,6 +38,8 @@ INIT_METHOD = "MESHCOLL_INIT_METHOD"
 # torchrun's names for the master; the fallback after ours for every scheme.
 _TORCH_MASTER_ADDR = "MASTER_ADDR"
 _TORCH_MASTER_PORT = "MASTER_PORT"
+# torchrun's agent hosts torch's own store on MASTER_PORT when it sets this to "True".
+_TORCH_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 # Slurm describes tasks per node as e.g. "2(x3),1": three nodes with 2, one with 1.
 _SLURM_TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
@@ -307,6 +309,11 @@ def _master(env: Mapping[str, str], addr_arg: Optional[str], port_arg: Optional[
             if text is not None:
                 port, port_from = _parse_int(text, name), name
                 break
+        if port_from == _TORCH_MASTER_PORT and _get(env, _TORCH_AGENT_STORE) == "True" \
+                and port is not None and 0 < port < 65535:
+            # torchrun's store already listens there: take the next port (rank 0 of torchrun
+            # runs on the master node, so every rank agrees on it).
+            port, port_from = port + 1, f"{_TORCH_MASTER_PORT} + 1 (torchrun's store holds {port})"
 
     if slurm and world > 1 and (addr is None or port is None):
         slurm_addr, slurm_port = _slurm_master(env)

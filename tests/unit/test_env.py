@@ -369,3 +369,11 @@ def test_srun_explicit_master_wins_and_odd_lists_ask_for_one():
     mpi = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", **SRUN}
     with pytest.raises(ValueError, match="MESHCOLL_MASTER_ADDR"):  # only srun's own ranks
         rdv(mpi)
+
+
+def test_torchrun_agent_store_port_is_left_to_torch():
+    env = {"RANK": "1", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "29500",
+           "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert rdv(env).master_port == 29501
+    assert rdv({**env, "MESHCOLL_MASTER_PORT": "7000"}).master_port == 7000  # ours wins
+    assert rdv({**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}).master_port == 29500
