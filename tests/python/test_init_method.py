@@ -1,6 +1,7 @@
 """meshcoll.init(init_method=...): file:///path (a FileStore every rank opens, no master
-address), tcp://host:port and MESHCOLL_INIT_METHOD, with real processes; the world then
-all-reduces random data checked against numpy. Bad combinations fail before any rendezvous."""
+address), tcp://host:port and MESHCOLL_INIT_METHOD, and plain init() under torchrun, with
+real processes; the world then all-reduces random data checked against numpy. Bad
+combinations fail before any rendezvous."""
 
 from __future__ import annotations
 
@@ -35,16 +36,23 @@ RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _clean_env():
+    return {k: v for k, v in os.environ.items() if not k.startswith(("MESHCOLL_", "MASTER_"))}
+
+
 def _run(tmp_path, world, method, env=None):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("MESHCOLL_", "MASTER_"))}
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(world), method,
                                str(tmp_path / f"out{r}.json")],
-                              env={**base, **(env or {})}, stderr=subprocess.PIPE, text=True)
+                              env={**_clean_env(), **(env or {})}, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
     errs = [p.communicate(timeout=60)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(errs)
+    _check(tmp_path, world)
+
+
+def _check(tmp_path, world):
     got = [json.load(open(tmp_path / f"out{r}.json")) for r in range(world)]
     want = sum(np.random.default_rng([7, r]).standard_normal(1000) for r in range(world))
     for r, g in enumerate(got):
@@ -66,6 +74,22 @@ def test_file_init_method_from_env(tmp_path):
 
 def test_tcp_init_method(tmp_path):
     _run(tmp_path, 2, f"tcp://127.0.0.1:{free_port()}")
+
+
+def test_torchrun_works_unchanged(tmp_path):
+    # torchrun's agent store holds MASTER_PORT; meshcoll's takes the next port by itself.
+    pytest.importorskip("torch")
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT.replace("rank, world, method, out = int(sys.argv[1]), "
+                                          "int(sys.argv[2]), sys.argv[3], sys.argv[4]",
+                                          "import os; rank, world = int(os.environ['RANK']), "
+                                          "int(os.environ['WORLD_SIZE']); method = '-'; "
+                                          "out = sys.argv[1] + f'/out{rank}.json'"))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(free_port()), str(script), str(tmp_path)],
+                       env=_clean_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check(tmp_path, 2)
 
 
 def test_bad_combinations_fail_before_rendezvous(tmp_path):
