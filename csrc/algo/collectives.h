@@ -103,6 +103,8 @@ struct GatherArgs {  // gather (in -> root's out) and scatter (root's in -> out)
 };
 void gather(comm::Comm& comm, const GatherArgs& a);
 void scatter(comm::Comm& comm, const GatherArgs& a);
+void shm_gather(comm::Comm& comm, const GatherArgs& a);   // same host only
+void shm_scatter(comm::Comm& comm, const GatherArgs& a);
 
 void barrier(comm::Comm& comm);
 void shm_barrier(comm::Comm& comm);

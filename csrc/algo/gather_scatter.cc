@@ -1,6 +1,7 @@
 // Block-moving collectives: all_gather (ring), reduce_scatter (ring), all_to_all (pairwise),
 // gather and scatter (direct to/from root), and the dissemination barrier. Every one takes
-// per-rank block sizes, so the uneven (_v) variants are the same code.
+// per-rank block sizes, so the uneven (_v) variants are the same code. On one host each hands
+// over to its shared-memory version (shm_collectives.cc), all_to_all only for equal blocks.
 #include <cstring>
 #include <numeric>
 
@@ -144,6 +145,10 @@ void all_to_all(comm::Comm& comm, const AllToAllArgs& a) {
 
 void gather(comm::Comm& comm, const GatherArgs& a) {
   const int n = comm.size(), r = comm.rank();
+  if (comm.shm() && n > 1) {
+    shm_gather(comm, a);
+    return;
+  }
   if (r != a.root) {
     comm.wait(comm.send(a.root, 0, a.in));
     return;
@@ -158,6 +163,10 @@ void gather(comm::Comm& comm, const GatherArgs& a) {
 
 void scatter(comm::Comm& comm, const GatherArgs& a) {
   const int n = comm.size(), r = comm.rank();
+  if (comm.shm() && n > 1) {
+    shm_scatter(comm, a);
+    return;
+  }
   if (r != a.root) {
     comm.wait(comm.recv(a.root, 0, a.out));
     return;

@@ -209,29 +209,69 @@ void shm_broadcast(comm::Comm& comm, const BroadcastArgs& a) {
   } while (off < a.buf.size);
 }
 
-// All-gather: in round k every rank copies chunk k of its block in, then every rank copies
-// every other rank's chunk k out. Blocks may differ in size (the _v variant).
+// All-gather, or gather to `root` (>= 0): in round k every rank copies chunk k of its block
+// in, then every rank (or the root alone) copies every other rank's chunk k out. Blocks may
+// differ in size (the _v variant); every rank knows every block's size.
+void shm_gather_blocks(comm::Comm& comm, ConstBytes in, MutBytes out,
+                       const std::vector<size_t>& bytes, int root) {
+  ShmGroup& g = *comm.shm();
+  const int n = g.size(), r = g.rank();
+  const bool receives = root < 0 || root == r;
+  const char* what = op_name(comm);
+  std::vector<size_t> at(n + 1, 0);
+  for (int p = 0; p < n; ++p) at[p + 1] = at[p] + bytes[p];
+  if (receives) {
+    MC_CHECK_EQ(at[n], out.size);
+    if (in.data != out.data + at[r] && bytes[r]) std::memmove(out.data + at[r], in.data, bytes[r]);
+  }
+  const size_t longest = *std::max_element(bytes.begin(), bytes.end());
+  const size_t S = area_bytes(g);
+  size_t off = 0;
+  do {
+    uint64_t round = begin_round(comm, g);
+    if (off < bytes[r] && (root < 0 || r != root))
+      std::memcpy(area(g, r, round), in.data + off, std::min(S, bytes[r] - off));
+    meet(comm, g, round, what);
+    for (int p = 0; receives && p < n; ++p) {
+      if (p == r || off >= bytes[p]) continue;
+      std::memcpy(out.data + at[p] + off, area(g, p, round), std::min(S, bytes[p] - off));
+    }
+    off += S;
+  } while (off < longest);
+}
+
 void shm_all_gather(comm::Comm& comm, const AllGatherArgs& a) {
+  shm_gather_blocks(comm, a.in, a.out, a.bytes, -1);
+}
+
+void shm_gather(comm::Comm& comm, const GatherArgs& a) {
+  shm_gather_blocks(comm, a.in, a.out, a.bytes, a.root);
+}
+
+// Scatter: in round k the root copies chunk k of every other rank's block into its area
+// (block p at slot p); rank p then copies chunk k of slot p out. One synchronisation per round.
+void shm_scatter(comm::Comm& comm, const GatherArgs& a) {
   ShmGroup& g = *comm.shm();
   const int n = g.size(), r = g.rank();
   const char* what = op_name(comm);
   std::vector<size_t> at(n + 1, 0);
   for (int p = 0; p < n; ++p) at[p + 1] = at[p] + a.bytes[p];
-  MC_CHECK_EQ(at[n], a.out.size);
-  if (a.in.data != a.out.data + at[r] && a.bytes[r]) std::memmove(a.out.data + at[r], a.in.data, a.bytes[r]);
+  if (r == a.root && a.bytes[r]) std::memmove(a.out.data, a.in.data + at[r], a.bytes[r]);
+  const size_t q = std::max<size_t>(1, area_bytes(g) / n);  // bytes per block per round
   const size_t longest = *std::max_element(a.bytes.begin(), a.bytes.end());
-  const size_t S = area_bytes(g);
   size_t off = 0;
   do {
     uint64_t round = begin_round(comm, g);
-    if (off < a.bytes[r])
-      std::memcpy(area(g, r, round), a.in.data + off, std::min(S, a.bytes[r] - off));
-    meet(comm, g, round, what);
-    for (int p = 0; p < n; ++p) {
-      if (p == r || off >= a.bytes[p]) continue;
-      std::memcpy(a.out.data + at[p] + off, area(g, p, round), std::min(S, a.bytes[p] - off));
+    if (r == a.root) {
+      uint8_t* mine = area(g, r, round);
+      for (int p = 0; p < n; ++p)
+        if (p != r && off < a.bytes[p])
+          std::memcpy(mine + p * q, a.in.data + at[p] + off, std::min(q, a.bytes[p] - off));
     }
-    off += S;
+    meet(comm, g, round, what);
+    if (r != a.root && off < a.bytes[r])
+      std::memcpy(a.out.data + off, area(g, a.root, round) + r * q, std::min(q, a.bytes[r] - off));
+    off += q;
   } while (off < longest);
 }
 

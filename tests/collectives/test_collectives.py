@@ -18,8 +18,9 @@ import meshcoll
 
 DTYPES = ["float32", "int64", "bfloat16"]
 WORLDS = [1, 2, 3, 4, 5]
-# broadcast, all_gather(_v) and barrier have a shared-memory path; run those tests over both
-# transports. A 64 KiB shared data area makes the large cases take several rounds.
+# broadcast, gather, scatter, all_gather(_v) and barrier have a shared-memory path; run those
+# tests over both transports. A 64 KiB shared data area makes the large cases take several
+# rounds.
 TRANSPORT_ENV = {"tcp": {"MESHCOLL_TRANSPORT": "tcp"},
                  "shm": {"MESHCOLL_TRANSPORT": "shm", "MESHCOLL_SHM_BYTES": str(64 * 1024)}}
 
@@ -347,7 +348,8 @@ def _shm_capable_body(pg):
                          [(w, "shm") for w in WORLDS if w > 1])
 def test_rooted_gather_and_barrier(run_ranks, world, transport):
     # reduce, broadcast, gather, scatter, all_gather(_v), all_to_all(_v) and barrier; every
-    # root. broadcast, all_gather and barrier take the shared-memory path under "shm".
+    # root. broadcast, gather, scatter, all_gather and barrier take the shared-memory path
+    # under "shm".
     assert_no_failures(run_ranks(world, _shm_capable_body, timeout=140,
                                  env=TRANSPORT_ENV[transport]))
 
