@@ -86,6 +86,12 @@ void broadcast(comm::Comm& comm, const BroadcastArgs& a) {
 }
 
 void reduce(comm::Comm& comm, const ReduceArgs& a) {
+  if (comm.shm() && comm.size() > 1) {
+    shm_reduce(comm, a);
+    if (a.op == RedOp::kAvg && comm.rank() == a.root)
+      reduce::divide_by(a.dtype, a.out.data, a.count, comm.size());
+    return;
+  }
   const size_t nbytes = a.count * dtype_size(a.dtype);
   MutBytes buf = comm.rank() == a.root ? a.out : MutBytes(comm.scratch(2, nbytes), nbytes);
   if (buf.data != a.in.data && nbytes) std::memcpy(buf.data, a.in.data, nbytes);

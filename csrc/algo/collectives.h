@@ -65,6 +65,7 @@ struct ReduceArgs {
   int root = 0;
 };
 void reduce(comm::Comm& comm, const ReduceArgs& a);
+void shm_reduce(comm::Comm& comm, const ReduceArgs& a);  // same host only
 
 // Gather-type collectives with per-rank byte counts (equal counts are the common case).
 struct AllGatherArgs {

@@ -209,6 +209,30 @@ void shm_broadcast(comm::Comm& comm, const BroadcastArgs& a) {
   } while (off < a.buf.size);
 }
 
+// Reduce to the root: in round k every other rank copies chunk k of its vector into its
+// area; the root folds them into its own values, in rank order (deterministic).
+void shm_reduce(comm::Comm& comm, const ReduceArgs& a) {
+  ShmGroup& g = *comm.shm();
+  const int n = g.size(), r = g.rank();
+  const size_t esz = dtype_size(a.dtype);
+  const char* what = op_name(comm);
+  auto fold = reduce::lookup(a.dtype, a.op);  // avg folds as sum; reduce() divides
+  if (r == a.root && a.out.data != a.in.data && a.count)
+    std::memmove(a.out.data, a.in.data, a.count * esz);
+  const size_t q = std::max<size_t>(1, area_bytes(g) / esz);  // elements per round
+  size_t off = 0;
+  do {
+    const size_t len = std::min(q, a.count - std::min(a.count, off));
+    uint64_t round = begin_round(comm, g);
+    if (r != a.root && len) std::memcpy(area(g, r, round), a.in.data + off * esz, len * esz);
+    meet(comm, g, round, what);
+    if (r == a.root && len)
+      for (int p = 0; p < n; ++p)
+        if (p != r) fold(a.out.data + off * esz, area(g, p, round), len);
+    off += q;
+  } while (off < a.count);
+}
+
 // All-gather, or gather to `root` (>= 0): in round k every rank copies chunk k of its block
 // in, then every rank (or the root alone) copies every other rank's chunk k out. Blocks may
 // differ in size (the _v variant); every rank knows every block's size.

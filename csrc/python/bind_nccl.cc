@@ -664,7 +664,8 @@ void bind_nccl(py::module_& m) {
            }, py::arg("x"), py::arg("out"), py::arg("send_counts"), py::arg("recv_counts"),
            py::arg("uneven"), py::arg("timeout") = py::none(), py::arg("blocking") = false)
       .def("gather", [](NcclComm& c, const py::handle& x, const py::handle& out,
-                        const std::vector<size_t>& counts, int root, const py::handle& timeout) {
+                        const std::vector<size_t>& counts, int root, const py::handle& timeout,
+                        bool /*blocking*/) {
              check_root(c, root, "gather");
              auto a = arg(x, "gather", false, nullptr);
              auto o = arg(out, "gather", true, &a);
@@ -674,9 +675,11 @@ void bind_nccl(py::module_& m) {
                throw py::value_error("gather: array sizes do not match the counts");
              auto opts = call(c, a, timeout, "gather");
              return c.gather(opts, vptr(a), vptr(o), counts, a.dtype, root);
-           }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("root"), py::arg("timeout") = py::none())
+           }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("root"), py::arg("timeout") = py::none(),
+           py::arg("blocking") = false)
       .def("scatter", [](NcclComm& c, const py::handle& x, const py::handle& out,
-                         const std::vector<size_t>& counts, int root, const py::handle& timeout) {
+                         const std::vector<size_t>& counts, int root, const py::handle& timeout,
+                         bool /*blocking*/) {
              check_root(c, root, "scatter");
              // The output decides the stream: non-roots pass an empty x.
              auto o = arg(out, "scatter", true, nullptr);
@@ -687,7 +690,8 @@ void bind_nccl(py::module_& m) {
                throw py::value_error("scatter: array sizes do not match the counts");
              auto opts = call(c, o, timeout, "scatter");
              return c.scatter(opts, vptr(a), vptr(o), counts, a.dtype, root);
-           }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("root"), py::arg("timeout") = py::none())
+           }, py::arg("x"), py::arg("out"), py::arg("counts"), py::arg("root"), py::arg("timeout") = py::none(),
+           py::arg("blocking") = false)
       .def("barrier", [](NcclComm& c, const py::handle& timeout, const py::handle& stream,
                          bool /*blocking*/) {
              uintptr_t s = kLegacy;

@@ -255,7 +255,7 @@ class ProcessGroup:
                 f"all_gather_v: ranks' arrays differ in their trailing shape (elements per row "
                 f"by rank: {[int(e) for e in meta[:, 1]]}); only axis 0 may differ")
         out = self._empty((sum(counts),) + a.shape[1:], a)
-        self._comm.all_gather(a, out, [c * row_elems for c in counts], True, timeout).wait()
+        self._comm.all_gather(a, out, [c * row_elems for c in counts], True, timeout, True).wait()
         return out, counts
 
     def reduce_scatter(self, x, out=None, op: str = "sum", *, async_op: bool = False,
@@ -288,7 +288,8 @@ class ProcessGroup:
                              f"non-negative entries summing to axis 0's length {n}")
         row_elems = math.prod(a.shape[1:])
         out = self._empty((counts[self.rank],) + a.shape[1:], a)
-        self._comm.reduce_scatter(a, out, [c * row_elems for c in counts], op, True, timeout).wait()
+        self._comm.reduce_scatter(a, out, [c * row_elems for c in counts], op, True, timeout,
+                                  True).wait()
         return out
 
     def all_to_all(self, x, out=None, *, async_op: bool = False, timeout: Optional[float] = None):
@@ -322,14 +323,14 @@ class ProcessGroup:
         recv_counts = [int(c) for c in recv_counts]
         out = self._empty((sum(recv_counts),) + a.shape[1:], a)
         self._comm.all_to_all(a, out, [c * row_elems for c in send_counts],
-                              [c * row_elems for c in recv_counts], True, timeout).wait()
+                              [c * row_elems for c in recv_counts], True, timeout, True).wait()
         return out, recv_counts
 
     def gather(self, x, dst: int = 0, *, timeout: Optional[float] = None) -> Optional[np.ndarray]:
         """On ``dst``: every rank's ``x`` stacked along a new axis 0; elsewhere None."""
         a = self._as_array(x, "gather")
         out = self._empty((self.size,) + a.shape, a) if self.rank == dst else self._empty(0, a)
-        self._comm.gather(a, out, [a.size] * self.size, dst, timeout).wait()
+        self._comm.gather(a, out, [a.size] * self.size, dst, timeout, True).wait()
         return out if self.rank == dst else None
 
     def scatter(self, x, src: int = 0, *, out=None, timeout: Optional[float] = None) -> np.ndarray:
@@ -345,7 +346,7 @@ class ProcessGroup:
             out = self._empty(a.shape[1:], a) if out is None else out
         o = self._as_array(out, "scatter out", writable=True)
         a = a if self.rank == src else self._empty(0, o)
-        self._comm.scatter(a, o, [o.size] * self.size, src, timeout).wait()
+        self._comm.scatter(a, o, [o.size] * self.size, src, timeout, True).wait()
         return out
 
     def send(self, x, peer: int, tag: int = 0, *, timeout: Optional[float] = None) -> None:
