@@ -76,6 +76,23 @@ def test_tcp_init_method(tmp_path):
     _run(tmp_path, 2, f"tcp://127.0.0.1:{free_port()}")
 
 
+def _port_pair() -> int:
+    """A port p with p and p + 1 free, below the ephemeral range (as torchrun's default
+    29500 is), so no client socket of the run itself takes p + 1 meanwhile."""
+    import random
+    import socket
+    for _ in range(200):
+        p = random.randrange(20000, 30000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    pytest.skip("no two adjacent free ports in 20000-30000")
+
+
 def test_torchrun_works_unchanged(tmp_path):
     # torchrun's agent store holds MASTER_PORT; meshcoll's takes the next port by itself.
     pytest.importorskip("torch")
@@ -86,7 +103,7 @@ def test_torchrun_works_unchanged(tmp_path):
                                           "int(os.environ['WORLD_SIZE']); method = '-'; "
                                           "out = sys.argv[1] + f'/out{rank}.json'"))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                        "--master-port", str(free_port()), str(script), str(tmp_path)],
+                        "--master-port", str(_port_pair()), str(script), str(tmp_path)],
                        env=_clean_env(), capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr[-3000:]
     _check(tmp_path, 2)
