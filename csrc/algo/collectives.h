@@ -94,7 +94,7 @@ struct AllToAllArgs {
   std::vector<size_t> send_bytes, recv_bytes;
 };
 void all_to_all(comm::Comm& comm, const AllToAllArgs& a);
-void shm_all_to_all(comm::Comm& comm, const AllToAllArgs& a);  // equal blocks
+void shm_all_to_all(comm::Comm& comm, const AllToAllArgs& a);
 
 struct GatherArgs {  // gather (in -> root's out) and scatter (root's in -> out)
   ConstBytes in;

@@ -1,7 +1,7 @@
 // Block-moving collectives: all_gather (ring), reduce_scatter (ring), all_to_all (pairwise),
 // gather and scatter (direct to/from root), and the dissemination barrier. Every one takes
 // per-rank block sizes, so the uneven (_v) variants are the same code. On one host each hands
-// over to its shared-memory version (shm_collectives.cc), all_to_all only for equal blocks.
+// over to its shared-memory version (shm_collectives.cc).
 #include <cstring>
 #include <numeric>
 
@@ -11,17 +11,6 @@
 #include "reduce/kernels.h"
 
 namespace meshcoll::algo {
-
-namespace {
-std::vector<size_t> prefix_offsets(const std::vector<size_t>& sizes) {
-  std::vector<size_t> off(sizes.size() + 1, 0);
-  for (size_t i = 0; i < sizes.size(); ++i) off[i + 1] = off[i] + sizes[i];
-  return off;
-}
-size_t max_of(const std::vector<size_t>& v) {
-  return v.empty() ? 0 : *std::max_element(v.begin(), v.end());
-}
-}  // namespace
 
 // Ring all-gather: at step s this rank forwards block (rank-s) to the right and receives
 // block (rank-s-1) from the left, straight into the output. Every receive region is distinct
@@ -121,12 +110,7 @@ void all_to_all(comm::Comm& comm, const AllToAllArgs& a) {
   MC_CHECK_EQ(soff[n], a.in.size);
   MC_CHECK_EQ(roff[n], a.out.size);
   MC_CHECK_EQ(a.send_bytes[r], a.recv_bytes[r]);
-  // Equal blocks on one host: shared memory (every rank knows the number of rounds). Uneven
-  // blocks stay on TCP: a rank knows only its own row and column of the size matrix.
-  bool equal = std::all_of(a.send_bytes.begin(), a.send_bytes.end(),
-                           [&](size_t b) { return b == a.send_bytes[0]; });
-  if (comm.shm() && n > 1 && equal && comm.current().op.coll ==
-                                          static_cast<uint8_t>(comm::CollKind::kAllToAll)) {
+  if (comm.shm() && n > 1) {
     shm_all_to_all(comm, a);
     return;
   }

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <vector>
 
 namespace meshcoll::algo {
 
@@ -36,6 +37,17 @@ struct Segments {
 };
 
 inline int mod(long a, long n) { return static_cast<int>(((a % n) + n) % n); }
+
+// Where each of a list of blocks starts when they are laid end to end; the last entry is the
+// total.
+inline std::vector<size_t> prefix_offsets(const std::vector<size_t>& sizes) {
+  std::vector<size_t> off(sizes.size() + 1, 0);
+  for (size_t i = 0; i < sizes.size(); ++i) off[i + 1] = off[i] + sizes[i];
+  return off;
+}
+inline size_t max_of(const std::vector<size_t>& v) {
+  return v.empty() ? 0 : *std::max_element(v.begin(), v.end());
+}
 
 // Largest power of two <= n (n >= 1).
 inline int pow2_floor(int n) {

@@ -242,13 +242,12 @@ void shm_gather_blocks(comm::Comm& comm, ConstBytes in, MutBytes out,
   const int n = g.size(), r = g.rank();
   const bool receives = root < 0 || root == r;
   const char* what = op_name(comm);
-  std::vector<size_t> at(n + 1, 0);
-  for (int p = 0; p < n; ++p) at[p + 1] = at[p] + bytes[p];
+  const auto at = prefix_offsets(bytes);
   if (receives) {
     MC_CHECK_EQ(at[n], out.size);
     if (in.data != out.data + at[r] && bytes[r]) std::memmove(out.data + at[r], in.data, bytes[r]);
   }
-  const size_t longest = *std::max_element(bytes.begin(), bytes.end());
+  const size_t longest = max_of(bytes);
   const size_t S = area_bytes(g);
   size_t off = 0;
   do {
@@ -278,11 +277,10 @@ void shm_scatter(comm::Comm& comm, const GatherArgs& a) {
   ShmGroup& g = *comm.shm();
   const int n = g.size(), r = g.rank();
   const char* what = op_name(comm);
-  std::vector<size_t> at(n + 1, 0);
-  for (int p = 0; p < n; ++p) at[p + 1] = at[p] + a.bytes[p];
+  const auto at = prefix_offsets(a.bytes);
   if (r == a.root && a.bytes[r]) std::memmove(a.out.data, a.in.data + at[r], a.bytes[r]);
   const size_t q = std::max<size_t>(1, area_bytes(g) / n);  // bytes per block per round
-  const size_t longest = *std::max_element(a.bytes.begin(), a.bytes.end());
+  const size_t longest = max_of(a.bytes);
   size_t off = 0;
   do {
     uint64_t round = begin_round(comm, g);
@@ -309,10 +307,9 @@ void shm_reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a) {
   const size_t esz = dtype_size(a.dtype);
   const char* what = op_name(comm);
   auto fold = reduce::lookup(a.dtype, a.op);
-  std::vector<size_t> at(n + 1, 0);
-  for (int p = 0; p < n; ++p) at[p + 1] = at[p] + a.counts[p];
+  const auto at = prefix_offsets(a.counts);
   const size_t q = std::max<size_t>(1, area_bytes(g) / esz / n);  // elements per block per round
-  const size_t longest = *std::max_element(a.counts.begin(), a.counts.end());
+  const size_t longest = max_of(a.counts);
   size_t off = 0;
   do {
     uint64_t round = begin_round(comm, g);
@@ -334,30 +331,46 @@ void shm_reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a) {
   } while (off < longest);
 }
 
-// All-to-all with equal blocks: in round k every rank copies chunk k of each block it sends
-// into its area (the block for rank p at slot p), then copies chunk k of slot r from every
-// peer's area into its output. One synchronisation per round.
+// All-to-all: in round k every rank copies chunk k of each block it sends into its area (the
+// block for rank p at slot p), then copies chunk k of slot r from every peer's area into its
+// output. One synchronisation per round. Every rank must run as many rounds as the largest
+// block anywhere needs: with equal blocks (all_to_all) every rank knows that size; with
+// uneven ones (all_to_all_v) a rank knows only its own row and column of the size matrix, so
+// one round first publishes each rank's largest outgoing block.
 void shm_all_to_all(comm::Comm& comm, const AllToAllArgs& a) {
   ShmGroup& g = *comm.shm();
   const int n = g.size(), r = g.rank();
   const char* what = op_name(comm);
-  const size_t block = a.send_bytes[0];
+  const auto soff = prefix_offsets(a.send_bytes), roff = prefix_offsets(a.recv_bytes);
+  size_t longest = max_of(a.send_bytes);
+  if (comm.current().op.coll == static_cast<uint8_t>(comm::CollKind::kAllToAllV)) {
+    uint64_t round = begin_round(comm, g);
+    std::memcpy(area(g, r, round), &longest, sizeof(longest));
+    meet(comm, g, round, what);
+    for (int p = 0; p < n; ++p) {
+      size_t theirs;
+      std::memcpy(&theirs, area(g, p, round), sizeof(theirs));
+      longest = std::max(longest, theirs);
+    }
+  }
   const size_t q = std::max<size_t>(1, area_bytes(g) / n);  // bytes per block per round
+  auto chunk = [&](size_t bytes, size_t off) { return off < bytes ? std::min(q, bytes - off) : 0; };
   size_t off = 0;
   do {
-    const size_t len = std::min(q, block - std::min(block, off));
     uint64_t round = begin_round(comm, g);
     uint8_t* mine = area(g, r, round);
     for (int p = 0; p < n; ++p)
-      if (p != r && len) std::memcpy(mine + p * q, a.in.data + p * block + off, len);
+      if (size_t len = chunk(a.send_bytes[p], off); p != r && len)
+        std::memcpy(mine + p * q, a.in.data + soff[p] + off, len);
     meet(comm, g, round, what);
     for (int p = 0; p < n; ++p) {
-      if (!len) break;
-      const uint8_t* src = p == r ? a.in.data + r * block + off : area(g, p, round) + r * q;
-      std::memmove(a.out.data + p * block + off, src, len);
+      const size_t len = chunk(a.recv_bytes[p], off);
+      if (!len) continue;
+      const uint8_t* src = p == r ? a.in.data + soff[r] + off : area(g, p, round) + r * q;
+      std::memmove(a.out.data + roff[p] + off, src, len);
     }
     off += q;
-  } while (off < block);
+  } while (off < longest);
 }
 
 void shm_barrier(comm::Comm& comm) {

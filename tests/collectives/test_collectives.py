@@ -184,18 +184,21 @@ def _gather_body(pg):
                 np.concatenate([pattern(s, (n * 3,), dtype)[rank * 3:rank * 3 + 3]
                                 for s in range(n)]))
 
-        # all_to_all_v: rank s sends (s + d) % 3 rows to rank d (zero-row blocks included).
-        sc = lambda s: [(s + d) % 3 for d in range(n)]  # noqa: E731
-        data = lambda s: pattern(s, (sum(sc(s)), 3), dtype, salt=5)  # noqa: E731
-        got, recv_counts = pg.all_to_all_v(data(rank), sc(rank))
-        want_counts = [sc(s)[rank] for s in range(n)]
-        ck.true(f"all_to_all_v {dtype} recv_counts", recv_counts == want_counts,
-                f"{recv_counts} != {want_counts}")
-        parts = []
-        for s in range(n):
-            off = sum(sc(s)[:rank])
-            parts.append(data(s)[off:off + sc(s)[rank]])
-        ck.same(f"all_to_all_v {dtype}", got, np.concatenate(parts))
+        # all_to_all_v: rank s sends (s + d) % 3 rows to rank d (zero-row blocks included);
+        # then s * 700 rows to every rank: blocks that take several shared-memory rounds, a
+        # different number on each rank (rank 0 sends nothing and only receives).
+        for scale, rows_to in ((1, lambda s, d: (s + d) % 3), (700, lambda s, d: s)):
+            sc = lambda s: [rows_to(s, d) * scale for d in range(n)]  # noqa: E731
+            data = lambda s: pattern(s, (sum(sc(s)), 3), dtype, salt=5)  # noqa: E731
+            got, recv_counts = pg.all_to_all_v(data(rank), sc(rank))
+            want_counts = [sc(s)[rank] for s in range(n)]
+            ck.true(f"all_to_all_v {dtype} x{scale} recv_counts", recv_counts == want_counts,
+                    f"{recv_counts} != {want_counts}")
+            parts = []
+            for s in range(n):
+                off = sum(sc(s)[:rank])
+                parts.append(data(s)[off:off + sc(s)[rank]])
+            ck.same(f"all_to_all_v {dtype} x{scale}", got, np.concatenate(parts))
     return ck.failures
 
 
