@@ -89,6 +89,8 @@ class Hierarchy:
         # Group ranks in the order leaders' all_gather_v lays out host blocks.
         self._by_host = sorted(range(len(hosts)), key=lambda g: (hosts[g], g))
         self._in_place = self._by_host == list(range(len(hosts)))  # each host's ranks contiguous
+        self._host_size = [hosts.count(h) for h in range(max(hosts) + 1)]
+        self._local_rank = [hosts[:g].count(hosts[g]) for g in range(len(hosts))]
         self._lock = threading.Lock()
         self._fifo: deque = deque()   # (work, what, steps, deadline) not yet run
         self._busy = False            # a caller or the thread is running steps
@@ -128,8 +130,7 @@ class Hierarchy:
 
     def broadcast(self, x, a: np.ndarray, src: int, timeout: Optional[float], async_op: bool):
         """Group rank ``src``'s ``a`` into every rank's ``a``; returns ``x`` or a Work."""
-        src_host = self.hosts[src]
-        src_local = sum(1 for g in range(src) if self.hosts[g] == src_host)
+        src_host, src_local = self.hosts[src], self._local_rank[src]
 
         def steps(left: Callable[[], float]) -> None:
             if self.hosts[self.group.rank] == src_host:
@@ -153,7 +154,7 @@ class Hierarchy:
             if self.leaders.is_member:
                 # Host h's block holds its ranks' arrays; the sizes are known, so the leaders
                 # need no all_gather_v round for them. Contiguous hosts land in place.
-                counts = [self.hosts.count(h) * a.size for h in range(self.leaders.size)]
+                counts = [n * a.size for n in self._host_size]
                 rows = flat if self._in_place else np.empty_like(flat)
                 self.leaders._comm.all_gather(block.reshape(-1), rows.reshape(-1), counts, True,
                                               left(), True).wait()
