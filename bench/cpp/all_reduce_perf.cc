@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "algo/collectives.h"
-#include "comm/comm.h"
+#include "cpu/cpu_backend.h"
 #include "store/tcp_store.h"
 #include "fork_ranks.h"
 
@@ -66,19 +66,16 @@ Options parse(int argc, char** argv) {
   return o;
 }
 
-// Runs one all_reduce of `count` floats through the comm's queue and waits.
-void run_all_reduce(comm::Comm& c, float* buf, size_t count, algo::Algorithm alg) {
-  algo::AllreduceArgs a;
-  a.in = ConstBytes(buf, count * 4);
-  a.out = MutBytes(buf, count * 4);
-  a.count = count;
-  a.dtype = DType::kFloat32;
-  a.algorithm = alg;
-  transport::OpDesc d;
-  d.coll = static_cast<uint8_t>(comm::CollKind::kAllReduce);
-  d.dtype = static_cast<uint8_t>(DType::kFloat32);
-  d.count = count;
-  c.enqueue(d, Millis(-1), [a](comm::Comm& cm) { algo::all_reduce(cm, a); }, true)->wait(Millis(-1));
+// Runs one synchronous in-place all_reduce of `count` floats through the backend contract.
+void run_all_reduce(cpu::CpuBackend& b, float* buf, size_t count, algo::Algorithm alg,
+                    RedOp op = RedOp::kSum) {
+  comm::ArrayView v;
+  v.data = buf;
+  v.count = count;
+  v.dtype = DType::kFloat32;
+  comm::CallOptions o;
+  o.tuning.algorithm = static_cast<uint8_t>(alg);
+  b.all_reduce(v, v, op, o);
 }
 
 int rank_main(int rank, int port, const Options& o) {
@@ -88,7 +85,7 @@ int rank_main(int rank, int port, const Options& o) {
   copts.bind_host = "127.0.0.1";
   copts.transport = o.transport;
   auto prefixed = std::make_shared<store::PrefixStore>("bench", store);
-  comm::Comm c(prefixed, rank, o.ranks, copts, 42);
+  cpu::CpuBackend c(prefixed, rank, o.ranks, copts, 42);
   algo::Algorithm alg;
   if (!algo::algorithm_from_name(o.algo, &alg)) {
     std::fprintf(stderr, "unknown algorithm %s\n", o.algo.c_str());
@@ -98,7 +95,7 @@ int rank_main(int rank, int port, const Options& o) {
   const double bus = 2.0 * (o.ranks - 1) / o.ranks;  // all-reduce busbw factor
   if (rank == 0) {
     std::printf("# meshcoll all_reduce_perf  transport=%s  ranks=%d  iters=%d warmup=%d  algo=%s\n",
-                c.shm_status().c_str(), o.ranks, o.iters, o.warmup, o.algo.c_str());
+                c.transport().c_str(), o.ranks, o.iters, o.warmup, o.algo.c_str());
     std::printf("#%12s %10s %6s %6s %10s %8s %8s %7s\n", "size", "count", "type", "redop", "time",
                 "algbw", "busbw", "#wrong");
     std::printf("#%12s %10s %6s %6s %10s %8s %8s %7s\n", "(B)", "(elems)", "", "", "(us)", "(GB/s)",
@@ -117,17 +114,7 @@ int rank_main(int rank, int port, const Options& o) {
     double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() /
                 o.iters;
     timing[0] = static_cast<float>(us);  // the slowest rank's time is the collective's
-    algo::AllreduceArgs m;
-    m.in = ConstBytes(timing.data(), 4);
-    m.out = MutBytes(timing.data(), 4);
-    m.count = 1;
-    m.op = RedOp::kMax;
-    transport::OpDesc d;
-    d.coll = static_cast<uint8_t>(comm::CollKind::kAllReduce);
-    d.dtype = static_cast<uint8_t>(DType::kFloat32);
-    d.redop = static_cast<uint8_t>(RedOp::kMax);
-    d.count = 1;
-    c.enqueue(d, Millis(-1), [m](comm::Comm& cm) { algo::all_reduce(cm, m); }, true)->wait(Millis(-1));
+    run_all_reduce(c, timing.data(), 1, algo::Algorithm::kAuto, RedOp::kMax);
     us = timing[0];
     size_t wrong = 0;
     if (o.check) {  // rank r contributes (r+1) * (i % 7 + 1): small integers, exact in f32

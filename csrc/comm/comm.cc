@@ -11,44 +11,9 @@
 
 namespace meshcoll::comm {
 
-const char* coll_name(CollKind k) {
-  switch (k) {
-    case CollKind::kAllReduce: return "all_reduce";
-    case CollKind::kReduce: return "reduce";
-    case CollKind::kBroadcast: return "broadcast";
-    case CollKind::kAllGather: return "all_gather";
-    case CollKind::kAllGatherV: return "all_gather_v";
-    case CollKind::kReduceScatter: return "reduce_scatter";
-    case CollKind::kReduceScatterV: return "reduce_scatter_v";
-    case CollKind::kAllToAll: return "all_to_all";
-    case CollKind::kAllToAllV: return "all_to_all_v";
-    case CollKind::kGather: return "gather";
-    case CollKind::kScatter: return "scatter";
-    case CollKind::kBarrier: return "barrier";
-    case CollKind::kSendRecv: return "send/recv";
-    case CollKind::kFail: return "relayed failure";
-  }
-  return "unknown";
-}
-
-std::string describe_op(const transport::OpDesc& d) {
-  auto kind = static_cast<CollKind>(d.coll);
-  if (kind == CollKind::kFail) return coll_name(kind);  // no data: count and dtype say nothing
-  std::string s = str_cat(coll_name(kind), "(count=", d.count, ", ",
-                          dtype_name(static_cast<DType>(d.dtype)));
-  if (kind == CollKind::kAllReduce || kind == CollKind::kReduce ||
-      kind == CollKind::kReduceScatter || kind == CollKind::kReduceScatterV)
-    s += str_cat(", ", redop_name(static_cast<RedOp>(d.redop)));
-  if (d.root >= 0) s += str_cat(", root=", d.root);
-  // Codes of algo::Algorithm (the layer above cannot be included here).
-  static const char* const kAlgorithms[] = {"auto", "ring", "tree", "halving_doubling", "direct", "shm"};
-  if (d.algo) s += str_cat(", ", d.algo < 6 ? kAlgorithms[d.algo] : "?");
-  return s + ")";
-}
-
 Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOptions& opts,
-           uint64_t comm_id)
-    : rank_(rank), size_(size), opts_(opts), store_(std::move(store)) {
+           uint64_t comm_id, Ledger* ledger)
+    : rank_(rank), size_(size), opts_(opts), store_(std::move(store)), ledger_(ledger) {
   MC_ARG_CHECK(size >= 1, "group size must be >= 1, got ", size);
   MC_ARG_CHECK(rank >= 0 && rank < size, "rank ", rank, " is out of range for a group of ", size);
   transport::TcpOptions topts;
@@ -57,8 +22,6 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
   topts.comm_id = comm_id;
   transport_ = std::make_unique<transport::TcpTransport>(rank, size, *store_, topts, &describe_op,
                                                          Deadline(opts.timeout));
-  const char* dbg = std::getenv("MESHCOLL_DEBUG");
-  debug_ = dbg && *dbg && std::string(dbg) != "0";
   Deadline setup(opts.timeout);
   if (size > 1 && opts.transport != "tcp") {
     std::string why;
@@ -91,10 +54,9 @@ Comm::~Comm() {
   if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
-void Comm::fail(const std::string& message) {
-  transport::OpDesc desc;
-  desc.coll = static_cast<uint8_t>(CollKind::kFail);
-  enqueue(desc, Millis(-1), [message](Comm&) { throw PeerError(message); });
+void Comm::fail(uint64_t seq, const std::string& message) {
+  enqueue(make_desc(CollKind::kFail, DType::kUint8, 0), seq, Millis(-1),
+          [message](Comm&) { throw PeerError(message); });
 }
 
 void Comm::shutdown() {
@@ -107,20 +69,11 @@ void Comm::shutdown() {
   if (worker_.joinable()) worker_.join();
 }
 
-std::shared_ptr<Work> Comm::push(Item item, bool blocking) {
-  if (blocking && item.env.channel == transport::Channel::kCollective &&
-      try_claim(item.env, &item.index)) {
-    item.work = std::make_shared<Work>(rank_, item.env.op);
-    run_item(item);
-    release_claim();
-    return item.work;
-  }
+std::shared_ptr<CpuWork> Comm::push(Item item) {
   std::unique_lock<std::mutex> lock(mu_);
   if (stopping_)
     throw Aborted(str_cat("rank ", rank_, ": ", describe_op(item.env.op),
                           " was called on a destroyed group"));
-  if (item.env.channel == transport::Channel::kCollective) item.env.seq = next_seq_++;
-  item.work = std::make_shared<Work>(rank_, item.env.op);
   item.index = next_index_++;
   auto work = item.work;
   queue_.push_back(std::move(item));
@@ -132,14 +85,13 @@ std::shared_ptr<Work> Comm::push(Item item, bool blocking) {
   return work;
 }
 
-bool Comm::try_claim(transport::Envelope& env, uint64_t* index) {
+bool Comm::try_claim(uint64_t* index, const transport::OpDesc& desc) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_)
-    throw Aborted(str_cat("rank ", rank_, ": ", describe_op(env.op),
+    throw Aborted(str_cat("rank ", rank_, ": ", describe_op(desc),
                           " was called on a destroyed group"));
   if (busy_ || !queue_.empty() || in_flight_count_ > 0) return false;
   busy_ = true;
-  env.seq = next_seq_++;
   *index = next_index_++;
   return true;
 }
@@ -154,22 +106,23 @@ void Comm::release_claim() {
   if (wake) cv_.notify_all();
 }
 
-std::shared_ptr<Work> Comm::enqueue(const transport::OpDesc& desc, Millis timeout,
-                                    std::function<void(Comm&)> run, bool blocking) {
+std::shared_ptr<CpuWork> Comm::enqueue(const transport::OpDesc& desc, uint64_t seq,
+                                       Millis timeout, std::function<void(Comm&)> run,
+                                       std::vector<std::shared_ptr<void>> keep) {
   Item item;
-  item.env.channel = transport::Channel::kCollective;  // push() takes the sequence number
+  item.env.channel = transport::Channel::kCollective;
+  item.env.seq = seq;
   item.env.op = desc;
   item.timeout = timeout.count() < 0 ? opts_.timeout : timeout;
   item.run = std::move(run);
-  return push(std::move(item), blocking);
+  item.work = std::make_shared<CpuWork>(rank_, desc);
+  for (auto& k : keep) item.work->keep(std::move(k));
+  return push(std::move(item));
 }
 
-std::shared_ptr<Work> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag, ConstBytes src,
-                                        MutBytes dst, const transport::OpDesc& desc,
-                                        Millis timeout) {
-  MC_ARG_CHECK(peer >= 0 && peer < size_, "peer ", peer, " is out of range for a group of ",
-               size_, " ranks (0..", size_ - 1, ")");
-  MC_ARG_CHECK(peer != rank_, "rank ", rank_, " cannot send to or receive from itself");
+std::shared_ptr<CpuWork> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag, ConstBytes src,
+                                           MutBytes dst, const transport::OpDesc& desc,
+                                           Millis timeout, std::vector<std::shared_ptr<void>> keep) {
   Item item;
   item.env.channel = transport::Channel::kP2P;
   item.env.tag = tag;
@@ -179,6 +132,8 @@ std::shared_ptr<Work> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag, Co
   item.is_send = is_send;
   item.src = src;
   item.dst = dst;
+  item.work = std::make_shared<CpuWork>(rank_, desc);
+  for (auto& k : keep) item.work->keep(std::move(k));
   {
     std::lock_guard<std::mutex> lock(mu_);
     item.env.seq = is_send ? p2p_send_seq_[peer]++ : p2p_recv_seq_[peer]++;
@@ -440,12 +395,13 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     // issued afterwards get Aborted.
     std::string msg = str_cat(ctx(), "not run: the group failed earlier (", message_of(first_error_),
                               "); destroy it and create a new one");
+    if (collective) ledger_->set_state(env.seq, CallState::kFailed);
     return index < failed_before_ ? same_type(first_error_, msg)
                                   : std::make_exception_ptr(Aborted(msg));
   }
   current_ = env;
   deadline_ = Deadline(timeout);
-  const auto t0 = debug_ ? Clock::now() : Clock::time_point();
+  const auto t0 = opts_.debug ? Clock::now() : Clock::time_point();
   try {
     if (!collective) {
       run(*this);
@@ -460,7 +416,8 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     // posted transfers. A shared-memory operation heard from every peer in its last round,
     // and its waits poll the links: a syscall per call saved.
     if (size_ > 1 && (used_tcp_ || !in_flight_.empty())) transport_->poll_once();
-    if (debug_) log_op(env, t0, nullptr);
+    ledger_->set_state(env.seq, CallState::kDone);
+    if (opts_.debug) log_op(env, t0, nullptr);
     return nullptr;
   } catch (...) {
     std::exception_ptr error =
@@ -468,9 +425,11 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     if (abort_kind_of(error) == transport::AbortKind::kTimeout) {
       // Tell the peers first (they then join the census at once), then take it.
       transport_->abort(transport::AbortKind::kTimeout, message_of(error));
-      error = same_type(error, message_of(error) + census(env.seq));
+      error = same_type(error, str_cat(message_of(error), census(env.seq), ". Rank ", rank_,
+                                       "'s last calls on this group: ", ledger_->summary(4)));
     }
-    if (debug_) log_op(env, t0, error);  // the failed one is what a hang diagnosis needs
+    if (collective) ledger_->set_state(env.seq, CallState::kFailed);
+    if (opts_.debug) log_op(env, t0, error);  // the failed one is what a hang diagnosis needs
     fail_group(error);
     return error;
   }

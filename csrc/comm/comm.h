@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "comm/ledger.h"
 #include "comm/work.h"
 #include "common/deadline.h"
 #include "common/dtype.h"
@@ -24,26 +25,6 @@
 
 namespace meshcoll::comm {
 
-// Collective kinds, as they travel in OpDesc.coll.
-enum class CollKind : uint8_t {
-  kAllReduce = 1,
-  kReduce,
-  kBroadcast,
-  kAllGather,
-  kAllGatherV,
-  kReduceScatter,
-  kReduceScatterV,
-  kAllToAll,
-  kAllToAllV,
-  kGather,
-  kScatter,
-  kBarrier,
-  kSendRecv,  // point-to-point
-  kFail,      // Comm::fail: the group is failed on purpose (a relayed failure)
-};
-const char* coll_name(CollKind k);
-std::string describe_op(const transport::OpDesc& d);
-
 struct CommOptions {
   Millis timeout{300000};
   // "auto": shared memory between the ranks when they are all on one host (falls back to TCP,
@@ -52,6 +33,7 @@ struct CommOptions {
   size_t shm_bytes = 4u << 20;  // per-rank data area for same-host collectives
   std::string bind_host;  // interface to listen on; empty = the one that reaches the store
   std::string token;
+  bool debug = false;  // MESHCOLL_DEBUG: one line per operation on stderr
 };
 
 class Comm;
@@ -73,8 +55,10 @@ class OpRef {
 class Comm {
  public:
   // Connects to every peer through `store` (already namespaced for this group).
+  // `ledger` (the backend's, Note [Call ledger]) gives every collective its sequence number
+  // before it reaches the Comm, and learns here how each ended; it outlives the Comm.
   Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOptions& opts,
-       uint64_t comm_id);
+       uint64_t comm_id, Ledger* ledger);
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
@@ -84,22 +68,24 @@ class Comm {
   Millis timeout() const { return opts_.timeout; }
   const std::shared_ptr<store::Store>& store() const { return store_; }
 
-  // Queues a collective; `run` executes on the worker thread. timeout < 0: the comm default.
-  // Note [Inline execution]: with `blocking` (the caller will wait at once) and the group
-  // idle (nothing queued, running or in flight), it runs on the calling thread instead,
-  // saving two thread hand-offs per call; issue order is kept either way.
-  std::shared_ptr<Work> enqueue(const transport::OpDesc& desc, Millis timeout,
-                                std::function<void(Comm&)> run, bool blocking = false);
-  // Runs a collective and waits for it: inline when the group is idle, with no Work and no
-  // allocation (the per-call cost of small blocking collectives); otherwise queued behind
-  // the pending operations, then waited for. Throws what the operation threw.
+  // Queues collective `seq` (from the ledger, in issue order); `run` executes on the worker
+  // thread. timeout < 0: the comm default. The Work holds `keep` until the operation ends.
+  std::shared_ptr<CpuWork> enqueue(const transport::OpDesc& desc, uint64_t seq, Millis timeout,
+                                   std::function<void(Comm&)> run,
+                                   std::vector<std::shared_ptr<void>> keep = {});
+  // Runs collective `seq` and waits for it. Note [Inline execution]: when the group is idle
+  // (nothing queued, running or in flight) it runs on the calling thread, with no Work and no
+  // allocation, saving two thread hand-offs per call (the per-call cost of small blocking
+  // collectives); otherwise it is queued behind the pending operations, then waited for.
+  // Issue order is kept either way. Throws what the operation threw.
   template <class F>
-  void run_blocking(const transport::OpDesc& desc, Millis timeout, F&& run) {
+  void run_blocking(const transport::OpDesc& desc, uint64_t seq, Millis timeout, F&& run) {
     transport::Envelope env;
     env.op = desc;
+    env.seq = seq;
     uint64_t index;
-    if (!try_claim(env, &index)) {
-      enqueue(desc, timeout, std::forward<F>(run))->wait(Millis(-1));
+    if (!try_claim(&index, desc)) {
+      enqueue(desc, seq, timeout, std::forward<F>(run))->wait(Millis(-1));
       return;
     }
     std::exception_ptr error =
@@ -111,15 +97,16 @@ class Comm {
   // Note [Point-to-point in flight]: the worker only *posts* it and moves on to the next
   // operation, so `irecv` then `isend` on both sides of a pair cannot deadlock; posted
   // transfers progress during every later wait and complete their Work when done.
-  std::shared_ptr<Work> enqueue_p2p(bool is_send, int peer, uint32_t tag, ConstBytes src,
-                                    MutBytes dst, const transport::OpDesc& desc, Millis timeout);
+  std::shared_ptr<CpuWork> enqueue_p2p(bool is_send, int peer, uint32_t tag, ConstBytes src,
+                                       MutBytes dst, const transport::OpDesc& desc, Millis timeout,
+                                       std::vector<std::shared_ptr<void>> keep = {});
   // Stops accepting work, finishes what is queued (each op is bounded by its deadline).
   void shutdown();
   // Fails the group as an operation's failure would (every peer gets an ABORT and raises at
   // once), queued behind the pending operations. For operations composed over several
   // groups (Note [Hierarchy] in hierarchy.py): a failure in one group must reach the ranks
   // that wait in another.
-  void fail(const std::string& message);
+  void fail(uint64_t seq, const std::string& message);
 
   // ---- for algorithms, on the worker thread, inside `run` ----
   transport::Request send(int peer, uint32_t tag, ConstBytes src);
@@ -153,13 +140,13 @@ class Comm {
     bool is_send = false;
     ConstBytes src;
     MutBytes dst;
-    std::shared_ptr<Work> work;
+    std::shared_ptr<CpuWork> work;
     uint64_t index = 0;  // position in issue order
   };
-  std::shared_ptr<Work> push(Item item, bool blocking = false);
-  // Note [Inline execution]: if the group is idle, takes the next sequence number and index
-  // for `env` and the transport for the calling thread; release_claim() gives it back.
-  bool try_claim(transport::Envelope& env, uint64_t* index);
+  std::shared_ptr<CpuWork> push(Item item);
+  // Note [Inline execution]: if the group is idle, takes the next index and the transport
+  // for the calling thread; release_claim() gives it back.
+  bool try_claim(uint64_t* index, const transport::OpDesc& desc);
   void release_claim();
   // Runs one operation on the thread that owns the transport; returns its error, if any.
   std::exception_ptr execute(const transport::Envelope& env, Millis timeout, uint64_t index,
@@ -167,7 +154,7 @@ class Comm {
   void sync_in_flight_count();
   struct InFlight {
     transport::Request req;
-    std::shared_ptr<Work> work;
+    std::shared_ptr<CpuWork> work;
     Deadline deadline;
     int peer;
     uint32_t tag;
@@ -199,7 +186,7 @@ class Comm {
   bool stopping_ = false;
   bool busy_ = false;  // a thread (worker or inline caller) owns the transport
   size_t in_flight_count_ = 0;  // in_flight_.size(), readable under mu_
-  uint64_t next_seq_ = 1;
+  Ledger* ledger_;
   uint64_t next_index_ = 0;
   uint64_t failed_before_ = 0;  // items issued before the first failure
   std::vector<uint64_t> p2p_send_seq_, p2p_recv_seq_;
@@ -212,7 +199,6 @@ class Comm {
   Deadline deadline_;
   std::vector<uint8_t> scratch_[kScratchSlots];
   std::exception_ptr first_error_;
-  bool debug_ = false;  // MESHCOLL_DEBUG=1: one line per operation on stderr
   const char* algorithm_ = "";
   bool used_tcp_ = false;  // the running operation sent or received over TCP
   std::vector<InFlight> in_flight_;

@@ -5,7 +5,7 @@
 
 namespace meshcoll::comm {
 
-void Work::wait(Millis timeout) {
+void CpuWork::wait(Millis timeout, bool, Stream) {
   std::unique_lock<std::mutex> lock(mu_);
   if (timeout.count() < 0) {
     cv_.wait(lock, [this] { return done_; });
@@ -17,25 +17,28 @@ void Work::wait(Millis timeout) {
   if (error_) std::rethrow_exception(error_);
 }
 
-std::string Work::what() const { return str_cat("rank ", rank_, " ", describe_op(op_)); }
+std::string CpuWork::what() const { return str_cat("rank ", rank_, " ", describe_op(op_)); }
 
-bool Work::is_completed() {
+bool CpuWork::is_completed() {
   std::lock_guard<std::mutex> lock(mu_);
   return done_;
 }
 
-std::exception_ptr Work::exception() {
+std::exception_ptr CpuWork::exception() {
   std::lock_guard<std::mutex> lock(mu_);
   return error_;
 }
 
-void Work::finish(std::exception_ptr error) {
+void CpuWork::finish(std::exception_ptr error) {
+  std::vector<std::shared_ptr<void>> owners;
   {
     std::lock_guard<std::mutex> lock(mu_);
     done_ = true;
     error_ = error;
+    owners.swap(keep_);
   }
   cv_.notify_all();
+  // `owners` goes out of scope here, off the lock: the memory may be freed now.
 }
 
 }  // namespace meshcoll::comm

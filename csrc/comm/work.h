@@ -1,29 +1,54 @@
-// A handle on one queued operation: wait(timeout), is_completed(), exception().
+// Work: the handle every backend returns for an operation (the contract's result type), and
+// the CPU backend's implementation of it.
 #pragma once
 
 #include <condition_variable>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "common/deadline.h"
 #include "transport/transport.h"
 
 namespace meshcoll::comm {
 
+// A CUDA stream as the contract passes it (CUstream; nullptr is the legacy default stream).
+// The CPU backend has none.
+using Stream = void*;
+
 class Work {
  public:
+  virtual ~Work() = default;
+  // Waits for the operation (timeout < 0: until its own deadline, which always ends it) and
+  // rethrows its failure. On a GPU backend the wait is on `stream` (given) or the stream
+  // the operation was issued from: that stream waits for the operation, the host does not.
+  virtual void wait(Millis timeout, bool has_stream = false, Stream stream = nullptr) = 0;
+  // Blocks the host until the operation completed (timeout < 0: its own deadline).
+  virtual void synchronize(Millis timeout) { wait(timeout); }
+  virtual bool is_completed() = 0;
+  virtual std::exception_ptr exception() = 0;
+  // True for a GPU operation captured into a CUDA graph (it runs at each replay).
+  virtual bool captured() const { return false; }
+};
+using WorkPtr = std::shared_ptr<Work>;
+
+// The CPU backend's Work: finished by the thread that ran the operation. It holds the
+// owners of the operation's arrays until then (Note [Owners] in python/array.cc).
+class CpuWork : public Work {
+ public:
   // The description is formatted only when an error needs it: this is on every call's path.
-  Work(int rank, const transport::OpDesc& op) : rank_(rank), op_(op) {}
-  // Blocks until done (timeout < 0: until the operation's own deadline has passed, which
-  // always ends it). Rethrows the operation's exception. TimeoutError if `timeout` passes
-  // first; the operation itself goes on and fails by its own deadline if it is stuck.
-  void wait(Millis timeout);
-  bool is_completed();
-  std::exception_ptr exception();
+  CpuWork(int rank, const transport::OpDesc& op) : rank_(rank), op_(op) {}
+  // TimeoutError if `timeout` passes first; the operation itself goes on and fails by its
+  // own deadline if it is stuck.
+  void wait(Millis timeout, bool has_stream = false, Stream stream = nullptr) override;
+  bool is_completed() override;
+  std::exception_ptr exception() override;
   std::string what() const;
 
-  void finish(std::exception_ptr error);  // worker side
+  void keep(std::shared_ptr<void> owner) { keep_.push_back(std::move(owner)); }
+  void finish(std::exception_ptr error);  // worker side; drops the owners
 
  private:
   std::mutex mu_;
@@ -32,6 +57,7 @@ class Work {
   std::exception_ptr error_;
   int rank_;
   transport::OpDesc op_;
+  std::vector<std::shared_ptr<void>> keep_;
 };
 
 }  // namespace meshcoll::comm

@@ -396,7 +396,7 @@ void NcclComm::shutdown() {
   for (;;) {
     while (completed_ < issued_ &&
            cu_.event_query(slots_[completed_ % kSlots].event) == CUDA_SUCCESS)
-      ++completed_;
+      slots_[completed_++ % kSlots].keep.clear();
     if (completed_ == issued_) break;
     if (d.expired()) {
       abort_locked();
@@ -457,6 +457,7 @@ void NcclComm::fail_locked(std::exception_ptr error) {
   failed_from_ = completed_;
   error_ = std::move(error);
   abort_locked();  // the kernels exit, so every pending event completes
+  for (auto& s : slots_) s.keep.clear();  // nothing touches the arrays any more
 }
 
 void NcclComm::check_nccl_locked(ncclResult_t r, const char* what, const Deadline& d) {
@@ -502,6 +503,7 @@ void NcclComm::poll_locked() {
   while (completed_ < issued_) {
     CUresult q = cu_.event_query(slots_[completed_ % kSlots].event);
     if (q == CUDA_SUCCESS) {
+      slots_[completed_ % kSlots].keep.clear();  // the arrays may be freed now
       ++completed_;
       continue;
     }
@@ -557,7 +559,7 @@ ncclResult_t NcclComm::guarded_locked(const Deadline& d, const char* what, Call&
   if (!failed_) {
     while (completed_ < issued_ &&
            cu_.event_query(slots_[completed_ % kSlots].event) == CUDA_SUCCESS)
-      ++completed_;
+      slots_[completed_++ % kSlots].keep.clear();
     failed_ = true;
     failed_from_ = completed_;
     error_ = std::make_exception_ptr(TimeoutError(str_cat(
@@ -647,6 +649,7 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   s.deadline = deadline_at(t);
   s.timeout_ms = t.count();
   s.what = what;
+  if (async) s.keep = c.keep;
   const uint64_t seq = issued_++;
   return std::make_shared<NcclWork>(shared_from_this(), seq, user, async, false, host_blocking);
 }
@@ -919,7 +922,8 @@ void NcclComm::op_stream_wait(uint64_t seq, CUstream stream) {
             "cuStreamWaitEvent (Work.wait)");
 }
 
-void NcclWork::wait(bool has_stream, CUstream stream, Millis timeout) {
+void NcclWork::wait(Millis timeout, bool has_stream, comm::Stream raw) {
+  CUstream stream = reinterpret_cast<CUstream>(raw);
   if (captured_) {
     if (has_stream && stream != issue_stream_)
       throw InvalidArgument("Work.wait(stream=...): this op was captured into a CUDA graph on "

@@ -36,6 +36,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/work.h"
 #include "common/deadline.h"
 #include "common/dtype.h"
 #include "nccl/nccl_abi.h"
@@ -46,8 +47,8 @@ namespace meshcoll::nccl {
 
 class NcclComm;
 
-// Handle on one enqueued op.
-class NcclWork {
+// Handle on one enqueued op (the backend contract's Work).
+class NcclWork final : public comm::Work {
  public:
   NcclWork(std::shared_ptr<NcclComm> comm, uint64_t seq, abi::CUstream issue_stream,
            bool async, bool captured, bool host_blocking)
@@ -56,13 +57,13 @@ class NcclWork {
   // Orders `stream` (has_stream=false: the stream the op was issued from) after the op:
   // no host block, except for a barrier, which blocks the host (timeout < 0: the op's own
   // deadline). Raises the op's failure if it is known to have failed.
-  void wait(bool has_stream, abi::CUstream stream, Millis timeout);
+  void wait(Millis timeout, bool has_stream, comm::Stream stream) override;
   // Blocks the host until the op completes; TimeoutError if `timeout` (>= 0) passes first
   // (the op goes on and fails by its own deadline if it is stuck).
-  void synchronize(Millis timeout);
-  bool is_completed();
-  std::exception_ptr exception();
-  bool captured() const { return captured_; }
+  void synchronize(Millis timeout) override;
+  bool is_completed() override;
+  std::exception_ptr exception() override;
+  bool captured() const override { return captured_; }
 
  private:
   std::shared_ptr<NcclComm> comm_;
@@ -76,6 +77,9 @@ struct CallOpts {
   abi::CUstream stream = nullptr;  // the caller's stream (nullptr = legacy default)
   bool async = false;
   Millis timeout{-1};
+  // Owners of an async op's arrays: its slot holds them until the op completed (or the
+  // communicator was aborted), whatever the caller drops.
+  std::vector<std::shared_ptr<void>> keep;
 };
 
 class NcclComm : public std::enable_shared_from_this<NcclComm> {
@@ -143,6 +147,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
     Clock::time_point deadline;
     int64_t timeout_ms = 0;
     const char* what = "";
+    std::vector<std::shared_ptr<void>> keep;  // CallOpts::keep
   };
   struct Issue;  // one op's enqueue state (nccl_comm.cc)
 

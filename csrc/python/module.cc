@@ -6,6 +6,7 @@ namespace py = pybind11;
 namespace meshcoll::python {
 void bind_errors(py::module_& m);
 void bind_store(py::module_& m);
+void bind_backend(py::module_& m);
 void bind_comm(py::module_& m);
 void bind_reduce(py::module_& m);
 void bind_nccl(py::module_& m);
@@ -15,6 +16,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "meshcoll C++ core";
   meshcoll::python::bind_errors(m);
   meshcoll::python::bind_store(m);
+  meshcoll::python::bind_backend(m);
   meshcoll::python::bind_comm(m);
   meshcoll::python::bind_reduce(m);
   meshcoll::python::bind_nccl(m);

@@ -34,6 +34,8 @@ TRANSPORT = "MESHCOLL_TRANSPORT"
 SHM_BYTES = "MESHCOLL_SHM_BYTES"
 HIERARCHY = "MESHCOLL_HIERARCHY"
 INIT_METHOD = "MESHCOLL_INIT_METHOD"
+ALGO = "MESHCOLL_ALGO"
+DEBUG = "MESHCOLL_DEBUG"
 
 # torchrun's names for the master; the fallback after ours for every scheme.
 _TORCH_MASTER_ADDR = "MASTER_ADDR"
@@ -456,3 +458,17 @@ def shm_bytes_from_env(environ: Optional[Mapping[str, str]] = None) -> int:
     if value < 4096:
         raise ValueError(f"{SHM_BYTES}={value}: must be at least 4096 bytes")
     return value
+
+
+def algorithm_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``MESHCOLL_ALGO``: the CPU backend's all_reduce algorithm for "auto" calls (default
+    auto; CollectiveConfig checks the name)."""
+    env = os.environ if environ is None else environ
+    return _get(env, ALGO) or "auto"
+
+
+def debug_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """``MESHCOLL_DEBUG``: any value but 0 logs one line per operation on stderr."""
+    env = os.environ if environ is None else environ
+    value = _get(env, DEBUG)
+    return value is not None and value != "0"

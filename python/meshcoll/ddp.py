@@ -52,7 +52,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional
 
 import numpy as np
 
-from .arrays import as_array, dtype_name
+from .arrays import dtype_name
 
 _MB = 1 << 20
 _FLOAT_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}  # name -> itemsize
@@ -127,10 +127,8 @@ def _operand(group, x, what: str):
     autograd so in-place writes are allowed."""
     detach = getattr(x, "detach", None)
     x = detach() if callable(detach) else x
-    if group.backend_name == "cpu":
-        return x if isinstance(x, np.ndarray) else as_array(x, what)
-    group._as_array(x, what)  # TypeError for host memory, an unsupported dtype, ...
-    return x
+    view = group._as_array(x, what)  # TypeError for the wrong memory, an unsupported dtype, ...
+    return view if group.backend_name == "cpu" else x
 
 
 class DataParallel:

@@ -156,8 +156,8 @@ class Hierarchy:
                 # need no all_gather_v round for them. Contiguous hosts land in place.
                 counts = [n * a.size for n in self._host_size]
                 rows = flat if self._in_place else np.empty_like(flat)
-                self.leaders._comm.all_gather(block.reshape(-1), rows.reshape(-1), counts, True,
-                                              left(), True).wait()
+                self.leaders._backend.all_gather(block.reshape(-1), rows.reshape(-1), counts,
+                                                 True, left(), None, False)
                 if not self._in_place:
                     flat[self._by_host] = rows  # host blocks -> group-rank order
             self.local.broadcast(o, 0, timeout=left())
@@ -226,7 +226,7 @@ class Hierarchy:
             for g in (self.local, self.leaders, self.group):
                 if g.is_member:
                     try:
-                        g._comm.fail(why)
+                        g._backend.fail(why)
                     except Exception:  # noqa: S110 - a group that already failed or shut down
                         pass
             raise

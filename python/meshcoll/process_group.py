@@ -1,6 +1,6 @@
 """ProcessGroup: rank, size, global ranks and the collective methods of one group.
 
-A group wraps one C++ communicator (``meshcoll._C.Comm``). Ranks passed to a group's
+A group wraps one C++ backend (``meshcoll._C.CpuBackend`` or ``NcclBackend``). Ranks passed to a group's
 methods (roots, peers) are ranks *within that group*; ``group.ranks`` maps them to global
 ranks. Module-level functions in ``meshcoll`` call the same methods on the default (world)
 group or on ``group=``.
@@ -10,17 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import _C, _env
-from .arrays import as_array, numpy_dtype, rows
+from .arrays import host_view, numpy_dtype, rows
 from .hierarchy import Hierarchy, host_of_each_rank
-
-_ALGO_ENV = "MESHCOLL_ALGO"
-
 
 class CollectiveConfig:
     """Algorithm choice for all_reduce. ``algorithm="auto"`` picks by size and world size:
@@ -58,23 +54,31 @@ class CollectiveConfig:
 
 
 class Work:
-    """Handle on an asynchronous operation. ``wait()`` returns the operation's result."""
+    """Handle on an asynchronous operation. ``wait()`` returns the operation's result. The
+    operation itself holds the arrays it reads and writes until it completes (Note [Owners]
+    in csrc/python/array.h): dropping the Work and the arrays is safe."""
 
-    __slots__ = ("_work", "_result", "_keep", "_finish")
+    __slots__ = ("_work", "_result", "_finish")
 
-    def __init__(self, work, result, keep=(), finish=None):
+    def __init__(self, work, result, finish=None):
         self._work = work
         self._result = result
-        self._keep = keep  # arrays the C++ side reads or writes until completion
         self._finish = finish
 
-    def wait(self, timeout: Optional[float] = None):
-        self._work.wait(timeout)
+    def wait(self, timeout: Optional[float] = None, stream=None):
+        """Waits for the operation and raises its failure; returns its result. On a GPU
+        group, orders ``stream`` (default: the stream the op was issued from) after the op
+        instead of blocking the host (a barrier blocks the host)."""
+        self._work.wait(timeout, stream)
         if self._finish is not None:
             self._result = self._finish()
             self._finish = None
-        self._keep = ()
         return self._result
+
+    def synchronize(self, timeout: Optional[float] = None):
+        """Blocks the host until the operation completed; returns its result."""
+        self._work.synchronize(timeout)
+        return self.wait()
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -83,27 +87,46 @@ class Work:
         return self._work.exception()
 
 
-def _done(work, result, keep, async_op, timeout, finish=None):
-    if async_op:
-        return Work(work, result, keep, finish)
-    work.wait(None)  # what Work(...).wait() would do, without the object (host cost per call)
-    return result if finish is None else finish()
+def _result(w, result, async_op: bool):
+    return Work(w, result) if async_op else result
 
 
 def _comm_id(name: str, token: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{token}/{name}".encode(), digest_size=8).digest(), "little")
 
 
+class HostArrays:
+    """How a CPU group allocates the outputs it returns: numpy arrays."""
+
+    device_memory = False
+
+    @staticmethod
+    def empty(shape, like, dtype: Optional[str] = None):
+        """A new array of ``shape`` with ``like``'s dtype (or the dtype named ``dtype``)."""
+        if dtype is None:
+            dtype = like.dtype
+        return np.empty(shape, numpy_dtype(dtype, "meshcoll") if isinstance(dtype, str) else dtype)
+
+    @staticmethod
+    def current_stream(like):
+        return None
+
+
 class ProcessGroup:
     """A group of ranks that communicate together. Create with ``meshcoll.init`` (the world)
     and ``meshcoll.new_group`` / ``group.split``; every member calls every collective in the
-    same order."""
+    same order.
+
+    A group holds one backend (``meshcoll._C.CpuBackend`` or ``NcclBackend``, the one C++
+    contract of csrc/comm/backend.h): every collective below goes straight to it, whatever the
+    backend. Ranks passed to methods (roots, peers) are ranks *within this group*. ``stream=``
+    (NCCL groups only): the CUDA stream the op runs on; see meshcoll.nccl."""
 
     is_member = True
-    backend_name = "cpu"
 
     def __init__(self, store, ranks: Sequence[int], rank: int, name: str, *, timeout: float,
-                 bind_host: str, token: str, parent: Optional["ProcessGroup"] = None):
+                 bind_host: str, token: str, parent: Optional["ProcessGroup"] = None,
+                 backend: str = "cpu", device: Optional[int] = None, color: int = 0):
         self._store = store
         self._ranks = list(ranks)
         self._name = name
@@ -112,57 +135,75 @@ class ProcessGroup:
         self._token = token
         self._children: List[object] = []
         self._next_child = 0
-        self.config = CollectiveConfig(os.environ.get(_ALGO_ENV) or "auto")
-        self._comm = self._make_comm(_C.PrefixStore(f"mc/{name}", store), rank, parent)
+        self.backend_name = backend
+        prefixed = _C.PrefixStore(f"mc/{name}", store)
+        if backend == "nccl":
+            from . import nccl
+            self._device = parent._device if parent is not None else int(device)
+            self._arrays = nccl.CudaArrays
+            self._backend = nccl.make_backend(prefixed, rank, len(self._ranks), self._device,
+                                              timeout, parent, color)
+            self.config = CollectiveConfig("auto")  # NCCL picks its own algorithms
+        else:
+            self._device = None
+            self._arrays = HostArrays
+            self._backend = _C.CpuBackend(prefixed, rank, len(self._ranks), timeout, bind_host,
+                                          token, _comm_id(name, token), _env.transport_from_env(),
+                                          _env.shm_bytes_from_env(), _env.debug_from_env())
+            self.config = CollectiveConfig(_env.algorithm_from_env())
         # Every member is done with the store for this group before anyone returns: rank 0
         # may otherwise exit (closing the store) while a peer still rendezvouses through it.
         self.barrier()
         self._hier: Optional[Hierarchy] = None  # Note [Hierarchy] in hierarchy.py
-        if (self._comm_transport().startswith("tcp") and len(self._ranks) > 1
+        transport = self._backend.transport
+        if (transport.startswith("tcp") and len(self._ranks) > 1
                 and _env.transport_from_env() == "auto"):
             hosts = host_of_each_rank(self)
             if len(set(hosts)) > 1:
                 self._hier = Hierarchy.build(self, hosts) if _env.hierarchy_from_env() else None
-            elif self._comm_transport().startswith("tcp (") and rank == 0:
+            elif transport.startswith("tcp (") and rank == 0:
                 import warnings
-                warnings.warn(f"meshcoll group {name!r}: {self._comm_transport()}; falling "
-                              "back to TCP between same-host ranks", RuntimeWarning, stacklevel=3)
+                warnings.warn(f"meshcoll group {name!r}: {transport}; falling back to TCP "
+                              "between same-host ranks", RuntimeWarning, stacklevel=3)
 
-    # ---- backend hooks: a backend subclass (meshcoll.nccl) overrides these ----------
-    def _make_comm(self, prefixed_store, rank: int, parent):
-        """The C++ communicator for this group; collective over the members."""
-        return _C.Comm(prefixed_store, rank, len(self._ranks), self._timeout, self._bind_host,
-                       self._token, _comm_id(self._name, self._token),
-                       _env.transport_from_env(), _env.shm_bytes_from_env())
-
-    def _comm_transport(self) -> str:
-        return self._comm.transport
+    # ---- arrays ---------------------------------------------------------------------
+    def _view(self, x, what: str, writable: bool = False, stream=None):
+        """``x`` as this group's backend reads it (every check, once): a ``_C.Array`` with
+        shape, dtype and size, which the collectives take in place of ``x``."""
+        return self._backend.view(x, what, writable, stream)
 
     def _as_array(self, x, what: str, writable: bool = False):
-        return as_array(x, what, writable=writable)
+        """``x`` checked by the backend; on the CPU backend, a numpy view of it (for code
+        that reshapes, as the hierarchy and partition helpers do)."""
+        if type(x) is np.ndarray and not self._arrays.device_memory:
+            self._backend.view(x, what, writable)
+            return x
+        v = self._backend.view(x, what, writable)
+        return host_view(x) if not self._arrays.device_memory else v
 
     def _empty(self, shape, like, dtype: Optional[str] = None):
-        """A new array of ``shape`` with ``like``'s dtype (or the dtype named ``dtype``),
-        where this backend works."""
-        return np.empty(shape, like.dtype if dtype is None else numpy_dtype(dtype, self._name))
+        """A new array of ``shape`` where this backend works, like ``like`` (an array or the
+        ``_C.Array`` of one): its dtype unless ``dtype`` is named, its framework and device."""
+        like = like.obj if isinstance(like, _C.Array) else like
+        return self._arrays.empty(shape, like, dtype)
 
     def _current_stream(self, like):
-        """The stream the caller computes on for arrays like ``like`` (the NCCL backend's
-        ``stream=``); None on the CPU backend, which has no streams."""
-        return None
+        """The stream the caller computes on for arrays like ``like`` (None on the CPU)."""
+        return self._arrays.current_stream(like)
 
-    def _child(self, ranks, rank, name, timeout):
-        return type(self)(self._store, ranks, rank, name, timeout=timeout or self._timeout,
-                          bind_host=self._bind_host, token=self._token, parent=self)
+    def _child(self, ranks, rank, name, timeout, color: int = 0):
+        return ProcessGroup(self._store, ranks, rank, name, timeout=timeout or self._timeout,
+                            bind_host=self._bind_host, token=self._token, parent=self,
+                            backend=self.backend_name, device=self._device, color=color)
 
     # ---- identity -------------------------------------------------------------------
     @property
     def rank(self) -> int:
-        return self._comm.rank
+        return self._backend.rank
 
     @property
     def size(self) -> int:
-        return self._comm.size
+        return self._backend.size
 
     @property
     def ranks(self) -> List[int]:
@@ -179,193 +220,234 @@ class ProcessGroup:
         return self._name
 
     @property
+    def device(self) -> Optional[int]:
+        """The CUDA device of an NCCL group; None on the CPU backend."""
+        return self._device
+
+    @property
     def transport(self) -> str:
-        """"shm" when the members share memory on one host, else "tcp" (with the reason)."""
-        return self._comm_transport()
+        """"shm" when the members share memory on one host, "tcp" (with the reason when
+        shared memory was not usable), or "nccl"."""
+        return self._backend.transport
+
+    def recent_calls(self, n: int = 64) -> List[str]:
+        """This rank's last ``n`` calls on this group, oldest first (the call ledger)."""
+        return self._backend.recent_calls(n)
 
     def __repr__(self) -> str:
-        return f"ProcessGroup(name={self._name!r}, rank={self.rank}, size={self.size}, ranks={self._ranks})"
+        dev = f", device={self._device}" if self._device is not None else ""
+        return (f"ProcessGroup(name={self._name!r}, backend={self.backend_name!r}, "
+                f"rank={self.rank}, size={self.size}, ranks={self._ranks}{dev})")
 
     # ---- collectives ----------------------------------------------------------------
     def all_reduce(self, x, op: str = "sum", *, async_op: bool = False,
-                   timeout: Optional[float] = None, algorithm: Optional[str] = None):
+                   timeout: Optional[float] = None, algorithm: Optional[str] = None,
+                   stream=None):
         """Reduce ``x`` across the group, in place; returns ``x`` (or a Work)."""
         cfg = self.config
-        if self._hier is not None and (algorithm or cfg.algorithm) == "auto":
+        algo = cfg.algorithm if algorithm is None else algorithm
+        if self._hier is not None and algo == "auto":
             return self._hier.all_reduce(x, self._as_array(x, "all_reduce", writable=True), op,
                                          timeout, async_op)
-        if not async_op and type(x) is np.ndarray:
-            # The hot path: one C++ call that validates x (contiguity, writability, dtype) as
-            # as_array would, runs and waits (Note [all_reduce_sync] in bind_comm.cc).
-            self._comm.all_reduce_sync(x, op, cfg.algorithm if algorithm is None else algorithm,
-                                       timeout, cfg.max_segment_bytes, cfg.tree_threshold_bytes,
-                                       cfg.hd_threshold_bytes)
-            return x
-        a = self._as_array(x, "all_reduce", writable=True)
-        # `blocking` positional: pybind11 matches keyword arguments by name, 0.5 us a call.
-        w = self._comm.all_reduce(a, a, op, cfg.algorithm if algorithm is None else algorithm, timeout,
-                                  cfg.max_segment_bytes, cfg.tree_threshold_bytes,
-                                  cfg.hd_threshold_bytes, not async_op)
         if not async_op:
-            w.wait()
+            # The hot path: one C++ call that reads x, runs and returns (Note
+            # [all_reduce_sync] in bind_backend.cc).
+            self._backend.all_reduce_sync(x, op, timeout, stream, algo, cfg.max_segment_bytes,
+                                          cfg.tree_threshold_bytes, cfg.hd_threshold_bytes)
             return x
-        return Work(w, x, (a,))
+        w = self._backend.all_reduce(x, x, op, timeout, stream, True, algo,
+                                     cfg.max_segment_bytes, cfg.tree_threshold_bytes,
+                                     cfg.hd_threshold_bytes)
+        return Work(w, x)
 
     def reduce(self, x, dst: int = 0, op: str = "sum", *, async_op: bool = False,
-               timeout: Optional[float] = None):
+               timeout: Optional[float] = None, stream=None):
         """Reduce ``x`` onto group rank ``dst``, in place there; other ranks' ``x`` is unchanged."""
-        a = self._as_array(x, "reduce", writable=True)
-        w = self._comm.reduce(a, a, dst, op, timeout, not async_op)
-        return _done(w, x, (a,), async_op, timeout)
+        return _result(self._backend.reduce(x, x, dst, op, timeout, stream, async_op), x, async_op)
 
-    def broadcast(self, x, src: int = 0, *, async_op: bool = False, timeout: Optional[float] = None):
+    def broadcast(self, x, src: int = 0, *, async_op: bool = False,
+                  timeout: Optional[float] = None, stream=None):
         """Copy ``x`` from group rank ``src`` into every rank's ``x``, in place."""
-        a = self._as_array(x, "broadcast", writable=True)
         if self._hier is not None:
             if not 0 <= src < self.size:
                 raise ValueError(f"broadcast: root {src} is out of range for a group of "
                                  f"{self.size} ranks (0..{self.size - 1})")
-            return self._hier.broadcast(x, a, src, timeout, async_op)
-        w = self._comm.broadcast(a, src, timeout, not async_op)
-        return _done(w, x, (a,), async_op, timeout)
+            return self._hier.broadcast(x, self._as_array(x, "broadcast", writable=True), src,
+                                        timeout, async_op)
+        return _result(self._backend.broadcast(x, src, timeout, stream, async_op), x, async_op)
 
-    def all_gather(self, x, out=None, *, async_op: bool = False, timeout: Optional[float] = None):
-        """Every rank's ``x`` stacked along a new axis 0: shape ``(size, *x.shape)``."""
-        a = self._as_array(x, "all_gather")
-        out = self._empty((self.size,) + a.shape, a) if out is None else out
-        o = self._as_array(out, "all_gather out", writable=True)
-        if o.shape != (self.size,) + a.shape and o.size != self.size * a.size:
-            raise ValueError(f"all_gather: out has shape {o.shape}, expected {(self.size,) + a.shape}")
+    def all_gather(self, x, out=None, *, async_op: bool = False,
+                   timeout: Optional[float] = None, stream=None):
+        """Every rank's ``x`` stacked along a new axis 0: shape ``(size, *x.shape)``. On an
+        NCCL group, a numpy array (small metadata) is exchanged through the communicator and
+        returned as numpy (blocking)."""
+        if self._arrays.device_memory and isinstance(x, np.ndarray):
+            if out is not None or async_op:
+                raise ValueError("all_gather of a host (numpy) array takes no out= or async_op")
+            return self._host_all_gather(x, timeout)
+        v = self._view(x, "all_gather: x", stream=stream)
+        shape = (self.size,) + tuple(v.shape)
+        out = self._empty(shape, v) if out is None else out
         if self._hier is not None:
-            return self._hier.all_gather(out, a, o, timeout, async_op)
-        w = self._comm.all_gather(a, o, [a.size] * self.size, False, timeout,
-                                  not async_op)
-        return _done(w, out, (a, o), async_op, timeout)
+            o = self._as_array(out, "all_gather: out", writable=True)
+            if o.size != self.size * v.size:
+                raise ValueError(f"all_gather: out has shape {o.shape}, expected {shape}")
+            return self._hier.all_gather(out, host_view(x), o, timeout, async_op)
+        w = self._backend.all_gather(v, out, [v.size] * self.size, False, timeout, stream,
+                                     async_op)
+        return _result(w, out, async_op)
 
-    def all_gather_v(self, x, *, timeout: Optional[float] = None) -> Tuple[np.ndarray, List[int]]:
+    def all_gather_v(self, x, *, timeout: Optional[float] = None,
+                     stream=None) -> Tuple[object, List[int]]:
         """Concatenate each rank's ``x`` along axis 0, where ranks may hold different numbers
         of rows (same trailing shape). Returns ``(concatenation, rows per rank)``."""
-        a = self._as_array(x, "all_gather_v")
-        n = rows(a, "all_gather_v")
-        row_elems = math.prod(a.shape[1:])
+        v = self._view(x, "all_gather_v: x", stream=stream)
+        n = rows(v, "all_gather_v")
+        row_elems = math.prod(v.shape[1:])
         meta = self.all_gather(np.array([n, row_elems], np.int64), timeout=timeout)
         counts = [int(c) for c in meta[:, 0]]
         if len(set(int(e) for e in meta[:, 1])) != 1:
             raise _C.MismatchError(
                 f"all_gather_v: ranks' arrays differ in their trailing shape (elements per row "
                 f"by rank: {[int(e) for e in meta[:, 1]]}); only axis 0 may differ")
-        out = self._empty((sum(counts),) + a.shape[1:], a)
-        self._comm.all_gather(a, out, [c * row_elems for c in counts], True, timeout, True).wait()
+        out = self._empty((sum(counts),) + tuple(v.shape[1:]), v)
+        self._backend.all_gather(v, out, [c * row_elems for c in counts], True, timeout, stream,
+                                 False)
         return out, counts
 
     def reduce_scatter(self, x, out=None, op: str = "sum", *, async_op: bool = False,
-                       timeout: Optional[float] = None):
+                       timeout: Optional[float] = None, stream=None):
         """Reduce ``x`` across ranks and keep this rank's slice of axis 0 (which must divide
         evenly by the group size): shape ``(x.shape[0] // size, *x.shape[1:])``."""
-        a = self._as_array(x, "reduce_scatter")
-        n = rows(a, "reduce_scatter")
+        v = self._view(x, "reduce_scatter: x", stream=stream)
+        n = rows(v, "reduce_scatter")
         if n % self.size:
             raise ValueError(f"reduce_scatter: axis 0 has {n} rows, not divisible by the group "
                              f"size {self.size}; use reduce_scatter_v for uneven splits")
-        shape = (n // self.size,) + a.shape[1:]
-        out = self._empty(shape, a) if out is None else out
-        o = self._as_array(out, "reduce_scatter out", writable=True)
-        if o.size != math.prod(shape):
-            raise ValueError(f"reduce_scatter: out has shape {o.shape}, expected {shape}")
-        w = self._comm.reduce_scatter(a, o, [o.size] * self.size, op, False, timeout,
-                                      not async_op)
-        return _done(w, out, (a, o), async_op, timeout)
+        shape = (n // self.size,) + tuple(v.shape[1:])
+        out = self._empty(shape, v) if out is None else out
+        w = self._backend.reduce_scatter(v, out, [v.size // self.size] * self.size, op, False,
+                                         timeout, stream, async_op)
+        return _result(w, out, async_op)
 
     def reduce_scatter_v(self, x, counts: Sequence[int], op: str = "sum", *,
-                         timeout: Optional[float] = None) -> np.ndarray:
+                         timeout: Optional[float] = None, stream=None):
         """Reduce ``x`` across ranks and keep rows ``[sum(counts[:rank]), +counts[rank])``.
-        ``counts`` (rows per rank) must be the same on every rank."""
-        a = self._as_array(x, "reduce_scatter_v")
-        n = rows(a, "reduce_scatter_v")
+        ``counts`` (rows per rank) must be the same on every rank: ranks that pass different
+        counts get MismatchError."""
+        v = self._view(x, "reduce_scatter_v: x", stream=stream)
+        n = rows(v, "reduce_scatter_v")
         counts = [int(c) for c in counts]
         if len(counts) != self.size or any(c < 0 for c in counts) or sum(counts) != n:
             raise ValueError(f"reduce_scatter_v: counts {counts} must have {self.size} "
                              f"non-negative entries summing to axis 0's length {n}")
-        row_elems = math.prod(a.shape[1:])
-        out = self._empty((counts[self.rank],) + a.shape[1:], a)
-        self._comm.reduce_scatter(a, out, [c * row_elems for c in counts], op, True, timeout,
-                                  True).wait()
+        row_elems = math.prod(v.shape[1:])
+        out = self._empty((counts[self.rank],) + tuple(v.shape[1:]), v)
+        self._backend.reduce_scatter(v, out, [c * row_elems for c in counts], op, True, timeout,
+                                     stream, False)
         return out
 
-    def all_to_all(self, x, out=None, *, async_op: bool = False, timeout: Optional[float] = None):
-        """Block i of ``x``'s axis 0 goes to rank i; ``out``'s block j comes from rank j."""
-        a = self._as_array(x, "all_to_all")
-        n = rows(a, "all_to_all")
+    def all_to_all(self, x, out=None, *, async_op: bool = False,
+                   timeout: Optional[float] = None, stream=None):
+        """Block i of ``x``'s axis 0 goes to rank i; ``out``'s block j comes from rank j. On
+        an NCCL group, a numpy array (small metadata) is exchanged through the communicator
+        and returned as numpy (blocking)."""
+        if self._arrays.device_memory and isinstance(x, np.ndarray):
+            if out is not None or async_op:
+                raise ValueError("all_to_all of a host (numpy) array takes no out= or async_op")
+            return self._host_all_to_all(x, timeout)
+        v = self._view(x, "all_to_all: x", stream=stream)
+        n = rows(v, "all_to_all")
         if n % self.size:
             raise ValueError(f"all_to_all: axis 0 has {n} rows, not divisible by the group size "
                              f"{self.size}; use all_to_all_v for uneven splits")
-        out = self._empty(a.shape, a) if out is None else out
-        o = self._as_array(out, "all_to_all out", writable=True)
-        if o.size != a.size or o is a:
-            raise ValueError("all_to_all: out must be a separate array of x's size")
-        blk = a.size // self.size
-        w = self._comm.all_to_all(a, o, [blk] * self.size, [blk] * self.size, False, timeout,
-                                  not async_op)
-        return _done(w, out, (a, o), async_op, timeout)
+        out = self._empty(tuple(v.shape), v) if out is None else out
+        blk = v.size // self.size
+        w = self._backend.all_to_all(v, out, [blk] * self.size, [blk] * self.size, False, timeout,
+                                     stream, async_op)
+        return _result(w, out, async_op)
 
-    def all_to_all_v(self, x, send_counts: Sequence[int], *,
-                     timeout: Optional[float] = None) -> Tuple[np.ndarray, List[int]]:
+    def all_to_all_v(self, x, send_counts: Sequence[int], *, timeout: Optional[float] = None,
+                     stream=None) -> Tuple[object, List[int]]:
         """Rows ``send_counts[i]`` of ``x`` (in order) go to rank i. Returns ``(received rows
         concatenated in rank order, rows received from each rank)``."""
-        a = self._as_array(x, "all_to_all_v")
-        n = rows(a, "all_to_all_v")
+        v = self._view(x, "all_to_all_v: x", stream=stream)
+        n = rows(v, "all_to_all_v")
         send_counts = [int(c) for c in send_counts]
         if len(send_counts) != self.size or any(c < 0 for c in send_counts) or sum(send_counts) != n:
             raise ValueError(f"all_to_all_v: send_counts {send_counts} must have {self.size} "
                              f"non-negative entries summing to axis 0's length {n}")
-        row_elems = math.prod(a.shape[1:])
-        recv_counts = self.all_to_all(np.array(send_counts, np.int64), timeout=timeout)
-        recv_counts = [int(c) for c in recv_counts]
-        out = self._empty((sum(recv_counts),) + a.shape[1:], a)
-        self._comm.all_to_all(a, out, [c * row_elems for c in send_counts],
-                              [c * row_elems for c in recv_counts], True, timeout, True).wait()
+        row_elems = math.prod(v.shape[1:])
+        recv_counts = [int(c) for c in self.all_to_all(np.array(send_counts, np.int64),
+                                                       timeout=timeout)]
+        out = self._empty((sum(recv_counts),) + tuple(v.shape[1:]), v)
+        self._backend.all_to_all(v, out, [c * row_elems for c in send_counts],
+                                 [c * row_elems for c in recv_counts], True, timeout, stream,
+                                 False)
         return out, recv_counts
 
-    def gather(self, x, dst: int = 0, *, timeout: Optional[float] = None) -> Optional[np.ndarray]:
+    def gather(self, x, dst: int = 0, *, timeout: Optional[float] = None, stream=None):
         """On ``dst``: every rank's ``x`` stacked along a new axis 0; elsewhere None."""
-        a = self._as_array(x, "gather")
-        out = self._empty((self.size,) + a.shape, a) if self.rank == dst else self._empty(0, a)
-        self._comm.gather(a, out, [a.size] * self.size, dst, timeout, True).wait()
-        return out if self.rank == dst else None
+        v = self._view(x, "gather: x", stream=stream)
+        me = self.rank == dst
+        out = self._empty((self.size,) + tuple(v.shape) if me else 0, v)
+        self._backend.gather(v, out, [v.size] * self.size, dst, timeout, stream, False)
+        return out if me else None
 
-    def scatter(self, x, src: int = 0, *, out=None, timeout: Optional[float] = None) -> np.ndarray:
+    def scatter(self, x, src: int = 0, *, out=None, timeout: Optional[float] = None,
+                stream=None):
         """Rank ``src`` passes ``x`` of shape ``(size, *s)``; every rank gets its block of
         shape ``s``. Other ranks pass ``out`` (shape ``s``), or an ``x`` of the full shape."""
         if self.rank == src or out is None:
             if x is None:
                 raise ValueError("scatter: pass out= (this rank's block) when x is None")
-            a = self._as_array(x, "scatter")
-            if rows(a, "scatter") != self.size:
+            v = self._view(x, "scatter: x", stream=stream)
+            if rows(v, "scatter") != self.size:
                 raise ValueError(f"scatter: x must have shape (group size={self.size}, ...), "
-                                 f"got {a.shape}")
-            out = self._empty(a.shape[1:], a) if out is None else out
-        o = self._as_array(out, "scatter out", writable=True)
-        a = a if self.rank == src else self._empty(0, o)
-        self._comm.scatter(a, o, [o.size] * self.size, src, timeout, True).wait()
+                                 f"got {tuple(v.shape)}")
+            out = self._empty(tuple(v.shape[1:]), v) if out is None else out
+        o = self._view(out, "scatter: out", True, stream)
+        # The root's blocks are x's rows; elsewhere out is the block.
+        block = v.size // self.size if self.rank == src else o.size
+        x = v if self.rank == src else self._empty(0, o)
+        self._backend.scatter(x, o, [block] * self.size, src, timeout, stream, False)
         return out
 
-    def send(self, x, peer: int, tag: int = 0, *, timeout: Optional[float] = None) -> None:
-        self.isend(x, peer, tag, timeout=timeout).wait()
+    def send(self, x, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
+             stream=None) -> None:
+        """Send ``x`` to group rank ``peer``; returns once sent (CPU) or enqueued (GPU)."""
+        self.isend(x, peer, tag, timeout=timeout, stream=stream).wait()
 
-    def recv(self, x, peer: int, tag: int = 0, *, timeout: Optional[float] = None):
+    def recv(self, x, peer: int, tag: int = 0, *, timeout: Optional[float] = None, stream=None):
         """Receive into ``x`` (in place) from group rank ``peer``; returns ``x``."""
-        return self.irecv(x, peer, tag, timeout=timeout).wait()
+        return self.irecv(x, peer, tag, timeout=timeout, stream=stream).wait()
 
-    def isend(self, x, peer: int, tag: int = 0, *, timeout: Optional[float] = None) -> Work:
-        a = self._as_array(x, "send")
-        return Work(self._comm.send(a, peer, _tag(tag), timeout), None, (a,))
+    def isend(self, x, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
+              stream=None) -> Work:
+        return Work(self._backend.send(x, peer, _tag(tag), timeout, stream), None)
 
-    def irecv(self, x, peer: int, tag: int = 0, *, timeout: Optional[float] = None) -> Work:
-        a = self._as_array(x, "recv", writable=True)
-        return Work(self._comm.recv(a, peer, _tag(tag), timeout), x, (a,))
+    def irecv(self, x, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
+              stream=None) -> Work:
+        return Work(self._backend.recv(x, peer, _tag(tag), timeout, stream), x)
 
-    def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None):
-        return _done(self._comm.barrier(timeout, blocking=not async_op), None, (), async_op, timeout)
+    def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None, stream=None):
+        """Every member arrives before any returns (on GPUs too: the host blocks)."""
+        return _result(self._backend.barrier(timeout, stream, async_op), None, async_op)
+
+    # ---- metadata of NCCL groups: host arrays through the communicator ---------------
+    def _host_all_gather(self, x: np.ndarray, timeout) -> np.ndarray:
+        x = np.ascontiguousarray(x)
+        raw = self._backend.host_all_gather(x.tobytes(), timeout)
+        return np.frombuffer(raw, x.dtype).reshape((self.size,) + x.shape).copy()
+
+    def _host_all_to_all(self, x: np.ndarray, timeout) -> np.ndarray:
+        x = np.ascontiguousarray(x)
+        if x.ndim == 0 or x.shape[0] % self.size:
+            raise ValueError(f"all_to_all: axis 0 must divide by the group size {self.size}")
+        blk = x.shape[0] // self.size
+        table = self._host_all_gather(x, timeout)  # (size, size*blk, ...)
+        return np.ascontiguousarray(table[:, self.rank * blk:(self.rank + 1) * blk]
+                                    .reshape(x.shape))
 
     # ---- subgroups ------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int], *, timeout: Optional[float] = None):
@@ -383,6 +465,7 @@ class ProcessGroup:
         me = self._ranks[self.rank]
         if me not in ranks:
             child = NonMemberGroup(ranks, name)
+            self._sit_out(timeout)
         else:
             child = self._child(ranks, ranks.index(me), name, timeout)
         self._children.append(child)
@@ -392,19 +475,29 @@ class ProcessGroup:
         """Collective: ranks with the same ``color`` form a group, ordered by (key, rank).
         ``color=None`` (or negative) joins no group and gets a NonMemberGroup."""
         c = -1 if color is None else int(color)
+        if c >= 2**31:
+            raise ValueError(f"split: color {c} must be below 2**31")
         table = self.all_gather(np.array([c, int(key), self._ranks[self.rank]], np.int64),
                                 timeout=timeout)
         name = f"{self._name}.s{self._next_child}"
         self._next_child += 1
         if c < 0:
             child = NonMemberGroup([], name)
+            self._sit_out(timeout)
         else:
             members = sorted((int(k), int(g)) for cc, k, g in table if cc == c)
             ranks = [g for _, g in members]
             me = self._ranks[self.rank]
-            child = self._child(ranks, ranks.index(me), f"{name}.c{c}", timeout)
+            child = self._child(ranks, ranks.index(me), f"{name}.c{c}", timeout, color=c)
         self._children.append(child)
         return child
+
+    def _sit_out(self, timeout) -> None:
+        """A rank outside a new subgroup: ncclCommSplit is collective over the whole parent,
+        so an NCCL parent's non-members take part with no color."""
+        if self.backend_name == "nccl":
+            from . import nccl
+            nccl.sit_out(self, timeout)
 
     def destroy(self) -> None:
         """Finish queued work and close this group and every group created from it."""
@@ -413,7 +506,7 @@ class ProcessGroup:
         for child in self._children:
             child.destroy()
         self._children = []
-        self._comm.shutdown()
+        self._backend.shutdown()
 
 
 class NonMemberGroup:

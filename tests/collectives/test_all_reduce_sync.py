@@ -1,5 +1,5 @@
-"""Comm.all_reduce_sync, the METH_FASTCALL entry point behind a blocking
-ProcessGroup.all_reduce of a numpy array (Note [all_reduce_sync] in bind_comm.cc): its
+"""Backend.all_reduce_sync, the METH_FASTCALL entry point behind a blocking
+ProcessGroup.all_reduce (Note [all_reduce_sync] in bind_backend.cc): its
 argument checks and its errors (through the same translators as every other binding); the
 GIL released while it waits is tested in tests/python/test_gil_release.py."""
 
@@ -13,24 +13,24 @@ pytestmark = pytest.mark.timeout(60)
 
 def _args(pg, x, op="sum", algorithm="auto", timeout=None):
     cfg = pg.config
-    return (x, op, algorithm, timeout, cfg.max_segment_bytes, cfg.tree_threshold_bytes,
+    return (x, op, timeout, None, algorithm, cfg.max_segment_bytes, cfg.tree_threshold_bytes,
             cfg.hd_threshold_bytes)
 
 
 def _bad_calls(pg):
     """(label, exception class, text) for each bad call; every rank makes the same ones."""
-    sync = pg._comm.all_reduce_sync
+    sync = pg._backend.all_reduce_sync
     f = np.zeros(4, np.float32)
     ro = np.zeros(4, np.float32)
     ro.setflags(write=False)
     cases = [
-        ("no arguments", lambda: sync(), TypeError, "7 positional"),
-        ("keywords", lambda: sync(*_args(pg, f)[:6], hd_threshold_bytes=1), TypeError, "keyword"),
+        ("no arguments", lambda: sync(), TypeError, "8 positional"),
+        ("keywords", lambda: sync(*_args(pg, f)[:7], hd_threshold_bytes=1), TypeError, "keyword"),
         ("list", lambda: sync(*_args(pg, [1.0])), TypeError, "numpy array"),
         ("op not str", lambda: sync(*_args(pg, f, op=3)), TypeError, "op"),
-        ("negative size", lambda: sync(*_args(pg, f)[:4], -1, 1, 1), TypeError,
+        ("negative size", lambda: sync(*_args(pg, f)[:5], -1, 1, 1), TypeError,
          "max_segment_bytes"),
-        ("zero segment", lambda: sync(*_args(pg, f)[:4], 0, 1, 1), ValueError, "> 0"),
+        ("zero segment", lambda: sync(*_args(pg, f)[:5], 0, 1, 1), ValueError, "> 0"),
         ("bad op", lambda: sync(*_args(pg, f, op="bogus")), ValueError, "bogus"),
         ("bad algorithm", lambda: sync(*_args(pg, f, algorithm="zzz")), ValueError, "zzz"),
         ("bad timeout", lambda: sync(*_args(pg, f, timeout=-1.0)), ValueError, "timeout"),
@@ -53,7 +53,7 @@ def _bad_calls(pg):
             wrong.append(f"{label}: no error")
     # The group still works, through both entry points.
     x = np.full(5, pg.rank + 1.0, np.float32)
-    assert pg._comm.all_reduce_sync(*_args(pg, x)) is None
+    assert pg._backend.all_reduce_sync(*_args(pg, x)) is None
     y = np.full(5, pg.rank + 1.0, np.float32)
     assert pg.all_reduce(y) is y
     n = pg.size
@@ -71,7 +71,7 @@ def _mismatch(pg):
     # A collective error raised inside the C++ call comes back as its own Python class.
     x = np.ones(3 + pg.rank, np.float32)
     with pytest.raises(meshcoll.MismatchError, match="mismatch"):
-        pg._comm.all_reduce_sync(*_args(pg, x, timeout=30))
+        pg._backend.all_reduce_sync(*_args(pg, x, timeout=30))
     return True
 
 

@@ -64,7 +64,7 @@ def _body(pg, hosts):
     g = pg.new_group(list(range(pg.size)))
     h = g._hier
     assert h is not None, "a group over two hosts with a shared host builds a hierarchy"
-    shape = (h.local.size, h.local._comm_transport(), h.leaders.is_member)
+    shape = (h.local.size, h.local.transport, h.leaders.is_member)
     fails, digest = [], hashlib.sha256()
     for seed, (name, op) in enumerate(CASES):
         dtype = _dtype(name)
@@ -140,7 +140,7 @@ def test_hierarchical_broadcast_and_all_gather(run_ranks, layout):
 
 def _one_host_body(pg):
     g = pg.new_group(list(range(pg.size)))
-    return g._hier is None and g._comm_transport() == "shm"
+    return g._hier is None and g.transport == "shm"
 
 
 def test_one_host_has_no_hierarchy(run_ranks):

@@ -1,0 +1,51 @@
+// One array as every backend sees it: where its elements are, how many, of which type, on
+// which device, and who owns the memory. csrc/python/array.cc makes it (the one place where
+// numpy, the buffer protocol, DLPack, __cuda_array_interface__ and torch tensors are read and
+// checked); the backends only read it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "common/bytes.h"
+#include "common/dtype.h"
+
+namespace meshcoll::comm {
+
+struct ArrayView {
+  void* data = nullptr;
+  size_t count = 0;  // elements
+  DType dtype = DType::kFloat32;
+  int device = -1;   // CUDA device ordinal; -1 for host memory
+  // FNV-1a fingerprints of the shape and of the shape without axis 0 (the "row"), for the
+  // agreement check of collectives whose result depends on them (all_gather stacks by shape;
+  // the _v collectives split axis 0). Never 0.
+  uint32_t shape_hash = 1;
+  uint32_t row_hash = 1;
+  // Keeps the memory alive until the operation that reads or writes it has completed,
+  // whatever the caller drops (Note [Owners] in python/array.cc). Empty for memory the
+  // backend owns.
+  std::shared_ptr<void> owner;
+
+  size_t bytes() const { return count * dtype_size(dtype); }
+  ConstBytes cbytes() const { return {data, bytes()}; }
+  MutBytes mbytes() const { return {data, bytes()}; }
+};
+
+// FNV-1a over 64-bit values, folded to 32 bits and never 0 ("not checked" on the wire).
+class ShapeHash {
+ public:
+  void mix(uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h_ ^= static_cast<uint8_t>(v >> (8 * i));
+      h_ *= 16777619u;
+    }
+  }
+  uint32_t value() const { return h_ | 1u; }
+
+ private:
+  uint32_t h_ = 2166136261u;
+};
+
+}  // namespace meshcoll::comm

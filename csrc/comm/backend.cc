@@ -1,0 +1,227 @@
+#include "comm/backend.h"
+
+#include "common/error.h"
+
+namespace meshcoll::comm {
+
+namespace {
+size_t total(const std::vector<size_t>& v) {
+  size_t n = 0;
+  for (size_t x : v) n += x;
+  return n;
+}
+
+ShapeHash hash_of(const std::vector<size_t>& counts) {
+  ShapeHash h;
+  for (size_t c : counts) h.mix(c);
+  return h;
+}
+
+// "x has 6 elements but ..." for size errors.
+[[noreturn]] void size_error(const char* what, const char* name, size_t got, size_t want,
+                             const char* why) {
+  throw InvalidArgument(str_cat(what, ": ", name, " has ", got, " elements but ", why, " ", want,
+                                "; pass an array of exactly that size"));
+}
+}  // namespace
+
+void Backend::check_root(int root, const char* what) const {
+  if (root < 0 || root >= size_)
+    throw InvalidArgument(str_cat(what, ": root ", root, " is out of range for a group of ",
+                                  size_, " ranks (0..", size_ - 1, ")"));
+}
+
+void Backend::check_counts(const std::vector<size_t>& counts, const char* what) const {
+  if (counts.size() != static_cast<size_t>(size_))
+    throw InvalidArgument(str_cat(what, ": ", counts.size(), " per-rank counts for a group of ",
+                                  size_, " ranks"));
+}
+
+void Backend::check_arrays(const char* what, const ArrayView& in, const ArrayView& out) const {
+  if (in.dtype != out.dtype)
+    throw TypeMismatch(str_cat(what, ": out has dtype ", dtype_name(out.dtype), " but x has ",
+                               dtype_name(in.dtype), "; pass an out of x's dtype"));
+}
+
+Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const CallOptions& o,
+                            const char* what, std::initializer_list<const ArrayView*> arrays) {
+  for (const ArrayView* a : arrays) {
+    if (device_memory() && a->device >= 0 && a->device != device())
+      throw InvalidArgument(str_cat(what, ": the array is on CUDA device ", a->device,
+                                    " but this group's communicator uses device ", device()));
+  }
+  check_options(what, o);
+  Call c{0, d, o, {}};
+  // Point-to-point returns a Work even when synchronous: its owners ride with it too.
+  if (o.async || kind == CollKind::kSendRecv)
+    for (const ArrayView* a : arrays)
+      if (a->owner) c.keep.push_back(a->owner);
+  c.seq = kind == CollKind::kSendRecv ? 0 : ledger_.open_collective(d);
+  return c;
+}
+
+WorkPtr Backend::all_reduce(const ArrayView& in, const ArrayView& out, RedOp op,
+                            const CallOptions& o) {
+  const char* what = "all_reduce";
+  check_arrays(what, in, out);
+  if (out.count != in.count) size_error(what, "out", out.count, in.count, "x has");
+  check_reduction(in.dtype, op);
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  Call c = open(CollKind::kAllReduce, make_desc(CollKind::kAllReduce, in.dtype, in.count, op), o,
+                what, {&in, &out});
+  return do_all_reduce(c, in, out, op);
+}
+
+WorkPtr Backend::reduce(const ArrayView& in, const ArrayView& out, RedOp op, int root,
+                        const CallOptions& o) {
+  const char* what = "reduce";
+  check_arrays(what, in, out);
+  check_root(root, what);
+  if (rank_ == root && out.count != in.count) size_error(what, "out", out.count, in.count, "x has");
+  check_reduction(in.dtype, op);
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  Call c = open(CollKind::kReduce, make_desc(CollKind::kReduce, in.dtype, in.count, op, root), o,
+                what, {&in, &out});
+  return do_reduce(c, in, out, op, root);
+}
+
+WorkPtr Backend::broadcast(const ArrayView& buf, int root, const CallOptions& o) {
+  const char* what = "broadcast";
+  check_root(root, what);
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  Call c = open(CollKind::kBroadcast,
+                make_desc(CollKind::kBroadcast, buf.dtype, buf.count, RedOp::kSum, root), o, what,
+                {&buf});
+  return do_broadcast(c, buf, root);
+}
+
+WorkPtr Backend::all_gather(const ArrayView& in, const ArrayView& out,
+                            const std::vector<size_t>& counts, bool uneven, const CallOptions& o) {
+  const char* what = uneven ? "all_gather_v" : "all_gather";
+  check_arrays(what, in, out);
+  check_counts(counts, what);
+  if (in.count != counts[rank_]) size_error(what, "x", in.count, counts[rank_], "its count is");
+  if (out.count != total(counts)) size_error(what, "out", out.count, total(counts), "the counts add up to");
+  const CollKind kind = uneven ? CollKind::kAllGatherV : CollKind::kAllGather;
+  auto d = make_desc(kind, in.dtype, total(counts));
+  // The result is stacked by shape: (2, 3) on one rank and (3, 2) on another disagree even
+  // with equal counts; the _v form concatenates rows, so only a row's shape must agree.
+  d.shape = uneven ? in.row_hash : in.shape_hash;
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  Call c = open(kind, d, o, what, {&in, &out});
+  return do_all_gather(c, in, out, counts);
+}
+
+WorkPtr Backend::reduce_scatter(const ArrayView& in, const ArrayView& out,
+                                const std::vector<size_t>& counts, RedOp op, bool uneven,
+                                const CallOptions& o) {
+  const char* what = uneven ? "reduce_scatter_v" : "reduce_scatter";
+  check_arrays(what, in, out);
+  check_counts(counts, what);
+  if (in.count != total(counts)) size_error(what, "x", in.count, total(counts), "the counts add up to");
+  if (out.count != counts[rank_]) size_error(what, "out", out.count, counts[rank_], "this rank's count is");
+  check_reduction(in.dtype, op);
+  const CollKind kind = uneven ? CollKind::kReduceScatterV : CollKind::kReduceScatter;
+  auto d = make_desc(kind, in.dtype, total(counts), op);
+  // Every rank must split the same way: the counts travel as a fingerprint.
+  d.shape = hash_of(counts).value();
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  Call c = open(kind, d, o, what, {&in, &out});
+  return do_reduce_scatter(c, in, out, counts, op);
+}
+
+WorkPtr Backend::all_to_all(const ArrayView& in, const ArrayView& out,
+                            const std::vector<size_t>& send_counts,
+                            const std::vector<size_t>& recv_counts, bool uneven,
+                            const CallOptions& o) {
+  const char* what = uneven ? "all_to_all_v" : "all_to_all";
+  check_arrays(what, in, out);
+  check_counts(send_counts, what);
+  check_counts(recv_counts, what);
+  if (in.count != total(send_counts))
+    size_error(what, "x", in.count, total(send_counts), "the send counts add up to");
+  if (out.count != total(recv_counts))
+    size_error(what, "out", out.count, total(recv_counts), "the receive counts add up to");
+  if (in.count && in.data == out.data)
+    throw InvalidArgument(str_cat(what, ": out must be a separate array from x"));
+  const CollKind kind = uneven ? CollKind::kAllToAllV : CollKind::kAllToAll;
+  // Uneven: per-rank totals differ, so the count is not compared; a row's shape is.
+  auto d = make_desc(kind, in.dtype, uneven ? 0 : in.count);
+  d.shape = in.row_hash;
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  Call c = open(kind, d, o, what, {&in, &out});
+  return do_all_to_all(c, in, out, send_counts, recv_counts);
+}
+
+WorkPtr Backend::gather(const ArrayView& in, const ArrayView& out,
+                        const std::vector<size_t>& counts, int root, const CallOptions& o) {
+  const char* what = "gather";
+  check_root(root, what);
+  check_arrays(what, in, out);
+  check_counts(counts, what);
+  if (in.count != counts[rank_]) size_error(what, "x", in.count, counts[rank_], "its count is");
+  if (rank_ == root && out.count != total(counts))
+    size_error(what, "out", out.count, total(counts), "the counts add up to");
+  auto d = make_desc(CollKind::kGather, in.dtype, in.count, RedOp::kSum, root);
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  Call c = open(CollKind::kGather, d, o, what, {&in, &out});
+  return do_gather(c, in, out, counts, root);
+}
+
+WorkPtr Backend::scatter(const ArrayView& in, const ArrayView& out,
+                         const std::vector<size_t>& counts, int root, const CallOptions& o) {
+  const char* what = "scatter";
+  check_root(root, what);
+  check_arrays(what, in, out);
+  check_counts(counts, what);
+  if (out.count != counts[rank_]) size_error(what, "out", out.count, counts[rank_], "its count is");
+  if (rank_ == root && in.count != total(counts))
+    size_error(what, "x", in.count, total(counts), "the counts add up to");
+  auto d = make_desc(CollKind::kScatter, out.dtype, out.count, RedOp::kSum, root);
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  Call c = open(CollKind::kScatter, d, o, what, {&in, &out});
+  return do_scatter(c, in, out, counts, root);
+}
+
+WorkPtr Backend::barrier(const CallOptions& o) {
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  Call c = open(CollKind::kBarrier, make_desc(CollKind::kBarrier, DType::kUint8, 0), o,
+                "barrier", {});
+  return do_barrier(c);
+}
+
+namespace {
+void check_peer(int peer, int rank, int size, const char* what) {
+  if (peer < 0 || peer >= size)
+    throw InvalidArgument(str_cat(what, ": peer ", peer, " is out of range for a group of ", size,
+                                  " ranks (0..", size - 1, ")"));
+  if (peer == rank)
+    throw InvalidArgument(str_cat(what, ": rank ", rank, " cannot send to or receive from itself"));
+}
+}  // namespace
+
+WorkPtr Backend::send(const ArrayView& buf, int peer, uint32_t tag, const CallOptions& o) {
+  check_peer(peer, rank_, size_, "send");
+  auto d = make_desc(CollKind::kSendRecv, buf.dtype, buf.count);
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  Call c = open(CollKind::kSendRecv, d, o, "send", {&buf});
+  ledger_.open_p2p(d, peer);
+  return do_send(c, buf, peer, tag);
+}
+
+WorkPtr Backend::recv(const ArrayView& buf, int peer, uint32_t tag, const CallOptions& o) {
+  check_peer(peer, rank_, size_, "recv");
+  auto d = make_desc(CollKind::kSendRecv, buf.dtype, buf.count);
+  std::lock_guard<std::mutex> lock(issue_mu_);
+  Call c = open(CollKind::kSendRecv, d, o, "recv", {&buf});
+  ledger_.open_p2p(d, peer);
+  return do_recv(c, buf, peer, tag);
+}
+
+void Backend::fail(const std::string& message) {
+  // Not under issue_mu_: a relayed failure must reach a group whose caller is blocked in it.
+  auto d = make_desc(CollKind::kFail, DType::kUint8, 0);
+  do_fail(ledger_.open_collective(d), message);
+}
+
+}  // namespace meshcoll::comm

@@ -1,0 +1,133 @@
+#include "cpu/cpu_backend.h"
+
+#include "algo/collectives.h"
+#include "common/error.h"
+#include "reduce/kernels.h"
+
+namespace meshcoll::cpu {
+
+using comm::ArrayView;
+using comm::WorkPtr;
+
+namespace {
+std::vector<size_t> to_bytes(const std::vector<size_t>& counts, DType dt) {
+  std::vector<size_t> out(counts.size());
+  for (size_t i = 0; i < counts.size(); ++i) out[i] = counts[i] * dtype_size(dt);
+  return out;
+}
+}  // namespace
+
+CpuBackend::CpuBackend(std::shared_ptr<store::Store> store, int rank, int size,
+                       const comm::CommOptions& opts, uint64_t comm_id)
+    : Backend(rank, size),
+      comm_(std::make_unique<comm::Comm>(std::move(store), rank, size, opts, comm_id, &ledger())) {}
+
+CpuBackend::~CpuBackend() { shutdown(); }
+
+void CpuBackend::shutdown() { comm_->shutdown(); }
+
+void CpuBackend::check_reduction(DType dt, RedOp op) const {
+  reduce::lookup(dt, op);  // throws TypeMismatch naming both when unsupported
+}
+
+void CpuBackend::check_options(const char* what, const comm::CallOptions& o) const {
+  if (o.stream)
+    throw InvalidArgument(str_cat(what, ": stream= is for the NCCL backend; the CPU backend has "
+                                  "no streams"));
+  const auto& t = o.tuning;
+  if (t.algorithm > static_cast<uint8_t>(algo::Algorithm::kShm))
+    throw InvalidArgument(str_cat(what, ": unknown algorithm code ", int(t.algorithm)));
+  if (t.algorithm == static_cast<uint8_t>(algo::Algorithm::kShm) && !comm_->shm() &&
+      size() > 1)
+    throw InvalidArgument(str_cat(what, ": algorithm 'shm' needs every rank on one host with "
+                                  "shared memory; this group uses ", comm_->shm_status()));
+  if (t.max_segment_bytes == 0) throw InvalidArgument("max_segment_bytes must be > 0");
+}
+
+template <class Op>
+WorkPtr CpuBackend::run(Call& c, Op&& op) {
+  if (c.opts.async)
+    return comm_->enqueue(c.desc, c.seq, c.opts.timeout, std::forward<Op>(op), std::move(c.keep));
+  comm_->run_blocking(c.desc, c.seq, c.opts.timeout, op);
+  return nullptr;
+}
+
+WorkPtr CpuBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
+  algo::AllreduceArgs a;
+  a.in = in.cbytes();
+  a.out = out.mbytes();
+  a.count = in.count;
+  a.dtype = in.dtype;
+  a.op = op;
+  const auto& t = c.opts.tuning;
+  a.algorithm = static_cast<algo::Algorithm>(t.algorithm);
+  a.max_segment_bytes = t.max_segment_bytes;
+  a.select.tree_threshold_bytes = t.tree_threshold_bytes;
+  a.select.hd_threshold_bytes = t.hd_threshold_bytes;
+  return run(c, [a](comm::Comm& cm) { algo::all_reduce(cm, a); });
+}
+
+WorkPtr CpuBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op,
+                              int root) {
+  // Off the root, out is not written: it may be any size (the entry point checked the root's).
+  algo::ReduceArgs a{in.cbytes(), rank() == root ? out.mbytes() : MutBytes(), in.count,
+                     in.dtype, op, root};
+  return run(c, [a](comm::Comm& cm) { algo::reduce(cm, a); });
+}
+
+WorkPtr CpuBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
+  algo::BroadcastArgs a{buf.mbytes(), root};
+  return run(c, [a](comm::Comm& cm) { algo::broadcast(cm, a); });
+}
+
+WorkPtr CpuBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,
+                                  const std::vector<size_t>& counts) {
+  algo::AllGatherArgs a{in.cbytes(), out.mbytes(), to_bytes(counts, in.dtype)};
+  return run(c, [a](comm::Comm& cm) { algo::all_gather(cm, a); });
+}
+
+WorkPtr CpuBackend::do_reduce_scatter(Call& c, const ArrayView& in, const ArrayView& out,
+                                      const std::vector<size_t>& counts, RedOp op) {
+  algo::ReduceScatterArgs a{in.cbytes(), out.mbytes(), counts, in.dtype, op};
+  return run(c, [a](comm::Comm& cm) { algo::reduce_scatter(cm, a); });
+}
+
+WorkPtr CpuBackend::do_all_to_all(Call& c, const ArrayView& in, const ArrayView& out,
+                                  const std::vector<size_t>& send_counts,
+                                  const std::vector<size_t>& recv_counts) {
+  algo::AllToAllArgs a{in.cbytes(), out.mbytes(), to_bytes(send_counts, in.dtype),
+                       to_bytes(recv_counts, in.dtype)};
+  return run(c, [a](comm::Comm& cm) { algo::all_to_all(cm, a); });
+}
+
+WorkPtr CpuBackend::do_gather(Call& c, const ArrayView& in, const ArrayView& out,
+                              const std::vector<size_t>& counts, int root) {
+  algo::GatherArgs a{in.cbytes(), rank() == root ? out.mbytes() : MutBytes(),
+                     to_bytes(counts, in.dtype), root};
+  return run(c, [a](comm::Comm& cm) { algo::gather(cm, a); });
+}
+
+WorkPtr CpuBackend::do_scatter(Call& c, const ArrayView& in, const ArrayView& out,
+                               const std::vector<size_t>& counts, int root) {
+  algo::GatherArgs a{rank() == root ? in.cbytes() : ConstBytes(), out.mbytes(),
+                     to_bytes(counts, out.dtype), root};
+  return run(c, [a](comm::Comm& cm) { algo::scatter(cm, a); });
+}
+
+WorkPtr CpuBackend::do_barrier(Call& c) {
+  return run(c, [](comm::Comm& cm) { algo::barrier(cm); });
+}
+
+WorkPtr CpuBackend::do_send(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
+  return comm_->enqueue_p2p(true, peer, tag, buf.cbytes(), MutBytes(), c.desc, c.opts.timeout,
+                            std::move(c.keep));
+}
+
+WorkPtr CpuBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
+  return comm_->enqueue_p2p(false, peer, tag, ConstBytes(), buf.mbytes(), c.desc, c.opts.timeout,
+                            std::move(c.keep));
+}
+
+void CpuBackend::do_fail(uint64_t seq, const std::string& message) { comm_->fail(seq, message); }
+
+}  // namespace meshcoll::cpu

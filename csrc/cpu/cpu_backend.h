@@ -1,0 +1,61 @@
+// The CPU backend: the backend contract (comm/backend.h) over a Comm (TCP between any hosts,
+// shared memory within one) and the algorithms of csrc/algo. Each do_* method turns the
+// checked call into an algorithm's args struct and runs it: synchronous calls inline when
+// the group is idle (Note [Inline execution] in comm/comm.h), asynchronous ones on the
+// group's worker thread, in issue order.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "comm/backend.h"
+#include "comm/comm.h"
+
+namespace meshcoll::cpu {
+
+class CpuBackend final : public comm::Backend {
+ public:
+  // Collective over the group `store` is namespaced for.
+  CpuBackend(std::shared_ptr<store::Store> store, int rank, int size,
+             const comm::CommOptions& opts, uint64_t comm_id);
+  ~CpuBackend() override;
+
+  const char* name() const override { return "cpu"; }
+  std::string transport() const override { return comm_->shm_status(); }
+  bool device_memory() const override { return false; }
+  void shutdown() override;
+  comm::Comm& comm() { return *comm_; }
+
+ protected:
+  void check_reduction(DType dt, RedOp op) const override;
+  void check_options(const char* what, const comm::CallOptions& o) const override;
+  comm::WorkPtr do_all_reduce(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
+                              RedOp op) override;
+  comm::WorkPtr do_reduce(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
+                          RedOp op, int root) override;
+  comm::WorkPtr do_broadcast(Call& c, const comm::ArrayView& buf, int root) override;
+  comm::WorkPtr do_all_gather(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
+                              const std::vector<size_t>& counts) override;
+  comm::WorkPtr do_reduce_scatter(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
+                                  const std::vector<size_t>& counts, RedOp op) override;
+  comm::WorkPtr do_all_to_all(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
+                              const std::vector<size_t>& send_counts,
+                              const std::vector<size_t>& recv_counts) override;
+  comm::WorkPtr do_gather(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
+                          const std::vector<size_t>& counts, int root) override;
+  comm::WorkPtr do_scatter(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
+                           const std::vector<size_t>& counts, int root) override;
+  comm::WorkPtr do_barrier(Call& c) override;
+  comm::WorkPtr do_send(Call& c, const comm::ArrayView& buf, int peer, uint32_t tag) override;
+  comm::WorkPtr do_recv(Call& c, const comm::ArrayView& buf, int peer, uint32_t tag) override;
+  void do_fail(uint64_t seq, const std::string& message) override;
+
+ private:
+  // Runs `op` (a callable over the Comm holding its args by value) as call `c`.
+  template <class Op>
+  comm::WorkPtr run(Call& c, Op&& op);
+
+  std::unique_ptr<comm::Comm> comm_;
+};
+
+}  // namespace meshcoll::cpu

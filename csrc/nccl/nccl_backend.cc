@@ -1,0 +1,128 @@
+#include "nccl/nccl_backend.h"
+
+#include "common/error.h"
+
+namespace meshcoll::nccl {
+
+using comm::ArrayView;
+using comm::WorkPtr;
+
+namespace {
+CallOpts opts_of(const comm::CallOptions& o, std::vector<std::shared_ptr<void>>& keep) {
+  CallOpts c;  // (the entry point ordered o.stream after o.wait_for: check_options)
+  c.stream = reinterpret_cast<abi::CUstream>(o.stream);
+  c.async = o.async;
+  c.timeout = o.timeout;
+  c.keep = std::move(keep);
+  return c;
+}
+
+// The contract returns no Work for a synchronous call: it is enqueued on the caller's stream,
+// which orders every later use of the result.
+WorkPtr result(std::shared_ptr<NcclWork> w, const comm::CallOptions& o) {
+  return o.async ? WorkPtr(std::move(w)) : nullptr;
+}
+}  // namespace
+
+std::shared_ptr<NcclBackend> NcclBackend::create(std::shared_ptr<store::Store> store, int rank,
+                                                 int size, int device, Millis timeout) {
+  return std::make_shared<NcclBackend>(NcclComm::create(std::move(store), rank, size, device, timeout));
+}
+
+std::shared_ptr<NcclBackend> NcclBackend::split(int color, int key, Millis timeout) {
+  auto child = comm_->split(color, key, timeout);
+  return child ? std::make_shared<NcclBackend>(std::move(child)) : nullptr;
+}
+
+void NcclBackend::check_reduction(DType dt, RedOp op) const {
+  nccl_redop(op, dt, nccl());  // TypeMismatch naming both for pairs NCCL lacks
+}
+
+void NcclBackend::check_options(const char* what, const comm::CallOptions& o) const {
+  if (o.tuning.algorithm != 0)
+    throw InvalidArgument(str_cat(what, ": the algorithm is a CPU-backend choice; NCCL picks its "
+                                  "own (set NCCL_ALGO to force one)"));
+  // The last step before the call is issued: the array's own stream's pending work (a
+  // __cuda_array_interface__ producer) comes before the op's stream.
+  if (o.wait_for)
+    comm_->order_streams(reinterpret_cast<abi::CUstream>(o.wait_for),
+                         reinterpret_cast<abi::CUstream>(o.stream));
+}
+
+WorkPtr NcclBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
+  return result(comm_->all_reduce(opts_of(c.opts, c.keep), in.data, out.data, in.count, in.dtype, op),
+                c.opts);
+}
+
+WorkPtr NcclBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op,
+                               int root) {
+  return result(comm_->reduce(opts_of(c.opts, c.keep), in.data, out.data, in.count, in.dtype, op,
+                              root),
+                c.opts);
+}
+
+WorkPtr NcclBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
+  return result(comm_->broadcast(opts_of(c.opts, c.keep), buf.data, buf.count, buf.dtype, root),
+                c.opts);
+}
+
+WorkPtr NcclBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,
+                                   const std::vector<size_t>& counts) {
+  return result(comm_->all_gather(opts_of(c.opts, c.keep), in.data, out.data, counts, in.dtype),
+                c.opts);
+}
+
+WorkPtr NcclBackend::do_reduce_scatter(Call& c, const ArrayView& in, const ArrayView& out,
+                                       const std::vector<size_t>& counts, RedOp op) {
+  return result(comm_->reduce_scatter(opts_of(c.opts, c.keep), in.data, out.data, counts,
+                                      in.dtype, op),
+                c.opts);
+}
+
+WorkPtr NcclBackend::do_all_to_all(Call& c, const ArrayView& in, const ArrayView& out,
+                                   const std::vector<size_t>& send_counts,
+                                   const std::vector<size_t>& recv_counts) {
+  return result(comm_->all_to_all(opts_of(c.opts, c.keep), in.data, out.data, send_counts,
+                                  recv_counts, in.dtype),
+                c.opts);
+}
+
+WorkPtr NcclBackend::do_gather(Call& c, const ArrayView& in, const ArrayView& out,
+                               const std::vector<size_t>& counts, int root) {
+  return result(comm_->gather(opts_of(c.opts, c.keep), in.data, out.data, counts, in.dtype, root),
+                c.opts);
+}
+
+WorkPtr NcclBackend::do_scatter(Call& c, const ArrayView& in, const ArrayView& out,
+                                const std::vector<size_t>& counts, int root) {
+  return result(comm_->scatter(opts_of(c.opts, c.keep), in.data, out.data, counts, out.dtype,
+                               root),
+                c.opts);
+}
+
+WorkPtr NcclBackend::do_barrier(Call& c) {
+  auto w = comm_->barrier(opts_of(c.opts, c.keep));
+  if (c.opts.async) return w;
+  w->wait(c.opts.timeout, false, nullptr);  // a barrier's wait blocks the host
+  return nullptr;
+}
+
+WorkPtr NcclBackend::do_send(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
+  if (tag != 0)
+    throw InvalidArgument(str_cat("send: tag ", tag, ": NCCL matches point-to-point messages "
+                                  "between two ranks in posting order and has no tags; pass "
+                                  "tag=0 and post sends and receives in the same order"));
+  return comm_->send(opts_of(c.opts, c.keep), buf.data, buf.count, buf.dtype, peer);
+}
+
+WorkPtr NcclBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
+  if (tag != 0)
+    throw InvalidArgument(str_cat("recv: tag ", tag, ": NCCL matches point-to-point messages "
+                                  "between two ranks in posting order and has no tags; pass "
+                                  "tag=0 and post sends and receives in the same order"));
+  return comm_->recv(opts_of(c.opts, c.keep), buf.data, buf.count, buf.dtype, peer);
+}
+
+void NcclBackend::do_fail(uint64_t, const std::string& message) { comm_->abort(message); }
+
+}  // namespace meshcoll::nccl

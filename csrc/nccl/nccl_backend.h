@@ -1,0 +1,59 @@
+// The NCCL backend: the backend contract (comm/backend.h) over an NcclComm. Each do_* method
+// turns the checked call into NCCL calls on the caller's stream (or, async, the group's
+// internal stream): see Note [NCCL streams and Works] in nccl_comm.h.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "comm/backend.h"
+#include "nccl/nccl_comm.h"
+
+namespace meshcoll::nccl {
+
+class NcclBackend final : public comm::Backend {
+ public:
+  explicit NcclBackend(std::shared_ptr<NcclComm> comm)
+      : Backend(comm->rank(), comm->size()), comm_(std::move(comm)) {}
+  // Collective over the group `store` is namespaced for.
+  static std::shared_ptr<NcclBackend> create(std::shared_ptr<store::Store> store, int rank,
+                                             int size, int device, Millis timeout);
+  // ncclCommSplit: collective over every rank of this group; color < 0 gets nullptr.
+  std::shared_ptr<NcclBackend> split(int color, int key, Millis timeout);
+
+  const char* name() const override { return "nccl"; }
+  std::string transport() const override { return "nccl"; }
+  bool device_memory() const override { return true; }
+  int device() const override { return comm_->device(); }
+  void shutdown() override { comm_->shutdown(); }
+  NcclComm& comm() { return *comm_; }
+
+ protected:
+  void check_reduction(DType dt, RedOp op) const override;
+  void check_options(const char* what, const comm::CallOptions& o) const override;
+  comm::WorkPtr do_all_reduce(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
+                              RedOp op) override;
+  comm::WorkPtr do_reduce(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
+                          RedOp op, int root) override;
+  comm::WorkPtr do_broadcast(Call& c, const comm::ArrayView& buf, int root) override;
+  comm::WorkPtr do_all_gather(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
+                              const std::vector<size_t>& counts) override;
+  comm::WorkPtr do_reduce_scatter(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
+                                  const std::vector<size_t>& counts, RedOp op) override;
+  comm::WorkPtr do_all_to_all(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
+                              const std::vector<size_t>& send_counts,
+                              const std::vector<size_t>& recv_counts) override;
+  comm::WorkPtr do_gather(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
+                          const std::vector<size_t>& counts, int root) override;
+  comm::WorkPtr do_scatter(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
+                           const std::vector<size_t>& counts, int root) override;
+  comm::WorkPtr do_barrier(Call& c) override;
+  comm::WorkPtr do_send(Call& c, const comm::ArrayView& buf, int peer, uint32_t tag) override;
+  comm::WorkPtr do_recv(Call& c, const comm::ArrayView& buf, int peer, uint32_t tag) override;
+  void do_fail(uint64_t seq, const std::string& message) override;
+
+ private:
+  std::shared_ptr<NcclComm> comm_;
+};
+
+}  // namespace meshcoll::nccl

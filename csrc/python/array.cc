@@ -1,0 +1,552 @@
+#include "python/array.h"
+
+#include <pybind11/numpy.h>
+
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "common/error.h"
+
+namespace py = pybind11;
+
+namespace meshcoll::python {
+
+namespace {
+
+// ---- DLPack ABI (dlpack.h v0.8 / v1.0 / v1.1; plain C structs) ---------------------------
+struct DLDevice {
+  int32_t device_type;
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+struct DLManagedTensorVersioned {
+  uint32_t major, minor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensorVersioned*);
+  uint64_t flags;
+  DLTensor dl_tensor;
+};
+constexpr int32_t kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13;
+constexpr uint8_t kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLBool = 6;
+constexpr uint8_t kDLFloat8_e4m3fn = 10, kDLFloat8_e5m2 = 12;  // DLPack 1.1 (torch >= 2.7)
+constexpr uint64_t kDLReadOnly = 1;
+
+const char* const kHostDtypes =
+    "bool, int8, uint8, int32, int64, float16, bfloat16 (ml_dtypes), float32, float64";
+const char* const kDeviceDtypes =
+    "int8, uint8, int32, int64, float16, bfloat16, float32, float64, bool, float8_e4m3fn or "
+    "float8_e5m2";
+
+// ---- the shape: dims (if asked for) and the two fingerprints ----------------------------
+class ShapeReader {
+ public:
+  ShapeReader(comm::ArrayView& v, std::vector<int64_t>* dims) : v_(v), dims_(dims) {
+    if (dims_) dims_->clear();
+  }
+  void add(int64_t d) {
+    full_.mix(static_cast<uint64_t>(d));
+    if (n_++ > 0) row_.mix(static_cast<uint64_t>(d));
+    if (dims_) dims_->push_back(d);
+  }
+  ~ShapeReader() {
+    full_.mix(n_);
+    row_.mix(n_);
+    v_.shape_hash = full_.value();
+    v_.row_hash = row_.value();
+  }
+
+ private:
+  comm::ArrayView& v_;
+  std::vector<int64_t>* dims_;
+  comm::ShapeHash full_, row_;
+  uint64_t n_ = 0;
+};
+
+std::string type_name(const py::handle& x) {
+  return py::str(py::type::handle_of(x).attr("__name__"));
+}
+
+// ---- numpy ---------------------------------------------------------------------------------
+DType numpy_dtype(const py::dtype& dt, const char* what) {
+  const char kind = dt.kind();
+  const auto size = dt.itemsize();
+  if (dt.byteorder() == '>')  // '>' only where it is not native (numpy spells native '=')
+    throw TypeMismatch(str_cat(what, ": the array is big-endian (dtype '",
+                               std::string(py::str(dt)), "'); pass x.astype(x.dtype.newbyteorder('='))"));
+  switch (kind) {
+    case 'b': return DType::kBool;
+    case 'i':
+      if (size == 1) return DType::kInt8;
+      if (size == 4) return DType::kInt32;
+      if (size == 8) return DType::kInt64;
+      break;
+    case 'u':
+      if (size == 1) return DType::kUint8;
+      break;
+    case 'f':
+      if (size == 2) return DType::kFloat16;
+      if (size == 4) return DType::kFloat32;
+      if (size == 8) return DType::kFloat64;
+      break;
+    case 'V':
+      // ml_dtypes.bfloat16 registers as a 2-byte void type with character code 'E'.
+      if (size == 2 && dt.char_() == 'E') return DType::kBFloat16;
+      break;
+    default: break;
+  }
+  throw TypeMismatch(str_cat(what, ": dtype '", std::string(py::str(dt)),
+                             "' is not supported; use one of ", kHostDtypes));
+}
+
+void from_numpy(Read& r, const py::array& a, const Want& w, std::vector<int64_t>* dims) {
+  if (!(a.flags() & py::array::c_style))
+    throw InvalidArgument(str_cat(w.what, ": the array is not C-contiguous; pass "
+                                          "numpy.ascontiguousarray(x) (and copy the result back)"));
+  if (w.writable && !a.writeable())
+    throw InvalidArgument(str_cat(w.what, ": the array is read-only but this operation writes "
+                                          "its result into it; pass a writable array"));
+  r.view.dtype = numpy_dtype(a.dtype(), w.what);
+  r.view.data = const_cast<void*>(a.data());
+  r.view.count = static_cast<size_t>(a.size());
+  ShapeReader s(r.view, dims);
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s.add(a.shape(i));
+}
+
+// ---- the buffer protocol (bytearray, array.array, memoryview, ...) ------------------------
+DType format_dtype(const char* fmt, size_t itemsize, const char* what) {
+  std::string f = fmt ? fmt : "B";
+  char order = '@';
+  if (!f.empty() && std::strchr("@=<>!", f[0])) {
+    order = f[0];
+    f = f.substr(1);
+  }
+  if (order == '>' || order == '!')
+    throw TypeMismatch(str_cat(what, ": the buffer is big-endian (format '", fmt,
+                               "'); pass native byte order"));
+  if (f.size() == 1) {
+    switch (f[0]) {
+      case '?': return DType::kBool;
+      case 'b': return DType::kInt8;
+      case 'B': case 'c': return DType::kUint8;
+      case 'h': case 'H': break;
+      case 'i': case 'l': case 'q': case 'n':
+        if (itemsize == 4) return DType::kInt32;
+        if (itemsize == 8) return DType::kInt64;
+        break;
+      case 'e': return DType::kFloat16;
+      case 'f': return DType::kFloat32;
+      case 'd': return DType::kFloat64;
+      default: break;
+    }
+  }
+  throw TypeMismatch(str_cat(what, ": buffer format '", fmt ? fmt : "B",
+                             "' is not supported; use one of ", kHostDtypes));
+}
+
+void from_buffer(Read& r, const py::handle& x, const Want& w, std::vector<int64_t>* dims) {
+  Py_buffer b;
+  int flags = PyBUF_FORMAT | PyBUF_STRIDES | (w.writable ? PyBUF_WRITABLE : 0);
+  if (PyObject_GetBuffer(x.ptr(), &b, flags) != 0) {
+    PyErr_Clear();
+    if (w.writable && PyObject_CheckBuffer(x.ptr()))
+      throw InvalidArgument(str_cat(w.what, ": the buffer is read-only but this operation "
+                                            "writes its result into it; pass a writable array"));
+    throw py::type_error(str_cat(w.what, ": expected a numpy array or an object with the buffer "
+                                         "protocol, __dlpack__ or __cuda_array_interface__, got ",
+                                 type_name(x)));
+  }
+  struct Release {
+    Py_buffer* b;
+    ~Release() { PyBuffer_Release(b); }
+  } release{&b};
+  if (!PyBuffer_IsContiguous(&b, 'C'))
+    throw InvalidArgument(str_cat(w.what, ": the buffer is not C-contiguous; pass a contiguous copy"));
+  r.view.dtype = format_dtype(b.format, static_cast<size_t>(b.itemsize), w.what);
+  if (dtype_size(r.view.dtype) != static_cast<size_t>(b.itemsize))
+    throw TypeMismatch(str_cat(w.what, ": buffer format '", b.format, "' has items of ", b.itemsize,
+                               " bytes; use one of ", kHostDtypes));
+  r.view.data = b.buf;
+  r.view.count = static_cast<size_t>(b.len / b.itemsize);
+  ShapeReader s(r.view, dims);
+  if (b.ndim == 0 && b.shape == nullptr) s.add(static_cast<int64_t>(r.view.count));
+  for (int i = 0; i < b.ndim; ++i) s.add(b.shape[i]);
+}
+
+// ---- device arrays ---------------------------------------------------------------------------
+DType dtype_from_dl(DLDataType t, const char* what) {
+  if (t.lanes == 1) {
+    if (t.code == kDLInt && t.bits == 8) return DType::kInt8;
+    if (t.code == kDLInt && t.bits == 32) return DType::kInt32;
+    if (t.code == kDLInt && t.bits == 64) return DType::kInt64;
+    if (t.code == kDLUInt && t.bits == 8) return DType::kUint8;
+    if (t.code == kDLFloat && t.bits == 16) return DType::kFloat16;
+    if (t.code == kDLFloat && t.bits == 32) return DType::kFloat32;
+    if (t.code == kDLFloat && t.bits == 64) return DType::kFloat64;
+    if (t.code == kDLBfloat && t.bits == 16) return DType::kBFloat16;
+    if (t.code == kDLBool && t.bits == 8) return DType::kBool;
+    if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return DType::kFloat8E4M3;
+    if (t.code == kDLFloat8_e5m2 && t.bits == 8) return DType::kFloat8E5M2;
+  }
+  throw TypeMismatch(str_cat(what, ": DLPack dtype (code ", int(t.code), ", bits ", int(t.bits),
+                             ", lanes ", t.lanes, ") is not supported; use ", kDeviceDtypes));
+}
+
+DType dtype_from_typestr(const std::string& ts, const char* what) {
+  if (ts.size() >= 3 && ts[0] == '>')
+    throw TypeMismatch(str_cat(what, ": __cuda_array_interface__ typestr '", ts,
+                               "' is big-endian; pass native byte order"));
+  if (ts.size() >= 3) {
+    const char kind = ts[1];
+    const std::string n = ts.substr(2);
+    if (kind == 'i' && n == "1") return DType::kInt8;
+    if (kind == 'i' && n == "4") return DType::kInt32;
+    if (kind == 'i' && n == "8") return DType::kInt64;
+    if (kind == 'u' && n == "1") return DType::kUint8;
+    if (kind == 'f' && n == "2") return DType::kFloat16;
+    if (kind == 'f' && n == "4") return DType::kFloat32;
+    if (kind == 'f' && n == "8") return DType::kFloat64;
+    if (kind == 'b' && n == "1") return DType::kBool;
+  }
+  throw TypeMismatch(str_cat(what, ": __cuda_array_interface__ typestr '", ts, "' is not "
+                             "supported; use int8, uint8, int32, int64, float16, float32, "
+                             "float64 or bool (bfloat16 and float8 through DLPack: the "
+                             "interface has no typestr for them)"));
+}
+
+// strides in `unit`s (elements for DLPack, bytes for the array interface)
+void check_compact(const std::vector<int64_t>& shape, const int64_t* strides, size_t unit,
+                   const char* what) {
+  if (!strides) return;
+  int64_t expect = static_cast<int64_t>(unit);
+  for (size_t i = shape.size(); i-- > 0;) {
+    if (shape[i] != 1 && strides[i] != expect)
+      throw InvalidArgument(str_cat(what, ": the array is not C-contiguous; pass a contiguous "
+                                    "copy (x.contiguous() / cupy.ascontiguousarray(x))"));
+    expect *= shape[i];
+  }
+}
+
+size_t product(const std::vector<int64_t>& shape, const char* what) {
+  size_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 0) throw InvalidArgument(str_cat(what, ": negative dimension in the array's shape"));
+    n *= static_cast<size_t>(d);
+  }
+  return n;
+}
+
+// Per-process caches of what a type is and of torch's dtype objects. Types and dtypes are
+// immortal in practice; we hold references so an address is never reused under us.
+enum class Kind { kUnknown, kNumpy, kTorch, kDLPack, kCAI, kBuffer };
+struct Caches {
+  std::unordered_map<PyTypeObject*, std::pair<py::object, Kind>> kinds;
+  std::unordered_map<PyObject*, std::pair<py::object, DType>> torch_dtypes;
+  py::object torch_current_stream;  // torch._C._cuda_getCurrentRawStream, or None
+  bool torch_looked_up = false;
+};
+Caches& caches() {
+  static Caches* c = new Caches();  // never destroyed: holds Python objects past finalization
+  return *c;
+}
+
+Kind kind_of(const py::handle& x) {
+  if (py::isinstance<py::array>(x)) return Kind::kNumpy;
+  auto& c = caches();
+  PyTypeObject* t = Py_TYPE(x.ptr());
+  auto it = c.kinds.find(t);
+  if (it != c.kinds.end()) return it->second.second;
+  Kind k = Kind::kUnknown;
+  std::string mod = py::str(py::handle(reinterpret_cast<PyObject*>(t)).attr("__module__"));
+  if (mod.rfind("torch", 0) == 0 && py::hasattr(x, "data_ptr") && py::hasattr(x, "get_device"))
+    k = Kind::kTorch;
+  else if (py::hasattr(x, "__dlpack__")) k = Kind::kDLPack;
+  else if (py::hasattr(x, "__cuda_array_interface__")) k = Kind::kCAI;
+  else if (PyObject_CheckBuffer(x.ptr())) k = Kind::kBuffer;
+  c.kinds.emplace(t, std::make_pair(py::reinterpret_borrow<py::object>(
+                                        reinterpret_cast<PyObject*>(t)), k));
+  return k;
+}
+
+DType torch_dtype(const py::handle& dt, const char* what) {
+  auto& c = caches();
+  auto it = c.torch_dtypes.find(dt.ptr());
+  if (it != c.torch_dtypes.end()) return it->second.second;
+  static const std::pair<const char*, DType> names[] = {
+      {"torch.int8", DType::kInt8},       {"torch.uint8", DType::kUint8},
+      {"torch.int32", DType::kInt32},     {"torch.int64", DType::kInt64},
+      {"torch.float16", DType::kFloat16}, {"torch.bfloat16", DType::kBFloat16},
+      {"torch.float32", DType::kFloat32}, {"torch.float64", DType::kFloat64},
+      {"torch.bool", DType::kBool},       {"torch.float8_e4m3fn", DType::kFloat8E4M3},
+      {"torch.float8_e5m2", DType::kFloat8E5M2}};
+  std::string s = py::str(dt);
+  for (const auto& [n, d] : names)
+    if (s == n) {
+      c.torch_dtypes.emplace(dt.ptr(), std::make_pair(py::reinterpret_borrow<py::object>(dt), d));
+      return d;
+    }
+  throw TypeMismatch(str_cat(what, ": dtype ", s, " is not supported; use ", kDeviceDtypes));
+}
+
+uintptr_t torch_stream(int device) {
+  auto& c = caches();
+  if (!c.torch_looked_up) {
+    c.torch_looked_up = true;
+    c.torch_current_stream = py::none();
+    py::object mods = py::module_::import("sys").attr("modules");
+    if (mods.contains("torch")) {
+      py::object tc = mods["torch"].attr("_C");
+      if (py::hasattr(tc, "_cuda_getCurrentRawStream"))
+        c.torch_current_stream = tc.attr("_cuda_getCurrentRawStream");
+    }
+  }
+  if (c.torch_current_stream.is_none()) return kLegacyStream;
+  py::object dev = py::reinterpret_steal<py::object>(PyLong_FromLong(device));
+  if (!dev) throw py::error_already_set();
+  auto r = py::reinterpret_steal<py::object>(
+      PyObject_CallOneArg(c.torch_current_stream.ptr(), dev.ptr()));
+  if (!r) throw py::error_already_set();
+  uintptr_t s = r.cast<uintptr_t>();
+  return s == 0 ? kLegacyStream : s;
+}
+
+// x.<name>(): interned name, no bound method object (a torch tensor is read on every call).
+py::object call_method(const py::handle& x, const char* name) {
+  static auto* names = new std::unordered_map<const char*, PyObject*>();
+  PyObject*& n = (*names)[name];
+  if (!n && !(n = PyUnicode_InternFromString(name))) throw py::error_already_set();
+  auto r = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(x.ptr(), n));
+  if (!r) throw py::error_already_set();
+  return r;
+}
+
+[[noreturn]] void wrong_memory(const Want& w, bool is_device) {
+  if (is_device)
+    throw py::type_error(str_cat(w.what, ": the array is in GPU memory; the CPU backend takes "
+                                         "host memory: use meshcoll.init(backend='nccl') for GPU "
+                                         "arrays"));
+  throw py::type_error(str_cat(w.what, ": the array is in host memory; the NCCL backend takes "
+                                       "CUDA arrays (PyTorch, CuPy, JAX, or any __dlpack__ / "
+                                       "__cuda_array_interface__ object)"));
+}
+
+void from_torch(Read& r, const py::handle& x, const Want& w, std::vector<int64_t>* dims) {
+  r.view.device = call_method(x, "get_device").cast<int>();
+  if ((r.view.device >= 0) != w.device) wrong_memory(w, r.view.device >= 0);
+  if (!call_method(x, "is_contiguous").cast<bool>())
+    throw InvalidArgument(str_cat(w.what, ": the tensor is not contiguous; pass x.contiguous() "
+                                          "(and copy the result back)"));
+  r.view.dtype = torch_dtype(x.attr("dtype"), w.what);
+  py::object size = x.attr("shape");  // torch.Size, a tuple of ints
+  if (!PyTuple_Check(size.ptr())) throw py::type_error(str_cat(w.what, ": tensor.shape is not a tuple"));
+  r.view.count = 1;
+  ShapeReader s(r.view, dims);
+  for (const py::handle d : py::reinterpret_borrow<py::tuple>(size)) {
+    auto n = d.cast<int64_t>();  // torch sizes are >= 0
+    r.view.count *= static_cast<size_t>(n);
+    s.add(n);
+  }
+  r.view.data = reinterpret_cast<void*>(call_method(x, "data_ptr").cast<uintptr_t>());
+  if (w.device) r.stream = w.has_stream ? w.stream : torch_stream(r.view.device);
+}
+
+void from_dlpack(Read& r, const py::handle& x, const Want& w, std::vector<int64_t>* dims) {
+  if (py::hasattr(x, "__dlpack_device__")) {
+    py::tuple dev = x.attr("__dlpack_device__")();
+    int type = dev[0].cast<int>();
+    bool host = type == kDLCPU || type == kDLCUDAHost;
+    if (host == w.device) wrong_memory(w, !host);
+  }
+  // Handshake: the producer orders its pending work before S (device); no stream on the host.
+  py::object cap;
+  if (w.device) {
+    r.stream = w.has_stream ? w.stream : kLegacyStream;
+    cap = x.attr("__dlpack__")(py::arg("stream") = py::int_(r.stream));
+  } else {
+    cap = x.attr("__dlpack__")();
+  }
+  const char* name = PyCapsule_GetName(cap.ptr());
+  const DLTensor* t = nullptr;
+  bool readonly = false;
+  if (name && std::strcmp(name, "dltensor") == 0) {
+    t = &static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap.ptr(), name))->dl_tensor;
+  } else if (name && std::strcmp(name, "dltensor_versioned") == 0) {
+    auto* m = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(cap.ptr(), name));
+    if (m->major != 1)
+      throw py::type_error(str_cat(w.what, ": DLPack major version ", m->major, " is not supported"));
+    readonly = (m->flags & kDLReadOnly) != 0;
+    t = &m->dl_tensor;
+  } else {
+    throw py::type_error(str_cat(w.what, ": __dlpack__ returned an unexpected capsule (",
+                                 name ? name : "unnamed", ")"));
+  }
+  if (!t) throw py::error_already_set();
+  const int32_t type = t->device.device_type;
+  const bool is_device = type == kDLCUDA || type == kDLCUDAManaged;
+  if (is_device != w.device || (!is_device && type != kDLCPU && type != kDLCUDAHost)) {
+    if (!is_device && type != kDLCPU && type != kDLCUDAHost)
+      throw py::type_error(str_cat(w.what, ": DLPack device type ", type, " is neither host nor "
+                                           "CUDA memory"));
+    wrong_memory(w, is_device);
+  }
+  if (w.writable && readonly)
+    throw InvalidArgument(str_cat(w.what, ": the array is read-only (immutable, as JAX arrays "
+                                          "are) but this operation writes its result into it; "
+                                          "pass a writable array"));
+  r.view.device = is_device ? t->device.device_id : -1;
+  r.view.dtype = dtype_from_dl(t->dtype, w.what);
+  std::vector<int64_t> d(t->shape, t->shape + t->ndim);
+  check_compact(d, t->strides, 1, w.what);
+  r.view.count = product(d, w.what);
+  ShapeReader s(r.view, dims);
+  for (int64_t n : d) s.add(n);
+  r.view.data = static_cast<uint8_t*>(t->data) + t->byte_offset;
+}
+
+void from_cai(Read& r, const py::handle& x, const Want& w, std::vector<int64_t>* dims) {
+  if (!w.device) wrong_memory(w, true);
+  py::dict d = x.attr("__cuda_array_interface__");
+  py::tuple data = d["data"];
+  r.view.data = data[0].is_none() ? nullptr : reinterpret_cast<void*>(data[0].cast<uintptr_t>());
+  if (w.writable && data[1].cast<bool>())
+    throw InvalidArgument(str_cat(w.what, ": the array is read-only but this operation writes "
+                                          "its result into it; pass a writable array"));
+  r.view.dtype = dtype_from_typestr(d["typestr"].cast<std::string>(), w.what);
+  py::tuple shape = d["shape"];
+  std::vector<int64_t> ds(shape.size());
+  for (size_t i = 0; i < ds.size(); ++i) ds[i] = shape[i].cast<int64_t>();
+  if (d.contains("strides") && !d["strides"].is_none()) {
+    py::tuple st = d["strides"];
+    std::vector<int64_t> strides(st.size());
+    for (size_t i = 0; i < strides.size(); ++i) strides[i] = st[i].cast<int64_t>();
+    check_compact(ds, strides.data(), dtype_size(r.view.dtype), w.what);
+  }
+  r.view.count = product(ds, w.what);
+  ShapeReader s(r.view, dims);
+  for (int64_t n : ds) s.add(n);
+  uintptr_t own = 0;
+  if (d.contains("stream") && !d["stream"].is_none()) own = d["stream"].cast<uintptr_t>();
+  if (w.has_stream) {
+    r.stream = w.stream;
+    if (own && own != w.stream) r.order_after = own;
+  } else {
+    r.stream = own ? own : kLegacyStream;
+  }
+}
+
+// ---- owners ----------------------------------------------------------------------------------
+struct Released {
+  std::mutex mu;
+  std::vector<PyObject*> objects;
+  bool scheduled = false;
+};
+Released& released() {
+  static Released* r = new Released();  // used until the process ends
+  return *r;
+}
+
+int drain_released(void*) {
+  std::vector<PyObject*> objects;
+  {
+    auto& r = released();
+    std::lock_guard<std::mutex> lock(r.mu);
+    objects.swap(r.objects);
+    r.scheduled = false;
+  }
+  for (PyObject* o : objects) Py_DECREF(o);
+  return 0;
+}
+
+void release(PyObject* o) {
+  if (!Py_IsInitialized()) return;  // the interpreter is gone: nothing to give back
+  if (PyGILState_Check()) {
+    Py_DECREF(o);
+    return;
+  }
+  auto& r = released();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.objects.push_back(o);
+  if (!r.scheduled) r.scheduled = Py_AddPendingCall(&drain_released, nullptr) == 0;
+}
+
+}  // namespace
+
+std::shared_ptr<void> owner_of(const py::handle& x) {
+  PyObject* o = x.ptr();
+  Py_INCREF(o);
+  return std::shared_ptr<void>(o, [](void* p) { release(static_cast<PyObject*>(p)); });
+}
+
+bool stream_arg(const py::handle& s, uintptr_t* out) {
+  if (s.is_none()) return false;
+  py::object v;
+  if (PyLong_Check(s.ptr())) v = py::reinterpret_borrow<py::object>(s);
+  else if (py::hasattr(s, "cuda_stream")) v = s.attr("cuda_stream");
+  else if (py::hasattr(s, "ptr")) v = s.attr("ptr");
+  else
+    throw py::type_error("stream must be an int handle or an object with .cuda_stream (torch) "
+                         "or .ptr (CuPy)");
+  uintptr_t h = v.cast<uintptr_t>();
+  *out = h == 0 ? kLegacyStream : h;
+  return true;
+}
+
+void* to_cu_stream(uintptr_t s) {
+  if (s == kLegacyStream || s == 0) return nullptr;  // driver and NCCL: 0 is the legacy stream
+  return reinterpret_cast<void*>(s);  // CU_STREAM_PER_THREAD is 0x2, as in DLPack
+}
+
+Read read_array(const py::handle& x, const Want& w, std::vector<int64_t>* dims) {
+  Read r;
+  switch (kind_of(x)) {
+    case Kind::kNumpy:
+      if (w.device) wrong_memory(w, false);
+      from_numpy(r, py::reinterpret_borrow<py::array>(x), w, dims);
+      break;
+    case Kind::kTorch: from_torch(r, x, w, dims); break;
+    case Kind::kDLPack: from_dlpack(r, x, w, dims); break;
+    case Kind::kCAI: from_cai(r, x, w, dims); break;
+    case Kind::kBuffer:
+      if (w.device) wrong_memory(w, false);
+      from_buffer(r, x, w, dims);
+      break;
+    case Kind::kUnknown:
+      throw py::type_error(str_cat(w.what, ": expected ",
+                                   w.device ? "a CUDA array (with __dlpack__ or "
+                                              "__cuda_array_interface__)"
+                                            : "a numpy array or an object with the buffer "
+                                              "protocol or __dlpack__",
+                                   ", got ", type_name(x)));
+  }
+  if (r.view.count && !r.view.data)
+    throw InvalidArgument(str_cat(w.what, ": the array has a null data pointer"));
+  if (w.keep) {
+    // A buffer-protocol object is held through a memoryview, which keeps its export open:
+    // a bytearray cannot be resized under the operation.
+    r.view.owner = kind_of(x) == Kind::kBuffer
+                       ? owner_of(py::reinterpret_steal<py::object>(PyMemoryView_FromObject(x.ptr())))
+                       : owner_of(x);
+  }
+  return r;
+}
+
+}  // namespace meshcoll::python

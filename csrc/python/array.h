@@ -1,0 +1,57 @@
+// Every array that crosses into C++ becomes a comm::ArrayView here, and only here: numpy
+// arrays, buffer-protocol objects, DLPack tensors, __cuda_array_interface__ objects and
+// torch tensors. Every check runs here, with the GIL held, before anything is sent:
+// contiguity, writability, a supported dtype, native byte order, host or device memory as
+// the backend needs. Nothing here imports a framework.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "comm/array_view.h"
+
+namespace meshcoll::python {
+
+// Stream handles as the array protocols spell them: 1 legacy default, 2 per-thread default.
+constexpr uintptr_t kLegacyStream = 1;
+
+// What a call asks of an array.
+struct Want {
+  const char* what = "";      // "all_reduce: x", for errors
+  bool writable = false;      // the result is written into it
+  bool device = false;        // CUDA memory (NCCL backend), else host memory (CPU backend)
+  bool keep = false;          // take a reference to the owner (asynchronous operations)
+  bool has_stream = false;    // device: the op's stream was given (stream=), in `stream`
+  uintptr_t stream = kLegacyStream;
+};
+
+// What was read: the view, and for device arrays the stream the op runs on and a stream it
+// must first wait for (a __cuda_array_interface__ "stream" other than the op's).
+struct Read {
+  comm::ArrayView view;
+  uintptr_t stream = kLegacyStream;
+  uintptr_t order_after = 0;
+};
+
+// Reads `x` as `want` asks; TypeError / ValueError (TypeMismatch / InvalidArgument) naming
+// `want.what` for anything a backend cannot take. `dims`, if given, receives the shape.
+Read read_array(const pybind11::handle& x, const Want& want, std::vector<int64_t>* dims = nullptr);
+
+// stream=: None, an int handle, or an object with .cuda_stream (torch) or .ptr (CuPy).
+// False for None. 0 (torch's and CuPy's spelling of the default stream) -> legacy.
+bool stream_arg(const pybind11::handle& s, uintptr_t* out);
+void* to_cu_stream(uintptr_t s);  // protocol spelling -> CUstream (legacy: nullptr)
+
+// Note [Owners]
+// An asynchronous operation holds a reference to each array it reads or writes until it has
+// completed, so an array whose Work the caller dropped is not freed under it. The
+// reference is released by the thread that sees the operation complete, which may not hold
+// the GIL (the CPU worker, the NCCL watchdog) and must not take it (a caller holding the GIL
+// may be waiting for that thread): the decref is then handed to the interpreter as a
+// pending call (Py_AddPendingCall), run by the main thread at its next chance.
+std::shared_ptr<void> owner_of(const pybind11::handle& x);
+
+}  // namespace meshcoll::python

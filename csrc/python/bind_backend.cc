@@ -1,0 +1,346 @@
+// The one binding of the backend contract (comm/backend.h): Work, Backend (every collective,
+// for the CPU and the NCCL backend alike) and Array (an array as a backend read it). Arrays
+// are read by python/array.cc with the GIL held; the GIL is released around calls that
+// block (every CPU call, an NCCL barrier) and held around NCCL enqueues, which never block
+// and cost less than a release.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "algo/collectives.h"
+#include "comm/backend.h"
+#include "common/error.h"
+#include "python/array.h"
+#include "python/fastcall.h"
+
+namespace py = pybind11;
+
+namespace meshcoll::python {
+
+namespace {
+using comm::Backend;
+using comm::CallOptions;
+using comm::Work;
+using comm::WorkPtr;
+
+// An array a ProcessGroup has looked at (shape, dtype) and may pass to a collective, so the
+// array is read once per call.
+struct Array {
+  Read read;
+  py::object obj;
+  std::vector<int64_t> dims;
+  bool writable = false;
+};
+
+RedOp redop_arg(const std::string& name, const char* what) {
+  RedOp op;
+  if (!redop_from_name(name, &op))
+    throw InvalidArgument(str_cat(what, ": unknown reduction op '", name,
+                                  "'; use sum, prod, min, max, avg, band, bor or bxor"));
+  return op;
+}
+
+uint8_t algorithm_arg(const std::string& name, const char* what) {
+  algo::Algorithm a;
+  if (!algo::algorithm_from_name(name, &a))
+    throw InvalidArgument(str_cat(what, ": unknown algorithm '", name,
+                                  "'; use auto, ring, tree, halving_doubling, direct or shm"));
+  return static_cast<uint8_t>(a);
+}
+
+// One call's options and how its arrays are read: the first array read decides the stream
+// of a device op (stream= if given, else that array's own), later arrays are read on it.
+class CallReader {
+ public:
+  CallReader(Backend& b, const char* what, const py::handle& timeout, const py::handle& stream,
+             bool async)
+      : b_(b), what_(what) {
+    opts.timeout = timeout_arg(timeout);
+    opts.async = async;
+    want_.device = b.device_memory();
+    want_.keep = async;
+    uintptr_t s = kLegacyStream;
+    if (stream_arg(stream, &s)) {
+      if (!want_.device)
+        throw InvalidArgument(str_cat(what, ": stream= is for the NCCL backend; the CPU backend "
+                                            "has no streams"));
+      want_.has_stream = true;
+      want_.stream = s;
+      opts.stream = to_cu_stream(s);
+    }
+  }
+  // x or out: a raw array, or an Array the ProcessGroup made of one.
+  comm::ArrayView operator()(const py::handle& x, const char* name, bool writable) {
+    std::string label = str_cat(what_, name[0] ? ": " : "", name);
+    Want w = want_;
+    w.what = label.c_str();
+    w.writable = writable;
+    Read r;
+    if (py::isinstance<Array>(x)) {
+      const Array& a = x.cast<const Array&>();
+      if ((writable && !a.writable) || (w.device && want_.has_stream && a.read.stream != w.stream))
+        r = read_array(a.obj, w);  // read again: another check or another stream
+      else
+        r = a.read;
+      if (w.keep && !r.view.owner) r.view.owner = owner_of(a.obj);
+    } else {
+      r = read_array(x, w);
+    }
+    if (w.device && !want_.has_stream) {  // the first array sets the op's stream
+      want_.has_stream = true;
+      want_.stream = r.stream;
+      opts.stream = to_cu_stream(r.stream);
+    }
+    if (r.order_after && !opts.wait_for) opts.wait_for = to_cu_stream(r.order_after);
+    return r.view;
+  }
+  CallOptions opts;
+
+ private:
+  Backend& b_;
+  const char* what_;
+  Want want_;
+};
+
+// Runs `call` with the GIL released where it may block; returns the Work (async) or None.
+template <class F>
+py::object run(Backend& b, bool blocks, F&& call) {
+  WorkPtr w;
+  if (blocks || !b.device_memory()) {
+    py::gil_scoped_release nogil;
+    w = call();
+  } else {
+    w = call();
+  }
+  return w ? py::cast(std::move(w)) : py::none();
+}
+
+std::vector<size_t> counts_arg(const py::handle& h) { return h.cast<std::vector<size_t>>(); }
+
+// Note [all_reduce_sync]
+// The synchronous in-place all_reduce, ProcessGroup.all_reduce's hot path on every backend:
+// one METH_FASTCALL call (Note [FASTCALL methods]), no Work, no owner reference. Arguments
+// are positional: (x, op, timeout, stream, algorithm, max_segment_bytes,
+// tree_threshold_bytes, hd_threshold_bytes).
+PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return fastcall([&]() -> PyObject* {
+    constexpr const char* what = "all_reduce";
+    if (nargs != 8)
+      throw py::type_error(str_cat("all_reduce_sync takes 8 positional arguments (x, op, "
+                                   "timeout, stream, algorithm, max_segment_bytes, "
+                                   "tree_threshold_bytes, hd_threshold_bytes), got ", nargs));
+    Backend& b = py::cast<Backend&>(py::handle(self));
+    CallReader read(b, what, py::handle(args[2]), py::handle(args[3]), false);
+    comm::ArrayView x = read(py::handle(args[0]), "", true);
+    RedOp op = redop_arg(str_arg(args[1], what, "op"), what);
+    auto& t = read.opts.tuning;
+    t.algorithm = algorithm_arg(str_arg(args[4], what, "algorithm"), what);
+    t.max_segment_bytes = size_arg(args[5], what, "max_segment_bytes");
+    t.tree_threshold_bytes = size_arg(args[6], what, "tree_threshold_bytes");
+    t.hd_threshold_bytes = size_arg(args[7], what, "hd_threshold_bytes");
+    run(b, false, [&] { return b.all_reduce(x, x, op, read.opts); });
+    Py_RETURN_NONE;
+  });
+}
+
+py::object work_exception(Work& w) {
+  auto e = w.exception();
+  if (!e) return py::none();
+  try {
+    std::rethrow_exception(e);
+  } catch (...) {
+    py::detail::translate_exception(std::current_exception());
+    py::error_already_set err;
+    return err.value();
+  }
+}
+}  // namespace
+
+void bind_backend(py::module_& m) {
+  py::class_<Work, std::shared_ptr<Work>>(m, "Work", "Handle on one asynchronous operation.")
+      .def("wait", [](Work& w, const py::handle& timeout, const py::handle& stream) {
+             uintptr_t s = kLegacyStream;
+             bool has = stream_arg(stream, &s);
+             Millis t = timeout_arg(timeout);
+             py::gil_scoped_release nogil;
+             w.wait(t, has, to_cu_stream(s));
+           }, py::arg("timeout") = py::none(), py::arg("stream") = py::none(),
+           "Waits for the operation and raises its failure. GPU: orders `stream` (default: "
+           "the stream the op was issued from) after the op, without blocking the host.")
+      .def("synchronize", [](Work& w, const py::handle& timeout) {
+             Millis t = timeout_arg(timeout);
+             py::gil_scoped_release nogil;
+             w.synchronize(t);
+           }, py::arg("timeout") = py::none(), "Blocks the host until the operation completed.")
+      .def("is_completed", &Work::is_completed)
+      .def_property_readonly("captured", &Work::captured)
+      .def("exception", &work_exception);
+
+  py::class_<Array>(m, "Array", "An array as a backend read it: dtype, shape, device, stream.")
+      .def_property_readonly("obj", [](const Array& a) { return a.obj; })
+      .def_property_readonly("shape", [](const Array& a) {
+        py::tuple t(a.dims.size());
+        for (size_t i = 0; i < a.dims.size(); ++i) t[i] = py::int_(a.dims[i]);
+        return t;
+      })
+      .def_property_readonly("ndim", [](const Array& a) { return a.dims.size(); })
+      .def_property_readonly("size", [](const Array& a) { return a.read.view.count; })
+      .def_property_readonly("dtype", [](const Array& a) { return std::string(dtype_name(a.read.view.dtype)); })
+      .def_property_readonly("device", [](const Array& a) { return a.read.view.device; })
+      .def_property_readonly("stream", [](const Array& a) { return a.read.stream; })
+      .def_property_readonly("ptr", [](const Array& a) {
+        return reinterpret_cast<uintptr_t>(a.read.view.data);
+      })
+      .def("__repr__", [](const Array& a) {
+        return str_cat("Array(dtype=", dtype_name(a.read.view.dtype), ", size=", a.read.view.count,
+                       ", device=", a.read.view.device, ")");
+      });
+
+  py::class_<Backend, std::shared_ptr<Backend>> b(m, "Backend",
+      "One group's communicator (CPU or NCCL): the backend contract of csrc/comm/backend.h.");
+  add_fastcall_method(b, "all_reduce_sync", &all_reduce_sync,
+                      "all_reduce_sync(x, op, timeout, stream, algorithm, max_segment_bytes, "
+                      "tree_threshold_bytes, hd_threshold_bytes): all_reduce x in place and "
+                      "return when done (CPU) or enqueued (GPU) (Note [all_reduce_sync]).");
+  b.def_property_readonly("rank", &Backend::rank)
+      .def_property_readonly("size", &Backend::size)
+      .def_property_readonly("name", [](const Backend& x) { return std::string(x.name()); })
+      .def_property_readonly("transport", &Backend::transport)
+      .def_property_readonly("device_memory", &Backend::device_memory)
+      .def_property_readonly("device", &Backend::device)
+      .def("view", [](Backend& x, const py::handle& a, const char* what, bool writable,
+                      const py::handle& stream) {
+             Want w;
+             w.what = what;
+             w.writable = writable;
+             w.device = x.device_memory();
+             uintptr_t s = kLegacyStream;
+             if (stream_arg(stream, &s)) {
+               w.has_stream = true;
+               w.stream = s;
+             }
+             Array out;
+             out.read = read_array(a, w, &out.dims);
+             out.obj = py::reinterpret_borrow<py::object>(a);
+             out.writable = writable;
+             return out;
+           }, py::arg("x"), py::arg("what"), py::arg("writable") = false,
+           py::arg("stream") = py::none(),
+           "Reads x as this backend's collectives would (every check), once.")
+      .def("recent_calls", [](Backend& x, size_t n) {
+             std::vector<std::string> out;
+             for (const auto& r : x.ledger().recent(n)) out.push_back(r.describe());
+             return out;
+           }, py::arg("n") = comm::Ledger::kKeep, "The group's last calls, oldest first.")
+      .def("fail", [](Backend& x, const std::string& message) {
+             py::gil_scoped_release nogil;
+             x.fail(message);
+           }, py::arg("message"),
+           "Fails the group (every member raises PeerError with `message`), after pending ops.")
+      .def("shutdown", [](Backend& x) {
+        py::gil_scoped_release nogil;
+        x.shutdown();
+      })
+      .def("all_reduce", [](Backend& x, const py::handle& a, const py::handle& out,
+                            const std::string& op, const py::handle& timeout,
+                            const py::handle& stream, bool async, const std::string& algorithm,
+                            size_t max_segment_bytes, size_t tree, size_t hd) {
+             const char* what = "all_reduce";
+             CallReader read(x, what, timeout, stream, async);
+             auto in = read(a, "x", false);
+             auto o = out.is(a) ? read(out, "x", true) : read(out, "out", true);
+             auto& t = read.opts.tuning;
+             t.algorithm = algorithm_arg(algorithm, what);
+             t.max_segment_bytes = max_segment_bytes;
+             t.tree_threshold_bytes = tree;
+             t.hd_threshold_bytes = hd;
+             RedOp rop = redop_arg(op, what);
+             return run(x, false, [&] { return x.all_reduce(in, o, rop, read.opts); });
+           })
+      .def("reduce", [](Backend& x, const py::handle& a, const py::handle& out, int root,
+                        const std::string& op, const py::handle& timeout, const py::handle& stream,
+                        bool async) {
+             CallReader read(x, "reduce", timeout, stream, async);
+             auto in = read(a, "x", false);
+             auto o = read(out, "out", true);
+             RedOp rop = redop_arg(op, "reduce");
+             return run(x, false, [&] { return x.reduce(in, o, rop, root, read.opts); });
+           })
+      .def("broadcast", [](Backend& x, const py::handle& a, int root, const py::handle& timeout,
+                           const py::handle& stream, bool async) {
+             CallReader read(x, "broadcast", timeout, stream, async);
+             auto buf = read(a, "x", true);
+             return run(x, false, [&] { return x.broadcast(buf, root, read.opts); });
+           })
+      .def("all_gather", [](Backend& x, const py::handle& a, const py::handle& out,
+                            const py::handle& counts, bool uneven, const py::handle& timeout,
+                            const py::handle& stream, bool async) {
+             CallReader read(x, uneven ? "all_gather_v" : "all_gather", timeout, stream, async);
+             auto in = read(a, "x", false);
+             auto o = read(out, "out", true);
+             auto c = counts_arg(counts);
+             return run(x, false, [&] { return x.all_gather(in, o, c, uneven, read.opts); });
+           })
+      .def("reduce_scatter", [](Backend& x, const py::handle& a, const py::handle& out,
+                                const py::handle& counts, const std::string& op, bool uneven,
+                                const py::handle& timeout, const py::handle& stream, bool async) {
+             const char* what = uneven ? "reduce_scatter_v" : "reduce_scatter";
+             CallReader read(x, what, timeout, stream, async);
+             auto in = read(a, "x", false);
+             auto o = read(out, "out", true);
+             auto c = counts_arg(counts);
+             RedOp rop = redop_arg(op, what);
+             return run(x, false, [&] { return x.reduce_scatter(in, o, c, rop, uneven, read.opts); });
+           })
+      .def("all_to_all", [](Backend& x, const py::handle& a, const py::handle& out,
+                            const py::handle& send_counts, const py::handle& recv_counts,
+                            bool uneven, const py::handle& timeout, const py::handle& stream,
+                            bool async) {
+             CallReader read(x, uneven ? "all_to_all_v" : "all_to_all", timeout, stream, async);
+             auto in = read(a, "x", false);
+             auto o = read(out, "out", true);
+             auto sc = counts_arg(send_counts), rc = counts_arg(recv_counts);
+             return run(x, false, [&] { return x.all_to_all(in, o, sc, rc, uneven, read.opts); });
+           })
+      .def("gather", [](Backend& x, const py::handle& a, const py::handle& out,
+                        const py::handle& counts, int root, const py::handle& timeout,
+                        const py::handle& stream, bool async) {
+             CallReader read(x, "gather", timeout, stream, async);
+             auto in = read(a, "x", false);
+             auto o = read(out, "out", true);
+             auto c = counts_arg(counts);
+             return run(x, false, [&] { return x.gather(in, o, c, root, read.opts); });
+           })
+      .def("scatter", [](Backend& x, const py::handle& a, const py::handle& out,
+                         const py::handle& counts, int root, const py::handle& timeout,
+                         const py::handle& stream, bool async) {
+             CallReader read(x, "scatter", timeout, stream, async);
+             auto o = read(out, "out", true);  // the output decides the stream: non-roots
+             auto in = read(a, "x", false);    // pass an empty x
+             auto c = counts_arg(counts);
+             return run(x, false, [&] { return x.scatter(in, o, c, root, read.opts); });
+           })
+      .def("barrier", [](Backend& x, const py::handle& timeout, const py::handle& stream,
+                         bool async) {
+             CallReader read(x, "barrier", timeout, stream, async);
+             return run(x, !async, [&] { return x.barrier(read.opts); });
+           })
+      .def("send", [](Backend& x, const py::handle& a, int peer, uint32_t tag,
+                      const py::handle& timeout, const py::handle& stream) {
+             CallReader read(x, "send", timeout, stream, false);
+             auto buf = read(a, "x", false);
+             buf.owner = owner_of(a);
+             return run(x, false, [&] { return x.send(buf, peer, tag, read.opts); });
+           })
+      .def("recv", [](Backend& x, const py::handle& a, int peer, uint32_t tag,
+                      const py::handle& timeout, const py::handle& stream) {
+             CallReader read(x, "recv", timeout, stream, false);
+             auto buf = read(a, "x", true);
+             buf.owner = owner_of(a);
+             return run(x, false, [&] { return x.recv(buf, peer, tag, read.opts); });
+           });
+}
+
+}  // namespace meshcoll::python
