@@ -213,7 +213,7 @@ def boundary_costs(torch, rank):
     from meshcoll import _C
     x = torch.rand(2, device="cuda")
     res = {}
-    for name, f in (("nccl_array(torch tensor)", lambda: _C.nccl_array(x, "b", True)),
+    for name, f in (("read_array(torch tensor)", lambda: _C.read_array(x, "b", True, True)),
                     ("x.__dlpack__(stream=1)", lambda: x.__dlpack__(stream=1)),
                     ("x.__cuda_array_interface__", lambda: x.__cuda_array_interface__)):
         for _ in range(100):

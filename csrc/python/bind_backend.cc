@@ -34,6 +34,24 @@ struct Array {
   bool writable = false;
 };
 
+Array make_array(const py::handle& x, const char* what, bool writable, bool device,
+                 const py::handle& stream) {
+  Want w;
+  w.what = what;
+  w.writable = writable;
+  w.device = device;
+  uintptr_t s = kLegacyStream;
+  if (stream_arg(stream, &s)) {
+    w.has_stream = true;
+    w.stream = s;
+  }
+  Array out;
+  out.read = read_array(x, w, &out.dims);
+  out.obj = py::reinterpret_borrow<py::object>(x);
+  out.writable = writable;
+  return out;
+}
+
 RedOp redop_arg(const std::string& name, const char* what) {
   RedOp op;
   if (!redop_from_name(name, &op))
@@ -198,6 +216,11 @@ void bind_backend(py::module_& m) {
                        ", device=", a.read.view.device, ")");
       });
 
+  m.def("read_array", &make_array, py::arg("x"), py::arg("what"), py::arg("writable") = false,
+        py::arg("device") = false, py::arg("stream") = py::none(),
+        "Reads x as a backend would (host memory, or CUDA memory with device=True): the one "
+        "place every array is checked (csrc/python/array.cc).");
+
   py::class_<Backend, std::shared_ptr<Backend>> b(m, "Backend",
       "One group's communicator (CPU or NCCL): the backend contract of csrc/comm/backend.h.");
   add_fastcall_method(b, "all_reduce_sync", &all_reduce_sync,
@@ -212,20 +235,7 @@ void bind_backend(py::module_& m) {
       .def_property_readonly("device", &Backend::device)
       .def("view", [](Backend& x, const py::handle& a, const char* what, bool writable,
                       const py::handle& stream) {
-             Want w;
-             w.what = what;
-             w.writable = writable;
-             w.device = x.device_memory();
-             uintptr_t s = kLegacyStream;
-             if (stream_arg(stream, &s)) {
-               w.has_stream = true;
-               w.stream = s;
-             }
-             Array out;
-             out.read = read_array(a, w, &out.dims);
-             out.obj = py::reinterpret_borrow<py::object>(a);
-             out.writable = writable;
-             return out;
+             return make_array(a, what, writable, x.device_memory(), stream);
            }, py::arg("x"), py::arg("what"), py::arg("writable") = false,
            py::arg("stream") = py::none(),
            "Reads x as this backend's collectives would (every check), once.")

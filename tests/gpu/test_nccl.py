@@ -412,18 +412,18 @@ def test_device_array_protocols():
             self.__cuda_array_interface__ = t.__cuda_array_interface__
 
     for obj in (t, OnlyDLPack(t), OnlyCAI(t)):
-        a = _C.nccl_array(obj, "test", True)
+        a = _C.read_array(obj, "test", True, True)
         assert (a.ptr, a.size, a.shape, a.dtype, a.ndim) == (t.data_ptr(), 12, (3, 4), "float32", 2)
-    b = _C.nccl_array(OnlyDLPack(t.to(torch.bfloat16)), "test", True)
+    b = _C.read_array(OnlyDLPack(t.to(torch.bfloat16)), "test", True, True)
     assert b.dtype == "bfloat16"
     with pytest.raises(ValueError, match="contiguous"):
-        _C.nccl_array(t.t(), "test", True)
+        _C.read_array(t.t(), "test", True, True)
     with pytest.raises(TypeError, match="CPU|host"):
-        _C.nccl_array(torch.ones(3), "test", True)
+        _C.read_array(torch.ones(3), "test", True, True)
     with pytest.raises(TypeError, match="host"):
-        _C.nccl_array(np.ones(3), "test", True)
+        _C.read_array(np.ones(3), "test", True, True)
     s = torch.cuda.Stream()
-    assert _C.nccl_array(t, "test", True, s).stream == s.cuda_stream
+    assert _C.read_array(t, "test", True, True, s).stream == s.cuda_stream
 
 
 def _bad_calls(pg):
@@ -527,7 +527,7 @@ def test_float8_device_arrays():
     """Both float8 dtypes reach the boundary through torch's fast path and through DLPack."""
     for name in FP8:
         t = torch.zeros(8, dtype=getattr(torch, name), device="cuda")
-        assert _C.nccl_array(t, "test", True).dtype == name
+        assert _C.read_array(t, "test", True, True).dtype == name
         try:
             t.__dlpack__()
         except Exception as e:  # an older torch without float8 in DLPack
@@ -540,7 +540,7 @@ def test_float8_device_arrays():
             def __dlpack_device__(self):
                 return t.__dlpack_device__()
 
-        a = _C.nccl_array(OnlyDLPack(), "test", True)
+        a = _C.read_array(OnlyDLPack(), "test", True, True)
         assert (a.dtype, a.size, a.ptr) == (name, 8, t.data_ptr())
 
 
