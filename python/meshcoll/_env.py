@@ -35,6 +35,8 @@ SHM_BYTES = "MESHCOLL_SHM_BYTES"
 HIERARCHY = "MESHCOLL_HIERARCHY"
 INIT_METHOD = "MESHCOLL_INIT_METHOD"
 
+TRANSPORTS = ("auto", "shm", "tcp")  # the values of MESHCOLL_TRANSPORT
+
 # torchrun's names for the master; the fallback after ours for every scheme.
 _TORCH_MASTER_ADDR = "MASTER_ADDR"
 _TORCH_MASTER_PORT = "MASTER_PORT"
@@ -431,8 +433,8 @@ def transport_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
     """``MESHCOLL_TRANSPORT``: auto (default), shm or tcp."""
     env = os.environ if environ is None else environ
     value = (_get(env, TRANSPORT) or "auto").lower()
-    if value not in ("auto", "shm", "tcp"):
-        raise ValueError(f"{TRANSPORT}={value!r}: use auto, shm or tcp")
+    if value not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT}={value!r}: use one of {', '.join(TRANSPORTS)}")
     return value
 
 
