@@ -8,7 +8,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import secrets
-import socket
 import time
 import traceback
 
@@ -17,9 +16,9 @@ import pytest
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that nothing listens on right now."""
+    from meshcoll.run import pick_free_port
+    return pick_free_port("127.0.0.1")
 
 
 def _child(target, rank, conn, args):
