@@ -21,14 +21,15 @@ import pytest
 
 import meshcoll
 from conftest import rand_array
+from meshcoll.bench import ALGORITHMS, P2P_ALGORITHMS
 
 DTYPES = ["bool", "int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
 OPS = ["sum", "prod", "min", "max", "avg", "band", "bor", "bxor"]
 BITWISE = ("band", "bor", "bxor")
 # ring, tree, halving_doubling and direct run over TCP; shm (and auto, on one host) in shared
 # memory, so the matrix covers both transports.
-ALGOS = ["ring", "tree", "halving_doubling", "direct", "shm", "auto"]
-TCP_ALGOS = ["ring", "tree", "halving_doubling", "direct", "auto"]
+ALGOS = [*ALGORITHMS, "auto"]
+TCP_ALGOS = [*P2P_ALGORITHMS, "auto"]
 COUNTS = [0, 1, 1031]  # 1031 is prime: uneven chunks on every world size
 SMALL_SEGMENT = 256    # bytes: 1031 elements span 2..33 segments per ring chunk
 # A 4 KiB shared-memory data area per rank: 1031 elements of 8 bytes take 3 rounds.

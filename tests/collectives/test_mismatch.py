@@ -21,13 +21,14 @@ import pytest
 
 import meshcoll
 from conftest import launch
+from meshcoll.bench import P2P_ALGORITHMS
 
 CALL_TIMEOUT = 30.0
 SHORT_TIMEOUT = 3.0  # for cases known to hang: still above FAST, so no pass can be a timeout
 FAST = 2.0  # seconds: every rank must have raised by then
 TRANSPORTS = ["tcp", "shm"]
 ODD = {2: 1, 3: 2, 4: 0, 5: 3}  # the rank that disagrees, per world size
-TCP_ALGOS = ["auto", "ring", "tree", "halving_doubling", "direct"]
+TCP_ALGOS = ["auto", *P2P_ALGORITHMS]
 SHM_ALGOS = ["auto", "shm"]  # the named TCP algorithms run over TCP whatever the transport
 # (world, per-rank algorithms, per-rank max_segment_bytes): the OpDesc agrees, the steps don't.
 SETTINGS = {
