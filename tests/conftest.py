@@ -1,13 +1,13 @@
-"""Shared fixtures: ``run_ranks`` spawns real processes that rendezvous on a loopback
-TCPStore and run a test body, with a deadline, every rank's traceback reported, and
-stragglers killed."""
+"""Shared fixtures: ``run_ranks`` (``launch``) spawns real processes that rendezvous on a
+loopback TCPStore and run a test body over the transport the test names, with a deadline,
+every rank's traceback reported, and stragglers killed. ``spawn`` is the same without a
+group, for the layers below it (stores)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import secrets
-import socket
 import time
 import traceback
 
@@ -16,31 +16,16 @@ import pytest
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that nothing listens on right now."""
+    from meshcoll.run import pick_free_port
+    return pick_free_port("127.0.0.1")
 
 
-def _rank_main(fn, rank, world, port, token, init_timeout, env, conn, kwargs, backend):
+def _child(target, rank, conn, args):
     import faulthandler
     faulthandler.enable()  # a crash prints every thread's stack to the test's stderr
-    os.environ["MESHCOLL_TOKEN"] = token
-    os.environ.update(env)
     try:
-        import meshcoll
-        store = meshcoll.TCPStore("127.0.0.1", port, timeout=init_timeout)
-        device = None
-        if backend == "nccl":  # rank r on GPU r
-            import torch
-            torch.cuda.set_device(rank)
-            device = rank
-        pg = meshcoll.init(backend, rank=rank, world_size=world, store=store,
-                           timeout=init_timeout, device=device)
-        try:
-            result = fn(pg, **kwargs)
-        finally:
-            meshcoll.destroy()
-        conn.send(("ok", result))
+        conn.send(("ok", target(rank, *args)))
     except BaseException:  # report everything, including SystemExit / KeyboardInterrupt
         conn.send(("error", traceback.format_exc()))
     finally:
@@ -51,32 +36,23 @@ class RankFailure(AssertionError):
     pass
 
 
-def launch(world, fn, *, timeout=60.0, init_timeout=30.0, env=None, may_die=(), backend=None,
-           **kwargs):
-    """Run ``fn(pg, **kwargs)`` on ``world`` fresh processes; return each rank's result.
-    Raises RankFailure listing every rank that failed or did not finish by ``timeout``.
-    Ranks in ``may_die`` (fault tests kill them) get the result None if they die.
-    ``backend="nccl"`` puts rank r on GPU r (tests/gpu)."""
-    import meshcoll
+def spawn(n, target, *args, timeout=60.0, may_die=()):
+    """Run ``target(rank, *args)`` for rank 0..n-1 in fresh (spawned) processes; return each
+    rank's result. Raises RankFailure listing every rank that raised, died or did not finish
+    by ``timeout`` (those are killed). Ranks in ``may_die`` get the result None if they die.
+    ``target`` must be a module-level function: spawn pickles it by name."""
     ctx = mp.get_context("spawn")
-    token = secrets.token_hex(8)
-    # The parent hosts the store on a port the kernel picks: no free-port race between
-    # concurrent test runs.
-    server = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=init_timeout, token=token)
-    port = server.port
     procs, conns = [], []
-    for rank in range(world):
+    for rank in range(n):
         parent_end, child_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_rank_main, args=(fn, rank, world, port, token, init_timeout,
-                                                 env or {}, child_end, kwargs, backend),
-                        daemon=True)
+        p = ctx.Process(target=_child, args=(target, rank, child_end, args), daemon=True)
         p.start()
         child_end.close()
         procs.append(p)
         conns.append(parent_end)
     deadline = time.monotonic() + timeout
-    results, failures = [None] * world, {}
-    pending = set(range(world))
+    results, failures = [None] * n, {}
+    pending = set(range(n))
     while pending and time.monotonic() < deadline:
         for rank in list(pending):
             c = conns[rank]
@@ -102,11 +78,69 @@ def launch(world, fn, *, timeout=60.0, init_timeout=30.0, env=None, may_die=(), 
         if p.is_alive():
             p.kill()
         p.join(5)
-    del server
     if failures:
         text = "\n".join(f"--- rank {r} ---\n{failures[r]}" for r in sorted(failures))
-        raise RankFailure(f"{len(failures)} of {world} ranks failed:\n{text}")
+        raise RankFailure(f"{len(failures)} of {n} ranks failed:\n{text}")
     return results
+
+
+def _rank_main(rank, fn, world, port, token, init_timeout, env, kwargs, backend):
+    os.environ["MESHCOLL_TOKEN"] = token
+    os.environ.update(env)
+    import meshcoll
+    store = meshcoll.TCPStore("127.0.0.1", port, timeout=init_timeout)
+    device = None
+    if backend == "nccl":  # rank r on GPU r
+        import torch
+        torch.cuda.set_device(rank)
+        device = rank
+    pg = meshcoll.init(backend, rank=rank, world_size=world, store=store,
+                       timeout=init_timeout, device=device)
+    try:
+        return fn(pg, **kwargs)
+    finally:
+        meshcoll.destroy()
+
+
+def launch(world, fn, *, timeout=60.0, init_timeout=30.0, transport="auto", env=None,
+           may_die=(), backend=None, **kwargs):
+    """Run ``fn(pg, **kwargs)`` on ``world`` fresh processes; return each rank's result.
+    Raises RankFailure listing every rank that failed or did not finish by ``timeout``.
+    Ranks in ``may_die`` (fault tests kill them) get the result None if they die.
+    ``transport`` ("auto", "tcp" or "shm") is what every group of the job runs over; ``env``
+    is any other variable the ranks need. ``backend="nccl"`` puts rank r on GPU r
+    (tests/gpu)."""
+    import meshcoll
+    from meshcoll import _env
+    env = dict(env or {})
+    if _env.TRANSPORT in env:
+        raise ValueError(f"launch: pass transport=, not {_env.TRANSPORT} in env")
+    env[_env.TRANSPORT] = transport
+    _env.transport_from_env(env)  # a bad name fails here, not in every rank
+    token = secrets.token_hex(8)
+    # The parent hosts the store on a port the kernel picks: no free-port race between
+    # concurrent test runs.
+    server = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=init_timeout, token=token)
+    try:
+        return spawn(world, _rank_main, fn, world, server.port, token, init_timeout, env,
+                     kwargs, backend, timeout=timeout, may_die=may_die)
+    finally:
+        del server  # a failure's traceback keeps this frame: close the store now
+
+
+def group_on(pg, transport, ranks=None):
+    """A new group of ``pg`` over ``transport``, for jobs that need groups of both kinds
+    (the transport is read when a group is created)."""
+    from meshcoll import _env
+    old = os.environ.get(_env.TRANSPORT)
+    os.environ[_env.TRANSPORT] = transport
+    try:
+        return pg.new_group(list(range(pg.size)) if ranks is None else ranks)
+    finally:
+        if old is None:
+            del os.environ[_env.TRANSPORT]
+        else:
+            os.environ[_env.TRANSPORT] = old
 
 
 @pytest.fixture

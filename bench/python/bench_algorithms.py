@@ -34,11 +34,11 @@ import tempfile
 from typing import Dict, List, Tuple
 
 import meshcoll
-from meshcoll.bench import format_size, parse_size
+from meshcoll.bench import P2P_ALGORITHMS as ALGORITHMS, format_size, parse_size
 
-# The point-to-point algorithms that auto chooses between by size, over TCP. (On one host
-# auto takes the shared-memory algorithm "shm" instead; these thresholds then do not apply.)
-ALGORITHMS = ("ring", "tree", "halving_doubling", "direct")
+# ALGORITHMS: the point-to-point algorithms that auto chooses between by size, over TCP. (On
+# one host auto takes the shared-memory algorithm "shm" instead; these thresholds then do
+# not apply.)
 
 Table = Dict[int, Dict[str, float]]  # size -> algorithm -> median us
 

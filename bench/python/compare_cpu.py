@@ -33,7 +33,6 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 
 from meshcoll.bench import BUS_FACTORS, element_counts, parse_size, plot_records, size_steps
+from meshcoll.run import pick_free_port
 
 LIBS = ("meshcoll", "meshcoll-tcp", "gloo", "mpi")
 _SHORT = {"meshcoll-tcp": "mc-tcp"}  # column titles
@@ -149,12 +149,6 @@ def _clean_env(**extra) -> Dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _common(args) -> List[str]:
     return ["-b", args.minbytes, "-e", args.maxbytes, "-f", str(args.stepfactor),
             "-n", str(args.iters), "-w", str(args.warmup), "--repeats", str(args.repeats)]
@@ -189,7 +183,7 @@ def run_lib(lib: str, args, tmp: str) -> List[dict]:
         procs = [p]
     elif lib == "gloo":
         # Plain processes, as torchrun would start them; the first to fail stops the rest.
-        port = _free_port()
+        port = pick_free_port("127.0.0.1")
         env = _clean_env(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
         logs = [open(os.path.join(tmp, f"gloo_{r}.log"), "w+") for r in range(args.nproc)]
         popen = [subprocess.Popen([sys.executable, me, "--worker", "gloo", "--rank", str(r),

@@ -26,26 +26,13 @@ import math
 import multiprocessing as mp
 import os
 import secrets
-import socket
 import statistics
 import sys
 import time
 import traceback
 
-BUSBW = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-         "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
-
-
-def parse_size(s: str) -> int:
-    s = s.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(float(s[:-1] if mult > 1 else s) * mult)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from meshcoll.bench import BUS_FACTORS, parse_size, size_steps
+from meshcoll.run import pick_free_port
 
 
 class Libs:
@@ -236,11 +223,7 @@ def rank_main(rank, world, port, torch_port, token, args, conn):
         big_out = torch.empty(maxb // 4, device="cuda")
         big_in.uniform_(-1, 1)
         rows = []
-        sizes = []
-        b = args.minbytes
-        while b <= maxb:
-            sizes.append(b)
-            b *= args.factor
+        sizes = size_steps(args.minbytes, maxb, args.factor, 0)
         cap = max(2, int(120 / max(1.0, math.log2(world))) - args.warmup)  # finite sums
         for name in args.ops:
             for nbytes in sizes:
@@ -270,7 +253,7 @@ def rank_main(rank, world, port, torch_port, token, args, conn):
                 for lib in libs.names:
                     us = statistics.median(times[lib])
                     algbw = nbytes / us / 1e3
-                    rec[lib].update(time_us=us, algbw=algbw, busbw=algbw * BUSBW[name](world))
+                    rec[lib].update(time_us=us, algbw=algbw, busbw=algbw * BUS_FACTORS[name](world))
                 rows.append(rec)
         lat = host_latency(torch, libs, args.lat_rounds, args.lat_calls)
         lat_t = torch.tensor([lat[lib]["median_us"] for lib in libs.names], device="cuda")
@@ -363,7 +346,8 @@ def main(argv=None):
         args.nprocs = torch.cuda.device_count()
     world = args.nprocs
     ctx = mp.get_context("spawn")
-    port, torch_port, token = free_port(), free_port(), secrets.token_hex(8)
+    port, torch_port = pick_free_port("127.0.0.1"), pick_free_port("127.0.0.1")
+    token = secrets.token_hex(8)
     procs, conns = [], []
     for r in range(world):
         a, b = ctx.Pipe(duplex=False)

@@ -37,7 +37,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 import meshcoll
-from meshcoll.bench import parse_size
+from meshcoll.bench import P2P_ALGORITHMS, parse_size
 
 try:
     import ml_dtypes
@@ -52,7 +52,7 @@ KINDS = ["all_reduce", "all_reduce_async", "reduce", "broadcast", "all_gather", 
          "reduce_scatter", "reduce_scatter_v", "all_to_all", "all_to_all_v", "gather", "scatter",
          "sendrecv", "barrier"]
 WEIGHTS = np.array([6, 2, 2, 3, 3, 1, 2, 1, 2, 1, 1, 1, 2, 1], float)
-ALGOS = ["auto", "ring", "tree", "halving_doubling", "direct"]
+ALGOS = ["auto", *P2P_ALGORITHMS]
 CONTROL = "control"  # the stop-flag all_reduce
 
 

@@ -37,6 +37,8 @@ INIT_METHOD = "MESHCOLL_INIT_METHOD"
 ALGO = "MESHCOLL_ALGO"
 DEBUG = "MESHCOLL_DEBUG"
 
+TRANSPORTS = ("auto", "shm", "tcp")  # the values of MESHCOLL_TRANSPORT
+
 # torchrun's names for the master; the fallback after ours for every scheme.
 _TORCH_MASTER_ADDR = "MASTER_ADDR"
 _TORCH_MASTER_PORT = "MASTER_PORT"
@@ -433,8 +435,8 @@ def transport_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
     """``MESHCOLL_TRANSPORT``: auto (default), shm or tcp."""
     env = os.environ if environ is None else environ
     value = (_get(env, TRANSPORT) or "auto").lower()
-    if value not in ("auto", "shm", "tcp"):
-        raise ValueError(f"{TRANSPORT}={value!r}: use auto, shm or tcp")
+    if value not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT}={value!r}: use one of {', '.join(TRANSPORTS)}")
     return value
 
 

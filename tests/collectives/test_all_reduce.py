@@ -21,19 +21,19 @@ import pytest
 
 import meshcoll
 from conftest import rand_array
+from meshcoll.bench import ALGORITHMS, P2P_ALGORITHMS
 
 DTYPES = ["bool", "int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
 OPS = ["sum", "prod", "min", "max", "avg", "band", "bor", "bxor"]
 BITWISE = ("band", "bor", "bxor")
 # ring, tree, halving_doubling and direct run over TCP; shm (and auto, on one host) in shared
 # memory, so the matrix covers both transports.
-ALGOS = ["ring", "tree", "halving_doubling", "direct", "shm", "auto"]
-TCP_ALGOS = ["ring", "tree", "halving_doubling", "direct", "auto"]
+ALGOS = [*ALGORITHMS, "auto"]
+TCP_ALGOS = [*P2P_ALGORITHMS, "auto"]
 COUNTS = [0, 1, 1031]  # 1031 is prime: uneven chunks on every world size
 SMALL_SEGMENT = 256    # bytes: 1031 elements span 2..33 segments per ring chunk
 # A 4 KiB shared-memory data area per rank: 1031 elements of 8 bytes take 3 rounds.
-SMALL_SHM = {"MESHCOLL_TRANSPORT": "shm", "MESHCOLL_SHM_BYTES": "4096"}
-TCP = {"MESHCOLL_TRANSPORT": "tcp"}
+SMALL_SHM = {"MESHCOLL_SHM_BYTES": "4096"}
 # Error bounds, relative to sum(|x_i|) for sum and avg and to |result| for prod: up to 7
 # roundings (8 ranks) of each type's unit roundoff (f64 1.1e-16, f32 6e-8, f16 4.9e-4, bf16
 # 3.9e-3), with a margin.
@@ -216,8 +216,8 @@ def test_all_reduce_matrix(run_ranks, world):
     # the call forms (async, module function, views, n-d, 0-d); world 1 and the non-powers of
     # two on purpose (halving-doubling folds the extra ranks in, the ring gets uneven chunks).
     # TCP algorithms use 256-byte segments, shm a 4 KiB data area: many segments and rounds.
-    res = run_ranks(world, _matrix_body, timeout=110, env=SMALL_SHM, dtypes=DTYPES, algos=ALGOS,
-                    counts=COUNTS)
+    res = run_ranks(world, _matrix_body, timeout=110, transport="shm", env=SMALL_SHM,
+                    dtypes=DTYPES, algos=ALGOS, counts=COUNTS)
     assert_ranks_agree(res)
 
 
@@ -246,12 +246,12 @@ def test_all_reduce_large(run_ranks, world, transport):
     # 1 MiB of float32. Over TCP auto picks the ring; 64 KiB segments pipeline it, 512 KiB (the
     # default) is one segment per chunk. In shared memory a 256 KiB data area takes 4 rounds.
     if transport == "tcp":
-        res = run_ranks(world, _large_body, timeout=50, env=TCP, count=1 << 18,
+        res = run_ranks(world, _large_body, timeout=50, transport="tcp", count=1 << 18,
                         segment_sizes=[64 * 1024, 512 * 1024], algos=TCP_ALGOS)
     else:
         res = run_ranks(world, _large_body, timeout=50, count=1 << 18, segment_sizes=[512 * 1024],
-                        algos=["shm", "auto"], env={"MESHCOLL_TRANSPORT": "shm",
-                                                    "MESHCOLL_SHM_BYTES": str(256 * 1024)})
+                        algos=["shm", "auto"], transport="shm",
+                        env={"MESHCOLL_SHM_BYTES": str(256 * 1024)})
     assert_ranks_agree(res)
 
 

@@ -207,7 +207,7 @@ def _bad_input_body(pg):
 @pytest.mark.parametrize("world,transport", [(1, "tcp"), (2, "tcp"), (2, "shm")])
 def test_bad_input(run_ranks, world, transport):
     wrong = [w for r in run_ranks(world, _bad_input_body, timeout=50,
-                                  env={"MESHCOLL_TRANSPORT": transport}) for w in r]
+                                  transport=transport) for w in r]
     assert not wrong, f"{len(wrong)} problem(s):\n" + "\n".join(wrong)
 
 
@@ -229,7 +229,7 @@ def _shm_algorithm_on_tcp_body(pg):
 
 @pytest.mark.timeout(30)
 def test_shm_algorithm_on_tcp_group(run_ranks):
-    for r in run_ranks(2, _shm_algorithm_on_tcp_body, env={"MESHCOLL_TRANSPORT": "tcp"}):
+    for r in run_ranks(2, _shm_algorithm_on_tcp_body, transport="tcp"):
         assert r["transport"] == "tcp"
         assert r["error"] == "ValueError"
         assert r["after"] == [2.0] * 4

@@ -21,8 +21,7 @@ WORLDS = [1, 2, 3, 4, 5]
 # broadcast, gather, scatter, all_gather(_v) and barrier have a shared-memory path; run those
 # tests over both transports. A 64 KiB shared data area makes the large cases take several
 # rounds.
-TRANSPORT_ENV = {"tcp": {"MESHCOLL_TRANSPORT": "tcp"},
-                 "shm": {"MESHCOLL_TRANSPORT": "shm", "MESHCOLL_SHM_BYTES": str(64 * 1024)}}
+TRANSPORT_ENV = {"tcp": {}, "shm": {"MESHCOLL_SHM_BYTES": str(64 * 1024)}}
 
 
 def np_dtype(name):
@@ -354,7 +353,7 @@ def test_rooted_gather_and_barrier(run_ranks, world, transport):
     # root. broadcast, gather, scatter, all_gather and barrier take the shared-memory path
     # under "shm".
     assert_no_failures(run_ranks(world, _shm_capable_body, timeout=140,
-                                 env=TRANSPORT_ENV[transport]))
+                                 transport=transport, env=TRANSPORT_ENV[transport]))
 
 
 def _tcp_only_body(pg):

@@ -21,13 +21,14 @@ import pytest
 
 import meshcoll
 from conftest import launch
+from meshcoll.bench import P2P_ALGORITHMS
 
 CALL_TIMEOUT = 30.0
 SHORT_TIMEOUT = 3.0  # for cases known to hang: still above FAST, so no pass can be a timeout
 FAST = 2.0  # seconds: every rank must have raised by then
 TRANSPORTS = ["tcp", "shm"]
 ODD = {2: 1, 3: 2, 4: 0, 5: 3}  # the rank that disagrees, per world size
-TCP_ALGOS = ["auto", "ring", "tree", "halving_doubling", "direct"]
+TCP_ALGOS = ["auto", *P2P_ALGORITHMS]
 SHM_ALGOS = ["auto", "shm"]  # the named TCP algorithms run over TCP whatever the transport
 # (world, per-rank algorithms, per-rank max_segment_bytes): the OpDesc agrees, the steps don't.
 SETTINGS = {
@@ -151,10 +152,10 @@ def p2p_case(kind):
     return call
 
 
-def _all_cases_body(pg, transport):
+def _all_cases_body(pg, cases_for):
     n = pg.size
     cases = {}
-    for algo in TCP_ALGOS if transport == "tcp" else SHM_ALGOS:
+    for algo in TCP_ALGOS if cases_for == "tcp" else SHM_ALGOS:
         cases[f"count/{algo}"] = count_case(ODD[n], algo)
     if n <= 4:
         cases.update({"dtype": dtype_case, "op": op_case, "kind": kind_case,
@@ -162,7 +163,7 @@ def _all_cases_body(pg, transport):
                       "root": root_case})
     if n <= 3:
         cases["reduce vs broadcast"] = reduce_vs_broadcast_case
-    if transport == "tcp":
+    if cases_for == "tcp":
         cases["algo split"] = algo_split_case(ODD[n])
         for name, (world, algos, segments) in SETTINGS.items():
             if world == n:
@@ -186,8 +187,7 @@ def outcomes():
         if (world, transport) not in jobs:
             try:
                 jobs[world, transport] = launch(world, _all_cases_body, timeout=110,
-                                                env={"MESHCOLL_TRANSPORT": transport},
-                                                transport=transport)
+                                                transport=transport, cases_for=transport)
             except AssertionError as e:
                 jobs[world, transport] = e
         res = jobs[world, transport]

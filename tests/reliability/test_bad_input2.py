@@ -17,23 +17,12 @@ import numpy as np
 import pytest
 
 import meshcoll
+from conftest import free_port, group_on, launch
 
 pytestmark = pytest.mark.timeout(60)
 
 CALL = 30.0  # generous per-call timeout: errors must come from checks, not from timeouts
 FAST = 2.0   # seconds within which every rank must have raised
-
-
-def _group_on(pg, transport, ranks=None):
-    old = os.environ.get("MESHCOLL_TRANSPORT")
-    os.environ["MESHCOLL_TRANSPORT"] = transport
-    try:
-        return pg.new_group(list(range(pg.size)) if ranks is None else ranks)
-    finally:
-        if old is None:
-            del os.environ["MESHCOLL_TRANSPORT"]
-        else:
-            os.environ["MESHCOLL_TRANSPORT"] = old
 
 
 def _outcome(fn):
@@ -92,7 +81,7 @@ def _zero_d(g, seed, wrong):
 
 def _fresh_case(pg, call, transport):
     """Run ``call(g)`` on a fresh group (a mismatch aborts it); report what this rank saw."""
-    g = _group_on(pg, transport)
+    g = group_on(pg, transport)
     pg.barrier(timeout=CALL)
     kind, msg, elapsed, value = _outcome(lambda: call(g))
     after = _outcome(lambda: g.all_reduce(np.ones(3), timeout=CALL))
@@ -105,7 +94,7 @@ def _fresh_case(pg, call, transport):
 def _job(pg):
     rank, n = pg.rank, pg.size
     out = {"wrong": []}
-    g_tcp, g_shm = _group_on(pg, "tcp"), _group_on(pg, "shm")
+    g_tcp, g_shm = group_on(pg, "tcp"), group_on(pg, "shm")
     out["transports"] = (g_tcp.transport, g_shm.transport)
 
     for k, g in enumerate((g_tcp, g_shm)):
@@ -164,7 +153,6 @@ def _job(pg):
 
 @pytest.fixture(scope="module")
 def job():
-    from conftest import launch
     return launch(3, _job, timeout=50)
 
 
@@ -247,7 +235,6 @@ def _init_outcome(rank, world, addr, port, token, timeout):
 
 
 def test_port_in_use_and_unreachable_master():
-    from conftest import free_port
     # Job A's rank 0 hosts its store on the port job B was also given.
     job_a = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=10, token="job-a")
     job_a.set("mc/world/keep", b"job a's data")
@@ -307,7 +294,7 @@ def _large_body(pg):
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_all_reduce_over_2_31_elements(run_ranks, transport):
     for transport_used, got, want, other, elapsed in run_ranks(
-            2, _large_body, timeout=280, env={"MESHCOLL_TRANSPORT": transport}):
+            2, _large_body, timeout=280, transport=transport):
         assert transport_used == transport
         assert got == want
         assert other == 0, f"{other} elements differ from the expected sum"

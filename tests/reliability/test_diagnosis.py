@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import meshcoll
+from conftest import group_on, launch
 from meshcoll.monitor import monitored_barrier
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,18 +31,6 @@ WORLD_WAIT = 30.0
 
 LINE = re.compile(r"meshcoll\[rank (\d+)/(\d+)\] (\w+)\((.*?)\) seq=(\d+) algo=(\S+) "
                   r"bytes=(\d+) time=(\d+)us")
-
-
-def _group_on(pg, transport):
-    old = os.environ.get("MESHCOLL_TRANSPORT")
-    os.environ["MESHCOLL_TRANSPORT"] = transport
-    try:
-        return pg.new_group(list(range(pg.size)))
-    finally:
-        if old is None:
-            del os.environ["MESHCOLL_TRANSPORT"]
-        else:
-            os.environ["MESHCOLL_TRANSPORT"] = old
 
 
 def _timed(fn):
@@ -79,9 +68,9 @@ def _job(pg, log_dir):
     os.dup2(log.fileno(), 2)
     out = {"wrong": []}
     try:
-        g_tcp = _group_on(pg, "tcp")
-        g_shm = _group_on(pg, "shm")
-        g_tree = _group_on(pg, "tcp")
+        g_tcp = group_on(pg, "tcp")
+        g_shm = group_on(pg, "shm")
+        g_tree = group_on(pg, "tcp")
         out["transports"] = (g_tcp.transport, g_shm.transport)
 
         # Debug lines: seq 1..3 on each group, all verified.
@@ -133,7 +122,6 @@ def _job(pg, log_dir):
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    from conftest import launch
     log_dir = str(tmp_path_factory.mktemp("diag"))
     return launch(3, _job, timeout=50, env={"MESHCOLL_DEBUG": "1"}, log_dir=log_dir)
 

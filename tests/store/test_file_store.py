@@ -7,60 +7,14 @@ import os
 import re
 import threading
 import time
-import traceback
 
 import pytest
 
 import meshcoll
+from conftest import spawn
 from meshcoll import _C
 
 FileStore = _C.FileStore
-
-
-def _child(target, rank, conn, args):
-    try:
-        conn.send(("ok", target(rank, *args)))
-    except BaseException:  # report everything to the parent
-        conn.send(("error", traceback.format_exc()))
-    finally:
-        conn.close()
-
-
-def run_procs(target, n, *args, timeout=20.0):
-    """Run ``target(rank, *args)`` in ``n`` spawned processes; return their results.
-    Fails listing every process that raised, died or did not finish (those are killed)."""
-    ctx = mp.get_context("spawn")
-    procs, conns = [], []
-    for rank in range(n):
-        parent_end, child_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_child, args=(target, rank, child_end, args), daemon=True)
-        p.start()
-        child_end.close()
-        procs.append(p)
-        conns.append(parent_end)
-    deadline = time.monotonic() + timeout
-    results, failures = [None] * n, {}
-    for rank, c in enumerate(conns):
-        if not c.poll(max(0.0, deadline - time.monotonic())):
-            failures[rank] = f"did not finish within {timeout} s (killed)"
-            continue
-        try:
-            status, value = c.recv()
-        except EOFError:
-            procs[rank].join(5)
-            status, value = "error", f"exited with code {procs[rank].exitcode} without a result"
-        if status == "ok":
-            results[rank] = value
-        else:
-            failures[rank] = value
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join(5)
-    if failures:
-        text = "\n".join(f"--- process {r} ---\n{failures[r]}" for r in sorted(failures))
-        raise AssertionError(f"{len(failures)} of {n} processes failed:\n{text}")
-    return results
 
 
 # Process bodies (module level: spawn pickles them by name). Each store is a local, so it
@@ -84,7 +38,7 @@ def _adder(rank, path, count):
 def test_set_get_binary_across_processes(tmp_path):
     path = str(tmp_path / "store")
     parent = FileStore(path, 10)  # a user throughout: the file lives until it closes
-    out = run_procs(_exchange, 3, path, 3)
+    out = spawn(3, _exchange, path, 3, timeout=20)
     for mine, seen in out:
         assert seen == [m for m, _ in out]
         assert mine[-2:] == b"\x00\xff"
@@ -102,7 +56,7 @@ def test_concurrent_adds_are_atomic(tmp_path):
     path = str(tmp_path / "store")
     parent = FileStore(path, 10)
     results = []
-    t = threading.Thread(target=lambda: results.append(run_procs(_adder, 4, path, 200)))
+    t = threading.Thread(target=lambda: results.append(spawn(4, _adder, path, 200, timeout=20)))
     t.start()
     deadline = time.monotonic() + 20
     while parent.add("joined", 0) < 4 and time.monotonic() < deadline:

@@ -8,6 +8,7 @@ import time
 import pytest
 
 import meshcoll
+from conftest import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -119,9 +120,7 @@ def test_port_in_use_is_a_clear_error(server):
 
 
 def test_unreachable_master_times_out():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here once closed
+    port = free_port()
     t0 = time.monotonic()
     with pytest.raises(meshcoll.TimeoutError, match="could not connect"):
         meshcoll.TCPStore("127.0.0.1", port, timeout=0.5)

@@ -33,7 +33,7 @@ def test_auto_picks_shm_and_leaves_nothing(run_ranks):
 
 
 def test_tcp_can_be_forced(run_ranks):
-    res = run_ranks(2, _transport_and_sum, env={"MESHCOLL_TRANSPORT": "tcp"})
+    res = run_ranks(2, _transport_and_sum, transport="tcp")
     assert res == [("tcp", 3.0)] * 2
 
 
@@ -78,8 +78,8 @@ def _forced_shm(pg):
 
 def test_small_dev_shm_with_shm_forced_is_an_error_naming_the_size(run_ranks):
     with pytest.raises(AssertionError, match=r"no room for \d+ bytes"):
-        run_ranks(2, _forced_shm, env={"MESHCOLL_SHM_BYTES": str(1 << 50),
-                                       "MESHCOLL_TRANSPORT": "shm"})
+        run_ranks(2, _forced_shm, transport="shm",
+                  env={"MESHCOLL_SHM_BYTES": str(1 << 50)})
 
 
 def _mismatch_in_shm(pg, base=10):

@@ -1,0 +1,7 @@
+"""``python -m meshcoll.bench``: the same as ``meshcoll-bench``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

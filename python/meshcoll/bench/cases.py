@@ -1,0 +1,350 @@
+"""Which collectives, sizes and buffers meshcoll-bench runs, and how it times them:
+one ``Case`` per series and size on each rank, ``measure`` over them all."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+
+from meshcoll import _C, __version__
+
+from .buffers import INTS, TYPE_NAMES, DeviceDType
+from .verify import (CHUNK, SENTINEL, count_wrong, move_input, rank_values, reduce_expected,
+                     reduce_input, reference_reduce)
+
+# busbw = algbw x factor(ranks): the bytes each rank's busiest link carries per byte of
+# ``size`` in the bandwidth-optimal algorithm (nccl-tests' PERFORMANCE.md).
+BUS_FACTORS: Dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+OPS = tuple(BUS_FACTORS)
+REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+SPLIT = ("all_gather", "reduce_scatter", "all_to_all")  # count must divide by ranks
+# The all_reduce algorithms --algo can name, from the core's own list. "shm" needs a
+# shared-memory group; the others run over point-to-point links (TCP) on any group.
+ALGORITHMS = tuple(a for a in _C.algorithm_names() if a != "auto")
+P2P_ALGORITHMS = tuple(a for a in ALGORITHMS if a != "shm")
+REDOPS = ("sum", "prod", "min", "max", "avg")
+
+
+# ---- sizes ---------------------------------------------------------------------------
+
+def parse_size(text: str) -> int:
+    """``"8"``, ``"4K"``, ``"16M"``, ``"1G"`` (also ``KB``/``KiB``): bytes, powers of 1024."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8, 4K, 16M, 1G)")
+    return int(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " ")
+
+
+def format_size(nbytes: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale}{unit}"
+    return str(nbytes)
+
+
+def size_steps(minbytes: int, maxbytes: int, factor: int, stepbytes: int) -> List[int]:
+    """nccl-tests' sweep: multiply by ``factor`` when it is > 1, else add ``stepbytes``."""
+    sizes, s = [], minbytes
+    while s <= maxbytes:
+        sizes.append(s)
+        s = s * factor if factor > 1 else s + stepbytes
+    return sizes
+
+
+# ---- one collective at one size --------------------------------------------------------
+
+@dataclass
+class Series:
+    op: str
+    algo: Optional[str]  # all_reduce only
+
+    @property
+    def label(self) -> str:
+        return f"{self.op}/{self.algo}" if self.algo else self.op
+
+
+def element_counts(op: str, nbytes: int, itemsize: int, n: int) -> int:
+    """Elements in the buffer that ``size`` measures (see meshcoll.bench's docstring)."""
+    count = max(nbytes // itemsize, 1)
+    if op in SPLIT:
+        count = max(count // n, 1) * n
+    return count
+
+
+class Case:
+    """Buffers and the call for one series at one element count on this rank."""
+
+    def __init__(self, pg, series: Series, count: int, dtype: np.dtype, redop: str, root: int):
+        self.pg, self.series, self.count, self.dtype = pg, series, count, dtype
+        self.redop, self.root = redop, root
+        self.allocate(lambda n: np.empty(n, dtype))
+        self.fill()
+
+    def allocate(self, empty: Callable[[int], Any]) -> None:
+        """The input buffer and, unless the op works in place, the output, each made by
+        ``empty(elements)``; ``blk`` is the per-rank block of the ops that split."""
+        n, op, count = self.pg.size, self.series.op, self.count
+        self.blk = count // n if op in SPLIT else count
+        self.in_count = self.blk if op == "all_gather" else count
+        self.x = empty(self.in_count)
+        self.out = None
+        if op in ("all_gather", "all_to_all"):
+            self.out = empty(count)
+        elif op == "reduce_scatter":
+            self.out = empty(self.blk)
+
+    def fill(self) -> None:
+        """Write this rank's pattern into the input (and a sentinel into the output)."""
+        r, n, op = self.pg.rank, self.pg.size, self.series.op
+        i = np.arange(self.x.size, dtype=np.int64)
+        if op in REDUCING:
+            self.x[...] = reduce_input(r, n, i, self.redop)
+        else:  # all_to_all: block j of it goes to rank j
+            self.x[...] = move_input(r, i)
+        if self.out is not None:
+            self.out[...] = SENTINEL
+
+    def run(self) -> None:
+        pg, op = self.pg, self.series.op
+        if op == "all_reduce":
+            pg.all_reduce(self.x, self.redop, algorithm=self.series.algo)
+        elif op == "reduce":
+            pg.reduce(self.x, self.root, self.redop)
+        elif op == "broadcast":
+            pg.broadcast(self.x, self.root)
+        elif op == "all_gather":
+            pg.all_gather(self.x, out=self.out)
+        elif op == "reduce_scatter":
+            pg.reduce_scatter(self.x, out=self.out, op=self.redop)
+        else:
+            pg.all_to_all(self.x, out=self.out)
+
+    def expected(self) -> np.ndarray:
+        """What this rank's result buffer must hold after one call on fresh inputs."""
+        r, n, op, blk = self.pg.rank, self.pg.size, self.series.op, self.blk
+        i = np.arange(self.count, dtype=np.int64)
+        if op == "all_reduce":
+            e = reduce_expected(n, i, self.redop)
+        elif op == "reduce":
+            e = reduce_expected(n, i, self.redop) if r == self.root else \
+                reduce_input(r, n, i, self.redop)  # non-roots keep their input
+        elif op == "reduce_scatter":
+            e = reduce_expected(n, i[r * blk:(r + 1) * blk], self.redop)
+        elif op == "broadcast":
+            e = move_input(self.root, i)
+        elif op == "all_gather":
+            e = move_input(i // blk, i % blk)  # block j is rank j's input
+        else:  # all_to_all: block j came from rank j, which sent its block r
+            e = move_input(i // blk, r * blk + i % blk)
+        return e.astype(self.dtype)
+
+    def result(self) -> np.ndarray:
+        return self.x if self.out is None else self.out
+
+    def check(self) -> int:
+        """Run once on fresh inputs; elements wrong on this rank."""
+        self.fill()
+        self.run()
+        return int(np.count_nonzero(self.result() != self.expected()))
+
+
+class DeviceCase(Case):
+    """A Case whose buffers live on the GPU (``arrays``: TorchArrays, CupyArrays, or any
+    object with their methods), filled with random data and checked against a host
+    reference. ``run`` and ``result`` are Case's. Inputs are generated and results compared
+    ``chunk`` elements at a time (the same on every rank)."""
+
+    def __init__(self, pg, series: Series, count: int, dtype: DeviceDType, redop: str, root: int,
+                 arrays, seed: int, chunk: int = CHUNK):
+        self.pg, self.series, self.count, self.dtype = pg, series, count, dtype
+        self.redop, self.root, self.arrays, self.seed = redop, root, arrays, seed
+        self.chunk = chunk
+        op = series.op
+        self.kind = ("prod" if redop == "prod" else "reduce") if op in REDUCING else "move"
+        self.allocate(lambda n: arrays.empty(n, dtype.name))
+        self.fill()
+
+    def values(self, rank: int, start: int, stop: int) -> np.ndarray:
+        return rank_values(self.seed, rank, self.in_count, start, stop, self.kind, self.chunk)
+
+    def fill(self) -> None:
+        for a in range(0, self.in_count, self.chunk):
+            stop = min(a + self.chunk, self.in_count)
+            self.arrays.write(self.x, a, self.values(self.pg.rank, a, stop))
+        if self.out is not None:
+            self.arrays.fill(self.out, SENTINEL)
+
+    def expected_range(self, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` of this rank's result (float64 / int64)."""
+        r, n, op, blk = self.pg.rank, self.pg.size, self.series.op, self.blk
+        integer = self.dtype.name in INTS
+        as_result = (lambda v: v.astype(np.int64)) if integer else (lambda v: v.astype(np.float64))
+        if op in ("all_reduce", "reduce", "reduce_scatter"):
+            if op == "reduce" and r != self.root:
+                return as_result(self.values(r, start, stop))  # non-roots keep their input
+            off = r * blk if op == "reduce_scatter" else 0
+            parts = [self.values(k, off + start, off + stop) for k in range(n)]
+            return reference_reduce(parts, self.redop, self.dtype.name)
+        if op == "broadcast":
+            return as_result(self.values(self.root, start, stop))
+        # all_gather: block j is rank j's input; all_to_all: block j is rank j's block r
+        parts = []
+        for j in range(start // blk, (stop - 1) // blk + 1):
+            a, b = max(start, j * blk) - j * blk, min(stop, (j + 1) * blk) - j * blk
+            off = r * blk if op == "all_to_all" else 0
+            parts.append(self.values(j, off + a, off + b))
+        return as_result(np.concatenate(parts))
+
+    def check(self) -> int:
+        """Run once on fresh inputs; elements wrong on this rank."""
+        self.fill()
+        self.run()
+        self.arrays.synchronize()
+        return self.verify()
+
+    def verify(self) -> int:
+        """Elements of this rank's result that differ from the reference."""
+        res, integer = self.result(), self.dtype.name in INTS
+        inexact = self.redop == "avg" and not integer and self.series.op in REDUCING and \
+            (self.series.op != "reduce" or self.pg.rank == self.root)
+        size = self.blk if self.series.op == "reduce_scatter" else self.count
+        wrong = 0
+        for a in range(0, size, self.chunk):
+            b = min(a + self.chunk, size)
+            wrong += count_wrong(self.arrays.read(res, a, b, integer), self.expected_range(a, b),
+                                 self.dtype.name, self.pg.size, inexact)
+        return wrong
+
+
+# ---- timing --------------------------------------------------------------------------
+
+def time_loop(pg, run: Callable[[], None], iters: int) -> float:
+    """Seconds per call: the largest over ranks of each rank's mean over ``iters`` calls
+    that start together after a barrier."""
+    pg.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run()
+    t = np.array([(time.perf_counter() - t0) / iters])
+    pg.all_reduce(t, "max")
+    return float(t[0])
+
+
+def device_time_loop(pg, run: Callable[[], None], iters: int, arrays) -> float:
+    """nccl-tests' timing: after a barrier, ``iters`` back-to-back calls, then a device
+    synchronize; seconds per call on the host clock, the largest over ranks."""
+    pg.barrier()
+    arrays.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        run()
+    arrays.synchronize()
+    t = (time.perf_counter() - t0) / iters
+    return float(pg.all_gather(np.array([t])).max())  # host metadata through the comm
+
+
+class HostRunner:
+    """How measure() builds cases, sums a count over ranks and times a loop: the CPU
+    backend (numpy buffers, exact patterns)."""
+
+    def case(self, pg, series: Series, count: int, dtype, args: argparse.Namespace) -> Case:
+        return Case(pg, series, count, dtype, args.redop, args.root)
+
+    def sum_over_ranks(self, pg, value: int) -> int:
+        w = np.array([value], np.int64)
+        pg.all_reduce(w, "sum")
+        return int(w[0])
+
+    def time_loop(self, pg, run: Callable[[], None], iters: int) -> float:
+        return time_loop(pg, run, iters)
+
+
+class DeviceRunner(HostRunner):
+    """The NCCL backend: device buffers from ``arrays``, random inputs, device timing.
+    Host integers go through the NCCL group's host all_gather."""
+
+    def __init__(self, arrays, seed: int):
+        self.arrays, self.seed = arrays, seed
+
+    def case(self, pg, series: Series, count: int, dtype, args: argparse.Namespace) -> Case:
+        return DeviceCase(pg, series, count, dtype, args.redop, args.root, self.arrays, self.seed)
+
+    def sum_over_ranks(self, pg, value: int) -> int:
+        return int(pg.all_gather(np.array([value], np.int64)).sum())
+
+    def time_loop(self, pg, run: Callable[[], None], iters: int) -> float:
+        return device_time_loop(pg, run, iters, self.arrays)
+
+
+def make_record(series: Series, *, count: int, dtype: np.dtype, redop: str, times_s: List[float],
+                wrong: Optional[int], ranks: int, transport: str,
+                args: argparse.Namespace) -> dict:
+    t = statistics.median(times_s)
+    size = count * dtype.itemsize
+    algbw = size / t / 1e9
+    return {
+        "op": series.op, "algo": series.algo, "series": series.label,
+        "size": size, "count": count, "type": TYPE_NAMES[dtype.name],
+        "redop": redop if series.op in REDUCING else "none",
+        "root": args.root if series.op in ("broadcast", "reduce") else None,
+        "time": t * 1e6, "algbw": algbw, "busbw": algbw * BUS_FACTORS[series.op](ranks),
+        "wrong": wrong, "times": [x * 1e6 for x in times_s],
+        "ranks": ranks, "backend": args.backend, "transport": transport, "iters": args.iters,
+        "warmup": args.warmup_iters, "repeats": args.repeats,
+        "library": "meshcoll", "version": __version__,
+    }
+
+
+def measure(pg, series_list: Sequence[Series], sizes: Iterable[int], args: argparse.Namespace,
+            dtype: np.dtype, on_row: Optional[Callable[[dict], None]] = None,
+            runner: Optional[HostRunner] = None) -> List[dict]:
+    """Every series at every size; returns the records in (series, size) order.
+    ``runner``: HostRunner() (the default, CPU backend) or a DeviceRunner."""
+    runner = runner or HostRunner()
+    rows: Dict[str, List[dict]] = {s.label: [] for s in series_list}
+    last = {s.label: None for s in series_list}
+    for nbytes in sizes:
+        cases = []
+        for s in series_list:
+            count = element_counts(s.op, nbytes, dtype.itemsize, pg.size)
+            if count != last[s.label]:
+                last[s.label] = count
+                cases.append(runner.case(pg, s, count, dtype, args))
+        wrong = {}
+        for c in cases:
+            if args.check:
+                wrong[c.series.label] = runner.sum_over_ranks(pg, c.check())
+            for _ in range(args.warmup_iters):
+                c.run()
+        times: Dict[str, List[float]] = {c.series.label: [] for c in cases}
+        for _ in range(args.repeats):
+            for c in cases:  # interleaved: a noisy moment hits every series
+                times[c.series.label].append(runner.time_loop(pg, c.run, args.iters))
+        for c in cases:
+            rec = make_record(c.series, count=c.count, dtype=dtype, redop=args.redop,
+                              times_s=times[c.series.label],
+                              wrong=wrong.get(c.series.label), ranks=pg.size,
+                              transport=transport_name(pg), args=args)
+            rows[c.series.label].append(rec)
+            if on_row is not None:
+                on_row(rec)
+        del cases  # free this size's buffers before the next, larger one
+    return [r for s in series_list for r in rows[s.label]]
+
+
+def transport_name(pg) -> str:
+    """"shm" or "tcp" (the group's transport string may add why shm was not used)."""
+    return pg.transport.split()[0]

@@ -1,0 +1,194 @@
+"""meshcoll-bench's command line: the options, and ``main``, which starts the ranks under
+meshcoll-run (or joins the launcher's job), measures and prints."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional, Sequence
+
+import meshcoll
+from meshcoll import _C, __version__, _env
+
+from .buffers import ARRAY_LIBS, array_library, device_dtype, make_arrays, numpy_dtype
+from .cases import (ALGORITHMS, OPS, REDOPS, DeviceRunner, Series, measure, parse_size,
+                    size_steps)
+from .report import format_row, header, plot_records, print_tables, write_json
+
+BACKENDS = ("cpu", "nccl")
+
+
+def _list_arg(text: str, choices: Sequence[str], what: str) -> List[str]:
+    items = list(choices) if text == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in items if t not in choices]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(
+            f"{what}: unknown {', '.join(map(repr, bad)) or 'empty list'}; use 'all' or a "
+            f"comma-separated list of {', '.join(choices)}")
+    return list(dict.fromkeys(items))
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="meshcoll-bench",
+        description="Time meshcoll collectives; print nccl-tests-style tables.",
+        epilog="Without launcher variables it runs itself under meshcoll-run with -N ranks.")
+    p.add_argument("-N", "--nproc", type=int, default=None,
+                   help="ranks to start when not already under a launcher (default 4)")
+    p.add_argument("--op", default="all_reduce",
+                   type=lambda s: _list_arg(s, OPS, "--op"),
+                   help=f"collective(s), comma-separated, or 'all': {', '.join(OPS)}")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"),
+                   help="smallest size (default 8)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("16M"),
+                   help="largest size (default 16M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=2,
+                   help="multiply the size by this each step (default 2; 1: add -i)")
+    p.add_argument("-i", "--stepbytes", type=parse_size, default=parse_size("1M"),
+                   help="bytes added each step when -f is 1 (default 1M)")
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed calls (default 20)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=5,
+                   help="untimed calls before timing (default 5)")
+    p.add_argument("-c", "--check", type=int, default=1,
+                   help="1: verify each size's result against a known pattern (default 1)")
+    p.add_argument("-d", "--dtype", default="float32",
+                   help="float32 (default), float64, float16, bfloat16, int8, uint8, "
+                        "int32, int64")
+    p.add_argument("--redop", default="sum", choices=REDOPS,
+                   help="reduction of all_reduce, reduce_scatter, reduce (default sum)")
+    p.add_argument("--algo", default="auto",
+                   type=lambda s: _list_arg(s, ("auto",) + ALGORITHMS, "--algo"),
+                   help="all_reduce algorithm(s), comma-separated, or 'all' (default auto)")
+    p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce")
+    p.add_argument("--backend", default="cpu", choices=list(BACKENDS),
+                   help="cpu (default): numpy buffers; nccl: CUDA buffers, one GPU per rank")
+    p.add_argument("--array", default="auto", choices=["auto"] + list(ARRAY_LIBS),
+                   help="--backend nccl: allocate device buffers with torch or cupy (default "
+                        "auto: torch when importable, else cupy)")
+    p.add_argument("--seed", type=int, default=1234,
+                   help="--backend nccl: seed of the random inputs (default 1234)")
+    p.add_argument("--transport", default=None, choices=list(_env.TRANSPORTS),
+                   help="set MESHCOLL_TRANSPORT for the ranks (default: as the environment "
+                        "says, else auto: shared memory when every rank is on one host)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="repeat the timed loop this often and report the median (default 3)")
+    p.add_argument("--max-segment-bytes", type=parse_size, default=None,
+                   help="override the group's CollectiveConfig.max_segment_bytes")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="also write each row as one JSON record per line")
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw busbw against size per series (needs matplotlib)")
+    a = p.parse_args(argv)
+    if isinstance(a.algo, str):  # the default skips the type conversion
+        a.algo = [a.algo]
+    if isinstance(a.op, str):
+        a.op = [a.op]
+    if a.nproc is not None and a.nproc < 1:
+        p.error(f"--nproc must be >= 1, got {a.nproc}")
+    if not 0 < a.minbytes <= a.maxbytes:
+        p.error(f"need 0 < -b <= -e, got -b {a.minbytes} -e {a.maxbytes}")
+    if a.stepfactor < 1 or (a.stepfactor == 1 and a.stepbytes < 1):
+        p.error("-f must be >= 1, and -i >= 1 when -f is 1")
+    if a.iters < 1 or a.warmup_iters < 0 or a.repeats < 1:
+        p.error("need -n >= 1, -w >= 0 and --repeats >= 1")
+    if a.algo != ["auto"] and "all_reduce" not in a.op:
+        p.error("--algo chooses the all_reduce algorithm; add all_reduce to --op")
+    if a.backend == "nccl":
+        if a.algo != ["auto"]:
+            p.error("--algo is a CPU-backend choice; NCCL picks its own (set NCCL_ALGO)")
+        if a.transport is not None or a.max_segment_bytes is not None:
+            p.error("--transport and --max-segment-bytes are CPU-backend options")
+    elif a.array != "auto":
+        p.error("--array applies to --backend nccl only")
+    return a
+
+
+# ---- entry point ---------------------------------------------------------------------
+
+def _launched() -> bool:
+    """True under meshcoll-run, torchrun, mpirun or srun (any rank variables set)."""
+    return _env._find_scheme(os.environ) is not None
+
+
+def nccl_preflight(args: argparse.Namespace) -> int:
+    """For --backend nccl: the visible GPU count, after checking that NCCL loads, a GPU is
+    visible and an array library is installed; SystemExit saying which is missing."""
+    from meshcoll import nccl
+    ok, why = nccl.nccl_available()
+    if not ok:
+        raise SystemExit(f"meshcoll-bench: --backend nccl: the NCCL backend is not available "
+                         f"here: {why}")
+    array_library(args.array)
+    return int(_C.cuda_device_count())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    nccl = args.backend == "nccl"
+    if nccl and not _launched():
+        # Before starting ranks: say what is missing once, not once per rank. exec below
+        # replaces this process, so the CUDA driver it loaded goes with it.
+        gpus = nccl_preflight(args)
+        if args.nproc is None:
+            args.nproc = gpus
+        elif args.nproc > gpus:
+            raise SystemExit(f"meshcoll-bench: -N {args.nproc} ranks but {gpus} GPUs are "
+                             "visible (one rank per GPU)")
+    if not _launched():
+        # Start the ranks: meshcoll-run runs meshcoll.bench again, once per rank, with the
+        # same arguments. exec, so that signals go straight to the launcher.
+        cmd = [sys.executable, "-m", "meshcoll.run", "-n", str(args.nproc or 4),
+               "--no-prefix", "-m", "meshcoll.bench", *argv]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, cmd)
+
+    runner, device_note = None, ""
+    if nccl:
+        dtype = device_dtype(args.dtype)
+        nccl_preflight(args)
+        pg = meshcoll.init(backend="nccl")  # device: the launcher's local rank
+        arrays = make_arrays(args.array, pg.device)
+        runner = DeviceRunner(arrays, args.seed)
+        v = int(_C.nccl_version())  # NCCL_VERSION_CODE: X*10000 + Y*100 + Z since 2.9
+        device_note = f"  nccl={v // 10000}.{v // 100 % 100}.{v % 100}  array={arrays.name}"
+    else:
+        dtype = numpy_dtype(args.dtype)
+        if args.transport is not None:
+            os.environ[_env.TRANSPORT] = args.transport
+        pg = meshcoll.init()
+    try:
+        if args.nproc is not None and args.nproc != pg.size:
+            raise SystemExit(f"meshcoll-bench: --nproc {args.nproc} but the launcher started "
+                             f"{pg.size} ranks")
+        if not 0 <= args.root < pg.size:
+            raise SystemExit(f"meshcoll-bench: --root {args.root} is not a rank of {pg.size}")
+        if args.max_segment_bytes is not None:
+            pg.config.max_segment_bytes = args.max_segment_bytes
+            pg.config.validate()
+        series = [Series(op, algo if op == "all_reduce" else None)
+                  for op in args.op for algo in (args.algo if op == "all_reduce" else [None])]
+        sizes = size_steps(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
+        lead = pg.rank == 0
+        stream = len(series) == 1 and lead
+        if stream:
+            print(header(series[0], args, pg, device_note), flush=True)
+        records = measure(pg, series, sizes, args, dtype,
+                          on_row=(lambda r: print(format_row(r), flush=True)) if stream else None,
+                          runner=runner)
+        wrong = sum(r["wrong"] or 0 for r in records)
+        if lead:
+            print_tables(series, records, args, pg, device_note, streamed=stream)
+            if wrong:
+                print(f"# Errors: {wrong} wrong elements", flush=True)
+            if args.json:
+                write_json(records, args.json)
+            if args.plot:
+                plot_records(records, args.plot,
+                             title=f"meshcoll {__version__}, {pg.size} ranks, {args.dtype}")
+        pg.barrier()
+    finally:
+        meshcoll.destroy()
+    return 1 if wrong else 0
