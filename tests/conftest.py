@@ -129,18 +129,8 @@ def launch(world, fn, *, timeout=60.0, init_timeout=30.0, transport="auto", env=
 
 
 def group_on(pg, transport, ranks=None):
-    """A new group of ``pg`` over ``transport``, for jobs that need groups of both kinds
-    (the transport is read when a group is created)."""
-    from meshcoll import _env
-    old = os.environ.get(_env.TRANSPORT)
-    os.environ[_env.TRANSPORT] = transport
-    try:
-        return pg.new_group(list(range(pg.size)) if ranks is None else ranks)
-    finally:
-        if old is None:
-            del os.environ[_env.TRANSPORT]
-        else:
-            os.environ[_env.TRANSPORT] = old
+    """A new group of ``pg`` over ``transport``, for jobs that need groups of both kinds."""
+    return pg.new_group(list(range(pg.size)) if ranks is None else ranks, transport=transport)
 
 
 @pytest.fixture

@@ -462,6 +462,7 @@ def shm_bytes_from_env(environ: Optional[Mapping[str, str]] = None) -> int:
     return value
 
 
+
 def algorithm_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
     """``MESHCOLL_ALGO``: the CPU backend's all_reduce algorithm for "auto" calls (default
     auto; CollectiveConfig checks the name)."""
@@ -474,3 +475,22 @@ def debug_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
     env = os.environ if environ is None else environ
     value = _get(env, DEBUG)
     return value is not None and value != "0"
+
+
+@dataclass(frozen=True)
+class GroupOptions:
+    """How the groups of a job are built, read from the environment once by
+    ``meshcoll.init`` and handed to every group (``new_group(transport=...)`` overrides the
+    transport for one subgroup)."""
+
+    transport: str = "auto"     # MESHCOLL_TRANSPORT
+    shm_bytes: int = 4 << 20    # MESHCOLL_SHM_BYTES
+    hierarchy: bool = True      # MESHCOLL_HIERARCHY
+    algorithm: str = "auto"     # MESHCOLL_ALGO
+    debug: bool = False         # MESHCOLL_DEBUG
+
+
+def group_options_from_env(environ: Optional[Mapping[str, str]] = None) -> GroupOptions:
+    return GroupOptions(transport=transport_from_env(environ), shm_bytes=shm_bytes_from_env(environ),
+                        hierarchy=hierarchy_from_env(environ),
+                        algorithm=algorithm_from_env(environ), debug=debug_from_env(environ))

@@ -8,6 +8,7 @@ group or on ``group=``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from typing import List, Optional, Sequence, Tuple
@@ -126,8 +127,10 @@ class ProcessGroup:
 
     def __init__(self, store, ranks: Sequence[int], rank: int, name: str, *, timeout: float,
                  bind_host: str, token: str, parent: Optional["ProcessGroup"] = None,
-                 backend: str = "cpu", device: Optional[int] = None, color: int = 0):
+                 backend: str = "cpu", device: Optional[int] = None, color: int = 0,
+                 options: Optional[_env.GroupOptions] = None):
         self._store = store
+        opts = self._options = options if options is not None else _env.GroupOptions()
         self._ranks = list(ranks)
         self._name = name
         self._timeout = timeout
@@ -148,19 +151,19 @@ class ProcessGroup:
             self._device = None
             self._arrays = HostArrays
             self._backend = _C.CpuBackend(prefixed, rank, len(self._ranks), timeout, bind_host,
-                                          token, _comm_id(name, token), _env.transport_from_env(),
-                                          _env.shm_bytes_from_env(), _env.debug_from_env())
-            self.config = CollectiveConfig(_env.algorithm_from_env())
+                                          token, _comm_id(name, token), opts.transport,
+                                          opts.shm_bytes, opts.debug)
+            self.config = CollectiveConfig(opts.algorithm)
         # Every member is done with the store for this group before anyone returns: rank 0
         # may otherwise exit (closing the store) while a peer still rendezvouses through it.
         self.barrier()
         self._hier: Optional[Hierarchy] = None  # Note [Hierarchy] in hierarchy.py
         transport = self._backend.transport
         if (transport.startswith("tcp") and len(self._ranks) > 1
-                and _env.transport_from_env() == "auto"):
+                and opts.transport == "auto"):
             hosts = host_of_each_rank(self)
             if len(set(hosts)) > 1:
-                self._hier = Hierarchy.build(self, hosts) if _env.hierarchy_from_env() else None
+                self._hier = Hierarchy.build(self, hosts) if opts.hierarchy else None
             elif transport.startswith("tcp (") and rank == 0:
                 import warnings
                 warnings.warn(f"meshcoll group {name!r}: {transport}; falling back to TCP "
@@ -191,10 +194,16 @@ class ProcessGroup:
         """The stream the caller computes on for arrays like ``like`` (None on the CPU)."""
         return self._arrays.current_stream(like)
 
-    def _child(self, ranks, rank, name, timeout, color: int = 0):
+    def _child(self, ranks, rank, name, timeout, color: int = 0, transport=None):
+        opts = self._options
+        if transport is not None:
+            if transport not in _env.TRANSPORTS:
+                raise ValueError(f"transport={transport!r}: use one of {', '.join(_env.TRANSPORTS)}")
+            opts = dataclasses.replace(opts, transport=transport)
         return ProcessGroup(self._store, ranks, rank, name, timeout=timeout or self._timeout,
                             bind_host=self._bind_host, token=self._token, parent=self,
-                            backend=self.backend_name, device=self._device, color=color)
+                            backend=self.backend_name, device=self._device, color=color,
+                            options=opts)
 
     # ---- identity -------------------------------------------------------------------
     @property
@@ -398,17 +407,18 @@ class ProcessGroup:
                 stream=None):
         """Rank ``src`` passes ``x`` of shape ``(size, *s)``; every rank gets its block of
         shape ``s``. Other ranks pass ``out`` (shape ``s``), or an ``x`` of the full shape."""
-        if self.rank == src or out is None:
-            if x is None:
-                raise ValueError("scatter: pass out= (this rank's block) when x is None")
+        v = None
+        if x is not None:
             v = self._view(x, "scatter: x", stream=stream)
             if rows(v, "scatter") != self.size:
                 raise ValueError(f"scatter: x must have shape (group size={self.size}, ...), "
                                  f"got {tuple(v.shape)}")
-            out = self._empty(tuple(v.shape[1:]), v) if out is None else out
+        elif self.rank == src or out is None:
+            raise ValueError("scatter: pass x (the root) or out= (this rank's block)")
+        out = self._empty(tuple(v.shape[1:]), v) if out is None else out
         o = self._view(out, "scatter: out", True, stream)
-        # The root's blocks are x's rows; elsewhere out is the block.
-        block = v.size // self.size if self.rank == src else o.size
+        # The block is x's row where x is given (the root), else out.
+        block = v.size // self.size if v is not None else o.size
         x = v if self.rank == src else self._empty(0, o)
         self._backend.scatter(x, o, [block] * self.size, src, timeout, stream, False)
         return out
@@ -450,9 +460,11 @@ class ProcessGroup:
                                     .reshape(x.shape))
 
     # ---- subgroups ------------------------------------------------------------------
-    def new_group(self, ranks: Sequence[int], *, timeout: Optional[float] = None):
+    def new_group(self, ranks: Sequence[int], *, timeout: Optional[float] = None,
+                  transport: Optional[str] = None):
         """Collective over this group: every member calls it with the same global ``ranks``
-        in the same order. Members get a ProcessGroup; others a NonMemberGroup."""
+        in the same order. Members get a ProcessGroup; others a NonMemberGroup.
+        ``transport`` ("auto", "shm", "tcp"; CPU groups) overrides the job's for this group."""
         ranks = [int(r) for r in ranks]
         if len(set(ranks)) != len(ranks) or not ranks:
             raise ValueError(f"new_group: ranks must be a non-empty list without duplicates, got {ranks}")
@@ -467,7 +479,7 @@ class ProcessGroup:
             child = NonMemberGroup(ranks, name)
             self._sit_out(timeout)
         else:
-            child = self._child(ranks, ranks.index(me), name, timeout)
+            child = self._child(ranks, ranks.index(me), name, timeout, transport=transport)
         self._children.append(child)
         return child
 
@@ -602,7 +614,8 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
                                 device if device is not None else rv.local_rank)
     else:
         world = ProcessGroup(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
-                             bind_host=bind_host, token=token)
+                             bind_host=bind_host, token=token,
+                             options=_env.group_options_from_env())
     _Default.world, _Default.store = world, store
     return world
 

@@ -133,32 +133,27 @@ def test_tensor_parallel_example_matches_unsharded(run_ranks, world):
 
 
 def _torch_group(pg):
-    """A ProcessGroup subclass whose hooks take torch tensors (CPU memory, the real CPU comm
-    underneath), as a GPU backend takes device arrays: partition.py must handle them with
-    what numpy and torch arrays share and allocate through ``_empty``. The collectives
-    themselves still return numpy arrays (process_group hands ``_empty``'s output for
-    numpy-like inputs straight to the comm), so results are compared by value."""
+    """A CPU group that allocates torch tensors for torch inputs (CPU memory, the real CPU
+    backend underneath, which reads torch tensors as it reads numpy arrays), as a GPU backend
+    allocates in its input's framework: partition.py must handle them with what numpy and
+    torch arrays share and allocate through ``_empty``. Results are compared by value."""
     import torch
 
-    from meshcoll.arrays import as_array
-    from meshcoll.process_group import ProcessGroup
+    from meshcoll.process_group import HostArrays, ProcessGroup
 
-    class TorchCPUGroup(ProcessGroup):
-        backend_name = "torch-cpu"
-
-        def _as_array(self, x, what, writable=False):
-            if isinstance(x, torch.Tensor):
-                return x.numpy()
-            return as_array(x, what, writable=writable)
-
-        def _empty(self, shape, like):
+    class TorchArrays(HostArrays):
+        @staticmethod
+        def empty(shape, like, dtype=None):
             if isinstance(like, torch.Tensor):
                 return torch.empty(tuple(shape), dtype=like.dtype)
-            return super()._empty(shape, like)
+            return HostArrays.empty(shape, like, dtype)
 
-    # Collective, as _child is: every rank builds the group's comm under one new name.
-    return TorchCPUGroup(pg._store, pg.ranks, pg.rank, "world.torch", timeout=pg._timeout,
-                         bind_host=pg._bind_host, token=pg._token)
+    # Collective, as _child is: every rank builds the group's backend under one new name.
+    tg = ProcessGroup(pg._store, pg.ranks, pg.rank, "world.torch", timeout=pg._timeout,
+                      bind_host=pg._bind_host, token=pg._token)
+    tg.backend_name = "torch-cpu"
+    tg._arrays = TorchArrays
+    return tg
 
 
 def _torch_arrays(pg):
