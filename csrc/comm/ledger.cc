@@ -1,5 +1,7 @@
 #include "comm/ledger.h"
 
+#include <time.h>
+
 #include "common/dtype.h"
 #include "common/error.h"
 
@@ -50,63 +52,70 @@ transport::OpDesc make_desc(CollKind k, DType dt, size_t count, RedOp op, int ro
   return d;
 }
 
+namespace {
+int64_t coarse_ms() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000 + ts.tv_nsec / 1000000;
+}
+}  // namespace
+
 std::string CallRecord::describe() const {
-  static const char* const kStates[] = {"issued", "running", "done", "failed"};
   std::string s = describe_op(desc);
   if (seq) s += str_cat(" [seq ", seq, "]");
   if (peer >= 0) s += str_cat(" [peer ", peer, "]");
-  s += str_cat(" ", kStates[static_cast<int>(state)]);
-  if (state == CallState::kDone || state == CallState::kFailed)
-    s += str_cat(" in ", std::chrono::duration_cast<std::chrono::microseconds>(finished - issued).count(),
-                 " us");
-  return s;
+  switch (state) {
+    case CallState::kDone: return s + " done";
+    case CallState::kFailed: return s + " failed";
+    case CallState::kIssued: break;
+  }
+  return s + str_cat(" pending for ", coarse_ms() - issued_ms, " ms");
 }
 
-uint64_t Ledger::open_collective(const transport::OpDesc& d) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const uint64_t id = next_id_++;
-  CallRecord& r = slot(id);
-  r.id = id;
-  r.seq = next_seq_++;
-  r.peer = -1;
-  r.desc = d;
-  r.state = CallState::kIssued;
-  r.issued = Clock::now();
-  return r.seq;
-}
-
-uint64_t Ledger::open_p2p(const transport::OpDesc& d, int peer) {
-  std::lock_guard<std::mutex> lock(mu_);
-  const uint64_t id = next_id_++;
-  CallRecord& r = slot(id);
-  r.id = id;
-  r.seq = 0;
+uint64_t Ledger::open(const transport::OpDesc& d, uint64_t seq, int peer) {
+  const uint64_t id = next_id_.fetch_add(1, std::memory_order_relaxed);
+  Slot& r = ring_[id % kKeep];
+  r.id.store(0, std::memory_order_relaxed);  // being rewritten
+  r.seq = seq;
   r.peer = peer;
   r.desc = d;
-  r.state = CallState::kIssued;
-  r.issued = Clock::now();
+  r.state.store(static_cast<uint8_t>(CallState::kIssued), std::memory_order_relaxed);
+  r.issued_ms = coarse_ms();
+  r.id.store(id, std::memory_order_release);
+  if (seq) seq_slot_[seq % kKeep].store(static_cast<uint32_t>(id % kKeep), std::memory_order_release);
   return id;
 }
 
+uint64_t Ledger::open_collective(const transport::OpDesc& d) {
+  const uint64_t seq = next_seq_.fetch_add(1, std::memory_order_relaxed);
+  open(d, seq, -1);
+  return seq;
+}
+
+void Ledger::open_p2p(const transport::OpDesc& d, int peer) { open(d, 0, peer); }
+
 void Ledger::set_state(uint64_t seq, CallState s) {
-  std::lock_guard<std::mutex> lock(mu_);
-  // The record is among the last kKeep calls unless that many were issued since.
-  for (size_t i = 1; i <= kKeep && i < next_id_; ++i) {
-    CallRecord& r = slot(next_id_ - i);
-    if (r.seq == seq) {
-      r.state = s;
-      if (s == CallState::kDone || s == CallState::kFailed) r.finished = Clock::now();
-      return;
-    }
-    if (r.seq && r.seq < seq) return;
-  }
+  Slot& r = ring_[seq_slot_[seq % kKeep].load(std::memory_order_acquire)];
+  if (r.seq == seq) r.state.store(static_cast<uint8_t>(s), std::memory_order_release);
 }
 
 std::vector<CallRecord> Ledger::recent(size_t n) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> lock(read_mu_);
   std::vector<CallRecord> out;
-  const uint64_t have = std::min<uint64_t>(std::min(n, kKeep), next_id_ - 1);
-  for (uint64_t id = next_id_ - have; id < next_id_; ++id) out.push_back(ring_[id % kKeep]);
+  const uint64_t next = next_id_.load(std::memory_order_acquire);
+  const uint64_t have = std::min<uint64_t>(std::min(n, kKeep), next - 1);
+  for (uint64_t id = next - have; id < next; ++id) {
+    const Slot& r = ring_[id % kKeep];
+    if (r.id.load(std::memory_order_acquire) != id) continue;  // being rewritten
+    CallRecord c;
+    c.id = id;
+    c.seq = r.seq;
+    c.peer = r.peer;
+    c.desc = r.desc;
+    c.state = static_cast<CallState>(r.state.load(std::memory_order_acquire));
+    c.issued_ms = r.issued_ms;
+    out.push_back(c);
+  }
   return out;
 }
 
@@ -114,11 +123,6 @@ std::string Ledger::summary(size_t n) const {
   std::string s;
   for (const auto& r : recent(n)) s += (s.empty() ? "" : "; ") + r.describe();
   return s.empty() ? "no calls yet" : s;
-}
-
-uint64_t Ledger::last_seq() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return next_seq_ - 1;
 }
 
 }  // namespace meshcoll::comm

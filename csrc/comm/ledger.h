@@ -6,13 +6,14 @@
 // A collective's sequence number is taken here, in issue order, and travels with the call:
 // in TCP frames and shared-memory slots (the CPU backend's agreement check), and as the
 // index the NCCL backend's side channel compares. The ledger keeps the last kKeep calls of
-// the group (description, state, times) so that a timeout, an error message or a
+// the group (description, state, when it was issued) so that a timeout, an error message or a
 // MESHCOLL_DEBUG dump reads them instead of rebuilding them. Point-to-point calls are
 // recorded too (with their peer) but take no collective sequence number: each pair counts
 // its own messages.
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -47,16 +48,19 @@ std::string describe_op(const transport::OpDesc& d);
 transport::OpDesc make_desc(CollKind k, DType dt, size_t count, RedOp op = RedOp::kSum,
                             int root = -1);
 
-enum class CallState : uint8_t { kIssued, kRunning, kDone, kFailed };
+enum class CallState : uint8_t { kIssued, kDone, kFailed };
 
+// One call as the ledger keeps it. Written by the issuing thread (under the backend's
+// issue lock); the state by whichever thread learns how the call ended.
 struct CallRecord {
   uint64_t id = 0;   // every call of the group, from 1
   uint64_t seq = 0;  // collective sequence number; 0 for point-to-point
   int peer = -1;     // point-to-point only
   transport::OpDesc desc;
   CallState state = CallState::kIssued;
-  Clock::time_point issued, finished;
-  std::string describe() const;  // "all_reduce(count=4, float32, sum) [seq 3] done in 12 us"
+  int64_t issued_ms = 0;  // CLOCK_MONOTONIC_COARSE: a few ms of resolution, ~10 ns to read
+  // "all_reduce(count=4, float32, sum) [seq 3] done" / "... pending for 1200 ms"
+  std::string describe() const;
 };
 
 class Ledger {
@@ -65,23 +69,35 @@ class Ledger {
 
   // Opens the record of a collective and returns its sequence number.
   uint64_t open_collective(const transport::OpDesc& d);
-  // Opens the record of a point-to-point transfer; returns its call id.
-  uint64_t open_p2p(const transport::OpDesc& d, int peer);
-  // The collective `seq` started running / ended (for the CPU backend's worker; a GPU
-  // backend marks calls done as it learns of their completion).
+  // Records a point-to-point transfer (it takes no collective sequence number).
+  void open_p2p(const transport::OpDesc& d, int peer);
+  // How collective `seq` ended (the CPU worker, or the calling thread when it ran inline).
   void set_state(uint64_t seq, CallState s);
   // The last `n` calls, oldest first.
   std::vector<CallRecord> recent(size_t n = kKeep) const;
-  // One line per call, for error messages: "last calls of rank 1: ...".
+  // The last `n` calls on one line, for error messages.
   std::string summary(size_t n) const;
-  uint64_t last_seq() const;
 
  private:
-  CallRecord& slot(uint64_t id) { return ring_[id % kKeep]; }
-  mutable std::mutex mu_;
-  std::array<CallRecord, kKeep> ring_{};
-  uint64_t next_id_ = 1;
-  uint64_t next_seq_ = 1;
+  // Note [Ledger without locks on the hot path]: a call costs one slot write and one atomic
+  // store; readers (errors, debug dumps) copy slots under `read_mu_` and may see a slot
+  // being rewritten, which costs them a stale line, never a crash (every field is plain
+  // data, the state atomic).
+  struct Slot {
+    std::atomic<uint64_t> id{0};
+    uint64_t seq = 0;
+    int peer = -1;
+    transport::OpDesc desc;
+    std::atomic<uint8_t> state{0};
+    int64_t issued_ms = 0;
+  };
+  uint64_t open(const transport::OpDesc& d, uint64_t seq, int peer);
+  std::array<Slot, kKeep> ring_{};
+  std::atomic<uint64_t> next_id_{1};
+  std::atomic<uint64_t> next_seq_{1};
+  // Collective seq -> its slot, for set_state: seq_slot_[seq % kKeep].
+  std::array<std::atomic<uint32_t>, kKeep> seq_slot_{};
+  mutable std::mutex read_mu_;
 };
 
 }  // namespace meshcoll::comm

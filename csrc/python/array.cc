@@ -87,11 +87,11 @@ std::string type_name(const py::handle& x) {
 }
 
 // ---- numpy ---------------------------------------------------------------------------------
-DType numpy_dtype(const py::dtype& dt, const char* what) {
+DType numpy_dtype(const py::dtype& dt, const Want& w) {
   const char kind = dt.kind();
   const auto size = dt.itemsize();
   if (dt.byteorder() == '>')  // '>' only where it is not native (numpy spells native '=')
-    throw TypeMismatch(str_cat(what, ": the array is big-endian (dtype '",
+    throw TypeMismatch(str_cat(label(w), ": the array is big-endian (dtype '",
                                std::string(py::str(dt)), "'); pass x.astype(x.dtype.newbyteorder('='))"));
   switch (kind) {
     case 'b': return DType::kBool;
@@ -114,18 +114,18 @@ DType numpy_dtype(const py::dtype& dt, const char* what) {
       break;
     default: break;
   }
-  throw TypeMismatch(str_cat(what, ": dtype '", std::string(py::str(dt)),
+  throw TypeMismatch(str_cat(label(w), ": dtype '", std::string(py::str(dt)),
                              "' is not supported; use one of ", kHostDtypes));
 }
 
 void from_numpy(Read& r, const py::array& a, const Want& w, std::vector<int64_t>* dims) {
   if (!(a.flags() & py::array::c_style))
-    throw InvalidArgument(str_cat(w.what, ": the array is not C-contiguous; pass "
+    throw InvalidArgument(str_cat(label(w), ": the array is not C-contiguous; pass "
                                           "numpy.ascontiguousarray(x) (and copy the result back)"));
   if (w.writable && !a.writeable())
-    throw InvalidArgument(str_cat(w.what, ": the array is read-only but this operation writes "
+    throw InvalidArgument(str_cat(label(w), ": the array is read-only but this operation writes "
                                           "its result into it; pass a writable array"));
-  r.view.dtype = numpy_dtype(a.dtype(), w.what);
+  r.view.dtype = numpy_dtype(a.dtype(), w);
   r.view.data = const_cast<void*>(a.data());
   r.view.count = static_cast<size_t>(a.size());
   ShapeReader s(r.view, dims);
@@ -133,7 +133,7 @@ void from_numpy(Read& r, const py::array& a, const Want& w, std::vector<int64_t>
 }
 
 // ---- the buffer protocol (bytearray, array.array, memoryview, ...) ------------------------
-DType format_dtype(const char* fmt, size_t itemsize, const char* what) {
+DType format_dtype(const char* fmt, size_t itemsize, const Want& w) {
   std::string f = fmt ? fmt : "B";
   char order = '@';
   if (!f.empty() && std::strchr("@=<>!", f[0])) {
@@ -141,7 +141,7 @@ DType format_dtype(const char* fmt, size_t itemsize, const char* what) {
     f = f.substr(1);
   }
   if (order == '>' || order == '!')
-    throw TypeMismatch(str_cat(what, ": the buffer is big-endian (format '", fmt,
+    throw TypeMismatch(str_cat(label(w), ": the buffer is big-endian (format '", fmt,
                                "'); pass native byte order"));
   if (f.size() == 1) {
     switch (f[0]) {
@@ -159,7 +159,7 @@ DType format_dtype(const char* fmt, size_t itemsize, const char* what) {
       default: break;
     }
   }
-  throw TypeMismatch(str_cat(what, ": buffer format '", fmt ? fmt : "B",
+  throw TypeMismatch(str_cat(label(w), ": buffer format '", fmt ? fmt : "B",
                              "' is not supported; use one of ", kHostDtypes));
 }
 
@@ -169,9 +169,9 @@ void from_buffer(Read& r, const py::handle& x, const Want& w, std::vector<int64_
   if (PyObject_GetBuffer(x.ptr(), &b, flags) != 0) {
     PyErr_Clear();
     if (w.writable && PyObject_CheckBuffer(x.ptr()))
-      throw InvalidArgument(str_cat(w.what, ": the buffer is read-only but this operation "
+      throw InvalidArgument(str_cat(label(w), ": the buffer is read-only but this operation "
                                             "writes its result into it; pass a writable array"));
-    throw py::type_error(str_cat(w.what, ": expected a numpy array or an object with the buffer "
+    throw py::type_error(str_cat(label(w), ": expected a numpy array or an object with the buffer "
                                          "protocol, __dlpack__ or __cuda_array_interface__, got ",
                                  type_name(x)));
   }
@@ -180,10 +180,10 @@ void from_buffer(Read& r, const py::handle& x, const Want& w, std::vector<int64_
     ~Release() { PyBuffer_Release(b); }
   } release{&b};
   if (!PyBuffer_IsContiguous(&b, 'C'))
-    throw InvalidArgument(str_cat(w.what, ": the buffer is not C-contiguous; pass a contiguous copy"));
-  r.view.dtype = format_dtype(b.format, static_cast<size_t>(b.itemsize), w.what);
+    throw InvalidArgument(str_cat(label(w), ": the buffer is not C-contiguous; pass a contiguous copy"));
+  r.view.dtype = format_dtype(b.format, static_cast<size_t>(b.itemsize), w);
   if (dtype_size(r.view.dtype) != static_cast<size_t>(b.itemsize))
-    throw TypeMismatch(str_cat(w.what, ": buffer format '", b.format, "' has items of ", b.itemsize,
+    throw TypeMismatch(str_cat(label(w), ": buffer format '", b.format, "' has items of ", b.itemsize,
                                " bytes; use one of ", kHostDtypes));
   r.view.data = b.buf;
   r.view.count = static_cast<size_t>(b.len / b.itemsize);
@@ -193,7 +193,7 @@ void from_buffer(Read& r, const py::handle& x, const Want& w, std::vector<int64_
 }
 
 // ---- device arrays ---------------------------------------------------------------------------
-DType dtype_from_dl(DLDataType t, const char* what) {
+DType dtype_from_dl(DLDataType t, const Want& w) {
   if (t.lanes == 1) {
     if (t.code == kDLInt && t.bits == 8) return DType::kInt8;
     if (t.code == kDLInt && t.bits == 32) return DType::kInt32;
@@ -207,13 +207,13 @@ DType dtype_from_dl(DLDataType t, const char* what) {
     if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return DType::kFloat8E4M3;
     if (t.code == kDLFloat8_e5m2 && t.bits == 8) return DType::kFloat8E5M2;
   }
-  throw TypeMismatch(str_cat(what, ": DLPack dtype (code ", int(t.code), ", bits ", int(t.bits),
+  throw TypeMismatch(str_cat(label(w), ": DLPack dtype (code ", int(t.code), ", bits ", int(t.bits),
                              ", lanes ", t.lanes, ") is not supported; use ", kDeviceDtypes));
 }
 
-DType dtype_from_typestr(const std::string& ts, const char* what) {
+DType dtype_from_typestr(const std::string& ts, const Want& w) {
   if (ts.size() >= 3 && ts[0] == '>')
-    throw TypeMismatch(str_cat(what, ": __cuda_array_interface__ typestr '", ts,
+    throw TypeMismatch(str_cat(label(w), ": __cuda_array_interface__ typestr '", ts,
                                "' is big-endian; pass native byte order"));
   if (ts.size() >= 3) {
     const char kind = ts[1];
@@ -227,7 +227,7 @@ DType dtype_from_typestr(const std::string& ts, const char* what) {
     if (kind == 'f' && n == "8") return DType::kFloat64;
     if (kind == 'b' && n == "1") return DType::kBool;
   }
-  throw TypeMismatch(str_cat(what, ": __cuda_array_interface__ typestr '", ts, "' is not "
+  throw TypeMismatch(str_cat(label(w), ": __cuda_array_interface__ typestr '", ts, "' is not "
                              "supported; use int8, uint8, int32, int64, float16, float32, "
                              "float64 or bool (bfloat16 and float8 through DLPack: the "
                              "interface has no typestr for them)"));
@@ -235,21 +235,21 @@ DType dtype_from_typestr(const std::string& ts, const char* what) {
 
 // strides in `unit`s (elements for DLPack, bytes for the array interface)
 void check_compact(const std::vector<int64_t>& shape, const int64_t* strides, size_t unit,
-                   const char* what) {
+                   const Want& w) {
   if (!strides) return;
   int64_t expect = static_cast<int64_t>(unit);
   for (size_t i = shape.size(); i-- > 0;) {
     if (shape[i] != 1 && strides[i] != expect)
-      throw InvalidArgument(str_cat(what, ": the array is not C-contiguous; pass a contiguous "
+      throw InvalidArgument(str_cat(label(w), ": the array is not C-contiguous; pass a contiguous "
                                     "copy (x.contiguous() / cupy.ascontiguousarray(x))"));
     expect *= shape[i];
   }
 }
 
-size_t product(const std::vector<int64_t>& shape, const char* what) {
+size_t product(const std::vector<int64_t>& shape, const Want& w) {
   size_t n = 1;
   for (int64_t d : shape) {
-    if (d < 0) throw InvalidArgument(str_cat(what, ": negative dimension in the array's shape"));
+    if (d < 0) throw InvalidArgument(str_cat(label(w), ": negative dimension in the array's shape"));
     n *= static_cast<size_t>(d);
   }
   return n;
@@ -287,7 +287,7 @@ Kind kind_of(const py::handle& x) {
   return k;
 }
 
-DType torch_dtype(const py::handle& dt, const char* what) {
+DType torch_dtype(const py::handle& dt, const Want& w) {
   auto& c = caches();
   auto it = c.torch_dtypes.find(dt.ptr());
   if (it != c.torch_dtypes.end()) return it->second.second;
@@ -304,7 +304,7 @@ DType torch_dtype(const py::handle& dt, const char* what) {
       c.torch_dtypes.emplace(dt.ptr(), std::make_pair(py::reinterpret_borrow<py::object>(dt), d));
       return d;
     }
-  throw TypeMismatch(str_cat(what, ": dtype ", s, " is not supported; use ", kDeviceDtypes));
+  throw TypeMismatch(str_cat(label(w), ": dtype ", s, " is not supported; use ", kDeviceDtypes));
 }
 
 uintptr_t torch_stream(int device) {
@@ -341,10 +341,10 @@ py::object call_method(const py::handle& x, const char* name) {
 
 [[noreturn]] void wrong_memory(const Want& w, bool is_device) {
   if (is_device)
-    throw py::type_error(str_cat(w.what, ": the array is in GPU memory; the CPU backend takes "
+    throw py::type_error(str_cat(label(w), ": the array is in GPU memory; the CPU backend takes "
                                          "host memory: use meshcoll.init(backend='nccl') for GPU "
                                          "arrays"));
-  throw py::type_error(str_cat(w.what, ": the array is in host memory; the NCCL backend takes "
+  throw py::type_error(str_cat(label(w), ": the array is in host memory; the NCCL backend takes "
                                        "CUDA arrays (PyTorch, CuPy, JAX, or any __dlpack__ / "
                                        "__cuda_array_interface__ object)"));
 }
@@ -353,11 +353,11 @@ void from_torch(Read& r, const py::handle& x, const Want& w, std::vector<int64_t
   r.view.device = call_method(x, "get_device").cast<int>();
   if ((r.view.device >= 0) != w.device) wrong_memory(w, r.view.device >= 0);
   if (!call_method(x, "is_contiguous").cast<bool>())
-    throw InvalidArgument(str_cat(w.what, ": the tensor is not contiguous; pass x.contiguous() "
+    throw InvalidArgument(str_cat(label(w), ": the tensor is not contiguous; pass x.contiguous() "
                                           "(and copy the result back)"));
-  r.view.dtype = torch_dtype(x.attr("dtype"), w.what);
+  r.view.dtype = torch_dtype(x.attr("dtype"), w);
   py::object size = x.attr("shape");  // torch.Size, a tuple of ints
-  if (!PyTuple_Check(size.ptr())) throw py::type_error(str_cat(w.what, ": tensor.shape is not a tuple"));
+  if (!PyTuple_Check(size.ptr())) throw py::type_error(str_cat(label(w), ": tensor.shape is not a tuple"));
   r.view.count = 1;
   ShapeReader s(r.view, dims);
   for (const py::handle d : py::reinterpret_borrow<py::tuple>(size)) {
@@ -392,11 +392,11 @@ void from_dlpack(Read& r, const py::handle& x, const Want& w, std::vector<int64_
   } else if (name && std::strcmp(name, "dltensor_versioned") == 0) {
     auto* m = static_cast<DLManagedTensorVersioned*>(PyCapsule_GetPointer(cap.ptr(), name));
     if (m->major != 1)
-      throw py::type_error(str_cat(w.what, ": DLPack major version ", m->major, " is not supported"));
+      throw py::type_error(str_cat(label(w), ": DLPack major version ", m->major, " is not supported"));
     readonly = (m->flags & kDLReadOnly) != 0;
     t = &m->dl_tensor;
   } else {
-    throw py::type_error(str_cat(w.what, ": __dlpack__ returned an unexpected capsule (",
+    throw py::type_error(str_cat(label(w), ": __dlpack__ returned an unexpected capsule (",
                                  name ? name : "unnamed", ")"));
   }
   if (!t) throw py::error_already_set();
@@ -404,19 +404,19 @@ void from_dlpack(Read& r, const py::handle& x, const Want& w, std::vector<int64_
   const bool is_device = type == kDLCUDA || type == kDLCUDAManaged;
   if (is_device != w.device || (!is_device && type != kDLCPU && type != kDLCUDAHost)) {
     if (!is_device && type != kDLCPU && type != kDLCUDAHost)
-      throw py::type_error(str_cat(w.what, ": DLPack device type ", type, " is neither host nor "
+      throw py::type_error(str_cat(label(w), ": DLPack device type ", type, " is neither host nor "
                                            "CUDA memory"));
     wrong_memory(w, is_device);
   }
   if (w.writable && readonly)
-    throw InvalidArgument(str_cat(w.what, ": the array is read-only (immutable, as JAX arrays "
+    throw InvalidArgument(str_cat(label(w), ": the array is read-only (immutable, as JAX arrays "
                                           "are) but this operation writes its result into it; "
                                           "pass a writable array"));
   r.view.device = is_device ? t->device.device_id : -1;
-  r.view.dtype = dtype_from_dl(t->dtype, w.what);
+  r.view.dtype = dtype_from_dl(t->dtype, w);
   std::vector<int64_t> d(t->shape, t->shape + t->ndim);
-  check_compact(d, t->strides, 1, w.what);
-  r.view.count = product(d, w.what);
+  check_compact(d, t->strides, 1, w);
+  r.view.count = product(d, w);
   ShapeReader s(r.view, dims);
   for (int64_t n : d) s.add(n);
   r.view.data = static_cast<uint8_t*>(t->data) + t->byte_offset;
@@ -428,9 +428,9 @@ void from_cai(Read& r, const py::handle& x, const Want& w, std::vector<int64_t>*
   py::tuple data = d["data"];
   r.view.data = data[0].is_none() ? nullptr : reinterpret_cast<void*>(data[0].cast<uintptr_t>());
   if (w.writable && data[1].cast<bool>())
-    throw InvalidArgument(str_cat(w.what, ": the array is read-only but this operation writes "
+    throw InvalidArgument(str_cat(label(w), ": the array is read-only but this operation writes "
                                           "its result into it; pass a writable array"));
-  r.view.dtype = dtype_from_typestr(d["typestr"].cast<std::string>(), w.what);
+  r.view.dtype = dtype_from_typestr(d["typestr"].cast<std::string>(), w);
   py::tuple shape = d["shape"];
   std::vector<int64_t> ds(shape.size());
   for (size_t i = 0; i < ds.size(); ++i) ds[i] = shape[i].cast<int64_t>();
@@ -438,9 +438,9 @@ void from_cai(Read& r, const py::handle& x, const Want& w, std::vector<int64_t>*
     py::tuple st = d["strides"];
     std::vector<int64_t> strides(st.size());
     for (size_t i = 0; i < strides.size(); ++i) strides[i] = st[i].cast<int64_t>();
-    check_compact(ds, strides.data(), dtype_size(r.view.dtype), w.what);
+    check_compact(ds, strides.data(), dtype_size(r.view.dtype), w);
   }
-  r.view.count = product(ds, w.what);
+  r.view.count = product(ds, w);
   ShapeReader s(r.view, dims);
   for (int64_t n : ds) s.add(n);
   uintptr_t own = 0;
@@ -490,6 +490,10 @@ void release(PyObject* o) {
 
 }  // namespace
 
+std::string label(const Want& w) {
+  return w.arg && *w.arg ? str_cat(w.what, ": ", w.arg) : std::string(w.what);
+}
+
 std::shared_ptr<void> owner_of(const py::handle& x) {
   PyObject* o = x.ptr();
   Py_INCREF(o);
@@ -530,7 +534,7 @@ Read read_array(const py::handle& x, const Want& w, std::vector<int64_t>* dims) 
       from_buffer(r, x, w, dims);
       break;
     case Kind::kUnknown:
-      throw py::type_error(str_cat(w.what, ": expected ",
+      throw py::type_error(str_cat(label(w), ": expected ",
                                    w.device ? "a CUDA array (with __dlpack__ or "
                                               "__cuda_array_interface__)"
                                             : "a numpy array or an object with the buffer "
@@ -538,7 +542,7 @@ Read read_array(const py::handle& x, const Want& w, std::vector<int64_t>* dims) 
                                    ", got ", type_name(x)));
   }
   if (r.view.count && !r.view.data)
-    throw InvalidArgument(str_cat(w.what, ": the array has a null data pointer"));
+    throw InvalidArgument(str_cat(label(w), ": the array has a null data pointer"));
   if (w.keep) {
     // A buffer-protocol object is held through a memoryview, which keeps its export open:
     // a bytearray cannot be resized under the operation.

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "comm/array_view.h"
@@ -20,7 +21,8 @@ constexpr uintptr_t kLegacyStream = 1;
 
 // What a call asks of an array.
 struct Want {
-  const char* what = "";      // "all_reduce: x", for errors
+  const char* what = "";      // the operation, "all_reduce", for errors
+  const char* arg = nullptr;  // which of its arrays, "out" (errors say "all_reduce: out")
   bool writable = false;      // the result is written into it
   bool device = false;        // CUDA memory (NCCL backend), else host memory (CPU backend)
   bool keep = false;          // take a reference to the owner (asynchronous operations)
@@ -35,6 +37,9 @@ struct Read {
   uintptr_t stream = kLegacyStream;
   uintptr_t order_after = 0;
 };
+
+// "all_reduce: out": how errors name the array (formatted only when one is raised).
+std::string label(const Want& w);
 
 // Reads `x` as `want` asks; TypeError / ValueError (TypeMismatch / InvalidArgument) naming
 // `want.what` for anything a backend cannot take. `dims`, if given, receives the shape.

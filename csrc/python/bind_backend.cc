@@ -3,6 +3,7 @@
 // are read by python/array.cc with the GIL held; the GIL is released around calls that
 // block (every CPU call, an NCCL barrier) and held around NCCL enqueues, which never block
 // and cost less than a release.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -68,6 +69,9 @@ uint8_t algorithm_arg(const std::string& name, const char* what) {
   return static_cast<uint8_t>(a);
 }
 
+// A numpy array: never an Array, checked first (the hot path's usual argument).
+bool PyArray_Check_(const py::handle& x) { return py::isinstance<py::array>(x); }
+
 // One call's options and how its arrays are read: the first array read decides the stream
 // of a device op (stream= if given, else that array's own), later arrays are read on it.
 class CallReader {
@@ -91,12 +95,12 @@ class CallReader {
   }
   // x or out: a raw array, or an Array the ProcessGroup made of one.
   comm::ArrayView operator()(const py::handle& x, const char* name, bool writable) {
-    std::string label = str_cat(what_, name[0] ? ": " : "", name);
     Want w = want_;
-    w.what = label.c_str();
+    w.what = what_;
+    w.arg = name;
     w.writable = writable;
     Read r;
-    if (py::isinstance<Array>(x)) {
+    if (!PyArray_Check_(x) && py::isinstance<Array>(x)) {
       const Array& a = x.cast<const Array&>();
       if ((writable && !a.writable) || (w.device && want_.has_stream && a.read.stream != w.stream))
         r = read_array(a.obj, w);  // read again: another check or another stream

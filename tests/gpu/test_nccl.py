@@ -456,6 +456,111 @@ def test_bad_arguments_raise_and_leave_the_group_usable():
         assert errs[-1] == 2.0
 
 
+# ---- the contract's guarantees on GPUs (csrc/comm/backend.h) -------------------------------
+
+def _dropped_async(pg):
+    """Rank 0 issues async all_reduces of tensors it drops at once, with their Work; torch's
+    caching allocator hands each freed block to the next tensor of that size, a canary. Rank
+    1 joins late. The op holds its tensor until it completes (Note [Owners] in
+    csrc/python/array.h), so no canary is written."""
+    import torch
+    n = 1 << 18
+    damaged = 0
+    for _ in range(3):
+        if pg.rank == 0:
+            pg.all_reduce(torch.randn(n, device="cuda"), async_op=True)
+            canary = torch.full((n,), 7.0, device="cuda")
+            pg.barrier(timeout=30)
+            torch.cuda.synchronize()
+            damaged += int((canary != 7.0).sum())
+        else:
+            time.sleep(0.3)
+            pg.all_reduce(torch.randn(n, device="cuda"))
+            pg.barrier(timeout=30)
+    x = torch.full((4,), pg.rank + 1.0, device="cuda")
+    pg.all_reduce(x)
+    torch.cuda.synchronize()
+    return damaged, x.tolist()
+
+
+@needs_torch
+@gpus(2)
+def test_dropped_async_tensor_is_not_written_after_free():
+    for damaged, x in run_nccl(2, _dropped_async):
+        assert damaged == 0, f"{damaged} canary elements overwritten"
+        assert x == [3.0] * 4
+
+
+def _two_threads(pg):
+    """Two groups of the same ranks, each driven by its own thread on its own stream."""
+    import threading
+
+    import torch
+    g1 = pg.new_group(list(range(pg.size)))
+    g2 = pg.new_group(list(range(pg.size)))
+    errors = []
+
+    def loop(g, seed):
+        with torch.cuda.device(pg.device):
+            s = torch.cuda.Stream()
+            with torch.cuda.stream(s):
+                for i in range(50):
+                    x = torch.full((4099,), float(pg.rank + i + seed), device="cuda")
+                    if seed:
+                        out = g.all_gather(x, timeout=30)
+                        want = torch.stack([torch.full((4099,), float(r + i + seed), device="cuda")
+                                            for r in range(pg.size)])
+                        ok = bool((out == want).all())
+                    else:
+                        g.all_reduce(x, timeout=30)
+                        ok = bool((x == sum(r + i for r in range(pg.size))).all())
+                    if not ok:
+                        errors.append(f"{'all_gather' if seed else 'all_reduce'} {i} wrong")
+
+    threads = [threading.Thread(target=loop, args=(g, seed)) for g, seed in ((g1, 0), (g2, 100))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return errors
+
+
+@needs_torch
+@gpus(2)
+def test_two_threads_two_groups_two_streams():
+    for errors in run_nccl(2, _two_threads):
+        assert not errors, errors
+
+
+def _bad_sizes(pg):
+    import torch
+    x = torch.ones(8, device="cuda")
+    wrong = []
+    for label, call, cls in (
+            ("all_gather out too big", lambda: pg.all_gather(x, out=torch.empty(8 * pg.size + 1, device="cuda")), ValueError),
+            ("reduce_scatter out too small", lambda: pg.reduce_scatter(x, out=torch.empty(1, device="cuda")), ValueError),
+            ("scatter out larger than the block", lambda: pg.scatter(torch.ones(pg.size, 3, device="cuda"), 0, out=torch.empty(4, device="cuda")), ValueError),
+            ("out dtype", lambda: pg.all_gather(x, out=torch.empty(8 * pg.size, device="cuda", dtype=torch.float16)), TypeError)):
+        try:
+            call()
+            wrong.append(f"{label}: no error")
+        except cls:
+            pass
+        except Exception as e:  # noqa: BLE001
+            wrong.append(f"{label}: {type(e).__name__}: {e}")
+    pg.all_reduce(x)
+    torch.cuda.synchronize()
+    return wrong, float(x[0])
+
+
+@needs_torch
+@gpus(2)
+def test_out_sizes_checked_before_launch():
+    for wrong, v in run_nccl(2, _bad_sizes):
+        assert not wrong, wrong
+        assert v == 2.0
+
+
 # ---- float8 (NCCL 2.24+; reductions on sm_90+) -------------------------------------------
 
 FP8 = ("float8_e4m3fn", "float8_e5m2")
