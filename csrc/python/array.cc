@@ -351,7 +351,11 @@ py::object call_method(const py::handle& x, const char* name) {
 
 void from_torch(Read& r, const py::handle& x, const Want& w, std::vector<int64_t>* dims) {
   r.view.device = call_method(x, "get_device").cast<int>();
-  if ((r.view.device >= 0) != w.device) wrong_memory(w, r.view.device >= 0);
+  if (w.device && r.view.device < 0)
+    throw py::type_error(str_cat(label(w), ": a CPU tensor: the NCCL backend takes CUDA tensors "
+                                           "(move it with x.cuda(), or use "
+                                           "meshcoll.init(backend='cpu'))"));
+  if (!w.device && r.view.device >= 0) wrong_memory(w, true);
   if (!call_method(x, "is_contiguous").cast<bool>())
     throw InvalidArgument(str_cat(label(w), ": the tensor is not contiguous; pass x.contiguous() "
                                           "(and copy the result back)"));

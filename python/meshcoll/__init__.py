@@ -29,9 +29,10 @@ _HOME = {
     "nccl_available": "nccl",
     **dict.fromkeys(("ShardedArray", "partition_range", "reduce_scatter_dim", "shard"),
                     "partition"),
-    **dict.fromkeys(("CollectiveConfig", "NonMemberGroup", "ProcessGroup", "Work", "destroy",
-                     "get_world_group", "init", "is_initialized", "new_group"),
+    **dict.fromkeys(("CollectiveConfig", "NonMemberGroup", "ProcessGroup", "Work"),
                     "process_group"),
+    **dict.fromkeys(("destroy", "get_world_group", "init", "is_initialized", "new_group"),
+                    "world"),
 }
 
 # Module functions mirror the group methods, on the world group or ``group=``.
@@ -44,13 +45,14 @@ _WORLD_API = ("TCPStore", "get_rank", "get_world_size") + _COLLECTIVES
 
 # Submodules that were attributes of the package after a plain ``import meshcoll``.
 _SUBMODULES = ("_C", "_env", "arrays", "ddp", "device_mesh", "hierarchy", "monitor", "nccl",
-               "partition", "process_group")
+               "partition", "process_group", "world")
 
 
 def _world_api() -> dict:
     """TCPStore, get_rank, get_world_size and the module-level collectives; they need _C."""
     from . import _C
-    from .process_group import ProcessGroup, get_world_group
+    from .process_group import ProcessGroup
+    from .world import get_world_group
 
     class TCPStore(_C.TCPStore):
         """TCP key-value store. ``is_server=True`` also hosts the server (port 0 picks a

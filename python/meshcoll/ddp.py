@@ -154,7 +154,7 @@ class DataParallel:
     def __init__(self, params: Mapping[str, object], *, group=None, bucket_cap_mb: float = 25,
                  average: bool = True, broadcast_from: Optional[int] = 0,
                  compression=None, mode="sync"):
-        from .process_group import get_world_group
+        from .world import get_world_group
         self._group = group if group is not None else get_world_group()
         if not isinstance(params, Mapping) or not params:
             raise ValueError("DataParallel: params must be a non-empty dict name -> array")

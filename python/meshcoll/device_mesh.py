@@ -290,11 +290,11 @@ class _MeshState:
 
     def create_groups(self, dims: Dims):
         """Create every group along ``dims`` (collective); return the one we are in."""
-        from . import process_group
+        from . import world
 
         mine = None
         for row in self.layout.group_array(dims):
-            g = process_group.new_group(self.global_ranks[row].tolist(), group=self.parent)
+            g = world.new_group(self.global_ranks[row].tolist(), group=self.parent)
             self.group_count += 1
             if g.is_member:
                 mine = g
@@ -312,9 +312,9 @@ class DeviceMesh:
     """
 
     def __init__(self, layout: MeshLayout, group=None):
-        from . import process_group
+        from . import world
 
-        parent = process_group.get_world_group() if group is None else group
+        parent = world.get_world_group() if group is None else group
         if not parent.is_member:
             raise ValueError("cannot build a DeviceMesh over a group this rank is not in")
         layout.check_world_size(parent.size)

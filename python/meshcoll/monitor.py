@@ -25,7 +25,7 @@ def monitored_barrier(group=None, timeout: float = 30.0) -> None:
     out (the last rank arrived just late), the barrier is complete and the call returns, as
     it does on the ranks whose wait succeeded, so that all ranks take the same branch."""
     if group is None:
-        from .process_group import get_world_group
+        from .world import get_world_group
         group = get_world_group()
     if not getattr(group, "is_member", False):
         raise RuntimeError(f"monitored_barrier: this rank is not a member of group "

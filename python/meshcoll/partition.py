@@ -138,8 +138,8 @@ def reduce_scatter_dim(x, dim: int, op: str = "sum", group=None) -> ShardedArray
 
 def _resolve(group):
     if group is None:
-        from . import process_group  # at call time, as device_mesh does
-        group = process_group.get_world_group()
+        from . import world  # at call time, as device_mesh does
+        group = world.get_world_group()
     if not getattr(group, "is_member", True):
         raise ValueError(f"this rank is not a member of group {group.name} "
                          f"(members: global ranks {group.ranks})")

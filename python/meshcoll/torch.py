@@ -68,7 +68,7 @@ class DistributedDataParallel(torch.nn.Module):
         if not self._params:
             raise ValueError("meshcoll.torch.DistributedDataParallel: the module has no "
                              "parameter that requires grad")
-        from .process_group import get_world_group
+        from .world import get_world_group
         group = kw.get("group") or get_world_group()
         self.ddp = DataParallel({n: _operand(p.data, group, f"parameter {n!r}")
                                  for n, p in self._params.items()}, **kw)

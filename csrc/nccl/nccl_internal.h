@@ -1,0 +1,113 @@
+// What the two halves of the NCCL communicator share (nccl_comm.cc: lifecycle, watchdog,
+// failures; nccl_ops.cc: the op path and Work): small helpers and the guarded-call template.
+// Included by those two files only.
+#pragma once
+
+#include <chrono>
+#include <thread>
+
+#include "common/error.h"
+#include "nccl/nccl_comm.h"
+
+namespace meshcoll::nccl::detail {
+
+using namespace abi;  // NOLINT: the ABI names read best unqualified here
+
+// Makes `ctx` current on this thread for a scope. A thread that had another context gets it
+// back; a thread that had none keeps ours (what the runtime API would have done lazily), so
+// a loop of calls sets it once.
+class CtxGuard {
+ public:
+  CtxGuard(const CudaApi& cu, CUcontext ctx) : cu_(cu) {
+    cu_.ctx_get_current(&prev_);
+    if (prev_ != ctx) {
+      cu_.check(cu_.ctx_set_current(ctx), "cuCtxSetCurrent");
+      restore_ = prev_ != nullptr;
+    }
+  }
+  ~CtxGuard() {
+    if (restore_) cu_.ctx_set_current(prev_);
+  }
+  CtxGuard(const CtxGuard&) = delete;
+  CtxGuard& operator=(const CtxGuard&) = delete;
+
+ private:
+  const CudaApi& cu_;
+  CUcontext prev_ = nullptr;
+  bool restore_ = false;
+};
+
+// Spin briefly (a small op completes in microseconds), then yield, then sleep.
+inline void backoff(int& round) {
+  ++round;
+  if (round < 2000) return;
+  if (round < 4000) {
+    std::this_thread::yield();
+    return;
+  }
+  std::this_thread::sleep_for(std::chrono::microseconds(50));
+}
+
+inline Clock::time_point deadline_at(Millis t) {
+  return t.count() < 0 ? Clock::time_point::max() : Clock::now() + t;
+}
+
+inline bool all_equal(const std::vector<size_t>& v) {
+  for (size_t x : v)
+    if (x != v[0]) return false;
+  return true;
+}
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace meshcoll::nccl::detail
+
+namespace meshcoll::nccl {
+
+using namespace abi;  // NOLINT
+
+// Note [Stuck calls]
+// A blocking NCCL call can wait on a peer (lazy connection setup, ncclCommSplit). While it
+// runs, enqueue_deadline_ holds its deadline; the watchdog claims an expired one (CAS to -1)
+// and calls ncclCommAbort from its own thread, which makes the stuck call return. The caller
+// then sees the claim, waits until the abort is done, and fails with TimeoutError.
+template <class Call>
+ncclResult_t NcclComm::guarded_locked(const Deadline& d, const char* what, Call&& call) {
+  const int64_t t = d.timeout().count();
+  const int64_t dl = t < 0 ? 0 : detail::now_ns() + t * 1000000;
+  enqueue_comm_.store(comm_, std::memory_order_relaxed);
+  enqueue_deadline_.store(dl, std::memory_order_release);
+  ncclResult_t r = ncclSuccess;
+  std::exception_ptr thrown;
+  try {
+    r = call();
+  } catch (...) {
+    thrown = std::current_exception();
+  }
+  int64_t expect = dl;
+  if (dl == 0 || enqueue_deadline_.compare_exchange_strong(expect, 0)) {
+    if (dl == 0) enqueue_deadline_.store(0, std::memory_order_release);
+    if (thrown) std::rethrow_exception(thrown);
+    return r;
+  }
+  // The watchdog claimed this call and aborts (or aborted) the communicator.
+  while (!wd_aborted_.load(std::memory_order_acquire)) std::this_thread::yield();
+  enqueue_deadline_.store(0, std::memory_order_release);
+  comm_ = nullptr;  // already aborted
+  if (!failed_) {
+    while (completed_ < issued_ &&
+           cu_.event_query(slots_[completed_ % kSlots].event) == CUDA_SUCCESS)
+      slots_[completed_++ % kSlots].keep.clear();
+    failed_ = true;
+    failed_from_ = completed_;
+    error_ = std::make_exception_ptr(TimeoutError(str_cat(
+        "NCCL ", what, " on ", where(), " was still blocked inside NCCL after ", t,
+        " ms (a peer never made the matching call, or died); the communicator was aborted")));
+  }
+  std::rethrow_exception(error_);
+}
+
+}  // namespace meshcoll::nccl

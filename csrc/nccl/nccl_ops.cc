@@ -1,0 +1,391 @@
+// The NCCL communicator's op path: a slot per op, the caller's or the internal stream, the
+// collectives and point-to-point as NCCL calls, and NcclWork (Note [NCCL streams and Works]
+// in nccl_comm.h). Lifecycle, watchdog and failures are in nccl_comm.cc.
+#include "nccl/nccl_comm.h"
+
+#include "common/check.h"
+#include "common/error.h"
+#include "nccl/nccl_internal.h"
+
+namespace meshcoll::nccl {
+
+using namespace abi;  // NOLINT: the ABI names read best unqualified here
+using detail::all_equal;
+using detail::backoff;
+using detail::CtxGuard;
+using detail::deadline_at;
+
+// ---- the op path -------------------------------------------------------------------------
+
+void NcclComm::claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d) {
+  if (issued_ - completed_ < kSlots) return;
+  // The ring is full: kSlots ops are in flight. Wait for the oldest (rare; bounded by d).
+  int round = 0;
+  for (;;) {
+    poll_locked();
+    usable_locked();
+    if (issued_ - completed_ < kSlots) return;
+    if (d.expired())
+      throw TimeoutError(str_cat("NCCL: ", kSlots, " ops are in flight on ", where(),
+                                 " and none completed within ", d.timeout().count(), " ms"));
+    lock.unlock();
+    backoff(round);
+    lock.lock();
+  }
+}
+
+template <class Launch>
+NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_blocking,
+                                Launch&& launch) {
+  std::unique_lock<std::mutex> lock(mu_);
+  usable_locked();
+  CtxGuard guard(cu_, ctx_);
+  CUstream user = c.stream;
+  int capture = CU_STREAM_CAPTURE_STATUS_NONE;
+  if (CUresult cr = cu_.stream_is_capturing(user, &capture); cr != CUDA_SUCCESS)
+    throw InvalidArgument(str_cat(what, " on ", where(), ": cuStreamIsCapturing failed on the "
+                                  "caller's stream: ", cu_.error_text(cr),
+                                  " (a stream of another device, or destroyed?)"));
+  const bool captured = capture != CU_STREAM_CAPTURE_STATUS_NONE;
+  const bool async = c.async && !captured;
+  const Millis t = c.timeout.count() < 0 ? timeout_ : c.timeout;
+  Deadline d(t);
+  if (!captured) claim_slot_locked(lock, d);
+  CUstream exec = user;
+  if (async) {
+    cu_.check(cu_.event_record(order_event_, user), "cuEventRecord (caller's stream)");
+    cu_.check(cu_.stream_wait_event(internal_, order_event_, 0), "cuStreamWaitEvent");
+    exec = internal_;
+  }
+  guarded_locked(d, what, [&] {
+    launch(exec, d);
+    return ncclSuccess;
+  });
+  if (captured)
+    return std::make_shared<NcclWork>(shared_from_this(), 0, user, false, true, host_blocking);
+  Slot& s = slots_[issued_ % kSlots];
+  if (!s.event) cu_.check(cu_.event_create(&s.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+  cu_.check(cu_.event_record(s.event, exec), "cuEventRecord (op completion)");
+  s.deadline = deadline_at(t);
+  s.timeout_ms = t.count();
+  s.what = what;
+  if (async) s.keep = c.keep;
+  const uint64_t seq = issued_++;
+  return std::make_shared<NcclWork>(shared_from_this(), seq, user, async, false, host_blocking);
+}
+
+NcclComm::WorkPtr NcclComm::all_reduce(const CallOpts& c, const void* in, void* out,
+                                       size_t count, DType dt, RedOp op) {
+  const auto ndt = nccl_dtype(dt, true, nc_);
+  const auto nop = nccl_redop(op, dt, nc_);
+  return run(c, "all_reduce", false, [&](CUstream s, const Deadline& d) {
+    check_nccl_locked(nc_.all_reduce(in, out, count, ndt, nop, comm_, s), "ncclAllReduce", d);
+  });
+}
+
+NcclComm::WorkPtr NcclComm::reduce(const CallOpts& c, const void* in, void* out, size_t count,
+                                   DType dt, RedOp op, int root) {
+  const auto ndt = nccl_dtype(dt, true, nc_);
+  const auto nop = nccl_redop(op, dt, nc_);
+  return run(c, "reduce", false, [&](CUstream s, const Deadline& d) {
+    check_nccl_locked(nc_.reduce(in, out, count, ndt, nop, root, comm_, s), "ncclReduce", d);
+  });
+}
+
+NcclComm::WorkPtr NcclComm::broadcast(const CallOpts& c, void* buf, size_t count, DType dt,
+                                      int root) {
+  const auto ndt = nccl_dtype(dt, false, nc_);
+  return run(c, "broadcast", false, [&](CUstream s, const Deadline& d) {
+    check_nccl_locked(nc_.broadcast(buf, buf, count, ndt, root, comm_, s), "ncclBroadcast", d);
+  });
+}
+
+namespace {
+// ncclGroupStart/End around `body`; the group is closed even when body throws.
+template <class Check, class Body>
+void grouped(const NcclApi& nc, Check&& check, Body&& body) {
+  check(nc.group_start(), "ncclGroupStart");
+  try {
+    body();
+  } catch (...) {
+    nc.group_end();
+    throw;
+  }
+  check(nc.group_end(), "ncclGroupEnd");
+}
+}  // namespace
+
+NcclComm::WorkPtr NcclComm::all_gather(const CallOpts& c, const void* in, void* out,
+                                       const std::vector<size_t>& counts, DType dt) {
+  MC_CHECK_EQ(counts.size(), static_cast<size_t>(size_), "all_gather counts");
+  const auto ndt = nccl_dtype(dt, false, nc_);
+  const size_t es = dtype_size(dt);
+  return run(c, "all_gather", false, [&](CUstream s, const Deadline& d) {
+    auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
+    if (all_equal(counts)) {
+      check(nc_.all_gather(in, out, counts[0], ndt, comm_, s), "ncclAllGather");
+      return;
+    }
+    // Uneven: rank r broadcasts its counts[r] elements into their place in every out.
+    grouped(nc_, check, [&] {
+      size_t off = 0;
+      for (int r = 0; r < size_; ++r) {
+        auto* dst = static_cast<uint8_t*>(out) + off * es;
+        if (counts[r])
+          check(nc_.broadcast(r == rank_ ? in : dst, dst, counts[r], ndt, r, comm_, s),
+                "ncclBroadcast (all_gather_v)");
+        off += counts[r];
+      }
+    });
+  });
+}
+
+NcclComm::WorkPtr NcclComm::reduce_scatter(const CallOpts& c, const void* in, void* out,
+                                           const std::vector<size_t>& counts, DType dt,
+                                           RedOp op) {
+  MC_CHECK_EQ(counts.size(), static_cast<size_t>(size_), "reduce_scatter counts");
+  const auto ndt = nccl_dtype(dt, true, nc_);
+  const auto nop = nccl_redop(op, dt, nc_);
+  const size_t es = dtype_size(dt);
+  return run(c, "reduce_scatter", false, [&](CUstream s, const Deadline& d) {
+    auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
+    if (all_equal(counts)) {
+      check(nc_.reduce_scatter(in, out, counts[0], ndt, nop, comm_, s), "ncclReduceScatter");
+      return;
+    }
+    // Uneven: one reduce per block, rooted at the rank that keeps it.
+    grouped(nc_, check, [&] {
+      size_t off = 0;
+      for (int r = 0; r < size_; ++r) {
+        if (counts[r])
+          check(nc_.reduce(static_cast<const uint8_t*>(in) + off * es, r == rank_ ? out : nullptr,
+                           counts[r], ndt, nop, r, comm_, s),
+                "ncclReduce (reduce_scatter_v)");
+        off += counts[r];
+      }
+    });
+  });
+}
+
+NcclComm::WorkPtr NcclComm::all_to_all(const CallOpts& c, const void* in, void* out,
+                                       const std::vector<size_t>& send_counts,
+                                       const std::vector<size_t>& recv_counts, DType dt) {
+  MC_CHECK_EQ(send_counts.size(), static_cast<size_t>(size_), "all_to_all send counts");
+  MC_CHECK_EQ(recv_counts.size(), static_cast<size_t>(size_), "all_to_all recv counts");
+  const auto ndt = nccl_dtype(dt, false, nc_);
+  const size_t es = dtype_size(dt);
+  return run(c, "all_to_all", false, [&](CUstream s, const Deadline& d) {
+    auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
+    grouped(nc_, check, [&] {
+      size_t soff = 0, roff = 0;
+      for (int p = 0; p < size_; ++p) {
+        if (send_counts[p])
+          check(nc_.send(static_cast<const uint8_t*>(in) + soff * es, send_counts[p], ndt, p,
+                         comm_, s), "ncclSend (all_to_all)");
+        if (recv_counts[p])
+          check(nc_.recv(static_cast<uint8_t*>(out) + roff * es, recv_counts[p], ndt, p, comm_, s),
+                "ncclRecv (all_to_all)");
+        soff += send_counts[p];
+        roff += recv_counts[p];
+      }
+    });
+  });
+}
+
+NcclComm::WorkPtr NcclComm::gather(const CallOpts& c, const void* in, void* out,
+                                   const std::vector<size_t>& counts, DType dt, int root) {
+  MC_CHECK_EQ(counts.size(), static_cast<size_t>(size_), "gather counts");
+  const auto ndt = nccl_dtype(dt, false, nc_);
+  const size_t es = dtype_size(dt);
+  return run(c, "gather", false, [&](CUstream s, const Deadline& d) {
+    auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
+    grouped(nc_, check, [&] {
+      if (counts[rank_]) check(nc_.send(in, counts[rank_], ndt, root, comm_, s), "ncclSend (gather)");
+      if (rank_ != root) return;
+      size_t off = 0;
+      for (int r = 0; r < size_; ++r) {
+        if (counts[r])
+          check(nc_.recv(static_cast<uint8_t*>(out) + off * es, counts[r], ndt, r, comm_, s),
+                "ncclRecv (gather)");
+        off += counts[r];
+      }
+    });
+  });
+}
+
+NcclComm::WorkPtr NcclComm::scatter(const CallOpts& c, const void* in, void* out,
+                                    const std::vector<size_t>& counts, DType dt, int root) {
+  MC_CHECK_EQ(counts.size(), static_cast<size_t>(size_), "scatter counts");
+  const auto ndt = nccl_dtype(dt, false, nc_);
+  const size_t es = dtype_size(dt);
+  return run(c, "scatter", false, [&](CUstream s, const Deadline& d) {
+    auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
+    grouped(nc_, check, [&] {
+      if (rank_ == root) {
+        size_t off = 0;
+        for (int r = 0; r < size_; ++r) {
+          if (counts[r])
+            check(nc_.send(static_cast<const uint8_t*>(in) + off * es, counts[r], ndt, r, comm_, s),
+                  "ncclSend (scatter)");
+          off += counts[r];
+        }
+      }
+      if (counts[rank_]) check(nc_.recv(out, counts[rank_], ndt, root, comm_, s), "ncclRecv (scatter)");
+    });
+  });
+}
+
+NcclComm::WorkPtr NcclComm::send(const CallOpts& c, const void* buf, size_t count, DType dt,
+                                 int peer) {
+  const auto ndt = nccl_dtype(dt, false, nc_);
+  return run(c, "send", false, [&](CUstream s, const Deadline& d) {
+    check_nccl_locked(nc_.send(buf, count, ndt, peer, comm_, s), "ncclSend", d);
+  });
+}
+
+NcclComm::WorkPtr NcclComm::recv(const CallOpts& c, void* buf, size_t count, DType dt, int peer) {
+  const auto ndt = nccl_dtype(dt, false, nc_);
+  return run(c, "recv", false, [&](CUstream s, const Deadline& d) {
+    check_nccl_locked(nc_.recv(buf, count, ndt, peer, comm_, s), "ncclRecv", d);
+  });
+}
+
+NcclComm::WorkPtr NcclComm::barrier(const CallOpts& c) {
+  return run(c, "barrier", true, [&](CUstream s, const Deadline& d) {
+    void* w = reinterpret_cast<void*>(static_cast<uintptr_t>(barrier_buf_));
+    check_nccl_locked(nc_.all_reduce(w, w, 1, ncclFloat32, ncclSum, comm_, s),
+                      "ncclAllReduce (barrier)", d);
+  });
+}
+
+void NcclComm::order_streams(CUstream producer, CUstream waiter) {
+  std::lock_guard<std::mutex> lock(mu_);
+  usable_locked();
+  CtxGuard guard(cu_, ctx_);
+  cu_.check(cu_.event_record(order_event_, producer), "cuEventRecord (array's stream)");
+  cu_.check(cu_.stream_wait_event(waiter, order_event_, 0), "cuStreamWaitEvent (stream=)");
+}
+
+std::vector<uint8_t> NcclComm::host_all_gather(const void* data, size_t bytes, Millis timeout) {
+  std::vector<uint8_t> out(bytes * size_);
+  if (bytes == 0) return out;
+  CallOpts c;
+  c.stream = meta_;
+  c.timeout = timeout;
+  // meta_ carries nothing but these exchanges, each finished before the next: the pageable
+  // copies below (which synchronize their stream) never wait on user work.
+  auto work = run(c, "host_all_gather", false, [&](CUstream s, const Deadline& d) {
+    const size_t need = bytes * (size_ + 1);
+    if (scratch_bytes_ < need) {
+      CUdeviceptr p = 0;
+      cu_.check(cu_.mem_alloc(&p, need), "cuMemAlloc (metadata scratch)");
+      if (scratch_) cu_.mem_free(scratch_);
+      scratch_ = p;
+      scratch_bytes_ = need;
+    }
+    cu_.check(cu_.memcpy_htod_async(scratch_, data, bytes, s), "cuMemcpyHtoDAsync");
+    auto* dev = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(scratch_));
+    check_nccl_locked(nc_.all_gather(dev, dev + bytes, bytes, ncclUint8, comm_, s),
+                      "ncclAllGather (metadata)", d);
+  });
+  work->synchronize(Millis(-1));  // bounded by the op's deadline (watchdog)
+  std::lock_guard<std::mutex> lock(mu_);
+  usable_locked();
+  CtxGuard guard(cu_, ctx_);
+  cu_.check(cu_.memcpy_dtoh_async(out.data(), scratch_ + bytes, bytes * size_, meta_),
+            "cuMemcpyDtoHAsync");
+  return out;
+}
+
+// ---- Work --------------------------------------------------------------------------------
+
+bool NcclComm::op_done_locked(uint64_t seq, std::exception_ptr* error) {
+  if (failed_ && seq >= failed_from_) {
+    *error = error_;
+    return true;
+  }
+  if (seq < completed_ || shut_down_) return true;
+  CUresult q = cu_.event_query(slots_[seq % kSlots].event);
+  if (q == CUDA_SUCCESS) return true;
+  if (q == CUDA_ERROR_NOT_READY) return false;
+  *error = std::make_exception_ptr(
+      Error(str_cat("CUDA error on NCCL op ", seq, " on ", where(), ": ", cu_.error_text(q))));
+  return true;
+}
+
+void NcclComm::op_synchronize(uint64_t seq, Millis timeout) {
+  Deadline own(timeout);
+  int round = 0;
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::exception_ptr e;
+      if (op_done_locked(seq, &e)) {
+        if (e) std::rethrow_exception(e);
+        return;
+      }
+    }
+    if (own.expired())
+      throw TimeoutError(str_cat("NCCL op ", seq, " on ", where(), " did not complete within ",
+                                 timeout.count(), " ms (Work.synchronize timeout); it keeps "
+                                 "running and fails by its own deadline if it is stuck"));
+    backoff(round);
+  }
+}
+
+void NcclComm::op_stream_wait(uint64_t seq, CUstream stream) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (failed_ && seq >= failed_from_) std::rethrow_exception(error_);
+  if (seq < completed_ || shut_down_) return;
+  CtxGuard guard(cu_, ctx_);
+  cu_.check(cu_.stream_wait_event(stream, slots_[seq % kSlots].event, 0),
+            "cuStreamWaitEvent (Work.wait)");
+}
+
+void NcclWork::wait(Millis timeout, bool has_stream, comm::Stream raw) {
+  CUstream stream = reinterpret_cast<CUstream>(raw);
+  if (captured_) {
+    if (has_stream && stream != issue_stream_)
+      throw InvalidArgument("Work.wait(stream=...): this op was captured into a CUDA graph on "
+                            "another stream; order streams inside the capture instead");
+    return;
+  }
+  if (host_blocking_) {
+    comm_->op_synchronize(seq_, timeout);
+    return;
+  }
+  CUstream target = has_stream ? stream : issue_stream_;
+  if (!async_ && target == issue_stream_) {
+    // Already ordered on that stream: only report a known failure.
+    std::lock_guard<std::mutex> lock(comm_->mu_);
+    if (comm_->failed_ && seq_ >= comm_->failed_from_) std::rethrow_exception(comm_->error_);
+    return;
+  }
+  comm_->op_stream_wait(seq_, target);
+}
+
+void NcclWork::synchronize(Millis timeout) {
+  if (captured_)
+    throw InvalidArgument("Work.synchronize: this op was captured into a CUDA graph; it runs "
+                          "when the graph is replayed: synchronize the replay's stream");
+  comm_->op_synchronize(seq_, timeout);
+}
+
+bool NcclWork::is_completed() {
+  if (captured_)
+    throw InvalidArgument("Work.is_completed: this op was captured into a CUDA graph; it runs "
+                          "when the graph is replayed");
+  std::lock_guard<std::mutex> lock(comm_->mu_);
+  std::exception_ptr e;
+  return comm_->op_done_locked(seq_, &e);
+}
+
+std::exception_ptr NcclWork::exception() {
+  if (captured_) return nullptr;
+  std::lock_guard<std::mutex> lock(comm_->mu_);
+  std::exception_ptr e;
+  comm_->op_done_locked(seq_, &e);
+  return e;
+}
+
+}  // namespace meshcoll::nccl

@@ -1,0 +1,136 @@
+"""The job's world: ``init`` (rendezvous from any launcher's environment, the world group),
+``destroy``, and the one piece of module state every collective library has, the default
+group. Groups themselves are in process_group.py."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from . import _C, _env
+from .process_group import ProcessGroup
+
+
+class _Default:
+    """The process's world group and store: the one piece of module state, as in every
+    collective library (``meshcoll.init`` sets it, ``meshcoll.destroy`` clears it)."""
+
+    world: Optional[ProcessGroup] = None
+    store = None
+
+
+def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
+         world_size: Optional[int] = None, master_addr: Optional[str] = None,
+         master_port: Optional[int] = None, timeout: Optional[float] = None,
+         device=None, store=None, init_method: Optional[str] = None) -> ProcessGroup:
+    """Join the job: rendezvous through rank 0's TCP store, connect to every rank, return
+    the world group. With no arguments it reads meshcoll-run's, torchrun's, Slurm's or
+    Open MPI's environment variables. ``backend``: "cpu" (the default), "nccl" (CUDA
+    arrays; ``device`` defaults to the launcher's local rank), or "auto" (nccl when every
+    rank has a GPU and NCCL loads, else cpu). ``store``: an existing store
+    (``meshcoll.TCPStore``, client or server, or ``meshcoll.FileStore``) to rendezvous
+    through instead of rank 0 hosting one; ``rank`` and ``world_size`` then come from the
+    arguments or the environment as usual. ``init_method`` (else ``MESHCOLL_INIT_METHOD``),
+    as torch spells it: ``"env://"`` (the default), ``"tcp://host:port"`` (the master
+    address) or ``"file:///path"``: a ``FileStore`` at that path, for jobs with a shared
+    filesystem and no known master address (use a path no earlier job left behind)."""
+    if _Default.world is not None:
+        raise RuntimeError("meshcoll.init was already called in this process; call "
+                           "meshcoll.destroy() first to re-initialise")
+    if backend not in (None, "auto", "cpu", "nccl"):
+        raise ValueError(f"meshcoll.init: unknown backend {backend!r}; use 'cpu', 'nccl' or 'auto'")
+    method = (_env.parse_init_method(init_method) if init_method is not None
+              else _env.init_method_from_env())
+    if method is not None and method.kind != "env" and store is not None:
+        raise ValueError("meshcoll.init: pass store= or an init method naming a store, not both")
+    if method is not None and method.kind == "tcp":
+        for given, name, value in ((master_addr, "master_addr", method.host),
+                                   (master_port, "master_port", method.port)):
+            if given is not None and given != value:
+                raise ValueError(f"meshcoll.init: {name}={given!r} contradicts the init "
+                                 f"method's {value!r}; give one of them")
+        master_addr, master_port = method.host, method.port
+    file_path = method.path if method is not None and method.kind == "file" else None
+    # A given store or a file needs no master address: the store is already where it is.
+    rv = _env.rendezvous_from_env(rank=rank, world_size=world_size, master_addr=master_addr,
+                                  master_port=master_port,
+                                  need_master=store is None and file_path is None)
+    timeout = float(timeout) if timeout is not None else _env.timeout_from_env()
+    token = rv.token or ""
+    if file_path is not None:
+        store = _C.FileStore(file_path, timeout)
+    elif store is None:
+        store = _C.TCPStore(rv.master_addr, rv.master_port, is_server=rv.rank == 0,
+                            timeout=timeout, token=token)
+    bind_host = _bind_host(store)
+    if backend in ("nccl", "auto"):
+        from . import nccl
+        if backend == "auto":
+            backend = nccl.agree_on_backend(store, rv.rank, rv.world_size, timeout)
+    if backend == "nccl":
+        world = nccl.make_world(store, rv.rank, rv.world_size, timeout, bind_host, token,
+                                device if device is not None else rv.local_rank)
+    else:
+        world = ProcessGroup(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
+                             bind_host=bind_host, token=token,
+                             options=_env.group_options_from_env())
+    _Default.world, _Default.store = world, store
+    return world
+
+
+def _bind_host(store) -> str:
+    ifname = _env.socket_ifname_from_env()
+    if ifname:
+        import fcntl
+        import socket
+        import struct
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))
+        except OSError as e:
+            raise ValueError(f"MESHCOLL_SOCKET_IFNAME={ifname}: no IPv4 address on that "
+                             f"interface ({e})") from None
+        finally:
+            s.close()
+        return socket.inet_ntoa(packed[20:24])
+    # The interface that reaches the master is the one peers can reach us on.
+    local = getattr(store, "local_host", None)
+    return local if local else _outbound_address()
+
+
+def _outbound_address() -> str:
+    """The address of the interface holding the default route (a store with no master, such
+    as a file, says nothing about the network): connecting a UDP socket sends no packet. A
+    host without a route gets the loopback address, enough for one host."""
+    import socket
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("10.255.255.255", 1))
+        return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        s.close()
+
+
+def destroy() -> None:
+    """Close every group and the store; init may be called again afterwards."""
+    world, store = _Default.world, _Default.store
+    _Default.world, _Default.store = None, None
+    if world is not None:
+        world.destroy()
+    del store
+
+
+def is_initialized() -> bool:
+    return _Default.world is not None
+
+
+def get_world_group() -> ProcessGroup:
+    if _Default.world is None:
+        raise RuntimeError("meshcoll is not initialised: call meshcoll.init() first")
+    return _Default.world
+
+
+def new_group(ranks: Sequence[int], *, group: Optional[ProcessGroup] = None,
+              timeout: Optional[float] = None):
+    return (group or get_world_group()).new_group(ranks, timeout=timeout)
