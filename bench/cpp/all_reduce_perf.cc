@@ -16,6 +16,7 @@
 #include "algo/collectives.h"
 #include "cpu/cpu_backend.h"
 #include "store/tcp_store.h"
+#include "bench_config.h"
 #include "fork_ranks.h"
 
 using namespace meshcoll;
@@ -145,6 +146,7 @@ int rank_main(int rank, int port, const Options& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  bench::config_from_env("all_reduce_perf");
   Options o = parse(argc, argv);
   return bench::fork_ranks(o.ranks, "all_reduce_perf",
                           [&](int r, int port) { return rank_main(r, port, o); });

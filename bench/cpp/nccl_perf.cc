@@ -35,6 +35,7 @@
 #include "nccl/nccl_api.h"
 #include "reduce/half.h"
 #include "store/tcp_store.h"
+#include "bench_config.h"
 #include "fork_ranks.h"
 
 using namespace meshcoll;
@@ -515,6 +516,7 @@ int probe(std::string* why) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  bench::config_from_env("nccl_perf");
   Options o = parse(argc, argv);
   find_type(o.dtype);
   find_redop(o.redop);

@@ -41,6 +41,7 @@ def main() -> None:
     if world.size % args.hosts:
         raise SystemExit(f"--hosts {args.hosts} must divide the {world.size} ranks")
     os.environ["MESHCOLL_HOST_ID"] = f"host{world.rank // (world.size // args.hosts)}"
+    meshcoll._C.reload_config()  # the core read the environment when _C was imported
     os.environ["MESHCOLL_HIERARCHY"] = "0"
     flat = world.new_group(world.ranks)
     os.environ["MESHCOLL_HIERARCHY"] = "1"

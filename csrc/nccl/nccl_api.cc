@@ -2,10 +2,10 @@
 
 #include <atomic>
 #include <cstdio>
-#include <cstdlib>
 #include <memory>
 #include <mutex>
 
+#include "common/config.h"
 #include "common/error.h"
 #include "nccl/dynamic_library.h"
 
@@ -13,12 +13,9 @@ namespace meshcoll::nccl {
 
 namespace {
 
-constexpr const char* kNcclEnv = "MESHCOLL_NCCL_LIBRARY";
-
 // MESHCOLL_NCCL_TRACE=1 prints each loading step to stderr (for a crash inside a library).
 void trace(const std::string& what) {
-  static const bool on = std::getenv("MESHCOLL_NCCL_TRACE") != nullptr;
-  if (on) std::fprintf(stderr, "[meshcoll nccl] %s\n", what.c_str());
+  if (config().nccl_trace) std::fprintf(stderr, "[meshcoll nccl] %s\n", what.c_str());
 }
 
 // Loading state. Loads happen once per process (under mu); readers on the hot path only
@@ -97,13 +94,14 @@ std::unique_ptr<CudaApi> load_cuda() {
 
 std::unique_ptr<NcclApi> load_nccl(const std::vector<std::string>& wheel_candidates) {
   std::vector<std::string> candidates;
-  if (const char* env = std::getenv(kNcclEnv); env && *env) candidates.push_back(env);
+  const std::string from_env = config().nccl_library;  // MESHCOLL_NCCL_LIBRARY
+  if (!from_env.empty()) candidates.push_back(from_env);
   for (const auto& c : wheel_candidates) candidates.push_back(c);
   candidates.push_back("libnccl.so.2");
-  std::string note = std::getenv(kNcclEnv) && *std::getenv(kNcclEnv)
+  std::string note = !from_env.empty()
                          ? ""
-                         : str_cat(" (set ", kNcclEnv, " to a libnccl.so.2, or pip install "
-                                   "'meshcoll[cuda13]' or 'meshcoll[cuda12]')");
+                         : " (set MESHCOLL_NCCL_LIBRARY to a libnccl.so.2, or pip install "
+                           "'meshcoll[cuda13]' or 'meshcoll[cuda12]')";
   std::unique_ptr<DynamicLibrary> lib;
   for (const auto& c : candidates) trace("NCCL candidate " + c);
   try {

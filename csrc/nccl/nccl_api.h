@@ -3,7 +3,7 @@
 // version differences; nccl_comm.cc asks the tables, never dlsym.
 //
 // Search order for libnccl.so.2:
-//   1. $MESHCOLL_NCCL_LIBRARY (a path);
+//   1. $MESHCOLL_NCCL_LIBRARY (a path; config().nccl_library, Note [Configuration]);
 //   2. the paths set by set_nccl_candidates: python/meshcoll/nccl.py passes the
 //      nvidia-nccl-cu13 / nvidia-nccl-cu12 wheels' nvidia/nccl/lib/libnccl.so.2;
 //   3. the system: dlopen("libnccl.so.2") (LD_LIBRARY_PATH, ld.so.cache).

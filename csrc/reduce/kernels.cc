@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "common/check.h"
+#include "common/config.h"
 #include "common/error.h"
 #include "reduce/half.h"
 
@@ -372,19 +373,16 @@ Table build_table() {
 }
 
 // 0 baseline, 1 avx2, 2 avx512: the highest level MESHCOLL_SIMD allows (all when unset).
-int simd_cap_from_env() {
-  const char* env = std::getenv("MESHCOLL_SIMD");
-  if (env == nullptr || *env == '\0') return 2;
-  const std::string v(env);
+// set_config accepts no other value (Note [Configuration]).
+int simd_cap() {
+  const std::string v = config().simd;
   if (v == "baseline") return 0;
   if (v == "avx2") return 1;
-  if (v == "avx512") return 2;
-  MC_THROW(InvalidArgument, "MESHCOLL_SIMD='", v,
-           "' is not a SIMD level; use baseline, avx2 or avx512 (or unset it)");
+  return 2;
 }
 
 Table select_table() {
-  const int cap = simd_cap_from_env();
+  const int cap = simd_cap();
 #if defined(__x86_64__)
   __builtin_cpu_init();
   if (cap >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

@@ -1,4 +1,4 @@
-"""Where rank, world size and the master address come from.
+"""Where rank, world size and the master address come from, and the C++ core's settings.
 
 This is the one module that knows environment variable names: meshcoll's own
 (set by ``meshcoll-run``), torchrun's, Slurm's, Open MPI's and PMI's. It is pure
@@ -36,6 +36,13 @@ HIERARCHY = "MESHCOLL_HIERARCHY"
 INIT_METHOD = "MESHCOLL_INIT_METHOD"
 ALGO = "MESHCOLL_ALGO"
 DEBUG = "MESHCOLL_DEBUG"
+# Read into the C++ core's Config (core_config_from_env; Note [Configuration]).
+HOST_ID = "MESHCOLL_HOST_ID"
+CMA = "MESHCOLL_CMA"
+SIMD = "MESHCOLL_SIMD"
+NCCL_TRACE = "MESHCOLL_NCCL_TRACE"
+NCCL_LIBRARY = "MESHCOLL_NCCL_LIBRARY"
+NCCL_SPLIT = "MESHCOLL_NCCL_SPLIT"
 
 TRANSPORTS = ("auto", "shm", "tcp")  # the values of MESHCOLL_TRANSPORT
 
@@ -494,3 +501,47 @@ def group_options_from_env(environ: Optional[Mapping[str, str]] = None) -> Group
     return GroupOptions(transport=transport_from_env(environ), shm_bytes=shm_bytes_from_env(environ),
                         hierarchy=hierarchy_from_env(environ),
                         algorithm=algorithm_from_env(environ), debug=debug_from_env(environ))
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    """The C++ core's process-wide settings (csrc/common/config.h), field for field; the
+    defaults are those of an unset environment and equal the C++ defaults."""
+
+    host_id: str = ""         # MESHCOLL_HOST_ID: same-host identity override ("": derived)
+    cma: bool = True          # MESHCOLL_CMA: cross-memory attach on one host
+    simd: str = ""            # MESHCOLL_SIMD: cap the reduction kernels ("": no cap)
+    nccl_trace: bool = False  # MESHCOLL_NCCL_TRACE: print each NCCL loading step
+    nccl_library: str = ""    # MESHCOLL_NCCL_LIBRARY: libnccl.so.2 to try first
+    nccl_split: bool = True   # MESHCOLL_NCCL_SPLIT: subgroups through ncclCommSplit
+
+
+SIMD_LEVELS = ("baseline", "avx2", "avx512")  # the values of MESHCOLL_SIMD
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    text = _get(env, name)
+    if text is None:
+        return default
+    if text not in ("0", "1"):
+        raise ValueError(f"meshcoll: {name}={text!r}: use 0 or 1 (or unset it)")
+    return text == "1"
+
+
+def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreConfig:
+    """The C++ core's settings from MESHCOLL_HOST_ID, _CMA, _SIMD, _NCCL_TRACE,
+    _NCCL_LIBRARY and _NCCL_SPLIT; ValueError naming the variable for a bad value. The
+    compiled module installs the result once, when it is imported (Note [Configuration])."""
+    env = os.environ if environ is None else environ
+    simd = _get(env, SIMD) or ""
+    if simd and simd not in SIMD_LEVELS:
+        raise ValueError(f"meshcoll: {SIMD}={simd!r} is not a SIMD level; use "
+                         f"{', '.join(SIMD_LEVELS)} (or unset it)")
+    return CoreConfig(
+        host_id=_get(env, HOST_ID) or "",
+        cma=_flag(env, CMA, True),
+        simd=simd,
+        nccl_trace=_flag(env, NCCL_TRACE, False),
+        nccl_library=_get(env, NCCL_LIBRARY) or "",
+        nccl_split=_flag(env, NCCL_SPLIT, True),
+    )

@@ -59,8 +59,15 @@ def _wrong(got, want, name):
     return int(bad.sum())
 
 
+def _emulate_host(name):
+    """Puts this rank on emulated host `name`. The core read the environment when _C was
+    imported, so it reads it again (Note [Configuration])."""
+    os.environ["MESHCOLL_HOST_ID"] = name
+    meshcoll._C.reload_config()
+
+
 def _body(pg, hosts):
-    os.environ["MESHCOLL_HOST_ID"] = hosts[pg.rank]
+    _emulate_host(hosts[pg.rank])
     g = pg.new_group(list(range(pg.size)))
     h = g._hier
     assert h is not None, "a group over two hosts with a shared host builds a hierarchy"
@@ -99,7 +106,7 @@ def test_hierarchical_all_reduce(run_ranks, layout):
 def _bcast_gather_body(pg, hosts):
     """Hierarchical broadcast from every root and all_gather of several shapes, blocking and
     async, interleaved with all_reduces through the same FIFO; values against numpy."""
-    os.environ["MESHCOLL_HOST_ID"] = hosts[pg.rank]
+    _emulate_host(hosts[pg.rank])
     g = pg.new_group(list(range(pg.size)))
     assert g._hier is not None
     fails, n = [], g.size
@@ -148,7 +155,7 @@ def test_one_host_has_no_hierarchy(run_ranks):
 
 
 def _die_body(pg, victim):
-    os.environ["MESHCOLL_HOST_ID"] = "AABB"[pg.rank]
+    _emulate_host("AABB"[pg.rank])
     g = pg.new_group(list(range(pg.size)))
     x = np.ones(4096, np.float32)
     g.all_reduce(x)

@@ -17,6 +17,7 @@
 #include <fstream>
 #include <thread>
 
+#include "common/config.h"
 #include "common/error.h"
 
 namespace meshcoll::transport {
@@ -57,7 +58,7 @@ static void sweep_stale_segments() {
 
 std::string ShmGroup::host_identity() {
   // MESHCOLL_HOST_ID overrides (tests that emulate several hosts on one machine).
-  if (const char* forced = std::getenv("MESHCOLL_HOST_ID"); forced && *forced) return forced;
+  if (std::string forced = config().host_id; !forced.empty()) return forced;
   char host[256] = {0};
   gethostname(host, sizeof(host) - 1);
   // Same boot and same IPC namespace: two containers on one host may not share /dev/shm.
@@ -170,8 +171,7 @@ std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& sto
   // Note [Cross-memory attach]: read each peer's pid field through the kernel and compare
   // it with what the mapping shows. A failure only turns the feature off, on every rank.
   std::string cma_why;
-  const char* cma_env = std::getenv("MESHCOLL_CMA");
-  if (cma_env && std::string(cma_env) == "0") cma_why = "disabled by MESHCOLL_CMA=0";
+  if (!config().cma) cma_why = "disabled by MESHCOLL_CMA=0";
   for (int r = 0; r < size && cma_why.empty(); ++r) {
     if (r == rank) continue;
     const ShmControl& peer = *g->ctrl_[r];

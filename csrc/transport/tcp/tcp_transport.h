@@ -1,5 +1,7 @@
 // TCP transport: one socket per peer (full mesh), non-blocking, progressed by whichever
 // thread waits (the communicator's worker). Frames: FrameHeader + payload.
+// tcp_connect.cc builds the mesh (listen, connect, job-token handshake); tcp_transport.cc
+// moves frames over it; tcp_peer.h holds the per-peer state both use.
 #pragma once
 
 #include <poll.h>

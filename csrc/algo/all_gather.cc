@@ -1,0 +1,46 @@
+// all_gather (and all_gather_v): a ring over per-rank block sizes, so the uneven variant is
+// the same code. On one host it hands over to shm_all_gather (shm_collectives.cc).
+#include <cstring>
+
+#include "algo/collectives.h"
+#include "algo/plan.h"
+#include "common/check.h"
+
+namespace meshcoll::algo {
+
+// Ring all-gather: at step s this rank forwards block (rank-s) to the right and receives
+// block (rank-s-1) from the left, straight into the output. Every receive region is distinct
+// and is only sent on after it has arrived, so all receives are posted up front and each
+// segment is forwarded the moment it lands.
+void all_gather(comm::Comm& comm, const AllGatherArgs& a) {
+  const int n = comm.size(), r = comm.rank();
+  const auto off = prefix_offsets(a.bytes);
+  MC_CHECK_EQ(off[n], a.out.size);
+  if (a.in.data != a.out.data + off[r] && a.bytes[r])
+    std::memcpy(a.out.data + off[r], a.in.data, a.bytes[r]);
+  if (n == 1) return;
+  if (comm.shm()) {
+    shm_all_gather(comm, a);
+    return;
+  }
+  const int right = mod(r + 1, n), left = mod(r - 1, n);
+  const Segments segs(max_of(a.bytes), a.max_segment_bytes, 1);
+  auto seg = [&](int block, size_t j) {
+    size_t len = a.bytes[block];
+    return MutBytes(a.out.data + off[block] + segs.offset(len, j), segs.length(len, j));
+  };
+  std::vector<transport::Request> recvs, sends;
+  for (int s = 0; s < n - 1; ++s)
+    for (size_t j = 0; j < segs.count; ++j)
+      recvs.push_back(comm.recv(left, s, seg(mod(r - s - 1, n), j)));
+  for (size_t j = 0; j < segs.count; ++j) sends.push_back(comm.send(right, 0, seg(r, j)));
+  for (int s = 0; s < n - 1; ++s) {
+    for (size_t j = 0; j < segs.count; ++j) {
+      comm.wait(recvs[s * segs.count + j]);
+      if (s + 1 < n - 1) sends.push_back(comm.send(right, s + 1, seg(mod(r - s - 1, n), j)));
+    }
+  }
+  comm.wait(sends);
+}
+
+}  // namespace meshcoll::algo

@@ -1,0 +1,36 @@
+#include "common/config.h"
+
+#include <mutex>
+
+#include "common/check.h"
+
+namespace meshcoll {
+
+namespace {
+
+std::mutex& config_mu() {
+  static std::mutex* mu = new std::mutex();  // never destroyed: threads may read at exit
+  return *mu;
+}
+
+Config& current() {
+  static Config* c = new Config();
+  return *c;
+}
+
+}  // namespace
+
+Config config() {
+  std::lock_guard<std::mutex> lock(config_mu());
+  return current();
+}
+
+void set_config(const Config& c) {
+  MC_ARG_CHECK(c.simd.empty() || c.simd == "baseline" || c.simd == "avx2" || c.simd == "avx512",
+               "simd='", c.simd, "' is not a SIMD level; use baseline, avx2 or avx512 (or '' "
+               "for no cap)");
+  std::lock_guard<std::mutex> lock(config_mu());
+  current() = c;
+}
+
+}  // namespace meshcoll

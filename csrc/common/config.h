@@ -1,0 +1,34 @@
+// Process-wide settings, read from the environment in one place.
+//
+// Note [Configuration]
+// python/meshcoll/_env.py reads the MESHCOLL_* variables (validating them, naming the
+// variable in every error), and the compiled module installs the result with set_config
+// once, first thing when _C is imported (csrc/python/bind_config.cc). Code below the Python
+// boundary never reads the environment: it asks config(). The defaults below are the documented ones (an unset
+// variable), so C++ programs that do not go through Python (bench/cpp) behave the same; a
+// bench that honours a variable reads it in its main and calls set_config.
+//
+// When a field takes effect: host_id and cma when a communicator sets up shared memory,
+// simd when the kernel table is first built (the first reduction), nccl_* when NCCL is
+// loaded or split.
+#pragma once
+
+#include <string>
+
+namespace meshcoll {
+
+struct Config {
+  std::string host_id;       // MESHCOLL_HOST_ID: same-host identity override ("": derive it)
+  bool cma = true;           // MESHCOLL_CMA: cross-memory attach on one host (Note [Cross-memory attach])
+  std::string simd;          // MESHCOLL_SIMD: cap the reduction kernels: baseline, avx2, avx512 ("": no cap)
+  bool nccl_trace = false;   // MESHCOLL_NCCL_TRACE: print each NCCL / CUDA loading step to stderr
+  std::string nccl_library;  // MESHCOLL_NCCL_LIBRARY: libnccl.so.2 to try first ("": none)
+  bool nccl_split = true;    // MESHCOLL_NCCL_SPLIT: subgroups through ncclCommSplit where available
+};
+
+// A copy, taken under a lock: set_config may run while other threads read.
+Config config();
+// InvalidArgument for a value no field accepts (simd other than the three levels or "").
+void set_config(const Config& c);
+
+}  // namespace meshcoll

@@ -1,0 +1,73 @@
+// Bindings for csrc/common/config.h (Note [Configuration]). The module's init calls
+// config_at_import before registering anything: it asks python/meshcoll/_env.py (the one
+// place that knows variable names) for the settings and installs them. A bad value fails the
+// import of _C with an ImportError carrying _env's message (pybind11 would otherwise say only
+// "initialization failed"); nothing was registered yet, so a later import tries again.
+#include <pybind11/pybind11.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "common/config.h"
+#include "common/error.h"
+
+namespace py = pybind11;
+
+namespace meshcoll::python {
+
+namespace {
+
+// From any object with the fields: _env.CoreConfig or _C.Config.
+Config from_python(py::handle c) {
+  Config out;
+  out.host_id = c.attr("host_id").cast<std::string>();
+  out.cma = c.attr("cma").cast<bool>();
+  out.simd = c.attr("simd").cast<std::string>();
+  out.nccl_trace = c.attr("nccl_trace").cast<bool>();
+  out.nccl_library = c.attr("nccl_library").cast<std::string>();
+  out.nccl_split = c.attr("nccl_split").cast<bool>();
+  return out;
+}
+
+}  // namespace
+
+void apply_env_config() {
+  set_config(from_python(py::module_::import("meshcoll._env").attr("core_config_from_env")()));
+}
+
+void config_at_import() {
+  try {
+    apply_env_config();
+  } catch (py::error_already_set& e) {
+    if (!e.matches(PyExc_ValueError)) throw;
+    throw std::runtime_error(py::str(e.value()).cast<std::string>());  // becomes ImportError
+  }
+}
+
+void bind_config(py::module_& m) {
+  py::class_<Config>(m, "Config",
+                     "The core's process-wide settings (Note [Configuration]); a new one holds "
+                     "the defaults, those of an unset environment.")
+      .def(py::init<>())
+      .def_readwrite("host_id", &Config::host_id)
+      .def_readwrite("cma", &Config::cma)
+      .def_readwrite("simd", &Config::simd)
+      .def_readwrite("nccl_trace", &Config::nccl_trace)
+      .def_readwrite("nccl_library", &Config::nccl_library)
+      .def_readwrite("nccl_split", &Config::nccl_split)
+      .def("__repr__", [](const Config& c) {
+        auto b = [](bool v) { return v ? "True" : "False"; };
+        return str_cat("Config(host_id='", c.host_id, "', cma=", b(c.cma), ", simd='", c.simd,
+                       "', nccl_trace=", b(c.nccl_trace), ", nccl_library='", c.nccl_library,
+                       "', nccl_split=", b(c.nccl_split), ")");
+      });
+  m.def("config", &config, "A copy of the settings in force.");
+  m.def("set_config", [](py::handle c) { set_config(from_python(c)); }, py::arg("config"),
+        "Installs the settings of `config` (a Config or meshcoll._env.CoreConfig); ValueError "
+        "for a simd other than '', baseline, avx2 or avx512.");
+  m.def("reload_config", &apply_env_config,
+        "Reads the MESHCOLL_* variables of the core again (they are read once, when _C is "
+        "imported); ValueError naming a variable with a bad value.");
+}
+
+}  // namespace meshcoll::python

@@ -1,0 +1,188 @@
+// TCP transport, part one: building the full mesh. Construction listens on an ephemeral
+// port, publishes "tcp/addr/<rank>" in the store and connects to every lower rank (with
+// retry, net::connect_to) while accepting every higher one; each connection opens with the
+// job-token handshake (magic, version, rank, size, group id, token), and a client that
+// fails it is refused without disturbing the real peers. Frames, queues, progress and
+// abort are in tcp_transport.cc.
+#include "transport/tcp/tcp_transport.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <cstring>
+#include <thread>
+
+#include "common/error.h"
+#include "common/socket.h"
+#include "transport/tcp/tcp_peer.h"
+
+namespace meshcoll::transport {
+
+namespace {
+
+constexpr uint32_t kHandshakeMagic = 0x5348434d;  // "MCHS"
+constexpr uint16_t kHandshakeVersion = 1;
+
+#pragma pack(push, 1)
+struct Handshake {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t token_len;
+  int32_t rank;
+  int32_t size;
+  uint64_t comm_id;
+};
+#pragma pack(pop)
+
+bool same_token(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+Millis remaining(const Deadline& d) {
+  int ms = d.poll_ms();
+  return Millis(ms < 0 ? 24LL * 3600 * 1000 : ms);
+}
+
+}  // namespace
+
+TcpTransport::TcpTransport(int rank, int size, store::Store& store, const TcpOptions& opts,
+                           DescribeOp describe, const Deadline& d)
+    : rank_(rank), size_(size), describe_(describe) {
+  for (int i = 0; i < size; ++i) peers_.push_back(std::make_unique<Peer>());
+  unsigned cores = std::thread::hardware_concurrency();
+  spin_ = cores != 0 && static_cast<unsigned>(size) <= cores;
+  if (size > 1) {
+    try {
+      connect_all(store, opts, d);
+    } catch (...) {
+      for (auto& p : peers_) net::close_fd(p->fd);
+      throw;
+    }
+  }
+}
+
+TcpTransport::~TcpTransport() {
+  for (auto& p : peers_) net::close_fd(p->fd);
+}
+
+void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, const Deadline& d) {
+  int port = 0;
+  int listen_fd = net::listen_on(opts.bind_host, 0, size_ + 16, &port);
+  struct Closer {
+    int fd;
+    ~Closer() { net::close_fd(fd); }
+  } closer{listen_fd};
+  std::string me = net::Endpoint{opts.bind_host, port}.str();
+  store.set(str_cat("tcp/addr/", rank_), store::Bytes(me.begin(), me.end()));
+
+  Handshake hs{kHandshakeMagic, kHandshakeVersion, static_cast<uint16_t>(opts.token.size()),
+               rank_, size_, opts.comm_id};
+  // Lower ranks accept, higher ranks connect: the kernel completes a connect into the
+  // listener's backlog, so connecting first and accepting second cannot deadlock.
+  for (int j = 0; j < rank_; ++j) {
+    std::string what = str_cat("rank ", rank_, ": connecting to rank ", j);
+    store::Bytes addr;
+    try {
+      addr = store.get(str_cat("tcp/addr/", j), remaining(d));
+    } catch (const TimeoutError&) {
+      throw TimeoutError(str_cat(what, ": rank ", j, " never published its address within ",
+                                 d.timeout().count(), " ms; did every rank start?"));
+    }
+    std::string s(addr.begin(), addr.end());
+    size_t colon = s.rfind(':');
+    std::string host = s.substr(0, colon);
+    if (!host.empty() && host.front() == '[') host = host.substr(1, host.size() - 2);
+    int peer_port = std::stoi(s.substr(colon + 1));
+    int fd = net::connect_to(host, peer_port, d, what);
+    peers_[j]->fd = fd;
+    net::send_all(fd, &hs, sizeof(hs), d, what);
+    net::send_all(fd, opts.token.data(), opts.token.size(), d, what);
+  }
+  // Accept the higher ranks. Handshakes are read from all pending connections at once, so
+  // a stray client that connects and stays silent cannot delay the real peers.
+  struct Pending {
+    int fd;
+    std::string bytes;
+    Clock::time_point since;
+  };
+  std::vector<Pending> pending;
+  int expected = size_ - 1 - rank_;
+  auto drop = [&](size_t i) {
+    net::close_fd(pending[i].fd);
+    pending[i] = std::move(pending.back());
+    pending.pop_back();
+  };
+  while (expected > 0) {
+    if (d.expired()) {
+      for (auto& p : pending) net::close_fd(p.fd);
+      throw TimeoutError(str_cat("rank ", rank_, ": waiting for ", expected,
+                                 " higher rank(s) to connect: no connection arrived within ",
+                                 d.timeout().count(), " ms; did every rank start?"));
+    }
+    std::vector<pollfd> fds{{listen_fd, POLLIN, 0}};
+    for (auto& p : pending) fds.push_back({p.fd, POLLIN, 0});
+    int ms = d.poll_ms();
+    ::poll(fds.data(), fds.size(), ms < 0 || ms > 100 ? 100 : ms);
+    if (fds[0].revents & POLLIN) {
+      for (;;) {
+        int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd < 0) break;
+        net::set_nodelay(fd);
+        pending.push_back({fd, std::string(), Clock::now()});
+      }
+    }
+    for (size_t i = pending.size(); i-- > 0;) {
+      Pending& p = pending[i];
+      char buf[256];
+      ssize_t n = ::recv(p.fd, buf, sizeof(buf), 0);
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+        drop(i);
+        continue;
+      }
+      if (n > 0) p.bytes.append(buf, static_cast<size_t>(n));
+      Handshake in{};
+      if (p.bytes.size() >= sizeof(in)) std::memcpy(&in, p.bytes.data(), sizeof(in));
+      bool header = p.bytes.size() >= sizeof(in);
+      if (header && (in.magic != kHandshakeMagic || in.token_len > 1024)) {
+        drop(i);
+        continue;
+      }
+      if (!header || p.bytes.size() < sizeof(in) + in.token_len) {
+        if (Clock::now() - p.since > Millis(10000)) drop(i);  // too slow: a stray
+        continue;
+      }
+      std::string token = p.bytes.substr(sizeof(in), in.token_len);
+      uint8_t ok = in.version == kHandshakeVersion && same_token(token, opts.token) &&
+                   in.comm_id == opts.comm_id && in.size == size_ && in.rank > rank_ &&
+                   in.rank < size_ && peers_[in.rank]->fd < 0 &&
+                   p.bytes.size() == sizeof(in) + in.token_len;
+      (void)!::send(p.fd, &ok, 1, MSG_NOSIGNAL);
+      if (!ok) {
+        drop(i);  // a stray or mistaken client: refused, keep waiting
+        continue;
+      }
+      peers_[in.rank]->fd = p.fd;
+      --expected;
+      pending[i] = std::move(pending.back());
+      pending.pop_back();
+    }
+  }
+  for (auto& p : pending) net::close_fd(p.fd);
+  for (int j = 0; j < rank_; ++j) {
+    uint8_t ok = 0;
+    std::string what = str_cat("rank ", rank_, ": handshake with rank ", j);
+    try {
+      net::recv_all(peers_[j]->fd, &ok, 1, d, what);
+    } catch (const PeerError&) {
+      ok = 0;
+    }
+    if (!ok)
+      throw PeerError(str_cat(what, " was refused: the job token (MESHCOLL_TOKEN) or group "
+                                    "differs from rank ", j, "'s; start every rank from one launch"));
+  }
+}
+
+}  // namespace meshcoll::transport

@@ -1,0 +1,36 @@
+"""meshcoll._env.core_config_from_env: the C++ core's settings (Note [Configuration] in
+csrc/common/config.h), each variable parsed, and each bad value named. Pure logic: every call
+gets an explicit `environ=` dict."""
+
+import pytest
+
+from meshcoll._env import CoreConfig, core_config_from_env
+
+
+def test_unset_environment_is_the_defaults():
+    assert core_config_from_env({}) == CoreConfig()
+
+
+@pytest.mark.parametrize("env, field, value", [
+    ({"MESHCOLL_HOST_ID": "rack7"}, "host_id", "rack7"),
+    ({"MESHCOLL_HOST_ID": ""}, "host_id", ""),  # empty counts as unset
+    ({"MESHCOLL_CMA": "0"}, "cma", False),
+    ({"MESHCOLL_CMA": "1"}, "cma", True),
+    ({"MESHCOLL_SIMD": "avx2"}, "simd", "avx2"),
+    ({"MESHCOLL_SIMD": "baseline"}, "simd", "baseline"),
+    ({"MESHCOLL_NCCL_TRACE": "1"}, "nccl_trace", True),
+    ({"MESHCOLL_NCCL_LIBRARY": "/opt/nccl/libnccl.so.2"}, "nccl_library",
+     "/opt/nccl/libnccl.so.2"),
+    ({"MESHCOLL_NCCL_SPLIT": "0"}, "nccl_split", False),
+])
+def test_each_variable(env, field, value):
+    assert getattr(core_config_from_env(env), field) == value
+
+
+@pytest.mark.parametrize("name, text", [
+    ("MESHCOLL_SIMD", "sse9"), ("MESHCOLL_SIMD", "AVX2"), ("MESHCOLL_CMA", "yes"),
+    ("MESHCOLL_NCCL_TRACE", "on"), ("MESHCOLL_NCCL_SPLIT", "2"),
+])
+def test_bad_value_names_the_variable(name, text):
+    with pytest.raises(ValueError, match=f"{name}='{text}'"):
+        core_config_from_env({name: text})
