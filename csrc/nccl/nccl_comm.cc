@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "common/check.h"
+#include "common/config.h"
 #include "common/error.h"
 #include "nccl/nccl_internal.h"
 
@@ -21,7 +22,6 @@ using detail::now_ns;
 namespace {
 
 constexpr const char* kUidKey = "nccl/unique_id";
-constexpr const char* kSplitEnv = "MESHCOLL_NCCL_SPLIT";  // "0": subgroups via the store
 constexpr auto kPollBusy = std::chrono::milliseconds(2);   // watchdog period with ops pending
 constexpr auto kPollIdle = std::chrono::milliseconds(20);  // ... and without
 
@@ -274,8 +274,7 @@ NcclComm::NcclComm(ncclComm_t comm, int rank, int size, int device, CUcontext ct
 }
 
 bool NcclComm::split_supported() {
-  const char* env = std::getenv(kSplitEnv);
-  if (env && std::strcmp(env, "0") == 0) return false;
+  if (!config().nccl_split) return false;  // MESHCOLL_NCCL_SPLIT=0: subgroups via the store
   return nccl().comm_split != nullptr;
 }
 
