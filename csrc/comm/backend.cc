@@ -51,12 +51,11 @@ Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const Cal
                                     " but this group's communicator uses device ", device()));
   }
   check_options(what, o);
-  Call c{0, d, o, {}};
+  Call c{d, o, {}};
   // Point-to-point returns a Work even when synchronous: its owners ride with it too.
   if (o.async || kind == CollKind::kSendRecv)
     for (const ArrayView* a : arrays)
       if (a->owner) c.keep.push_back(a->owner);
-  c.seq = kind == CollKind::kSendRecv ? 0 : ledger_.open_collective(d);
   return c;
 }
 
@@ -66,7 +65,6 @@ WorkPtr Backend::all_reduce(const ArrayView& in, const ArrayView& out, RedOp op,
   check_arrays(what, in, out);
   if (out.count != in.count) size_error(what, "out", out.count, in.count, "x has");
   check_reduction(in.dtype, op);
-  std::lock_guard<std::mutex> lock(issue_mu_);
   Call c = open(CollKind::kAllReduce, make_desc(CollKind::kAllReduce, in.dtype, in.count, op), o,
                 what, {&in, &out});
   return do_all_reduce(c, in, out, op);
@@ -79,7 +77,6 @@ WorkPtr Backend::reduce(const ArrayView& in, const ArrayView& out, RedOp op, int
   check_root(root, what);
   if (rank_ == root && out.count != in.count) size_error(what, "out", out.count, in.count, "x has");
   check_reduction(in.dtype, op);
-  std::lock_guard<std::mutex> lock(issue_mu_);
   Call c = open(CollKind::kReduce, make_desc(CollKind::kReduce, in.dtype, in.count, op, root), o,
                 what, {&in, &out});
   return do_reduce(c, in, out, op, root);
@@ -88,7 +85,6 @@ WorkPtr Backend::reduce(const ArrayView& in, const ArrayView& out, RedOp op, int
 WorkPtr Backend::broadcast(const ArrayView& buf, int root, const CallOptions& o) {
   const char* what = "broadcast";
   check_root(root, what);
-  std::lock_guard<std::mutex> lock(issue_mu_);
   Call c = open(CollKind::kBroadcast,
                 make_desc(CollKind::kBroadcast, buf.dtype, buf.count, RedOp::kSum, root), o, what,
                 {&buf});
@@ -107,7 +103,6 @@ WorkPtr Backend::all_gather(const ArrayView& in, const ArrayView& out,
   // The result is stacked by shape: (2, 3) on one rank and (3, 2) on another disagree even
   // with equal counts; the _v form concatenates rows, so only a row's shape must agree.
   d.shape = uneven ? in.row_hash : in.shape_hash;
-  std::lock_guard<std::mutex> lock(issue_mu_);
   Call c = open(kind, d, o, what, {&in, &out});
   return do_all_gather(c, in, out, counts);
 }
@@ -125,7 +120,6 @@ WorkPtr Backend::reduce_scatter(const ArrayView& in, const ArrayView& out,
   auto d = make_desc(kind, in.dtype, total(counts), op);
   // Every rank must split the same way: the counts travel as a fingerprint.
   d.shape = hash_of(counts).value();
-  std::lock_guard<std::mutex> lock(issue_mu_);
   Call c = open(kind, d, o, what, {&in, &out});
   return do_reduce_scatter(c, in, out, counts, op);
 }
@@ -148,7 +142,6 @@ WorkPtr Backend::all_to_all(const ArrayView& in, const ArrayView& out,
   // Uneven: per-rank totals differ, so the count is not compared; a row's shape is.
   auto d = make_desc(kind, in.dtype, uneven ? 0 : in.count);
   d.shape = in.row_hash;
-  std::lock_guard<std::mutex> lock(issue_mu_);
   Call c = open(kind, d, o, what, {&in, &out});
   return do_all_to_all(c, in, out, send_counts, recv_counts);
 }
@@ -163,7 +156,6 @@ WorkPtr Backend::gather(const ArrayView& in, const ArrayView& out,
   if (rank_ == root && out.count != total(counts))
     size_error(what, "out", out.count, total(counts), "the counts add up to");
   auto d = make_desc(CollKind::kGather, in.dtype, in.count, RedOp::kSum, root);
-  std::lock_guard<std::mutex> lock(issue_mu_);
   Call c = open(CollKind::kGather, d, o, what, {&in, &out});
   return do_gather(c, in, out, counts, root);
 }
@@ -178,13 +170,11 @@ WorkPtr Backend::scatter(const ArrayView& in, const ArrayView& out,
   if (rank_ == root && in.count != total(counts))
     size_error(what, "x", in.count, total(counts), "the counts add up to");
   auto d = make_desc(CollKind::kScatter, out.dtype, out.count, RedOp::kSum, root);
-  std::lock_guard<std::mutex> lock(issue_mu_);
   Call c = open(CollKind::kScatter, d, o, what, {&in, &out});
   return do_scatter(c, in, out, counts, root);
 }
 
 WorkPtr Backend::barrier(const CallOptions& o) {
-  std::lock_guard<std::mutex> lock(issue_mu_);
   Call c = open(CollKind::kBarrier, make_desc(CollKind::kBarrier, DType::kUint8, 0), o,
                 "barrier", {});
   return do_barrier(c);
@@ -203,7 +193,6 @@ void check_peer(int peer, int rank, int size, const char* what) {
 WorkPtr Backend::send(const ArrayView& buf, int peer, uint32_t tag, const CallOptions& o) {
   check_peer(peer, rank_, size_, "send");
   auto d = make_desc(CollKind::kSendRecv, buf.dtype, buf.count);
-  std::lock_guard<std::mutex> lock(issue_mu_);
   Call c = open(CollKind::kSendRecv, d, o, "send", {&buf});
   ledger_.open_p2p(d, peer);
   return do_send(c, buf, peer, tag);
@@ -212,16 +201,11 @@ WorkPtr Backend::send(const ArrayView& buf, int peer, uint32_t tag, const CallOp
 WorkPtr Backend::recv(const ArrayView& buf, int peer, uint32_t tag, const CallOptions& o) {
   check_peer(peer, rank_, size_, "recv");
   auto d = make_desc(CollKind::kSendRecv, buf.dtype, buf.count);
-  std::lock_guard<std::mutex> lock(issue_mu_);
   Call c = open(CollKind::kSendRecv, d, o, "recv", {&buf});
   ledger_.open_p2p(d, peer);
   return do_recv(c, buf, peer, tag);
 }
 
-void Backend::fail(const std::string& message) {
-  // Not under issue_mu_: a relayed failure must reach a group whose caller is blocked in it.
-  auto d = make_desc(CollKind::kFail, DType::kUint8, 0);
-  do_fail(ledger_.open_collective(d), message);
-}
+void Backend::fail(const std::string& message) { do_fail(message); }
 
 }  // namespace meshcoll::comm

@@ -15,7 +15,6 @@
 
 #include <initializer_list>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -94,7 +93,6 @@ class Backend {
  protected:
   // A checked, described call: what the do_* methods receive.
   struct Call {
-    uint64_t seq;                 // collective sequence number (0 for point-to-point)
     transport::OpDesc desc;
     const CallOptions& opts;
     // Owners of the arrays, held by the Work until the operation completed (async only:
@@ -123,7 +121,7 @@ class Backend {
   virtual WorkPtr do_barrier(Call& c) = 0;
   virtual WorkPtr do_send(Call& c, const ArrayView& buf, int peer, uint32_t tag) = 0;
   virtual WorkPtr do_recv(Call& c, const ArrayView& buf, int peer, uint32_t tag) = 0;
-  virtual void do_fail(uint64_t seq, const std::string& message) = 0;
+  virtual void do_fail(const std::string& message) = 0;
 
  private:
   Call open(CollKind kind, const transport::OpDesc& d, const CallOptions& o, const char* what,
@@ -134,10 +132,6 @@ class Backend {
 
   int rank_, size_;
   Ledger ledger_;
-  // Held from a call's sequence number to its place in the backend's queue (for a
-  // synchronous CPU call, to its end), so issue order is sequence order when several
-  // threads share a group.
-  std::mutex issue_mu_;
 };
 
 }  // namespace meshcoll::comm

@@ -54,8 +54,8 @@ Comm::~Comm() {
   if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
-void Comm::fail(uint64_t seq, const std::string& message) {
-  enqueue(make_desc(CollKind::kFail, DType::kUint8, 0), seq, Millis(-1),
+void Comm::fail(const std::string& message) {
+  enqueue(make_desc(CollKind::kFail, DType::kUint8, 0), Millis(-1),
           [message](Comm&) { throw PeerError(message); });
 }
 
@@ -74,6 +74,8 @@ std::shared_ptr<CpuWork> Comm::push(Item item) {
   if (stopping_)
     throw Aborted(str_cat("rank ", rank_, ": ", describe_op(item.env.op),
                           " was called on a destroyed group"));
+  if (item.env.channel == transport::Channel::kCollective)
+    item.env.seq = ledger_->open_collective(item.env.op);
   item.index = next_index_++;
   auto work = item.work;
   queue_.push_back(std::move(item));
@@ -85,13 +87,14 @@ std::shared_ptr<CpuWork> Comm::push(Item item) {
   return work;
 }
 
-bool Comm::try_claim(uint64_t* index, const transport::OpDesc& desc) {
+bool Comm::try_claim(transport::Envelope& env, uint64_t* index) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_)
-    throw Aborted(str_cat("rank ", rank_, ": ", describe_op(desc),
+    throw Aborted(str_cat("rank ", rank_, ": ", describe_op(env.op),
                           " was called on a destroyed group"));
   if (busy_ || !queue_.empty() || in_flight_count_ > 0) return false;
   busy_ = true;
+  env.seq = ledger_->open_collective(env.op);
   *index = next_index_++;
   return true;
 }
@@ -106,12 +109,11 @@ void Comm::release_claim() {
   if (wake) cv_.notify_all();
 }
 
-std::shared_ptr<CpuWork> Comm::enqueue(const transport::OpDesc& desc, uint64_t seq,
-                                       Millis timeout, std::function<void(Comm&)> run,
+std::shared_ptr<CpuWork> Comm::enqueue(const transport::OpDesc& desc, Millis timeout,
+                                       std::function<void(Comm&)> run,
                                        std::vector<std::shared_ptr<void>> keep) {
   Item item;
-  item.env.channel = transport::Channel::kCollective;
-  item.env.seq = seq;
+  item.env.channel = transport::Channel::kCollective;  // push() takes the sequence number
   item.env.op = desc;
   item.timeout = timeout.count() < 0 ? opts_.timeout : timeout;
   item.run = std::move(run);

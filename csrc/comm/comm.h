@@ -55,8 +55,9 @@ class OpRef {
 class Comm {
  public:
   // Connects to every peer through `store` (already namespaced for this group).
-  // `ledger` (the backend's, Note [Call ledger]) gives every collective its sequence number
-  // before it reaches the Comm, and learns here how each ended; it outlives the Comm.
+  // `ledger` (the backend's, Note [Call ledger]): every collective takes its sequence number
+  // from it when it takes its place in this Comm's issue order (under mu_), and the ledger
+  // learns here how each ended. It outlives the Comm.
   Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOptions& opts,
        uint64_t comm_id, Ledger* ledger);
   ~Comm();
@@ -68,24 +69,23 @@ class Comm {
   Millis timeout() const { return opts_.timeout; }
   const std::shared_ptr<store::Store>& store() const { return store_; }
 
-  // Queues collective `seq` (from the ledger, in issue order); `run` executes on the worker
-  // thread. timeout < 0: the comm default. The Work holds `keep` until the operation ends.
-  std::shared_ptr<CpuWork> enqueue(const transport::OpDesc& desc, uint64_t seq, Millis timeout,
+  // Queues a collective; `run` executes on the worker thread. timeout < 0: the comm default.
+  // The Work holds `keep` until the operation ends.
+  std::shared_ptr<CpuWork> enqueue(const transport::OpDesc& desc, Millis timeout,
                                    std::function<void(Comm&)> run,
                                    std::vector<std::shared_ptr<void>> keep = {});
-  // Runs collective `seq` and waits for it. Note [Inline execution]: when the group is idle
+  // Runs a collective and waits for it. Note [Inline execution]: when the group is idle
   // (nothing queued, running or in flight) it runs on the calling thread, with no Work and no
   // allocation, saving two thread hand-offs per call (the per-call cost of small blocking
   // collectives); otherwise it is queued behind the pending operations, then waited for.
   // Issue order is kept either way. Throws what the operation threw.
   template <class F>
-  void run_blocking(const transport::OpDesc& desc, uint64_t seq, Millis timeout, F&& run) {
+  void run_blocking(const transport::OpDesc& desc, Millis timeout, F&& run) {
     transport::Envelope env;
     env.op = desc;
-    env.seq = seq;
     uint64_t index;
-    if (!try_claim(&index, desc)) {
-      enqueue(desc, seq, timeout, std::forward<F>(run))->wait(Millis(-1));
+    if (!try_claim(env, &index)) {
+      enqueue(desc, timeout, std::forward<F>(run))->wait(Millis(-1));
       return;
     }
     std::exception_ptr error =
@@ -106,7 +106,7 @@ class Comm {
   // once), queued behind the pending operations. For operations composed over several
   // groups (Note [Hierarchy] in hierarchy.py): a failure in one group must reach the ranks
   // that wait in another.
-  void fail(uint64_t seq, const std::string& message);
+  void fail(const std::string& message);
 
   // ---- for algorithms, on the worker thread, inside `run` ----
   transport::Request send(int peer, uint32_t tag, ConstBytes src);
@@ -144,9 +144,9 @@ class Comm {
     uint64_t index = 0;  // position in issue order
   };
   std::shared_ptr<CpuWork> push(Item item);
-  // Note [Inline execution]: if the group is idle, takes the next index and the transport
-  // for the calling thread; release_claim() gives it back.
-  bool try_claim(uint64_t* index, const transport::OpDesc& desc);
+  // Note [Inline execution]: if the group is idle, takes the next sequence number and index
+  // for `env` and the transport for the calling thread; release_claim() gives it back.
+  bool try_claim(transport::Envelope& env, uint64_t* index);
   void release_claim();
   // Runs one operation on the thread that owns the transport; returns its error, if any.
   std::exception_ptr execute(const transport::Envelope& env, Millis timeout, uint64_t index,

@@ -1,7 +1,5 @@
 #include "comm/ledger.h"
 
-#include <time.h>
-
 #include "common/dtype.h"
 #include "common/error.h"
 
@@ -52,13 +50,6 @@ transport::OpDesc make_desc(CollKind k, DType dt, size_t count, RedOp op, int ro
   return d;
 }
 
-namespace {
-int64_t coarse_ms() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000 + ts.tv_nsec / 1000000;
-}
-}  // namespace
 
 std::string CallRecord::describe() const {
   std::string s = describe_op(desc);
@@ -69,52 +60,56 @@ std::string CallRecord::describe() const {
     case CallState::kFailed: return s + " failed";
     case CallState::kIssued: break;
   }
-  return s + str_cat(" pending for ", coarse_ms() - issued_ms, " ms");
+  return s + " pending";
 }
 
-uint64_t Ledger::open(const transport::OpDesc& d, uint64_t seq, int peer) {
-  const uint64_t id = next_id_.fetch_add(1, std::memory_order_relaxed);
-  Slot& r = ring_[id % kKeep];
-  r.id.store(0, std::memory_order_relaxed);  // being rewritten
-  r.seq = seq;
+void Ledger::write(Slot& r, uint64_t tag, const transport::OpDesc& d, int peer) {
+  r.tag.store(0, std::memory_order_relaxed);  // being rewritten
   r.peer = peer;
   r.desc = d;
   r.state.store(static_cast<uint8_t>(CallState::kIssued), std::memory_order_relaxed);
-  r.issued_ms = coarse_ms();
-  r.id.store(id, std::memory_order_release);
-  if (seq) seq_slot_[seq % kKeep].store(static_cast<uint32_t>(id % kKeep), std::memory_order_release);
-  return id;
+  r.tag.store(tag, std::memory_order_release);
+}
+
+void Ledger::read(const Slot& r, CallRecord* out) {
+  out->peer = r.peer;
+  out->desc = r.desc;
+  out->state = static_cast<CallState>(r.state.load(std::memory_order_acquire));
 }
 
 uint64_t Ledger::open_collective(const transport::OpDesc& d) {
-  const uint64_t seq = next_seq_.fetch_add(1, std::memory_order_relaxed);
-  open(d, seq, -1);
+  const uint64_t seq = next_seq_.load(std::memory_order_relaxed);
+  write(coll_[seq % kKeep], seq, d, -1);
+  next_seq_.store(seq + 1, std::memory_order_release);
   return seq;
 }
 
-void Ledger::open_p2p(const transport::OpDesc& d, int peer) { open(d, 0, peer); }
+void Ledger::open_p2p(const transport::OpDesc& d, int peer) {
+  const uint64_t n = next_p2p_.fetch_add(1, std::memory_order_relaxed);
+  write(p2p_[n % kKeep], n, d, peer);
+}
 
 void Ledger::set_state(uint64_t seq, CallState s) {
-  Slot& r = ring_[seq_slot_[seq % kKeep].load(std::memory_order_acquire)];
-  if (r.seq == seq) r.state.store(static_cast<uint8_t>(s), std::memory_order_release);
+  Slot& r = coll_[seq % kKeep];
+  if (r.tag.load(std::memory_order_relaxed) == seq)
+    r.state.store(static_cast<uint8_t>(s), std::memory_order_release);
 }
 
 std::vector<CallRecord> Ledger::recent(size_t n) const {
-  std::lock_guard<std::mutex> lock(read_mu_);
   std::vector<CallRecord> out;
-  const uint64_t next = next_id_.load(std::memory_order_acquire);
-  const uint64_t have = std::min<uint64_t>(std::min(n, kKeep), next - 1);
-  for (uint64_t id = next - have; id < next; ++id) {
-    const Slot& r = ring_[id % kKeep];
-    if (r.id.load(std::memory_order_acquire) != id) continue;  // being rewritten
-    CallRecord c;
-    c.id = id;
-    c.seq = r.seq;
-    c.peer = r.peer;
-    c.desc = r.desc;
-    c.state = static_cast<CallState>(r.state.load(std::memory_order_acquire));
-    c.issued_ms = r.issued_ms;
-    out.push_back(c);
+  n = std::min(n, kKeep);
+  for (const auto* ring : {&coll_, &p2p_}) {
+    const bool coll = ring == &coll_;
+    const uint64_t next = (coll ? next_seq_ : next_p2p_).load(std::memory_order_acquire);
+    const uint64_t have = std::min<uint64_t>(n, next - 1);
+    for (uint64_t t = next - have; t < next; ++t) {
+      const Slot& r = (*ring)[t % kKeep];
+      if (r.tag.load(std::memory_order_acquire) != t) continue;  // being rewritten
+      CallRecord c;
+      c.seq = coll ? t : 0;
+      read(r, &c);
+      out.push_back(c);
+    }
   }
   return out;
 }

@@ -1,12 +1,14 @@
 // The call ledger: what each call of a group is (its description, the one every rank
 // compares) and what became of it. It lives above the backends: the Backend entry points
-// (backend.cc) describe every call and open its record before dispatch, whatever serves it.
+// (backend.cc) describe every call; each backend opens the call's record when it takes the
+// call's place in its issue order (under the lock that orders its calls, which it takes
+// anyway: no lock of the ledger's own on the hot path).
 //
 // Note [Call ledger]
 // A collective's sequence number is taken here, in issue order, and travels with the call:
 // in TCP frames and shared-memory slots (the CPU backend's agreement check), and as the
 // index the NCCL backend's side channel compares. The ledger keeps the last kKeep calls of
-// the group (description, state, when it was issued) so that a timeout, an error message or a
+// the group (description and state) so that a timeout, an error message or a
 // MESHCOLL_DEBUG dump reads them instead of rebuilding them. Point-to-point calls are
 // recorded too (with their peer) but take no collective sequence number: each pair counts
 // its own messages.
@@ -53,13 +55,12 @@ enum class CallState : uint8_t { kIssued, kDone, kFailed };
 // One call as the ledger keeps it. Written by the issuing thread (under the backend's
 // issue lock); the state by whichever thread learns how the call ended.
 struct CallRecord {
-  uint64_t id = 0;   // every call of the group, from 1
   uint64_t seq = 0;  // collective sequence number; 0 for point-to-point
   int peer = -1;     // point-to-point only
   transport::OpDesc desc;
   CallState state = CallState::kIssued;
-  int64_t issued_ms = 0;  // CLOCK_MONOTONIC_COARSE: a few ms of resolution, ~10 ns to read
-  // "all_reduce(count=4, float32, sum) [seq 3] done" / "... pending for 1200 ms"
+  // "all_reduce(count=4, float32, sum) [seq 3] done" / "... pending". (No clock is read per
+  // call: a timeout's message says how long the call waited.)
   std::string describe() const;
 };
 
@@ -67,37 +68,36 @@ class Ledger {
  public:
   static constexpr size_t kKeep = 64;
 
-  // Opens the record of a collective and returns its sequence number.
+  // Opens the record of a collective and returns its sequence number. Called at the point
+  // that orders the backend's calls (under the CPU Comm's queue lock; by the one thread an
+  // NCCL group allows), so the numbers follow issue order.
   uint64_t open_collective(const transport::OpDesc& d);
   // Records a point-to-point transfer (it takes no collective sequence number).
   void open_p2p(const transport::OpDesc& d, int peer);
   // How collective `seq` ended (the CPU worker, or the calling thread when it ran inline).
   void set_state(uint64_t seq, CallState s);
-  // The last `n` calls, oldest first.
+  // The last `n` collectives and the last `n` point-to-point transfers, each oldest first.
   std::vector<CallRecord> recent(size_t n = kKeep) const;
   // The last `n` calls on one line, for error messages.
   std::string summary(size_t n) const;
 
  private:
   // Note [Ledger without locks on the hot path]: a call costs one slot write and one atomic
-  // store; readers (errors, debug dumps) copy slots under `read_mu_` and may see a slot
-  // being rewritten, which costs them a stale line, never a crash (every field is plain
-  // data, the state atomic).
+  // store; readers (errors, debug dumps) copy slots and may see a slot being rewritten,
+  // which costs them a stale line, never a crash (every field is plain data, the tags and
+  // the state atomic). Collectives sit at seq % kKeep, so finishing one needs no search.
   struct Slot {
-    std::atomic<uint64_t> id{0};
-    uint64_t seq = 0;
+    std::atomic<uint64_t> tag{0};  // seq (collectives) or p2p number; 0 while rewritten
     int peer = -1;
     transport::OpDesc desc;
     std::atomic<uint8_t> state{0};
-    int64_t issued_ms = 0;
   };
-  uint64_t open(const transport::OpDesc& d, uint64_t seq, int peer);
-  std::array<Slot, kKeep> ring_{};
-  std::atomic<uint64_t> next_id_{1};
-  std::atomic<uint64_t> next_seq_{1};
-  // Collective seq -> its slot, for set_state: seq_slot_[seq % kKeep].
-  std::array<std::atomic<uint32_t>, kKeep> seq_slot_{};
-  mutable std::mutex read_mu_;
+  static void write(Slot& r, uint64_t tag, const transport::OpDesc& d, int peer);
+  static void read(const Slot& r, CallRecord* out);
+  std::array<Slot, kKeep> coll_{};
+  std::array<Slot, kKeep> p2p_{};
+  std::atomic<uint64_t> next_seq_{1};  // written by the ordering thread only
+  std::atomic<uint64_t> next_p2p_{1};
 };
 
 }  // namespace meshcoll::comm

@@ -47,8 +47,8 @@ void CpuBackend::check_options(const char* what, const comm::CallOptions& o) con
 template <class Op>
 WorkPtr CpuBackend::run(Call& c, Op&& op) {
   if (c.opts.async)
-    return comm_->enqueue(c.desc, c.seq, c.opts.timeout, std::forward<Op>(op), std::move(c.keep));
-  comm_->run_blocking(c.desc, c.seq, c.opts.timeout, op);
+    return comm_->enqueue(c.desc, c.opts.timeout, std::forward<Op>(op), std::move(c.keep));
+  comm_->run_blocking(c.desc, c.opts.timeout, op);
   return nullptr;
 }
 
@@ -128,6 +128,6 @@ WorkPtr CpuBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t ta
                             std::move(c.keep));
 }
 
-void CpuBackend::do_fail(uint64_t seq, const std::string& message) { comm_->fail(seq, message); }
+void CpuBackend::do_fail(const std::string& message) { comm_->fail(message); }
 
 }  // namespace meshcoll::cpu

@@ -50,30 +50,35 @@ void NcclBackend::check_options(const char* what, const comm::CallOptions& o) co
 }
 
 WorkPtr NcclBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
+  open(c);
   return result(comm_->all_reduce(opts_of(c.opts, c.keep), in.data, out.data, in.count, in.dtype, op),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op,
                                int root) {
+  open(c);
   return result(comm_->reduce(opts_of(c.opts, c.keep), in.data, out.data, in.count, in.dtype, op,
                               root),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
+  open(c);
   return result(comm_->broadcast(opts_of(c.opts, c.keep), buf.data, buf.count, buf.dtype, root),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                    const std::vector<size_t>& counts) {
+  open(c);
   return result(comm_->all_gather(opts_of(c.opts, c.keep), in.data, out.data, counts, in.dtype),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_reduce_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                        const std::vector<size_t>& counts, RedOp op) {
+  open(c);
   return result(comm_->reduce_scatter(opts_of(c.opts, c.keep), in.data, out.data, counts,
                                       in.dtype, op),
                 c.opts);
@@ -82,6 +87,7 @@ WorkPtr NcclBackend::do_reduce_scatter(Call& c, const ArrayView& in, const Array
 WorkPtr NcclBackend::do_all_to_all(Call& c, const ArrayView& in, const ArrayView& out,
                                    const std::vector<size_t>& send_counts,
                                    const std::vector<size_t>& recv_counts) {
+  open(c);
   return result(comm_->all_to_all(opts_of(c.opts, c.keep), in.data, out.data, send_counts,
                                   recv_counts, in.dtype),
                 c.opts);
@@ -89,18 +95,21 @@ WorkPtr NcclBackend::do_all_to_all(Call& c, const ArrayView& in, const ArrayView
 
 WorkPtr NcclBackend::do_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                const std::vector<size_t>& counts, int root) {
+  open(c);
   return result(comm_->gather(opts_of(c.opts, c.keep), in.data, out.data, counts, in.dtype, root),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                 const std::vector<size_t>& counts, int root) {
+  open(c);
   return result(comm_->scatter(opts_of(c.opts, c.keep), in.data, out.data, counts, out.dtype,
                                root),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_barrier(Call& c) {
+  open(c);
   auto w = comm_->barrier(opts_of(c.opts, c.keep));
   if (c.opts.async) return w;
   w->wait(c.opts.timeout, false, nullptr);  // a barrier's wait blocks the host
@@ -123,6 +132,10 @@ WorkPtr NcclBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t t
   return comm_->recv(opts_of(c.opts, c.keep), buf.data, buf.count, buf.dtype, peer);
 }
 
-void NcclBackend::do_fail(uint64_t, const std::string& message) { comm_->abort(message); }
+void NcclBackend::do_fail(const std::string& message) { comm_->abort(message); }
+
+// An NCCL group is used by one thread at a time (NCCL requires it), so the order of these
+// calls is the order the ops reach NCCL: the record opens here (Note [Call ledger]).
+void NcclBackend::open(Call& c) { ledger().open_collective(c.desc); }
 
 }  // namespace meshcoll::nccl

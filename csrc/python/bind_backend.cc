@@ -69,8 +69,9 @@ uint8_t algorithm_arg(const std::string& name, const char* what) {
   return static_cast<uint8_t>(a);
 }
 
-// A numpy array: never an Array, checked first (the hot path's usual argument).
-bool PyArray_Check_(const py::handle& x) { return py::isinstance<py::array>(x); }
+// A numpy array (the hot path's usual argument) is never an Array: checked first, as it is
+// cheaper than pybind11's isinstance for a bound class.
+bool is_numpy(const py::handle& x) { return py::isinstance<py::array>(x); }
 
 // One call's options and how its arrays are read: the first array read decides the stream
 // of a device op (stream= if given, else that array's own), later arrays are read on it.
@@ -100,7 +101,7 @@ class CallReader {
     w.arg = name;
     w.writable = writable;
     Read r;
-    if (!PyArray_Check_(x) && py::isinstance<Array>(x)) {
+    if (!is_numpy(x) && py::isinstance<Array>(x)) {
       const Array& a = x.cast<const Array&>();
       if ((writable && !a.writable) || (w.device && want_.has_stream && a.read.stream != w.stream))
         r = read_array(a.obj, w);  // read again: another check or another stream
