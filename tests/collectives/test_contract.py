@@ -127,6 +127,7 @@ def _bad_arrays(pg):
         ("out is x", lambda: pg.all_to_all(x, out=x), ValueError, "separate"),
         ("object dtype", lambda: pg.all_reduce(np.array([None, 1])), TypeError, "object"),
         ("stream on CPU", lambda: pg.all_reduce(np.ones(3), stream=1), ValueError, "stream"),
+        ("bad transport", lambda: pg.new_group([0, 1], transport="udp"), ValueError, "udp"),
     ]
     wrong = []
     for label, call, cls, text in cases:
