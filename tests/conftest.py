@@ -148,3 +148,20 @@ def rand_array(rng: np.random.Generator, count: int, dtype) -> np.ndarray:
         lo, hi = max(info.min, -50), min(info.max, 50)
         return rng.integers(lo, hi + 1, count).astype(dtype)
     return (rng.standard_normal(count) + 0.5).astype(dtype)
+
+
+def wrong_errors(cases):
+    """Runs each ``(label, call, exception class, text)`` case; returns what went wrong (no
+    error, another class, a message without ``text``), one line per bad case."""
+    wrong = []
+    for label, call, cls, text in cases:
+        try:
+            call()
+        except cls as e:
+            if text not in str(e):
+                wrong.append(f"{label}: message lacks {text!r}: {e}")
+        except Exception as e:  # noqa: BLE001 - report the wrong class
+            wrong.append(f"{label}: {type(e).__name__} instead of {cls.__name__}: {e}")
+        else:
+            wrong.append(f"{label}: no error")
+    return wrong

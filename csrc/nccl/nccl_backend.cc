@@ -17,6 +17,13 @@ CallOpts opts_of(const comm::CallOptions& o, std::vector<std::shared_ptr<void>>&
   return c;
 }
 
+void check_no_tag(const char* what, uint32_t tag) {
+  if (tag != 0)
+    throw InvalidArgument(str_cat(what, ": tag ", tag, ": NCCL matches point-to-point messages "
+                                  "between two ranks in posting order and has no tags; pass "
+                                  "tag=0 and post sends and receives in the same order"));
+}
+
 // The contract returns no Work for a synchronous call: it is enqueued on the caller's stream,
 // which orders every later use of the result.
 WorkPtr result(std::shared_ptr<NcclWork> w, const comm::CallOptions& o) {
@@ -117,18 +124,12 @@ WorkPtr NcclBackend::do_barrier(Call& c) {
 }
 
 WorkPtr NcclBackend::do_send(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
-  if (tag != 0)
-    throw InvalidArgument(str_cat("send: tag ", tag, ": NCCL matches point-to-point messages "
-                                  "between two ranks in posting order and has no tags; pass "
-                                  "tag=0 and post sends and receives in the same order"));
+  check_no_tag("send", tag);
   return comm_->send(opts_of(c.opts, c.keep), buf.data, buf.count, buf.dtype, peer);
 }
 
 WorkPtr NcclBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
-  if (tag != 0)
-    throw InvalidArgument(str_cat("recv: tag ", tag, ": NCCL matches point-to-point messages "
-                                  "between two ranks in posting order and has no tags; pass "
-                                  "tag=0 and post sends and receives in the same order"));
+  check_no_tag("recv", tag);
   return comm_->recv(opts_of(c.opts, c.keep), buf.data, buf.count, buf.dtype, peer);
 }
 

@@ -168,6 +168,17 @@ PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t narg
   });
 }
 
+// send (is_send) or recv of `a`: point-to-point always returns a Work, which holds `a`.
+py::object p2p(Backend& b, bool is_send, const py::handle& a, int peer, uint32_t tag,
+               const py::handle& timeout, const py::handle& stream) {
+  CallReader read(b, is_send ? "send" : "recv", timeout, stream, false);
+  auto buf = read(a, "x", !is_send);
+  buf.owner = owner_of(a);
+  return run(b, false, [&] {
+    return is_send ? b.send(buf, peer, tag, read.opts) : b.recv(buf, peer, tag, read.opts);
+  });
+}
+
 py::object work_exception(Work& w) {
   auto e = w.exception();
   if (!e) return py::none();
@@ -344,17 +355,11 @@ void bind_backend(py::module_& m) {
            })
       .def("send", [](Backend& x, const py::handle& a, int peer, uint32_t tag,
                       const py::handle& timeout, const py::handle& stream) {
-             CallReader read(x, "send", timeout, stream, false);
-             auto buf = read(a, "x", false);
-             buf.owner = owner_of(a);
-             return run(x, false, [&] { return x.send(buf, peer, tag, read.opts); });
+             return p2p(x, true, a, peer, tag, timeout, stream);
            })
       .def("recv", [](Backend& x, const py::handle& a, int peer, uint32_t tag,
                       const py::handle& timeout, const py::handle& stream) {
-             CallReader read(x, "recv", timeout, stream, false);
-             auto buf = read(a, "x", true);
-             buf.owner = owner_of(a);
-             return run(x, false, [&] { return x.recv(buf, peer, tag, read.opts); });
+             return p2p(x, false, a, peer, tag, timeout, stream);
            });
 }
 

@@ -176,6 +176,12 @@ class ProcessGroup:
         shape, dtype and size, which the collectives take in place of ``x``."""
         return self._backend.view(x, what, writable, stream)
 
+    def _look(self, x, what: str, stream=None):
+        """What a method needs to know of ``x`` (shape, size, dtype) before the call: a numpy
+        array as it is (the backend reads and checks it in the call itself: no second read
+        on the hot path), anything else read once through ``_view``."""
+        return x if type(x) is np.ndarray else self._view(x, what, stream=stream)
+
     def _as_array(self, x, what: str, writable: bool = False):
         """``x`` checked by the backend; on the CPU backend, a numpy view of it (for code
         that reshapes, as the hierarchy and partition helpers do)."""
@@ -295,7 +301,7 @@ class ProcessGroup:
             if out is not None or async_op:
                 raise ValueError("all_gather of a host (numpy) array takes no out= or async_op")
             return self._host_all_gather(x, timeout)
-        v = self._view(x, "all_gather: x", stream=stream)
+        v = self._look(x, "all_gather: x", stream)
         shape = (self.size,) + tuple(v.shape)
         out = self._empty(shape, v) if out is None else out
         if self._hier is not None:
@@ -311,7 +317,7 @@ class ProcessGroup:
                      stream=None) -> Tuple[object, List[int]]:
         """Concatenate each rank's ``x`` along axis 0, where ranks may hold different numbers
         of rows (same trailing shape). Returns ``(concatenation, rows per rank)``."""
-        v = self._view(x, "all_gather_v: x", stream=stream)
+        v = self._look(x, "all_gather_v: x", stream)
         n = rows(v, "all_gather_v")
         row_elems = math.prod(v.shape[1:])
         meta = self.all_gather(np.array([n, row_elems], np.int64), timeout=timeout)
@@ -329,7 +335,7 @@ class ProcessGroup:
                        timeout: Optional[float] = None, stream=None):
         """Reduce ``x`` across ranks and keep this rank's slice of axis 0 (which must divide
         evenly by the group size): shape ``(x.shape[0] // size, *x.shape[1:])``."""
-        v = self._view(x, "reduce_scatter: x", stream=stream)
+        v = self._look(x, "reduce_scatter: x", stream)
         n = rows(v, "reduce_scatter")
         if n % self.size:
             raise ValueError(f"reduce_scatter: axis 0 has {n} rows, not divisible by the group "
@@ -345,7 +351,7 @@ class ProcessGroup:
         """Reduce ``x`` across ranks and keep rows ``[sum(counts[:rank]), +counts[rank])``.
         ``counts`` (rows per rank) must be the same on every rank: ranks that pass different
         counts get MismatchError."""
-        v = self._view(x, "reduce_scatter_v: x", stream=stream)
+        v = self._look(x, "reduce_scatter_v: x", stream)
         n = rows(v, "reduce_scatter_v")
         counts = [int(c) for c in counts]
         if len(counts) != self.size or any(c < 0 for c in counts) or sum(counts) != n:
@@ -366,7 +372,7 @@ class ProcessGroup:
             if out is not None or async_op:
                 raise ValueError("all_to_all of a host (numpy) array takes no out= or async_op")
             return self._host_all_to_all(x, timeout)
-        v = self._view(x, "all_to_all: x", stream=stream)
+        v = self._look(x, "all_to_all: x", stream)
         n = rows(v, "all_to_all")
         if n % self.size:
             raise ValueError(f"all_to_all: axis 0 has {n} rows, not divisible by the group size "
@@ -381,7 +387,7 @@ class ProcessGroup:
                      stream=None) -> Tuple[object, List[int]]:
         """Rows ``send_counts[i]`` of ``x`` (in order) go to rank i. Returns ``(received rows
         concatenated in rank order, rows received from each rank)``."""
-        v = self._view(x, "all_to_all_v: x", stream=stream)
+        v = self._look(x, "all_to_all_v: x", stream)
         n = rows(v, "all_to_all_v")
         send_counts = [int(c) for c in send_counts]
         if len(send_counts) != self.size or any(c < 0 for c in send_counts) or sum(send_counts) != n:
@@ -398,7 +404,7 @@ class ProcessGroup:
 
     def gather(self, x, dst: int = 0, *, timeout: Optional[float] = None, stream=None):
         """On ``dst``: every rank's ``x`` stacked along a new axis 0; elsewhere None."""
-        v = self._view(x, "gather: x", stream=stream)
+        v = self._look(x, "gather: x", stream)
         me = self.rank == dst
         out = self._empty((self.size,) + tuple(v.shape) if me else 0, v)
         self._backend.gather(v, out, [v.size] * self.size, dst, timeout, stream, False)
@@ -410,6 +416,7 @@ class ProcessGroup:
         shape ``s``. Other ranks pass ``out`` (shape ``s``), or an ``x`` of the full shape."""
         v = None
         if x is not None:
+            # Read, not looked at: off the root x never reaches the backend, yet must be sound.
             v = self._view(x, "scatter: x", stream=stream)
             if rows(v, "scatter") != self.size:
                 raise ValueError(f"scatter: x must have shape (group size={self.size}, ...), "
@@ -417,7 +424,7 @@ class ProcessGroup:
         elif self.rank == src or out is None:
             raise ValueError("scatter: pass x (the root) or out= (this rank's block)")
         out = self._empty(tuple(v.shape[1:]), v) if out is None else out
-        o = self._view(out, "scatter: out", True, stream)
+        o = self._look(out, "scatter: out", stream)
         # The block is x's row where x is given (the root), else out.
         block = v.size // self.size if v is not None else o.size
         x = v if self.rank == src else self._empty(0, o)
