@@ -304,16 +304,6 @@ transport::AbortKind abort_kind_of(std::exception_ptr e) {
     return transport::AbortKind::kGeneric;
   }
 }
-
-std::string message_of(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
 }  // namespace
 
 // The group is dead after its first failure: record it, tell the peers (abort), and fail

@@ -71,16 +71,6 @@ CallOptions step(const comm::Comm& parent, const comm::AllReduceTuning& tuning =
   return o;
 }
 
-std::string message_of(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
-
 // Runs `steps`; on an error, fails both children before rethrowing it (the parent's execute
 // then fails the parent). The failed step's group told its own ranks; the ranks waiting in
 // the other child learn it from this at once, instead of at their timeout (Note [Hierarchy],
