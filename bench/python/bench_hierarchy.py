@@ -4,8 +4,8 @@
     meshcoll-run -n 8 bench/python/bench_hierarchy.py --hosts 2 -b 1K -e 16M --ops all_gather
 
 Each rank sets ``MESHCOLL_HOST_ID`` to its emulated host (rank // (world / hosts)) and builds
-two groups over every rank: ``flat`` (``MESHCOLL_HIERARCHY=0``: all of it on TCP, as Gloo
-does) and ``hier`` (shared memory inside each host, TCP between leaders; Note [Hierarchy] in
+two groups over every rank: ``flat`` (hierarchy off, as ``MESHCOLL_HIERARCHY=0``: all of it
+on TCP, as Gloo does) and ``hier`` (shared memory inside each host, TCP between leaders; Note [Hierarchy] in
 meshcoll/hierarchy.py). On one machine the "network" is loopback, so TCP between hosts is
 cheaper than a real network would make it: the gain here is a lower bound. Times are the
 slowest rank's mean over ``-n`` calls, median over ``--repeats``; float32 (sum; broadcast
@@ -15,6 +15,7 @@ from rank 1, not a leader; all_gather's size is one rank's input).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -42,10 +43,14 @@ def main() -> None:
         raise SystemExit(f"--hosts {args.hosts} must divide the {world.size} ranks")
     os.environ["MESHCOLL_HOST_ID"] = f"host{world.rank // (world.size // args.hosts)}"
     meshcoll._C.reload_config()  # the core read the environment when _C was imported
-    os.environ["MESHCOLL_HIERARCHY"] = "0"
+    # MESHCOLL_HIERARCHY is read once, by init (GroupOptions): setting it here would change
+    # nothing, so the flat group is made with the world's options with hierarchy off.
+    opts = world._options
+    world._options = dataclasses.replace(opts, hierarchy=False)
     flat = world.new_group(world.ranks)
-    os.environ["MESHCOLL_HIERARCHY"] = "1"
+    world._options = dataclasses.replace(opts, hierarchy=True)
     hier = world.new_group(world.ranks)
+    world._options = opts
     assert hier._hier is not None and flat._hier is None
 
     def timed(call, g, x):

@@ -304,16 +304,6 @@ transport::AbortKind abort_kind_of(std::exception_ptr e) {
     return transport::AbortKind::kGeneric;
   }
 }
-
-std::string message_of(std::exception_ptr e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
 }  // namespace
 
 // The group is dead after its first failure: record it, tell the peers (abort), and fail
@@ -411,6 +401,7 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     }
     algorithm_ = "";
     used_tcp_ = false;
+    composed_ = false;
     transport_->begin_collective(current_);
     run(*this);
     // After an operation that used TCP, collect an ABORT or a stray frame now (a send-only
@@ -424,7 +415,7 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
   } catch (...) {
     std::exception_ptr error =
         same_type(std::current_exception(), ctx() + message_of(std::current_exception()));
-    if (abort_kind_of(error) == transport::AbortKind::kTimeout) {
+    if (abort_kind_of(error) == transport::AbortKind::kTimeout && !composed_) {
       // Tell the peers first (they then join the census at once), then take it.
       transport_->abort(transport::AbortKind::kTimeout, message_of(error));
       error = same_type(error, str_cat(message_of(error), census(env.seq), ". Rank ", rank_,

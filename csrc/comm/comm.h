@@ -123,6 +123,11 @@ class Comm {
   // travels in every frame's OpDesc (ranks that chose differently get MismatchError) and
   // names the algorithm in MESHCOLL_DEBUG=1 logs.
   void set_algorithm(const char* name, uint8_t code);
+  // An operation whose steps run on other groups (Note [Hierarchy]) says so before running
+  // them: a step's timeout was diagnosed in the step's group (its census, its ledger), so a
+  // census here would name ranks that did reach the operation but were failed from another
+  // group as never having reached it. Its failure only fails this group.
+  void set_composed() { composed_ = true; }
   // For waits in shared memory: polls the TCP links, fails on a dead peer or an ABORT.
   const transport::ShmGroup::Check& shm_check() const { return shm_check_; }
   const transport::Envelope& current() const { return current_; }
@@ -201,6 +206,7 @@ class Comm {
   std::exception_ptr first_error_;
   const char* algorithm_ = "";
   bool used_tcp_ = false;  // the running operation sent or received over TCP
+  bool composed_ = false;  // the running operation called set_composed()
   std::vector<InFlight> in_flight_;
 };
 

@@ -11,4 +11,14 @@ std::string errno_text(int err) {
   return str_cat(s, " (errno ", err, ")");
 }
 
+std::string message_of(const std::exception_ptr& e) {
+  try {
+    if (e) std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+  }
+  return "unknown error";
+}
+
 }  // namespace meshcoll

@@ -5,6 +5,7 @@
 // Messages name the rank, the operation, the peer and what to do; see docs in README.
 #pragma once
 
+#include <exception>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -54,5 +55,9 @@ std::string str_cat(const Args&... args) {
 
 // errno text for SystemError messages.
 std::string errno_text(int err);
+
+// The message of a caught exception (what() of a std::exception; "unknown error" otherwise,
+// or for a null pointer).
+std::string message_of(const std::exception_ptr& e);
 
 }  // namespace meshcoll

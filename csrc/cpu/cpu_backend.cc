@@ -1,5 +1,7 @@
 #include "cpu/cpu_backend.h"
 
+#include <algorithm>
+
 #include "algo/collectives.h"
 #include "common/error.h"
 #include "reduce/kernels.h"
@@ -10,6 +12,12 @@ using comm::ArrayView;
 using comm::WorkPtr;
 
 namespace {
+// A view for an operation's body: the Work holds the owners (Call::keep), not the body.
+ArrayView unowned(ArrayView v) {
+  v.owner = nullptr;
+  return v;
+}
+
 std::vector<size_t> to_bytes(const std::vector<size_t>& counts, DType dt) {
   std::vector<size_t> out(counts.size());
   for (size_t i = 0; i < counts.size(); ++i) out[i] = counts[i] * dtype_size(dt);
@@ -53,13 +61,17 @@ WorkPtr CpuBackend::run(Call& c, Op&& op) {
 }
 
 WorkPtr CpuBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
+  const auto& t = c.opts.tuning;
+  if (hier_ && t.algorithm == static_cast<uint8_t>(algo::Algorithm::kAuto))
+    return run(c, [h = hier_, in = unowned(in), out = unowned(out), op, t](comm::Comm& cm) {
+      hier_all_reduce(cm, *h, in, out, op, t);
+    });
   algo::AllreduceArgs a;
   a.in = in.cbytes();
   a.out = out.mbytes();
   a.count = in.count;
   a.dtype = in.dtype;
   a.op = op;
-  const auto& t = c.opts.tuning;
   a.algorithm = static_cast<algo::Algorithm>(t.algorithm);
   a.max_segment_bytes = t.max_segment_bytes;
   a.select.tree_threshold_bytes = t.tree_threshold_bytes;
@@ -76,12 +88,20 @@ WorkPtr CpuBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out
 }
 
 WorkPtr CpuBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
+  if (hier_)
+    return run(c, [h = hier_, buf = unowned(buf), root](comm::Comm& cm) {
+      hier_broadcast(cm, *h, buf, root);
+    });
   algo::BroadcastArgs a{buf.mbytes(), root};
   return run(c, [a](comm::Comm& cm) { algo::broadcast(cm, a); });
 }
 
 WorkPtr CpuBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                   const std::vector<size_t>& counts) {
+  if (hier_ && std::all_of(counts.begin(), counts.end(), [&](size_t n) { return n == in.count; }))
+    return run(c, [h = hier_, in = unowned(in), out = unowned(out)](comm::Comm& cm) {
+      hier_all_gather(cm, *h, in, out);
+    });
   algo::AllGatherArgs a{in.cbytes(), out.mbytes(), to_bytes(counts, in.dtype)};
   return run(c, [a](comm::Comm& cm) { algo::all_gather(cm, a); });
 }

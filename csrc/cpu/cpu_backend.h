@@ -10,6 +10,7 @@
 
 #include "comm/backend.h"
 #include "comm/comm.h"
+#include "cpu/hierarchy.h"
 
 namespace meshcoll::cpu {
 
@@ -25,6 +26,11 @@ class CpuBackend final : public comm::Backend {
   bool device_memory() const override { return false; }
   void shutdown() override;
   comm::Comm& comm() { return *comm_; }
+  // Makes all_reduce (algorithm auto), broadcast and all_gather (equal counts) hierarchical
+  // (Note [Hierarchy] in python/meshcoll/hierarchy.py): each call becomes one operation on
+  // this group's Comm whose body runs the steps on `h`'s children. Set once, at
+  // construction, before the group's first collective.
+  void set_hierarchy(std::shared_ptr<const Hierarchy> h) { hier_ = std::move(h); }
 
  protected:
   void check_reduction(DType dt, RedOp op) const override;
@@ -56,6 +62,7 @@ class CpuBackend final : public comm::Backend {
   comm::WorkPtr run(Call& c, Op&& op);
 
   std::unique_ptr<comm::Comm> comm_;
+  std::shared_ptr<const Hierarchy> hier_;  // null: flat collectives
 };
 
 }  // namespace meshcoll::cpu

@@ -41,16 +41,6 @@ class PrimaryCtx {
   CUcontext ctx_ = nullptr;
 };
 
-std::string message_of(const std::exception_ptr& e) {
-  try {
-    if (e) std::rethrow_exception(e);
-  } catch (const std::exception& ex) {
-    return ex.what();
-  } catch (...) {
-  }
-  return "unknown error";
-}
-
 // Polls a non-blocking communicator until it is ready, failed, or the deadline passed
 // (returns ncclInProgress then). No side effects: the caller decides what to abort.
 ncclResult_t poll_ready(const NcclApi& nc, ncclComm_t comm, const Deadline& d) {

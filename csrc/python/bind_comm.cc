@@ -50,7 +50,17 @@ void bind_comm(py::module_& m) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("bind_host"), py::arg("token"), py::arg("comm_id"), py::arg("transport") = "auto",
-           py::arg("shm_bytes") = size_t(4) << 20, py::arg("debug") = false);
+           py::arg("shm_bytes") = size_t(4) << 20, py::arg("debug") = false)
+      .def("set_hierarchy", [](cpu::CpuBackend& b, std::shared_ptr<cpu::CpuBackend> local,
+                               std::shared_ptr<cpu::CpuBackend> leaders, std::vector<int> hosts) {
+             b.set_hierarchy(cpu::Hierarchy::make(std::move(local), std::move(leaders),
+                                                  std::move(hosts), b.rank()));
+           },
+           py::arg("local"), py::arg("leaders").none(true), py::arg("hosts"),
+           "Makes all_reduce (algorithm auto), broadcast and all_gather hierarchical (Note "
+           "[Hierarchy] in meshcoll/hierarchy.py): `local` is this rank's host's group, "
+           "`leaders` the group of each host's lowest rank (None off the leaders), `hosts` the "
+           "host of each group rank. Call once, before the group's first collective.");
 }
 
 }  // namespace meshcoll::python

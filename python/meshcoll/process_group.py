@@ -158,7 +158,8 @@ class ProcessGroup:
         # Every member is done with the store for this group before anyone returns: rank 0
         # may otherwise exit (closing the store) while a peer still rendezvouses through it.
         self.barrier()
-        self._hier: Optional[Hierarchy] = None  # Note [Hierarchy] in hierarchy.py
+        # Note [Hierarchy] in hierarchy.py: the children; the backend runs the steps.
+        self._hier: Optional[Hierarchy] = None
         transport = self._backend.transport
         if (transport.startswith("tcp") and len(self._ranks) > 1
                 and opts.transport == "auto"):
@@ -184,7 +185,7 @@ class ProcessGroup:
 
     def _as_array(self, x, what: str, writable: bool = False):
         """``x`` checked by the backend; on the CPU backend, a numpy view of it (for code
-        that reshapes, as the hierarchy and partition helpers do)."""
+        that reshapes, as the partition and DDP helpers do)."""
         if type(x) is np.ndarray and not self._arrays.device_memory:
             self._backend.view(x, what, writable)
             return x
@@ -262,9 +263,6 @@ class ProcessGroup:
         """Reduce ``x`` across the group, in place; returns ``x`` (or a Work)."""
         cfg = self.config
         algo = cfg.algorithm if algorithm is None else algorithm
-        if self._hier is not None and algo == "auto":
-            return self._hier.all_reduce(x, self._as_array(x, "all_reduce", writable=True), op,
-                                         timeout, async_op)
         if not async_op:
             # The hot path: one C++ call that reads x, runs and returns (Note
             # [all_reduce_sync] in bind_backend.cc).
@@ -284,12 +282,6 @@ class ProcessGroup:
     def broadcast(self, x, src: int = 0, *, async_op: bool = False,
                   timeout: Optional[float] = None, stream=None):
         """Copy ``x`` from group rank ``src`` into every rank's ``x``, in place."""
-        if self._hier is not None:
-            if not 0 <= src < self.size:
-                raise ValueError(f"broadcast: root {src} is out of range for a group of "
-                                 f"{self.size} ranks (0..{self.size - 1})")
-            return self._hier.broadcast(x, self._as_array(x, "broadcast", writable=True), src,
-                                        timeout, async_op)
         return _result(self._backend.broadcast(x, src, timeout, stream, async_op), x, async_op)
 
     def all_gather(self, x, out=None, *, async_op: bool = False,
@@ -304,11 +296,6 @@ class ProcessGroup:
         v = self._look(x, "all_gather: x", stream)
         shape = (self.size,) + tuple(v.shape)
         out = self._empty(shape, v) if out is None else out
-        if self._hier is not None:
-            o = self._as_array(out, "all_gather: out", writable=True)
-            if o.size != self.size * v.size:
-                raise ValueError(f"all_gather: out has shape {o.shape}, expected {shape}")
-            return self._hier.all_gather(out, host_view(x), o, timeout, async_op)
         w = self._backend.all_gather(v, out, [v.size] * self.size, False, timeout, stream,
                                      async_op)
         return _result(w, out, async_op)
@@ -522,7 +509,8 @@ class ProcessGroup:
     def destroy(self) -> None:
         """Finish queued work and close this group and every group created from it."""
         if self._hier is not None:
-            self._hier.close()
+            # The group's queued hierarchical calls run on the children: finish them first.
+            self._backend.shutdown()
         for child in self._children:
             child.destroy()
         self._children = []
