@@ -245,6 +245,13 @@ void Comm::reap_in_flight() {
   sync_in_flight_count();
 }
 
+const char* Comm::route() const {
+  if (composed_) return "hierarchy";
+  if (*algorithm_) return algorithm_;  // all_reduce: the algorithm it chose
+  if (size_ == 1) return "local";
+  return used_tcp_ ? "tcp" : "shm";
+}
+
 void Comm::set_algorithm(const char* name, uint8_t code) {
   algorithm_ = name;
   current_.op.algo = code;
@@ -409,7 +416,7 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     // posted transfers. A shared-memory operation heard from every peer in its last round,
     // and its waits poll the links: a syscall per call saved.
     if (size_ > 1 && (used_tcp_ || !in_flight_.empty())) transport_->poll_once();
-    ledger_->set_state(env.seq, CallState::kDone);
+    ledger_->set_state(env.seq, CallState::kDone, route());
     if (opts_.debug) log_op(env, t0, nullptr);
     return nullptr;
   } catch (...) {

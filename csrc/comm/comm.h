@@ -169,6 +169,9 @@ class Comm {
   void worker_loop();
   void run_item(Item& item);
   void log_op(const transport::Envelope& env, Clock::time_point t0, std::exception_ptr error);
+  // How the running operation was carried, for the ledger: "shm", "tcp", "hierarchy", the
+  // all_reduce algorithm it chose, or "local" (a group of one).
+  const char* route() const;
   std::string census(uint64_t seq);
   void start_p2p(Item& item);
   void progress_in_flight();

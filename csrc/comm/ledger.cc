@@ -55,9 +55,10 @@ std::string CallRecord::describe() const {
   std::string s = describe_op(desc);
   if (seq) s += str_cat(" [seq ", seq, "]");
   if (peer >= 0) s += str_cat(" [peer ", peer, "]");
+  const std::string via = *route ? str_cat(" via ", route) : "";
   switch (state) {
-    case CallState::kDone: return s + " done";
-    case CallState::kFailed: return s + " failed";
+    case CallState::kDone: return s + " done" + via;
+    case CallState::kFailed: return s + " failed" + via;
     case CallState::kIssued: break;
   }
   return s + " pending";
@@ -68,6 +69,7 @@ void Ledger::write(Slot& r, uint64_t tag, const transport::OpDesc& d, int peer) 
   r.peer = peer;
   r.desc = d;
   r.state.store(static_cast<uint8_t>(CallState::kIssued), std::memory_order_relaxed);
+  r.route.store("", std::memory_order_relaxed);
   r.tag.store(tag, std::memory_order_release);
 }
 
@@ -75,6 +77,7 @@ void Ledger::read(const Slot& r, CallRecord* out) {
   out->peer = r.peer;
   out->desc = r.desc;
   out->state = static_cast<CallState>(r.state.load(std::memory_order_acquire));
+  out->route = r.route.load(std::memory_order_relaxed);
 }
 
 uint64_t Ledger::open_collective(const transport::OpDesc& d) {
@@ -89,10 +92,11 @@ void Ledger::open_p2p(const transport::OpDesc& d, int peer) {
   write(p2p_[n % kKeep], n, d, peer);
 }
 
-void Ledger::set_state(uint64_t seq, CallState s) {
+void Ledger::set_state(uint64_t seq, CallState s, const char* route) {
   Slot& r = coll_[seq % kKeep];
-  if (r.tag.load(std::memory_order_relaxed) == seq)
-    r.state.store(static_cast<uint8_t>(s), std::memory_order_release);
+  if (r.tag.load(std::memory_order_relaxed) != seq) return;
+  if (route) r.route.store(route, std::memory_order_relaxed);
+  r.state.store(static_cast<uint8_t>(s), std::memory_order_release);
 }
 
 std::vector<CallRecord> Ledger::recent(size_t n) const {

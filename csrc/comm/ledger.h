@@ -59,7 +59,8 @@ struct CallRecord {
   int peer = -1;     // point-to-point only
   transport::OpDesc desc;
   CallState state = CallState::kIssued;
-  // "all_reduce(count=4, float32, sum) [seq 3] done" / "... pending". (No clock is read per
+  const char* route = "";  // how it was carried ("shm", "tcp", "ring", ...): static text
+  // "all_reduce(count=4, float32, sum) [seq 3] done via ring" / "... pending". (No clock is read per
   // call: a timeout's message says how long the call waited.)
   std::string describe() const;
 };
@@ -74,8 +75,9 @@ class Ledger {
   uint64_t open_collective(const transport::OpDesc& d);
   // Records a point-to-point transfer (it takes no collective sequence number).
   void open_p2p(const transport::OpDesc& d, int peer);
-  // How collective `seq` ended (the CPU worker, or the calling thread when it ran inline).
-  void set_state(uint64_t seq, CallState s);
+  // How collective `seq` ended (the CPU worker, or the calling thread when it ran inline),
+  // and how it was carried (`route`: static text, or nullptr).
+  void set_state(uint64_t seq, CallState s, const char* route = nullptr);
   // The last `n` collectives and the last `n` point-to-point transfers, each oldest first.
   std::vector<CallRecord> recent(size_t n = kKeep) const;
   // The last `n` calls on one line, for error messages.
@@ -91,6 +93,7 @@ class Ledger {
     int peer = -1;
     transport::OpDesc desc;
     std::atomic<uint8_t> state{0};
+    std::atomic<const char*> route{""};
   };
   static void write(Slot& r, uint64_t tag, const transport::OpDesc& d, int peer);
   static void read(const Slot& r, CallRecord* out);

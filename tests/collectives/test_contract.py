@@ -204,7 +204,8 @@ def _ledger(pg):
 
 def test_ledger_lists_calls_and_timeouts_name_them(run_ranks):
     (calls, message), (calls1, _) = run_ranks(2, _ledger, transport="tcp")
-    assert [c.split(" done")[0] for c in calls] == [c.split(" done")[0] for c in calls1]
+    assert calls == calls1
     assert [c.split("(")[0] for c in calls] == ["all_reduce", "broadcast", "all_gather"]
-    assert all("done" in c and "[seq " in c for c in calls), calls
+    assert all("done via " in c and "[seq " in c for c in calls), calls
+    assert calls[1].endswith("via tcp"), calls  # how each was carried is in the ledger
     assert "last calls on this group" in message and "all_reduce(count=4, float64" in message
