@@ -2,6 +2,7 @@
 
 #include <pybind11/numpy.h>
 
+#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -462,6 +463,7 @@ struct Released {
   std::mutex mu;
   std::vector<PyObject*> objects;
   bool scheduled = false;
+  std::atomic<bool> any{false};
 };
 Released& released() {
   static Released* r = new Released();  // used until the process ends
@@ -469,12 +471,13 @@ Released& released() {
 }
 
 int drain_released(void*) {
+  auto& r = released();
   std::vector<PyObject*> objects;
   {
-    auto& r = released();
     std::lock_guard<std::mutex> lock(r.mu);
     objects.swap(r.objects);
     r.scheduled = false;
+    r.any.store(false, std::memory_order_relaxed);
   }
   for (PyObject* o : objects) Py_DECREF(o);
   return 0;
@@ -489,6 +492,7 @@ void release(PyObject* o) {
   auto& r = released();
   std::lock_guard<std::mutex> lock(r.mu);
   r.objects.push_back(o);
+  r.any.store(true, std::memory_order_relaxed);
   if (!r.scheduled) r.scheduled = Py_AddPendingCall(&drain_released, nullptr) == 0;
 }
 
@@ -496,6 +500,10 @@ void release(PyObject* o) {
 
 std::string label(const Want& w) {
   return w.arg && *w.arg ? str_cat(w.what, ": ", w.arg) : std::string(w.what);
+}
+
+void release_owners() {
+  if (released().any.load(std::memory_order_relaxed)) drain_released(nullptr);
 }
 
 std::shared_ptr<void> owner_of(const py::handle& x) {

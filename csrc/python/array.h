@@ -56,7 +56,11 @@ void* to_cu_stream(uintptr_t s);  // protocol spelling -> CUstream (legacy: null
 // reference is released by the thread that sees the operation complete, which may not hold
 // the GIL (the CPU worker, the NCCL watchdog) and must not take it (a caller holding the GIL
 // may be waiting for that thread): the decref is then handed to the interpreter as a
-// pending call (Py_AddPendingCall), run by the main thread at its next chance.
+// pending call (Py_AddPendingCall), run by the main thread at its next chance, and by any
+// thread that enters a collective (release_owners): a main thread blocked in C for good
+// (joining the thread that trains) must not keep finished operations' arrays alive.
 std::shared_ptr<void> owner_of(const pybind11::handle& x);
+// Drops the references finished operations left for a GIL holder (the GIL held).
+void release_owners();
 
 }  // namespace meshcoll::python

@@ -80,6 +80,7 @@ class CallReader {
   CallReader(Backend& b, const char* what, const py::handle& timeout, const py::handle& stream,
              bool async)
       : b_(b), what_(what) {
+    release_owners();
     opts.timeout = timeout_arg(timeout);
     opts.async = async;
     want_.device = b.device_memory();

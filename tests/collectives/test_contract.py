@@ -63,6 +63,33 @@ def test_dropped_async_work_and_array_write_no_freed_memory(run_ranks, transport
         assert x == [3.0] * 5
 
 
+def _released_off_main_thread(pg, rounds):
+    """The arrays of finished async ops are released while the main thread is blocked in
+    C for good (joining the thread that trains): any later collective drops them."""
+    import weakref
+    alive = []
+
+    def train():
+        refs = []
+        for _ in range(rounds):
+            x = np.ones(1 << 14)
+            refs.append(weakref.ref(x))
+            pg.all_reduce(x, async_op=True)  # Work and array dropped
+            del x
+        pg.barrier(timeout=30)  # every async op above has completed: owners let go
+        pg.all_reduce(np.ones(1), timeout=30)  # entering a collective drops them
+        alive.append(sum(r() is not None for r in refs))
+
+    t = threading.Thread(target=train)
+    t.start()
+    t.join()  # the main thread stays in C until the thread ends
+    return alive[0]
+
+
+def test_dropped_arrays_are_released_while_main_thread_waits(run_ranks):
+    assert run_ranks(2, _released_off_main_thread, transport="tcp", rounds=50) == [0, 0]
+
+
 # ---- two threads, two groups -------------------------------------------------------------
 
 def _threads(pg, iters):
