@@ -45,11 +45,11 @@ void Backend::check_arrays(const char* what, const ArrayView& in, const ArrayVie
 
 Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const CallOptions& o,
                             const char* what, std::initializer_list<const ArrayView*> arrays) {
-  for (const ArrayView* a : arrays) {
-    if (device_memory() && a->device >= 0 && a->device != device())
-      throw InvalidArgument(str_cat(what, ": the array is on CUDA device ", a->device,
-                                    " but this group's communicator uses device ", device()));
-  }
+  if (device_memory_)
+    for (const ArrayView* a : arrays)
+      if (a->device >= 0 && a->device != device())
+        throw InvalidArgument(str_cat(what, ": the array is on CUDA device ", a->device,
+                                      " but this group's communicator uses device ", device()));
   check_options(what, o);
   Call c{d, o, {}};
   // Point-to-point returns a Work even when synchronous: its owners ride with it too.

@@ -48,7 +48,9 @@ struct CallOptions {
 
 class Backend {
  public:
-  Backend(int rank, int size) : rank_(rank), size_(size) {}
+  // `device_memory`: the backend takes CUDA arrays, not host memory.
+  Backend(int rank, int size, bool device_memory)
+      : rank_(rank), size_(size), device_memory_(device_memory) {}
   virtual ~Backend() = default;
   Backend(const Backend&) = delete;
   Backend& operator=(const Backend&) = delete;
@@ -57,7 +59,7 @@ class Backend {
   int size() const { return size_; }
   virtual const char* name() const = 0;           // "cpu", "nccl"
   virtual std::string transport() const = 0;      // "shm", "tcp (...)", "nccl"
-  virtual bool device_memory() const = 0;         // takes CUDA arrays, not host memory
+  bool device_memory() const { return device_memory_; }  // a field: asked on every call
   virtual int device() const { return -1; }       // the CUDA device of a GPU backend
   Ledger& ledger() { return ledger_; }
 
@@ -131,6 +133,7 @@ class Backend {
   void check_arrays(const char* what, const ArrayView& in, const ArrayView& out) const;
 
   int rank_, size_;
+  bool device_memory_;
   Ledger ledger_;
 };
 

@@ -27,7 +27,7 @@ std::vector<size_t> to_bytes(const std::vector<size_t>& counts, DType dt) {
 
 CpuBackend::CpuBackend(std::shared_ptr<store::Store> store, int rank, int size,
                        const comm::CommOptions& opts, uint64_t comm_id)
-    : Backend(rank, size),
+    : Backend(rank, size, false),
       comm_(std::make_unique<comm::Comm>(std::move(store), rank, size, opts, comm_id, &ledger())) {}
 
 CpuBackend::~CpuBackend() { shutdown(); }

@@ -23,7 +23,6 @@ class CpuBackend final : public comm::Backend {
 
   const char* name() const override { return "cpu"; }
   std::string transport() const override { return comm_->shm_status(); }
-  bool device_memory() const override { return false; }
   void shutdown() override;
   comm::Comm& comm() { return *comm_; }
   // Makes all_reduce (algorithm auto), broadcast and all_gather (equal counts) hierarchical

@@ -14,7 +14,7 @@ namespace meshcoll::nccl {
 class NcclBackend final : public comm::Backend {
  public:
   explicit NcclBackend(std::shared_ptr<NcclComm> comm)
-      : Backend(comm->rank(), comm->size()), comm_(std::move(comm)) {}
+      : Backend(comm->rank(), comm->size(), true), comm_(std::move(comm)) {}
   // Collective over the group `store` is namespaced for.
   static std::shared_ptr<NcclBackend> create(std::shared_ptr<store::Store> store, int rank,
                                              int size, int device, Millis timeout);
@@ -23,7 +23,6 @@ class NcclBackend final : public comm::Backend {
 
   const char* name() const override { return "nccl"; }
   std::string transport() const override { return "nccl"; }
-  bool device_memory() const override { return true; }
   int device() const override { return comm_->device(); }
   void shutdown() override { comm_->shutdown(); }
   NcclComm& comm() { return *comm_; }
