@@ -1,10 +1,8 @@
-// all_gather (and all_gather_v): a ring over per-rank block sizes, so the uneven variant is
-// the same code. On one host it hands over to shm_all_gather (shm_collectives.cc).
-#include <cstring>
+// all_gather (and all_gather_v) over TCP: a ring over per-rank block sizes, so the uneven
+// variant is the same code. dispatch.cc decides when it runs (Note [Dispatch]).
 
 #include "algo/collectives.h"
 #include "algo/plan.h"
-#include "common/check.h"
 
 namespace meshcoll::algo {
 
@@ -12,17 +10,10 @@ namespace meshcoll::algo {
 // block (rank-s-1) from the left, straight into the output. Every receive region is distinct
 // and is only sent on after it has arrived, so all receives are posted up front and each
 // segment is forwarded the moment it lands.
-void all_gather(comm::Comm& comm, const AllGatherArgs& a) {
+// This rank's own block is already in place (dispatch.cc).
+void ring_all_gather(comm::Comm& comm, const AllGatherArgs& a) {
   const int n = comm.size(), r = comm.rank();
   const auto off = prefix_offsets(a.bytes);
-  MC_CHECK_EQ(off[n], a.out.size);
-  if (a.in.data != a.out.data + off[r] && a.bytes[r])
-    std::memcpy(a.out.data + off[r], a.in.data, a.bytes[r]);
-  if (n == 1) return;
-  if (comm.shm()) {
-    shm_all_gather(comm, a);
-    return;
-  }
   const int right = mod(r + 1, n), left = mod(r - 1, n);
   const Segments segs(max_of(a.bytes), a.max_segment_bytes, 1);
   auto seg = [&](int block, size_t j) {

@@ -58,13 +58,8 @@ void tree_all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
 
 // Pipelined chain for large broadcasts (every link carries the vector once, segments in
 // flight on all links at once); binomial tree for small ones (log2 n steps).
-void broadcast(comm::Comm& comm, const BroadcastArgs& a) {
+void tcp_broadcast(comm::Comm& comm, const BroadcastArgs& a) {
   const int n = comm.size();
-  if (n == 1) return;
-  if (comm.shm()) {
-    shm_broadcast(comm, a);
-    return;
-  }
   if (a.buf.size <= 64 * 1024 || n == 2) {
     binomial_broadcast(comm, a.buf, a.root, 0);
     return;
@@ -85,19 +80,12 @@ void broadcast(comm::Comm& comm, const BroadcastArgs& a) {
   comm.wait(sends);
 }
 
-void reduce(comm::Comm& comm, const ReduceArgs& a) {
-  if (comm.shm() && comm.size() > 1) {
-    shm_reduce(comm, a);
-    if (a.op == RedOp::kAvg && comm.rank() == a.root)
-      reduce::divide_by(a.dtype, a.out.data, a.count, comm.size());
-    return;
-  }
+// The sum (or other op) only: dispatch.cc divides for avg.
+void tree_reduce(comm::Comm& comm, const ReduceArgs& a) {
   const size_t nbytes = a.count * dtype_size(a.dtype);
   MutBytes buf = comm.rank() == a.root ? a.out : MutBytes(comm.scratch(2, nbytes), nbytes);
   if (buf.data != a.in.data && nbytes) std::memcpy(buf.data, a.in.data, nbytes);
   if (comm.size() > 1) binomial_reduce(comm, buf, a.count, a.dtype, a.op, a.root, 0);
-  if (a.op == RedOp::kAvg && comm.rank() == a.root)
-    reduce::divide_by(a.dtype, a.out.data, a.count, comm.size());
 }
 
 }  // namespace meshcoll::algo

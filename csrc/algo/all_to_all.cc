@@ -1,26 +1,18 @@
-// all_to_all (and all_to_all_v): pairwise exchange over per-rank block sizes, so the uneven
-// variant is the same code. On one host it hands over to shm_all_to_all (shm_collectives.cc).
+// all_to_all (and all_to_all_v) over TCP: pairwise exchange over per-rank block sizes, so the
+// uneven variant is the same code. dispatch.cc decides when it runs (Note [Dispatch]).
 #include <cstring>
 
 #include "algo/collectives.h"
 #include "algo/plan.h"
-#include "common/check.h"
 
 namespace meshcoll::algo {
 
 // Pairwise exchange: every receive and send is posted at once, sends in the order
 // rank+1, rank+2, ... so that no single rank is everyone's first target.
-void all_to_all(comm::Comm& comm, const AllToAllArgs& a) {
+void pairwise_all_to_all(comm::Comm& comm, const AllToAllArgs& a) {
   const int n = comm.size(), r = comm.rank();
   const auto soff = prefix_offsets(a.send_bytes);
   const auto roff = prefix_offsets(a.recv_bytes);
-  MC_CHECK_EQ(soff[n], a.in.size);
-  MC_CHECK_EQ(roff[n], a.out.size);
-  MC_CHECK_EQ(a.send_bytes[r], a.recv_bytes[r]);
-  if (comm.shm() && n > 1) {
-    shm_all_to_all(comm, a);
-    return;
-  }
   std::vector<transport::Request> reqs;
   for (int s = 1; s < n; ++s) {
     int from = mod(r - s, n);

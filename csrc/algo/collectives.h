@@ -1,6 +1,6 @@
 // The collectives: free functions over a Comm, each taking an args struct. The entry points
-// (all_reduce, broadcast, ...) validate and pick an algorithm; the algorithm functions do
-// the moving and may be called directly (tests force each one).
+// (all_reduce, broadcast, ...) validate and pick the family or algorithm (Note [Dispatch] in
+// dispatch.cc); the algorithm functions do the moving and may be called directly.
 #pragma once
 
 #include <cstddef>
@@ -53,6 +53,7 @@ struct BroadcastArgs {
   size_t max_segment_bytes = kMaxSegmentBytes;
 };
 void broadcast(comm::Comm& comm, const BroadcastArgs& a);
+void tcp_broadcast(comm::Comm& comm, const BroadcastArgs& a);  // chain, or binomial when small
 void shm_broadcast(comm::Comm& comm, const BroadcastArgs& a);
 
 // Reduce to root: out is written on root only (may alias in).
@@ -65,7 +66,8 @@ struct ReduceArgs {
   int root = 0;
 };
 void reduce(comm::Comm& comm, const ReduceArgs& a);
-void shm_reduce(comm::Comm& comm, const ReduceArgs& a);  // same host only
+void tree_reduce(comm::Comm& comm, const ReduceArgs& a);  // the op only: reduce divides for avg
+void shm_reduce(comm::Comm& comm, const ReduceArgs& a);   // same host only; likewise
 
 // Gather-type collectives with per-rank byte counts (equal counts are the common case).
 struct AllGatherArgs {
@@ -75,6 +77,7 @@ struct AllGatherArgs {
   size_t max_segment_bytes = kMaxSegmentBytes;
 };
 void all_gather(comm::Comm& comm, const AllGatherArgs& a);
+void ring_all_gather(comm::Comm& comm, const AllGatherArgs& a);  // own block already in place
 void shm_all_gather(comm::Comm& comm, const AllGatherArgs& a);
 
 struct ReduceScatterArgs {
@@ -86,6 +89,8 @@ struct ReduceScatterArgs {
   size_t max_segment_bytes = kMaxSegmentBytes;
 };
 void reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a);
+// n > 1, the op only: reduce_scatter divides for avg.
+void ring_reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a);
 void shm_reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a);
 
 struct AllToAllArgs {
@@ -94,6 +99,7 @@ struct AllToAllArgs {
   std::vector<size_t> send_bytes, recv_bytes;
 };
 void all_to_all(comm::Comm& comm, const AllToAllArgs& a);
+void pairwise_all_to_all(comm::Comm& comm, const AllToAllArgs& a);
 void shm_all_to_all(comm::Comm& comm, const AllToAllArgs& a);
 
 struct GatherArgs {  // gather (in -> root's out) and scatter (root's in -> out)
@@ -104,10 +110,13 @@ struct GatherArgs {  // gather (in -> root's out) and scatter (root's in -> out)
 };
 void gather(comm::Comm& comm, const GatherArgs& a);
 void scatter(comm::Comm& comm, const GatherArgs& a);
+void direct_gather(comm::Comm& comm, const GatherArgs& a);
+void direct_scatter(comm::Comm& comm, const GatherArgs& a);
 void shm_gather(comm::Comm& comm, const GatherArgs& a);   // same host only
 void shm_scatter(comm::Comm& comm, const GatherArgs& a);
 
 void barrier(comm::Comm& comm);
+void dissemination_barrier(comm::Comm& comm);
 void shm_barrier(comm::Comm& comm);
 
 }  // namespace meshcoll::algo

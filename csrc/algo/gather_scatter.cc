@@ -1,6 +1,5 @@
-// gather and scatter: direct to / from the root, over per-rank block sizes, so the uneven
-// variants are the same code. On one host they hand over to shm_gather / shm_scatter
-// (shm_collectives.cc).
+// gather and scatter over TCP: direct to / from the root, over per-rank block sizes, so the
+// uneven variants are the same code. dispatch.cc decides when they run (Note [Dispatch]).
 #include <cstring>
 
 #include "algo/collectives.h"
@@ -8,12 +7,8 @@
 
 namespace meshcoll::algo {
 
-void gather(comm::Comm& comm, const GatherArgs& a) {
+void direct_gather(comm::Comm& comm, const GatherArgs& a) {
   const int n = comm.size(), r = comm.rank();
-  if (comm.shm() && n > 1) {
-    shm_gather(comm, a);
-    return;
-  }
   if (r != a.root) {
     comm.wait(comm.send(a.root, 0, a.in));
     return;
@@ -26,12 +21,8 @@ void gather(comm::Comm& comm, const GatherArgs& a) {
   comm.wait(reqs);
 }
 
-void scatter(comm::Comm& comm, const GatherArgs& a) {
+void direct_scatter(comm::Comm& comm, const GatherArgs& a) {
   const int n = comm.size(), r = comm.rank();
-  if (comm.shm() && n > 1) {
-    shm_scatter(comm, a);
-    return;
-  }
   if (r != a.root) {
     comm.wait(comm.recv(a.root, 0, a.out));
     return;
