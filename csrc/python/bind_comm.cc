@@ -6,6 +6,7 @@
 #include "algo/collectives.h"
 #include "common/error.h"
 #include "cpu/cpu_backend.h"
+#include "python/fastcall.h"
 #include "transport/shm/segment.h"
 
 namespace py = pybind11;
@@ -41,7 +42,7 @@ void bind_comm(py::module_& m) {
              comm::CommOptions o;
              o.transport = transport;
              o.shm_bytes = shm_bytes;
-             o.timeout = Millis(static_cast<int64_t>(timeout_s * 1000.0));
+             o.timeout = seconds_arg(timeout_s, "timeout");
              o.bind_host = bind_host;
              o.token = token;
              o.debug = debug;

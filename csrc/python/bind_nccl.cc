@@ -34,7 +34,7 @@ void bind_nccl(py::module_& m) {
       m, "NcclBackend", "The NCCL backend of one group, on one CUDA device.")
       .def(py::init([](std::shared_ptr<store::Store> store, int rank, int size, int device,
                        double timeout_s) {
-             Millis t(static_cast<int64_t>(timeout_s * 1000.0));
+             Millis t = seconds_arg(timeout_s, "timeout");
              py::gil_scoped_release nogil;
              return nccl::NcclBackend::create(std::move(store), rank, size, device, t);
            }),

@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "python/fastcall.h"
 #include "store/file_store.h"
 #include "store/tcp_store.h"
 
@@ -21,9 +22,7 @@ py::bytes from_bytes(const store::Bytes& b) {
 }
 Millis to_ms(const py::object& seconds, Millis dflt) {
   if (seconds.is_none()) return dflt;
-  double s = seconds.cast<double>();
-  if (!(s >= 0) || std::isinf(s)) throw py::value_error("timeout must be a finite number >= 0 seconds");
-  return Millis(static_cast<int64_t>(s * 1000.0));
+  return seconds_arg(seconds.cast<double>(), "timeout", true);  // 0: do not wait
 }
 }  // namespace
 

@@ -8,11 +8,18 @@ namespace py = pybind11;
 
 namespace meshcoll::python {
 
+Millis seconds_arg(double s, const char* what, bool zero_ok) {
+  if (!(zero_ok ? s >= 0 : s > 0) || !(s <= kMaxTimeoutSeconds))
+    throw py::value_error(str_cat(what, " must be a number of seconds ", zero_ok ? ">= 0" : "> 0",
+                                  " and at most ", kMaxTimeoutSeconds, " (about 116 days), got ",
+                                  s, "; pass None for the group's default"));
+  // Round up: 0.0004 s is a short deadline, not none at all.
+  return Millis(static_cast<int64_t>(std::ceil(s * 1000.0)));
+}
+
 Millis timeout_arg(const py::handle& seconds) {
   if (seconds.is_none()) return Millis(-1);
-  double s = seconds.cast<double>();
-  if (!(s >= 0) || std::isinf(s)) throw py::value_error("timeout must be a finite number >= 0 seconds");
-  return Millis(static_cast<int64_t>(s * 1000.0));
+  return seconds_arg(seconds.cast<double>(), "timeout");
 }
 
 std::string str_arg(PyObject* o, const char* what, const char* name) {

@@ -19,7 +19,13 @@
 
 namespace meshcoll::python {
 
-// timeout= in seconds (None: the group's default, returned as -1 ms).
+// Every timeout the bindings take, in seconds -> milliseconds: finite, at most
+// kMaxTimeoutSeconds (a deadline past that would overflow the clock, and no job waits that
+// long on purpose) and > 0, or >= 0 where `zero_ok` (a store call that must not wait).
+// ValueError naming `what` otherwise: never an endless or an immediate deadline by accident.
+inline constexpr double kMaxTimeoutSeconds = 1e7;  // about 116 days
+Millis seconds_arg(double seconds, const char* what, bool zero_ok = false);
+// timeout= of a call (None: the group's default, returned as -1 ms).
 Millis timeout_arg(const pybind11::handle& seconds);
 std::string str_arg(PyObject* o, const char* what, const char* name);
 size_t size_arg(PyObject* o, const char* what, const char* name);

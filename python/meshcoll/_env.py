@@ -12,7 +12,6 @@ defaults to ``os.environ``. An empty value counts as unset, because
 
 from __future__ import annotations
 
-import math
 import operator
 import os
 import re
@@ -35,6 +34,7 @@ SHM_BYTES = "MESHCOLL_SHM_BYTES"
 HIERARCHY = "MESHCOLL_HIERARCHY"
 INIT_METHOD = "MESHCOLL_INIT_METHOD"
 ALGO = "MESHCOLL_ALGO"
+MAX_TIMEOUT_S = 1e7  # as csrc/python/fastcall.h: a longer deadline would overflow the clock
 DEBUG = "MESHCOLL_DEBUG"
 # Read into the C++ core's Config (core_config_from_env; Note [Configuration]).
 HOST_ID = "MESHCOLL_HOST_ID"
@@ -407,9 +407,9 @@ def timeout_from_env(default: float = DEFAULT_TIMEOUT_S,
         value = float(text)
     except ValueError:
         raise ValueError(f"meshcoll: {TIMEOUT}={text!r} is not a number of seconds") from None
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"meshcoll: {TIMEOUT}={text!r} must be a finite number of "
-                         f"seconds > 0")
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"meshcoll: {TIMEOUT}={text!r} must be a number of seconds > 0 and "
+                         f"at most {MAX_TIMEOUT_S:g} (about 116 days)")
     return value
 
 

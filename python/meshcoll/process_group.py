@@ -208,7 +208,9 @@ class ProcessGroup:
             if transport not in _env.TRANSPORTS:
                 raise ValueError(f"transport={transport!r}: use one of {', '.join(_env.TRANSPORTS)}")
             opts = dataclasses.replace(opts, transport=transport)
-        return ProcessGroup(self._store, ranks, rank, name, timeout=timeout or self._timeout,
+        # None: the parent's; anything else is checked where the backend is made.
+        timeout = self._timeout if timeout is None else float(timeout)
+        return ProcessGroup(self._store, ranks, rank, name, timeout=timeout,
                             bind_host=self._bind_host, token=self._token, parent=self,
                             backend=self.backend_name, device=self._device, color=color,
                             options=opts)

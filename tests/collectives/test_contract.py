@@ -179,6 +179,47 @@ def test_bad_arrays_raise_before_sending(run_ranks, transport):
         assert ok
 
 
+# ---- timeouts --------------------------------------------------------------------------------
+
+BAD_TIMEOUTS = [-1, 0, float("nan"), float("inf"), 1e10]
+
+
+def _bad_timeouts(pg):
+    """Every call that takes a timeout, group creation included, refuses one that would mean
+    no deadline or an immediate (or overflowed) one, on every rank, before anything is sent."""
+    x = np.ones(4)
+    cases = []
+    for t in BAD_TIMEOUTS:
+        for name, call in (
+                ("all_reduce", lambda t=t: pg.all_reduce(x, timeout=t)),
+                ("all_reduce async", lambda t=t: pg.all_reduce(x, timeout=t, async_op=True)),
+                ("broadcast", lambda t=t: pg.broadcast(x, 0, timeout=t)),
+                ("all_gather", lambda t=t: pg.all_gather(x, timeout=t)),
+                ("barrier", lambda t=t: pg.barrier(timeout=t)),
+                ("recv", lambda t=t: pg.recv(x, 1 - pg.rank, timeout=t)),
+                ("new_group", lambda t=t: pg.new_group([0, 1], timeout=t)),
+                ("split", lambda t=t: pg.split(0, timeout=t)),
+                ("store get", lambda t=t: pg._store.get("absent", timeout=t)),
+        ):
+            if not (name == "store get" and t == 0):  # a store call may decline to wait
+                cases.append((f"{name} timeout={t}", call, ValueError, "timeout"))
+    cases.append(("store get timeout=0", lambda: pg._store.get("absent", timeout=0),
+                  meshcoll.TimeoutError, "absent"))
+    wrong = wrong_errors(cases)
+    # The longest allowed is a real deadline, not an overflowed one: the call completes.
+    y = np.full(3, pg.rank + 1.0)
+    pg.all_reduce(y, timeout=1e7)
+    g = pg.new_group([0, 1], timeout=1e7)
+    g.all_reduce(y, timeout=30)
+    return wrong, y.tolist()
+
+
+def test_bad_timeouts_raise_everywhere(run_ranks):
+    for wrong, y in run_ranks(2, _bad_timeouts, transport="tcp"):
+        assert not wrong, "\n".join(wrong)
+        assert y == [6.0] * 3
+
+
 # ---- _v disagreements ---------------------------------------------------------------------
 
 def _v_mismatch(pg, which):
