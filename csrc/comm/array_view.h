@@ -18,7 +18,8 @@ struct ArrayView {
   size_t count = 0;  // elements
   DType dtype = DType::kFloat32;
   int device = -1;   // CUDA device ordinal; -1 for host memory
-  // FNV-1a fingerprints of the shape and of the shape without axis 0 (the "row"), for the
+  // FNV-1a fingerprints of the shape and of the shape without axis 0 (the "row", hashed as
+  // an array of its own: row_hash of (n, 2, 3) equals shape_hash of (2, 3)), for the
   // agreement check of collectives whose result depends on them (all_gather stacks by shape;
   // the _v collectives split axis 0). Never 0.
   uint32_t shape_hash = 1;

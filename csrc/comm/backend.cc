@@ -156,6 +156,7 @@ WorkPtr Backend::gather(const ArrayView& in, const ArrayView& out,
   if (rank_ == root && out.count != total(counts))
     size_error(what, "out", out.count, total(counts), "the counts add up to");
   auto d = make_desc(CollKind::kGather, in.dtype, in.count, RedOp::kSum, root);
+  d.shape = in.shape_hash;  // the root stacks the blocks by shape, as all_gather does
   Call c = open(CollKind::kGather, d, o, what, {&in, &out});
   return do_gather(c, in, out, counts, root);
 }

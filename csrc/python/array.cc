@@ -71,7 +71,7 @@ class ShapeReader {
   }
   ~ShapeReader() {
     full_.mix(n_);
-    row_.mix(n_);
+    row_.mix(n_ ? n_ - 1 : 0);  // a row's own rank: a (n, 2, 3) array's row hashes as (2, 3)
     v_.shape_hash = full_.value();
     v_.row_hash = row_.value();
   }

@@ -227,7 +227,10 @@ def _v_mismatch(pg, which):
     pg.barrier(timeout=30)
     t0 = time.monotonic()
     try:
-        if which == "reduce_scatter_v":
+        if which == "gather":
+            # The same count, other shapes: the root would stack (2, 3) and (3, 2) blocks.
+            g.gather(np.ones((2, 3)) if pg.rank == 0 else np.ones((3, 2)), 0, timeout=30)
+        elif which == "reduce_scatter_v":
             # Both splits sum to 6 rows; the ranks disagree on where they fall.
             counts = [2, 4] if pg.rank == 0 else [4, 2]
             g.reduce_scatter_v(np.ones((6, 3)), counts, timeout=30)
@@ -235,6 +238,8 @@ def _v_mismatch(pg, which):
             # Rows of 4 on rank 0, rows of 2 on rank 1: the same bytes per rank, other rows.
             x = np.ones((4, 4)) if pg.rank == 0 else np.ones((8, 2))
             g.all_to_all_v(x, [len(x) // 2] * 2, timeout=30)
+        # A rank that only sent (gather's non-root) learns of the mismatch by its next call.
+        g.barrier(timeout=30)
     except meshcoll.MismatchError as e:
         return "MismatchError", str(e), time.monotonic() - t0
     except meshcoll.MeshcollError as e:
@@ -243,11 +248,11 @@ def _v_mismatch(pg, which):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("which", ["reduce_scatter_v", "all_to_all_v"])
+@pytest.mark.parametrize("which", ["reduce_scatter_v", "all_to_all_v", "gather"])
 def test_v_disagreements_raise_mismatch(run_ranks, transport, which):
     for kind, msg, elapsed in run_ranks(2, _v_mismatch, transport=transport, which=which):
         assert kind == "MismatchError", (kind, msg)
-        assert which in msg
+        assert which.split("_v")[0] in msg, msg
         assert elapsed < 5, elapsed
 
 
