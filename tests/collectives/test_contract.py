@@ -225,7 +225,6 @@ def test_bad_timeouts_raise_everywhere(run_ranks):
 def _v_mismatch(pg, which):
     g = pg.new_group(list(range(pg.size)))
     pg.barrier(timeout=30)
-    t0 = time.monotonic()
     try:
         if which == "gather":
             # The same count, other shapes: the root would stack (2, 3) and (3, 2) blocks.
@@ -240,20 +239,17 @@ def _v_mismatch(pg, which):
             g.all_to_all_v(x, [len(x) // 2] * 2, timeout=30)
         # A rank that only sent (gather's non-root) learns of the mismatch by its next call.
         g.barrier(timeout=30)
-    except meshcoll.MismatchError as e:
-        return "MismatchError", str(e), time.monotonic() - t0
     except meshcoll.MeshcollError as e:
-        return type(e).__name__, str(e), time.monotonic() - t0
-    return None, "", time.monotonic() - t0
+        return type(e).__name__, str(e)
+    return None, ""
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("which", ["reduce_scatter_v", "all_to_all_v", "gather"])
 def test_v_disagreements_raise_mismatch(run_ranks, transport, which):
-    for kind, msg, elapsed in run_ranks(2, _v_mismatch, transport=transport, which=which):
-        assert kind == "MismatchError", (kind, msg)
+    for kind, msg in run_ranks(2, _v_mismatch, transport=transport, which=which):
+        assert kind == "MismatchError", (kind, msg)  # the check's, not the 30 s timeout's
         assert which.split("_v")[0] in msg, msg
-        assert elapsed < 5, elapsed
 
 
 # ---- the ledger ---------------------------------------------------------------------------

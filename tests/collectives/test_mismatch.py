@@ -2,9 +2,9 @@
 hanging until the timeout (Note [Agreement check] in csrc/transport/transport.h, Note
 [Shared-memory rounds] in csrc/algo/shm_collectives.cc, README "Errors").
 
-Timeouts are generous on purpose (30 s at init and per call): a mismatch must be reported by
-the agreement check in well under 2 s, so a pass cannot be a timeout in disguise. Cases known
-to hang use 3 s, still above that bound.
+Timeouts are generous on purpose (30 s at init and per call; 3 s for cases known to hang): a
+call that waits for its deadline raises TimeoutError, so a MismatchError is the agreement
+check's own, never a timeout in disguise. Tests assert on the class, not on wall time.
 
 Each case runs on a fresh group (``new_group`` over every rank) because a mismatch aborts the
 group. Spawning is the expensive part, so one job per (world, transport) runs every case
@@ -14,7 +14,6 @@ only its own test. Cases run over TCP and, where a collective has a shared-memor
 """
 
 import re
-import time
 
 import numpy as np
 import pytest
@@ -24,8 +23,7 @@ from conftest import launch
 from meshcoll.bench import P2P_ALGORITHMS
 
 CALL_TIMEOUT = 30.0
-SHORT_TIMEOUT = 3.0  # for cases known to hang: still above FAST, so no pass can be a timeout
-FAST = 2.0  # seconds: every rank must have raised by then
+SHORT_TIMEOUT = 3.0  # for cases known to hang: they end as TimeoutError, never a pass
 TRANSPORTS = ["tcp", "shm"]
 ODD = {2: 1, 3: 2, 4: 0, 5: 3}  # the rank that disagrees, per world size
 TCP_ALGOS = ["auto", *P2P_ALGORITHMS]
@@ -42,19 +40,16 @@ SETTINGS = {
 
 def run_case(pg, call):
     """Run ``call(g)`` on a fresh group of every rank; return what this rank saw: the error
-    class and message (or None), the seconds until it raised, and what a further collective
-    on the same group raised."""
+    class and message (or None), and what a further collective on the same group raised."""
     g = pg.new_group(list(range(pg.size)))
-    # Start together, so elapsed times measure detection. The barrier runs on the parent: one
-    # on g itself could still be finishing on a slow rank when a fast rank's abort of g lands.
+    # Start together. The barrier runs on the parent: one on g itself could still be
+    # finishing on a slow rank when a fast rank's abort of g lands.
     pg.barrier(timeout=CALL_TIMEOUT)
-    t0 = time.monotonic()
     err = None
     try:
         call(g)
     except meshcoll.MeshcollError as e:
         err = e
-    elapsed = time.monotonic() - t0
     after, after_message = None, ""
     try:
         g.all_reduce(np.ones(3, np.float32), timeout=CALL_TIMEOUT)
@@ -62,7 +57,7 @@ def run_case(pg, call):
         after, after_message = type(e).__name__, str(e)
     g.destroy()
     return {"error": type(err).__name__ if err else None, "message": str(err) if err else "",
-            "elapsed": elapsed, "after": after, "after_message": after_message,
+            "after": after, "after_message": after_message,
             "transport": g.transport}
 
 
@@ -200,7 +195,7 @@ def outcomes():
 # ---- checks -----------------------------------------------------------------------------------
 
 def check_all_raised(results, cls="MismatchError", names=(), late_ok=False):
-    """Every rank raised ``cls`` within FAST seconds, with a message naming two different
+    """Every rank raised ``cls`` (not a timeout), with a message naming two different
     ranks and each of ``names``; afterwards the group refuses further collectives.
 
     ``late_ok``: a rank whose call only sends (a broadcast root, a reduce leaf) cannot learn of
@@ -217,8 +212,9 @@ def check_all_raised(results, cls="MismatchError", names=(), late_ok=False):
         raised.append((rank, r))
     assert raised or late_ok, "no rank raised in the mismatched call"
     for rank, r in raised:
+        # The class is the witness that the agreement check fired: a call that waited for its
+        # deadline instead raises TimeoutError (no wall-clock bound: shared machines stall).
         assert r["error"] == cls, f"rank {rank} raised {r['error']}: {r['message']}"
-        assert r["elapsed"] < FAST, f"rank {rank} took {r['elapsed']:.2f} s to raise"
         ranks = set(re.findall(r"rank (\d+)", r["message"]))
         assert len(ranks) >= 2, f"rank {rank}: message names fewer than two ranks: {r['message']}"
         for name in names:
@@ -319,7 +315,6 @@ def test_send_recv_mismatch(outcomes, world):
         r = receiver
         assert r["error"] == "MismatchError", \
             f"{kind}: receiver raised {r['error']}: {r['message']}"
-        assert r["elapsed"] < FAST, f"{kind}: receiver took {r['elapsed']:.2f} s"
         for s in ("rank 0", "rank 1") + want:
             assert s in r["message"], f"{kind}: {s!r} not in: {r['message']}"
         assert r["after"] in ("AbortedError", "MismatchError"), f"{kind}: then {r['after']}"

@@ -29,7 +29,7 @@ from meshcoll.process_group import _comm_id
 pytestmark = pytest.mark.timeout(60)
 
 CALL = 30.0
-HOLD = 2.0  # seconds the silent stray client keeps its connection open
+HOLD = 5.0  # seconds the silent stray client keeps its connection open
 
 
 # ---- the kernel's listening sockets ---------------------------------------------------------
@@ -109,9 +109,10 @@ def _job(pg):
         store.set("sec/pid0", str(os.getpid()))
     if rank == 1:  # hold back: rank 0 listens for us meanwhile
         store.get("sec/go", CALL)
-        t0 = time.monotonic()
         g = pg.new_group([0, 1])
-        out["join seconds"] = time.monotonic() - t0
+        # The witness of no stall is the order, not the clock: the stray client was still
+        # connected (rank 2 had not said it let go) when the join finished.
+        out["joined while the stray held on"] = not store.check(["sec/released"])
     else:
         g = pg.new_group([0, 1])  # rank 2: not a member, returns at once
     if rank == 2:
@@ -140,6 +141,7 @@ def _job(pg):
         with socket.create_connection((host, port), timeout=5):
             store.set("sec/go", b"1")
             time.sleep(HOLD)
+            store.set("sec/released", b"1")  # before the close: a join that waited sees it
     # The job keeps working: the new group and the world, on random data.
     rng = np.random.default_rng(99)
     data = rng.integers(-1000, 1000, (pg.size, 4099)).astype(np.int64)
@@ -187,7 +189,7 @@ def test_stray_clients_are_refused_and_the_job_keeps_working(job):
 
 
 def test_silent_stray_client_does_not_stall_the_rendezvous(job):
-    assert job[1]["join seconds"] < HOLD / 2, job[1]["join seconds"]
+    assert job[1]["joined while the stray held on"], job[1]
 
 
 # ---- the store protocol, fuzzed --------------------------------------------------------------
