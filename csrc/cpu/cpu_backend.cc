@@ -39,9 +39,6 @@ void CpuBackend::check_reduction(DType dt, RedOp op) const {
 }
 
 void CpuBackend::check_options(const char* what, const comm::CallOptions& o) const {
-  if (o.stream)
-    throw InvalidArgument(str_cat(what, ": stream= is for the NCCL backend; the CPU backend has "
-                                  "no streams"));
   const auto& t = o.tuning;
   if (t.algorithm > static_cast<uint8_t>(algo::Algorithm::kShm))
     throw InvalidArgument(str_cat(what, ": unknown algorithm code ", int(t.algorithm)));

@@ -374,13 +374,21 @@ void from_torch(Read& r, const py::handle& x, const Want& w, std::vector<int64_t
   if (w.device) r.stream = w.has_stream ? w.stream : torch_stream(r.view.device);
 }
 
+// A DLPack device type the backend can take: CUDA memory (device backends) or host memory.
+// Returns whether it is CUDA memory.
+bool check_dlpack_memory(int type, const Want& w) {
+  const bool device = type == kDLCUDA || type == kDLCUDAManaged;
+  if (!device && type != kDLCPU && type != kDLCUDAHost)
+    throw py::type_error(str_cat(label(w), ": DLPack device type ", type, " is neither host nor "
+                                           "CUDA memory"));
+  if (device != w.device) wrong_memory(w, device);
+  return device;
+}
+
 void from_dlpack(Read& r, const py::handle& x, const Want& w, std::vector<int64_t>* dims) {
-  if (py::hasattr(x, "__dlpack_device__")) {
-    py::tuple dev = x.attr("__dlpack_device__")();
-    int type = dev[0].cast<int>();
-    bool host = type == kDLCPU || type == kDLCUDAHost;
-    if (host == w.device) wrong_memory(w, !host);
-  }
+  // Before the handshake: a host array is not asked to order work before a CUDA stream.
+  if (py::hasattr(x, "__dlpack_device__"))
+    check_dlpack_memory(py::tuple(x.attr("__dlpack_device__")())[0].cast<int>(), w);
   // Handshake: the producer orders its pending work before S (device); no stream on the host.
   py::object cap;
   if (w.device) {
@@ -405,14 +413,7 @@ void from_dlpack(Read& r, const py::handle& x, const Want& w, std::vector<int64_
                                  name ? name : "unnamed", ")"));
   }
   if (!t) throw py::error_already_set();
-  const int32_t type = t->device.device_type;
-  const bool is_device = type == kDLCUDA || type == kDLCUDAManaged;
-  if (is_device != w.device || (!is_device && type != kDLCPU && type != kDLCUDAHost)) {
-    if (!is_device && type != kDLCPU && type != kDLCUDAHost)
-      throw py::type_error(str_cat(label(w), ": DLPack device type ", type, " is neither host nor "
-                                           "CUDA memory"));
-    wrong_memory(w, is_device);
-  }
+  const bool is_device = check_dlpack_memory(t->device.device_type, w);
   if (w.writable && readonly)
     throw InvalidArgument(str_cat(label(w), ": the array is read-only (immutable, as JAX arrays "
                                           "are) but this operation writes its result into it; "

@@ -75,16 +75,17 @@ bool is_numpy(const py::handle& x) { return py::isinstance<py::array>(x); }
 
 // One call's options and how its arrays are read: the first array read decides the stream
 // of a device op (stream= if given, else that array's own), later arrays are read on it.
+// `keep`: the arrays' owners ride with the operation (async calls, point-to-point).
 class CallReader {
  public:
-  CallReader(Backend& b, const char* what, const py::handle& timeout, const py::handle& stream,
-             bool async)
-      : b_(b), what_(what) {
+  CallReader(const Backend& b, const char* what, const py::handle& timeout,
+             const py::handle& stream, bool async, bool keep)
+      : what_(what) {
     release_owners();
     opts.timeout = timeout_arg(timeout);
     opts.async = async;
     want_.device = b.device_memory();
-    want_.keep = async;
+    want_.keep = keep;
     uintptr_t s = kLegacyStream;
     if (stream_arg(stream, &s)) {
       if (!want_.device)
@@ -95,6 +96,9 @@ class CallReader {
       opts.stream = to_cu_stream(s);
     }
   }
+  CallReader(const Backend& b, const char* what, const py::handle& timeout,
+             const py::handle& stream, bool async)
+      : CallReader(b, what, timeout, stream, async, async) {}
   // x or out: a raw array, or an Array the ProcessGroup made of one.
   comm::ArrayView operator()(const py::handle& x, const char* name, bool writable) {
     Want w = want_;
@@ -123,7 +127,6 @@ class CallReader {
   CallOptions opts;
 
  private:
-  Backend& b_;
   const char* what_;
   Want want_;
 };
@@ -143,6 +146,17 @@ py::object run(Backend& b, bool blocks, F&& call) {
 
 std::vector<size_t> counts_arg(const py::handle& h) { return h.cast<std::vector<size_t>>(); }
 
+// all_reduce's algorithm choice, the same for both of its entry points.
+comm::AllReduceTuning tuning_arg(const std::string& algorithm, size_t max_segment_bytes,
+                                 size_t tree_threshold_bytes, size_t hd_threshold_bytes) {
+  comm::AllReduceTuning t;
+  t.algorithm = algorithm_arg(algorithm, "all_reduce");
+  t.max_segment_bytes = max_segment_bytes;
+  t.tree_threshold_bytes = tree_threshold_bytes;
+  t.hd_threshold_bytes = hd_threshold_bytes;
+  return t;
+}
+
 // Note [all_reduce_sync]
 // The synchronous in-place all_reduce, ProcessGroup.all_reduce's hot path on every backend:
 // one METH_FASTCALL call (Note [FASTCALL methods]), no Work, no owner reference. Arguments
@@ -159,11 +173,10 @@ PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t narg
     CallReader read(b, what, py::handle(args[2]), py::handle(args[3]), false);
     comm::ArrayView x = read(py::handle(args[0]), "", true);
     RedOp op = redop_arg(str_arg(args[1], what, "op"), what);
-    auto& t = read.opts.tuning;
-    t.algorithm = algorithm_arg(str_arg(args[4], what, "algorithm"), what);
-    t.max_segment_bytes = size_arg(args[5], what, "max_segment_bytes");
-    t.tree_threshold_bytes = size_arg(args[6], what, "tree_threshold_bytes");
-    t.hd_threshold_bytes = size_arg(args[7], what, "hd_threshold_bytes");
+    read.opts.tuning = tuning_arg(str_arg(args[4], what, "algorithm"),
+                                  size_arg(args[5], what, "max_segment_bytes"),
+                                  size_arg(args[6], what, "tree_threshold_bytes"),
+                                  size_arg(args[7], what, "hd_threshold_bytes"));
     run(b, false, [&] { return b.all_reduce(x, x, op, read.opts); });
     Py_RETURN_NONE;
   });
@@ -172,9 +185,8 @@ PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t narg
 // send (is_send) or recv of `a`: point-to-point always returns a Work, which holds `a`.
 py::object p2p(Backend& b, bool is_send, const py::handle& a, int peer, uint32_t tag,
                const py::handle& timeout, const py::handle& stream) {
-  CallReader read(b, is_send ? "send" : "recv", timeout, stream, false);
+  CallReader read(b, is_send ? "send" : "recv", timeout, stream, false, true);
   auto buf = read(a, "x", !is_send);
-  buf.owner = owner_of(a);
   return run(b, false, [&] {
     return is_send ? b.send(buf, peer, tag, read.opts) : b.recv(buf, peer, tag, read.opts);
   });
@@ -278,11 +290,7 @@ void bind_backend(py::module_& m) {
              CallReader read(x, what, timeout, stream, async);
              auto in = read(a, "x", false);
              auto o = out.is(a) ? read(out, "x", true) : read(out, "out", true);
-             auto& t = read.opts.tuning;
-             t.algorithm = algorithm_arg(algorithm, what);
-             t.max_segment_bytes = max_segment_bytes;
-             t.tree_threshold_bytes = tree;
-             t.hd_threshold_bytes = hd;
+             read.opts.tuning = tuning_arg(algorithm, max_segment_bytes, tree, hd);
              RedOp rop = redop_arg(op, what);
              return run(x, false, [&] { return x.all_reduce(in, o, rop, read.opts); });
            })

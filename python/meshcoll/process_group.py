@@ -186,11 +186,8 @@ class ProcessGroup:
     def _as_array(self, x, what: str, writable: bool = False):
         """``x`` checked by the backend; on the CPU backend, a numpy view of it (for code
         that reshapes, as the partition and DDP helpers do)."""
-        if type(x) is np.ndarray and not self._arrays.device_memory:
-            self._backend.view(x, what, writable)
-            return x
         v = self._backend.view(x, what, writable)
-        return host_view(x) if not self._arrays.device_memory else v
+        return v if self._arrays.device_memory else host_view(x)
 
     def _empty(self, shape, like, dtype: Optional[str] = None):
         """A new array of ``shape`` where this backend works, like ``like`` (an array or the
@@ -510,13 +507,11 @@ class ProcessGroup:
 
     def destroy(self) -> None:
         """Finish queued work and close this group and every group created from it."""
-        if self._hier is not None:
-            # The group's queued hierarchical calls run on the children: finish them first.
-            self._backend.shutdown()
+        # This group's queued calls first: a hierarchical one runs on the children.
+        self._backend.shutdown()
         for child in self._children:
             child.destroy()
         self._children = []
-        self._backend.shutdown()
 
 
 class NonMemberGroup:

@@ -271,10 +271,11 @@ def _ledger(pg):
     return calls, message
 
 
-def test_ledger_lists_calls_and_timeouts_name_them(run_ranks):
-    (calls, message), (calls1, _) = run_ranks(2, _ledger, transport="tcp")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_ledger_lists_calls_and_timeouts_name_them(run_ranks, transport):
+    (calls, message), (calls1, _) = run_ranks(2, _ledger, transport=transport)
     assert calls == calls1
     assert [c.split("(")[0] for c in calls] == ["all_reduce", "broadcast", "all_gather"]
     assert all("done via " in c and "[seq " in c for c in calls), calls
-    assert calls[1].endswith("via tcp"), calls  # how each was carried is in the ledger
+    assert calls[1].endswith(f"via {transport}"), calls  # how each was carried
     assert "last calls on this group" in message and "all_reduce(count=4, float64" in message

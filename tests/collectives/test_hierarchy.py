@@ -186,3 +186,32 @@ def test_dead_rank_fails_every_host_fast(run_ranks, victim):
         assert kind == "PeerError", (rank, r)
         if "AABB"[rank] != "AABB"[victim]:  # the other host hears it from its leader
             assert "hierarchical all_reduce failed" in msg, (rank, msg)
+
+
+def _dropped_async_body(pg):
+    """A hierarchical async all_reduce whose Work and array rank 0 drops at once, while the
+    other host joins late: the operation holds the array (Note [Owners]), so the canaries
+    allocated into the freed blocks' place stay untouched (as test_contract checks on TCP and
+    shared memory)."""
+    _emulate_host("AABB"[pg.rank])
+    g = pg.new_group(list(range(pg.size)))
+    assert g._hier is not None
+    damaged = []
+    for _ in range(3):
+        if pg.rank == 0:
+            g.all_reduce(np.random.default_rng(0).standard_normal(8192), async_op=True)
+            canaries = [np.full(8192, 7.0) for _ in range(8)]
+        elif pg.rank >= 2:
+            time.sleep(0.3)
+        if pg.rank != 0:
+            g.all_reduce(np.ones(8192))
+        g.barrier(timeout=30)
+        if pg.rank == 0:
+            damaged += [i for i, c in enumerate(canaries) if not (c == 7.0).all()]
+    return damaged
+
+
+def test_dropped_async_array_survives_the_hierarchy(run_ranks):
+    for rank, damaged in enumerate(run_ranks(4, _dropped_async_body,
+                                             env={"MALLOC_PERTURB_": "165"})):
+        assert not damaged, (rank, damaged)

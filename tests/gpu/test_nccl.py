@@ -436,7 +436,10 @@ def _bad_calls(pg):
                  lambda: pg.all_reduce(x, algorithm="ring"),
                  lambda: pg.send(x, (pg.rank + 1) % pg.size, tag=5),
                  lambda: pg.all_reduce(np.ones(3)),
-                 lambda: pg.all_reduce(torch.ones(4, device=f"cuda:{(pg.device + 1) % 2}"))):
+                 lambda: pg.all_reduce(torch.ones(4, device=f"cuda:{(pg.device + 1) % 2}")),
+                 lambda: pg.all_reduce(x, timeout=0),  # timeouts: the one check, on NCCL too
+                 lambda: pg.all_reduce(x, timeout=1e10, async_op=True),
+                 lambda: pg.new_group([0, 1], timeout=-1)):
         try:
             call()
             errors.append("no error")
