@@ -75,17 +75,22 @@ void meet(comm::Comm& comm, ShmGroup& g, uint64_t round, const char* what) {
 
 // Note [Single-copy all_reduce]
 // With cross-memory attach (segment.h), vectors skip the data area: every rank publishes
-// the address of its vector, then rank r reduces slice r piece by piece: it reads each
-// peer's piece into an L2-sized scratch buffer and folds it in (own values first, then the
-// others in rank order: deterministic), then writes the reduced piece, still in cache,
-// straight into every peer's vector. No one else reads or writes slice r of any vector, so
-// the pieces need no synchronisation: after `arrived` (inputs ready, addresses published)
-// only an empty round remains, after which every write into this rank's vector is done and
-// no one reads it any more. Per rank each byte is read from memory twice and written twice
-// (the copy path: about four times each), and both synchronisations are cheap.
-// Measured with 2 ranks on a 2-core VM against the copy path: 8 KiB 3.7-4.1 vs 3.0-3.2 us,
-// 16 KiB 3.9-4.5 vs 4.9-5.1 us, 256 KiB 16 vs 31 us, 2 MiB 140 vs 260 us. Pieces of 512 KiB
-// beat 256 KiB and 1 MiB at 2 MiB (139 vs 171-183 and 213-260 us).
+// the address of its vector, then rank r reduces slice r of its own vector piece by piece:
+// it reads each peer's piece into an L2-sized scratch buffer and folds it in (own values
+// first, then the others in rank order: deterministic). Once every rank has published its
+// reduced slice (kReduced), each rank reads the other slices from their owners' vectors.
+// A rank only ever *reads* a peer's memory and writes its own (Note [Cross-memory attach]:
+// a peer that timed out and returned may already reuse its buffer, so writing into it
+// would corrupt unrelated data). Reading a vector its owner gave up on can only bring
+// garbage into this rank's own vector, and never silently: the owner never arrives at the
+// closing empty round, so this rank's call fails too. Slice r of a vector is written by
+// its owner only after every peer read its input there (the peers read slice r of rank r's
+// vector in phase one; rank r overwrites its other slices only after kReduced, when every
+// peer has finished phase one). Per rank each byte is read from memory twice and written
+// twice (the copy path: about four times each), at three synchronisations.
+// Measured with 2 ranks on a 2-core VM against the copy path (with peer writes instead of
+// reads: 8 KiB 3.7-4.1 vs 3.0-3.2 us, 16 KiB 3.9-4.5 vs 4.9-5.1 us, 256 KiB 16 vs 31 us,
+// 2 MiB 140 vs 260 us). Pieces of 512 KiB beat 256 KiB and 1 MiB at 2 MiB.
 constexpr size_t kSingleCopyMinBytes = 16 * 1024;
 constexpr size_t kSingleCopyPieceBytes = 512 * 1024;
 
@@ -95,32 +100,54 @@ void shm_all_reduce_single_copy(comm::Comm& comm, const AllreduceArgs& a) {
   const size_t esz = dtype_size(a.dtype);
   auto fold = reduce::lookup(a.dtype, a.op);
   const char* what = op_name(comm);
-  uint64_t round = begin_round(comm, g);
+  const uint64_t first = begin_round(comm, g);
   const uint64_t mine = reinterpret_cast<uintptr_t>(a.out.data);
-  std::memcpy(g.slot(r, round).payload, &mine, sizeof(mine));
-  meet(comm, g, round, what);
+  std::memcpy(g.slot(r, first).payload, &mine, sizeof(mine));
+  try {
+    meet(comm, g, first, what);
+  } catch (...) {
+    g.give_up(first);  // a peer may have seen the address already
+    throw;
+  }
   auto vector_of = [&](int p) {
     uint64_t at;
-    std::memcpy(&at, g.slot(p, round).payload, sizeof(at));
+    std::memcpy(&at, g.slot(p, first).payload, sizeof(at));
     return at;
   };
-  const Blocks slices(a.count, n);
-  const size_t s = slices.offset(r) * esz, len = slices.length(r) * esz;
-  const size_t piece = std::max<size_t>(1, kSingleCopyPieceBytes / esz) * esz;
-  uint8_t* scratch = comm.scratch(0, std::min(piece, len));
-  for (size_t k = 0; k < len; k += piece) {
-    const size_t m = std::min(piece, len - k);
+  try {
+    const Blocks slices(a.count, n);
+    const size_t s = slices.offset(r) * esz, len = slices.length(r) * esz;
+    const size_t piece = std::max<size_t>(1, kSingleCopyPieceBytes / esz) * esz;
+    uint8_t* scratch = comm.scratch(0, std::min(piece, len));
+    for (size_t k = 0; k < len; k += piece) {
+      const size_t m = std::min(piece, len - k);
+      for (int p = 0; p < n; ++p) {
+        if (p == r) continue;
+        g.read_peer(p, vector_of(p) + s + k, scratch, m);
+        fold(a.out.data + s + k, scratch, m / esz);
+      }
+    }
+    g.publish(ShmGroup::kReduced, first);
+    g.wait_all(ShmGroup::kReduced, first, comm.deadline(), comm.shm_check(), what);
     for (int p = 0; p < n; ++p) {
       if (p == r) continue;
-      g.read_peer(p, vector_of(p) + s + k, scratch, m);
-      fold(a.out.data + s + k, scratch, m / esz);
+      const size_t off = slices.offset(p) * esz;
+      g.read_peer(p, vector_of(p) + off, a.out.data + off, slices.length(p) * esz);
     }
-    for (int p = 0; p < n; ++p)
-      if (p != r) g.write_peer(p, vector_of(p) + s + k, a.out.data + s + k, m);
+    // The empty round: every peer has finished reading this vector.
+    const uint64_t last = begin_round(comm, g);
+    meet(comm, g, last, what);
+  } catch (...) {
+    g.give_up(first);
+    throw;
   }
-  // The empty round: every peer has finished reading from and writing into this vector.
-  round = begin_round(comm, g);
-  meet(comm, g, round, what);
+  // A peer that left by an error (after announcing the last round, or while this rank read
+  // its array) may have reused its array: what was read from it is void.
+  for (int p = 0; p < n; ++p)
+    if (p != r && g.gave_up(p, first))
+      throw PeerError(str_cat("rank ", r, ": rank ", p, " left this all_reduce by an error while "
+                              "this rank read its array, so the result is void; see rank ", p,
+                              "'s own error"));
 }
 
 // All-reduce. Vectors of at most kShmInlineBytes take one round through the slots: every

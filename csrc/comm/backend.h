@@ -97,6 +97,7 @@ class Backend {
   struct Call {
     transport::OpDesc desc;
     const CallOptions& opts;
+    uint64_t seq = 0;  // the ledger's sequence number, once the backend opened the record
     // Owners of the arrays, held by the Work until the operation completed (async only:
     // a synchronous caller holds them itself).
     std::vector<std::shared_ptr<void>> keep;

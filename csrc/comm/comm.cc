@@ -276,27 +276,6 @@ void Comm::start_p2p(Item& item) {
 }
 
 namespace {
-// An exception of the same type as `e`, with the message `msg`.
-std::exception_ptr same_type(std::exception_ptr e, const std::string& msg) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const MismatchError&) {
-    return std::make_exception_ptr(MismatchError(msg));
-  } catch (const TimeoutError&) {
-    return std::make_exception_ptr(TimeoutError(msg));
-  } catch (const PeerError&) {
-    return std::make_exception_ptr(PeerError(msg));
-  } catch (const Aborted&) {
-    return std::make_exception_ptr(Aborted(msg));
-  } catch (const InvalidArgument&) {
-    return std::make_exception_ptr(InvalidArgument(msg));
-  } catch (const TypeMismatch&) {
-    return std::make_exception_ptr(TypeMismatch(msg));
-  } catch (...) {
-    return std::make_exception_ptr(Error(msg));
-  }
-}
-
 // The ABORT frame carries the error's kind, so every peer raises the same type.
 transport::AbortKind abort_kind_of(std::exception_ptr e) {
   try {
@@ -316,13 +295,15 @@ transport::AbortKind abort_kind_of(std::exception_ptr e) {
 // The group is dead after its first failure: record it, tell the peers (abort), and fail
 // every posted point-to-point transfer with the same error.
 void Comm::fail_group(std::exception_ptr error) {
-  if (!first_error_) {
+  const bool first = !first_error_;
+  if (first) {
     first_error_ = error;
     std::lock_guard<std::mutex> lock(mu_);
     failed_before_ = next_index_;
   }
   // Any failure mid-operation leaves peers waiting on us: abort so they fail fast.
   transport_->abort(abort_kind_of(error), message_of(error));
+  if (first) on_group_failure(error);
   for (auto& f : in_flight_) f.work->finish(same_type(error, f.what(rank_) + message_of(error)));
   in_flight_.clear();
   sync_in_flight_count();

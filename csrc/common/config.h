@@ -24,6 +24,7 @@ struct Config {
   bool nccl_trace = false;   // MESHCOLL_NCCL_TRACE: print each NCCL / CUDA loading step to stderr
   std::string nccl_library;  // MESHCOLL_NCCL_LIBRARY: libnccl.so.2 to try first ("": none)
   bool nccl_split = true;    // MESHCOLL_NCCL_SPLIT: subgroups through ncclCommSplit where available
+  bool abort_on_error = false;  // MESHCOLL_ON_ERROR=abort: a failed group ends the process
 };
 
 // A copy, taken under a lock: set_config may run while other threads read.

@@ -60,4 +60,12 @@ std::string errno_text(int err);
 // or for a null pointer).
 std::string message_of(const std::exception_ptr& e);
 
+// An exception of the same type as `e` (one of the classes above), with the message `msg`.
+std::exception_ptr same_type(std::exception_ptr e, const std::string& msg);
+
+// Called where a group fails (the CPU communicator, the NCCL watchdog): with
+// MESHCOLL_ON_ERROR=abort, prints the failure to stderr and ends the process with exit code
+// 1, as torch.distributed's watchdog does, instead of leaving it to the next call to raise.
+void on_group_failure(const std::exception_ptr& e);
+
 }  // namespace meshcoll

@@ -8,11 +8,13 @@ using comm::ArrayView;
 using comm::WorkPtr;
 
 namespace {
-CallOpts opts_of(const comm::CallOptions& o, std::vector<std::shared_ptr<void>>& keep) {
+CallOpts opts_of(const comm::CallOptions& o, std::vector<std::shared_ptr<void>>& keep,
+                 uint64_t coll_seq) {
   CallOpts c;  // (the entry point ordered o.stream after o.wait_for: check_options)
   c.stream = reinterpret_cast<abi::CUstream>(o.stream);
   c.async = o.async;
   c.timeout = o.timeout;
+  c.coll_seq = coll_seq;
   c.keep = std::move(keep);
   return c;
 }
@@ -58,35 +60,35 @@ void NcclBackend::check_options(const char* what, const comm::CallOptions& o) co
 
 WorkPtr NcclBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
   open(c);
-  return result(comm_->all_reduce(opts_of(c.opts, c.keep), in.data, out.data, in.count, in.dtype, op),
+  return result(comm_->all_reduce(opts_of(c.opts, c.keep, c.seq), in.data, out.data, in.count, in.dtype, op),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op,
                                int root) {
   open(c);
-  return result(comm_->reduce(opts_of(c.opts, c.keep), in.data, out.data, in.count, in.dtype, op,
+  return result(comm_->reduce(opts_of(c.opts, c.keep, c.seq), in.data, out.data, in.count, in.dtype, op,
                               root),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
   open(c);
-  return result(comm_->broadcast(opts_of(c.opts, c.keep), buf.data, buf.count, buf.dtype, root),
+  return result(comm_->broadcast(opts_of(c.opts, c.keep, c.seq), buf.data, buf.count, buf.dtype, root),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                    const std::vector<size_t>& counts) {
   open(c);
-  return result(comm_->all_gather(opts_of(c.opts, c.keep), in.data, out.data, counts, in.dtype),
+  return result(comm_->all_gather(opts_of(c.opts, c.keep, c.seq), in.data, out.data, counts, in.dtype),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_reduce_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                        const std::vector<size_t>& counts, RedOp op) {
   open(c);
-  return result(comm_->reduce_scatter(opts_of(c.opts, c.keep), in.data, out.data, counts,
+  return result(comm_->reduce_scatter(opts_of(c.opts, c.keep, c.seq), in.data, out.data, counts,
                                       in.dtype, op),
                 c.opts);
 }
@@ -95,7 +97,7 @@ WorkPtr NcclBackend::do_all_to_all(Call& c, const ArrayView& in, const ArrayView
                                    const std::vector<size_t>& send_counts,
                                    const std::vector<size_t>& recv_counts) {
   open(c);
-  return result(comm_->all_to_all(opts_of(c.opts, c.keep), in.data, out.data, send_counts,
+  return result(comm_->all_to_all(opts_of(c.opts, c.keep, c.seq), in.data, out.data, send_counts,
                                   recv_counts, in.dtype),
                 c.opts);
 }
@@ -103,21 +105,21 @@ WorkPtr NcclBackend::do_all_to_all(Call& c, const ArrayView& in, const ArrayView
 WorkPtr NcclBackend::do_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                const std::vector<size_t>& counts, int root) {
   open(c);
-  return result(comm_->gather(opts_of(c.opts, c.keep), in.data, out.data, counts, in.dtype, root),
+  return result(comm_->gather(opts_of(c.opts, c.keep, c.seq), in.data, out.data, counts, in.dtype, root),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                 const std::vector<size_t>& counts, int root) {
   open(c);
-  return result(comm_->scatter(opts_of(c.opts, c.keep), in.data, out.data, counts, out.dtype,
+  return result(comm_->scatter(opts_of(c.opts, c.keep, c.seq), in.data, out.data, counts, out.dtype,
                                root),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_barrier(Call& c) {
   open(c);
-  auto w = comm_->barrier(opts_of(c.opts, c.keep));
+  auto w = comm_->barrier(opts_of(c.opts, c.keep, c.seq));
   if (c.opts.async) return w;
   w->wait(c.opts.timeout, false, nullptr);  // a barrier's wait blocks the host
   return nullptr;
@@ -125,18 +127,41 @@ WorkPtr NcclBackend::do_barrier(Call& c) {
 
 WorkPtr NcclBackend::do_send(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
   check_no_tag("send", tag);
-  return comm_->send(opts_of(c.opts, c.keep), buf.data, buf.count, buf.dtype, peer);
+  return comm_->send(opts_of(c.opts, c.keep, c.seq), buf.data, buf.count, buf.dtype, peer);
 }
 
 WorkPtr NcclBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
   check_no_tag("recv", tag);
-  return comm_->recv(opts_of(c.opts, c.keep), buf.data, buf.count, buf.dtype, peer);
+  return comm_->recv(opts_of(c.opts, c.keep, c.seq), buf.data, buf.count, buf.dtype, peer);
 }
 
 void NcclBackend::do_fail(const std::string& message) { comm_->abort(message); }
 
 // An NCCL group is used by one thread at a time (NCCL requires it), so the order of these
 // calls is the order the ops reach NCCL: the record opens here (Note [Call ledger]).
-void NcclBackend::open(Call& c) { ledger().open_collective(c.desc); }
+void NcclBackend::open(Call& c) {
+  c.seq = ledger().open_collective(c.desc);
+  if (agreement_) agreement_->note(c.seq, c.desc);
+}
+
+void NcclBackend::set_agreement(std::shared_ptr<comm::Backend> channel,
+                                comm::Agreement::Mode mode) {
+  std::weak_ptr<NcclComm> comm = comm_;
+  agreement_ = comm::Agreement::create(
+      std::move(channel), mode, comm_->timeout(), ledger(),
+      [comm](std::exception_ptr error, uint64_t seq) {
+        if (auto c = comm.lock()) c->fail(std::move(error), seq);
+      });
+  std::weak_ptr<comm::Agreement> a = agreement_;
+  comm_->set_census([a](uint64_t seq) {
+    auto p = a.lock();
+    return p ? p->census(seq) : std::string();
+  });
+}
+
+void NcclBackend::shutdown() {
+  if (agreement_) agreement_->stop(comm_->failed());
+  comm_->shutdown();
+}
 
 }  // namespace meshcoll::nccl

@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 
+#include "comm/agreement.h"
 #include "comm/backend.h"
 #include "nccl/nccl_comm.h"
 
@@ -15,6 +16,9 @@ class NcclBackend final : public comm::Backend {
  public:
   explicit NcclBackend(std::shared_ptr<NcclComm> comm)
       : Backend(comm->rank(), comm->size(), true), comm_(std::move(comm)) {}
+  ~NcclBackend() override {
+    if (agreement_) agreement_->stop(true);  // dropped without destroy(): nothing to compare
+  }
   // Collective over the group `store` is namespaced for.
   static std::shared_ptr<NcclBackend> create(std::shared_ptr<store::Store> store, int rank,
                                              int size, int device, Millis timeout);
@@ -24,8 +28,12 @@ class NcclBackend final : public comm::Backend {
   const char* name() const override { return "nccl"; }
   std::string transport() const override { return "nccl"; }
   int device() const override { return comm_->device(); }
-  void shutdown() override { comm_->shutdown(); }
+  // Stops the agreement check (comparing what remains), then lets issued work finish.
+  void shutdown() override;
   NcclComm& comm() { return *comm_; }
+  // Turns on the agreement check (Note [Agreement on a side channel]) over `channel`, a CPU
+  // backend among the same ranks. Set once, before the group's first collective.
+  void set_agreement(std::shared_ptr<comm::Backend> channel, comm::Agreement::Mode mode);
 
  protected:
   void check_reduction(DType dt, RedOp op) const override;
@@ -54,6 +62,7 @@ class NcclBackend final : public comm::Backend {
  private:
   void open(Call& c);
   std::shared_ptr<NcclComm> comm_;
+  std::shared_ptr<comm::Agreement> agreement_;
 };
 
 }  // namespace meshcoll::nccl

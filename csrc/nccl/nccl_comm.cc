@@ -334,10 +334,15 @@ void NcclComm::shutdown() {
   std::unique_lock<std::mutex> lock(mu_);
   if (shut_down_) return;
   shut_down_ = true;
-  if (!comm_) return;
+  if (!comm_) {
+    if (failed_ && !reported_)
+      raise_locked(str_cat("destroy() on ", where(), ": the group failed earlier, after the "
+                           "last call that could raise it: "));
+    return;
+  }
   CtxGuard guard(cu_, ctx_);
   // Let issued work finish (bounded by the group's timeout); work still running then is
-  // aborted, which never waits for peers.
+  // aborted, which never waits for peers, and destroy() raises.
   Deadline d(timeout_);
   int round = 0;
   for (;;) {
@@ -347,7 +352,10 @@ void NcclComm::shutdown() {
     if (completed_ == issued_) break;
     if (d.expired()) {
       abort_locked();
-      return;
+      throw TimeoutError(str_cat("destroy() on ", where(), ": ", slots_[completed_ % kSlots].what,
+                                 " (op ", completed_, ") and ", issued_ - completed_ - 1,
+                                 " later op(s) did not complete within ", timeout_.count(),
+                                 " ms; the communicator was aborted"));
     }
     lock.unlock();
     backoff(round);
@@ -364,6 +372,21 @@ void NcclComm::shutdown() {
     cu->ctx_set_current(ctx);
     nc->comm_destroy(c);
   }, Deadline(timeout_));
+}
+
+void NcclComm::fail(std::exception_ptr error, uint64_t coll_seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!comm_ || failed_) return;
+  CtxGuard guard(cu_, ctx_);
+  // The first op (a slot still in the ring) of collective coll_seq or later.
+  uint64_t from = UINT64_MAX;
+  const uint64_t oldest = issued_ > kSlots ? issued_ - kSlots : 0;
+  for (uint64_t k = issued_; coll_seq && k-- > oldest;) {
+    const uint64_t s = slots_[k % kSlots].coll_seq;
+    if (s && s < coll_seq) break;
+    if (s) from = k;
+  }
+  fail_locked(std::move(error), from);
 }
 
 void NcclComm::abort(const std::string& why) {
@@ -386,23 +409,32 @@ std::string NcclComm::where() const {
   return str_cat("rank ", rank_, " of ", size_, ", CUDA device ", device_);
 }
 
+void NcclComm::raise_locked(const std::string& context) const {
+  reported_ = true;
+  std::rethrow_exception(same_type(error_, context + message_of(error_)));
+}
+
+// Note [NCCL failure model]: a failure the watchdog or the agreement check found while no
+// call was in Python is raised, with its own type, by the next call (here), wait() or
+// synchronize(), or else by destroy() (shutdown).
 void NcclComm::usable_locked() const {
   if (failed_)
-    throw Aborted(str_cat("the NCCL communicator (", where(), ") was aborted by an earlier "
-                          "error; rebuild the group: ", message_of(error_)));
+    raise_locked(str_cat("the NCCL communicator (", where(), ") was aborted by an earlier "
+                         "failure; rebuild the group: "));
   if (shut_down_ || !comm_)
     throw Aborted(str_cat("the NCCL communicator (", where(), ") was destroyed"));
 }
 
-void NcclComm::fail_locked(std::exception_ptr error) {
+void NcclComm::fail_locked(std::exception_ptr error, uint64_t voids_from) {
   if (failed_) return;
-  // Ops that completed before the failure keep their success.
+  // Ops that completed before the failure keep their success (but for those it voids).
   while (completed_ < issued_ &&
          cu_.event_query(slots_[completed_ % kSlots].event) == CUDA_SUCCESS)
     ++completed_;
   failed_ = true;
-  failed_from_ = completed_;
+  failed_from_ = std::min(completed_, voids_from);
   error_ = std::move(error);
+  on_group_failure(error_);
   abort_locked();  // the kernels exit, so every pending event completes
   for (auto& s : slots_) s.keep.clear();  // nothing touches the arrays any more
 }
@@ -467,10 +499,14 @@ void NcclComm::poll_locked() {
   for (uint64_t k = completed_; k < issued_; ++k) {
     const Slot& s = slots_[k % kSlots];
     if (now < s.deadline || cu_.event_query(s.event) == CUDA_SUCCESS) continue;
+    const std::string who = s.coll_seq && census_ ? census_(s.coll_seq) : "";
     fail_locked(std::make_exception_ptr(TimeoutError(str_cat(
-        "NCCL ", s.what, " (op ", k, ") on ", where(), " did not complete within ",
-        s.timeout_ms, " ms; the communicator was aborted. A peer may have died, or not "
-        "called the same collectives in the same order; rebuild the group"))));
+        "NCCL ", s.what, s.coll_seq ? str_cat(" [seq ", s.coll_seq, "]") : std::string(),
+        " (op ", k, ") on ", where(), " did not complete within ", s.timeout_ms,
+        " ms; the communicator was aborted", who,
+        who.empty() ? ". A peer may have died, or not called the same collectives in the "
+                      "same order" : "",
+        "; rebuild the group"))));
     return;
   }
 }

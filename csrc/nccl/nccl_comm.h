@@ -30,6 +30,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -77,6 +78,7 @@ struct CallOpts {
   abi::CUstream stream = nullptr;  // the caller's stream (nullptr = legacy default)
   bool async = false;
   Millis timeout{-1};
+  uint64_t coll_seq = 0;  // the call's collective sequence number (Note [Call ledger]); 0: p2p
   // Owners of an async op's arrays: its slot holds them until the op completed (or the
   // communicator was aborted), whatever the caller drops.
   std::vector<std::shared_ptr<void>> keep;
@@ -108,6 +110,19 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void shutdown();
   // Aborts now (ncclCommAbort); pending ops fail with Aborted.
   void abort(const std::string& why);
+  bool failed() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return failed_;
+  }
+  // Aborts now with `error` (the agreement check's MismatchError, a dead peer): the op of
+  // collective `coll_seq` and every later one report it, even if they completed (their data
+  // is void); so do new calls. coll_seq 0: the ops not completed yet.
+  void fail(std::exception_ptr error, uint64_t coll_seq);
+  // Appended to a timeout's message: who never reached collective `coll_seq` (the backend's
+  // agreement check knows). Set once, before the first op.
+  void set_census(std::function<std::string(uint64_t coll_seq)> census) {
+    census_ = std::move(census);
+  }
 
   using WorkPtr = std::shared_ptr<NcclWork>;
   // Counts are in elements; the caller validated buffers against them. `in` may alias `out`.
@@ -147,6 +162,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
     Clock::time_point deadline;
     int64_t timeout_ms = 0;
     const char* what = "";
+    uint64_t coll_seq = 0;  // CallOpts::coll_seq
     std::vector<std::shared_ptr<void>> keep;  // CallOpts::keep
   };
   struct Issue;  // one op's enqueue state (nccl_comm.cc)
@@ -167,7 +183,10 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void wait_ready_locked(abi::ncclComm_t comm, const Deadline& d, const char* what);
   void usable_locked() const;
   void claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d);
-  void fail_locked(std::exception_ptr error);
+  // Ops from index `voids_from` (or not completed yet, whichever is first) report `error`.
+  void fail_locked(std::exception_ptr error, uint64_t voids_from = UINT64_MAX);
+  // The failure, as the next call or wait raises it (and marks it reported).
+  [[noreturn]] void raise_locked(const std::string& context) const;
   void abort_locked();
   void poll_locked();  // advances completed_, checks async errors and deadlines
   void watchdog();
@@ -197,7 +216,9 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   bool failed_ = false;
   uint64_t failed_from_ = 0;  // ops at or above this failed with error_
   std::exception_ptr error_;
+  mutable bool reported_ = false;  // error_ reached the user (a call, wait or synchronize)
   bool shut_down_ = false;
+  std::function<std::string(uint64_t)> census_;
 
   // Note [Stuck calls]: the deadline (steady-clock ns) of the NCCL call in progress, 0 when
   // none, -1 once the watchdog claimed it; the communicator it runs on; set once aborted.

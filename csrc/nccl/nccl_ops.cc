@@ -69,6 +69,7 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   s.deadline = deadline_at(t);
   s.timeout_ms = t.count();
   s.what = what;
+  s.coll_seq = c.coll_seq;
   if (async) s.keep = c.keep;
   const uint64_t seq = issued_++;
   return std::make_shared<NcclWork>(shared_from_this(), seq, user, async, false, host_blocking);
@@ -302,6 +303,7 @@ std::vector<uint8_t> NcclComm::host_all_gather(const void* data, size_t bytes, M
 bool NcclComm::op_done_locked(uint64_t seq, std::exception_ptr* error) {
   if (failed_ && seq >= failed_from_) {
     *error = error_;
+    reported_ = true;
     return true;
   }
   if (seq < completed_ || shut_down_) return true;

@@ -39,6 +39,14 @@ void bind_nccl(py::module_& m) {
              return nccl::NcclBackend::create(std::move(store), rank, size, device, t);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("timeout"))
+      .def("set_agreement",
+           [](nccl::NcclBackend& b, std::shared_ptr<comm::Backend> channel, bool strict) {
+             b.set_agreement(std::move(channel), strict ? comm::Agreement::Mode::kStrict
+                                                        : comm::Agreement::Mode::kAsync);
+           },
+           py::arg("channel"), py::arg("strict"),
+           "Turns on the agreement check over `channel` (a CpuBackend among the same ranks; "
+           "Note [Agreement on a side channel]). Once, before the first collective.")
       .def("split", [](nccl::NcclBackend& b, int color, int key, const py::handle& timeout) {
              Millis t = timeout_arg(timeout);
              py::gil_scoped_release nogil;

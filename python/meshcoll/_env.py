@@ -16,7 +16,7 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Sequence
 
 # The names meshcoll-run sets and meshcoll reads.
 RANK = "MESHCOLL_RANK"
@@ -43,6 +43,10 @@ SIMD = "MESHCOLL_SIMD"
 NCCL_TRACE = "MESHCOLL_NCCL_TRACE"
 NCCL_LIBRARY = "MESHCOLL_NCCL_LIBRARY"
 NCCL_SPLIT = "MESHCOLL_NCCL_SPLIT"
+ON_ERROR = "MESHCOLL_ON_ERROR"
+ON_ERROR_CHOICES = ("raise", "abort")
+CHECK = "MESHCOLL_CHECK"
+CHECK_MODES = ("async", "strict", "off")
 
 TRANSPORTS = ("auto", "shm", "tcp")  # the values of MESHCOLL_TRANSPORT
 
@@ -495,12 +499,23 @@ class GroupOptions:
     hierarchy: bool = True      # MESHCOLL_HIERARCHY
     algorithm: str = "auto"     # MESHCOLL_ALGO
     debug: bool = False         # MESHCOLL_DEBUG
+    check: str = "async"        # MESHCOLL_CHECK: NCCL groups' agreement check: async, strict, off
+
+
+def _choice(env: Mapping[str, str], name: str, choices: Sequence[str]) -> str:
+    """The value of ``name`` (the first choice when unset); ValueError naming it otherwise."""
+    value = (_get(env, name) or choices[0]).strip().lower()
+    if value not in choices:
+        raise ValueError(f"meshcoll: {name}={value!r}: use one of {', '.join(choices)}")
+    return value
 
 
 def group_options_from_env(environ: Optional[Mapping[str, str]] = None) -> GroupOptions:
     return GroupOptions(transport=transport_from_env(environ), shm_bytes=shm_bytes_from_env(environ),
                         hierarchy=hierarchy_from_env(environ),
-                        algorithm=algorithm_from_env(environ), debug=debug_from_env(environ))
+                        algorithm=algorithm_from_env(environ), debug=debug_from_env(environ),
+                        check=_choice(os.environ if environ is None else environ, CHECK,
+                                      CHECK_MODES))
 
 
 @dataclass(frozen=True)
@@ -514,6 +529,7 @@ class CoreConfig:
     nccl_trace: bool = False  # MESHCOLL_NCCL_TRACE: print each NCCL loading step
     nccl_library: str = ""    # MESHCOLL_NCCL_LIBRARY: libnccl.so.2 to try first
     nccl_split: bool = True   # MESHCOLL_NCCL_SPLIT: subgroups through ncclCommSplit
+    abort_on_error: bool = False  # MESHCOLL_ON_ERROR=abort: a failed group ends the process
 
 
 SIMD_LEVELS = ("baseline", "avx2", "avx512")  # the values of MESHCOLL_SIMD
@@ -544,4 +560,5 @@ def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreCon
         nccl_trace=_flag(env, NCCL_TRACE, False),
         nccl_library=_get(env, NCCL_LIBRARY) or "",
         nccl_split=_flag(env, NCCL_SPLIT, True),
+        abort_on_error=_choice(env, ON_ERROR, ON_ERROR_CHOICES) == "abort",
     )

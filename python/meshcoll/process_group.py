@@ -147,6 +147,14 @@ class ProcessGroup:
             self._arrays = nccl.CudaArrays
             self._backend = nccl.make_backend(prefixed, rank, len(self._ranks), self._device,
                                               timeout, parent, color)
+            if len(self._ranks) > 1 and opts.check != "off":
+                # Note [Agreement on a side channel] (csrc/comm/agreement.h): the ranks'
+                # calls are compared on a CPU group of the same ranks.
+                channel = _C.CpuBackend(_C.PrefixStore(f"mc/{name}/agree", store), rank,
+                                        len(self._ranks), timeout, bind_host, token,
+                                        _comm_id(name + "/agree", token), "auto", 64 << 10,
+                                        False)
+                self._backend.set_agreement(channel, opts.check == "strict")
             self.config = CollectiveConfig("auto")  # NCCL picks its own algorithms
         else:
             self._device = None
@@ -199,12 +207,16 @@ class ProcessGroup:
         """The stream the caller computes on for arrays like ``like`` (None on the CPU)."""
         return self._arrays.current_stream(like)
 
-    def _child(self, ranks, rank, name, timeout, color: int = 0, transport=None):
+    def _child(self, ranks, rank, name, timeout, color: int = 0, transport=None, check=None):
         opts = self._options
         if transport is not None:
             if transport not in _env.TRANSPORTS:
                 raise ValueError(f"transport={transport!r}: use one of {', '.join(_env.TRANSPORTS)}")
             opts = dataclasses.replace(opts, transport=transport)
+        if check is not None:
+            if check not in _env.CHECK_MODES:
+                raise ValueError(f"check={check!r}: use one of {', '.join(_env.CHECK_MODES)}")
+            opts = dataclasses.replace(opts, check=check)
         # None: the parent's; anything else is checked where the backend is made.
         timeout = self._timeout if timeout is None else float(timeout)
         return ProcessGroup(self._store, ranks, rank, name, timeout=timeout,
@@ -455,10 +467,11 @@ class ProcessGroup:
 
     # ---- subgroups ------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int], *, timeout: Optional[float] = None,
-                  transport: Optional[str] = None):
+                  transport: Optional[str] = None, check: Optional[str] = None):
         """Collective over this group: every member calls it with the same global ``ranks``
         in the same order. Members get a ProcessGroup; others a NonMemberGroup.
-        ``transport`` ("auto", "shm", "tcp"; CPU groups) overrides the job's for this group."""
+        ``transport`` ("auto", "shm", "tcp"; CPU groups) overrides the job's for this group;
+        ``check`` ("async", "strict"; NCCL groups) its agreement check (MESHCOLL_CHECK)."""
         ranks = [int(r) for r in ranks]
         if len(set(ranks)) != len(ranks) or not ranks:
             raise ValueError(f"new_group: ranks must be a non-empty list without duplicates, got {ranks}")
@@ -473,7 +486,8 @@ class ProcessGroup:
             child = NonMemberGroup(ranks, name)
             self._sit_out(timeout)
         else:
-            child = self._child(ranks, ranks.index(me), name, timeout, transport=transport)
+            child = self._child(ranks, ranks.index(me), name, timeout, transport=transport,
+                                check=check)
         self._children.append(child)
         return child
 
@@ -507,11 +521,14 @@ class ProcessGroup:
 
     def destroy(self) -> None:
         """Finish queued work and close this group and every group created from it."""
-        # This group's queued calls first: a hierarchical one runs on the children.
-        self._backend.shutdown()
-        for child in self._children:
-            child.destroy()
-        self._children = []
+        # This group's queued calls first: a hierarchical one runs on the children. A failure
+        # (an NCCL group's failure no call raised yet) is raised once every group is closed.
+        try:
+            self._backend.shutdown()
+        finally:
+            children, self._children = self._children, []
+            for child in children:
+                child.destroy()
 
 
 class NonMemberGroup:

@@ -132,5 +132,7 @@ def get_world_group() -> ProcessGroup:
 
 
 def new_group(ranks: Sequence[int], *, group: Optional[ProcessGroup] = None,
-              timeout: Optional[float] = None):
-    return (group or get_world_group()).new_group(ranks, timeout=timeout)
+              timeout: Optional[float] = None, transport: Optional[str] = None,
+              check: Optional[str] = None):
+    return (group or get_world_group()).new_group(ranks, timeout=timeout, transport=transport,
+                                                   check=check)

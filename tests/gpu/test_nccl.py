@@ -358,8 +358,8 @@ def _killed(pg):
     try:
         pg.all_reduce(x)
         after = "no error"
-    except meshcoll.AbortedError:
-        after = "AbortedError"
+    except (meshcoll.TimeoutError, meshcoll.PeerError) as e:
+        after = type(e).__name__  # the failure's own type (Note [NCCL failure model])
     return kind, took, after
 
 
@@ -370,7 +370,7 @@ def test_killed_rank_becomes_an_error_not_a_hang():
     kind, took, after = res[0]
     assert kind in ("TimeoutError", "PeerError"), kind
     assert took < 30, f"the failure took {took:.1f} s to surface"
-    assert after == "AbortedError"
+    assert after in ("TimeoutError", "PeerError"), after
 
 
 def _cupy(pg):

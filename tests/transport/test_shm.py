@@ -216,3 +216,37 @@ def test_setup_sweeps_segments_left_by_dead_jobs(run_ranks):
         f.write(b"x" * 64)
     run_ranks(2, _transport_and_sum)
     assert not os.path.exists(stale)
+
+
+def _stopped_peer_resumes_after_a_timeout(pg):
+    # Rank 1 stops itself mid all_reduce (a thread sends SIGSTOP while the call runs without
+    # the GIL); rank 0 times out, returns, and refills its array with a sentinel; then it
+    # resumes rank 1. Nothing may land in rank 0's array after its call returned (Note
+    # [Cross-memory attach]), and rank 1 must fail rather than return what it read.
+    import threading
+    pids = pg.all_gather(np.array([os.getpid()], np.int64)).ravel()
+    x = np.random.default_rng(pg.rank).standard_normal(16 << 20).astype(np.float32)
+    if pg.rank == 1:
+        threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+    pg.barrier()
+    try:
+        pg.all_reduce(x, timeout=2)
+        outcome = "returned"
+    except meshcoll.MeshcollError as e:
+        outcome = type(e).__name__
+    if pg.rank == 1:
+        return outcome, 0
+    x.fill(7.0)
+    os.kill(int(pids[1]), signal.SIGCONT)
+    written = 0
+    end = time.monotonic() + 2
+    while time.monotonic() < end:
+        written = max(written, int(np.count_nonzero(x != 7.0)))
+        time.sleep(0.01)
+    return outcome, written
+
+
+def test_a_stopped_peer_never_writes_into_a_returned_call(run_ranks):
+    res = run_ranks(2, _stopped_peer_resumes_after_a_timeout, timeout=60)
+    assert res[0] == ("TimeoutError", 0), res
+    assert res[1][0] != "returned", res

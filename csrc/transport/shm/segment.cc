@@ -195,22 +195,25 @@ std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& sto
   return g;
 }
 
-void ShmGroup::cross_copy(bool write, int r, uint64_t remote, void* local, size_t bytes) {
+void ShmGroup::read_peer(int r, uint64_t remote, void* local, size_t bytes) {
   auto* at = static_cast<uint8_t*>(local);
   const auto pid = static_cast<pid_t>(ctrl_[r]->pid);
   while (bytes > 0) {  // the kernel may copy less than asked (a partial copy): go on
     iovec l{at, bytes};
     iovec p{reinterpret_cast<void*>(remote), bytes};
-    ssize_t got = write ? process_vm_writev(pid, &l, 1, &p, 1, 0)
-                        : process_vm_readv(pid, &l, 1, &p, 1, 0);
+    ssize_t got = process_vm_readv(pid, &l, 1, &p, 1, 0);
     if (got < 0 && errno == EINTR) continue;
     if (got < 0 && errno == ESRCH)
       throw PeerError(str_cat("rank ", rank_, ": rank ", r, " (pid ", pid,
-                              ") exited while this rank ", write ? "wrote into" : "read",
-                              " its memory"));
+                              ") exited while this rank read its memory"));
+    // The local side is this rank's own live array or scratch: a fault is on rank r's side,
+    // which unmapped the array it published, so it has left the collective.
+    if (got < 0 && errno == EFAULT)
+      throw PeerError(str_cat("rank ", rank_, ": rank ", r, " left the collective (the array it "
+                              "published is no longer mapped) while this rank read it; see rank ",
+                              r, "'s own error"));
     if (got <= 0)
-      throw SystemError(str_cat("rank ", rank_, ": ", write ? "process_vm_writev to" :
-                                "process_vm_readv from", " rank ", r, " failed: ",
+      throw SystemError(str_cat("rank ", rank_, ": process_vm_readv from rank ", r, " failed: ",
                                 got < 0 ? errno_text(errno) : std::string("no progress")));
     at += got;
     remote += static_cast<uint64_t>(got);

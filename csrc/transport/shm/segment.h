@@ -54,6 +54,9 @@ struct alignas(64) ShmControl {
   // owner's pid and the address of this block in the owner's address space.
   int64_t pid;
   uint64_t self_addr;
+  // The first round of the last single-copy all_reduce this rank left by an error (Note
+  // [Single-copy all_reduce]): its array may be reused, so what a peer read there is void.
+  std::atomic<uint64_t> gave_up;
 };
 static_assert(sizeof(ShmControl) % 64 == 0, "control block layout");
 
@@ -87,22 +90,25 @@ class ShmGroup {
                 const char* what);
 
   // Note [Cross-memory attach]
-  // process_vm_readv and process_vm_writev copy straight between this process and a peer's
-  // private memory (one copy, by the kernel), so all_reduce needs no staging through the
-  // data area (Note [Single-copy all_reduce]). The kernel allows it only
-  // where this process may ptrace the peer (same user, and Yama, seccomp or a container
-  // profile not in the way), so setup probes it: every rank reads every peer's control
-  // block through it, and the group uses it only if every probe succeeded (all ranks take
-  // the same algorithms). MESHCOLL_CMA=0 turns it off.
+  // process_vm_readv copies straight from a peer's private memory into this process's (one
+  // copy, by the kernel), so all_reduce needs no staging through the data area (Note
+  // [Single-copy all_reduce]). Ranks only ever read each other's memory, never write it: a
+  // peer whose call timed out and returned may already hold unrelated data at that address,
+  // and a write could corrupt it long after the peer's call returned (a stopped peer that
+  // resumes). The kernel allows it only where this process may ptrace the peer (same user,
+  // and Yama, seccomp or a container profile not in the way), so setup probes it: every
+  // rank reads every peer's control block through it, and the group uses it only if every
+  // probe succeeded (all ranks take the same algorithms). MESHCOLL_CMA=0 turns it off.
   bool cma() const { return cma_; }
-  // Copies `bytes` between address `remote` in rank r's address space and `local`, from
-  // there (read) or to there (write). PeerError if rank r is gone, SystemError for any
-  // other failure.
-  void read_peer(int r, uint64_t remote, void* local, size_t bytes) {
-    cross_copy(false, r, remote, local, bytes);
-  }
-  void write_peer(int r, uint64_t remote, const void* local, size_t bytes) {
-    cross_copy(true, r, remote, const_cast<void*>(local), bytes);
+  // Copies `bytes` from address `remote` in rank r's address space to `local`. PeerError if
+  // rank r is gone or no longer has that memory (it left the collective), SystemError for
+  // any other failure.
+  void read_peer(int r, uint64_t remote, void* local, size_t bytes);
+  // This rank leaves, by an error, the single-copy call that began at `round`; and whether
+  // rank r did.
+  void give_up(uint64_t round) { ctrl_[rank_]->gave_up.store(round, std::memory_order_seq_cst); }
+  bool gave_up(int r, uint64_t round) const {
+    return ctrl_[r]->gave_up.load(std::memory_order_seq_cst) == round;
   }
 
   // Same-host groups only: the identity every rank publishes to decide (host, IPC namespace).
@@ -111,7 +117,6 @@ class ShmGroup {
  private:
   ShmGroup(int rank, int size, size_t data_bytes);
   std::atomic<uint64_t>& counter(int r, Phase p, uint64_t round);
-  void cross_copy(bool write, int r, uint64_t remote, void* local, size_t bytes);
   void wait_until(const std::vector<int>& ranks, Phase phase, uint64_t round, const Deadline& d,
                   const Check& check, const char* what);
   int rank_, size_;

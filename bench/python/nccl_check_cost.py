@@ -1,0 +1,103 @@
+"""Host cost of the NCCL agreement check (Note [Agreement on a side channel],
+csrc/comm/agreement.h): microseconds per synchronous 8-byte all_reduce, enqueue only and
+enqueue + synchronize, on groups with MESHCOLL_CHECK off, async and strict, side by side in
+one job (interleaved rounds, medians). One process per GPU.
+
+    NCCL_NVLS_ENABLE=0 python bench/python/nccl_check_cost.py --nprocs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import secrets
+import statistics
+import sys
+import time
+
+from meshcoll.run import pick_free_port
+
+MODES = ("off", "async", "strict")
+
+
+def rank_main(rank, world, port, token, args, conn):
+    try:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        import torch
+        import meshcoll
+        torch.cuda.set_device(rank)
+        store = meshcoll.TCPStore("127.0.0.1", port, is_server=rank == 0, timeout=60, token=token)
+        pg = meshcoll.init("nccl", rank=rank, world_size=world, store=store, device=rank)
+        groups = {m: pg.new_group(list(range(world)), check=m) for m in MODES}
+        x = torch.rand(2, device="cuda")
+        enq = {m: [] for m in MODES}
+        full = {m: [] for m in MODES}
+        for g in groups.values():
+            for _ in range(200):
+                g.all_reduce(x)
+        torch.cuda.synchronize()
+        for _ in range(args.rounds):
+            for m, g in groups.items():
+                pg.barrier()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(args.calls):
+                    g.all_reduce(x)
+                enq[m].append((time.perf_counter() - t0) / args.calls * 1e6)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(args.calls // 10):
+                    g.all_reduce(x)
+                    torch.cuda.synchronize()
+                full[m].append((time.perf_counter() - t0) / (args.calls // 10) * 1e6)
+        conn.send(("ok", {m: (statistics.median(enq[m]), statistics.median(full[m]))
+                          for m in MODES}))
+        meshcoll.destroy()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        import traceback
+        conn.send(("error", traceback.format_exc()))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nprocs", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args(argv)
+    ctx = mp.get_context("spawn")
+    port, token = pick_free_port("127.0.0.1"), secrets.token_hex(8)
+    conns, procs = [], []
+    for r in range(args.nprocs):
+        a, b = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=rank_main, args=(r, args.nprocs, port, token, args, b))
+        p.start()
+        conns.append(a)
+        procs.append(p)
+    res = []
+    for r, c in enumerate(conns):
+        if not c.poll(600):
+            print(f"rank {r}: no result", file=sys.stderr)
+            return 1
+        status, value = c.recv()
+        if status != "ok":
+            print(f"--- rank {r} ---\n{value}", file=sys.stderr)
+            return 1
+        res.append(value)
+    for p in procs:
+        p.join(30)
+    import torch
+    print(f"# {args.nprocs} x {torch.cuda.get_device_name(0)}, {args.rounds} rounds x "
+          f"{args.calls} calls; medians over rounds, worst rank")
+    print(f"{'check':8} {'enqueue us':>11} {'vs off':>8} {'+sync us':>9} {'vs off':>8}")
+    base_e = max(r["off"][0] for r in res)
+    base_f = max(r["off"][1] for r in res)
+    for m in MODES:
+        e = max(r[m][0] for r in res)
+        f = max(r[m][1] for r in res)
+        print(f"{m:8} {e:11.2f} {e - base_e:+8.2f} {f:9.2f} {f - base_f:+8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

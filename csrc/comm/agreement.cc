@@ -1,0 +1,236 @@
+#include "comm/agreement.h"
+
+#include <algorithm>
+
+#include "common/error.h"
+
+namespace meshcoll::comm {
+
+namespace {
+// The longest pause between idle rounds: a disagreement is found within about this long.
+constexpr auto kIdlePause = std::chrono::milliseconds(10);
+// The channel's deadline while nothing waits to be compared (Note [Agreement on a side
+// channel]): a job may sit in other code for a long time.
+constexpr Millis kIdleDeadline{100LL * 24 * 3600 * 1000};
+}  // namespace
+
+// What each rank contributes to a round; the same size on every rank.
+struct Agreement::Record {
+  uint64_t issued = 0;   // calls this rank has issued
+  uint64_t first = 0;    // the sequence number of descs[0]: the first call not yet compared
+  uint32_t n = 0;        // descriptions in descs
+  uint32_t leaving = 0;  // 1: this rank is destroying the group; `issued` is final
+  transport::OpDesc descs[kBatch];
+};
+
+Agreement::Agreement(std::shared_ptr<Backend> channel, Mode mode, Millis timeout,
+                     const Ledger& ledger, Sink sink)
+    : channel_(std::move(channel)), mode_(mode), timeout_(timeout), ledger_(ledger),
+      sink_(std::move(sink)), rank_(channel_->rank()), size_(channel_->size()),
+      peer_issued_(size_, 0), last_round_(Clock::now()) {}
+
+std::shared_ptr<Agreement> Agreement::create(std::shared_ptr<Backend> channel, Mode mode,
+                                             Millis timeout, const Ledger& ledger, Sink sink) {
+  auto a = std::make_shared<Agreement>(std::move(channel), mode, timeout, ledger, std::move(sink));
+  if (mode == Mode::kAsync && a->size_ > 1)
+    a->checker_ = std::thread([self = a] { self->loop(); });
+  return a;
+}
+
+// Runs on the checker thread when it held the last reference (stop() left it behind).
+Agreement::~Agreement() {
+  if (checker_.joinable()) checker_.detach();
+}
+
+void Agreement::note(uint64_t seq, const transport::OpDesc& d) {
+  if (size_ == 1) return;
+  if (seq > peer_final_.load(std::memory_order_acquire))
+    throw MismatchError(str_cat(
+        comm::describe_op(d), " [seq ", seq, "] on rank ", rank_, ": rank ", left_rank_,
+        " has destroyed the group after its call seq ", peer_final_.load(),
+        ", so this call has no partner; every rank must make the same calls before destroy()"));
+  // The ring holds calls not yet compared: wait for the checker when it is full (kRing calls
+  // ahead of it), which a failure ends.
+  while (seq - checked_.load(std::memory_order_acquire) > kRing) {
+    if (failed_.load(std::memory_order_acquire)) std::rethrow_exception(error_);
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  ring_[(seq - 1) % kRing] = Entry{seq, d};
+  issued_.store(seq, std::memory_order_release);
+  if (mode_ != Mode::kStrict) return;
+  try {
+    while (checked_.load(std::memory_order_relaxed) < seq && round(false, timeout_)) {
+    }
+  } catch (...) {
+    fail(std::current_exception(), seq);
+  }
+  if (failed_.load(std::memory_order_acquire)) std::rethrow_exception(error_);
+}
+
+bool Agreement::round(bool leaving, Millis deadline) {
+  Record mine;
+  const uint64_t checked = checked_.load(std::memory_order_relaxed);
+  mine.issued = issued_.load(std::memory_order_acquire);
+  mine.first = checked + 1;
+  mine.n = static_cast<uint32_t>(std::min<uint64_t>(kBatch, mine.issued - checked));
+  mine.leaving = leaving ? 1 : 0;
+  for (uint32_t i = 0; i < mine.n; ++i) mine.descs[i] = ring_[(checked + i) % kRing].desc;
+
+  std::vector<Record> all(size_);
+  ArrayView in, out;
+  in.data = &mine;
+  in.count = sizeof(Record);
+  in.dtype = DType::kUint8;
+  out.data = all.data();
+  out.count = sizeof(Record) * size_;
+  out.dtype = DType::kUint8;
+  CallOptions o;
+  o.timeout = deadline;
+  channel_->all_gather(in, out, std::vector<size_t>(size_, sizeof(Record)), false, o);
+
+  uint32_t k = mine.n;
+  for (const Record& r : all) k = std::min(k, r.n);
+  for (uint32_t i = 0; i < k; ++i) {
+    for (int p = 1; p < size_; ++p) {
+      if (all[p].descs[i] == all[0].descs[i]) continue;
+      const uint64_t seq = checked + 1 + i;
+      fail(std::make_exception_ptr(MismatchError(str_cat(
+               "collective mismatch (found by the agreement check): rank 0 called ",
+               describe_op(all[0].descs[i]), " [seq ", seq, "] but rank ", p, " called ",
+               describe_op(all[p].descs[i]), " [seq ", seq, "]",
+               all[0].descs[i].shape != all[p].descs[i].shape ? " (array shapes differ)" : "",
+               "; every rank of a group must call the same collectives, with the same count, "
+               "dtype, op and root, in the same order. Results of this call and later ones "
+               "are void (MESHCOLL_CHECK=strict checks before each call is launched)"))),
+           seq);
+      return false;
+    }
+  }
+  checked_.store(checked + k, std::memory_order_release);
+  {
+    std::lock_guard<std::mutex> lock(census_mu_);
+    for (int p = 0; p < size_; ++p) peer_issued_[p] = all[p].issued;
+    last_round_ = Clock::now();
+  }
+  bool more = true;
+  for (int p = 0; p < size_; ++p) {
+    if (!all[p].leaving || checked + k < all[p].issued) continue;
+    more = false;  // rank p compared everything it issued and is gone: no round can run
+    if (p == rank_) continue;
+    left_rank_ = p;
+    peer_final_.store(all[p].issued, std::memory_order_release);
+    const uint64_t mine_now = issued_.load(std::memory_order_acquire);
+    if (mine_now > all[p].issued) {
+      fail(std::make_exception_ptr(MismatchError(str_cat(
+               "rank ", p, " destroyed the group after its call seq ", all[p].issued,
+               " but rank ", rank_, " called ", desc_of(all[p].issued + 1), " [seq ",
+               all[p].issued + 1, "]: it has no partner; every rank must make the same calls "
+               "before destroy()"))),
+           all[p].issued + 1);
+    }
+  }
+  return more;
+}
+
+void Agreement::loop() {
+  auto pause = std::chrono::microseconds(0);
+  for (;;) {
+    const bool leaving = stopping_.load(std::memory_order_acquire);
+    const uint64_t before = checked_.load(std::memory_order_relaxed);
+    const bool waiting = issued_.load(std::memory_order_acquire) > before;
+    try {
+      if (!round(leaving, waiting || leaving ? timeout_ : kIdleDeadline)) break;
+    } catch (...) {
+      // A failure while calls wait to be compared (or while leaving) is the group's; one
+      // after everything agreed and this rank stopped is only the peers leaving.
+      if (waiting || !leaving) fail(std::current_exception(), before + 1);
+      break;
+    }
+    if (checked_.load(std::memory_order_relaxed) > before) {
+      pause = std::chrono::microseconds(0);
+      continue;
+    }
+    pause = std::min<std::chrono::microseconds>(pause * 2 + std::chrono::microseconds(50),
+                                                kIdlePause);
+    std::unique_lock<std::mutex> lock(wake_mu_);
+    wake_.wait_for(lock, pause, [&] { return stopping_.load() && !leaving; });
+  }
+  std::lock_guard<std::mutex> lock(wake_mu_);
+  done_ = true;
+  wake_.notify_all();
+}
+
+void Agreement::fail(std::exception_ptr error, uint64_t seq) {
+  {
+    std::lock_guard<std::mutex> lock(census_mu_);
+    if (error_) return;
+    error_ = error;
+  }
+  failed_.store(true, std::memory_order_release);
+  sink_(error, seq);
+}
+
+std::string Agreement::desc_of(uint64_t seq) const {
+  if (stopped_.load()) return "a collective";  // a checker left behind: the ledger may be gone
+  for (const CallRecord& r : ledger_.recent())
+    if (r.seq == seq) return describe_op(r.desc);
+  return "a collective";
+}
+
+std::string Agreement::census(uint64_t seq) const {
+  if (size_ == 1) return "";
+  std::vector<uint64_t> issued;
+  Clock::time_point at;
+  {
+    std::lock_guard<std::mutex> lock(census_mu_);
+    issued = peer_issued_;
+    at = last_round_;
+  }
+  std::string never;
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_ || issued[p] >= seq) continue;
+    never += str_cat(never.empty() ? "" : "; ", "rank ", p, " (its last call: ",
+                     issued[p] ? str_cat(desc_of(issued[p]), " [seq ", issued[p], "]")
+                               : std::string("none"),
+                     ")");
+  }
+  const auto ago = std::chrono::duration_cast<Millis>(Clock::now() - at).count();
+  if (never.empty())
+    return str_cat("; every rank had issued it (as of ", ago, " ms ago): look for a rank whose "
+                   "GPU is stuck or slow");
+  return str_cat("; never issued by ", never, " (as of ", ago, " ms ago",
+                 ago > 2 * kIdlePause.count() ? ": those ranks stopped answering; stopped or hung?"
+                                              : "",
+                 ")");
+}
+
+void Agreement::stop(bool abandon) {
+  if (stopped_.exchange(true)) return;
+  if (abandon && size_ > 1 && !failed_.load())
+    channel_->fail(str_cat("rank ", rank_, " destroyed the group after it failed there"));
+  if (checker_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(wake_mu_);
+      stopping_.store(true, std::memory_order_release);
+    }
+    wake_.notify_all();
+    // Leaving rounds compare what remains (bounded by the timeout); a round held by a peer
+    // that does not answer (stopped) is left to end on its own.
+    std::unique_lock<std::mutex> lock(wake_mu_);
+    const bool done = wake_.wait_for(lock, abandon ? Millis(1000) : timeout_ + Millis(1000),
+                                     [&] { return done_; });
+    lock.unlock();
+    if (!done) {
+      checker_.detach();
+      return;
+    }
+    checker_.join();
+  }
+  try {
+    channel_->shutdown();
+  } catch (const std::exception&) {
+    // The channel failed already (a peer died): nothing is left to close cleanly.
+  }
+}
+
+}  // namespace meshcoll::comm

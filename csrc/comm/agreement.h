@@ -1,0 +1,122 @@
+// The agreement check of a backend whose data path cannot compare the ranks' calls itself
+// (NCCL: the data moves in GPU kernels). The call descriptions travel instead on a host side
+// channel among the same ranks: a CPU backend (shared memory on one host, TCP across hosts).
+//
+// Note [Agreement on a side channel]
+// The backend hands every collective's sequence number and description (the ledger's, Note
+// [Call ledger]) to note() at its ordering point. Two modes:
+//  - async (the default): note() appends the call to a ring (a copy and one atomic store, no
+//    lock, no wait) and returns; a checker thread exchanges fixed-size records with the peers'
+//    checkers (one all_gather on the channel per round: how far each rank has issued, and
+//    the descriptions of up to kBatch calls not yet compared) and compares each call once
+//    every rank has issued it. A disagreement goes to the sink as a MismatchError naming both
+//    calls (the NCCL backend aborts its communicator, so no kernel stays stuck, and every
+//    rank's next call, wait() or synchronize() raises it). Data of the disagreeing call may
+//    already be wrong: async trades that for no host time on the call's path.
+//  - strict: note() itself runs a round on the caller's thread before the call is launched,
+//    so a disagreement is raised before any rank's data is touched (a channel round per call).
+// A round runs at once while this rank has calls not yet compared, else after a pause that
+// grows to kIdlePause: a disagreement is found within about that pause of the last rank's
+// call. The channel's deadline is the group's timeout while calls wait to be compared (a
+// peer that stops answering is then a TimeoutError naming it) and unbounded when idle (a job
+// may sit in other code for hours). A dead peer breaks the channel at once: a PeerError
+// naming it reaches the sink without waiting for any timeout.
+// The records also tell how far each peer has issued: census() names, for a timed-out call,
+// the ranks that never issued it and the last call each did issue.
+// Leaving (stop(), at destroy): a rank keeps running rounds, marked `leaving`, until every
+// call it issued is compared, then stops. Its peers see that in the same round and stop
+// too; a call a peer issues after that has no partner left and note() raises at once.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "comm/backend.h"
+#include "comm/ledger.h"
+
+namespace meshcoll::comm {
+
+class Agreement : public std::enable_shared_from_this<Agreement> {
+ public:
+  enum class Mode { kAsync, kStrict };
+  // Called once, from the checker thread (async) or the caller's (strict), with the failure
+  // and the first call it voids (0: none in particular).
+  using Sink = std::function<void(std::exception_ptr error, uint64_t seq)>;
+
+  // `channel`: a CPU backend among the same ranks, used by this object only. Starts the
+  // checker thread in async mode. `ledger`: the checked backend's, to describe its calls in
+  // messages.
+  static std::shared_ptr<Agreement> create(std::shared_ptr<Backend> channel, Mode mode,
+                                           Millis timeout, const Ledger& ledger, Sink sink);
+  Agreement(std::shared_ptr<Backend> channel, Mode mode, Millis timeout, const Ledger& ledger,
+            Sink sink);
+  ~Agreement();
+  Agreement(const Agreement&) = delete;
+  Agreement& operator=(const Agreement&) = delete;
+
+  // Collective `seq` (consecutive from 1) was issued with description `d`. Strict: raises
+  // MismatchError (or the channel's failure) before the call may be launched.
+  void note(uint64_t seq, const transport::OpDesc& d);
+  // "; rank(s) 1 never issued it (last issued: seq 41, all_reduce(...))" for a call `seq`
+  // that timed out, from the last round; "" when every rank had issued it.
+  std::string census(uint64_t seq) const;
+  // Compares what remains (bounded by the timeout), then stops the checker and the channel.
+  // `abandon` (the checked group failed already, or is dropped without destroy): compares
+  // nothing more; the peers' checks fail with a PeerError saying so (their groups fail too,
+  // as they must: this rank left). A checker stuck in a round with a stopped peer is left
+  // to end on its own (it holds this object) rather than blocking destroy.
+  void stop(bool abandon = false);
+
+  static constexpr size_t kBatch = 64;   // descriptions per record
+  static constexpr size_t kRing = 4096;  // calls issued ahead of the checker before note() waits
+
+ private:
+  struct Record;
+  struct Entry {
+    uint64_t seq = 0;
+    transport::OpDesc desc;
+  };
+  void loop();
+  // One exchange with every peer; false once no further round can run (a peer left).
+  bool round(bool leaving, Millis deadline);
+  void fail(std::exception_ptr error, uint64_t seq);
+  std::string desc_of(uint64_t seq) const;  // this rank's call `seq`, if still in the ring
+
+  std::shared_ptr<Backend> channel_;
+  const Mode mode_;
+  const Millis timeout_;
+  const Ledger& ledger_;
+  Sink sink_;
+  const int rank_, size_;
+
+  std::array<Entry, kRing> ring_{};
+  std::atomic<uint64_t> issued_{0};   // written by the issuing thread
+  std::atomic<uint64_t> checked_{0};  // every call up to here agreed (written by rounds)
+  std::atomic<bool> stopping_{false};
+  std::atomic<bool> failed_{false};
+  std::exception_ptr error_;          // set before failed_
+  // After a peer left: the last call it issued; later calls of this rank have no partner.
+  std::atomic<uint64_t> peer_final_{UINT64_MAX};
+  std::atomic<int> left_rank_{-1};
+  std::atomic<bool> stopped_{false};
+
+  mutable std::mutex census_mu_;
+  std::vector<uint64_t> peer_issued_;  // as of the last round
+  Clock::time_point last_round_;
+
+  std::mutex wake_mu_;
+  std::condition_variable wake_;
+  bool done_ = false;  // the checker has ended (under wake_mu_)
+  std::thread checker_;
+};
+
+}  // namespace meshcoll::comm

@@ -1,0 +1,203 @@
+"""NCCL groups never return wrong data silently (issue 16, items 1, 2 and 4): ranks that
+disagree on a call get a MismatchError naming both calls (Note [Agreement on a side channel]
+in csrc/comm/agreement.h), a failure found while no call was in Python is raised by the next
+call, wait(), synchronize() or destroy(), a timeout names the ranks that never issued the
+call, and a killed rank is a PeerError naming it on every survivor."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import meshcoll
+from test_nccl import gpus, needs_torch, run_nccl, NGPU
+
+pytestmark = [needs_torch, pytest.mark.timeout(240)]
+
+WORLDS = [n for n in (2, 4) if n <= max(NGPU, 2)]
+
+# (label, what rank 0 calls, what the others call): each pair disagrees in one way.
+CASES = {
+    "count": (lambda pg, t: pg.all_reduce(t.ones(1024, device="cuda")),
+              lambda pg, t: pg.all_reduce(t.ones(2048, device="cuda")), "count=1024"),
+    "dtype": (lambda pg, t: pg.all_reduce(t.ones(1024, device="cuda")),
+              lambda pg, t: pg.all_reduce(t.ones(1024, device="cuda", dtype=t.float64)),
+              "float64"),
+    "op": (lambda pg, t: pg.all_reduce(t.ones(1024, device="cuda"), op="sum"),
+           lambda pg, t: pg.all_reduce(t.ones(1024, device="cuda"), op="max"), "max"),
+    "root": (lambda pg, t: pg.broadcast(t.ones(1024, device="cuda"), 0),
+             lambda pg, t: pg.broadcast(t.ones(1024, device="cuda"), 1), "root"),
+    "collective": (lambda pg, t: pg.all_reduce(t.ones(1024, device="cuda")),
+                   lambda pg, t: pg.all_gather(t.ones(1024, device="cuda")), "all_gather"),
+}
+
+
+def _disagree(pg, strict):
+    import torch
+    out = {}
+    for name, (first, others, text) in CASES.items():
+        g = pg.new_group(list(range(pg.size)), check="strict" if strict else None)
+        x = torch.ones(8, device="cuda")
+        g.all_reduce(x)  # agreed: the group works
+        torch.cuda.synchronize()
+        t0 = time.monotonic()
+        kind, msg, where = "no error", "", "call"
+        try:
+            (first if g.rank == 0 else others)(g, torch)
+            where = "next call"
+            # async: the next calls (each agreed) raise once the check found it.
+            for _ in range(500):
+                g.all_reduce(x)
+                time.sleep(0.002)
+            where = "never"
+        except meshcoll.MeshcollError as e:
+            kind, msg = type(e).__name__, str(e)
+        out[name] = (kind, where, time.monotonic() - t0, text in msg, msg[:300])
+        try:
+            g.destroy()
+        except meshcoll.MeshcollError:
+            pass
+    return out
+
+
+@gpus(2)
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("strict", [False, True], ids=["async", "strict"])
+def test_disagreeing_calls_raise_mismatch_on_every_rank(world, strict):
+    res = run_nccl(world, _disagree, strict=strict, deadline=200)
+    for rank, cases in enumerate(res):
+        for name, (kind, where, took, named, msg) in cases.items():
+            assert kind == "MismatchError", (rank, name, kind, msg)
+            assert named, (rank, name, msg)
+            assert took < 1.0, (rank, name, took)
+            if strict:  # raised by the disagreeing call itself, before launch
+                assert where == "call", (rank, name, where)
+
+
+def _strict_leaves_data_alone(pg):
+    import torch
+    g = pg.new_group(list(range(pg.size)), check="strict")
+    x = torch.full((1000 + 24 * g.rank,), float(g.rank + 1), device="cuda")
+    with pytest.raises(meshcoll.MismatchError):
+        g.all_reduce(x)
+    return bool((x == float(g.rank + 1)).all().item())
+
+
+@gpus(2)
+def test_strict_mode_raises_before_any_data_is_touched():
+    assert run_nccl(2, _strict_leaves_data_alone) == [True, True]
+
+
+def _raised_by_wait_and_destroy(pg):
+    import torch
+    # An async call whose partner disagrees: its Work raises even though the kernel ran;
+    # a group on which nothing else is called raises at destroy().
+    g = pg.new_group(list(range(pg.size)))
+    x = torch.ones(4096 * (1 + g.rank), device="cuda")
+    w = g.all_reduce(x, async_op=True)
+    time.sleep(0.5)  # the check runs meanwhile
+    try:
+        w.synchronize(timeout=10)
+        wait = "no error"
+    except meshcoll.MismatchError:
+        wait = "MismatchError"
+    h = pg.new_group(list(range(pg.size)))
+    h.all_reduce(torch.ones(16 + g.rank, device="cuda"))
+    time.sleep(0.5)
+    try:
+        h.destroy()
+        destroy = "no error"
+    except meshcoll.MismatchError:
+        destroy = "MismatchError"
+    try:
+        g.destroy()  # reported already: closes quietly
+        again = "no error"
+    except meshcoll.MeshcollError as e:
+        again = type(e).__name__
+    return wait, destroy, again
+
+
+@gpus(2)
+def test_failure_is_raised_by_wait_or_destroy():
+    assert run_nccl(2, _raised_by_wait_and_destroy) == [("MismatchError", "MismatchError",
+                                                         "no error")] * 2
+
+
+def _late_peer(pg):
+    import torch
+    x = torch.ones(1 << 16, device="cuda")
+    pg.all_reduce(x)
+    torch.cuda.synchronize()
+    if pg.rank == 1:
+        time.sleep(8)  # never reaches the call below in time; its checker still answers
+        try:  # by now rank 0 has failed the group and left
+            pg.all_reduce(x)
+            return "no error", 0.0
+        except meshcoll.MeshcollError as e:
+            return type(e).__name__, 0.0
+    t0 = time.monotonic()
+    try:
+        pg.all_gather(x, timeout=2)
+        torch.cuda.synchronize()
+        pg.all_reduce(x)
+        msg = "no error"
+    except meshcoll.TimeoutError as e:
+        msg = str(e)
+    return msg, time.monotonic() - t0
+
+
+@gpus(2)
+def test_timeout_names_the_rank_that_never_issued_the_call():
+    res = run_nccl(2, _late_peer, deadline=60)
+    msg, took = res[0]
+    assert "never issued by rank 1" in msg and "all_reduce" in msg, msg
+    assert took < 2 + 2, took
+    assert res[1][0] in ("PeerError", "TimeoutError"), res[1]
+
+
+def _killed9(pg):
+    import torch
+    x = torch.ones(1 << 20, device="cuda")
+    pg.all_reduce(x)
+    torch.cuda.synchronize()
+    if pg.rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        for _ in range(100000):
+            pg.all_reduce(x, timeout=10)
+            torch.cuda.synchronize()
+        return "no error", "", 0.0
+    except (meshcoll.PeerError, meshcoll.TimeoutError) as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+
+
+@gpus(2)
+@pytest.mark.parametrize("world", WORLDS)
+def test_kill9_is_an_error_naming_the_rank_on_every_survivor(world):
+    res = run_nccl(world, _killed9, may_die=(1,), deadline=90)
+    for rank, r in enumerate(res):
+        if rank == 1:
+            continue
+        kind, msg, took = r
+        assert kind in ("PeerError", "TimeoutError"), r
+        assert "rank 1" in msg, msg
+        assert took < 10 + 2, took
+
+
+def _abort_on_error(pg):
+    import torch
+    pg.all_reduce(torch.ones(100 + pg.rank, device="cuda"))
+    time.sleep(5)
+    return "survived"
+
+
+@gpus(2)
+def test_on_error_abort_ends_every_rank():
+    res = run_nccl(2, _abort_on_error, may_die=(0, 1), env={"MESHCOLL_ON_ERROR": "abort"})
+    assert res == [None, None], res
