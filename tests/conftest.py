@@ -88,6 +88,7 @@ def _rank_main(rank, fn, world, port, token, init_timeout, env, kwargs, backend)
     os.environ["MESHCOLL_TOKEN"] = token
     os.environ.update(env)
     import meshcoll
+    meshcoll._C.reload_config()  # the module may be imported already (the test's own import)
     store = meshcoll.TCPStore("127.0.0.1", port, timeout=init_timeout)
     device = None
     if backend == "nccl":  # rank r on GPU r

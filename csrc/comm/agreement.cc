@@ -143,7 +143,12 @@ void Agreement::loop() {
     } catch (...) {
       // A failure while calls wait to be compared (or while leaving) is the group's; one
       // after everything agreed and this rank stopped is only the peers leaving.
-      if (waiting || !leaving) fail(std::current_exception(), before + 1);
+      if (waiting || !leaving)
+        fail(same_type(std::current_exception(),
+                       str_cat("the group's host side channel (its agreement check, Note "
+                               "[Agreement on a side channel]) failed: ",
+                               message_of(std::current_exception()))),
+             before + 1);
       break;
     }
     if (checked_.load(std::memory_order_relaxed) > before) {

@@ -141,7 +141,13 @@ void NcclBackend::do_fail(const std::string& message) { comm_->abort(message); }
 // calls is the order the ops reach NCCL: the record opens here (Note [Call ledger]).
 void NcclBackend::open(Call& c) {
   c.seq = ledger().open_collective(c.desc);
-  if (agreement_) agreement_->note(c.seq, c.desc);
+  if (!agreement_) return;
+  try {
+    agreement_->note(c.seq, c.desc);
+  } catch (...) {
+    comm_->mark_reported();  // raised by this call: destroy() need not raise it again
+    throw;
+  }
 }
 
 void NcclBackend::set_agreement(std::shared_ptr<comm::Backend> channel,

@@ -114,6 +114,10 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
     std::lock_guard<std::mutex> lock(mu_);
     return failed_;
   }
+  void mark_reported() {
+    std::lock_guard<std::mutex> lock(mu_);
+    reported_ = true;
+  }
   // Aborts now with `error` (the agreement check's MismatchError, a dead peer): the op of
   // collective `coll_seq` and every later one report it, even if they completed (their data
   // is void); so do new calls. coll_seq 0: the ops not completed yet.

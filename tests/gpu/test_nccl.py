@@ -348,8 +348,8 @@ def _killed(pg):
         os._exit(3)  # dies without a word
     time.sleep(1.0)
     t0 = time.monotonic()
-    w = pg.all_reduce(x, async_op=True)
-    try:
+    try:  # the side channel may have found the death already: then the call raises
+        w = pg.all_reduce(x, async_op=True)
         w.synchronize(timeout=60)
         kind = "no error"
     except (meshcoll.TimeoutError, meshcoll.PeerError) as e:

@@ -96,3 +96,32 @@ def test_init_times_out_when_a_rank_never_arrives():
         assert r.startswith("TimeoutError"), r
         assert "rank 2" in r or "rank" in r
     assert elapsed < 15
+
+
+def _mismatch_then_wait(pg):
+    import numpy as np
+    try:
+        pg.all_reduce(np.ones(10 + pg.rank, np.float32), timeout=10)
+    except meshcoll.MismatchError:
+        return "raised"  # MESHCOLL_ON_ERROR=raise: the caller decides
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_on_error_abort_ends_every_rank_with_the_diagnosis(run_ranks):
+    # MESHCOLL_ON_ERROR=abort: the failed group ends each process (exit code 1) instead of
+    # raising; the default raises.
+    assert run_ranks(2, _mismatch_then_wait, may_die=(0, 1),
+                     env={"MESHCOLL_ON_ERROR": "abort"}) == [None, None]
+    assert run_ranks(2, _mismatch_then_wait) == ["raised", "raised"]
+
+
+def test_on_error_and_check_settings_are_validated():
+    from meshcoll import _env
+    assert _env.core_config_from_env({"MESHCOLL_ON_ERROR": "abort"}).abort_on_error
+    assert not _env.core_config_from_env({}).abort_on_error
+    assert _env.group_options_from_env({"MESHCOLL_CHECK": "strict"}).check == "strict"
+    with pytest.raises(ValueError, match="MESHCOLL_ON_ERROR"):
+        _env.core_config_from_env({"MESHCOLL_ON_ERROR": "explode"})
+    with pytest.raises(ValueError, match="MESHCOLL_CHECK"):
+        _env.group_options_from_env({"MESHCOLL_CHECK": "sometimes"})
