@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/error.h"
@@ -76,6 +77,41 @@ void TcpStoreServer::stop() {
   net::close_fd(wake_pipe_[1]);
 }
 
+// Note [Connection flood]
+// Anyone who can reach the port can open connections, so what a connection that has not
+// said a valid hello may hold is bounded: at most kMaxUnauthenticated of them at once (a
+// new one pushes out the oldest: a proper client's hello is already in its socket when it
+// is accepted, while a silent one has had its turn), each for at most kHelloTimeoutMs.
+// When accept fails for want of descriptors (EMFILE, ENFILE) the connection stays in the
+// backlog and the listener stays readable, so polling again at once would spin: the
+// acceptor pushes out the oldest unauthenticated connection to free a descriptor and
+// pauses briefly (longer when there was none: only an authenticated client's exit frees
+// one then). Without these, 1,100 silent connections locked proper clients out for 30 s
+// and pinned a core.
+namespace {
+constexpr size_t kMaxUnauthenticated = 64;
+constexpr int kHelloTimeoutMs = 5000;
+}  // namespace
+
+bool TcpStoreServer::drop_oldest_unauthenticated() {
+  if (unauthenticated_.empty()) return false;
+  // Its serving thread wakes on the shutdown and closes the descriptor (under mu_, after
+  // taking it out of unauthenticated_, so the number cannot be reused meanwhile).
+  ::shutdown(unauthenticated_.front(), SHUT_RDWR);
+  unauthenticated_.pop_front();
+  return true;
+}
+
+void TcpStoreServer::forget_unauthenticated(int fd) {
+  auto it = std::find(unauthenticated_.begin(), unauthenticated_.end(), fd);
+  if (it != unauthenticated_.end()) unauthenticated_.erase(it);
+}
+
+void TcpStoreServer::wait_ms(int ms) {
+  pollfd p{wake_pipe_[0], POLLIN, 0};
+  (void)::poll(&p, 1, ms);
+}
+
 void TcpStoreServer::accept_loop() {
   for (;;) {
     pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_pipe_[0], POLLIN, 0}};
@@ -86,7 +122,16 @@ void TcpStoreServer::accept_loop() {
     int fd;
     try {
       fd = net::accept_one(listen_fd_, Deadline::after_ms(0), "store server");
+    } catch (const TimeoutError&) {
+      continue;  // the client went away before we took it
     } catch (const Error&) {
+      // Out of descriptors or memory (Note [Connection flood]).
+      bool dropped;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        dropped = drop_oldest_unauthenticated();
+      }
+      wait_ms(dropped ? 5 : 100);
       continue;
     }
     std::vector<std::thread> finished;
@@ -100,13 +145,16 @@ void TcpStoreServer::accept_loop() {
         }
       }
       done_.clear();
+      if (unauthenticated_.size() >= kMaxUnauthenticated) drop_oldest_unauthenticated();
       client_fds_.push_back(fd);
+      unauthenticated_.push_back(fd);
       try {
         std::thread t([this, fd] { serve(fd); });
         auto id = t.get_id();
         client_threads_.emplace(id, std::move(t));
       } catch (const std::system_error&) {  // out of threads: refuse this client, keep serving
         client_fds_.pop_back();
+        unauthenticated_.pop_back();
         net::close_fd(fd);
       }
     }
@@ -117,7 +165,7 @@ void TcpStoreServer::accept_loop() {
 void TcpStoreServer::serve(int fd) {
   try {
     // The hello must arrive promptly; a port scanner or stray client cannot pin a thread.
-    Deadline hello_deadline = Deadline::after_ms(30000);
+    Deadline hello_deadline = Deadline::after_ms(kHelloTimeoutMs);
     auto hello = read_pod<wire::Hello>(fd, hello_deadline);
     std::string reply_msg;
     wire::HelloStatus status = wire::HelloStatus::kOk;
@@ -139,6 +187,10 @@ void TcpStoreServer::serve(int fd) {
     net::send_all(fd, &reply, sizeof(reply), hello_deadline, "store");
     net::send_all(fd, reply_msg.data(), reply_msg.size(), hello_deadline, "store");
     if (status == wire::HelloStatus::kOk) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        forget_unauthenticated(fd);
+      }
       while (!stopping_ && handle_one(fd)) {
       }
     }
@@ -153,6 +205,7 @@ void TcpStoreServer::serve(int fd) {
       break;
     }
   }
+  forget_unauthenticated(fd);
   net::close_fd(fd);
   done_.push_back(std::this_thread::get_id());
 }

@@ -371,3 +371,63 @@ def test_store_memory_is_bounded_after_many_connections():
         assert after["vm_mb"] - before["vm_mb"] < 512, (before, after)
     finally:
         _stop(p)
+
+
+# ---- a connection flood (issue 16.17) -------------------------------------------------------
+
+def _cpu_s(pid):
+    """The process's user + system CPU time so far, in seconds."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _flood_then_proper_client(max_files, silent):
+    """Host a store in a child limited to ``max_files`` descriptors, open ``silent``
+    connections that never say hello, then time a proper client; return (seconds the proper
+    client took, or its error; CPU seconds the server spent from the flood's start to the
+    client's end)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < silent + 64:
+        if hard != resource.RLIM_INFINITY and hard < silent + 64:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {silent + 64}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (silent + 64, hard))
+    p, port = _start_server(max_files=max_files)
+    socks = []
+    try:
+        cpu0 = _cpu_s(p.pid)
+        for _ in range(silent):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))  # completes in the kernel's backlog
+            socks.append(s)
+        time.sleep(1.0)  # the server sees the flood before the proper client comes
+        t0 = time.monotonic()
+        try:
+            _proper_client_works(port, timeout=5)
+            took = time.monotonic() - t0
+        except meshcoll.MeshcollError as e:
+            took = f"{type(e).__name__}: {e}"
+        cpu = _cpu_s(p.pid) - cpu0
+        assert p.poll() is None, "the store server died in the flood"
+        return took, cpu
+    finally:
+        for s in socks:
+            s.close()
+        _stop(p)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.timeout(40)
+def test_store_admits_a_proper_client_during_a_flood_of_silent_connections():
+    # 1,100 connections that never say hello, at the usual limit of 1,024 descriptors:
+    # unauthenticated connections are capped and time out fast, so the server neither runs
+    # out of descriptors for good nor spins on accept (EMFILE), and a proper client gets in.
+    took, cpu = _flood_then_proper_client(max_files=1024, silent=1100)
+    assert isinstance(took, float) and took < 3.0 and cpu < 1.0, (took, f"server CPU {cpu:.2f} s")
+
+
+@pytest.mark.timeout(40)
+def test_store_does_not_spin_at_its_descriptor_limit():
+    # Fewer descriptors than the cap on pending connections: accept meets EMFILE first.
+    took, cpu = _flood_then_proper_client(max_files=40, silent=200)
+    assert isinstance(took, float) and took < 3.0 and cpu < 1.0, (took, f"server CPU {cpu:.2f} s")
