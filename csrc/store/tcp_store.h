@@ -29,10 +29,10 @@ class TcpStoreServer {
   void accept_loop();
   void serve(int fd);
   bool handle_one(int fd);  // false when the connection must close
-  // Note [Connection flood]. The caller holds mu_.
-  bool drop_oldest_unauthenticated();  // false when there is none
+  // Note [Connection flood]. These two need mu_ held.
+  bool drop_oldest_unauthenticated();   // false when there is none
   void forget_unauthenticated(int fd);  // its hello was accepted, or it closed
-  void wait_ms(int ms);                // sleeps, woken early by stop()
+  void wait_ms(int ms);                 // sleeps, woken early by stop(); without mu_
 
   std::string token_;
   int listen_fd_ = -1;
