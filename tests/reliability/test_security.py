@@ -431,3 +431,109 @@ def test_store_does_not_spin_at_its_descriptor_limit():
     # Fewer descriptors than the cap on pending connections: accept meets EMFILE first.
     took, cpu = _flood_then_proper_client(max_files=40, silent=200)
     assert isinstance(took, float) and took < 3.0 and cpu < 1.0, (took, f"server CPU {cpu:.2f} s")
+
+
+# ---- jobs started with no token (issue 16.16) -----------------------------------------------
+
+def _launcher_free_environ(extra=None):
+    """This process's environment without any launcher's variables, plus ``extra``."""
+    for k in [k for k in os.environ if k.startswith(("MESHCOLL_", "OMPI_", "PMI_", "SLURM_"))
+              or k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")]:
+        del os.environ[k]
+    os.environ.update(extra or {})
+
+
+def _refused(host, port):
+    """What a stranger who knows the store's port, but not the token, gets."""
+    try:
+        meshcoll.TCPStore(host, port, timeout=5, token="").get("tok/secret", 1)
+        return "admitted"
+    except meshcoll.PeerError as e:
+        return str(e)
+
+
+def _tokenless_job(rank, port):
+    pg = meshcoll.init(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+                       timeout=30)
+    if rank == 0:
+        pg._store.set("tok/secret", b"rendezvous data")
+    pg.barrier()
+    stranger = _refused("127.0.0.1", port) if rank == 1 else None
+    data = np.random.default_rng(16).standard_normal((2, 1001))
+    x = data[rank].copy()
+    pg.all_reduce(x)
+    out = {"ok": bool(np.allclose(x, data.sum(axis=0))), "stranger": stranger,
+           "token": pg._token}
+    pg.barrier()
+    meshcoll.destroy()
+    return out
+
+
+def _init_without_token(rank, ports, env):
+    import warnings
+    _launcher_free_environ(env)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        jobs = [_tokenless_job(rank, port) for port in ports]  # a second job in the same processes
+        solo = meshcoll.init(rank=0, world_size=1)   # a job of one makes its own token
+        jobs.append({"token": solo._token})
+        meshcoll.destroy()
+    warned = [str(w.message) for w in seen if "MESHCOLL_TOKEN" in str(w.message)]
+    return {"warned": warned, "jobs": jobs}
+
+
+@pytest.mark.timeout(60)
+def test_explicit_init_without_a_token_warns_once_on_rank_0():
+    from conftest import free_port, spawn
+    r = spawn(2, _init_without_token, (free_port(), free_port()), {}, timeout=50)
+    assert all(job["ok"] for rank in r for job in rank["jobs"][:2]), r
+    assert len(r[0]["warned"]) == 1 and r[1]["warned"] == [], r
+    assert "accept any process" in r[0]["warned"][0] and "export MESHCOLL_TOKEN=" in r[0]["warned"][0]
+    assert r[1]["jobs"][0]["stranger"] == "admitted"  # what the warning says
+    assert len(r[0]["jobs"][2]["token"]) == 32 and r[0]["jobs"][2]["token"] != r[1]["jobs"][2]["token"]
+
+
+@pytest.mark.timeout(60)
+def test_open_mpi_job_derives_a_token_strangers_lack():
+    from conftest import free_port, spawn
+    key = f"{secrets.randbits(64):016x}-{secrets.randbits(64):016x}"  # as mpirun makes it
+    r = spawn(2, _init_without_token, (free_port(),),
+              {"OMPI_MCA_orte_precondition_transports": key}, timeout=50)
+    job0, job1 = r[0]["jobs"][0], r[1]["jobs"][0]
+    assert job0["ok"] and job1["ok"]
+    assert r[0]["warned"] == [] and r[1]["warned"] == [], r
+    assert job0["token"] == job1["token"] and len(job0["token"]) == 32
+    assert key not in job0["token"]  # derived: the key itself never leaves the host
+    assert "job token rejected" in job1["stranger"], job1["stranger"]
+
+
+RUN_SCRIPT = """
+import os, numpy as np, meshcoll
+pg = meshcoll.init()
+if pg.rank == 0:
+    pg._store.set("tok/secret", b"rendezvous data")
+pg.barrier()
+if pg.rank == 1:
+    try:
+        meshcoll.TCPStore(os.environ["MESHCOLL_MASTER_ADDR"], int(os.environ["MESHCOLL_MASTER_PORT"]),
+                          timeout=5, token="").get("tok/secret", 1)
+        print("stranger admitted")
+    except meshcoll.PeerError as e:
+        print("stranger refused:", e)
+x = np.arange(5.0) * (pg.rank + 1)
+pg.all_reduce(x)
+print("sum", x.tolist())
+meshcoll.destroy()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_meshcoll_run_job_has_a_token_strangers_lack(tmp_path):
+    (tmp_path / "job.py").write_text(RUN_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MESHCOLL_")}
+    r = subprocess.run([sys.executable, "-m", "meshcoll.run", "-n", "2", "job.py"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[rank 1] stranger refused:" in r.stdout and "job token rejected" in r.stdout, r.stdout
+    assert r.stdout.count("sum [0.0, 3.0, 6.0, 9.0, 12.0]") == 2, r.stdout
+    assert "MESHCOLL_TOKEN" not in r.stderr, r.stderr  # no warning: the launcher made a token

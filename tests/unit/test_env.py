@@ -167,6 +167,20 @@ def test_empty_values_count_as_unset():
     assert (r.source, r.token) == ("torchrun", None)
 
 
+def test_open_mpi_job_key_gives_the_token_and_meshcoll_token_wins():
+    key = "OMPI_MCA_orte_precondition_transports"  # mpirun's random per-job key
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", **MASTER,
+           key: "5fbd0d3c8e4195f1-80f964226d1575ea"}
+    token = rdv(env).token
+    assert len(token) == 32 and "5fbd0d3c8e4195f1" not in token
+    assert rdv({**env, key: "5fbd0d3c8e4195f1-80f964226d1575eb"}).token != token
+    assert rdv({**env, "MESHCOLL_TOKEN": "mine"}).token == "mine"
+    # Slurm's and torchrun's ids are guessable: no token from them.
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0",
+           "TORCHELASTIC_RUN_ID": "none", **MASTER}
+    assert rdv(env).token is None
+
+
 # -- errors: each names the variable -----------------------------------------
 
 def test_nothing_set_names_all_schemes():
