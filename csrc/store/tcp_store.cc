@@ -183,14 +183,16 @@ void TcpStoreServer::serve(int fd) {
       status = wire::HelloStatus::kBadToken;
       reply_msg = "job token rejected by the store server; set MESHCOLL_TOKEN to the job's token";
     }
+    if (status == wire::HelloStatus::kOk) {
+      // Before the answer: once the client reads "ok" it must not be pushed out any more
+      // (if it was already, the answer fails to send and the client connects again).
+      std::lock_guard<std::mutex> lock(mu_);
+      forget_unauthenticated(fd);
+    }
     wire::HelloReply reply{static_cast<uint8_t>(status), static_cast<uint16_t>(reply_msg.size())};
     net::send_all(fd, &reply, sizeof(reply), hello_deadline, "store");
     net::send_all(fd, reply_msg.data(), reply_msg.size(), hello_deadline, "store");
     if (status == wire::HelloStatus::kOk) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        forget_unauthenticated(fd);
-      }
       while (!stopping_ && handle_one(fd)) {
       }
     }
@@ -383,22 +385,49 @@ TcpStore::TcpStore(const std::string& host, int port, bool is_server, Millis tim
   std::string connect_host = (host.empty() || host == "0.0.0.0") ? "127.0.0.1"
                              : host == "::" ? "::1" : host;
   Deadline d(timeout_);
-  fd_ = net::connect_to(connect_host, port_, d, "meshcoll store client");
+  // A server flooded with connections that say no hello pushes out the oldest (Note
+  // [Connection flood]), sometimes ours before it read our hello: connect again.
+  auto backoff = Millis(10);
+  for (;;) {
+    fd_ = net::connect_to(connect_host, port_, d, "meshcoll store client");
+    bool answered;
+    try {
+      answered = say_hello(token, d);
+    } catch (...) {
+      net::close_fd(fd_);
+      fd_ = -1;
+      throw;
+    }
+    if (answered) return;
+    net::close_fd(fd_);
+    fd_ = -1;
+    if (d.expired())
+      throw PeerError(str_cat(describe(), " closed every connection before answering its hello "
+                              "for ", timeout_.count(), " ms: it is flooded with connections "
+                              "that present no token, it has exited, or it is not a meshcoll "
+                              "store"));
+    int left_ms = d.poll_ms();  // -1: no deadline
+    std::this_thread::sleep_for(left_ms < 0 ? backoff : std::min(backoff, Millis(left_ms)));
+    backoff = std::min(backoff * 2, Millis(500));
+  }
+}
+
+bool TcpStore::say_hello(const std::string& token, const Deadline& d) {
+  wire::HelloReply reply{};
+  std::string msg;
   try {
     wire::Hello hello{wire::kMagic, wire::kVersion, static_cast<uint16_t>(token.size())};
     net::send_all(fd_, &hello, sizeof(hello), d, describe());
     net::send_all(fd_, token.data(), token.size(), d, describe());
-    wire::HelloReply reply{};
-    recv_exact(&reply, sizeof(reply), d);
-    std::string msg(reply.message_len, '\0');
-    if (reply.message_len) recv_exact(msg.data(), msg.size(), d);
-    if (reply.status != static_cast<uint8_t>(wire::HelloStatus::kOk))
-      throw PeerError(str_cat(describe(), ": ", msg));
-  } catch (...) {
-    net::close_fd(fd_);
-    fd_ = -1;
-    throw;
+    net::recv_all(fd_, &reply, sizeof(reply), d, describe());
+    msg.resize(reply.message_len);
+    if (reply.message_len) net::recv_all(fd_, msg.data(), msg.size(), d, describe());
+  } catch (const PeerError&) {
+    return false;  // closed or reset before the answer
   }
+  if (reply.status != static_cast<uint8_t>(wire::HelloStatus::kOk))
+    throw PeerError(str_cat(describe(), ": ", msg));
+  return true;
 }
 
 TcpStore::~TcpStore() {

@@ -76,6 +76,8 @@ class TcpStore : public Store {
 
  private:
   class Request;
+  // Sends the hello; false when the server closed the connection before answering.
+  bool say_hello(const std::string& token, const Deadline& d);
   void send_request(const Request& req, const Deadline& d);
   void recv_status(const char* what, const std::string& key, const Deadline& d, Millis waited);
   void recv_exact(void* buf, size_t n, const Deadline& d);

@@ -433,6 +433,49 @@ def test_store_does_not_spin_at_its_descriptor_limit():
     assert isinstance(took, float) and took < 3.0 and cpu < 1.0, (took, f"server CPU {cpu:.2f} s")
 
 
+@pytest.mark.timeout(60)
+def test_store_admits_proper_clients_during_a_sustained_flood():
+    # New silent connections keep coming, so each pushes out the oldest: a proper client's
+    # connection may go before its hello is read, and the client connects again.
+    p, port = _start_server(max_files=1024)
+    stop = threading.Event()
+    flooded = []
+
+    def flood():
+        socks = []
+        while not stop.is_set():
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            socks.append(s)
+            if len(socks) >= 600:  # stay far from this process's own descriptor limit
+                for s in socks[:300]:
+                    s.close()
+                del socks[:300]
+            flooded.append(1)
+        for s in socks:
+            s.close()
+
+    t = threading.Thread(target=flood)
+    t.start()
+    took = []
+    try:
+        time.sleep(0.5)
+        for k in range(8):
+            t0 = time.monotonic()
+            try:
+                c = meshcoll.TCPStore("127.0.0.1", port, timeout=10, token=TOKEN)
+                c.set(f"k{k}", b"v")
+                took.append(round(time.monotonic() - t0, 3) if c.get(f"k{k}") == b"v" else "wrong")
+            except meshcoll.MeshcollError as e:
+                took.append(f"{type(e).__name__}: {e}")
+    finally:
+        stop.set()
+        t.join()
+        _stop(p)
+    assert all(isinstance(x, float) and x < 5 for x in took), (took, f"{len(flooded)} connections")
+
+
 # ---- jobs started with no token (issue 16.16) -----------------------------------------------
 
 def _launcher_free_environ(extra=None):
