@@ -86,8 +86,9 @@ void TcpStoreServer::stop() {
 // backlog and the listener stays readable, so polling again at once would spin: the
 // acceptor pushes out the oldest unauthenticated connection to free a descriptor and
 // pauses briefly (longer when there was none: only an authenticated client's exit frees
-// one then). Without these, 1,100 silent connections locked proper clients out for 30 s
-// and pinned a core.
+// one then). Under a sustained flood a proper client may be pushed out before its hello is
+// read; the client then connects again (TcpStore's constructor). Without these, 1,100
+// silent connections locked proper clients out for 30 s and pinned a core.
 namespace {
 constexpr size_t kMaxUnauthenticated = 64;
 constexpr int kHelloTimeoutMs = 5000;
