@@ -56,14 +56,13 @@ def _world_api() -> dict:
 
     class TCPStore(_C.TCPStore):
         """TCP key-value store. ``is_server=True`` also hosts the server (port 0 picks a
-        free one: read ``.port``). ``token`` defaults to the job's (``$MESHCOLL_TOKEN``, else
-        one derived from Open MPI's per-job key); a client whose token differs from the
-        server's is refused. ``timeout`` (seconds) bounds every call."""
+        free one: read ``.port``). ``token`` defaults to ``$MESHCOLL_TOKEN``; a client whose
+        token differs from the server's is refused. ``timeout`` (seconds) bounds every call."""
 
         def __init__(self, host, port, *, is_server=False, timeout=None, token=None):
-            from . import _env
+            import os
             if token is None:
-                token = _env.job_token()
+                token = os.environ.get("MESHCOLL_TOKEN") or None
             super().__init__(host, port, is_server=is_server, timeout=timeout, token=token)
 
     TCPStore.__qualname__ = "TCPStore"  # as if defined at module level, as it was

@@ -12,7 +12,6 @@ defaults to ``os.environ``. An empty value counts as unset, because
 
 from __future__ import annotations
 
-import hashlib
 import operator
 import os
 import re
@@ -59,11 +58,6 @@ _SLURM_NODEID = "SLURM_NODEID"
 _SLURM_NODELIST = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 _SLURM_JOB_ID = "SLURM_JOB_ID"
 _SLURM_STEP_ID = "SLURM_STEP_ID"
-# Open MPI's mpirun gives every rank of a job the same random 128-bit key (read from
-# /dev/urandom, for its PSM/OFI transports) in the environment, which other users cannot
-# read: the one launcher secret a job token can derive from. torchrun's run id and Slurm's
-# job and step ids are guessable, so those jobs need MESHCOLL_TOKEN (init warns).
-_OMPI_JOB_KEY = "OMPI_MCA_orte_precondition_transports"
 
 _WHO = "meshcoll.init"
 DEFAULT_TIMEOUT_S = 300.0
@@ -252,18 +246,7 @@ def rendezvous_from_env(
     return Rendezvous(
         rank=rank_v, world_size=world_v, local_rank=local_rank,
         local_world_size=local_world, master_addr=addr, master_port=port,
-        token=job_token(env), source=source)
-
-
-def job_token(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """MESHCOLL_TOKEN, else a token derived from Open MPI's per-job key, else None."""
-    env = os.environ if environ is None else environ
-    token = _get(env, TOKEN)
-    key = _get(env, _OMPI_JOB_KEY)
-    if token is None and key is not None:
-        # A hash, not the key itself: the token travels to the store, the key stays here.
-        token = hashlib.blake2b(key.encode(), digest_size=16, person=b"meshcoll token").hexdigest()
-    return token
+        token=_get(env, TOKEN), source=source)
 
 
 def _local_ranks(env: Mapping[str, str], scheme: Optional[_Scheme],

@@ -45,10 +45,9 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
     as torch spells it: ``"env://"`` (the default), ``"tcp://host:port"`` (the master
     address) or ``"file:///path"``: a ``FileStore`` at that path, for jobs with a shared
     filesystem and no known master address (use a path no earlier job left behind).
-    Every store and peer connection presents the job token (``MESHCOLL_TOKEN``, else one
-    derived from Open MPI's per-job key; meshcoll-run sets one; a job of one process makes
-    its own): without one, rank 0 warns once that the job accepts any process that can reach
-    its ports (README, Security)."""
+    Every store and peer connection presents the job token (``MESHCOLL_TOKEN``; meshcoll-run
+    sets one, a job of one process makes its own): without one, rank 0 warns once that the
+    job accepts any process that can reach its ports (README, Security)."""
     if _Default.world is not None:
         raise RuntimeError("meshcoll.init was already called in this process; call "
                            "meshcoll.destroy() first to re-initialise")

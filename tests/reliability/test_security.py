@@ -480,8 +480,10 @@ def test_store_admits_proper_clients_during_a_sustained_flood():
 
 def _launcher_free_environ(extra=None):
     """This process's environment without any launcher's variables, plus ``extra``."""
-    for k in [k for k in os.environ if k.startswith(("MESHCOLL_", "OMPI_", "PMI_", "SLURM_"))
-              or k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")]:
+    for k in [k for k in os.environ
+              if k.startswith(("MESHCOLL_", "OMPI_", "PMI_", "SLURM_", "TORCHELASTIC_"))
+              or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                       "MASTER_PORT")]:
         del os.environ[k]
     os.environ.update(extra or {})
 
@@ -495,9 +497,26 @@ def _refused(host, port):
         return str(e)
 
 
-def _tokenless_job(rank, port):
-    pg = meshcoll.init(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
-                       timeout=30)
+def _launcher_env(launcher, rank, port):
+    """What each launcher tells rank ``rank`` of 2; none of it is a secret."""
+    master = {"MESHCOLL_MASTER_ADDR": "127.0.0.1", "MESHCOLL_MASTER_PORT": str(port)}
+    return {
+        "explicit": {},
+        "torchrun": {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                     "MASTER_PORT": str(port), "TORCHELASTIC_RUN_ID": "none"},
+        "srun": {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_JOB_ID": "19710274",
+                 "SLURM_STEP_ID": "0", **master},
+        # Open MPI's transport key: random under mpirun, built from the job id under srun.
+        "mpirun": {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": "2",
+                   "OMPI_MCA_orte_precondition_transports": "012cc14200000000-012cc14200000000",
+                   **master},
+    }[launcher]
+
+
+def _tokenless_job(rank, port, launcher):
+    _launcher_free_environ(_launcher_env(launcher, rank, port))
+    pg = (meshcoll.init(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+                        timeout=30) if launcher == "explicit" else meshcoll.init(timeout=30))
     if rank == 0:
         pg._store.set("tok/secret", b"rendezvous data")
     pg.barrier()
@@ -505,20 +524,19 @@ def _tokenless_job(rank, port):
     data = np.random.default_rng(16).standard_normal((2, 1001))
     x = data[rank].copy()
     pg.all_reduce(x)
-    out = {"ok": bool(np.allclose(x, data.sum(axis=0))), "stranger": stranger,
-           "token": pg._token}
+    out = {"ok": bool(np.allclose(x, data.sum(axis=0))), "stranger": stranger}
     pg.barrier()
     meshcoll.destroy()
     return out
 
 
-def _init_without_token(rank, ports, env):
+def _init_without_token(rank, ports, launcher):
     import warnings
-    _launcher_free_environ(env)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        jobs = [_tokenless_job(rank, port) for port in ports]  # a second job in the same processes
-        solo = meshcoll.init(rank=0, world_size=1)   # a job of one makes its own token
+        jobs = [_tokenless_job(rank, port, launcher) for port in ports]
+        _launcher_free_environ()
+        solo = meshcoll.init(rank=0, world_size=1)  # a job of one makes its own token
         jobs.append({"token": solo._token})
         meshcoll.destroy()
     warned = [str(w.message) for w in seen if "MESHCOLL_TOKEN" in str(w.message)]
@@ -526,28 +544,17 @@ def _init_without_token(rank, ports, env):
 
 
 @pytest.mark.timeout(60)
-def test_explicit_init_without_a_token_warns_once_on_rank_0():
+@pytest.mark.parametrize("launcher", ["explicit", "torchrun", "srun", "mpirun"])
+def test_job_without_a_token_warns_once_on_rank_0(launcher):
     from conftest import free_port, spawn
-    r = spawn(2, _init_without_token, (free_port(), free_port()), {}, timeout=50)
-    assert all(job["ok"] for rank in r for job in rank["jobs"][:2]), r
+    # The explicit case runs two jobs in the same processes: still one warning.
+    ports = (free_port(), free_port()) if launcher == "explicit" else (free_port(),)
+    r = spawn(2, _init_without_token, ports, launcher, timeout=50)
+    assert all(job["ok"] for rank in r for job in rank["jobs"][:-1]), r
     assert len(r[0]["warned"]) == 1 and r[1]["warned"] == [], r
     assert "accept any process" in r[0]["warned"][0] and "export MESHCOLL_TOKEN=" in r[0]["warned"][0]
     assert r[1]["jobs"][0]["stranger"] == "admitted"  # what the warning says
-    assert len(r[0]["jobs"][2]["token"]) == 32 and r[0]["jobs"][2]["token"] != r[1]["jobs"][2]["token"]
-
-
-@pytest.mark.timeout(60)
-def test_open_mpi_job_derives_a_token_strangers_lack():
-    from conftest import free_port, spawn
-    key = f"{secrets.randbits(64):016x}-{secrets.randbits(64):016x}"  # as mpirun makes it
-    r = spawn(2, _init_without_token, (free_port(),),
-              {"OMPI_MCA_orte_precondition_transports": key}, timeout=50)
-    job0, job1 = r[0]["jobs"][0], r[1]["jobs"][0]
-    assert job0["ok"] and job1["ok"]
-    assert r[0]["warned"] == [] and r[1]["warned"] == [], r
-    assert job0["token"] == job1["token"] and len(job0["token"]) == 32
-    assert key not in job0["token"]  # derived: the key itself never leaves the host
-    assert "job token rejected" in job1["stranger"], job1["stranger"]
+    assert len(r[0]["jobs"][-1]["token"]) == 32 and r[0]["jobs"][-1]["token"] != r[1]["jobs"][-1]["token"]
 
 
 RUN_SCRIPT = """

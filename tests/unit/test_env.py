@@ -167,18 +167,14 @@ def test_empty_values_count_as_unset():
     assert (r.source, r.token) == ("torchrun", None)
 
 
-def test_open_mpi_job_key_gives_the_token_and_meshcoll_token_wins():
-    key = "OMPI_MCA_orte_precondition_transports"  # mpirun's random per-job key
-    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", **MASTER,
-           key: "5fbd0d3c8e4195f1-80f964226d1575ea"}
-    token = rdv(env).token
-    assert len(token) == 32 and "5fbd0d3c8e4195f1" not in token
-    assert rdv({**env, key: "5fbd0d3c8e4195f1-80f964226d1575eb"}).token != token
-    assert rdv({**env, "MESHCOLL_TOKEN": "mine"}).token == "mine"
-    # Slurm's and torchrun's ids are guessable: no token from them.
-    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0",
+def test_launcher_ids_are_not_tokens():
+    # Guessable: Slurm's job and step ids, torchrun's run id, and Open MPI's transport key
+    # (random under mpirun, but Open MPI and Slurm build it from the job id under srun).
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "SLURM_JOB_ID": "19710274",
+           "OMPI_MCA_orte_precondition_transports": "012cc14200000000-012cc14200000000",
            "TORCHELASTIC_RUN_ID": "none", **MASTER}
     assert rdv(env).token is None
+    assert rdv({**env, "MESHCOLL_TOKEN": "mine"}).token == "mine"
 
 
 # -- errors: each names the variable -----------------------------------------
