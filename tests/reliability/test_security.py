@@ -436,7 +436,8 @@ def test_store_does_not_spin_at_its_descriptor_limit():
 @pytest.mark.timeout(60)
 def test_store_admits_proper_clients_during_a_sustained_flood():
     # New silent connections keep coming, so each pushes out the oldest: a proper client's
-    # connection may go before its hello is read, and the client connects again.
+    # connection may go before its hello is read, and the client connects again. (A guard
+    # for the pushing out, which store servers before it did not do.)
     p, port = _start_server(max_files=1024)
     stop = threading.Event()
     flooded = []
