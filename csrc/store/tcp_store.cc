@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "common/error.h"
@@ -76,6 +77,42 @@ void TcpStoreServer::stop() {
   net::close_fd(wake_pipe_[1]);
 }
 
+// Note [Connection flood]
+// Anyone who can reach the port can open connections, so what a connection that has not
+// said a valid hello may hold is bounded: at most kMaxUnauthenticated of them at once (a
+// new one pushes out the oldest: a proper client's hello is already in its socket when it
+// is accepted, while a silent one has had its turn), each for at most kHelloTimeoutMs.
+// When accept fails for want of descriptors (EMFILE, ENFILE) the connection stays in the
+// backlog and the listener stays readable, so polling again at once would spin: the
+// acceptor pushes out the oldest unauthenticated connection to free a descriptor and
+// pauses briefly (longer when there was none: only an authenticated client's exit frees
+// one then). Under a sustained flood a proper client may be pushed out before its hello is
+// read; the client then connects again (TcpStore's constructor). Without these, 1,100
+// silent connections locked proper clients out for 30 s and pinned a core.
+namespace {
+constexpr size_t kMaxUnauthenticated = 64;
+constexpr int kHelloTimeoutMs = 5000;
+}  // namespace
+
+bool TcpStoreServer::drop_oldest_unauthenticated() {
+  if (unauthenticated_.empty()) return false;
+  // Its serving thread wakes on the shutdown and closes the descriptor (under mu_, after
+  // taking it out of unauthenticated_, so the number cannot be reused meanwhile).
+  ::shutdown(unauthenticated_.front(), SHUT_RDWR);
+  unauthenticated_.pop_front();
+  return true;
+}
+
+void TcpStoreServer::forget_unauthenticated(int fd) {
+  auto it = std::find(unauthenticated_.begin(), unauthenticated_.end(), fd);
+  if (it != unauthenticated_.end()) unauthenticated_.erase(it);
+}
+
+void TcpStoreServer::wait_ms(int ms) {
+  pollfd p{wake_pipe_[0], POLLIN, 0};
+  (void)::poll(&p, 1, ms);
+}
+
 void TcpStoreServer::accept_loop() {
   for (;;) {
     pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_pipe_[0], POLLIN, 0}};
@@ -86,7 +123,16 @@ void TcpStoreServer::accept_loop() {
     int fd;
     try {
       fd = net::accept_one(listen_fd_, Deadline::after_ms(0), "store server");
+    } catch (const TimeoutError&) {
+      continue;  // the client went away before we took it
     } catch (const Error&) {
+      // Out of descriptors or memory (Note [Connection flood]).
+      bool dropped;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        dropped = drop_oldest_unauthenticated();
+      }
+      wait_ms(dropped ? 5 : 100);
       continue;
     }
     std::vector<std::thread> finished;
@@ -100,13 +146,16 @@ void TcpStoreServer::accept_loop() {
         }
       }
       done_.clear();
+      if (unauthenticated_.size() >= kMaxUnauthenticated) drop_oldest_unauthenticated();
       client_fds_.push_back(fd);
+      unauthenticated_.push_back(fd);
       try {
         std::thread t([this, fd] { serve(fd); });
         auto id = t.get_id();
         client_threads_.emplace(id, std::move(t));
       } catch (const std::system_error&) {  // out of threads: refuse this client, keep serving
         client_fds_.pop_back();
+        unauthenticated_.pop_back();
         net::close_fd(fd);
       }
     }
@@ -117,7 +166,7 @@ void TcpStoreServer::accept_loop() {
 void TcpStoreServer::serve(int fd) {
   try {
     // The hello must arrive promptly; a port scanner or stray client cannot pin a thread.
-    Deadline hello_deadline = Deadline::after_ms(30000);
+    Deadline hello_deadline = Deadline::after_ms(kHelloTimeoutMs);
     auto hello = read_pod<wire::Hello>(fd, hello_deadline);
     std::string reply_msg;
     wire::HelloStatus status = wire::HelloStatus::kOk;
@@ -134,6 +183,12 @@ void TcpStoreServer::serve(int fd) {
     } else if (!token_.empty() && !constant_time_equal(token, token_)) {
       status = wire::HelloStatus::kBadToken;
       reply_msg = "job token rejected by the store server; set MESHCOLL_TOKEN to the job's token";
+    }
+    if (status == wire::HelloStatus::kOk) {
+      // Before the answer: once the client reads "ok" it must not be pushed out any more
+      // (if it was already, the answer fails to send and the client connects again).
+      std::lock_guard<std::mutex> lock(mu_);
+      forget_unauthenticated(fd);
     }
     wire::HelloReply reply{static_cast<uint8_t>(status), static_cast<uint16_t>(reply_msg.size())};
     net::send_all(fd, &reply, sizeof(reply), hello_deadline, "store");
@@ -153,6 +208,7 @@ void TcpStoreServer::serve(int fd) {
       break;
     }
   }
+  forget_unauthenticated(fd);
   net::close_fd(fd);
   done_.push_back(std::this_thread::get_id());
 }
@@ -330,22 +386,49 @@ TcpStore::TcpStore(const std::string& host, int port, bool is_server, Millis tim
   std::string connect_host = (host.empty() || host == "0.0.0.0") ? "127.0.0.1"
                              : host == "::" ? "::1" : host;
   Deadline d(timeout_);
-  fd_ = net::connect_to(connect_host, port_, d, "meshcoll store client");
+  // A server flooded with connections that say no hello pushes out the oldest (Note
+  // [Connection flood]), sometimes ours before it read our hello: connect again.
+  auto backoff = Millis(10);
+  for (;;) {
+    fd_ = net::connect_to(connect_host, port_, d, "meshcoll store client");
+    bool answered;
+    try {
+      answered = say_hello(token, d);
+    } catch (...) {
+      net::close_fd(fd_);
+      fd_ = -1;
+      throw;
+    }
+    if (answered) return;
+    net::close_fd(fd_);
+    fd_ = -1;
+    if (d.expired())
+      throw PeerError(str_cat(describe(), " closed every connection before answering its hello "
+                              "for ", timeout_.count(), " ms: it is flooded with connections "
+                              "that present no token, it has exited, or it is not a meshcoll "
+                              "store"));
+    int left_ms = d.poll_ms();  // -1: no deadline
+    std::this_thread::sleep_for(left_ms < 0 ? backoff : std::min(backoff, Millis(left_ms)));
+    backoff = std::min(backoff * 2, Millis(500));
+  }
+}
+
+bool TcpStore::say_hello(const std::string& token, const Deadline& d) {
+  wire::HelloReply reply{};
+  std::string msg;
   try {
     wire::Hello hello{wire::kMagic, wire::kVersion, static_cast<uint16_t>(token.size())};
     net::send_all(fd_, &hello, sizeof(hello), d, describe());
     net::send_all(fd_, token.data(), token.size(), d, describe());
-    wire::HelloReply reply{};
-    recv_exact(&reply, sizeof(reply), d);
-    std::string msg(reply.message_len, '\0');
-    if (reply.message_len) recv_exact(msg.data(), msg.size(), d);
-    if (reply.status != static_cast<uint8_t>(wire::HelloStatus::kOk))
-      throw PeerError(str_cat(describe(), ": ", msg));
-  } catch (...) {
-    net::close_fd(fd_);
-    fd_ = -1;
-    throw;
+    net::recv_all(fd_, &reply, sizeof(reply), d, describe());
+    msg.resize(reply.message_len);
+    if (reply.message_len) net::recv_all(fd_, msg.data(), msg.size(), d, describe());
+  } catch (const PeerError&) {
+    return false;  // closed or reset before the answer
   }
+  if (reply.status != static_cast<uint8_t>(wire::HelloStatus::kOk))
+    throw PeerError(str_cat(describe(), ": ", msg));
+  return true;
 }
 
 TcpStore::~TcpStore() {

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <system_error>
 #include <memory>
@@ -28,6 +29,10 @@ class TcpStoreServer {
   void accept_loop();
   void serve(int fd);
   bool handle_one(int fd);  // false when the connection must close
+  // Note [Connection flood]. These two need mu_ held.
+  bool drop_oldest_unauthenticated();   // false when there is none
+  void forget_unauthenticated(int fd);  // its hello was accepted, or it closed
+  void wait_ms(int ms);                 // sleeps, woken early by stop(); without mu_
 
   std::string token_;
   int listen_fd_ = -1;
@@ -36,10 +41,12 @@ class TcpStoreServer {
   std::atomic<bool> stopping_{false};
   std::thread acceptor_;
 
-  std::mutex mu_;  // guards data_, clients_
+  std::mutex mu_;  // guards data_, client_fds_, unauthenticated_, client_threads_, done_
   std::condition_variable cv_;
   std::map<std::string, Bytes> data_;
   std::vector<int> client_fds_;
+  // Connections whose hello has not been accepted yet, oldest first (Note [Connection flood]).
+  std::deque<int> unauthenticated_;
   // Serving threads; finished ones (their id in done_) are joined by the acceptor, so a
   // stream of short connections does not pile up thread stacks.
   std::map<std::thread::id, std::thread> client_threads_;
@@ -69,6 +76,8 @@ class TcpStore : public Store {
 
  private:
   class Request;
+  // Sends the hello; false when the server closed the connection before answering.
+  bool say_hello(const std::string& token, const Deadline& d);
   void send_request(const Request& req, const Deadline& d);
   void recv_status(const char* what, const std::string& key, const Deadline& d, Millis waited);
   void recv_exact(void* buf, size_t n, const Deadline& d);

@@ -2,6 +2,8 @@
 // supported hosts are little-endian), a magic number and a version in the hello.
 //
 // Connection: client sends Hello + token bytes; server answers HelloReply + message bytes.
+// The token travels in clear: it keeps out whoever can reach the port, not whoever can watch
+// the network (README, Security).
 // Then requests, each: QueryType (1 byte), then fields; strings are u32 length + bytes.
 // Replies: Status (1 byte), then the query's result fields.
 #pragma once

@@ -4,6 +4,8 @@ group. Groups themselves are in process_group.py."""
 
 from __future__ import annotations
 
+import secrets
+import warnings
 from typing import Optional, Sequence
 
 from . import _C, _env
@@ -16,6 +18,16 @@ class _Default:
 
     world: Optional[ProcessGroup] = None
     store = None
+    warned_no_token = False
+
+
+NO_TOKEN_WARNING = (
+    "meshcoll.init: no job token (MESHCOLL_TOKEN is not set): the job's TCP store and "
+    "listeners accept any process that can reach their ports, which can then read and write "
+    "the job's rendezvous keys. Set MESHCOLL_TOKEN to the same secret on every rank, "
+    "e.g. export MESHCOLL_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(16))') "
+    "before torchrun, srun or mpirun -x MESHCOLL_TOKEN, or start the job with meshcoll-run, "
+    "which makes one.")
 
 
 def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
@@ -32,7 +44,10 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
     arguments or the environment as usual. ``init_method`` (else ``MESHCOLL_INIT_METHOD``),
     as torch spells it: ``"env://"`` (the default), ``"tcp://host:port"`` (the master
     address) or ``"file:///path"``: a ``FileStore`` at that path, for jobs with a shared
-    filesystem and no known master address (use a path no earlier job left behind)."""
+    filesystem and no known master address (use a path no earlier job left behind).
+    Every store and peer connection presents the job token (``MESHCOLL_TOKEN``; meshcoll-run
+    sets one, a job of one process makes its own): without one, rank 0 warns once that the
+    job accepts any process that can reach its ports (README, Security)."""
     if _Default.world is not None:
         raise RuntimeError("meshcoll.init was already called in this process; call "
                            "meshcoll.destroy() first to re-initialise")
@@ -55,7 +70,12 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
                                   master_port=master_port,
                                   need_master=store is None and file_path is None)
     timeout = float(timeout) if timeout is not None else _env.timeout_from_env()
-    token = rv.token or ""
+    # A job of one process has no one to share a token with: it makes its own.
+    token = rv.token or (secrets.token_hex(16) if rv.world_size == 1 else "")
+    if not token and rv.rank == 0 and not _Default.warned_no_token:
+        # Rank 0 hosts the store: one warning for the job, once per process.
+        _Default.warned_no_token = True
+        warnings.warn(NO_TOKEN_WARNING, UserWarning, stacklevel=2)
     if file_path is not None:
         store = _C.FileStore(file_path, timeout)
     elif store is None:

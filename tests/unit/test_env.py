@@ -167,6 +167,16 @@ def test_empty_values_count_as_unset():
     assert (r.source, r.token) == ("torchrun", None)
 
 
+def test_launcher_ids_are_not_tokens():
+    # Guessable: Slurm's job and step ids, torchrun's run id, and Open MPI's transport key
+    # (random under mpirun, but Open MPI and Slurm build it from the job id under srun).
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "SLURM_JOB_ID": "19710274",
+           "OMPI_MCA_orte_precondition_transports": "012cc14200000000-012cc14200000000",
+           "TORCHELASTIC_RUN_ID": "none", **MASTER}
+    assert rdv(env).token is None
+    assert rdv({**env, "MESHCOLL_TOKEN": "mine"}).token == "mine"
+
+
 # -- errors: each names the variable -----------------------------------------
 
 def test_nothing_set_names_all_schemes():
