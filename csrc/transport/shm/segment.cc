@@ -19,6 +19,7 @@
 
 #include "common/config.h"
 #include "common/error.h"
+#include "common/interrupt.h"
 
 namespace meshcoll::transport {
 
@@ -253,6 +254,7 @@ void ShmGroup::wait_until(const std::vector<int>& ranks, Phase phase, uint64_t r
     for (int r : ranks)
       if (!reached(r)) missing.push_back(r);
     if (check) check(missing);
+    check_interrupt(rank_);
     if (d.expired()) {
       std::string list;
       for (int r : missing) list += str_cat(list.empty() ? "" : ", ", r);

@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "common/interrupt.h"
 #include "common/socket.h"
 #include "transport/tcp/tcp_peer.h"
 
@@ -429,10 +430,14 @@ void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d)
     }
     if (all) return;
     check_pending_peers(reqs);
+    check_interrupt(rank_);
     // Busy-poll briefly before sleeping in poll(): a reply is usually microseconds away, and
     // a wake-up from a blocking poll costs tens of microseconds. Not when ranks outnumber
-    // cores: spinning would steal the core the peer needs.
+    // cores: spinning would steal the core the peer needs. Sleeps last at most
+    // kInterruptEvery (Note [Interrupts]).
     int timeout_ms = d.poll_ms();
+    if (timeout_ms < 0 || timeout_ms > kInterruptEvery.count())
+      timeout_ms = static_cast<int>(kInterruptEvery.count());
     const auto waited = Clock::now() - spin_start;
     if (spin_ && waited < std::chrono::microseconds(50)) timeout_ms = 0;
     bool probe_due = false;
@@ -449,7 +454,7 @@ void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d)
       }
     }
     PollResult res = poll_and_progress(timeout_ms);
-    if (res == kTimedOut && (timeout_ms == 0 || probe_due)) continue;
+    if (res == kTimedOut && !d.expired()) continue;
     if (res == kTimedOut) {
       std::string waiting;
       for (const auto& r : reqs) {
