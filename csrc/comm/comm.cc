@@ -2,6 +2,7 @@
 
 #include <sys/eventfd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <unistd.h>
@@ -331,25 +332,41 @@ void Comm::fail_group(std::exception_ptr error) {
 // Note [Timeout census]: a timeout names the peer this rank waited for, which may itself be
 // waiting on the rank that never came. So every rank whose operation failed by a timeout
 // (its own, or a peer's ABORT) reports in through the store, waits briefly for the others,
-// and names the ranks that never reported: those never reached the operation.
+// and names the ranks that never reported: those never reached the operation, or are
+// stopped or stuck in it. A group fails once, so there is one census per group, and each
+// rank reports the sequence number of the operation it was in: ranks may be at different
+// ones (an algorithm lets some finish a collective while others still wait in it, and those
+// go on to the next call), so a rank that reported from a later operation had passed this
+// one, and one that reported from an earlier operation was still there.
 std::string Comm::census(uint64_t seq) {
   try {
-    const std::string base = str_cat("census/", seq, "/");
-    store_->set(base + std::to_string(rank_), {1});
+    const std::string base = "census/";
+    const std::string mine = std::to_string(seq);
+    store_->set(base + std::to_string(rank_), store::Bytes(mine.begin(), mine.end()));
     auto until = Clock::now() + Millis(1500);
-    std::vector<std::string> missing;
+    std::vector<int> silent;
     for (;;) {
-      missing.clear();
+      silent.clear();
       for (int r = 0; r < size_; ++r)
-        if (!store_->check({base + std::to_string(r)})) missing.push_back(std::to_string(r));
-      if (missing.empty() || Clock::now() >= until) break;
+        if (!store_->check({base + std::to_string(r)})) silent.push_back(r);
+      if (silent.empty() || Clock::now() >= until) break;
       std::this_thread::sleep_for(Millis(20));
     }
-    if (missing.empty()) return "";
-    std::string list;
-    for (const auto& m : missing) list += (list.empty() ? "" : ", ") + m;
-    return str_cat("; rank(s) ", list, " never reached this operation (every other rank ",
-                   "reported in)");
+    std::string never, behind;
+    for (int r : silent) never += str_cat(never.empty() ? "" : ", ", r);
+    for (int r = 0; r < size_; ++r) {
+      if (std::find(silent.begin(), silent.end(), r) != silent.end()) continue;
+      store::Bytes b = store_->get(base + std::to_string(r), Millis(1000));
+      uint64_t theirs = std::stoull(std::string(b.begin(), b.end()));
+      if (theirs < seq) behind += str_cat(behind.empty() ? "" : ", ", r, " (at seq ", theirs, ")");
+    }
+    std::string out;
+    if (!never.empty())
+      out += str_cat("; rank(s) ", never, " never reported in: they never reached this "
+                     "operation, or are stopped or stuck (every other rank reported in)");
+    if (!behind.empty())
+      out += str_cat("; rank(s) ", behind, " were still in an earlier operation of this group");
+    return out;
   } catch (const std::exception&) {
     return "";  // the store is gone too (rank 0 died): nothing more to learn
   }
