@@ -90,7 +90,13 @@ std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& sto
     std::string mine = my_error.empty() ? "ok" : my_error;
     store.set(str_cat("shm/", step, "/", rank), store::Bytes(mine.begin(), mine.end()));
     for (int r = 0; r < size; ++r) {
-      auto v = store.get(str_cat("shm/", step, "/", r), left);
+      store::Bytes v;
+      try {
+        v = store.get(str_cat("shm/", step, "/", r), left);
+      } catch (const TimeoutError&) {
+        throw TimeoutError(str_cat("rank ", rank, ": group rank ", r, " died or never came during "
+                                   "setup (shared memory, step '", step, "')"));
+      }
       std::string s(v.begin(), v.end());
       if (s != "ok") {
         *why = str_cat("rank ", r, ": ", s);
@@ -206,12 +212,12 @@ void ShmGroup::cross_copy(bool write, int r, uint64_t remote, void* local, size_
                         : process_vm_readv(pid, &l, 1, &p, 1, 0);
     if (got < 0 && errno == EINTR) continue;
     if (got < 0 && errno == ESRCH)
-      throw PeerError(str_cat("rank ", rank_, ": rank ", r, " (pid ", pid,
+      throw PeerError(str_cat("rank ", global_(rank_), ": rank ", global_(r), " (pid ", pid,
                               ") exited while this rank ", write ? "wrote into" : "read",
                               " its memory"));
     if (got <= 0)
-      throw SystemError(str_cat("rank ", rank_, ": ", write ? "process_vm_writev to" :
-                                "process_vm_readv from", " rank ", r, " failed: ",
+      throw SystemError(str_cat("rank ", global_(rank_), ": ", write ? "process_vm_writev to" :
+                                "process_vm_readv from", " rank ", global_(r), " failed: ",
                                 got < 0 ? errno_text(errno) : std::string("no progress")));
     at += got;
     remote += static_cast<uint64_t>(got);
@@ -254,11 +260,11 @@ void ShmGroup::wait_until(const std::vector<int>& ranks, Phase phase, uint64_t r
     for (int r : ranks)
       if (!reached(r)) missing.push_back(r);
     if (check) check(missing);
-    check_interrupt(rank_);
+    check_interrupt(global_(rank_));
     if (d.expired()) {
       std::string list;
-      for (int r : missing) list += str_cat(list.empty() ? "" : ", ", r);
-      throw TimeoutError(str_cat("rank ", rank_, " timed out after ", d.timeout().count(),
+      for (int r : missing) list += str_cat(list.empty() ? "" : ", ", global_(r));
+      throw TimeoutError(str_cat("rank ", global_(rank_), " timed out after ", d.timeout().count(),
                                  " ms in ", what, " (shared memory): rank(s) ", list,
                                  " had not arrived; they are slow, stuck in other code, or "
                                  "called another collective"));
