@@ -21,8 +21,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _never_reported(msg):
-    """The ranks a census says never reported in, or None when the message has no census."""
-    m = re.search(r"rank\(s\) ([\d, ]+) never reported in", msg)
+    """The ranks a census says never reported in (before: "never reached"), or None when
+    the message has no census."""
+    m = re.search(r"rank\(s\) ([\d, ]+) never (?:reported in|reached)", msg)
     return None if m is None else [int(r) for r in m.group(1).split(",")]
 
 
