@@ -500,8 +500,26 @@ void TcpTransport::abort(AbortKind kind, const std::string& why) {
   for (int j = 0; j < size_; ++j) {
     Peer& p = *peers_[j];
     if (p.fd < 0) continue;
-    // An ABORT frame can only go between frames: skip peers with a frame half-sent.
+    // An ABORT frame can only go between frames. A peer with a frame half-sent is most
+    // likely reading it (it waits in the same operation): finish the frame, briefly, so the
+    // ABORT follows and the peer learns the reason (and joins the timeout census) instead
+    // of seeing the connection close mid-frame, which reads as this rank's death.
     bool mid_frame = !p.sendq.empty() && as_tcp(p.sendq.front()).sent > 0;
+    if (mid_frame) {
+      TcpOp& op = as_tcp(p.sendq.front());
+      const size_t hdr_size = sizeof(FrameHeader);
+      try {
+        if (op.sent < hdr_size)
+          net::send_all(p.fd, reinterpret_cast<uint8_t*>(&op.hdr) + op.sent, hdr_size - op.sent,
+                        Deadline::after_ms(100), "abort");
+        size_t off = op.sent < hdr_size ? 0 : op.sent - hdr_size;
+        net::send_all(p.fd, op.src.data + off, op.src.size - off, Deadline::after_ms(100),
+                      "abort");
+        op.sent = hdr_size + op.src.size;
+        mid_frame = false;
+      } catch (const Error&) {
+      }
+    }
     if (!mid_frame) {
       FrameHeader h{};
       h.magic = kFrameMagic;
