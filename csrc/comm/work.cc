@@ -10,6 +10,7 @@ namespace meshcoll::comm {
 // operation running on the group's worker: it ends by its own deadline.
 void CpuWork::wait(Millis timeout, bool, Stream) {
   const Deadline d(timeout);
+  const auto since = Clock::now();
   std::unique_lock<std::mutex> lock(mu_);
   while (!done_) {
     if (d.expired())
@@ -19,7 +20,7 @@ void CpuWork::wait(Millis timeout, bool, Stream) {
     cv_.wait_for(lock, kInterruptEvery);
     if (!done_) {
       lock.unlock();
-      check_interrupt(rank_);
+      check_interrupt(rank_, since);
       lock.lock();
     }
   }

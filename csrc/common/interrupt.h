@@ -4,7 +4,10 @@
 // Python runs signal handlers only when the main thread executes bytecode, and a blocking
 // collective keeps it in C++ until the call returns: a Ctrl-C waited for the call's
 // deadline. So every blocking wait (TCP polls, shared-memory naps, Work.wait) calls
-// check_interrupt() at least every kInterruptEvery. The bindings install a hook that takes
+// check_interrupt() at least every kInterruptEvery. Only waits that already lasted that long
+// run the hook: a loop of short calls never takes the GIL here (Python checks for signals
+// between them anyway), so a thread holding the GIL cannot slow it. The bindings install a
+// hook that takes
 // the GIL and runs the pending Python signal handlers (on the main thread only, where
 // Python runs them); when a handler raises (KeyboardInterrupt for SIGINT), the hook keeps
 // that Python exception for the binding to raise as the call's result and check_interrupt
@@ -32,8 +35,9 @@ inline constexpr Millis kInterruptEvery{100};
 using InterruptHook = std::string (*)();
 void set_interrupt_hook(InterruptHook hook);
 
-// Runs the hook if kInterruptEvery passed since this thread last did; throws Interrupted
-// ("rank <rank> was interrupted (<exception>)") when a signal handler raised.
-void check_interrupt(int rank);
+// Runs the hook when the wait began at least kInterruptEvery ago and this thread last ran it
+// at least that long ago; throws Interrupted ("rank <rank> was interrupted (<exception>)")
+// when a signal handler raised.
+void check_interrupt(int rank, Clock::time_point waiting_since);
 
 }  // namespace meshcoll

@@ -255,12 +255,15 @@ void ShmGroup::wait_until(const std::vector<int>& ranks, Phase phase, uint64_t r
   auto reached = [&](int r) {
     return counter(r, phase, round).load(std::memory_order_acquire) >= round;
   };
+  // The clock is read only once the first spins have failed: most waits end before that.
+  Clock::time_point spin_start, next_check;
+  bool timing = false;
   auto periodic = [&] {
     std::vector<int> missing;
     for (int r : ranks)
       if (!reached(r)) missing.push_back(r);
     if (check) check(missing);
-    check_interrupt(global_(rank_));
+    check_interrupt(global_(rank_), spin_start);
     if (d.expired()) {
       std::string list;
       for (int r : missing) list += str_cat(list.empty() ? "" : ", ", global_(r));
@@ -270,9 +273,6 @@ void ShmGroup::wait_until(const std::vector<int>& ranks, Phase phase, uint64_t r
                                  "called another collective"));
     }
   };
-  // The clock is read only once the first spins have failed: most waits end before that.
-  Clock::time_point spin_start, next_check;
-  bool timing = false;
   for (int r : ranks) {
     for (int i = 0; !reached(r); ++i) {
       if (i < 256) {

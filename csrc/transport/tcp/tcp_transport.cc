@@ -450,7 +450,7 @@ void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d)
     }
     if (all) return;
     check_pending_peers(reqs);
-    check_interrupt(global_(rank_));
+    check_interrupt(global_(rank_), spin_start);
     // Busy-poll briefly before sleeping in poll(): a reply is usually microseconds away, and
     // a wake-up from a blocking poll costs tens of microseconds. Not when ranks outnumber
     // cores: spinning would steal the core the peer needs. Sleeps last at most
