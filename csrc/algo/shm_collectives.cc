@@ -53,8 +53,9 @@ void check_agreement(ShmGroup& g, int peer, uint64_t round) {
   const auto& theirs = g.slot(peer, round);
   if (theirs.seq == mine.seq && theirs.desc == mine.desc) return;
   throw MismatchError(str_cat(
-      "collective mismatch: rank ", peer, " called ", comm::describe_op(theirs.desc),
-      " [seq ", theirs.seq, "] but rank ", g.rank(), " called ", comm::describe_op(mine.desc),
+      "collective mismatch: rank ", g.global_rank(peer), " called ", comm::describe_op(theirs.desc),
+      " [seq ", theirs.seq, "] but rank ", g.global_rank(g.rank()), " called ",
+      comm::describe_op(mine.desc),
       " [seq ", mine.seq, "]", theirs.desc.shape != mine.desc.shape ? " (array shapes differ)" : "",
       "; every rank of a group must call the same collectives, with the same count, dtype, op "
       "and root, in the same order"));

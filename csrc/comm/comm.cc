@@ -2,6 +2,7 @@
 
 #include <sys/eventfd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <unistd.h>
@@ -20,6 +21,7 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
   topts.bind_host = opts.bind_host.empty() ? "127.0.0.1" : opts.bind_host;
   topts.token = opts.token;
   topts.comm_id = comm_id;
+  topts.global = opts.global;
   transport_ = std::make_unique<transport::TcpTransport>(rank, size, *store_, topts, &describe_op,
                                                          Deadline(opts.timeout));
   Deadline setup(opts.timeout);
@@ -29,6 +31,7 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
     if (!shm_ && opts.transport == "shm")
       throw Error(str_cat("rank ", rank, ": MESHCOLL_TRANSPORT=shm but shared memory is not usable: ",
                           why));
+    if (shm_) shm_->set_rank_names(opts.global);
     shm_status_ = shm_ ? "shm" : "tcp (shared memory unusable: " + why + ")";
   } else {
     shm_status_ = "tcp";
@@ -37,9 +40,9 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
     transport_->poll_once();
     for (int p : missing)
       if (transport_->peer_closed(p))
-        throw PeerError(str_cat("rank ", rank_, ": rank ", p,
+        throw PeerError(str_cat("rank ", global_rank(rank_), ": rank ", global_rank(p),
                                 " closed its connection while the group waited for it in shared "
-                                "memory: rank ", p, " exited, crashed or aborted"));
+                                "memory: rank ", global_rank(p), " exited, crashed or aborted"));
     transport_->check_unexpected();
   };
   p2p_send_seq_.assign(size, 0);
@@ -72,7 +75,7 @@ void Comm::shutdown() {
 std::shared_ptr<CpuWork> Comm::push(Item item) {
   std::unique_lock<std::mutex> lock(mu_);
   if (stopping_)
-    throw Aborted(str_cat("rank ", rank_, ": ", describe_op(item.env.op),
+    throw Aborted(str_cat("rank ", global_rank(rank_), ": ", describe_op(item.env.op),
                           " was called on a destroyed group"));
   if (item.env.channel == transport::Channel::kCollective)
     item.env.seq = ledger_->open_collective(item.env.op);
@@ -90,7 +93,7 @@ std::shared_ptr<CpuWork> Comm::push(Item item) {
 bool Comm::try_claim(transport::Envelope& env, uint64_t* index) {
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_)
-    throw Aborted(str_cat("rank ", rank_, ": ", describe_op(env.op),
+    throw Aborted(str_cat("rank ", global_rank(rank_), ": ", describe_op(env.op),
                           " was called on a destroyed group"));
   if (busy_ || !queue_.empty() || in_flight_count_ > 0) return false;
   busy_ = true;
@@ -117,7 +120,7 @@ std::shared_ptr<CpuWork> Comm::enqueue(const transport::OpDesc& desc, Millis tim
   item.env.op = desc;
   item.timeout = timeout.count() < 0 ? opts_.timeout : timeout;
   item.run = std::move(run);
-  item.work = std::make_shared<CpuWork>(rank_, desc);
+  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc);
   for (auto& k : keep) item.work->keep(std::move(k));
   return push(std::move(item));
 }
@@ -134,7 +137,7 @@ std::shared_ptr<CpuWork> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag,
   item.is_send = is_send;
   item.src = src;
   item.dst = dst;
-  item.work = std::make_shared<CpuWork>(rank_, desc);
+  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc);
   for (auto& k : keep) item.work->keep(std::move(k));
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -219,7 +222,7 @@ void Comm::progress_in_flight() {
     if (!transport_->wait_any(reqs, earliest, wake_fd_)) {
       for (const auto& f : in_flight_) {
         if (!f.req->complete() && f.deadline.expired())
-          throw TimeoutError(str_cat(f.what(rank_), "timed out after ",
+          throw TimeoutError(str_cat(f.what(*this), "timed out after ",
                                      f.deadline.timeout().count(),
                                      " ms: the peer never posted the matching ",
                                      f.is_send ? "recv" : "send",
@@ -258,9 +261,9 @@ void Comm::set_algorithm(const char* name, uint8_t code) {
   transport_->begin_collective(current_);  // re-check buffered frames with the algorithm known
 }
 
-std::string Comm::InFlight::what(int rank) const {
-  return str_cat(is_send ? "send to rank " : "recv from rank ", peer, " (tag ", tag, ") on rank ",
-                 rank, ": ");
+std::string Comm::InFlight::what(const Comm& c) const {
+  return str_cat(is_send ? "send to rank " : "recv from rank ", c.global_rank(peer), " (tag ", tag,
+                 ") on rank ", c.global_rank(c.rank()), ": ");
 }
 
 void Comm::start_p2p(Item& item) {
@@ -304,7 +307,7 @@ void Comm::fail_group(std::exception_ptr error) {
   // Any failure mid-operation leaves peers waiting on us: abort so they fail fast.
   transport_->abort(abort_kind_of(error), message_of(error));
   if (first) on_group_failure(error);
-  for (auto& f : in_flight_) f.work->finish(same_type(error, f.what(rank_) + message_of(error)));
+  for (auto& f : in_flight_) f.work->finish(same_type(error, f.what(*this) + message_of(error)));
   in_flight_.clear();
   sync_in_flight_count();
 }
@@ -312,25 +315,42 @@ void Comm::fail_group(std::exception_ptr error) {
 // Note [Timeout census]: a timeout names the peer this rank waited for, which may itself be
 // waiting on the rank that never came. So every rank whose operation failed by a timeout
 // (its own, or a peer's ABORT) reports in through the store, waits briefly for the others,
-// and names the ranks that never reported: those never reached the operation.
+// and names the ranks that never reported: those never reached the operation, or are
+// stopped or stuck in it. A group fails once, so there is one census per group, and each
+// rank reports the sequence number of the operation it was in: ranks may be at different
+// ones (an algorithm lets some finish a collective while others still wait in it, and those
+// go on to the next call), so a rank that reported from a later operation had passed this
+// one, and one that reported from an earlier operation was still there.
 std::string Comm::census(uint64_t seq) {
   try {
-    const std::string base = str_cat("census/", seq, "/");
-    store_->set(base + std::to_string(rank_), {1});
+    const std::string base = "census/";
+    const std::string mine = std::to_string(seq);
+    store_->set(base + std::to_string(rank_), store::Bytes(mine.begin(), mine.end()));
     auto until = Clock::now() + Millis(1500);
-    std::vector<std::string> missing;
+    std::vector<int> silent;
     for (;;) {
-      missing.clear();
+      silent.clear();
       for (int r = 0; r < size_; ++r)
-        if (!store_->check({base + std::to_string(r)})) missing.push_back(std::to_string(r));
-      if (missing.empty() || Clock::now() >= until) break;
+        if (!store_->check({base + std::to_string(r)})) silent.push_back(r);
+      if (silent.empty() || Clock::now() >= until) break;
       std::this_thread::sleep_for(Millis(20));
     }
-    if (missing.empty()) return "";
-    std::string list;
-    for (const auto& m : missing) list += (list.empty() ? "" : ", ") + m;
-    return str_cat("; rank(s) ", list, " never reached this operation (every other rank ",
-                   "reported in)");
+    std::string never, behind;
+    for (int r : silent) never += str_cat(never.empty() ? "" : ", ", global_rank(r));
+    for (int r = 0; r < size_; ++r) {
+      if (std::find(silent.begin(), silent.end(), r) != silent.end()) continue;
+      store::Bytes b = store_->get(base + std::to_string(r), Millis(1000));
+      uint64_t theirs = std::stoull(std::string(b.begin(), b.end()));
+      if (theirs < seq)
+        behind += str_cat(behind.empty() ? "" : ", ", global_rank(r), " (at seq ", theirs, ")");
+    }
+    std::string out;
+    if (!never.empty())
+      out += str_cat("; rank(s) ", never, " never reported in: they never reached this "
+                     "operation, or are stopped or stuck (every other rank reported in)");
+    if (!behind.empty())
+      out += str_cat("; rank(s) ", behind, " were still in an earlier operation of this group");
+    return out;
   } catch (const std::exception&) {
     return "";  // the store is gone too (rank 0 died): nothing more to learn
   }
@@ -366,8 +386,9 @@ void Comm::run_item(Item& item) {
 std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout, uint64_t index,
                                  const OpRef& run, bool collective) {
   auto ctx = [&] {  // formatted only on failure
-    return str_cat(describe_op(env.op), " [seq ", env.seq, "] on rank ", rank_, " of ", size_,
-                   ": ");
+    const int me = global_rank(rank_);
+    return str_cat(describe_op(env.op), " [seq ", env.seq, "] on rank ", me,
+                   me == rank_ ? "" : str_cat(" (group rank ", rank_, ")"), " of ", size_, ": ");
   };
   if (first_error_) {
     // Operations already queued when the group failed report the failure's own type (a
@@ -406,7 +427,7 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     if (abort_kind_of(error) == transport::AbortKind::kTimeout && !composed_) {
       // Tell the peers first (they then join the census at once), then take it.
       transport_->abort(transport::AbortKind::kTimeout, message_of(error));
-      error = same_type(error, str_cat(message_of(error), census(env.seq), ". Rank ", rank_,
+      error = same_type(error, str_cat(message_of(error), census(env.seq), ". Rank ", global_rank(rank_),
                                        "'s last calls on this group: ", ledger_->summary(4)));
     }
     if (collective) ledger_->set_state(env.seq, CallState::kFailed);

@@ -19,6 +19,7 @@
 #include "comm/work.h"
 #include "common/deadline.h"
 #include "common/dtype.h"
+#include "common/rank_names.h"
 #include "store/store.h"
 #include "transport/shm/segment.h"
 #include "transport/transport.h"
@@ -34,6 +35,7 @@ struct CommOptions {
   std::string bind_host;  // interface to listen on; empty = the one that reaches the store
   std::string token;
   bool debug = false;  // MESHCOLL_DEBUG: one line per operation on stderr
+  RankNames global;    // the members' global ranks, which messages name
 };
 
 class Comm;
@@ -66,6 +68,7 @@ class Comm {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  int global_rank(int group_rank) const { return opts_.global(group_rank); }  // for messages
   Millis timeout() const { return opts_.timeout; }
   const std::shared_ptr<store::Store>& store() const { return store_; }
 
@@ -164,7 +167,7 @@ class Comm {
     int peer;
     uint32_t tag;
     bool is_send;
-    std::string what(int rank) const;  // for errors only
+    std::string what(const Comm& c) const;  // for errors only
   };
   void worker_loop();
   void run_item(Item& item);

@@ -2,17 +2,27 @@
 
 #include "comm/comm.h"
 #include "common/error.h"
+#include "common/interrupt.h"
 
 namespace meshcoll::comm {
 
+// Waits in naps of kInterruptEvery (Note [Interrupts]). An interrupt here leaves the
+// operation running on the group's worker: it ends by its own deadline.
 void CpuWork::wait(Millis timeout, bool, Stream) {
+  const Deadline d(timeout);
+  const auto since = Clock::now();
   std::unique_lock<std::mutex> lock(mu_);
-  if (timeout.count() < 0) {
-    cv_.wait(lock, [this] { return done_; });
-  } else if (!cv_.wait_for(lock, timeout, [this] { return done_; })) {
-    throw TimeoutError(str_cat(what(), " did not complete within ", timeout.count(),
-                               " ms (Work.wait timeout); it keeps running and fails by its "
-                               "own deadline if a peer never arrives"));
+  while (!done_) {
+    if (d.expired())
+      throw TimeoutError(str_cat(what(), " did not complete within ", timeout.count(),
+                                 " ms (Work.wait timeout); it keeps running and fails by its "
+                                 "own deadline if a peer never arrives"));
+    cv_.wait_for(lock, kInterruptEvery);
+    if (!done_) {
+      lock.unlock();
+      check_interrupt(rank_, since);
+      lock.lock();
+    }
   }
   if (error_) std::rethrow_exception(error_);
 }

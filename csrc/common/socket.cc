@@ -202,6 +202,9 @@ ssize_t recv_some(int fd, void* buf, size_t n, const std::string& what) {
     if (errno == EAGAIN || errno == EWOULDBLOCK) return -1;
     if (errno == ECONNRESET || errno == EPIPE)
       throw PeerError(str_cat(what, ": connection reset by the peer (", errno_text(errno), ")"));
+    if (errno == EFAULT)  // this process's own buffer, not the peer
+      throw InvalidArgument(str_cat(what, ": the receive buffer is not writable memory (",
+                                    errno_text(errno), "): it was freed or never mapped"));
     throw SystemError(str_cat(what, ": recv failed: ", errno_text(errno)));
   }
 }

@@ -82,7 +82,8 @@ void run_steps(comm::Comm& parent, const Hierarchy& h, const char* what, Steps&&
     steps();
   } catch (...) {
     std::exception_ptr error = std::current_exception();
-    const std::string why = str_cat("rank ", parent.rank(), " of a group of ", parent.size(),
+    const std::string why = str_cat("rank ", parent.global_rank(parent.rank()), " of a group of ",
+                                    parent.size(),
                                     ": hierarchical ", what, " failed: ", message_of(error));
     for (comm::Backend* child : {h.local.get(), h.leaders.get()}) {
       if (!child) continue;

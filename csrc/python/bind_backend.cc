@@ -131,16 +131,11 @@ class CallReader {
   Want want_;
 };
 
-// Runs `call` with the GIL released where it may block; returns the Work (async) or None.
+// Runs `call` with the GIL released where it may block (Note [Interrupts]: a Ctrl-C meanwhile
+// is the call's outcome); returns the Work (async) or None.
 template <class F>
 py::object run(Backend& b, bool blocks, F&& call) {
-  WorkPtr w;
-  if (blocks || !b.device_memory()) {
-    py::gil_scoped_release nogil;
-    w = call();
-  } else {
-    w = call();
-  }
+  WorkPtr w = blocks || !b.device_memory() ? call_nogil(call) : call();
   return w ? py::cast(std::move(w)) : py::none();
 }
 
@@ -211,15 +206,13 @@ void bind_backend(py::module_& m) {
              uintptr_t s = kLegacyStream;
              bool has = stream_arg(stream, &s);
              Millis t = timeout_arg(timeout);
-             py::gil_scoped_release nogil;
-             w.wait(t, has, to_cu_stream(s));
+             call_nogil([&] { w.wait(t, has, to_cu_stream(s)); });
            }, py::arg("timeout") = py::none(), py::arg("stream") = py::none(),
            "Waits for the operation and raises its failure. GPU: orders `stream` (default: "
            "the stream the op was issued from) after the op, without blocking the host.")
       .def("synchronize", [](Work& w, const py::handle& timeout) {
              Millis t = timeout_arg(timeout);
-             py::gil_scoped_release nogil;
-             w.synchronize(t);
+             call_nogil([&] { w.synchronize(t); });
            }, py::arg("timeout") = py::none(), "Blocks the host until the operation completed.")
       .def("is_completed", &Work::is_completed)
       .def_property_readonly("captured", &Work::captured)

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "common/error.h"
+#include "common/interrupt.h"
 
 namespace py = pybind11;
 
@@ -39,6 +40,43 @@ size_t size_arg(PyObject* o, const char* what, const char* name) {
     throw py::type_error(str_cat(what, ": ", name, " must be an int >= 0"));
   }
   return v;
+}
+
+namespace {
+unsigned long g_main_thread = 0;  // Python runs signal handlers on this thread only
+// The exception a signal handler raised in the hook, kept until the call returns to Python.
+PyObject *g_raised_type = nullptr, *g_raised_value = nullptr, *g_raised_tb = nullptr;
+
+std::string run_signal_handlers() {
+  if (PyThread_get_thread_ident() != g_main_thread || _Py_IsFinalizing()) return "";
+  PyGILState_STATE gil = PyGILState_Ensure();
+  std::string raised;
+  if (PyErr_CheckSignals() != 0) {
+    Py_CLEAR(g_raised_type);
+    Py_CLEAR(g_raised_value);
+    Py_CLEAR(g_raised_tb);
+    PyErr_Fetch(&g_raised_type, &g_raised_value, &g_raised_tb);
+    raised = reinterpret_cast<PyTypeObject*>(g_raised_type)->tp_name;
+  }
+  PyGILState_Release(gil);
+  return raised;
+}
+}  // namespace
+
+void install_interrupt_hook() {
+  g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident")
+                      .cast<unsigned long>();
+  set_interrupt_hook(&run_signal_handlers);
+}
+
+void raise_if_interrupted() {
+  if (PyThread_get_thread_ident() != g_main_thread) return;
+  if (g_raised_type) {
+    PyErr_Restore(g_raised_type, g_raised_value, g_raised_tb);  // steals the references
+    g_raised_type = g_raised_value = g_raised_tb = nullptr;
+    throw py::error_already_set();
+  }
+  if (PyErr_CheckSignals() != 0) throw py::error_already_set();
 }
 
 void set_python_error(std::exception_ptr e) {

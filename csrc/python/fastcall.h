@@ -30,6 +30,27 @@ Millis timeout_arg(const pybind11::handle& seconds);
 std::string str_arg(PyObject* o, const char* what, const char* name);
 size_t size_arg(PyObject* o, const char* what, const char* name);
 
+// Note [Interrupts] (common/interrupt.h), the Python side: installs the hook that runs
+// pending signal handlers from a blocking wait. Called once, at import.
+void install_interrupt_hook();
+// Raises (py::error_already_set) the exception a signal handler raised during this thread's
+// last blocking call, if one did; else runs the pending handlers now, so that a Ctrl-C that
+// came while the call failed for another reason (a peer's ABORT) is what the caller sees.
+void raise_if_interrupted();
+
+// Runs `call` with the GIL released; a Python exception raised by a signal handler while
+// it waited is the call's outcome (Note [Interrupts]).
+template <class F>
+auto call_nogil(F&& call) -> decltype(call()) {
+  try {
+    pybind11::gil_scoped_release nogil;
+    return call();
+  } catch (...) {
+    raise_if_interrupted();
+    throw;
+  }
+}
+
 // Sets the Python error for `e` through pybind11's registered exception translators.
 void set_python_error(std::exception_ptr e);
 

@@ -12,6 +12,7 @@ void bind_reduce(py::module_& m);
 void bind_nccl(py::module_& m);
 void config_at_import();
 void bind_config(py::module_& m);
+void install_interrupt_hook();
 }  // namespace meshcoll::python
 
 PYBIND11_MODULE(_C, m) {
@@ -24,4 +25,5 @@ PYBIND11_MODULE(_C, m) {
   meshcoll::python::bind_reduce(m);
   meshcoll::python::bind_nccl(m);
   meshcoll::python::bind_config(m);
+  meshcoll::python::install_interrupt_hook();
 }

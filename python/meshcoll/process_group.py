@@ -8,6 +8,7 @@ group or on ``group=``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import math
@@ -159,13 +160,16 @@ class ProcessGroup:
         else:
             self._device = None
             self._arrays = HostArrays
-            self._backend = _C.CpuBackend(prefixed, rank, len(self._ranks), timeout, bind_host,
-                                          token, _comm_id(name, token), opts.transport,
-                                          opts.shm_bytes, opts.debug)
+            with self._naming_setup():
+                self._backend = _C.CpuBackend(prefixed, rank, len(self._ranks), timeout,
+                                              bind_host, token, _comm_id(name, token),
+                                              opts.transport, opts.shm_bytes, opts.debug,
+                                              self._ranks)
             self.config = CollectiveConfig(opts.algorithm)
         # Every member is done with the store for this group before anyone returns: rank 0
         # may otherwise exit (closing the store) while a peer still rendezvouses through it.
-        self.barrier()
+        with self._naming_setup():
+            self.barrier()
         # Note [Hierarchy] in hierarchy.py: the children; the backend runs the steps.
         self._hier: Optional[Hierarchy] = None
         transport = self._backend.transport
@@ -178,6 +182,15 @@ class ProcessGroup:
                 import warnings
                 warnings.warn(f"meshcoll group {name!r}: {transport}; falling back to TCP "
                               "between same-host ranks", RuntimeWarning, stacklevel=3)
+
+    @contextlib.contextmanager
+    def _naming_setup(self):
+        """A failure while the group is set up says which group (its name and members)."""
+        try:
+            yield
+        except (_C.TimeoutError, _C.PeerError) as e:
+            raise type(e)(f"{e} (during setup of group {self._name!r}, global ranks "
+                          f"{self._ranks})") from None
 
     # ---- arrays ---------------------------------------------------------------------
     def _view(self, x, what: str, writable: bool = False, stream=None):

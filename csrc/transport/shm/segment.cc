@@ -19,6 +19,7 @@
 
 #include "common/config.h"
 #include "common/error.h"
+#include "common/interrupt.h"
 
 namespace meshcoll::transport {
 
@@ -89,7 +90,13 @@ std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& sto
     std::string mine = my_error.empty() ? "ok" : my_error;
     store.set(str_cat("shm/", step, "/", rank), store::Bytes(mine.begin(), mine.end()));
     for (int r = 0; r < size; ++r) {
-      auto v = store.get(str_cat("shm/", step, "/", r), left);
+      store::Bytes v;
+      try {
+        v = store.get(str_cat("shm/", step, "/", r), left);
+      } catch (const TimeoutError&) {
+        throw TimeoutError(str_cat("rank ", rank, ": group rank ", r, " died or never came during "
+                                   "setup (shared memory, step '", step, "')"));
+      }
       std::string s(v.begin(), v.end());
       if (s != "ok") {
         *why = str_cat("rank ", r, ": ", s);
@@ -204,16 +211,17 @@ void ShmGroup::read_peer(int r, uint64_t remote, void* local, size_t bytes) {
     ssize_t got = process_vm_readv(pid, &l, 1, &p, 1, 0);
     if (got < 0 && errno == EINTR) continue;
     if (got < 0 && errno == ESRCH)
-      throw PeerError(str_cat("rank ", rank_, ": rank ", r, " (pid ", pid,
+      throw PeerError(str_cat("rank ", global_(rank_), ": rank ", global_(r), " (pid ", pid,
                               ") exited while this rank read its memory"));
     // The local side is this rank's own live array or scratch: a fault is on rank r's side,
     // which unmapped the array it published, so it has left the collective.
     if (got < 0 && errno == EFAULT)
-      throw PeerError(str_cat("rank ", rank_, ": rank ", r, " left the collective (the array it "
-                              "published is no longer mapped) while this rank read it; see rank ",
-                              r, "'s own error"));
+      throw PeerError(str_cat("rank ", global_(rank_), ": rank ", global_(r), " left the "
+                              "collective (the array it published is no longer mapped) while "
+                              "this rank read it; see rank ", global_(r), "'s own error"));
     if (got <= 0)
-      throw SystemError(str_cat("rank ", rank_, ": process_vm_readv from rank ", r, " failed: ",
+      throw SystemError(str_cat("rank ", global_(rank_), ": process_vm_readv from rank ",
+                                global_(r), " failed: ",
                                 got < 0 ? errno_text(errno) : std::string("no progress")));
     at += got;
     remote += static_cast<uint64_t>(got);
@@ -251,23 +259,24 @@ void ShmGroup::wait_until(const std::vector<int>& ranks, Phase phase, uint64_t r
   auto reached = [&](int r) {
     return counter(r, phase, round).load(std::memory_order_acquire) >= round;
   };
+  // The clock is read only once the first spins have failed: most waits end before that.
+  Clock::time_point spin_start, next_check;
+  bool timing = false;
   auto periodic = [&] {
     std::vector<int> missing;
     for (int r : ranks)
       if (!reached(r)) missing.push_back(r);
     if (check) check(missing);
+    check_interrupt(global_(rank_), spin_start);
     if (d.expired()) {
       std::string list;
-      for (int r : missing) list += str_cat(list.empty() ? "" : ", ", r);
-      throw TimeoutError(str_cat("rank ", rank_, " timed out after ", d.timeout().count(),
+      for (int r : missing) list += str_cat(list.empty() ? "" : ", ", global_(r));
+      throw TimeoutError(str_cat("rank ", global_(rank_), " timed out after ", d.timeout().count(),
                                  " ms in ", what, " (shared memory): rank(s) ", list,
                                  " had not arrived; they are slow, stuck in other code, or "
                                  "called another collective"));
     }
   };
-  // The clock is read only once the first spins have failed: most waits end before that.
-  Clock::time_point spin_start, next_check;
-  bool timing = false;
   for (int r : ranks) {
     for (int i = 0; !reached(r); ++i) {
       if (i < 256) {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/deadline.h"
+#include "common/rank_names.h"
 #include "store/store.h"
 #include "transport/transport.h"
 
@@ -73,6 +74,9 @@ class ShmGroup {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
+  // How messages name the ranks (common/rank_names.h).
+  void set_rank_names(RankNames names) { global_ = std::move(names); }
+  int global_rank(int r) const { return global_(r); }
   size_t data_bytes() const { return data_bytes_; }
   uint8_t* data(int r) { return data_[r]; }
 
@@ -120,6 +124,7 @@ class ShmGroup {
   void wait_until(const std::vector<int>& ranks, Phase phase, uint64_t round, const Deadline& d,
                   const Check& check, const char* what);
   int rank_, size_;
+  RankNames global_;
   size_t data_bytes_, seg_bytes_;
   std::vector<void*> maps_;
   std::vector<ShmControl*> ctrl_;

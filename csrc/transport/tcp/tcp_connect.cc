@@ -50,7 +50,7 @@ Millis remaining(const Deadline& d) {
 
 TcpTransport::TcpTransport(int rank, int size, store::Store& store, const TcpOptions& opts,
                            DescribeOp describe, const Deadline& d)
-    : rank_(rank), size_(size), describe_(describe) {
+    : rank_(rank), size_(size), global_(opts.global), describe_(describe) {
   for (int i = 0; i < size; ++i) peers_.push_back(std::make_unique<Peer>());
   unsigned cores = std::thread::hardware_concurrency();
   spin_ = cores != 0 && static_cast<unsigned>(size) <= cores;
@@ -83,13 +83,14 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
   // Lower ranks accept, higher ranks connect: the kernel completes a connect into the
   // listener's backlog, so connecting first and accepting second cannot deadlock.
   for (int j = 0; j < rank_; ++j) {
-    std::string what = str_cat("rank ", rank_, ": connecting to rank ", j);
+    std::string what = str_cat("rank ", global_(rank_), ": connecting to rank ", global_(j));
     store::Bytes addr;
     try {
       addr = store.get(str_cat("tcp/addr/", j), remaining(d));
     } catch (const TimeoutError&) {
-      throw TimeoutError(str_cat(what, ": rank ", j, " never published its address within ",
-                                 d.timeout().count(), " ms; did every rank start?"));
+      throw TimeoutError(str_cat(what, ": rank ", global_(j), " died or never came during setup: ",
+                                 "it published no address within ", d.timeout().count(),
+                                 " ms; did every rank start?"));
     }
     std::string s(addr.begin(), addr.end());
     size_t colon = s.rfind(':');
@@ -118,9 +119,12 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
   while (expected > 0) {
     if (d.expired()) {
       for (auto& p : pending) net::close_fd(p.fd);
-      throw TimeoutError(str_cat("rank ", rank_, ": waiting for ", expected,
-                                 " higher rank(s) to connect: no connection arrived within ",
-                                 d.timeout().count(), " ms; did every rank start?"));
+      std::string missing;
+      for (int j = rank_ + 1; j < size_; ++j)
+        if (peers_[j]->fd < 0) missing += str_cat(missing.empty() ? "" : ", ", global_(j));
+      throw TimeoutError(str_cat("rank ", global_(rank_), ": rank(s) ", missing,
+                                 " died or never came during setup: no connection from them "
+                                 "within ", d.timeout().count(), " ms; did every rank start?"));
     }
     std::vector<pollfd> fds{{listen_fd, POLLIN, 0}};
     for (auto& p : pending) fds.push_back({p.fd, POLLIN, 0});
@@ -173,15 +177,16 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
   for (auto& p : pending) net::close_fd(p.fd);
   for (int j = 0; j < rank_; ++j) {
     uint8_t ok = 0;
-    std::string what = str_cat("rank ", rank_, ": handshake with rank ", j);
+    std::string what = str_cat("rank ", global_(rank_), ": handshake with rank ", global_(j));
     try {
       net::recv_all(peers_[j]->fd, &ok, 1, d, what);
     } catch (const PeerError&) {
-      ok = 0;
+      throw PeerError(str_cat(what, ": rank ", global_(j), " died during setup (it closed the "
+                              "connection before it answered)"));
     }
     if (!ok)
       throw PeerError(str_cat(what, " was refused: the job token (MESHCOLL_TOKEN) or group "
-                                    "differs from rank ", j, "'s; start every rank from one launch"));
+                                    "differs from rank ", global_(j), "'s; start every rank from one launch"));
   }
 }
 

@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "common/error.h"
+#include "common/interrupt.h"
 #include "common/socket.h"
 #include "transport/tcp/tcp_peer.h"
 
@@ -126,21 +127,21 @@ void TcpTransport::check_agreement(int peer, const FrameHeader& h, const Envelop
   if (!differ) return;
   std::string msg;
   if (p2p) {
-    msg = str_cat("send/recv mismatch between rank ", peer, " and rank ", rank_, ": rank ", peer,
+    msg = str_cat("send/recv mismatch between rank ", global_(peer), " and rank ", global_(rank_), ": rank ", global_(peer),
                   " sent ", describe_(h.op), " tag=", h.tag, " (", h.nbytes, " bytes) but rank ",
-                  rank_, " posted recv ", describe_(mine.op), " tag=", mine.tag, " (", my_bytes,
+                  global_(rank_), " posted recv ", describe_(mine.op), " tag=", mine.tag, " (", my_bytes,
                   " bytes); every send must meet a recv of the same tag, shape and dtype, in "
                   "order");
   } else if (h.op != mine.op) {
-    msg = str_cat("collective mismatch at sequence number ", mine.seq, ": rank ", peer,
-                  " called ", describe_(h.op), " but rank ", rank_, " called ",
+    msg = str_cat("collective mismatch at sequence number ", mine.seq, ": rank ", global_(peer),
+                  " called ", describe_(h.op), " but rank ", global_(rank_), " called ",
                   describe_(mine.op), h.op.shape != mine.op.shape ? " (array shapes differ)" : "",
                   "; every rank of a group must call the same collectives, with the same "
                   "count, dtype, op and root, in the same order");
   } else {
-    msg = str_cat("collective mismatch at sequence number ", mine.seq, ": rank ", peer, " sent ",
+    msg = str_cat("collective mismatch at sequence number ", mine.seq, ": rank ", global_(peer), " sent ",
                   h.nbytes, " bytes for step ", h.tag, " of ", describe_(h.op), " but rank ",
-                  rank_, " expected ", my_bytes,
+                  global_(rank_), " expected ", my_bytes,
                   " bytes (different algorithm settings on different ranks?)");
   }
   (void)theirs_env;
@@ -170,9 +171,7 @@ void TcpTransport::progress_send(int peer) {
       if (rc < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return;
-        throw PeerError(str_cat("rank ", rank_, ": sending to rank ", peer, " failed (",
-                                errno_text(errno), "): rank ", peer,
-                                " exited, crashed or aborted"));
+        send_failed(peer, errno);
       }
       op.sent += static_cast<size_t>(rc);
     }
@@ -181,9 +180,31 @@ void TcpTransport::progress_send(int peer) {
   }
 }
 
+// A failed send is this rank's own fault (EFAULT: the array is not readable memory, say
+// freed) or a broken link. A peer that aborted wrote its ABORT frame, which says why, before
+// it closed: read what it sent first, so the error is its reason and not "it died".
+void TcpTransport::send_failed(int peer, int err) {
+  if (err == EFAULT) {
+    std::string msg = str_cat("rank ", global_(rank_), ": the array to send to rank ",
+                              global_(peer), " is not readable memory (", errno_text(err),
+                              "): rank ", global_(rank_), " passed an array whose memory was "
+                              "freed or never mapped");
+    abort(AbortKind::kGeneric, msg);
+    throw InvalidArgument(msg);
+  }
+  try {
+    progress_recv(peer);  // an ABORT frame fails the transport with the peer's reason
+  } catch (const PeerError&) {
+    if (failed_) throw;
+  }
+  throw PeerError(str_cat("rank ", global_(rank_), ": the connection to rank ", global_(peer),
+                          " broke while sending to it (", errno_text(err), ") and it sent no "
+                          "reason: rank ", global_(peer), " exited or crashed"));
+}
+
 void TcpTransport::progress_recv(int peer) {
   Peer& p = *peers_[peer];
-  std::string what = str_cat("rank ", rank_, ": receiving from rank ", peer);
+  std::string what = str_cat("rank ", global_(rank_), ": receiving from rank ", global_(peer));
   for (;;) {
     ssize_t rc;
     if (!p.in_payload) {
@@ -206,8 +227,8 @@ void TcpTransport::progress_recv(int peer) {
     if (rc < 0) return;  // would block
     p.closed = true;
     if (!p.in_payload && p.rhdr_got == 0) return;
-    throw PeerError(str_cat("rank ", rank_, ": the connection to rank ", peer,
-                            " closed: rank ", peer, " exited, crashed or aborted"));
+    throw PeerError(str_cat("rank ", global_(rank_), ": the connection to rank ", global_(peer),
+                            " closed: rank ", global_(peer), " exited, crashed or aborted"));
   }
 }
 
@@ -216,7 +237,7 @@ void TcpTransport::on_header(int peer) {
   const FrameHeader& h = p.rhdr;
   p.rhdr_got = 0;
   if (h.magic != kFrameMagic)
-    fail(AbortKind::kGeneric, str_cat("rank ", rank_, ": corrupt frame from rank ", peer,
+    fail(AbortKind::kGeneric, str_cat("rank ", global_(rank_), ": corrupt frame from rank ", global_(peer),
                                       " (bad magic); is a different program on this port?"));
   p.in_payload = true;
   if (h.type == kFrameProbe) {
@@ -313,7 +334,7 @@ TcpTransport::PollResult TcpTransport::poll_and_progress(int timeout_ms, int wak
   int rc = ::poll(pfds_.data(), pfds_.size(), timeout_ms);
   if (rc < 0) {
     if (errno == EINTR) return kProgressed;
-    fail(AbortKind::kGeneric, str_cat("rank ", rank_, ": poll failed: ", errno_text(errno)));
+    fail(AbortKind::kGeneric, str_cat("rank ", global_(rank_), ": poll failed: ", errno_text(errno)));
   }
   if (rc == 0) return kTimedOut;
   bool woken = false;
@@ -363,8 +384,8 @@ void TcpTransport::check_against_current(int peer, const FrameHeader& h) {
     const Envelope& past = recent_[h.seq % 16];
     if (past.seq == h.seq && past.op != h.op) check_agreement(peer, h, past, h.nbytes);
     fail(AbortKind::kMismatch,
-         str_cat("collective mismatch: rank ", peer, " sent data for ", describe_(h.op),
-                 " [seq ", h.seq, "] after rank ", rank_, " had finished its collective of that "
+         str_cat("collective mismatch: rank ", global_(peer), " sent data for ", describe_(h.op),
+                 " [seq ", h.seq, "] after rank ", global_(rank_), " had finished its collective of that "
                  "sequence number; the ranks ran different collectives or algorithms (compare "
                  "MESHCOLL_ALGO, algorithm= and the call order on every rank)"));
   }
@@ -374,9 +395,9 @@ void TcpTransport::check_pending_peers(const std::vector<Request>& reqs) {
   for (const auto& r : reqs) {
     const TcpOp& op = as_tcp(r);
     if (!r->complete() && peers_[op.peer]->closed)
-      fail(AbortKind::kPeer, str_cat("rank ", rank_, ": the connection to rank ", op.peer,
+      fail(AbortKind::kPeer, str_cat("rank ", global_(rank_), ": the connection to rank ", global_(op.peer),
                                      " closed while a ", op.is_send ? "send to" : "receive from",
-                                     " it was pending: rank ", op.peer,
+                                     " it was pending: rank ", global_(op.peer),
                                      " exited, crashed or aborted"));
   }
 }
@@ -429,10 +450,14 @@ void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d)
     }
     if (all) return;
     check_pending_peers(reqs);
+    check_interrupt(global_(rank_), spin_start);
     // Busy-poll briefly before sleeping in poll(): a reply is usually microseconds away, and
     // a wake-up from a blocking poll costs tens of microseconds. Not when ranks outnumber
-    // cores: spinning would steal the core the peer needs.
+    // cores: spinning would steal the core the peer needs. Sleeps last at most
+    // kInterruptEvery (Note [Interrupts]).
     int timeout_ms = d.poll_ms();
+    if (timeout_ms < 0 || timeout_ms > kInterruptEvery.count())
+      timeout_ms = static_cast<int>(kInterruptEvery.count());
     const auto waited = Clock::now() - spin_start;
     if (spin_ && waited < std::chrono::microseconds(50)) timeout_ms = 0;
     bool probe_due = false;
@@ -449,17 +474,17 @@ void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d)
       }
     }
     PollResult res = poll_and_progress(timeout_ms);
-    if (res == kTimedOut && (timeout_ms == 0 || probe_due)) continue;
+    if (res == kTimedOut && !d.expired()) continue;
     if (res == kTimedOut) {
       std::string waiting;
       for (const auto& r : reqs) {
         if (r->complete()) continue;
         const TcpOp& op = as_tcp(r);
-        std::string item = str_cat(op.is_send ? "send to rank " : "receive from rank ", op.peer);
+        std::string item = str_cat(op.is_send ? "send to rank " : "receive from rank ", global_(op.peer));
         if (waiting.find(item) == std::string::npos) waiting += (waiting.empty() ? "" : ", ") + item;
       }
       fail(AbortKind::kTimeout,
-           str_cat("rank ", rank_, " timed out after ", d.timeout().count(),
+           str_cat("rank ", global_(rank_), " timed out after ", d.timeout().count(),
                    " ms waiting for: ", waiting,
                    "; that rank is slow, stuck in other code, or called a different collective"));
     }
@@ -475,8 +500,26 @@ void TcpTransport::abort(AbortKind kind, const std::string& why) {
   for (int j = 0; j < size_; ++j) {
     Peer& p = *peers_[j];
     if (p.fd < 0) continue;
-    // An ABORT frame can only go between frames: skip peers with a frame half-sent.
+    // An ABORT frame can only go between frames. A peer with a frame half-sent is most
+    // likely reading it (it waits in the same operation): finish the frame, briefly, so the
+    // ABORT follows and the peer learns the reason (and joins the timeout census) instead
+    // of seeing the connection close mid-frame, which reads as this rank's death.
     bool mid_frame = !p.sendq.empty() && as_tcp(p.sendq.front()).sent > 0;
+    if (mid_frame) {
+      TcpOp& op = as_tcp(p.sendq.front());
+      const size_t hdr_size = sizeof(FrameHeader);
+      try {
+        if (op.sent < hdr_size)
+          net::send_all(p.fd, reinterpret_cast<uint8_t*>(&op.hdr) + op.sent, hdr_size - op.sent,
+                        Deadline::after_ms(100), "abort");
+        size_t off = op.sent < hdr_size ? 0 : op.sent - hdr_size;
+        net::send_all(p.fd, op.src.data + off, op.src.size - off, Deadline::after_ms(100),
+                      "abort");
+        op.sent = hdr_size + op.src.size;
+        mid_frame = false;
+      } catch (const Error&) {
+      }
+    }
     if (!mid_frame) {
       FrameHeader h{};
       h.magic = kFrameMagic;

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/rank_names.h"
 #include "store/store.h"
 #include "transport/transport.h"
 
@@ -36,6 +37,7 @@ struct TcpOptions {
   std::string bind_host;  // address to listen on and advertise (the interface reaching the master)
   std::string token;      // job token every connection must present
   uint64_t comm_id = 0;   // identifies the group, so connections of two groups never mix
+  RankNames global;       // how messages name the ranks
 };
 
 class TcpTransport : public Transport {
@@ -70,6 +72,7 @@ class TcpTransport : public Transport {
   void check_pending_peers(const std::vector<Request>& reqs);
   void send_probes(const std::vector<Request>& reqs);  // Note [Probes]
   void progress_send(int peer);
+  [[noreturn]] void send_failed(int peer, int err);
   void progress_recv(int peer);
   void on_header(int peer);
   void on_payload_done(int peer);
@@ -82,6 +85,7 @@ class TcpTransport : public Transport {
 
   int rank_;
   int size_;
+  RankNames global_;
   DescribeOp describe_;
   std::vector<std::unique_ptr<Peer>> peers_;
   bool failed_ = false;

@@ -1,0 +1,205 @@
+"""Diagnosis names the right rank, in global numbers (issue 16, item 14): the timeout census
+names only a stopped rank, never a healthy one (Note [Timeout census] in csrc/comm/comm.cc);
+a bad user buffer is this rank's own error, not a dead peer; errors of a subgroup and of a
+hierarchical group name global ranks; a rank that dies during setup is named as such.
+
+Each job is a few real processes over loopback TCP; a stopped rank is killed at the end."""
+
+import os
+import re
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import meshcoll
+from conftest import launch
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _never_reported(msg):
+    """The ranks a census says never reported in (before: "never reached"), or None when
+    the message has no census."""
+    m = re.search(r"rank\(s\) ([\d, ]+) never (?:reported in|reached)", msg)
+    return None if m is None else [int(r) for r in m.group(1).split(",")]
+
+
+def _stopped_in_reduce(pg, victim):
+    """The victim stops itself just before a tree reduce to rank 0. Ranks whose part needs
+    nothing from it finish the reduce and wait in the next all_reduce; rank 0 waits for it
+    in the reduce and times out first: the survivors fail at different operations."""
+    pids = pg.all_gather(np.array([os.getpid()], np.int64)).ravel()
+    rng = np.random.default_rng(pg.rank)
+    x = rng.standard_normal(257).astype(np.float32)
+    want = sum(np.random.default_rng(r).standard_normal(257).astype(np.float32)
+               for r in range(pg.size))
+    pg.all_reduce(x, algorithm="ring")  # every rank meets once, the result checked
+    if not np.allclose(x, want, rtol=1e-5, atol=1e-5):
+        return "wrong all_reduce result"
+    if pg.rank == victim:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    try:
+        pg.reduce(x, 0, timeout=1.0 if pg.rank == 0 else 20.0)
+        pg.all_reduce(x, timeout=20.0)
+        return "no error"
+    except meshcoll.TimeoutError as e:
+        return str(e)
+    finally:
+        if pg.rank == 0:
+            os.kill(int(pids[victim]), signal.SIGKILL)
+
+
+def test_census_names_only_the_stopped_rank_across_operations():
+    results = launch(4, _stopped_in_reduce, transport="tcp", victim=2, may_die=(2,), timeout=40)
+    for rank in (0, 1, 3):
+        msg = results[rank]
+        assert _never_reported(msg) == [2], f"rank {rank}: {msg}"
+
+
+def _stopped_mid_all_reduce(pg, victim):
+    """Rank 0 stops the victim while every rank runs all_reduces in a loop."""
+    pids = pg.all_gather(np.array([os.getpid()], np.int64)).ravel()
+    x = np.ones(200_000, np.float32)
+    if pg.rank == 0:
+        threading.Timer(0.3, os.kill, (int(pids[victim]), signal.SIGSTOP)).start()
+    try:
+        for _ in range(100_000):
+            pg.all_reduce(x, timeout=2.0)
+        return "no error"
+    except meshcoll.TimeoutError as e:
+        return str(e)
+    finally:
+        if pg.rank == 0:
+            os.kill(int(pids[victim]), signal.SIGKILL)
+
+
+def test_census_names_only_a_rank_stopped_mid_all_reduce():
+    results = launch(4, _stopped_mid_all_reduce, transport="tcp", victim=1, may_die=(1,),
+                     timeout=40)
+    for rank in (0, 2, 3):
+        msg = results[rank]
+        assert _never_reported(msg) == [1], f"rank {rank}: {msg}"
+
+
+def _subgroup_timeout(pg):
+    """Group ranks 0, 1, 2 of the subgroup are global ranks 1, 2, 3; global rank 3 never
+    calls the all_reduce."""
+    g = pg.new_group([1, 2, 3], transport="tcp")
+    out = None
+    if pg.rank in (1, 2):
+        try:
+            g.all_reduce(np.ones(100, np.float32), timeout=1.0 if pg.rank == 1 else 10.0)
+            out = "no error"
+        except meshcoll.TimeoutError as e:
+            out = str(e)
+    pg.barrier(timeout=30)
+    return out
+
+
+def test_subgroup_errors_name_global_ranks():
+    results = launch(4, _subgroup_timeout)
+    for rank in (1, 2):
+        msg = results[rank]
+        assert _never_reported(msg) == [3], f"rank {rank}: {msg}"
+        assert f"on rank {rank} (group rank {rank - 1}) of 3" in msg, f"rank {rank}: {msg}"
+
+
+def _hier_death(pg, victim):
+    """Emulated hosts A, B, A, B: host B's shared-memory group is global ranks 1 and 3 (its
+    group ranks 0 and 1), the leaders' group global ranks 0 and 1."""
+    os.environ["MESHCOLL_HOST_ID"] = "ABAB"[pg.rank]
+    meshcoll._C.reload_config()
+    g = pg.new_group(list(range(pg.size)))
+    assert g._hier is not None
+    x = np.ones(4096, np.float32)
+    g.all_reduce(x)
+    if pg.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        for _ in range(1000):
+            g.all_reduce(x, timeout=30.0)
+        return "no error"
+    except meshcoll.PeerError as e:
+        return str(e)
+
+
+def test_hierarchical_errors_name_global_ranks():
+    results = launch(4, _hier_death, victim=3, may_die=(3,), timeout=50)
+    for rank in (0, 1, 2):
+        msg = results[rank]
+        blamed = set(re.findall(r"rank (\d+) (?:exited|closed|died)", msg))
+        assert blamed == {"3"}, f"rank {rank} blames {blamed}: {msg}"
+
+
+def _send_unmapped(pg):
+    """Rank 0 broadcasts an array whose memory was unmapped (a freed buffer)."""
+    import ctypes
+    import mmap
+    n = 16384
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    if pg.rank == 0:
+        addr = libc.mmap(None, n * 4, mmap.PROT_READ | mmap.PROT_WRITE,
+                         mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        x = np.ctypeslib.as_array((ctypes.c_float * n).from_address(addr))
+        libc.munmap(addr, n * 4)
+    else:
+        x = np.zeros(n, np.float32)
+    try:
+        pg.broadcast(x, 0, timeout=10)
+        return "no error"
+    except meshcoll.MeshcollError as e:
+        return type(e).__name__, str(e)
+    except ValueError as e:
+        return "ValueError", str(e)
+
+
+def test_bad_buffer_is_this_ranks_error_not_a_dead_peer():
+    (kind0, msg0), (kind1, msg1) = launch(2, _send_unmapped, transport="tcp")
+    assert kind0 == "ValueError" and "not readable memory" in msg0, (kind0, msg0)
+    assert "rank 0 passed an array" in msg0, msg0
+    # The peer learns rank 0's reason (its ABORT), not that a rank died.
+    assert kind1 != "PeerError" and "rank 0 passed an array" in msg1, (kind1, msg1)
+    for msg in (msg0, msg1):
+        assert "exited" not in msg and "crashed" not in msg, msg
+
+
+def _setup_death(rank, port, token, phase):
+    """Global rank 2 (world) or 3 (subgroup [1, 2, 3]) dies before the group is set up."""
+    os.environ["MESHCOLL_TOKEN"] = token
+    if phase == "world" and rank == 2:
+        os._exit(0)
+    store = meshcoll.TCPStore("127.0.0.1", port, timeout=10)
+    try:
+        pg = meshcoll.init("cpu", rank=rank, world_size=4, store=store, timeout=3)
+        if phase == "subgroup":
+            if rank == 3:
+                os._exit(0)
+            pg.new_group([1, 2, 3])
+        return "no error"
+    except (meshcoll.TimeoutError, meshcoll.PeerError) as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("phase, dead, group, survivors",
+                         [("world", 2, "world", (0, 1, 3)),
+                          ("subgroup", 3, "world.0", (1, 2))])
+def test_death_during_setup_is_named(phase, dead, group, survivors):
+    from conftest import spawn
+    token = "setup-death"
+    server = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=10, token=token)
+    try:
+        results = spawn(4, _setup_death, server.port, token, phase, may_die=(dead,),
+                        timeout=40)
+    finally:
+        del server
+    for rank in survivors:
+        msg = results[rank]
+        assert re.search(rf"rank(\(s\))? {dead} died or never came during setup", msg), msg
+        assert f"group {group!r}" in msg, msg
