@@ -1,8 +1,60 @@
 #include "comm/backend.h"
 
+#include <pthread.h>
+
 #include "common/error.h"
 
 namespace meshcoll::comm {
+
+Backend::Backend(int rank, int size, bool device_memory)
+    : rank_(rank), size_(size), device_memory_(device_memory), who_(str_cat("rank ", rank)) {}
+
+void Backend::set_identity(int global_rank, const std::string& group) {
+  who_ = str_cat("rank ", global_rank, " (global) of group '", group, "'");
+}
+
+Backend::Issue::Issue(Backend& b, const char* what) : b_(b), what_(what) {
+  const uint64_t self = static_cast<uint64_t>(pthread_self());
+  uint64_t holder = 0;
+  outer_ = b.issuing_.compare_exchange_strong(holder, self, std::memory_order_acquire);
+  if (outer_) {
+    b.issuing_what_.store(what, std::memory_order_relaxed);
+    return;
+  }
+  if (holder == self) return;  // nested in this thread's own Issue
+  const char* holder_what = b.issuing_what_.load(std::memory_order_relaxed);
+  b.intruder_what_.store(what, std::memory_order_relaxed);  // for the holder's error
+  b.intruder_.store(self, std::memory_order_release);
+  const std::string msg = b.message_of_concurrent(what, holder, holder_what);
+  b.fail(msg);  // behind the holder's call, already under way: then every rank fails
+  throw ConcurrentCall(msg);
+}
+
+Backend::Issue::~Issue() {
+  if (outer_) b_.issuing_.store(0, std::memory_order_release);
+}
+
+void Backend::Issue::check() const {
+  if (const uint64_t other = b_.intruder_.load(std::memory_order_acquire))
+    throw ConcurrentCall(b_.message_of_concurrent(
+        what_, other, b_.intruder_what_.load(std::memory_order_relaxed)));
+}
+
+template <class F>
+WorkPtr Backend::issue(const Call& c, F&& issue_op) {
+  Issue issue(*this, c.what);
+  WorkPtr w = issue_op();
+  issue.check();
+  return w;
+}
+
+std::string Backend::message_of_concurrent(const char* what, uint64_t other,
+                                           const char* other_what) const {
+  return str_cat(who_, ": ", what, ": another thread (id ", other, ") issued ", other_what,
+                 " on this group at the same time; calls on one group must be made by one thread "
+                 "at a time, in the same order on every rank: use one group per thread "
+                 "(new_group). The group is failed on every rank: destroy it");
+}
 
 namespace {
 size_t total(const std::vector<size_t>& v) {
@@ -51,7 +103,7 @@ Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const Cal
         throw InvalidArgument(str_cat(what, ": the array is on CUDA device ", a->device,
                                       " but this group's communicator uses device ", device()));
   check_options(what, o);
-  Call c{d, o, {}};
+  Call c{what, d, o, {}};
   // Point-to-point returns a Work even when synchronous: its owners ride with it too.
   if (o.async || kind == CollKind::kSendRecv)
     for (const ArrayView* a : arrays)
@@ -67,7 +119,7 @@ WorkPtr Backend::all_reduce(const ArrayView& in, const ArrayView& out, RedOp op,
   check_reduction(in.dtype, op);
   Call c = open(CollKind::kAllReduce, make_desc(CollKind::kAllReduce, in.dtype, in.count, op), o,
                 what, {&in, &out});
-  return do_all_reduce(c, in, out, op);
+  return issue(c, [&] { return do_all_reduce(c, in, out, op); });
 }
 
 WorkPtr Backend::reduce(const ArrayView& in, const ArrayView& out, RedOp op, int root,
@@ -79,7 +131,7 @@ WorkPtr Backend::reduce(const ArrayView& in, const ArrayView& out, RedOp op, int
   check_reduction(in.dtype, op);
   Call c = open(CollKind::kReduce, make_desc(CollKind::kReduce, in.dtype, in.count, op, root), o,
                 what, {&in, &out});
-  return do_reduce(c, in, out, op, root);
+  return issue(c, [&] { return do_reduce(c, in, out, op, root); });
 }
 
 WorkPtr Backend::broadcast(const ArrayView& buf, int root, const CallOptions& o) {
@@ -88,7 +140,7 @@ WorkPtr Backend::broadcast(const ArrayView& buf, int root, const CallOptions& o)
   Call c = open(CollKind::kBroadcast,
                 make_desc(CollKind::kBroadcast, buf.dtype, buf.count, RedOp::kSum, root), o, what,
                 {&buf});
-  return do_broadcast(c, buf, root);
+  return issue(c, [&] { return do_broadcast(c, buf, root); });
 }
 
 WorkPtr Backend::all_gather(const ArrayView& in, const ArrayView& out,
@@ -104,7 +156,7 @@ WorkPtr Backend::all_gather(const ArrayView& in, const ArrayView& out,
   // with equal counts; the _v form concatenates rows, so only a row's shape must agree.
   d.shape = uneven ? in.row_hash : in.shape_hash;
   Call c = open(kind, d, o, what, {&in, &out});
-  return do_all_gather(c, in, out, counts);
+  return issue(c, [&] { return do_all_gather(c, in, out, counts); });
 }
 
 WorkPtr Backend::reduce_scatter(const ArrayView& in, const ArrayView& out,
@@ -121,7 +173,7 @@ WorkPtr Backend::reduce_scatter(const ArrayView& in, const ArrayView& out,
   // Every rank must split the same way: the counts travel as a fingerprint.
   d.shape = hash_of(counts).value();
   Call c = open(kind, d, o, what, {&in, &out});
-  return do_reduce_scatter(c, in, out, counts, op);
+  return issue(c, [&] { return do_reduce_scatter(c, in, out, counts, op); });
 }
 
 WorkPtr Backend::all_to_all(const ArrayView& in, const ArrayView& out,
@@ -143,7 +195,7 @@ WorkPtr Backend::all_to_all(const ArrayView& in, const ArrayView& out,
   auto d = make_desc(kind, in.dtype, uneven ? 0 : in.count);
   d.shape = in.row_hash;
   Call c = open(kind, d, o, what, {&in, &out});
-  return do_all_to_all(c, in, out, send_counts, recv_counts);
+  return issue(c, [&] { return do_all_to_all(c, in, out, send_counts, recv_counts); });
 }
 
 WorkPtr Backend::gather(const ArrayView& in, const ArrayView& out,
@@ -158,7 +210,7 @@ WorkPtr Backend::gather(const ArrayView& in, const ArrayView& out,
   auto d = make_desc(CollKind::kGather, in.dtype, in.count, RedOp::kSum, root);
   d.shape = in.shape_hash;  // the root stacks the blocks by shape, as all_gather does
   Call c = open(CollKind::kGather, d, o, what, {&in, &out});
-  return do_gather(c, in, out, counts, root);
+  return issue(c, [&] { return do_gather(c, in, out, counts, root); });
 }
 
 WorkPtr Backend::scatter(const ArrayView& in, const ArrayView& out,
@@ -172,13 +224,13 @@ WorkPtr Backend::scatter(const ArrayView& in, const ArrayView& out,
     size_error(what, "x", in.count, total(counts), "the counts add up to");
   auto d = make_desc(CollKind::kScatter, out.dtype, out.count, RedOp::kSum, root);
   Call c = open(CollKind::kScatter, d, o, what, {&in, &out});
-  return do_scatter(c, in, out, counts, root);
+  return issue(c, [&] { return do_scatter(c, in, out, counts, root); });
 }
 
 WorkPtr Backend::barrier(const CallOptions& o) {
   Call c = open(CollKind::kBarrier, make_desc(CollKind::kBarrier, DType::kUint8, 0), o,
                 "barrier", {});
-  return do_barrier(c);
+  return issue(c, [&] { return do_barrier(c); });
 }
 
 namespace {
@@ -196,7 +248,7 @@ WorkPtr Backend::send(const ArrayView& buf, int peer, uint32_t tag, const CallOp
   auto d = make_desc(CollKind::kSendRecv, buf.dtype, buf.count);
   Call c = open(CollKind::kSendRecv, d, o, "send", {&buf});
   ledger_.open_p2p(d, peer);
-  return do_send(c, buf, peer, tag);
+  return issue(c, [&] { return do_send(c, buf, peer, tag); });
 }
 
 WorkPtr Backend::recv(const ArrayView& buf, int peer, uint32_t tag, const CallOptions& o) {
@@ -204,7 +256,7 @@ WorkPtr Backend::recv(const ArrayView& buf, int peer, uint32_t tag, const CallOp
   auto d = make_desc(CollKind::kSendRecv, buf.dtype, buf.count);
   Call c = open(CollKind::kSendRecv, d, o, "recv", {&buf});
   ledger_.open_p2p(d, peer);
-  return do_recv(c, buf, peer, tag);
+  return issue(c, [&] { return do_recv(c, buf, peer, tag); });
 }
 
 void Backend::fail(const std::string& message) { do_fail(message); }

@@ -11,8 +11,32 @@
 // So a check added here holds on every backend and every transport, and no backend can
 // skip one. No call state lives in fields between calls: every entry point is re-entrant,
 // and calls on different groups may run on different threads at once.
+//
+// Note [One issuing thread]
+// Ranks pair their calls on a group by issue order alone, so two threads issuing on one
+// group at once would pair thread A's call on one rank with thread B's on another: crossed
+// results, with no error. The calls on one group must therefore be made by one thread at a
+// time. Which thread does not matter (a thread pool whose calls follow one another is fine,
+// and no thread identity travels with a call), only that issues never overlap. Each entry
+// point marks the group with its thread while it issues (an Issue: one CAS in, one store
+// out): for a synchronous CPU call the whole call, for an asynchronous or NCCL call the
+// enqueue. A thread that finds the mark held by another raises ConcurrentCall and fails the
+// group (fail(): the peers raise too), and the holder raises the same error at the end of
+// its issue instead of returning a result that may be crossed (the attempt is remembered:
+// every later call that would return raises it too).
+// Python threads take turns on the GIL, so two of them looping on one group would
+// alternate, each call slotting in while the other thread runs Python, and never be seen
+// at once by marks that last only while the GIL is let go. The binding therefore opens the
+// Issue before it lets the GIL go and ends it once the GIL is back (the entry point's own
+// Issue nests in it): a thread whose call has returned in C++ keeps the mark until it
+// holds the GIL again, so any other thread that issues meanwhile is seen. Calls that
+// follow one another in the program (each returned to Python before the next is made) are
+// never seen as overlapping. What no rank can see stays possible: a rank where only one
+// thread has issued yet pairs with the other rank's other thread; the other rank, which
+// does see both, fails the group, and this rank raises at its next call.
 #pragma once
 
+#include <atomic>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -49,8 +73,7 @@ struct CallOptions {
 class Backend {
  public:
   // `device_memory`: the backend takes CUDA arrays, not host memory.
-  Backend(int rank, int size, bool device_memory)
-      : rank_(rank), size_(size), device_memory_(device_memory) {}
+  Backend(int rank, int size, bool device_memory);
   virtual ~Backend() = default;
   Backend(const Backend&) = delete;
   Backend& operator=(const Backend&) = delete;
@@ -62,6 +85,28 @@ class Backend {
   bool device_memory() const { return device_memory_; }  // a field: asked on every call
   virtual int device() const { return -1; }       // the CUDA device of a GPU backend
   Ledger& ledger() { return ledger_; }
+  // How errors raised here name this rank: its global number and the group's name (until
+  // set: the rank in the group).
+  void set_identity(int global_rank, const std::string& group);
+
+  // Note [One issuing thread]: this thread's issue of a call on the group, for the Issue's
+  // lifetime. It throws ConcurrentCall (after failing the group) if another thread's Issue
+  // is open; one opened inside an Issue of the same thread nests in it.
+  class Issue {
+   public:
+    Issue(Backend& b, const char* what);
+    ~Issue();
+    Issue(const Issue&) = delete;
+    Issue& operator=(const Issue&) = delete;
+    // Once the call is issued: throws ConcurrentCall if another thread tried to issue on the
+    // group meanwhile (or earlier: the group was failed then).
+    void check() const;
+
+   private:
+    Backend& b_;
+    const char* what_;
+    bool outer_;  // this Issue set the mark
+  };
 
   // Each returns nullptr for a synchronous call (opts.async false).
   WorkPtr all_reduce(const ArrayView& in, const ArrayView& out, RedOp op, const CallOptions& o);
@@ -95,6 +140,7 @@ class Backend {
  protected:
   // A checked, described call: what the do_* methods receive.
   struct Call {
+    const char* what;  // the operation's name, static text
     transport::OpDesc desc;
     const CallOptions& opts;
     uint64_t seq = 0;  // the ledger's sequence number, once the backend opened the record
@@ -132,10 +178,22 @@ class Backend {
   void check_root(int root, const char* what) const;
   void check_counts(const std::vector<size_t>& counts, const char* what) const;
   void check_arrays(const char* what, const ArrayView& in, const ArrayView& out) const;
+  // Runs `issue_op` (the do_* call) in an Issue of `c`.
+  template <class F>
+  WorkPtr issue(const Call& c, F&& issue_op);
+  std::string message_of_concurrent(const char* what, uint64_t other,
+                                    const char* other_what) const;
 
   int rank_, size_;
   bool device_memory_;
   Ledger ledger_;
+  std::string who_;  // "rank 3 (global) of group 'world'"
+  // Note [One issuing thread]. Threads are named by pthread_self(), which is Python's
+  // threading.get_ident(): errors name them as the user knows them.
+  std::atomic<uint64_t> issuing_{0};  // the thread issuing a call now, or 0
+  std::atomic<const char*> issuing_what_{""};  // its operation, for the error only
+  std::atomic<uint64_t> intruder_{0};  // a thread that found the mark taken, or 0
+  std::atomic<const char*> intruder_what_{""};
 };
 
 }  // namespace meshcoll::comm

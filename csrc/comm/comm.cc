@@ -411,7 +411,9 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     algorithm_ = "";
     used_tcp_ = false;
     composed_ = false;
-    transport_->begin_collective(current_);
+    // A relayed failure (fail()) is not compared with the peers' calls: it fails the group
+    // with its own message, whatever they run at its sequence number.
+    if (env.op.coll != static_cast<uint8_t>(CollKind::kFail)) transport_->begin_collective(current_);
     run(*this);
     // After an operation that used TCP, collect an ABORT or a stray frame now (a send-only
     // operation would otherwise learn of a failed peer only at its next wait), and progress

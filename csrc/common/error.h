@@ -1,7 +1,8 @@
 // Typed exceptions. Python maps each class 1:1 (csrc/python/bind_errors.cc):
 //   Error -> MeshcollError, InvalidArgument -> ValueError, TypeMismatch -> TypeError,
 //   TimeoutError -> meshcoll.TimeoutError, PeerError -> meshcoll.PeerError,
-//   MismatchError -> meshcoll.MismatchError, Aborted -> meshcoll.AbortedError.
+//   MismatchError -> meshcoll.MismatchError, Aborted -> meshcoll.AbortedError,
+//   ConcurrentCall -> meshcoll.ConcurrentCallError.
 // Messages name the rank, the operation, the peer and what to do; see docs in README.
 #pragma once
 
@@ -37,6 +38,10 @@ class MismatchError : public Error {  // ranks disagree on the collective they c
   using Error::Error;
 };
 class Aborted : public Error {  // the communicator was aborted earlier and is unusable
+ public:
+  using Error::Error;
+};
+class ConcurrentCall : public Error {  // two threads issued calls on one group at once
  public:
   using Error::Error;
 };

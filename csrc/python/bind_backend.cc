@@ -124,6 +124,7 @@ class CallReader {
     if (r.order_after && !opts.wait_for) opts.wait_for = to_cu_stream(r.order_after);
     return r.view;
   }
+  const char* what() const { return what_; }
   CallOptions opts;
 
  private:
@@ -132,10 +133,14 @@ class CallReader {
 };
 
 // Runs `call` with the GIL released where it may block (Note [Interrupts]: a Ctrl-C meanwhile
-// is the call's outcome); returns the Work (async) or None.
+// is the call's outcome); returns the Work (async) or None. Note [One issuing thread]: the
+// Issue opens before the GIL is let go and ends once it is back, so Python threads that take
+// turns on the GIL cannot slip calls in between.
 template <class F>
-py::object run(Backend& b, bool blocks, F&& call) {
+py::object run(Backend& b, const char* what, bool blocks, F&& call) {
+  Backend::Issue issue(b, what);
   WorkPtr w = blocks || !b.device_memory() ? call_nogil(call) : call();
+  issue.check();
   return w ? py::cast(std::move(w)) : py::none();
 }
 
@@ -172,7 +177,7 @@ PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t narg
                                   size_arg(args[5], what, "max_segment_bytes"),
                                   size_arg(args[6], what, "tree_threshold_bytes"),
                                   size_arg(args[7], what, "hd_threshold_bytes"));
-    run(b, false, [&] { return b.all_reduce(x, x, op, read.opts); });
+    run(b, read.what(), false, [&] { return b.all_reduce(x, x, op, read.opts); });
     Py_RETURN_NONE;
   });
 }
@@ -182,7 +187,7 @@ py::object p2p(Backend& b, bool is_send, const py::handle& a, int peer, uint32_t
                const py::handle& timeout, const py::handle& stream) {
   CallReader read(b, is_send ? "send" : "recv", timeout, stream, false, true);
   auto buf = read(a, "x", !is_send);
-  return run(b, false, [&] {
+  return run(b, read.what(), false, [&] {
     return is_send ? b.send(buf, peer, tag, read.opts) : b.recv(buf, peer, tag, read.opts);
   });
 }
@@ -261,6 +266,9 @@ void bind_backend(py::module_& m) {
            }, py::arg("x"), py::arg("what"), py::arg("writable") = false,
            py::arg("stream") = py::none(),
            "Reads x as this backend's collectives would (every check), once.")
+      .def("set_identity", &Backend::set_identity, py::arg("global_rank"), py::arg("group"),
+           "Names this rank (global number) and the group in the errors raised above the "
+           "backends; set once, before the first call.")
       .def("recent_calls", [](Backend& x, size_t n) {
              std::vector<std::string> out;
              for (const auto& r : x.ledger().recent(n)) out.push_back(r.describe());
@@ -285,7 +293,7 @@ void bind_backend(py::module_& m) {
              auto o = out.is(a) ? read(out, "x", true) : read(out, "out", true);
              read.opts.tuning = tuning_arg(algorithm, max_segment_bytes, tree, hd);
              RedOp rop = redop_arg(op, what);
-             return run(x, false, [&] { return x.all_reduce(in, o, rop, read.opts); });
+             return run(x, read.what(), false, [&] { return x.all_reduce(in, o, rop, read.opts); });
            })
       .def("reduce", [](Backend& x, const py::handle& a, const py::handle& out, int root,
                         const std::string& op, const py::handle& timeout, const py::handle& stream,
@@ -294,13 +302,13 @@ void bind_backend(py::module_& m) {
              auto in = read(a, "x", false);
              auto o = read(out, "out", true);
              RedOp rop = redop_arg(op, "reduce");
-             return run(x, false, [&] { return x.reduce(in, o, rop, root, read.opts); });
+             return run(x, read.what(), false, [&] { return x.reduce(in, o, rop, root, read.opts); });
            })
       .def("broadcast", [](Backend& x, const py::handle& a, int root, const py::handle& timeout,
                            const py::handle& stream, bool async) {
              CallReader read(x, "broadcast", timeout, stream, async);
              auto buf = read(a, "x", true);
-             return run(x, false, [&] { return x.broadcast(buf, root, read.opts); });
+             return run(x, read.what(), false, [&] { return x.broadcast(buf, root, read.opts); });
            })
       .def("all_gather", [](Backend& x, const py::handle& a, const py::handle& out,
                             const py::handle& counts, bool uneven, const py::handle& timeout,
@@ -309,7 +317,7 @@ void bind_backend(py::module_& m) {
              auto in = read(a, "x", false);
              auto o = read(out, "out", true);
              auto c = counts_arg(counts);
-             return run(x, false, [&] { return x.all_gather(in, o, c, uneven, read.opts); });
+             return run(x, read.what(), false, [&] { return x.all_gather(in, o, c, uneven, read.opts); });
            })
       .def("reduce_scatter", [](Backend& x, const py::handle& a, const py::handle& out,
                                 const py::handle& counts, const std::string& op, bool uneven,
@@ -320,7 +328,7 @@ void bind_backend(py::module_& m) {
              auto o = read(out, "out", true);
              auto c = counts_arg(counts);
              RedOp rop = redop_arg(op, what);
-             return run(x, false, [&] { return x.reduce_scatter(in, o, c, rop, uneven, read.opts); });
+             return run(x, read.what(), false, [&] { return x.reduce_scatter(in, o, c, rop, uneven, read.opts); });
            })
       .def("all_to_all", [](Backend& x, const py::handle& a, const py::handle& out,
                             const py::handle& send_counts, const py::handle& recv_counts,
@@ -330,7 +338,7 @@ void bind_backend(py::module_& m) {
              auto in = read(a, "x", false);
              auto o = read(out, "out", true);
              auto sc = counts_arg(send_counts), rc = counts_arg(recv_counts);
-             return run(x, false, [&] { return x.all_to_all(in, o, sc, rc, uneven, read.opts); });
+             return run(x, read.what(), false, [&] { return x.all_to_all(in, o, sc, rc, uneven, read.opts); });
            })
       .def("gather", [](Backend& x, const py::handle& a, const py::handle& out,
                         const py::handle& counts, int root, const py::handle& timeout,
@@ -339,7 +347,7 @@ void bind_backend(py::module_& m) {
              auto in = read(a, "x", false);
              auto o = read(out, "out", true);
              auto c = counts_arg(counts);
-             return run(x, false, [&] { return x.gather(in, o, c, root, read.opts); });
+             return run(x, read.what(), false, [&] { return x.gather(in, o, c, root, read.opts); });
            })
       .def("scatter", [](Backend& x, const py::handle& a, const py::handle& out,
                          const py::handle& counts, int root, const py::handle& timeout,
@@ -348,12 +356,12 @@ void bind_backend(py::module_& m) {
              auto o = read(out, "out", true);  // the output decides the stream: non-roots
              auto in = read(a, "x", false);    // pass an empty x
              auto c = counts_arg(counts);
-             return run(x, false, [&] { return x.scatter(in, o, c, root, read.opts); });
+             return run(x, read.what(), false, [&] { return x.scatter(in, o, c, root, read.opts); });
            })
       .def("barrier", [](Backend& x, const py::handle& timeout, const py::handle& stream,
                          bool async) {
              CallReader read(x, "barrier", timeout, stream, async);
-             return run(x, !async, [&] { return x.barrier(read.opts); });
+             return run(x, read.what(), !async, [&] { return x.barrier(read.opts); });
            })
       .def("send", [](Backend& x, const py::handle& a, int peer, uint32_t tag,
                       const py::handle& timeout, const py::handle& stream) {

@@ -36,6 +36,10 @@ void bind_errors(py::module_& m) {
       "Ranks called different collectives, or the same one with different arguments.");
   static PyObject* aborted = make_exception(
       m, "AbortedError", {base}, "The group was aborted by an earlier error.");
+  static PyObject* concurrent = make_exception(
+      m, "ConcurrentCallError", {base},
+      "Two threads issued calls on one group at the same time; the group is failed on every "
+      "rank. Use one group per thread (new_group).");
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
@@ -47,6 +51,8 @@ void bind_errors(py::module_& m) {
       PyErr_SetString(mismatch, e.what());
     } catch (const Aborted& e) {
       PyErr_SetString(aborted, e.what());
+    } catch (const ConcurrentCall& e) {
+      PyErr_SetString(concurrent, e.what());
     } catch (const InvalidArgument& e) {
       PyErr_SetString(PyExc_ValueError, e.what());
     } catch (const TypeMismatch& e) {

@@ -21,8 +21,8 @@ import importlib as _importlib
 
 # Public name -> the submodule that defines it.
 _HOME = {
-    **dict.fromkeys(("AbortedError", "FileStore", "MeshcollError", "MismatchError",
-                     "PeerError", "PrefixStore", "Store", "TimeoutError"), "_C"),
+    **dict.fromkeys(("AbortedError", "ConcurrentCallError", "FileStore", "MeshcollError",
+                     "MismatchError", "PeerError", "PrefixStore", "Store", "TimeoutError"), "_C"),
     **dict.fromkeys(("DataParallel", "LocalSGD"), "ddp"),
     **dict.fromkeys(("DeviceMesh", "MeshLayout", "init_device_mesh"), "device_mesh"),
     "monitored_barrier": "monitor",
@@ -114,6 +114,7 @@ __all__ = [
     "FileStore", "PrefixStore", "Store", "DataParallel", "LocalSGD", "MeshLayout", "DeviceMesh", "init_device_mesh",
     "monitored_barrier", "nccl_available", "ShardedArray", "partition_range", "reduce_scatter_dim", "shard",
     "MeshcollError", "TimeoutError", "PeerError", "MismatchError", "AbortedError",
+    "ConcurrentCallError",
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_v", "reduce_scatter",
     "reduce_scatter_v", "all_to_all", "all_to_all_v", "gather", "scatter", "send", "recv",
     "isend", "irecv", "barrier",

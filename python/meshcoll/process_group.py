@@ -166,6 +166,7 @@ class ProcessGroup:
                                               opts.transport, opts.shm_bytes, opts.debug,
                                               self._ranks)
             self.config = CollectiveConfig(opts.algorithm)
+        self._backend.set_identity(self._ranks[rank], name)
         # Every member is done with the store for this group before anyone returns: rank 0
         # may otherwise exit (closing the store) while a peer still rendezvouses through it.
         with self._naming_setup():
