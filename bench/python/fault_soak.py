@@ -7,7 +7,8 @@ fault, checked for the right error on every rank and zero wrong results.
 
 The driver runs one episode at a time. Episode i draws, from a generator seeded with
 (seed, i): the world size (2 to ``--max-ranks``), the transport (MESHCOLL_TRANSPORT=shm or
-tcp), who hosts the store (the driver, or rank 0 as under meshcoll-run), 3-8 steps of
+tcp; on shm, cross-memory attach off in 3 of 10), who hosts the store (the driver, or rank
+0 as under meshcoll-run), 3-8 steps of
 soak.py's random collectives (every collective, op and dtype, the _v variants, send/recv in a
 ring, barrier; soak.Step draws them and soak.member_input makes every member's input, so
 every rank computes every result with numpy and checks it), and ONE fault at a random step
@@ -210,6 +211,8 @@ def make_plan(args, index: int) -> dict:
         fault["what"] = choices[int(rng.integers(len(choices)))]
         fault["then"] = "retry" if rng.random() < 0.5 else "exit"
     plan["fault"] = fault
+    # Shared memory without cross-memory attach takes the copy-through-segments paths.
+    plan["cma"] = "0" if transport == "shm" and rng.random() < 0.3 else "1"
     return plan
 
 
@@ -218,7 +221,8 @@ def describe(plan) -> str:
     extra = ", ".join(f"{k}={v}" for k, v in f.items()
                       if k not in ("kind", "step", "victim", "call"))
     return (f"{f['kind']}({extra}) of rank {f['victim']} at step {f['step']} ({f['call']}); "
-            f"world {plan['world']}, {plan['transport']}, store on {plan['store']}, "
+            f"world {plan['world']}, {plan['transport']}"
+            f"{'' if plan['cma'] == '1' else ' (no CMA)'}, store on {plan['store']}, "
             f"{plan['steps']} steps, timeout {plan['timeout']} s")
 
 
@@ -431,7 +435,7 @@ def worker(epdir: str, rank: int) -> int:
         plan = json.load(f)
     n, fault, timeout = plan["world"], plan["fault"], plan["timeout"]
     victim = rank == fault["victim"]
-    rep = {"rank": rank, "checks": 0, "wrong": [], "arg_error": None, "error": None,
+    rep = {"rank": rank, "steps_done": 0, "wrong": [], "arg_error": None, "error": None,
            "completed": False, "late_writes": [], "destroy_error": None, "applied": None,
            "pid": os.getpid()}
     out_path = os.path.join(epdir, f"rank{rank}.json")
@@ -518,12 +522,12 @@ def worker(epdir: str, rank: int) -> int:
             rep["error"] = {"cls": type(e).__name__, "msg": str(e), "step": s,
                             "elapsed": time.monotonic() - t0}
             break
-        rep["checks"] += 1
+        if mod is not None and mod["kind"] == "badarg":
+            rep["applied"] = mod.get("applied", mod["what"])
+        rep["steps_done"] += 1
         rep["wrong"] += problems
     else:
         rep["completed"] = True
-    if mod is not None and mod["kind"] == "badarg" and rep["arg_error"] is None:
-        rep["applied"] = mod.get("applied", mod["what"])
     at("reported")
     snapshot = [a.copy() for a in keep]
     write_json(out_path, rep)
@@ -589,7 +593,8 @@ def run_episode(plan, workdir: str, hard_limit: float) -> dict:
     else:
         plan["port"] = pick_free_port("127.0.0.1")
     write_json(os.path.join(epdir, "plan.json"), plan)
-    env = dict(os.environ, MESHCOLL_TRANSPORT=plan["transport"], MESHCOLL_TOKEN=token)
+    env = dict(os.environ, MESHCOLL_TRANSPORT=plan["transport"], MESHCOLL_TOKEN=token,
+               MESHCOLL_CMA=plan["cma"])
     procs = []
     for r in range(plan["world"]):
         with open(os.path.join(epdir, f"rank{r}.err"), "w") as err:
@@ -623,6 +628,9 @@ def run_episode(plan, workdir: str, hard_limit: float) -> dict:
                 stuck[r] = open(path).read() if os.path.exists(path) else "?"
         time.sleep(0.5)
     strays = [] if hang else pids_in_groups(pgids)
+    if strays:  # a stop helper may be exiting right after its last kill: look again
+        time.sleep(0.5)
+        strays = pids_in_groups(pgids)
     for pgid in pgids:
         for sig in (signal.SIGCONT, signal.SIGKILL):
             try:

@@ -17,7 +17,7 @@ TIMEOUT = 2.5
 
 
 def _report(rank, cls=None, msg="", step=1, elapsed=0.1, **extra):
-    rep = {"rank": rank, "checks": 3, "wrong": [], "arg_error": None, "completed": cls is None,
+    rep = {"rank": rank, "steps_done": 3, "wrong": [], "arg_error": None, "completed": cls is None,
            "late_writes": [], "destroy_error": None, "applied": None,
            "error": None if cls is None else {"cls": cls, "msg": msg, "step": step,
                                               "elapsed": elapsed}}
