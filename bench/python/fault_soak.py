@@ -15,8 +15,8 @@ every rank computes every result with numpy and checks it), and ONE fault at a r
 on a random rank (the victim):
 
     kill      SIGKILL, before the step's call or from a timer 0-10 ms into it
-    stop      SIGSTOP 0-20 ms into the call (from a helper process), held for the call's
-              timeout + 1-1.5 s, then SIGCONT or SIGKILL
+    stop      SIGSTOP 0-5 ms into the call (from a timer thread), held for the call's
+              timeout + 1-1.5 s, then SIGCONT or SIGKILL (from a helper process)
     late      the victim sleeps for timeout + 1 s instead of calling, then calls
     mismatch  the victim calls with another count, dtype, op, root, tag, split or row width,
               or another collective
@@ -184,7 +184,7 @@ def make_plan(args, index: int) -> dict:
         fault["when"] = "before" if rng.random() < 0.4 else "during"
         fault["delay"] = round(float(rng.uniform(0, 0.01)), 4)
     elif kind == "stop":
-        fault["delay"] = round(float(rng.uniform(0, 0.02)), 4)
+        fault["delay"] = round(float(rng.uniform(0, 0.005)), 4)
         fault["hold"] = round(args.timeout + float(rng.uniform(1.0, 1.5)), 3)
         fault["then"] = "cont" if rng.random() < 0.7 else "kill"
     elif kind == "late":
@@ -475,10 +475,13 @@ def worker(epdir: str, rank: int) -> int:
                                           (os.getpid(), signal.SIGKILL))
                 pending.start()
             elif k == "stop":
+                # A timer stops this process inside the call (a helper process could not
+                # start that fast); the helper ends the stop.
                 then = "CONT" if fault["then"] == "cont" else "KILL"
                 pending = subprocess.Popen(
-                    ["sh", "-c", f"sleep {fault['delay']}; kill -STOP {os.getpid()}; "
-                                 f"sleep {fault['hold']}; kill -{then} {os.getpid()}"])
+                    ["sh", "-c", f"sleep {fault['delay'] + fault['hold']}; "
+                                 f"kill -{then} {os.getpid()}"])
+                threading.Timer(fault["delay"], os.kill, (os.getpid(), signal.SIGSTOP)).start()
             elif k == "late":
                 time.sleep(fault["hold"])
             else:
