@@ -1,0 +1,855 @@
+"""Fault-injection soak: many short jobs of random verified collectives, each with one injected
+fault, checked for the right error on every rank and zero wrong results.
+
+    python bench/python/fault_soak.py --minutes 10 --max-ranks 4
+    python bench/python/fault_soak.py --minutes 2 --transport tcp --faults kill,stop --seed 7
+    python bench/python/fault_soak.py --seed 7 --episodes 12 --only 11   # replay one episode
+
+The driver runs one episode at a time. Episode i draws, from a generator seeded with
+(seed, i): the world size (2 to ``--max-ranks``), the transport (MESHCOLL_TRANSPORT=shm or
+tcp; on shm, cross-memory attach off in 3 of 10), who hosts the store (the driver, or rank
+0 as under meshcoll-run), 3-8 steps of
+soak.py's random collectives (every collective, op and dtype, the _v variants, send/recv in a
+ring, barrier; soak.Step draws them and soak.member_input makes every member's input, so
+every rank computes every result with numpy and checks it), and ONE fault at a random step
+on a random rank (the victim):
+
+    kill      SIGKILL, before the step's call or from a timer 0-10 ms into it
+    stop      SIGSTOP 0-5 ms into the call (from a timer thread), held for the call's
+              timeout + 1-1.5 s, then SIGCONT or SIGKILL (from a helper process)
+    late      the victim sleeps for timeout + 1 s instead of calling, then calls
+    mismatch  the victim calls with another count, dtype, op, root, tag, split or row width,
+              or another collective
+    badarg    the victim passes a bad argument (unsupported or big-endian dtype, non-contiguous
+              or read-only array, out= of the wrong size, root or peer out of range, unknown
+              op, counts that do not sum, negative tag or timeout), then either retries the
+              call correctly ("retry": the job must go on as if nothing happened) or exits
+              ("exit")
+
+After the steps every rank makes one closing all_reduce. A rank stops at its first error,
+keeps the arrays of the failed call, and reports (a JSON file per rank) every check, every
+wrong result and its error (class, message, step, time in the call). Once every rank has
+reported or died, the driver tells them to compare the kept arrays with their copies taken at
+the error (a change is a write into this process's memory after its call returned: a wrong
+result) and to destroy the group.
+
+Expected outcome (a WRONG ERROR otherwise), with each error raised within the call's timeout
++ 2 s:
+    kill, stop, late  every other rank: PeerError or TimeoutError naming the victim (global
+                      rank); a resumed or late victim: any meshcoll error
+    mismatch          every rank: MismatchError, or (a rank that learns of it at a later
+                      call) AbortedError / PeerError that says "mismatch"
+    badarg            the victim: ValueError or TypeError; then, retry: no error anywhere and
+                      every result right; exit: every other rank PeerError, TimeoutError or
+                      AbortedError naming the victim
+and on every episode: no error before the fault, no wrong result, destroy() clean, no process
+alive after the hard limit (a HANG: the driver dumps the stacks to rank<r>.err, kills all),
+nothing of the job left in /dev/shm, no stray process.
+
+The driver prints a table per (fault, transport): episodes, episodes fully right, episodes
+with a wrong error, wrong results (late writes included), hangs, leftovers, setup failures
+(init did not complete), median and max time to the expected error; then the problems of every
+failing episode with the exact messages. The exit code is 1 if any episode failed.
+``--json`` writes one record per episode. Failing episodes keep their directory (plan, reports,
+each rank's stderr) under ``--keep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from typing import Dict, List, Optional
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import soak  # noqa: E402  (the random steps and their numpy references)
+
+FAULTS = ("kill", "stop", "late", "mismatch", "badarg")
+TRANSPORTS = ("shm", "tcp")
+INIT_TIMEOUT = 30.0
+SLACK = 2.0  # an error must come within the call's timeout plus this
+REDUCING = {"all_reduce", "all_reduce_async", "reduce", "reduce_scatter", "reduce_scatter_v"}
+ROOTED = {"reduce", "broadcast", "gather", "scatter"}
+BITWISE = {"band", "bor", "bxor"}
+
+# What one rank may change to disagree with the others, by collective.
+MISMATCH = {
+    "all_reduce": ("count", "dtype", "op", "kind"),
+    "all_reduce_async": ("count", "dtype", "op"),
+    "reduce": ("count", "dtype", "op", "root", "kind"),
+    "broadcast": ("count", "dtype", "root", "kind"),
+    "all_gather": ("count", "dtype", "kind"),
+    "all_gather_v": ("width", "dtype"),
+    "reduce_scatter": ("count", "dtype", "op", "kind"),
+    "reduce_scatter_v": ("split", "dtype", "op"),
+    "all_to_all": ("count", "dtype", "kind"),
+    "all_to_all_v": ("width", "dtype"),
+    "gather": ("count", "dtype", "root", "kind"),
+    "scatter": ("count", "dtype", "root"),
+    "sendrecv": ("tag", "count", "dtype"),
+    "barrier": ("kind",),
+}
+# Bad arguments one rank may pass, by collective ("array": a spoiled input array).
+ARRAY_SPOILS = ("unsupported_dtype", "big_endian", "non_contiguous")
+BADARG = {
+    "all_reduce": ARRAY_SPOILS + ("read_only", "op", "timeout"),
+    "all_reduce_async": ARRAY_SPOILS + ("read_only", "op", "timeout"),
+    "reduce": ARRAY_SPOILS + ("op", "root", "timeout"),
+    "broadcast": ARRAY_SPOILS + ("root", "timeout"),
+    "all_gather": ARRAY_SPOILS + ("out", "timeout"),
+    "all_gather_v": ARRAY_SPOILS + ("timeout",),
+    "reduce_scatter": ARRAY_SPOILS + ("out", "op", "timeout"),
+    "reduce_scatter_v": ARRAY_SPOILS + ("counts", "op", "timeout"),
+    "all_to_all": ARRAY_SPOILS + ("out", "timeout"),
+    "all_to_all_v": ARRAY_SPOILS + ("counts", "timeout"),
+    "gather": ARRAY_SPOILS + ("root", "timeout"),
+    "scatter": ARRAY_SPOILS + ("out", "root", "timeout"),
+    "sendrecv": ARRAY_SPOILS + ("read_only", "peer", "tag", "timeout"),
+    "barrier": ("timeout",),
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=10.0, help="run time (default 10)")
+    p.add_argument("--episodes", type=int, default=0, help="stop after this many episodes")
+    p.add_argument("--only", type=int, default=None, help="run only episode ONLY (a replay)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--max-ranks", type=int, default=4, help="largest world (2-8, default 4)")
+    p.add_argument("--transport", choices=("both",) + TRANSPORTS, default="both")
+    p.add_argument("--faults", default=",".join(FAULTS),
+                   help=f"comma-separated subset of {','.join(FAULTS)}")
+    p.add_argument("--timeout", type=float, default=2.5, help="per-call timeout, seconds")
+    p.add_argument("--max-bytes", default="256K", help="largest input of a step (default 256K)")
+    p.add_argument("--json", default=None, help="append one record per episode to this file")
+    p.add_argument("--keep", default=None, help="copy failing episodes' directories here")
+    p.add_argument("--quiet", action="store_true", help="no line per episode")
+    args = p.parse_args(argv)
+    args.faults = [f for f in args.faults.split(",") if f]
+    bad = [f for f in args.faults if f not in FAULTS]
+    if bad or not args.faults:
+        p.error(f"--faults: unknown {bad}; use a subset of {','.join(FAULTS)}")
+    if not 2 <= args.max_ranks <= 8:
+        p.error("--max-ranks must be 2-8")
+    return args
+
+
+# ---- the plan: everything about an episode, drawn by the driver ------------------------
+
+def steps_of(plan) -> List[soak.Step]:
+    """The episode's steps, the same on every rank and in the driver (group None there)."""
+    world = [("world", None, list(range(plan["world"])))]
+    return [soak.Step(plan["seed"], s, world, plan["max_bytes"]) for s in range(plan["steps"])]
+
+
+def other_dtype(rng, dt: np.dtype, op: Optional[str]) -> str:
+    """A dtype other than ``dt`` with which ``op`` is still valid."""
+    ok = [d for d in soak.DTYPES if d != dt
+          and not (op in BITWISE and soak.is_float(d)) and not (op == "avg" and d == np.bool_)]
+    return ok[int(rng.integers(len(ok)))].name
+
+
+def other_op(rng, dt: np.dtype, op: str) -> str:
+    ok = [o for o in soak.OPS if o != op
+          and not (o in BITWISE and soak.is_float(dt)) and not (o == "avg" and dt == np.bool_)]
+    return ok[int(rng.integers(len(ok)))]
+
+
+def make_plan(args, index: int) -> dict:
+    rng = np.random.default_rng([args.seed, index])
+    world = int(rng.integers(2, args.max_ranks + 1))
+    transport = (args.transport if args.transport != "both"
+                 else TRANSPORTS[int(rng.integers(2))])
+    kind = args.faults[int(rng.integers(len(args.faults)))]
+    plan = {"index": index, "world": world, "transport": transport,
+            "store": "rank0" if rng.random() < 0.5 else "driver",
+            "seed": int(rng.integers(1 << 31)), "steps": int(rng.integers(3, 9)),
+            "timeout": args.timeout, "max_bytes": soak.parse_size(args.max_bytes)}
+    at = int(rng.integers(plan["steps"]))
+    st = steps_of(plan)[at]
+    fault = {"kind": kind, "step": at, "victim": int(rng.integers(world)), "call": st.kind}
+    if kind == "kill":
+        fault["when"] = "before" if rng.random() < 0.4 else "during"
+        fault["delay"] = round(float(rng.uniform(0, 0.01)), 4)
+    elif kind == "stop":
+        fault["delay"] = round(float(rng.uniform(0, 0.005)), 4)
+        fault["hold"] = round(args.timeout + float(rng.uniform(1.0, 1.5)), 3)
+        fault["then"] = "cont" if rng.random() < 0.7 else "kill"
+    elif kind == "late":
+        fault["hold"] = args.timeout + 1.0
+    elif kind == "mismatch":
+        choices = list(MISMATCH[st.kind])
+        if st.kind == "reduce_scatter_v" and sum(st.rows) == 0:
+            choices.remove("split")  # no row to move
+        what = choices[int(rng.integers(len(choices)))]
+        fault["what"] = what
+        reducing = st.kind in REDUCING
+        if what == "dtype":
+            fault["dtype"] = other_dtype(rng, st.dtype, st.op if reducing else None)
+        elif what == "op":
+            fault["op"] = other_op(rng, st.dtype, st.op)
+        elif what == "split":  # the same total, one row moved to another rank
+            rows = list(st.rows)
+            i = next(k for k, v in enumerate(rows) if v)
+            rows[i] -= 1
+            rows[(i + 1) % world] += 1
+            fault["rows"] = rows
+    else:
+        choices = BADARG[st.kind]
+        fault["what"] = choices[int(rng.integers(len(choices)))]
+        fault["then"] = "retry" if rng.random() < 0.5 else "exit"
+    plan["fault"] = fault
+    # Shared memory without cross-memory attach takes the copy-through-segments paths.
+    plan["cma"] = "0" if transport == "shm" and rng.random() < 0.3 else "1"
+    return plan
+
+
+def describe(plan) -> str:
+    f = plan["fault"]
+    extra = ", ".join(f"{k}={v}" for k, v in f.items()
+                      if k not in ("kind", "step", "victim", "call"))
+    return (f"{f['kind']}({extra}) of rank {f['victim']} at step {f['step']} ({f['call']}); "
+            f"world {plan['world']}, {plan['transport']}"
+            f"{'' if plan['cma'] == '1' else ' (no CMA)'}, store on {plan['store']}, "
+            f"{plan['steps']} steps, timeout {plan['timeout']} s")
+
+
+# ---- a rank ---------------------------------------------------------------------------
+
+def spoil(x: np.ndarray, what: str):
+    """``x`` made unacceptable in the way ``what`` names; the name of what was done (an
+    unsupported dtype where the asked-for spoiling would leave ``x`` acceptable)."""
+    if what == "big_endian" and x.dtype.itemsize > 1 and x.dtype.kind in "iuf":
+        return x.astype(x.dtype.newbyteorder(">")), what
+    if what == "non_contiguous" and x.size > 1:
+        wide = np.empty(x.shape + (2,), x.dtype)
+        wide[..., 0] = x
+        return wide[..., 0], what
+    if what == "read_only":
+        x = x.copy()
+        x.setflags(write=False)
+        return x, what
+    return x.astype(np.complex64), "unsupported_dtype"
+
+
+def call_step(g, st, timeout: float, mod: Optional[dict], keep: list) -> List[str]:
+    """This rank's part of step ``st``, with ``mod`` (the victim's disagreement or bad
+    argument) applied; returns what was wrong with the results (a modified call's results are
+    not checked). Every array handed to the library is appended to ``keep``."""
+    n, r = g.size, g.rank
+    m = mod or {}
+    mismatch = m.get("kind") == "mismatch"
+    bad = m.get("what") if m.get("kind") == "badarg" else None
+    what = m.get("what") if mismatch else None
+    kind, dt, op, root, tag = st.kind, st.dtype, st.op, st.root, st.root
+    count, cols, rows = st.count, st.cols, list(st.rows)
+    if what == "kind":
+        kind = "broadcast" if kind == "all_reduce" else "all_reduce"
+    elif what == "dtype":
+        dt = next(d for d in soak.DTYPES if d.name == m["dtype"])
+    elif what == "op":
+        op = m["op"]
+    elif what == "root":
+        root = (root + 1) % n
+    elif what in ("count", "width"):
+        count, cols = count + 1, cols + 1
+    elif what == "tag":
+        tag += 1
+    elif what == "split":
+        rows = list(m["rows"])
+    if bad == "timeout":
+        timeout = -1.0
+    if bad == "root":
+        root = n
+    if bad == "op":
+        op = "median"
+    if bad == "tag":
+        tag = -1
+    problems: List[str] = []
+
+    def inp(member, shape, op_=op, salt=0):
+        size = int(np.prod(shape))
+        return soak.member_input(np.resize(st.base[salt:], size), member, dt, op_, shape)
+
+    def mine(a):
+        """This rank's copy of its input, spoiled if that is the bad argument."""
+        a = a.copy()
+        if bad in ARRAY_SPOILS + ("read_only",):
+            a, m["applied"] = spoil(a, bad)
+        keep.append(a)
+        return a
+
+    def out_array(shape):
+        o = np.empty(shape if bad != "out" else (shape[0] + 1,) + tuple(shape[1:]), dt)
+        keep.append(o)
+        return o
+
+    def check(label, got, want, op_=None):
+        """``want`` is a function: a modified call may have no reference (an unknown op)."""
+        if mod is None:
+            msg = soak.same(np.asarray(got), np.asarray(want()), op_)
+            if msg:
+                problems.append(f"step {st.index} {label}: {msg}")
+
+    if kind in ("all_reduce", "all_reduce_async"):
+        algo = "shm" if g.transport.startswith("shm") and st.shm_algo else st.algo
+        batch = st.batch if kind == "all_reduce_async" else 1
+        works = []
+        for b in range(batch):
+            xs = [inp(i, (max(1, count >> b),), salt=2 * b) for i in range(n)]
+            x = mine(xs[r]) if b == 0 else xs[r].copy()
+            keep.append(x)
+            want = (lambda xs=xs: soak.reference(xs, op, dt))
+            if kind == "all_reduce":
+                g.all_reduce(x, op, algorithm=algo, timeout=timeout)
+                check(f"all_reduce {op} {dt.name} algo={algo}", x, want, op)
+            else:
+                works.append((g.all_reduce(x, op, async_op=True, timeout=timeout), x, want))
+        for b, (w, x, want) in enumerate(works):
+            w.wait()
+            check(f"async all_reduce #{b} {op} {dt.name}", x, want, op)
+    elif kind == "reduce":
+        xs = [inp(i, (count,)) for i in range(n)]
+        x = mine(xs[r])
+        g.reduce(x, root, op, timeout=timeout)
+        check(f"reduce {op} {dt.name} root={root}", x,
+              lambda: soak.reference(xs, op, dt) if r == root else xs[r], op)
+    elif kind == "broadcast":
+        xs = [inp(i, (count,), None) for i in range(n)]
+        x = mine(xs[r])
+        g.broadcast(x, root, timeout=timeout)
+        check(f"broadcast {dt.name} root={root}", x, lambda: xs[root])
+    elif kind == "all_gather":
+        xs = [inp(i, (cols, 2), None) for i in range(n)]
+        out = out_array((n, cols, 2)) if bad == "out" else None
+        got = g.all_gather(mine(xs[r]), out, timeout=timeout)
+        check(f"all_gather {dt.name}", got, lambda: np.stack(xs))
+    elif kind == "all_gather_v":
+        xs = [inp(i, (st.rows[i], cols), None) for i in range(n)]
+        got, counts = g.all_gather_v(mine(xs[r]), timeout=timeout)
+        check(f"all_gather_v {dt.name}", got, lambda: np.concatenate(xs))
+        if mod is None and counts != st.rows:
+            problems.append(f"step {st.index} all_gather_v counts {counts}, expected {st.rows}")
+    elif kind == "reduce_scatter":
+        xs = [inp(i, (2 * n, cols)) for i in range(n)]
+        out = out_array((2, cols)) if bad == "out" else None
+        got = g.reduce_scatter(mine(xs[r]), out, op=op, timeout=timeout)
+        check(f"reduce_scatter {op} {dt.name}", got,
+              lambda: soak.reference(xs, op, dt)[2 * r:2 * r + 2], op)
+    elif kind == "reduce_scatter_v":
+        total = sum(st.rows)
+        xs = [inp(i, (total, cols)) for i in range(n)]
+        counts = rows if bad != "counts" else rows[:-1] + [rows[-1] + 1]
+        got = g.reduce_scatter_v(mine(xs[r]), counts, op=op, timeout=timeout)
+        off = sum(st.rows[:r])
+        check(f"reduce_scatter_v {op} {dt.name}", got,
+              lambda: soak.reference(xs, op, dt)[off:off + st.rows[r]], op)
+    elif kind == "all_to_all":
+        xs = [inp(i, (2 * n, cols), None) for i in range(n)]
+        out = out_array((2 * n, cols)) if bad == "out" else None
+        got = g.all_to_all(mine(xs[r]), out, timeout=timeout)
+        check(f"all_to_all {dt.name}", got,
+              lambda: np.concatenate([xs[i][2 * r:2 * r + 2] for i in range(n)]))
+    elif kind == "all_to_all_v":
+        mx = st.matrix  # mx[i][j]: rows member i sends to member j
+        xs = [inp(i, (int(mx[i].sum()), cols), None) for i in range(n)]
+        send = [int(v) for v in mx[r]]
+        if bad == "counts":
+            send[-1] += 1
+        got, counts = g.all_to_all_v(mine(xs[r]), send, timeout=timeout)
+        want = [xs[i][int(mx[i][:r].sum()):int(mx[i][:r + 1].sum())] for i in range(n)]
+        check(f"all_to_all_v {dt.name}", got, lambda: np.concatenate(want))
+        if mod is None and counts != [int(mx[i][r]) for i in range(n)]:
+            problems.append(f"step {st.index} all_to_all_v counts {counts}")
+    elif kind == "gather":
+        xs = [inp(i, (count,), None) for i in range(n)]
+        got = g.gather(mine(xs[r]), root, timeout=timeout)
+        if r == root:
+            check(f"gather {dt.name} root={root}", got, lambda: np.stack(xs))
+        elif got is not None and mod is None:
+            problems.append(f"step {st.index} gather returned data on a non-root rank")
+    elif kind == "scatter":
+        full = inp(st.root, (n, cols), None)
+        if r == root or bad == "out":  # x given: an out= of another size is a bad argument
+            out = out_array((cols,)) if bad == "out" else None
+            got = g.scatter(mine(full), root, out=out, timeout=timeout)
+        else:
+            o = out_array((cols,))
+            if bad in ARRAY_SPOILS:
+                o, m["applied"] = spoil(o, bad)
+                keep.append(o)
+            got = g.scatter(None, root, out=o, timeout=timeout)
+        check(f"scatter {dt.name} root={root}", got, lambda: full[r])
+    elif kind == "sendrecv":
+        xs = [inp(i, (count,), None) for i in range(n)]
+        want = xs[(r - 1) % n]
+        buf = np.empty(st.count, st.dtype)  # the receive side is never modified
+        if bad in ("read_only", "non_contiguous"):
+            buf, m["applied"] = spoil(buf, bad)
+        keep.append(buf)
+        peer = n if bad == "peer" else (r + 1) % n
+        src = xs[r].copy() if bad in (None, "read_only", "non_contiguous") else mine(xs[r])
+        keep.append(src)
+        # The call with the bad argument comes first, so that nothing is under way when it
+        # raises (a retry repeats both).
+        if bad in ("read_only", "non_contiguous"):
+            wr = g.irecv(buf, (r - 1) % n, tag=st.root, timeout=timeout)
+            ws = g.isend(src, peer, tag=tag, timeout=timeout)
+        else:
+            ws = g.isend(src, peer, tag=tag, timeout=timeout)
+            wr = g.irecv(buf, (r - 1) % n, tag=st.root, timeout=timeout)
+        ws.wait()
+        wr.wait()
+        check(f"send/recv {dt.name}", buf, lambda: want)
+    elif kind == "barrier":
+        g.barrier(timeout=timeout)
+    else:
+        raise AssertionError(kind)
+    return problems
+
+
+def write_json(path: str, obj) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
+
+
+def worker(epdir: str, rank: int) -> int:
+    import faulthandler
+    faulthandler.register(signal.SIGUSR1)  # the driver asks for the stacks of a hang
+    import meshcoll
+    with open(os.path.join(epdir, "plan.json")) as f:
+        plan = json.load(f)
+    n, fault, timeout = plan["world"], plan["fault"], plan["timeout"]
+    victim = rank == fault["victim"]
+    rep = {"rank": rank, "steps_done": 0, "wrong": [], "arg_error": None, "error": None,
+           "completed": False, "late_writes": [], "destroy_error": None, "applied": None,
+           "pid": os.getpid()}
+    out_path = os.path.join(epdir, f"rank{rank}.json")
+    progress = os.path.join(epdir, f"rank{rank}.progress")
+
+    def at(text):
+        with open(progress, "w") as f:
+            f.write(text)
+
+    at("init")
+    try:
+        if plan["store"] == "driver":
+            store = meshcoll.TCPStore("127.0.0.1", plan["port"], timeout=INIT_TIMEOUT)
+            pg = meshcoll.init(rank=rank, world_size=n, store=store, timeout=INIT_TIMEOUT)
+        else:
+            pg = meshcoll.init(rank=rank, world_size=n, master_addr="127.0.0.1",
+                               master_port=plan["port"], timeout=INIT_TIMEOUT)
+    except Exception as e:  # noqa: BLE001 - every failure is reported
+        rep["error"] = {"cls": type(e).__name__, "msg": str(e), "step": -1, "elapsed": 0.0}
+        write_json(out_path, rep)
+        return 1
+    rep["transport"] = pg.transport
+    steps = steps_of(plan)
+    for i, st in enumerate(steps):
+        st.index = i
+    pending = None  # a kill timer or stop helper that has not fired yet
+    keep: list = []
+    for s in range(plan["steps"] + 1):
+        at(f"step {s}")
+        mod = None
+        if victim and s == fault["step"]:
+            k = fault["kind"]
+            if k == "kill" and fault["when"] == "before":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif k == "kill":
+                pending = threading.Timer(fault["delay"], os.kill,
+                                          (os.getpid(), signal.SIGKILL))
+                pending.start()
+            elif k == "stop":
+                # A timer stops this process inside the call (a helper process could not
+                # start that fast); the helper ends the stop.
+                then = "CONT" if fault["then"] == "cont" else "KILL"
+                pending = subprocess.Popen(
+                    ["sh", "-c", f"sleep {fault['delay'] + fault['hold']}; "
+                                 f"kill -{then} {os.getpid()}"])
+                threading.Timer(fault["delay"], os.kill, (os.getpid(), signal.SIGSTOP)).start()
+            elif k == "late":
+                time.sleep(fault["hold"])
+            else:
+                mod = dict(fault)
+        if s == plan["steps"] and pending is not None:
+            # The fault has not landed yet: let it land before the closing call, so that it
+            # is still a fault during the job.
+            if isinstance(pending, threading.Timer):
+                os.kill(os.getpid(), signal.SIGKILL)
+            pending.wait()
+        keep = []
+        t0 = time.monotonic()
+        try:
+            if s < plan["steps"]:
+                problems = call_step(pg, steps[s], timeout, mod, keep)
+            else:  # the closing call: needs every rank
+                x = np.full(3, rank, np.int64)
+                keep.append(x)
+                pg.all_reduce(x, timeout=timeout)
+                problems = [] if np.all(x == n * (n - 1) // 2) else [f"closing all_reduce: {x}"]
+        except (ValueError, TypeError) as e:
+            if mod is None or mod["kind"] != "badarg":
+                rep["error"] = {"cls": type(e).__name__, "msg": str(e), "step": s,
+                                "elapsed": time.monotonic() - t0}
+                break
+            rep["arg_error"] = {"cls": type(e).__name__, "msg": str(e), "step": s,
+                                "elapsed": time.monotonic() - t0}
+            rep["applied"] = mod.get("applied", mod["what"])
+            if fault["then"] == "exit":
+                write_json(out_path, rep)
+                return 1  # as a program does when the exception propagates
+            keep = []
+            t0 = time.monotonic()
+            try:
+                problems = call_step(pg, steps[s], timeout, None, keep)
+            except Exception as e2:  # noqa: BLE001
+                rep["error"] = {"cls": type(e2).__name__, "msg": str(e2), "step": s,
+                                "elapsed": time.monotonic() - t0}
+                break
+        except Exception as e:  # noqa: BLE001 - meshcoll errors and anything unexpected
+            rep["error"] = {"cls": type(e).__name__, "msg": str(e), "step": s,
+                            "elapsed": time.monotonic() - t0}
+            break
+        if mod is not None and mod["kind"] == "badarg":
+            rep["applied"] = mod.get("applied", mod["what"])
+        rep["steps_done"] += 1
+        rep["wrong"] += problems
+    else:
+        rep["completed"] = True
+    at("reported")
+    snapshot = [a.copy() for a in keep]
+    write_json(out_path, rep)
+    if isinstance(pending, subprocess.Popen):
+        pending.wait()
+    # Wait until the driver says every rank is done (a stopped peer resumed or died), then
+    # look for writes into the failed call's arrays that came after it returned.
+    release = os.path.join(epdir, "release")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if rep["error"] is not None:
+        for a, b in zip(keep, snapshot):
+            if not np.array_equal(a.view(np.uint8), b.view(np.uint8)):
+                diff = np.flatnonzero(a.view(np.uint8).ravel() != b.view(np.uint8).ravel())
+                rep["late_writes"].append(
+                    f"{diff.size} of {a.nbytes} bytes of an array of the failed call (step "
+                    f"{rep['error']['step']}) changed after the call raised")
+    at("destroy")
+    try:
+        meshcoll.destroy()
+    except Exception as e:  # noqa: BLE001
+        rep["destroy_error"] = f"{type(e).__name__}: {e}"
+    write_json(out_path, rep)
+    at("done")
+    return 0
+
+
+# ---- the driver -------------------------------------------------------------------------
+
+def pids_in_groups(pgids) -> List[int]:
+    """Live processes whose process group is one of ``pgids``."""
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) in pgids and fields[0] != "Z":
+            found.append(int(d))
+    return found
+
+
+def shm_left(pid0: int) -> List[str]:
+    """Shared-memory segments of the job whose rank 0 is ``pid0`` (csrc/transport/shm/
+    segment.cc names them /meshcoll-<rank 0's pid>-<time>-<rank>)."""
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"meshcoll-{pid0}-")]
+
+
+def run_episode(plan, workdir: str, hard_limit: float) -> dict:
+    import meshcoll
+    from meshcoll.run import pick_free_port
+    epdir = tempfile.mkdtemp(prefix=f"ep{plan['index']}-", dir=workdir)
+    token = secrets.token_hex(8)
+    server = None
+    if plan["store"] == "driver":
+        server = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=INIT_TIMEOUT,
+                                   token=token)
+        plan["port"] = server.port
+    else:
+        plan["port"] = pick_free_port("127.0.0.1")
+    write_json(os.path.join(epdir, "plan.json"), plan)
+    env = dict(os.environ, MESHCOLL_TRANSPORT=plan["transport"], MESHCOLL_TOKEN=token,
+               MESHCOLL_CMA=plan["cma"])
+    procs = []
+    for r in range(plan["world"]):
+        with open(os.path.join(epdir, f"rank{r}.err"), "w") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--worker", epdir, str(r)],
+                env=env, stdout=err, stderr=err, start_new_session=True))
+    pgids = {p.pid for p in procs}
+    t0 = time.monotonic()
+    released = hang = False
+    while time.monotonic() - t0 < hard_limit:
+        done = [p.poll() is not None or os.path.exists(os.path.join(epdir, f"rank{r}.json"))
+                for r, p in enumerate(procs)]
+        if all(done) and not released:
+            open(os.path.join(epdir, "release"), "w").close()
+            released = True
+        if all(p.poll() is not None for p in procs):
+            break
+        time.sleep(0.02)
+    else:
+        hang = True
+    stuck = {}
+    if hang:
+        for r, p in enumerate(procs):
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, signal.SIGCONT)
+                    os.kill(p.pid, signal.SIGUSR1)  # faulthandler: the stacks to rank<r>.err
+                except ProcessLookupError:
+                    pass
+                path = os.path.join(epdir, f"rank{r}.progress")
+                stuck[r] = open(path).read() if os.path.exists(path) else "?"
+        time.sleep(0.5)
+    strays = [] if hang else pids_in_groups(pgids)
+    if strays:  # a stop helper may be exiting right after its last kill: look again
+        time.sleep(0.5)
+        strays = pids_in_groups(pgids)
+    for pgid in pgids:
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        p.wait()
+    elapsed = time.monotonic() - t0
+    reports = {}
+    for r in range(plan["world"]):
+        path = os.path.join(epdir, f"rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                reports[r] = json.load(f)
+    pid0 = reports[0]["pid"] if 0 in reports else procs[0].pid
+    leftovers = shm_left(pid0)
+    for name in leftovers:  # counted; now removed so that the soak does not fill /dev/shm
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
+    del server
+    record = {"plan": plan, "reports": reports, "hang": hang, "stuck": stuck,
+              "leftovers": leftovers, "strays": strays, "seconds": round(elapsed, 2),
+              "exit_codes": [p.returncode for p in procs], "dir": epdir}
+    record.update(judge(record))
+    return record
+
+
+RANK_LIST = r"\branks?(?:\(s\))? (\d+(?:(?:, | and )\d+)*)"
+
+
+def ranks_named(text: str) -> set:
+    """Every rank number after "rank", "ranks" or "rank(s)" in ``text``."""
+    return {int(d) for m in re.finditer(RANK_LIST, text) for d in re.findall(r"\d+", m.group(1))}
+
+
+def ranks_blamed(msg: str) -> set:
+    """The ranks a timeout's diagnosis says did not arrive or never reached the call."""
+    return {int(d) for m in re.finditer(RANK_LIST + r" (?:had not arrived|never reached)", msg)
+            for d in re.findall(r"\d+", m.group(1))}
+
+
+def judge(rec) -> dict:
+    """Problems of one episode (kind, text), the times to the expected errors, counts."""
+    plan, reports = rec["plan"], rec["reports"]
+    f, n, limit = plan["fault"], plan["world"], plan["timeout"] + SLACK
+    v, kind = f["victim"], f["kind"]
+    problems, times = [], []
+    wrong_results = late_writes = 0
+    setup = any(rep["error"] and rep["error"]["step"] < 0 for rep in reports.values())
+    if rec["hang"]:
+        problems.append(("hang", f"still running after the hard limit: "
+                                 + ", ".join(f"rank {r} at {w}" for r, w in rec["stuck"].items())))
+    if rec["leftovers"]:
+        problems.append(("leftover", f"/dev/shm: {rec['leftovers']}"))
+    if rec["strays"]:
+        problems.append(("leftover", f"stray processes {rec['strays']}"))
+    victim_dies = kind == "kill" or (kind == "stop" and f["then"] == "kill")
+    for r in range(n):
+        rep = reports.get(r)
+        if rep is None:
+            if not (victim_dies and r == v) and not rec["hang"]:
+                problems.append(("wrong error", f"rank {r}: died without a report (exit code "
+                                                f"{rec['exit_codes'][r]})"))
+            continue
+        for w in rep["wrong"]:
+            wrong_results += 1
+            problems.append(("wrong result", f"rank {r}: {w}"))
+        for w in rep["late_writes"]:
+            late_writes += 1
+            problems.append(("wrong result", f"rank {r}: {w}"))
+        if rep["destroy_error"]:
+            problems.append(("wrong error", f"rank {r}: destroy() raised {rep['destroy_error']}"))
+        err = rep["error"]
+        shown = f"{err['cls']} after {err['elapsed']:.2f} s at step {err['step']}: " \
+                f"{err['msg']}" if err else "no error"
+        if err and err["step"] < f["step"]:
+            problems.append(("wrong error", f"rank {r}: before the fault: {shown}"))
+            continue
+        if kind == "badarg" and r == v:
+            a = rep["arg_error"]
+            if a is None or a["cls"] not in ("ValueError", "TypeError"):
+                got = f"{a['cls']}: {a['msg']}" if a else shown
+                problems.append(("wrong error", f"rank {r}: bad argument "
+                                                f"{rep.get('applied')}: expected ValueError or "
+                                                f"TypeError, got {got}"))
+                continue
+        expect_none = kind == "badarg" and f["then"] == "retry"
+        if expect_none:
+            if err or not rep["completed"]:
+                problems.append(("wrong error", f"rank {r}: after a bad argument and a retry "
+                                                f"the job should go on: {shown}"))
+            continue
+        if kind == "badarg" and r == v:
+            continue  # it exited
+        if err is None:
+            problems.append(("wrong error", f"rank {r}: no error"))
+            continue
+        if kind == "mismatch":
+            ok = err["cls"] == "MismatchError" or (
+                err["cls"] in ("AbortedError", "PeerError") and "mismatch" in err["msg"].lower())
+            if not ok:
+                problems.append(("wrong error", f"rank {r}: expected MismatchError: {shown}"))
+                continue
+        elif r == v:  # a resumed or late victim
+            if err["cls"] not in ("TimeoutError", "PeerError", "AbortedError", "MismatchError"):
+                problems.append(("wrong error", f"rank {r} (victim): {shown}"))
+            continue
+        else:
+            classes = ("PeerError", "TimeoutError") + (("AbortedError",) if kind == "badarg"
+                                                       else ())
+            if err["cls"] not in classes:
+                problems.append(("wrong error", f"rank {r}: expected {' or '.join(classes)}: "
+                                                f"{shown}"))
+                continue
+            if v not in ranks_named(err["msg"]):
+                problems.append(("wrong error", f"rank {r}: does not name rank {v}: {shown}"))
+                continue
+            healthy = ranks_blamed(err["msg"]) - {v}
+            if healthy:
+                problems.append(("wrong error", f"rank {r}: blames healthy rank(s) "
+                                                f"{sorted(healthy)}: {shown}"))
+                continue
+        if err["elapsed"] > limit:
+            problems.append(("wrong error", f"rank {r}: took {err['elapsed']:.2f} s > timeout "
+                                            f"+ {SLACK:g} s: {shown}"))
+            continue
+        times.append(err["elapsed"])
+    return {"problems": problems, "times": times, "wrong_results": wrong_results,
+            "late_writes": late_writes, "setup": setup}
+
+
+# ---- the table ----------------------------------------------------------------------------
+
+def summarize(records, elapsed: float, args) -> int:
+    rows: Dict[tuple, dict] = defaultdict(lambda: defaultdict(int))
+    times: Dict[tuple, list] = defaultdict(list)
+    for rec in records:
+        key = (rec["plan"]["fault"]["kind"], rec["plan"]["transport"])
+        row = rows[key]
+        kinds = {k for k, _ in rec["problems"]}
+        row["episodes"] += 1
+        row["right"] += not rec["problems"]
+        row["wrong_err"] += "wrong error" in kinds
+        row["wrong_res"] += rec["wrong_results"] + rec["late_writes"]
+        row["hangs"] += rec["hang"]
+        row["leftover"] += "leftover" in kinds
+        row["setup"] += rec["setup"]
+        times[key] += rec["times"]
+    print(f"# meshcoll fault soak  seed={args.seed}  max-ranks={args.max_ranks}  "
+          f"transport={args.transport}  timeout={args.timeout} s  episodes={len(records)}  "
+          f"minutes={elapsed / 60:.1f}")
+    print(f"# {'fault':>9} {'transport':>9} {'episodes':>8} {'right':>6} {'wrong_err':>9} "
+          f"{'wrong_res':>9} {'hangs':>5} {'leftover':>8} {'setup':>5} {'t_med':>6} {'t_max':>6}")
+    total = defaultdict(int)
+    for key in sorted(rows):
+        row, t = rows[key], times[key]
+        med = f"{np.median(t):.2f}" if t else "-"
+        mx = f"{max(t):.2f}" if t else "-"
+        print(f"  {key[0]:>9} {key[1]:>9} {row['episodes']:>8} {row['right']:>6} "
+              f"{row['wrong_err']:>9} {row['wrong_res']:>9} {row['hangs']:>5} "
+              f"{row['leftover']:>8} {row['setup']:>5} {med:>6} {mx:>6}")
+        for k, val in row.items():
+            total[k] += val
+    print(f"  {'total':>9} {'':>9} {total['episodes']:>8} {total['right']:>6} "
+          f"{total['wrong_err']:>9} {total['wrong_res']:>9} {total['hangs']:>5} "
+          f"{total['leftover']:>8} {total['setup']:>5}")
+    failed = [rec for rec in records if rec["problems"]]
+    for rec in failed:
+        print(f"\n## episode {rec['plan']['index']}: {describe(rec['plan'])}"
+              + (f"  [kept in {rec['kept']}]" if rec.get("kept") else ""))
+        for k, text in rec["problems"]:
+            print(f"   {k}: {text[:600]}")
+    return 1 if failed else 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    workdir = tempfile.mkdtemp(prefix="meshcoll-fault-soak-")
+    records = []
+    t0 = time.monotonic()
+    index = args.only if args.only is not None else 0
+    try:
+        while True:
+            if args.only is not None and records:
+                break
+            if args.episodes and index >= args.episodes and args.only is None:
+                break
+            if not args.episodes and time.monotonic() - t0 >= args.minutes * 60:
+                break
+            plan = make_plan(args, index)
+            hard_limit = INIT_TIMEOUT + 4 * args.timeout + plan["fault"].get("hold", 0) + 10
+            rec = run_episode(plan, workdir, hard_limit)
+            if rec["problems"] and args.keep:
+                os.makedirs(args.keep, exist_ok=True)
+                rec["kept"] = shutil.copytree(rec["dir"], os.path.join(
+                    args.keep, os.path.basename(rec["dir"])))
+            shutil.rmtree(rec["dir"], ignore_errors=True)
+            records.append(rec)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps({k: v for k, v in rec.items() if k != "dir"}) + "\n")
+            if not args.quiet:
+                verdict = "ok" if not rec["problems"] else \
+                    "FAIL: " + "; ".join(sorted({k for k, _ in rec["problems"]}))
+                print(f"[{index:4d}] {rec['seconds']:5.1f} s  {describe(plan)}: {verdict}",
+                      flush=True)
+            index += 1
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return summarize(records, time.monotonic() - t0, args)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--worker":
+        sys.exit(worker(sys.argv[2], int(sys.argv[3])))
+    sys.exit(main())

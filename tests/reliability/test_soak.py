@@ -1,0 +1,106 @@
+"""The fault-injection soak (bench/python/fault_soak.py) stays alive: its judge flags every
+wrong outcome it exists to catch, and a few fixed-seed episodes of the faults that end right
+today (kill -9, disagreements, bad arguments; shm and TCP; 2-3 ranks) run clean end to end.
+The long run is ``python bench/python/fault_soak.py --minutes 10``."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench", "python"))
+import fault_soak  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+TIMEOUT = 2.5
+
+
+def _report(rank, cls=None, msg="", step=1, elapsed=0.1, **extra):
+    rep = {"rank": rank, "steps_done": 3, "wrong": [], "arg_error": None, "completed": cls is None,
+           "late_writes": [], "destroy_error": None, "applied": None,
+           "error": None if cls is None else {"cls": cls, "msg": msg, "step": step,
+                                              "elapsed": elapsed}}
+    rep.update(extra)
+    return rep
+
+
+def _judge(fault, reports, world=3):
+    """judge()'s problems for one episode; ``reports[r]`` None: rank r died."""
+    plan = {"world": world, "timeout": TIMEOUT, "fault": dict(fault, step=1, victim=1)}
+    rec = {"plan": plan, "reports": {r: rep for r, rep in enumerate(reports) if rep},
+           "hang": False, "stuck": {},
+           "leftovers": [], "strays": [], "exit_codes": [0] * world}
+    return [text for _, text in fault_soak.judge(rec)["problems"]]
+
+
+KILL = {"kind": "kill", "when": "during"}
+DIED = "rank 1 closed its connection"
+
+
+def test_judge_accepts_the_right_errors():
+    # The victim of a kill leaves no report; the others name it.
+    assert _judge(KILL, [_report(0, "PeerError", DIED), None,
+                         _report(2, "TimeoutError", "rank(s) 1 never reached this operation")]) == []
+    mismatch = {"kind": "mismatch", "what": "op", "op": "max"}
+    assert _judge(mismatch, [_report(r, "MismatchError", "collective mismatch")
+                             for r in range(3)]) == []
+    retry = {"kind": "badarg", "what": "timeout", "then": "retry"}
+    bad = _report(1, arg_error={"cls": "ValueError", "msg": "timeout", "step": 1, "elapsed": 0})
+    assert _judge(retry, [_report(0), bad, _report(2)]) == []
+
+
+@pytest.mark.parametrize("case", [
+    "another class", "victim not named", "healthy rank blamed", "too slow", "no error",
+    "error before the fault", "wrong result", "late write", "mismatch as a timeout",
+    "bad argument accepted", "destroy raised", "survivor died",
+])
+def test_judge_flags_every_wrong_outcome(case):
+    fault = KILL
+    peer0 = _report(0, "PeerError", DIED)
+    peer2 = _report(2, "PeerError", DIED)
+    if case == "another class":
+        peer2 = _report(2, "AbortedError", "the group was aborted after rank 1 died")
+    elif case == "victim not named":
+        peer2 = _report(2, "PeerError", "rank 0 closed its connection")
+    elif case == "healthy rank blamed":
+        peer2 = _report(2, "TimeoutError", "rank(s) 0, 1 never reached this operation")
+    elif case == "too slow":
+        peer2 = _report(2, "PeerError", DIED, elapsed=TIMEOUT + fault_soak.SLACK + 0.1)
+    elif case == "no error":
+        peer2 = _report(2)
+    elif case == "error before the fault":
+        peer2 = _report(2, "PeerError", DIED, step=0)
+    elif case == "wrong result":
+        peer2["wrong"] = ["step 0 all_reduce sum: 1 of 4 elements differ"]
+    elif case == "late write":
+        peer2["late_writes"] = ["8 of 64 bytes changed after the call raised"]
+    elif case == "mismatch as a timeout":
+        fault = {"kind": "mismatch", "what": "count"}
+        peer0 = _report(0, "MismatchError", "collective mismatch")
+        peer2 = _report(2, "TimeoutError", "rank 2 timed out; rank(s) 1 never reached")
+        return _expect_flagged(fault, [peer0, _report(1, "MismatchError", "mismatch"), peer2])
+    elif case == "bad argument accepted":
+        fault = {"kind": "badarg", "what": "out", "then": "retry"}
+        return _expect_flagged(fault, [_report(0), _report(1), _report(2)])
+    elif case == "destroy raised":
+        peer2["destroy_error"] = "PeerError: store closed"
+    elif case == "survivor died":
+        peer2 = None
+    _expect_flagged(fault, [peer0, None, peer2])
+
+
+def _expect_flagged(fault, reports):
+    problems = _judge(fault, reports)
+    assert problems, "the judge let a wrong outcome pass"
+
+
+def test_fixed_seed_episodes_end_in_the_right_errors(capsys):
+    # Seed 9's ten episodes: kills during and before calls, disagreements in op, dtype,
+    # count and collective, bad roots, dtypes, timeouts and read-only arrays, some retried,
+    # some fatal; 2 and 3 ranks; shm and TCP; stores on the driver and on rank 0.
+    rc = fault_soak.main(["--episodes", "10", "--seed", "9", "--max-ranks", "3",
+                          "--faults", "kill,mismatch,badarg", "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.splitlines()[-1].split()[:3] == ["total", "10", "10"], out  # all 10 right
