@@ -509,6 +509,34 @@ def _choice(env: Mapping[str, str], name: str, choices: Sequence[str]) -> str:
         raise ValueError(f"meshcoll: {name}={value!r}: use one of {', '.join(choices)}")
     return value
 
+    def shared(self) -> Dict[str, str]:
+        """The settings every rank of a group must share, named as users set them, with
+        their values as written. Ranks that differ would map each other's shared memory at
+        different sizes (SIGBUS), or wait for a shared-memory setup or a hierarchy that the
+        others never start; so every rank compares them before setting anything up
+        (Note [Shared settings] in process_group.py). The algorithm is not among them: it
+        travels with every call, and ranks that choose differently get a MismatchError
+        there; nor is the timeout, which each rank may set for itself."""
+        return {f"{TRANSPORT} (or new_group's transport=)": repr(self.transport),
+                SHM_BYTES: str(self.shm_bytes),
+                HIERARCHY: "1" if self.hierarchy else "0"}
+
+
+def shared_settings_disagreement(values: Sequence[Mapping[str, str]],
+                                 ranks: Sequence[int]) -> Optional[str]:
+    """What ``values`` (each member's ``GroupOptions.shared()``, in group order; ``ranks``
+    their global numbers) disagree on, for an error message, or None when they agree."""
+    parts = []
+    for name in values[0]:
+        by_value: Dict[str, list] = {}
+        for rank, v in zip(ranks, values):
+            by_value.setdefault(v.get(name, "(unset)"), []).append(str(rank))
+        if len(by_value) > 1:
+            held = [f"{value} on rank{'s' if len(rs) > 1 else ''} {', '.join(rs)}"
+                    for value, rs in by_value.items()]
+            parts.append(f"{name} is {' but '.join(held)}")
+    return "; ".join(parts) or None
+
 
 def group_options_from_env(environ: Optional[Mapping[str, str]] = None) -> GroupOptions:
     return GroupOptions(transport=transport_from_env(environ), shm_bytes=shm_bytes_from_env(environ),

@@ -6,12 +6,14 @@ Pure logic: every call gets an explicit `environ=` dict, never os.environ.
 import pytest
 
 from meshcoll._env import (
+    GroupOptions,
     InitMethod,
     Rendezvous,
     init_method_from_env,
     launcher_env,
     parse_init_method,
     rendezvous_from_env,
+    shared_settings_disagreement,
     socket_ifname_from_env,
     timeout_from_env,
 )
@@ -387,3 +389,16 @@ def test_torchrun_agent_store_port_is_left_to_torch():
     assert rdv(env).master_port == 29501
     assert rdv({**env, "MESHCOLL_MASTER_PORT": "7000"}).master_port == 7000  # ours wins
     assert rdv({**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}).master_port == 29500
+
+
+def test_shared_settings_disagreement_names_each_setting_and_each_rank_value():
+    a = GroupOptions().shared()
+    b = GroupOptions(shm_bytes=65536, transport="tcp").shared()
+    assert shared_settings_disagreement([a, a, a], [0, 3, 5]) is None
+    msg = shared_settings_disagreement([a, b, a], [0, 3, 5])
+    assert "MESHCOLL_SHM_BYTES is 4194304 on ranks 0, 5 but 65536 on rank 3" in msg
+    assert "MESHCOLL_TRANSPORT (or new_group's transport=) is 'auto' on ranks 0, 5 but " \
+           "'tcp' on rank 3" in msg
+    assert "HIERARCHY" not in msg
+    # Settings that may differ (the algorithm travels with every call) are not compared.
+    assert GroupOptions(algorithm="ring", debug=True).shared() == a

@@ -1,0 +1,198 @@
+"""Group setup and teardown under attack (issue 16, items 10-13), with real processes:
+
+- ranks that disagree on a setting every rank of a group must share (MESHCOLL_SHM_BYTES,
+  MESHCOLL_TRANSPORT or new_group(transport=), MESHCOLL_HIERARCHY) get a MismatchError at
+  group creation on every rank, naming the setting and each rank's value;
+- a rank killed (kill -9) inside shared-memory setup leaves nothing in /dev/shm, and the
+  survivors get an error naming it;
+- ranks that destroy() with no barrier never break a peer still using rank 0's store;
+- a stopped (SIGSTOP) store host makes a collective with a 3 s timeout fail in about 3 s
+  (its census has its own short deadline), not after the store's own timeout.
+
+Ranks here set their own environment before meshcoll reads it (per-rank settings), or host
+the store on rank 0 (teardown), so they start through ``spawn`` rather than ``launch``.
+"""
+
+import glob
+import os
+import secrets
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from conftest import free_port, spawn
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _segments():
+    return set(glob.glob("/dev/shm/meshcoll-*"))
+
+
+def _init(rank, world, port, token, env, timeout):
+    """Sets this rank's environment, then joins the job through the test's store at ``port``."""
+    os.environ["MESHCOLL_TOKEN"] = token
+    os.environ.update(env)
+    import meshcoll
+    meshcoll._C.reload_config()  # the core's settings (MESHCOLL_FAULT) from this environment
+    store = meshcoll.TCPStore("127.0.0.1", port, timeout=timeout)
+    return meshcoll.init(rank=rank, world_size=world, store=store, timeout=timeout)
+
+
+# ---- item 10: settings that must agree ------------------------------------------------
+
+# (label, per-rank environments, the setting the error must name, a value it must quote)
+DISAGREEMENTS = [
+    ("shm bytes", [{"MESHCOLL_SHM_BYTES": "65536"}, {"MESHCOLL_SHM_BYTES": "1048576"}],
+     "MESHCOLL_SHM_BYTES", "1048576"),
+    ("transport", [{"MESHCOLL_TRANSPORT": "tcp"}, {"MESHCOLL_TRANSPORT": "auto"}],
+     "MESHCOLL_TRANSPORT", "'tcp'"),
+    ("hierarchy", [{"MESHCOLL_HIERARCHY": "0"}, {"MESHCOLL_HIERARCHY": "1"}],
+     "MESHCOLL_HIERARCHY", "0"),
+]
+
+
+def _disagree(rank, ports, token):
+    import meshcoll
+    out = []
+    for (label, envs, _, _), port in zip(DISAGREEMENTS, ports):
+        t0 = time.monotonic()
+        try:
+            pg = _init(rank, 2, port, token, {"MESHCOLL_CMA": "0", **envs[rank]}, 8.0)
+            x = np.random.default_rng([label.__len__(), rank]).standard_normal(1 << 17)
+            pg.all_gather(x)  # through the data areas: SIGBUS if sizes differ
+            out.append((label, "no error", "", time.monotonic() - t0))
+        except meshcoll.MeshcollError as e:
+            out.append((label, type(e).__name__, str(e), time.monotonic() - t0))
+        finally:
+            meshcoll.destroy()
+        for name in ("MESHCOLL_SHM_BYTES", "MESHCOLL_TRANSPORT", "MESHCOLL_HIERARCHY"):
+            os.environ.pop(name, None)
+    # A per-group override that disagrees, on a world that agrees.
+    pg = _init(rank, 2, ports[-1], token, {}, 8.0)
+    try:
+        pg.new_group([0, 1], transport="tcp" if rank == 0 else "shm")
+        out.append(("new_group", "no error", "", 0.0))
+    except meshcoll.MeshcollError as e:
+        out.append(("new_group", type(e).__name__, str(e), 0.0))
+    x = np.random.default_rng([5, rank]).standard_normal(1000)
+    pg.all_reduce(x)  # the world is unharmed
+    want = sum(np.random.default_rng([5, r]).standard_normal(1000) for r in range(2))
+    out.append(("world after", "ok" if np.allclose(x, want) else "wrong", "", 0.0))
+    meshcoll.destroy()
+    return out
+
+
+def test_ranks_that_disagree_on_a_group_setting_get_a_mismatch_error_naming_it():
+    import meshcoll
+    token = secrets.token_hex(8)
+    servers = [meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=30, token=token)
+               for _ in range(len(DISAGREEMENTS) + 1)]
+    res = spawn(2, _disagree, [s.port for s in servers], token, timeout=90)
+    for rank, outcomes in enumerate(res):
+        for (label, kind, msg, elapsed), case in zip(outcomes, DISAGREEMENTS):
+            assert kind == "MismatchError", (rank, label, kind, msg)
+            _, _, setting, value = case
+            assert setting in msg and value in msg, (rank, label, msg)
+            assert "rank 0" in msg and "rank 1" in msg, (rank, label, msg)
+            assert elapsed < 5, (rank, label, elapsed)
+        label, kind, msg, _ = outcomes[len(DISAGREEMENTS)]
+        assert kind == "MismatchError" and "transport=" in msg, (rank, label, kind, msg)
+        assert "'tcp'" in msg and "'shm'" in msg, msg
+        assert outcomes[-1][:2] == ("world after", "ok"), outcomes[-1]
+
+
+# ---- item 11: kill -9 during shared-memory setup ---------------------------------------
+
+def _setup_with_a_death(rank, port, token, step):
+    import meshcoll
+    env = {"MESHCOLL_FAULT": f"kill@shm-{step}"} if rank == 1 else {}
+    t0 = time.monotonic()
+    try:
+        pg = _init(rank, 3, port, token, env, 20.0)
+        pg.all_reduce(np.ones(10))
+        return "no error", pg.transport, time.monotonic() - t0
+    except meshcoll.MeshcollError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    finally:
+        meshcoll.destroy()
+
+
+# created: rank 1 dies after creating its segment and posting its verdict (in the store
+# barrier); mapped: after mapping every peer's, in the last barrier of setup.
+@pytest.mark.parametrize("step", ["created", "mapped"])
+def test_kill9_during_shm_setup_leaves_nothing_and_names_the_dead_rank(step):
+    import meshcoll
+    before = _segments()
+    token = secrets.token_hex(8)
+    server = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=30, token=token)
+    res = spawn(3, _setup_with_a_death, server.port, token, step, timeout=60, may_die=(1,))
+    assert res[1] is None, f"rank 1 should have been killed: {res[1]}"
+    for rank in (0, 2):
+        kind, msg, elapsed = res[rank]
+        assert kind == "PeerError", (rank, kind, msg)
+        assert "rank 1" in msg, msg
+        assert elapsed < 10, (rank, elapsed, msg)
+    assert _segments() - before == set()
+
+
+# ---- item 12: destroy() never breaks other ranks ---------------------------------------
+
+def _mesh_then_destroy(rank, world, port, token):
+    import meshcoll
+    from meshcoll.device_mesh import init_device_mesh
+    os.environ["MESHCOLL_TOKEN"] = token
+    meshcoll.init(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
+                  timeout=30)
+    mesh = init_device_mesh((2, world // 4, 2), ("pp", "dp", "tp"))
+    if rank % 2:
+        time.sleep(0.5)  # the flat group of odd ranks rendezvouses after rank 0 is done
+    g = mesh.flatten("pp", "dp").get_group()
+    x = np.random.default_rng([3, rank]).standard_normal(100)
+    g.all_reduce(x)
+    want = sum(np.random.default_rng([3, r]).standard_normal(100) for r in g.ranks)
+    meshcoll.destroy()  # no barrier: rank 0, the store's host, is far ahead of odd ranks
+    return bool(np.allclose(x, want))
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_destroy_without_a_barrier_never_breaks_a_peer(world):
+    res = spawn(world, _mesh_then_destroy, world, free_port(), secrets.token_hex(8),
+                timeout=90)
+    assert res == [True] * world
+
+
+# ---- item 13: a stopped store host -----------------------------------------------------
+
+def _store_host_stops(rank, port, token):
+    import meshcoll
+    os.environ["MESHCOLL_TOKEN"] = token
+    pg = meshcoll.init(rank=rank, world_size=3, master_addr="127.0.0.1", master_port=port,
+                       timeout=30)
+    pids = pg.all_gather(np.array([os.getpid()]))
+    x = np.ones(1000)
+    if rank == 0:
+        os.kill(os.getpid(), signal.SIGSTOP)  # the store's host stops before the collective
+    t0 = time.monotonic()
+    try:
+        pg.all_reduce(x, timeout=3)
+        out = ("no error", "", time.monotonic() - t0)
+    except meshcoll.MeshcollError as e:
+        out = (type(e).__name__, str(e), time.monotonic() - t0)
+    if rank == 1:
+        os.kill(int(pids[0][0]), signal.SIGCONT)
+    meshcoll.destroy()
+    return out
+
+
+def test_a_stopped_store_host_fails_calls_within_their_own_timeout():
+    before = _segments()
+    res = spawn(3, _store_host_stops, free_port(), secrets.token_hex(8), timeout=90)
+    for rank in (1, 2):
+        kind, msg, elapsed = res[rank]
+        assert kind == "TimeoutError", (rank, kind, msg)
+        assert elapsed < 5.5, (rank, elapsed, msg)
+    assert res[0][0] != "no error", res[0]
+    assert _segments() - before == set()
