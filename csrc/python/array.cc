@@ -258,7 +258,8 @@ size_t product(const std::vector<int64_t>& shape, const Want& w) {
 
 // Per-process caches of what a type is and of torch's dtype objects. Types and dtypes are
 // immortal in practice; we hold references so an address is never reused under us.
-enum class Kind { kUnknown, kNumpy, kTorch, kDLPack, kCAI, kBuffer };
+// kJax: read through DLPack, always read-only (Note [Immutable arrays]).
+enum class Kind { kUnknown, kNumpy, kTorch, kDLPack, kJax, kCAI, kBuffer };
 struct Caches {
   std::unordered_map<PyTypeObject*, std::pair<py::object, Kind>> kinds;
   std::unordered_map<PyObject*, std::pair<py::object, DType>> torch_dtypes;
@@ -280,6 +281,7 @@ Kind kind_of(const py::handle& x) {
   std::string mod = py::str(py::handle(reinterpret_cast<PyObject*>(t)).attr("__module__"));
   if (mod.rfind("torch", 0) == 0 && py::hasattr(x, "data_ptr") && py::hasattr(x, "get_device"))
     k = Kind::kTorch;
+  else if (mod.rfind("jax", 0) == 0 && py::hasattr(x, "__dlpack__")) k = Kind::kJax;
   else if (py::hasattr(x, "__dlpack__")) k = Kind::kDLPack;
   else if (py::hasattr(x, "__cuda_array_interface__")) k = Kind::kCAI;
   else if (PyObject_CheckBuffer(x.ptr())) k = Kind::kBuffer;
@@ -541,6 +543,17 @@ Read read_array(const py::handle& x, const Want& w, std::vector<int64_t>* dims) 
       break;
     case Kind::kTorch: from_torch(r, x, w, dims); break;
     case Kind::kDLPack: from_dlpack(r, x, w, dims); break;
+    case Kind::kJax:
+      // Note [Immutable arrays]: JAX arrays never change once made (XLA may share one buffer
+      // between several arrays), but the DLPack capsule JAX hands out carries no read-only
+      // flag: without this check a collective wrote its result into one.
+      if (w.writable)
+        throw InvalidArgument(str_cat(
+            label(w), ": JAX arrays are immutable, but this operation writes its result into "
+            "this one; pass a writable copy (torch.from_dlpack(x).clone() or "
+            "cupy.from_dlpack(x).copy()) and take the result back with jax.numpy.from_dlpack"));
+      from_dlpack(r, x, w, dims);
+      break;
     case Kind::kCAI: from_cai(r, x, w, dims); break;
     case Kind::kBuffer:
       if (w.device) wrong_memory(w, false);

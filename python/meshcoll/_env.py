@@ -501,14 +501,6 @@ class GroupOptions:
     debug: bool = False         # MESHCOLL_DEBUG
     check: str = "async"        # MESHCOLL_CHECK: NCCL groups' agreement check: async, strict, off
 
-
-def _choice(env: Mapping[str, str], name: str, choices: Sequence[str]) -> str:
-    """The value of ``name`` (the first choice when unset); ValueError naming it otherwise."""
-    value = (_get(env, name) or choices[0]).strip().lower()
-    if value not in choices:
-        raise ValueError(f"meshcoll: {name}={value!r}: use one of {', '.join(choices)}")
-    return value
-
     def shared(self) -> Dict[str, str]:
         """The settings every rank of a group must share, named as users set them, with
         their values as written. Ranks that differ would map each other's shared memory at
@@ -536,6 +528,14 @@ def shared_settings_disagreement(values: Sequence[Mapping[str, str]],
                     for value, rs in by_value.items()]
             parts.append(f"{name} is {' but '.join(held)}")
     return "; ".join(parts) or None
+
+
+def _choice(env: Mapping[str, str], name: str, choices: Sequence[str]) -> str:
+    """The value of ``name`` (the first choice when unset); ValueError naming it otherwise."""
+    value = (_get(env, name) or choices[0]).strip().lower()
+    if value not in choices:
+        raise ValueError(f"meshcoll: {name}={value!r}: use one of {', '.join(choices)}")
+    return value
 
 
 def group_options_from_env(environ: Optional[Mapping[str, str]] = None) -> GroupOptions:

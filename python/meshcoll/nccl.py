@@ -117,6 +117,10 @@ class CudaArrays:
         if callable(empty) and hasattr(device, "__enter__"):  # CuPy: empty() on like's device
             with device:
                 return empty(shape, dtype=like.dtype if dtype is None else numpy_dtype(dtype, "CuPy"))
+        if type(like).__module__.startswith("jax"):
+            raise TypeError("the NCCL backend cannot make a JAX array for the result (JAX arrays "
+                            "are immutable: nothing may write into one); pass out= a PyTorch or "
+                            "CuPy array and take the result back with jax.numpy.from_dlpack")
         raise TypeError(f"the NCCL backend cannot allocate an output like a "
                         f"{type(like).__module__}.{type(like).__name__}; pass out= (or use "
                         "PyTorch or CuPy arrays)")

@@ -363,6 +363,43 @@ def _killed(pg):
     return kind, took, after
 
 
+def _jax(pg):
+    import jax
+    import jax.numpy as jnp
+    import torch
+    dev = [d for d in jax.devices() if d.platform == "gpu"][pg.device]
+    x = jax.device_put(jnp.arange(1024, dtype=jnp.float32) + pg.rank, dev)
+    before = np.asarray(x).copy()
+    said = {}
+    for label, call in (("all_reduce", lambda: pg.all_reduce(x)),
+                        ("all_reduce async", lambda: pg.all_reduce(x, async_op=True)),
+                        ("broadcast", lambda: pg.broadcast(x, 0)),
+                        ("all_gather", lambda: pg.all_gather(x))):
+        try:
+            call()
+            said[label] = "no error"
+        except (ValueError, TypeError) as e:
+            said[label] = "immutable" in str(e) and "from_dlpack" in str(e)
+    torch.cuda.synchronize()
+    out = torch.empty((pg.size, 1024), device="cuda")  # a JAX input with a writable out=
+    pg.all_gather(x, out=out)
+    want = np.stack([np.arange(1024, dtype=np.float32) + r for r in range(pg.size)])
+    return said, bool(np.array_equal(np.asarray(x), before)), bool(np.array_equal(out.cpu().numpy(), want))
+
+
+@needs_torch
+@gpus(2)
+def test_jax_arrays_are_never_written():
+    """Issue 16 item 3 (Note [Immutable arrays] in csrc/python/array.cc): JAX arrays are
+    immutable; an op that would write into one raises saying what to pass, on every rank,
+    and the array keeps its values; as an input it is read as any other."""
+    pytest.importorskip("jax")
+    res = run_nccl(2, _jax, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
+    for said, unchanged, gathered in res:
+        assert all(v is True for v in said.values()), said
+        assert unchanged and gathered
+
+
 @needs_torch
 @gpus(2)
 def test_killed_rank_becomes_an_error_not_a_hang():
