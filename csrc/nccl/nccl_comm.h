@@ -19,7 +19,11 @@
 // few milliseconds. An asynchronous NCCL error, or an op still running past its deadline,
 // records the first error, calls ncclCommAbort (the kernels exit, so every event
 // completes) and marks the communicator dead: ops not finished by then report that error
-// (TimeoutError, PeerError or MeshcollError); new calls raise AbortedError. As on the CPU
+// (TimeoutError, PeerError or MeshcollError), and so do new calls, with its own type: it may
+// have been found while no call was in Python, so the next call is the first to hear of it.
+// The agreement check (comm/agreement.h) fails the communicator the same way (fail()), and
+// also voids the ops of the disagreeing call and later ones even if they completed. A
+// failure no call, wait or synchronize raised is raised by shutdown (destroy). As on the CPU
 // backend, a dead group must be rebuilt. A call stuck inside NCCL (a blocking connection
 // setup or split waiting for a peer) is aborted by the watchdog at its deadline too (Note
 // [Stuck calls] in nccl_comm.cc). A group is used by one thread at a time, as NCCL
