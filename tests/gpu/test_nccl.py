@@ -367,8 +367,10 @@ def _jax(pg):
     import jax
     import jax.numpy as jnp
     import torch
-    dev = [d for d in jax.devices() if d.platform == "gpu"][pg.device]
-    x = jax.device_put(jnp.arange(1024, dtype=jnp.float32) + pg.rank, dev)
+    base = jnp.arange(1024, dtype=jnp.float32) + pg.rank
+    # JAX numbers its GPUs its own way: take the one that is this rank's CUDA device.
+    x = next(y for y in (jax.device_put(base, d) for d in jax.devices() if d.platform == "gpu")
+             if y.__dlpack_device__()[1] == pg.device)
     before = np.asarray(x).copy()
     said = {}
     for label, call in (("all_reduce", lambda: pg.all_reduce(x)),
