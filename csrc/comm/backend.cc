@@ -15,13 +15,15 @@ void Backend::set_identity(int global_rank, const std::string& group) {
 
 Backend::Issue::Issue(Backend& b, const char* what) : b_(b), what_(what) {
   const uint64_t self = static_cast<uint64_t>(pthread_self());
+  // Nested in this thread's own Issue (only this thread writes `self` there): a plain load,
+  // so a call from Python pays one CAS, not two.
+  outer_ = b.issuing_.load(std::memory_order_relaxed) != self;
+  if (!outer_) return;
   uint64_t holder = 0;
-  outer_ = b.issuing_.compare_exchange_strong(holder, self, std::memory_order_acquire);
-  if (outer_) {
+  if (b.issuing_.compare_exchange_strong(holder, self, std::memory_order_acquire)) {
     b.issuing_what_.store(what, std::memory_order_relaxed);
     return;
   }
-  if (holder == self) return;  // nested in this thread's own Issue
   const char* holder_what = b.issuing_what_.load(std::memory_order_relaxed);
   b.intruder_what_.store(what, std::memory_order_relaxed);  // for the holder's error
   b.intruder_.store(self, std::memory_order_release);

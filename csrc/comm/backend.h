@@ -31,9 +31,13 @@
 // Issue nests in it): a thread whose call has returned in C++ keeps the mark until it
 // holds the GIL again, so any other thread that issues meanwhile is seen. Calls that
 // follow one another in the program (each returned to Python before the next is made) are
-// never seen as overlapping. What no rank can see stays possible: a rank where only one
-// thread has issued yet pairs with the other rank's other thread; the other rank, which
-// does see both, fails the group, and this rank raises at its next call.
+// never seen as overlapping. What no rank can see is not caught: threads that take turns
+// without ever issuing at once (one computes with the GIL let go, in numpy say, while the
+// other calls; or a rank's first calls, before its second thread has come) look like one
+// thread's calls on every rank and pair in whatever order each rank made them, until they
+// first overlap on some rank, which then fails the group: every rank raises at its next
+// call. And NCCL enqueues from Python hold the GIL throughout, so two Python threads'
+// NCCL calls never overlap and are not seen (a synchronous barrier, which waits, is).
 #pragma once
 
 #include <atomic>

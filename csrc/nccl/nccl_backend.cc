@@ -137,8 +137,9 @@ WorkPtr NcclBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t t
 
 void NcclBackend::do_fail(const std::string& message) { comm_->abort(message); }
 
-// An NCCL group is used by one thread at a time (NCCL requires it), so the order of these
-// calls is the order the ops reach NCCL: the record opens here (Note [Call ledger]).
+// An NCCL group is used by one thread at a time (NCCL requires it; the entry points check it:
+// Note [One issuing thread]), so the order of these calls is the order the ops reach NCCL:
+// the record opens here (Note [Call ledger]).
 void NcclBackend::open(Call& c) {
   c.seq = ledger().open_collective(c.desc);
   if (!agreement_) return;

@@ -27,7 +27,8 @@
 // backend, a dead group must be rebuilt. A call stuck inside NCCL (a blocking connection
 // setup or split waiting for a peer) is aborted by the watchdog at its deadline too (Note
 // [Stuck calls] in nccl_comm.cc). A group is used by one thread at a time, as NCCL
-// requires; one mutex (uncontended on the hot path) orders the caller and the watchdog.
+// requires (the backend's entry points check it: Note [One issuing thread] in
+// comm/backend.h); one mutex (uncontended on the hot path) orders the caller and the watchdog.
 #pragma once
 
 #include <array>

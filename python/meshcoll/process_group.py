@@ -121,6 +121,15 @@ class ProcessGroup:
     and ``meshcoll.new_group`` / ``group.split``; every member calls every collective in the
     same order.
 
+    Threads: the calls on one group are made by one thread at a time (ranks pair calls by
+    their order alone). Any thread may make them, one after another (a thread pool whose
+    calls follow one another is fine; ``Work.wait`` may run on any thread); for concurrent
+    streams of calls, use one group per thread (``new_group``). A call made while another
+    thread is issuing one on the same group raises ``ConcurrentCallError``, naming both
+    threads (``threading.get_ident()``), and fails the group on every rank. Threads that
+    take turns without ever calling at the same time cannot be told apart from one thread
+    calling in some order: their calls pair in whatever order each rank made them.
+
     A group holds one backend (``meshcoll._C.CpuBackend`` or ``NcclBackend``, the one C++
     contract of csrc/comm/backend.h): every collective below goes straight to it, whatever the
     backend. Ranks passed to methods (roots, peers) are ranks *within this group*. ``stream=``
