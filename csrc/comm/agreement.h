@@ -69,6 +69,9 @@ class Agreement : public std::enable_shared_from_this<Agreement> {
   // "; rank(s) 1 never issued it (last issued: seq 41, all_reduce(...))" for a call `seq`
   // that timed out, from the last round; "" when every rank had issued it.
   std::string census(uint64_t seq) const;
+  // Tells the peers this rank failed the group on purpose (Backend::fail): their checks fail
+  // with `message`, and so do their groups.
+  void relay(const std::string& message) { channel_->fail(message); }
   // Compares what remains (bounded by the timeout), then stops the checker and the channel.
   // `abandon` (the checked group failed already, or is dropped without destroy): compares
   // nothing more; the peers' checks fail with a PeerError saying so (their groups fail too,

@@ -135,7 +135,11 @@ WorkPtr NcclBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t t
   return comm_->recv(opts_of(c.opts, c.keep, c.seq), buf.data, buf.count, buf.dtype, peer);
 }
 
-void NcclBackend::do_fail(const std::string& message) { comm_->abort(message); }
+// NCCL has no way to tell the peers: the side channel does (their groups fail with `message`).
+void NcclBackend::do_fail(const std::string& message) {
+  comm_->abort(message);
+  if (agreement_) agreement_->relay(message);
+}
 
 // An NCCL group is used by one thread at a time (NCCL requires it; the entry points check it:
 // Note [One issuing thread]), so the order of these calls is the order the ops reach NCCL:

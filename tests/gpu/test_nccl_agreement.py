@@ -201,3 +201,26 @@ def _abort_on_error(pg):
 def test_on_error_abort_ends_every_rank():
     res = run_nccl(2, _abort_on_error, may_die=(0, 1), env={"MESHCOLL_ON_ERROR": "abort"})
     assert res == [None, None], res
+
+
+def _relayed(pg):
+    import torch
+    g = pg.new_group(list(range(pg.size)))
+    x = torch.ones(64, device="cuda")
+    g.all_reduce(x)
+    torch.cuda.synchronize()
+    if g.rank == 0:
+        g._backend.fail("rank 0 gave up on purpose")  # what ConcurrentCallError does
+    time.sleep(0.5)
+    try:
+        g.all_reduce(x)
+        return "no error"
+    except meshcoll.MeshcollError as e:
+        return f"{type(e).__name__}: {'gave up on purpose' in str(e)}"
+
+
+@gpus(2)
+def test_a_failed_group_is_failed_on_every_rank():
+    # NCCL cannot tell peers that a rank failed its group; the side channel does.
+    res = run_nccl(2, _relayed)
+    assert res[0].endswith("True") and res[1] == "PeerError: True", res
