@@ -115,6 +115,7 @@ void TcpStoreServer::accept_loop() {
 }
 
 void TcpStoreServer::serve(int fd) {
+  bool counted = false;  // a user of the store (Note [Store teardown])
   try {
     // The hello must arrive promptly; a port scanner or stray client cannot pin a thread.
     Deadline hello_deadline = Deadline::after_ms(30000);
@@ -139,22 +140,36 @@ void TcpStoreServer::serve(int fd) {
     net::send_all(fd, &reply, sizeof(reply), hello_deadline, "store");
     net::send_all(fd, reply_msg.data(), reply_msg.size(), hello_deadline, "store");
     if (status == wire::HelloStatus::kOk) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++clients_;
+        counted = true;
+      }
       while (!stopping_ && handle_one(fd)) {
       }
     }
   } catch (const std::exception&) {
     // Malformed input, a closed client or shutdown: drop this connection only.
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& c : client_fds_) {
-    if (c == fd) {
-      c = client_fds_.back();
-      client_fds_.pop_back();
-      break;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& c : client_fds_) {
+      if (c == fd) {
+        c = client_fds_.back();
+        client_fds_.pop_back();
+        break;
+      }
     }
+    net::close_fd(fd);
+    if (counted) --clients_;
+    done_.push_back(std::this_thread::get_id());
   }
-  net::close_fd(fd);
-  done_.push_back(std::this_thread::get_id());
+  cv_.notify_all();  // wait_until_unused
+}
+
+bool TcpStoreServer::wait_until_unused(Millis timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_for(lock, timeout, [this] { return clients_ == 0; });
 }
 
 bool TcpStoreServer::handle_one(int fd) {
@@ -353,6 +368,19 @@ TcpStore::~TcpStore() {
   if (server_) server_->stop();
 }
 
+bool TcpStore::close(Millis timeout) {
+  std::lock_guard<std::mutex> lock(mu_);  // after any call in flight
+  if (fd_ >= 0) {
+    net::close_fd(fd_);
+    fd_ = -1;
+    unusable_ = "closed by this process (meshcoll.destroy or close)";
+  }
+  if (!server_) return true;
+  bool unused = server_->wait_until_unused(timeout);
+  server_->stop();
+  return unused;
+}
+
 std::string TcpStore::describe() const {
   return str_cat("store at ", net::Endpoint{host_, port_}.str());
 }
@@ -360,33 +388,37 @@ std::string TcpStore::describe() const {
 std::string TcpStore::local_host() const { return net::local_host(fd_); }
 
 Deadline TcpStore::call_deadline(Millis server_wait) const {
-  // A waiting call gets the server's wait plus slack for the network.
+  // A waiting call gets the server's wait plus slack for the reply to travel; a short one,
+  // so that a stopped store host fails the call about when its own timeout says (Note
+  // [Store deadlines]).
   if (server_wait.count() < 0) return Deadline();
-  return Deadline(server_wait + timeout_);
+  return Deadline(server_wait + std::min(timeout_, Millis(1000)));
 }
 
 void TcpStore::recv_exact(void* buf, size_t n, const Deadline& d) {
   try {
     net::recv_all(fd_, buf, n, d, describe());
   } catch (const PeerError&) {
-    broken_ = true;
-    throw PeerError(str_cat(describe(), " closed the connection: the store server (usually "
-                                        "rank 0) has exited or crashed"));
+    unusable_ = str_cat(describe(), " closed the connection: the store server (usually rank 0) "
+                        "has exited or crashed");
+    throw PeerError(unusable_);
   } catch (const TimeoutError&) {
-    broken_ = true;
-    throw;
+    unusable_ = str_cat(describe(), " did not answer within ", d.timeout().count(),
+                        " ms: the store server (usually rank 0) is stopped, overloaded or "
+                        "unreachable");
+    throw TimeoutError(unusable_);
   }
 }
 
 void TcpStore::send_request(const Request& req, const Deadline& d) {
-  if (broken_ || fd_ < 0)
-    throw PeerError(str_cat(describe(), ": connection unusable after an earlier error"));
+  if (!unusable_.empty())
+    throw PeerError(str_cat(describe(), ": connection unusable: ", unusable_));
   try {
     net::send_all(fd_, req.bytes().data(), req.bytes().size(), d, describe());
   } catch (const Error&) {
-    broken_ = true;
-    throw PeerError(str_cat(describe(), " closed the connection: the store server (usually "
-                                        "rank 0) has exited or crashed"));
+    unusable_ = str_cat(describe(), " closed the connection: the store server (usually rank 0) "
+                        "has exited or crashed");
+    throw PeerError(unusable_);
   }
 }
 
@@ -404,11 +436,11 @@ void TcpStore::recv_status(const char* what, const std::string& key, const Deadl
     throw Error(str_cat(describe(), ": ", what, "(", key, ") failed on the server"));
 }
 
-void TcpStore::set(const std::string& key, const Bytes& value) {
+void TcpStore::set(const std::string& key, const Bytes& value, Millis timeout) {
   std::lock_guard<std::mutex> lock(mu_);
-  Deadline d(timeout_);
+  Deadline d(timeout);
   send_request(Request(wire::QueryType::kSet).str(key).str(value), d);
-  recv_status("set", key, d, timeout_);
+  recv_status("set", key, d, timeout);
 }
 
 Bytes TcpStore::get(const std::string& key, Millis timeout) {
@@ -459,14 +491,14 @@ void TcpStore::wait(const std::vector<std::string>& keys, Millis timeout) {
   recv_status("wait", names, d, timeout);
 }
 
-bool TcpStore::check(const std::vector<std::string>& keys) {
+bool TcpStore::check(const std::vector<std::string>& keys, Millis timeout) {
   std::lock_guard<std::mutex> lock(mu_);
-  Deadline d(timeout_);
+  Deadline d(timeout);
   Request req(wire::QueryType::kCheck);
   req.pod<uint32_t>(static_cast<uint32_t>(keys.size()));
   for (const auto& k : keys) req.str(k);
   send_request(req, d);
-  recv_status("check", "", d, timeout_);
+  recv_status("check", "", d, timeout);
   uint8_t all = 0;
   recv_exact(&all, 1, d);
   return all != 0;

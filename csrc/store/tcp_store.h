@@ -22,6 +22,8 @@ class TcpStoreServer {
   TcpStoreServer(const std::string& host, int port, std::string token);
   ~TcpStoreServer();
   int port() const { return port_; }
+  // Waits until no authenticated client is connected, or `timeout` passes; true if none is.
+  bool wait_until_unused(Millis timeout);
   void stop();
 
  private:
@@ -40,6 +42,7 @@ class TcpStoreServer {
   std::condition_variable cv_;
   std::map<std::string, Bytes> data_;
   std::vector<int> client_fds_;
+  int clients_ = 0;  // connections past the hello, i.e. the store's users
   // Serving threads; finished ones (their id in done_) are joined by the acceptor, so a
   // stream of short connections does not pile up thread stacks.
   std::map<std::thread::id, std::thread> client_threads_;
@@ -52,12 +55,14 @@ class TcpStore : public Store {
   TcpStore(const std::string& host, int port, bool is_server, Millis timeout, std::string token);
   ~TcpStore() override;
 
-  void set(const std::string& key, const Bytes& value) override;
+  using Store::check;
+  using Store::set;
+  void set(const std::string& key, const Bytes& value, Millis timeout) override;
   Bytes get(const std::string& key, Millis timeout) override;
   int64_t add(const std::string& key, int64_t delta) override;
   Bytes compare_set(const std::string& key, const Bytes& expected, const Bytes& desired) override;
   void wait(const std::vector<std::string>& keys, Millis timeout) override;
-  bool check(const std::vector<std::string>& keys) override;
+  bool check(const std::vector<std::string>& keys, Millis timeout) override;
   bool delete_key(const std::string& key) override;
   int64_t num_keys() override;
   Millis timeout() const override { return timeout_; }
@@ -66,6 +71,11 @@ class TcpStore : public Store {
   const std::string& host() const { return host_; }
   // Local address of the connection to the server: the interface that reaches the master.
   std::string local_host() const;
+  // Note [Store teardown]: says goodbye. Closes this client's connection (later calls raise);
+  // a store that hosts the server then keeps serving until every other client has closed
+  // its connection too (their owner called close, or exited), at most `timeout`, and stops
+  // it. Returns false if clients were still connected when the timeout passed.
+  bool close(Millis timeout);
 
  private:
   class Request;
@@ -81,7 +91,9 @@ class TcpStore : public Store {
   std::unique_ptr<TcpStoreServer> server_;
   std::mutex mu_;
   int fd_ = -1;
-  bool broken_ = false;  // after a client-side timeout the stream is out of step
+  // Why the connection cannot carry another call ("": it can): after a client-side timeout
+  // the stream is out of step; after close() it is gone.
+  std::string unusable_;
 };
 
 }  // namespace meshcoll::store
