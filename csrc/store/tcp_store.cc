@@ -337,19 +337,22 @@ class TcpStore::Request {
 
 TcpStore::TcpStore(const std::string& host, int port, bool is_server, Millis timeout,
                    std::string token)
-    : host_(host), port_(port), timeout_(timeout) {
+    : host_(host), token_(std::move(token)), port_(port), timeout_(timeout) {
   if (is_server) {
-    server_ = std::make_unique<TcpStoreServer>(host, port, token);
+    server_ = std::make_unique<TcpStoreServer>(host, port, token_);
     port_ = server_->port();
   }
-  std::string connect_host = (host.empty() || host == "0.0.0.0") ? "127.0.0.1"
-                             : host == "::" ? "::1" : host;
-  Deadline d(timeout_);
+  connect(Deadline(timeout_));
+}
+
+void TcpStore::connect(const Deadline& d) {
+  std::string connect_host = (host_.empty() || host_ == "0.0.0.0") ? "127.0.0.1"
+                             : host_ == "::" ? "::1" : host_;
   fd_ = net::connect_to(connect_host, port_, d, "meshcoll store client");
   try {
-    wire::Hello hello{wire::kMagic, wire::kVersion, static_cast<uint16_t>(token.size())};
+    wire::Hello hello{wire::kMagic, wire::kVersion, static_cast<uint16_t>(token_.size())};
     net::send_all(fd_, &hello, sizeof(hello), d, describe());
-    net::send_all(fd_, token.data(), token.size(), d, describe());
+    net::send_all(fd_, token_.data(), token_.size(), d, describe());
     wire::HelloReply reply{};
     recv_exact(&reply, sizeof(reply), d);
     std::string msg(reply.message_len, '\0');
@@ -374,6 +377,7 @@ bool TcpStore::close(Millis timeout) {
     net::close_fd(fd_);
     fd_ = -1;
     unusable_ = "closed by this process (meshcoll.destroy or close)";
+    reconnect_ = false;
   }
   if (!server_) return true;
   bool unused = server_->wait_until_unused(timeout);
@@ -401,23 +405,31 @@ void TcpStore::recv_exact(void* buf, size_t n, const Deadline& d) {
   } catch (const PeerError&) {
     unusable_ = str_cat(describe(), " closed the connection: the store server (usually rank 0) "
                         "has exited or crashed");
+    reconnect_ = false;
     throw PeerError(unusable_);
   } catch (const TimeoutError&) {
     unusable_ = str_cat(describe(), " did not answer within ", d.timeout().count(),
                         " ms: the store server (usually rank 0) is stopped, overloaded or "
                         "unreachable");
+    reconnect_ = true;
     throw TimeoutError(unusable_);
   }
 }
 
 void TcpStore::send_request(const Request& req, const Deadline& d) {
-  if (!unusable_.empty())
-    throw PeerError(str_cat(describe(), ": connection unusable: ", unusable_));
+  if (!unusable_.empty()) {
+    if (!reconnect_) throw PeerError(str_cat(describe(), ": connection unusable: ", unusable_));
+    net::close_fd(fd_);
+    fd_ = -1;
+    connect(d);  // on failure, as unusable as before (or more: a closed connection)
+    unusable_.clear();
+  }
   try {
     net::send_all(fd_, req.bytes().data(), req.bytes().size(), d, describe());
   } catch (const Error&) {
     unusable_ = str_cat(describe(), " closed the connection: the store server (usually rank 0) "
                         "has exited or crashed");
+    reconnect_ = false;
     throw PeerError(unusable_);
   }
 }

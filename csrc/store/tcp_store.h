@@ -79,6 +79,7 @@ class TcpStore : public Store {
 
  private:
   class Request;
+  void connect(const Deadline& d);  // opens fd_ and says hello
   void send_request(const Request& req, const Deadline& d);
   void recv_status(const char* what, const std::string& key, const Deadline& d, Millis waited);
   void recv_exact(void* buf, size_t n, const Deadline& d);
@@ -86,6 +87,7 @@ class TcpStore : public Store {
   std::string describe() const;
 
   std::string host_;
+  std::string token_;
   int port_;
   Millis timeout_;
   std::unique_ptr<TcpStoreServer> server_;
@@ -94,6 +96,9 @@ class TcpStore : public Store {
   // Why the connection cannot carry another call ("": it can): after a client-side timeout
   // the stream is out of step; after close() it is gone.
   std::string unusable_;
+  // Unusable after a client-side timeout only: the server may be fine again (it was stopped
+  // or overloaded for a while), so the next call opens a new connection.
+  bool reconnect_ = false;
 };
 
 }  // namespace meshcoll::store

@@ -6,8 +6,9 @@
 - a rank killed (kill -9) inside shared-memory setup leaves nothing in /dev/shm, and the
   survivors get an error naming it;
 - ranks that destroy() with no barrier never break a peer still using rank 0's store;
-- a stopped (SIGSTOP) store host makes a collective with a 3 s timeout fail in about 3 s
-  (its census has its own short deadline), not after the store's own timeout.
+- a stopped (SIGSTOP) store host makes a collective with a 3 s timeout fail in about 4.5 s
+  (its census has its own short deadline), not after the store's own timeout; resumed, the
+  store serves everyone again.
 
 Ranks here set their own environment before meshcoll reads it (per-rank settings), or host
 the store on rank 0 (teardown), so they start through ``spawn`` rather than ``launch``.
@@ -168,6 +169,7 @@ def test_destroy_without_a_barrier_never_breaks_a_peer(world):
 
 def _store_host_stops(rank, port, token):
     import meshcoll
+    from meshcoll.monitor import monitored_barrier
     os.environ["MESHCOLL_TOKEN"] = token
     pg = meshcoll.init(rank=rank, world_size=3, master_addr="127.0.0.1", master_port=port,
                        timeout=30)
@@ -183,6 +185,13 @@ def _store_host_stops(rank, port, token):
         out = (type(e).__name__, str(e), time.monotonic() - t0)
     if rank == 1:
         os.kill(int(pids[0][0]), signal.SIGCONT)
+    # The store works again for everyone, though the census left the survivors' connections
+    # out of step: they reconnect.
+    try:
+        monitored_barrier(timeout=10)
+        out += ("store ok",)
+    except meshcoll.MeshcollError as e:
+        out += (str(e),)
     meshcoll.destroy()
     return out
 
@@ -191,9 +200,10 @@ def test_a_stopped_store_host_fails_calls_within_their_own_timeout():
     before = _segments()
     res = spawn(3, _store_host_stops, free_port(), secrets.token_hex(8), timeout=90)
     for rank in (1, 2):
-        kind, msg, elapsed = res[rank]
+        kind, msg, elapsed, _ = res[rank]
         assert kind == "TimeoutError", (rank, kind, msg)
         assert elapsed < 5.5, (rank, elapsed, msg)
+    assert [r[3] for r in res] == ["store ok"] * 3, res
     # Rank 0's own call, once resumed, is item 5's (a resumed peer must find the operation
     # closed): not judged here.
     assert _segments() - before == set()
