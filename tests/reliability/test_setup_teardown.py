@@ -158,11 +158,52 @@ def _mesh_then_destroy(rank, world, port, token):
     return bool(np.allclose(x, want))
 
 
-@pytest.mark.parametrize("world", [4, 8])
-def test_destroy_without_a_barrier_never_breaks_a_peer(world):
-    res = spawn(world, _mesh_then_destroy, world, free_port(), secrets.token_hex(8),
-                timeout=90)
-    assert res == [True] * world
+def test_destroy_without_a_barrier_never_breaks_a_peer():
+    res = spawn(8, _mesh_then_destroy, 8, free_port(), secrets.token_hex(8), timeout=90)
+    assert res == [True] * 8
+
+
+def test_store_close_serves_until_the_other_clients_leave():
+    import threading
+    import meshcoll
+    host = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=5)
+    client = meshcoll.TCPStore("127.0.0.1", host.port, timeout=5)
+    threading.Timer(0.3, client.close).start()
+    t0 = time.monotonic()
+    assert host.close() is True  # returned when the client left, not at the 5 s timeout
+    assert 0.25 < time.monotonic() - t0 < 3
+    with pytest.raises(meshcoll.PeerError, match="closed by this process"):
+        host.set("k", b"v")  # said goodbye: no more calls
+    # A client that never leaves: the host stops serving at the timeout, and says so.
+    host = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=5)
+    client = meshcoll.TCPStore("127.0.0.1", host.port, timeout=5)
+    assert host.close(timeout=0.3) is False
+    with pytest.raises(meshcoll.PeerError, match="closed the connection"):
+        client.set("k", b"v")
+
+
+def _destroy_while_a_peer_waits(pg):
+    import meshcoll
+    g = pg.new_group([0, 1])
+    t0 = time.monotonic()
+    if pg.rank == 0:
+        g.destroy()  # and stays alive: its connections close now, not at its exit
+        out = ("destroyed", "", 0.0)
+    else:
+        try:
+            g.all_reduce(np.ones(10), timeout=20)
+            out = ("no error", "", 0.0)
+        except meshcoll.MeshcollError as e:
+            out = (type(e).__name__, str(e), time.monotonic() - t0)
+    pg.barrier(timeout=30)
+    return out
+
+
+def test_a_peer_waiting_on_a_destroyed_group_fails_at_once(run_ranks):
+    res = run_ranks(2, _destroy_while_a_peer_waits)
+    kind, msg, elapsed = res[1]
+    assert kind == "PeerError" and "rank 0" in msg, res[1]
+    assert elapsed < 5, res[1]
 
 
 # ---- item 13: a stopped store host -----------------------------------------------------
