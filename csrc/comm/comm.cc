@@ -126,8 +126,8 @@ void Comm::shutdown() {
   if (worker_.joinable()) worker_.join();
   // Nothing runs on the group any more: close its connections now, not when the last Python
   // reference goes, so a peer still waiting for this rank on this group fails at once
-  // (PeerError) instead of at its timeout, and gives up its store connection, which the
-  // store's host waits for (Note [Store teardown]).
+  // (PeerError) instead of at its timeout; it then leaves too, which the store's host may be
+  // waiting for (Note [Store teardown]).
   transport_.reset();
 }
 
@@ -397,8 +397,8 @@ void Comm::fail_group(std::exception_ptr error) {
 //
 // It has its own deadlines, store calls included (Note [Store deadlines]): a stopped store host
 // must not hold the timeout's error for the store's own timeout. The census waits 1.5 s for
-// the others; a store call, answered in microseconds by a working store, gets 0.5 s (a
-// client-side timeout leaves the store's connection unusable, so not less).
+// the others; a store call, answered in microseconds by a working store, gets 0.5 s (not
+// less: a client-side timeout costs the connection, reopened at the next call).
 std::string Comm::census(uint64_t seq) {
   const Deadline until(Millis(1500));
   const Millis call(500);

@@ -71,10 +71,16 @@ class TcpStore : public Store {
   const std::string& host() const { return host_; }
   // Local address of the connection to the server: the interface that reaches the master.
   std::string local_host() const;
-  // Note [Store teardown]: says goodbye. Closes this client's connection (later calls raise);
-  // a store that hosts the server then keeps serving until every other client has closed
-  // its connection too (their owner called close, or exited), at most `timeout`, and stops
-  // it. Returns false if clients were still connected when the timeout passed.
+  // Note [Store teardown]
+  // Rank 0 hosts the store, and ranks are not in step: rank 0 may be done (its groups made,
+  // its calls returned) while others still rendezvous through the store, e.g. for a subgroup
+  // without rank 0. So destroy says goodbye instead of just dropping the store: close()
+  // closes this client's connection (later calls raise), and a store that hosts the server
+  // keeps serving until every other client has closed its connection too (its owner called
+  // close, or exited), at most `timeout`, then stops. Returns false if clients were still
+  // connected when the timeout passed. This cannot turn into a wait on a peer that waits for
+  // us: destroy closes the groups' connections first (Comm::shutdown), so a peer still in a
+  // collective with this rank fails at once and leaves.
   bool close(Millis timeout);
 
  private:
