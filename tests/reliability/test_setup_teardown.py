@@ -7,8 +7,8 @@
   survivors get an error naming it;
 - ranks that destroy() with no barrier never break a peer still using rank 0's store;
 - a stopped (SIGSTOP) store host makes a collective with a 3 s timeout fail in about 4.5 s
-  (its census has its own short deadline), not after the store's own timeout; resumed, the
-  store serves everyone again.
+  (its census has its own short deadline), and new_group(timeout=2) in about 2 s, not after
+  the store's own timeout; resumed, the store serves everyone again.
 
 Ranks here set their own environment before meshcoll reads it (per-rank settings), or host
 the store on rank 0 (teardown), so they start through ``spawn`` rather than ``launch``.
@@ -224,7 +224,13 @@ def _store_host_stops(rank, port, token):
         out = ("no error", "", time.monotonic() - t0)
     except meshcoll.MeshcollError as e:
         out = (type(e).__name__, str(e), time.monotonic() - t0)
-    if rank == 1:
+    if rank == 2:  # creating a group needs the store: bounded by the group's own timeout
+        t0 = time.monotonic()
+        try:
+            pg.new_group([1, 2], timeout=2)
+            out += ("no error", time.monotonic() - t0)
+        except meshcoll.MeshcollError as e:
+            out += (type(e).__name__, time.monotonic() - t0)
         os.kill(int(pids[0][0]), signal.SIGCONT)
     # The store works again for everyone, though the census left the survivors' connections
     # out of step: they reconnect.
@@ -241,10 +247,12 @@ def test_a_stopped_store_host_fails_calls_within_their_own_timeout():
     before = _segments()
     res = spawn(3, _store_host_stops, free_port(), secrets.token_hex(8), timeout=90)
     for rank in (1, 2):
-        kind, msg, elapsed, _ = res[rank]
+        kind, msg, elapsed = res[rank][:3]
         assert kind == "TimeoutError", (rank, kind, msg)
         assert elapsed < 5.5, (rank, elapsed, msg)
-    assert [r[3] for r in res] == ["store ok"] * 3, res
+    kind, elapsed = res[2][3:5]
+    assert kind == "TimeoutError" and elapsed < 4, res[2]
+    assert [r[-1] for r in res] == ["store ok"] * 3, res
     # Rank 0's own call, once resumed, is item 5's (a resumed peer must find the operation
     # closed): not judged here.
     assert _segments() - before == set()
