@@ -8,9 +8,57 @@
 #include <unistd.h>
 
 #include "common/check.h"
+#include "store/exchange.h"
 #include "transport/tcp/tcp_transport.h"
 
 namespace meshcoll::comm {
+
+namespace {
+// The values of a list of "name\tvalue\n" lines.
+std::vector<std::string> values_of(const std::string& list) {
+  std::vector<std::string> out;
+  for (size_t at = 0; at < list.size();) {
+    size_t tab = list.find('\t', at), end = list.find('\n', at);
+    out.push_back(list.substr(tab + 1, end - tab - 1));
+    at = end + 1;
+  }
+  return out;
+}
+
+// Note [Shared settings] in comm.h.
+void agree_on_shared(store::Store& store, int rank, int size, const CommOptions& opts,
+                     const Deadline& d, const store::WaitCheck& died) {
+  std::string mine;
+  for (const auto& [name, value] : opts.shared) mine += str_cat(name, "\t", value, "\n");
+  auto all = store::exchange(store, "settings", rank, size, mine, d, died);
+  if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == mine; }))
+    return;
+  // Every rank runs this code, so every list names the same settings in the same order.
+  std::vector<std::vector<std::string>> values;
+  for (const auto& list : all) values.push_back(values_of(list));
+  std::string wrong;
+  for (size_t i = 0; i < opts.shared.size(); ++i) {
+    std::vector<std::pair<std::string, std::string>> held;  // value, its ranks
+    for (int r = 0; r < size; ++r) {
+      const std::string v = i < values[r].size() ? values[r][i] : "(unknown)";
+      auto it = std::find_if(held.begin(), held.end(), [&](const auto& h) { return h.first == v; });
+      if (it == held.end()) {
+        held.push_back({v, str_cat("rank ", r)});
+      } else {
+        it->second += str_cat(", ", r);
+      }
+    }
+    if (held.size() < 2) continue;
+    wrong += str_cat(wrong.empty() ? "" : "; ", opts.shared[i].first, " is ");
+    for (size_t h = 0; h < held.size(); ++h)
+      wrong += str_cat(h ? " but " : "", held[h].first, " on ", held[h].second);
+  }
+  throw MismatchError(str_cat("rank ", rank, ": the ranks of this group disagree on settings "
+                              "they must share: ", wrong, ". Every rank of a group must use "
+                              "the same value: set it alike in every rank's environment (or "
+                              "pass the same argument)"));
+}
+}  // namespace
 
 Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOptions& opts,
            uint64_t comm_id, Ledger* ledger)
@@ -25,9 +73,17 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
   transport_ = std::make_unique<transport::TcpTransport>(rank, size, *store_, topts, &describe_op,
                                                          Deadline(opts.timeout));
   Deadline setup(opts.timeout);
+  auto died = [this](const std::vector<int>& missing) {
+    transport_->poll_once();
+    for (int p : missing)
+      if (transport_->peer_closed(p))
+        throw PeerError(str_cat("rank ", rank_, ": rank ", p, " closed its connection while "
+                                "this group was being set up: rank ", p, " exited or crashed"));
+  };
+  if (size > 1) agree_on_shared(*store_, rank, size, opts, setup, died);
   if (size > 1 && opts.transport != "tcp") {
     std::string why;
-    shm_ = transport::ShmGroup::create(rank, size, *store_, opts.shm_bytes, setup, &why);
+    shm_ = transport::ShmGroup::create(rank, size, *store_, opts.shm_bytes, setup, died, &why);
     if (!shm_ && opts.transport == "shm")
       throw Error(str_cat("rank ", rank, ": MESHCOLL_TRANSPORT=shm but shared memory is not usable: ",
                           why));
@@ -70,6 +126,11 @@ void Comm::shutdown() {
   }
   cv_.notify_all();
   if (worker_.joinable()) worker_.join();
+  // Nothing runs on the group any more: close its connections now, not when the last Python
+  // reference goes, so a peer still waiting for this rank on this group fails at once
+  // (PeerError) instead of at its timeout; it then leaves too, which the store's host may be
+  // waiting for (Note [Store teardown]).
+  transport_.reset();
 }
 
 std::shared_ptr<CpuWork> Comm::push(Item item) {
@@ -321,25 +382,31 @@ void Comm::fail_group(std::exception_ptr error) {
 // ones (an algorithm lets some finish a collective while others still wait in it, and those
 // go on to the next call), so a rank that reported from a later operation had passed this
 // one, and one that reported from an earlier operation was still there.
+//
+// It has its own deadlines, store calls included (Note [Store deadlines]): a stopped store host
+// must not hold the timeout's error for the store's own timeout. The census waits 1.5 s for
+// the others; a store call, answered in microseconds by a working store, gets 0.5 s (not
+// less: a client-side timeout costs the connection, reopened at the next call).
 std::string Comm::census(uint64_t seq) {
+  const Deadline until(Millis(1500));
+  const Millis call(500);
   try {
     const std::string base = "census/";
     const std::string mine = std::to_string(seq);
-    store_->set(base + std::to_string(rank_), store::Bytes(mine.begin(), mine.end()));
-    auto until = Clock::now() + Millis(1500);
+    store_->set(base + std::to_string(rank_), store::Bytes(mine.begin(), mine.end()), call);
     std::vector<int> silent;
     for (;;) {
       silent.clear();
       for (int r = 0; r < size_; ++r)
-        if (!store_->check({base + std::to_string(r)})) silent.push_back(r);
-      if (silent.empty() || Clock::now() >= until) break;
+        if (!store_->check({base + std::to_string(r)}, call)) silent.push_back(r);
+      if (silent.empty() || until.expired()) break;
       std::this_thread::sleep_for(Millis(20));
     }
     std::string never, behind;
     for (int r : silent) never += str_cat(never.empty() ? "" : ", ", global_rank(r));
     for (int r = 0; r < size_; ++r) {
       if (std::find(silent.begin(), silent.end(), r) != silent.end()) continue;
-      store::Bytes b = store_->get(base + std::to_string(r), Millis(1000));
+      store::Bytes b = store_->get(base + std::to_string(r), call);
       uint64_t theirs = std::stoull(std::string(b.begin(), b.end()));
       if (theirs < seq)
         behind += str_cat(behind.empty() ? "" : ", ", global_rank(r), " (at seq ", theirs, ")");
@@ -351,8 +418,8 @@ std::string Comm::census(uint64_t seq) {
     if (!behind.empty())
       out += str_cat("; rank(s) ", behind, " were still in an earlier operation of this group");
     return out;
-  } catch (const std::exception&) {
-    return "";  // the store is gone too (rank 0 died): nothing more to learn
+  } catch (const std::exception& e) {
+    return str_cat("; no census: ", e.what());  // the store's host is stopped or gone too
   }
 }
 

@@ -1,5 +1,8 @@
 #include "common/config.h"
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <mutex>
 
 #include "common/check.h"
@@ -31,6 +34,10 @@ void set_config(const Config& c) {
                "for no cap)");
   std::lock_guard<std::mutex> lock(config_mu());
   current() = c;
+}
+
+void fault_point(const std::string& point) {
+  if (config().fault == "kill@" + point) ::kill(::getpid(), SIGKILL);
 }
 
 }  // namespace meshcoll

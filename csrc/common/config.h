@@ -8,7 +8,7 @@
 // variable), so C++ programs that do not go through Python (bench/cpp) behave the same; a
 // bench that honours a variable reads it in its main and calls set_config.
 //
-// When a field takes effect: host_id and cma when a communicator sets up shared memory,
+// When a field takes effect: host_id, cma and fault when a communicator sets up shared memory,
 // simd when the kernel table is first built (the first reduction), nccl_* when NCCL is
 // loaded or split.
 #pragma once
@@ -25,11 +25,20 @@ struct Config {
   std::string nccl_library;  // MESHCOLL_NCCL_LIBRARY: libnccl.so.2 to try first ("": none)
   bool nccl_split = true;    // MESHCOLL_NCCL_SPLIT: subgroups through ncclCommSplit where available
   bool abort_on_error = false;  // MESHCOLL_ON_ERROR=abort: a failed group ends the process
+  // MESHCOLL_FAULT, for fault-injection tests: "kill@<point>" makes this process SIGKILL
+  // itself when it reaches fault_point(<point>) ("": never).
+  std::string fault;
 };
 
 // A copy, taken under a lock: set_config may run while other threads read.
 Config config();
 // InvalidArgument for a value no field accepts (simd other than the three levels or "").
 void set_config(const Config& c);
+
+// Fault injection (Config::fault): the points are the steps of a group's setup, named by
+// their store keys (store/exchange.h): "settings" (Note [Shared settings] in comm/comm.h),
+// then "shm/host", "shm/created", "shm/mapped", "shm/cma" (Note [Shared-memory lifetime]),
+// each reached right after this rank published its value for the step.
+void fault_point(const std::string& point);
 
 }  // namespace meshcoll

@@ -36,7 +36,8 @@ void bind_comm(py::module_& m) {
       .def(py::init([](std::shared_ptr<store::Store> store, int rank, int size, double timeout_s,
                        const std::string& bind_host, const std::string& token, uint64_t comm_id,
                        const std::string& transport, size_t shm_bytes, bool debug,
-                       std::vector<int> global_ranks) {
+                       std::vector<int> global_ranks,
+                       std::vector<std::pair<std::string, std::string>> shared) {
              if (transport != "auto" && transport != "shm" && transport != "tcp")
                throw py::value_error(str_cat("MESHCOLL_TRANSPORT must be auto, shm or tcp, got '",
                                              transport, "'"));
@@ -48,13 +49,17 @@ void bind_comm(py::module_& m) {
              o.token = token;
              o.debug = debug;
              o.global = RankNames(std::move(global_ranks));
+             o.shared = std::move(shared);
              py::gil_scoped_release nogil;
              return std::make_shared<cpu::CpuBackend>(store, rank, size, o, comm_id);
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("bind_host"), py::arg("token"), py::arg("comm_id"), py::arg("transport") = "auto",
            py::arg("shm_bytes") = size_t(4) << 20, py::arg("debug") = false,
-           py::arg("global_ranks") = std::vector<int>())
+           py::arg("global_ranks") = std::vector<int>(),
+           py::arg("shared") = std::vector<std::pair<std::string, std::string>>(),
+           "`shared`: (name, value) of each setting every rank must share (Note [Shared "
+           "settings] in csrc/comm/comm.h)")
       .def("set_hierarchy", [](cpu::CpuBackend& b, std::shared_ptr<cpu::CpuBackend> local,
                                std::shared_ptr<cpu::CpuBackend> leaders, std::vector<int> hosts) {
              b.set_hierarchy(cpu::Hierarchy::make(std::move(local), std::move(leaders),

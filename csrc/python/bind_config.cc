@@ -27,6 +27,7 @@ Config from_python(py::handle c) {
   out.nccl_library = c.attr("nccl_library").cast<std::string>();
   out.nccl_split = c.attr("nccl_split").cast<bool>();
   out.abort_on_error = c.attr("abort_on_error").cast<bool>();
+  out.fault = c.attr("fault").cast<std::string>();
   return out;
 }
 
@@ -57,12 +58,13 @@ void bind_config(py::module_& m) {
       .def_readwrite("nccl_library", &Config::nccl_library)
       .def_readwrite("nccl_split", &Config::nccl_split)
       .def_readwrite("abort_on_error", &Config::abort_on_error)
+      .def_readwrite("fault", &Config::fault)
       .def("__repr__", [](const Config& c) {
         auto b = [](bool v) { return v ? "True" : "False"; };
         return str_cat("Config(host_id='", c.host_id, "', cma=", b(c.cma), ", simd='", c.simd,
                        "', nccl_trace=", b(c.nccl_trace), ", nccl_library='", c.nccl_library,
                        "', nccl_split=", b(c.nccl_split), ", abort_on_error=",
-                       b(c.abort_on_error), ")");
+                       b(c.abort_on_error), ", fault='", c.fault, "')");
       });
   m.def("config", &config, "A copy of the settings in force.");
   m.def("set_config", [](py::handle c) { set_config(from_python(c)); }, py::arg("config"),

@@ -30,11 +30,15 @@ void bind_store(py::module_& m) {
   using store::Store;
   py::class_<Store, std::shared_ptr<Store>>(m, "Store",
                                             "Key-value store for rendezvous. Values are bytes.")
-      .def("set", [](Store& s, const std::string& k, const py::object& v) {
+      .def("set", [](Store& s, const std::string& k, const py::object& v,
+                     const py::object& timeout) {
              auto b = to_bytes(v);
+             Millis t = to_ms(timeout, s.timeout());
              py::gil_scoped_release nogil;
-             s.set(k, b);
-           }, py::arg("key"), py::arg("value"))
+             s.set(k, b, t);
+           }, py::arg("key"), py::arg("value"), py::arg("timeout") = py::none(),
+           "Sets key; TimeoutError if the store does not answer within timeout seconds "
+           "(default: the store's).")
       .def("get", [](Store& s, const std::string& k, const py::object& timeout) {
              Millis t = to_ms(timeout, s.timeout());
              store::Bytes b;
@@ -63,10 +67,14 @@ void bind_store(py::module_& m) {
              py::gil_scoped_release nogil;
              s.wait(keys, t);
            }, py::arg("keys"), py::arg("timeout") = py::none())
-      .def("check", [](Store& s, const std::vector<std::string>& keys) {
+      .def("check", [](Store& s, const std::vector<std::string>& keys,
+                       const py::object& timeout) {
+             Millis t = to_ms(timeout, s.timeout());
              py::gil_scoped_release nogil;
-             return s.check(keys);
-           }, py::arg("keys"))
+             return s.check(keys, t);
+           }, py::arg("keys"), py::arg("timeout") = py::none(),
+           "Whether every key is set, without waiting for them; TimeoutError if the store "
+           "does not answer within timeout seconds (default: the store's).")
       .def("delete_key", [](Store& s, const std::string& k) {
              py::gil_scoped_release nogil;
              return s.delete_key(k);
@@ -88,6 +96,15 @@ void bind_store(py::module_& m) {
            }),
            py::arg("host"), py::arg("port"), py::kw_only(), py::arg("is_server") = false,
            py::arg("timeout") = py::none(), py::arg("token") = py::none())
+      .def("close", [](store::TcpStore& s, const py::object& timeout) {
+             Millis t = to_ms(timeout, s.timeout());
+             py::gil_scoped_release nogil;
+             return s.close(t);
+           }, py::arg("timeout") = py::none(),
+           "Says goodbye (Note [Store teardown]): closes this client's connection; a store "
+           "that hosts the server first waits until every other client has closed its own "
+           "(at most timeout seconds, default the store's), then stops serving. False if "
+           "clients were still connected when the timeout passed.")
       .def_property_readonly("port", &store::TcpStore::port)
       .def_property_readonly("host", &store::TcpStore::host)
       .def_property_readonly("local_host", &store::TcpStore::local_host);

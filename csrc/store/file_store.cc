@@ -138,8 +138,9 @@ std::string preview(const Bytes& v) {
 // The process mutex and the file's record lock, released in the reverse order.
 class FileStore::Locked {
  public:
-  explicit Locked(const FileStore& s) : guard_(process_mutex()), fd_(s.fd_) {
-    lock_file(fd_, s.describe(), s.timeout_);
+  explicit Locked(const FileStore& s) : Locked(s, s.timeout_) {}
+  Locked(const FileStore& s, Millis timeout) : guard_(process_mutex()), fd_(s.fd_) {
+    lock_file(fd_, s.describe(), timeout);
   }
   ~Locked() { unlock_file(fd_); }
   Locked(const Locked&) = delete;
@@ -367,12 +368,12 @@ void FileStore::poll_until(const Deadline& d, Ready ready, const char* what,
   }
 }
 
-void FileStore::set(const std::string& key, const Bytes& value) {
+void FileStore::set(const std::string& key, const Bytes& value, Millis timeout) {
   check_key("set", key, true);
   if (value.size() > kMaxValueBytes)
     throw InvalidArgument(str_cat(describe(), ": set(", key, "): value of ", value.size(),
                                   " bytes exceeds ", kMaxValueBytes));
-  Locked lock(*this);
+  Locked lock(*this, timeout);
   refresh();
   append(kOpSet, key, value);
 }
@@ -421,9 +422,9 @@ void FileStore::wait(const std::vector<std::string>& keys, Millis timeout) {
   }, "wait", keys);
 }
 
-bool FileStore::check(const std::vector<std::string>& keys) {
+bool FileStore::check(const std::vector<std::string>& keys, Millis timeout) {
   for (const auto& k : keys) check_key("check", k, false);
-  Locked lock(*this);
+  Locked lock(*this, timeout);
   refresh();
   for (const auto& k : keys)
     if (!data_.count(k)) return false;

@@ -44,12 +44,14 @@ class FileStore : public Store {
   FileStore(const FileStore&) = delete;
   FileStore& operator=(const FileStore&) = delete;
 
-  void set(const std::string& key, const Bytes& value) override;
+  using Store::check;
+  using Store::set;
+  void set(const std::string& key, const Bytes& value, Millis timeout) override;
   Bytes get(const std::string& key, Millis timeout) override;
   int64_t add(const std::string& key, int64_t delta) override;
   Bytes compare_set(const std::string& key, const Bytes& expected, const Bytes& desired) override;
   void wait(const std::vector<std::string>& keys, Millis timeout) override;
-  bool check(const std::vector<std::string>& keys) override;
+  bool check(const std::vector<std::string>& keys, Millis timeout) override;
   bool delete_key(const std::string& key) override;
   int64_t num_keys() override;  // not counting kUsersKey
   Millis timeout() const override { return timeout_; }

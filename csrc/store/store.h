@@ -15,10 +15,17 @@ namespace meshcoll::store {
 
 using Bytes = std::vector<uint8_t>;
 
+// Note [Store deadlines]
+// Every call is bounded. Calls that wait for keys (get, wait) take their own timeout; the
+// others answer at once unless the store's host is stopped, overloaded or gone, and are
+// bounded by the store's default timeout, except set and check, which also take one: group
+// setup bounds them by the group's deadline and a timeout's census by its own short one, so
+// a stopped store host fails a call within that call's own timeout (plus a little).
 class Store {
  public:
   virtual ~Store() = default;
-  virtual void set(const std::string& key, const Bytes& value) = 0;
+  virtual void set(const std::string& key, const Bytes& value, Millis timeout) = 0;
+  void set(const std::string& key, const Bytes& value) { set(key, value, timeout()); }
   // Waits until the key exists (TimeoutError after `timeout`).
   virtual Bytes get(const std::string& key, Millis timeout) = 0;
   virtual int64_t add(const std::string& key, int64_t delta) = 0;
@@ -27,7 +34,8 @@ class Store {
   virtual Bytes compare_set(const std::string& key, const Bytes& expected,
                             const Bytes& desired) = 0;
   virtual void wait(const std::vector<std::string>& keys, Millis timeout) = 0;
-  virtual bool check(const std::vector<std::string>& keys) = 0;
+  virtual bool check(const std::vector<std::string>& keys, Millis timeout) = 0;
+  bool check(const std::vector<std::string>& keys) { return check(keys, timeout()); }
   virtual bool delete_key(const std::string& key) = 0;
   virtual int64_t num_keys() = 0;
   virtual Millis timeout() const = 0;  // default for calls without their own
@@ -51,14 +59,20 @@ class PrefixStore : public Store {
  public:
   PrefixStore(std::string prefix, std::shared_ptr<Store> base)
       : prefix_(std::move(prefix) + "/"), base_(std::move(base)) {}
-  void set(const std::string& key, const Bytes& value) override { base_->set(k(key), value); }
+  using Store::check;
+  using Store::set;
+  void set(const std::string& key, const Bytes& value, Millis t) override {
+    base_->set(k(key), value, t);
+  }
   Bytes get(const std::string& key, Millis t) override { return base_->get(k(key), t); }
   int64_t add(const std::string& key, int64_t delta) override { return base_->add(k(key), delta); }
   Bytes compare_set(const std::string& key, const Bytes& e, const Bytes& d) override {
     return base_->compare_set(k(key), e, d);
   }
   void wait(const std::vector<std::string>& keys, Millis t) override { base_->wait(ks(keys), t); }
-  bool check(const std::vector<std::string>& keys) override { return base_->check(ks(keys)); }
+  bool check(const std::vector<std::string>& keys, Millis t) override {
+    return base_->check(ks(keys), t);
+  }
   bool delete_key(const std::string& key) override { return base_->delete_key(k(key)); }
   int64_t num_keys() override { return base_->num_keys(); }
   Millis timeout() const override { return base_->timeout(); }

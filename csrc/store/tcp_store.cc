@@ -164,6 +164,7 @@ void TcpStoreServer::accept_loop() {
 }
 
 void TcpStoreServer::serve(int fd) {
+  bool counted = false;  // a user of the store (Note [Store teardown])
   try {
     // The hello must arrive promptly; a port scanner or stray client cannot pin a thread.
     Deadline hello_deadline = Deadline::after_ms(kHelloTimeoutMs);
@@ -194,23 +195,36 @@ void TcpStoreServer::serve(int fd) {
     net::send_all(fd, &reply, sizeof(reply), hello_deadline, "store");
     net::send_all(fd, reply_msg.data(), reply_msg.size(), hello_deadline, "store");
     if (status == wire::HelloStatus::kOk) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++clients_;
+        counted = true;
+      }
       while (!stopping_ && handle_one(fd)) {
       }
     }
   } catch (const std::exception&) {
     // Malformed input, a closed client or shutdown: drop this connection only.
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& c : client_fds_) {
-    if (c == fd) {
-      c = client_fds_.back();
-      client_fds_.pop_back();
-      break;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& c : client_fds_) {
+      if (c == fd) {
+        c = client_fds_.back();
+        client_fds_.pop_back();
+        break;
+      }
     }
+    net::close_fd(fd);
+    if (counted) --clients_;
+    done_.push_back(std::this_thread::get_id());
   }
-  forget_unauthenticated(fd);
-  net::close_fd(fd);
-  done_.push_back(std::this_thread::get_id());
+  cv_.notify_all();  // wait_until_unused
+}
+
+bool TcpStoreServer::wait_until_unused(Millis timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_for(lock, timeout, [this] { return clients_ == 0; });
 }
 
 bool TcpStoreServer::handle_one(int fd) {
@@ -378,14 +392,17 @@ class TcpStore::Request {
 
 TcpStore::TcpStore(const std::string& host, int port, bool is_server, Millis timeout,
                    std::string token)
-    : host_(host), port_(port), timeout_(timeout) {
+    : host_(host), token_(std::move(token)), port_(port), timeout_(timeout) {
   if (is_server) {
-    server_ = std::make_unique<TcpStoreServer>(host, port, token);
+    server_ = std::make_unique<TcpStoreServer>(host, port, token_);
     port_ = server_->port();
   }
-  std::string connect_host = (host.empty() || host == "0.0.0.0") ? "127.0.0.1"
-                             : host == "::" ? "::1" : host;
-  Deadline d(timeout_);
+  connect(Deadline(timeout_));
+}
+
+void TcpStore::connect(const Deadline& d) {
+  std::string connect_host = (host_.empty() || host_ == "0.0.0.0") ? "127.0.0.1"
+                             : host_ == "::" ? "::1" : host_;
   // A server flooded with connections that say no hello pushes out the oldest (Note
   // [Connection flood]), sometimes ours before it read our hello: connect again.
   auto backoff = Millis(10);
@@ -393,7 +410,7 @@ TcpStore::TcpStore(const std::string& host, int port, bool is_server, Millis tim
     fd_ = net::connect_to(connect_host, port_, d, "meshcoll store client");
     bool answered;
     try {
-      answered = say_hello(token, d);
+      answered = say_hello(d);
     } catch (...) {
       net::close_fd(fd_);
       fd_ = -1;
@@ -404,7 +421,7 @@ TcpStore::TcpStore(const std::string& host, int port, bool is_server, Millis tim
     fd_ = -1;
     if (d.expired())
       throw PeerError(str_cat(describe(), " closed every connection before answering its hello "
-                              "for ", timeout_.count(), " ms: it is flooded with connections "
+                              "for ", d.timeout().count(), " ms: it is flooded with connections "
                               "that present no token, it has exited, or it is not a meshcoll "
                               "store"));
     int left_ms = d.poll_ms();  // -1: no deadline
@@ -413,13 +430,13 @@ TcpStore::TcpStore(const std::string& host, int port, bool is_server, Millis tim
   }
 }
 
-bool TcpStore::say_hello(const std::string& token, const Deadline& d) {
+bool TcpStore::say_hello(const Deadline& d) {
   wire::HelloReply reply{};
   std::string msg;
   try {
-    wire::Hello hello{wire::kMagic, wire::kVersion, static_cast<uint16_t>(token.size())};
+    wire::Hello hello{wire::kMagic, wire::kVersion, static_cast<uint16_t>(token_.size())};
     net::send_all(fd_, &hello, sizeof(hello), d, describe());
-    net::send_all(fd_, token.data(), token.size(), d, describe());
+    net::send_all(fd_, token_.data(), token_.size(), d, describe());
     net::recv_all(fd_, &reply, sizeof(reply), d, describe());
     msg.resize(reply.message_len);
     if (reply.message_len) net::recv_all(fd_, msg.data(), msg.size(), d, describe());
@@ -436,6 +453,20 @@ TcpStore::~TcpStore() {
   if (server_) server_->stop();
 }
 
+bool TcpStore::close(Millis timeout) {
+  std::lock_guard<std::mutex> lock(mu_);  // after any call in flight
+  if (fd_ >= 0) {
+    net::close_fd(fd_);
+    fd_ = -1;
+    unusable_ = "closed by this process (meshcoll.destroy or close)";
+    reconnect_ = false;
+  }
+  if (!server_) return true;
+  bool unused = server_->wait_until_unused(timeout);
+  server_->stop();
+  return unused;
+}
+
 std::string TcpStore::describe() const {
   return str_cat("store at ", net::Endpoint{host_, port_}.str());
 }
@@ -443,33 +474,45 @@ std::string TcpStore::describe() const {
 std::string TcpStore::local_host() const { return net::local_host(fd_); }
 
 Deadline TcpStore::call_deadline(Millis server_wait) const {
-  // A waiting call gets the server's wait plus slack for the network.
+  // A waiting call gets the server's wait plus slack for the reply to travel; a short one,
+  // so that a stopped store host fails the call about when its own timeout says (Note
+  // [Store deadlines]).
   if (server_wait.count() < 0) return Deadline();
-  return Deadline(server_wait + timeout_);
+  return Deadline(server_wait + std::min(timeout_, Millis(1000)));
 }
 
 void TcpStore::recv_exact(void* buf, size_t n, const Deadline& d) {
   try {
     net::recv_all(fd_, buf, n, d, describe());
   } catch (const PeerError&) {
-    broken_ = true;
-    throw PeerError(str_cat(describe(), " closed the connection: the store server (usually "
-                                        "rank 0) has exited or crashed"));
+    unusable_ = str_cat(describe(), " closed the connection: the store server (usually rank 0) "
+                        "has exited or crashed");
+    reconnect_ = false;
+    throw PeerError(unusable_);
   } catch (const TimeoutError&) {
-    broken_ = true;
-    throw;
+    unusable_ = str_cat(describe(), " did not answer within ", d.timeout().count(),
+                        " ms: the store server (usually rank 0) is stopped, overloaded or "
+                        "unreachable");
+    reconnect_ = true;
+    throw TimeoutError(unusable_);
   }
 }
 
 void TcpStore::send_request(const Request& req, const Deadline& d) {
-  if (broken_ || fd_ < 0)
-    throw PeerError(str_cat(describe(), ": connection unusable after an earlier error"));
+  if (!unusable_.empty()) {
+    if (!reconnect_) throw PeerError(str_cat(describe(), ": connection unusable: ", unusable_));
+    net::close_fd(fd_);
+    fd_ = -1;
+    connect(d);  // on failure, as unusable as before (or more: a closed connection)
+    unusable_.clear();
+  }
   try {
     net::send_all(fd_, req.bytes().data(), req.bytes().size(), d, describe());
   } catch (const Error&) {
-    broken_ = true;
-    throw PeerError(str_cat(describe(), " closed the connection: the store server (usually "
-                                        "rank 0) has exited or crashed"));
+    unusable_ = str_cat(describe(), " closed the connection: the store server (usually rank 0) "
+                        "has exited or crashed");
+    reconnect_ = false;
+    throw PeerError(unusable_);
   }
 }
 
@@ -487,11 +530,11 @@ void TcpStore::recv_status(const char* what, const std::string& key, const Deadl
     throw Error(str_cat(describe(), ": ", what, "(", key, ") failed on the server"));
 }
 
-void TcpStore::set(const std::string& key, const Bytes& value) {
+void TcpStore::set(const std::string& key, const Bytes& value, Millis timeout) {
   std::lock_guard<std::mutex> lock(mu_);
-  Deadline d(timeout_);
+  Deadline d(timeout);
   send_request(Request(wire::QueryType::kSet).str(key).str(value), d);
-  recv_status("set", key, d, timeout_);
+  recv_status("set", key, d, timeout);
 }
 
 Bytes TcpStore::get(const std::string& key, Millis timeout) {
@@ -542,14 +585,14 @@ void TcpStore::wait(const std::vector<std::string>& keys, Millis timeout) {
   recv_status("wait", names, d, timeout);
 }
 
-bool TcpStore::check(const std::vector<std::string>& keys) {
+bool TcpStore::check(const std::vector<std::string>& keys, Millis timeout) {
   std::lock_guard<std::mutex> lock(mu_);
-  Deadline d(timeout_);
+  Deadline d(timeout);
   Request req(wire::QueryType::kCheck);
   req.pod<uint32_t>(static_cast<uint32_t>(keys.size()));
   for (const auto& k : keys) req.str(k);
   send_request(req, d);
-  recv_status("check", "", d, timeout_);
+  recv_status("check", "", d, timeout);
   uint8_t all = 0;
   recv_exact(&all, 1, d);
   return all != 0;

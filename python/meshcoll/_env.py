@@ -16,7 +16,7 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Sequence
+from typing import Dict, Mapping, Optional
 
 # The names meshcoll-run sets and meshcoll reads.
 RANK = "MESHCOLL_RANK"
@@ -47,6 +47,7 @@ ON_ERROR = "MESHCOLL_ON_ERROR"
 ON_ERROR_CHOICES = ("raise", "abort")
 CHECK = "MESHCOLL_CHECK"
 CHECK_MODES = ("async", "strict", "off")
+FAULT = "MESHCOLL_FAULT"
 
 TRANSPORTS = ("auto", "shm", "tcp")  # the values of MESHCOLL_TRANSPORT
 
@@ -505,29 +506,14 @@ class GroupOptions:
         """The settings every rank of a group must share, named as users set them, with
         their values as written. Ranks that differ would map each other's shared memory at
         different sizes (SIGBUS), or wait for a shared-memory setup or a hierarchy that the
-        others never start; so every rank compares them before setting anything up
-        (Note [Shared settings] in process_group.py). The algorithm is not among them: it
-        travels with every call, and ranks that choose differently get a MismatchError
-        there; nor is the timeout, which each rank may set for itself."""
+        others never start; so the backend compares them across ranks before it sets up
+        anything past the TCP links (Note [Shared settings] in csrc/comm/comm.h). The
+        algorithm is not among them: it travels with every call, and ranks that choose
+        differently get a MismatchError there; nor is the timeout, which each rank may set
+        for itself."""
         return {f"{TRANSPORT} (or new_group's transport=)": repr(self.transport),
                 SHM_BYTES: str(self.shm_bytes),
                 HIERARCHY: "1" if self.hierarchy else "0"}
-
-
-def shared_settings_disagreement(values: Sequence[Mapping[str, str]],
-                                 ranks: Sequence[int]) -> Optional[str]:
-    """What ``values`` (each member's ``GroupOptions.shared()``, in group order; ``ranks``
-    their global numbers) disagree on, for an error message, or None when they agree."""
-    parts = []
-    for name in values[0]:
-        by_value: Dict[str, list] = {}
-        for rank, v in zip(ranks, values):
-            by_value.setdefault(v.get(name, "(unset)"), []).append(str(rank))
-        if len(by_value) > 1:
-            held = [f"{value} on rank{'s' if len(rs) > 1 else ''} {', '.join(rs)}"
-                    for value, rs in by_value.items()]
-            parts.append(f"{name} is {' but '.join(held)}")
-    return "; ".join(parts) or None
 
 
 def _choice(env: Mapping[str, str], name: str, choices: Sequence[str]) -> str:
@@ -558,6 +544,7 @@ class CoreConfig:
     nccl_library: str = ""    # MESHCOLL_NCCL_LIBRARY: libnccl.so.2 to try first
     nccl_split: bool = True   # MESHCOLL_NCCL_SPLIT: subgroups through ncclCommSplit
     abort_on_error: bool = False  # MESHCOLL_ON_ERROR=abort: a failed group ends the process
+    fault: str = ""           # MESHCOLL_FAULT (tests): "kill@<point>", see fault_point
 
 
 SIMD_LEVELS = ("baseline", "avx2", "avx512")  # the values of MESHCOLL_SIMD
@@ -574,13 +561,17 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreConfig:
     """The C++ core's settings from MESHCOLL_HOST_ID, _CMA, _SIMD, _NCCL_TRACE,
-    _NCCL_LIBRARY and _NCCL_SPLIT; ValueError naming the variable for a bad value. The
+    _NCCL_LIBRARY, _NCCL_SPLIT and _FAULT; ValueError naming the variable for a bad value. The
     compiled module installs the result once, when it is imported (Note [Configuration])."""
     env = os.environ if environ is None else environ
     simd = _get(env, SIMD) or ""
     if simd and simd not in SIMD_LEVELS:
         raise ValueError(f"meshcoll: {SIMD}={simd!r} is not a SIMD level; use "
                          f"{', '.join(SIMD_LEVELS)} (or unset it)")
+    fault = _get(env, FAULT) or ""
+    if fault and not fault.startswith("kill@"):
+        raise ValueError(f"meshcoll: {FAULT}={fault!r}: use kill@<point> (fault injection, "
+                         f"for tests; csrc/common/config.h lists the points), or unset it")
     return CoreConfig(
         host_id=_get(env, HOST_ID) or "",
         cma=_flag(env, CMA, True),
@@ -589,4 +580,5 @@ def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreCon
         nccl_library=_get(env, NCCL_LIBRARY) or "",
         nccl_split=_flag(env, NCCL_SPLIT, True),
         abort_on_error=_choice(env, ON_ERROR, ON_ERROR_CHOICES) == "abort",
+        fault=fault,
     )

@@ -43,12 +43,12 @@ def monitored_barrier(group=None, timeout: float = 30.0) -> None:
     def key(call: int, r: int) -> str:
         return f"monitored/{group.name}/{call}/{r}"
 
-    store.set(key(n, me), b"1")
+    store.set(key(n, me), b"1", timeout)  # bounded even if the store's host is stopped
     keys = [key(n, r) for r in ranks]
     try:
         store.wait(keys, timeout)
     except _C.TimeoutError:
-        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+        missing = [r for r, k in zip(ranks, keys) if not store.check([k], timeout)]
         if missing:
             who = ", ".join(str(r) for r in missing)
             raise _C.TimeoutError(

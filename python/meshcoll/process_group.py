@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import math
 from typing import List, Optional, Sequence, Tuple
 
@@ -171,12 +170,10 @@ class ProcessGroup:
             self._device = None
             self._arrays = HostArrays
             with self._naming_setup():
-                if len(self._ranks) > 1:
-                    _agree_on_shared_settings(prefixed, rank, self._ranks, name, opts, timeout)
                 self._backend = _C.CpuBackend(prefixed, rank, len(self._ranks), timeout,
                                               bind_host, token, _comm_id(name, token),
                                               opts.transport, opts.shm_bytes, opts.debug,
-                                              self._ranks)
+                                              self._ranks, list(opts.shared().items()))
             self.config = CollectiveConfig(opts.algorithm)
         self._backend.set_identity(self._ranks[rank], name)
         # Every member is done with the store for this group before anyone returns: rank 0
@@ -581,34 +578,6 @@ class NonMemberGroup:
 
     def destroy(self) -> None:
         pass
-
-
-# Note [Shared settings]
-# Some settings must be the same on every rank of a group (GroupOptions.shared): their values
-# travel through the rendezvous store and every rank compares all of them before the backend
-# connects or maps anything. A disagreement is then one MismatchError on every rank, naming
-# the setting and each rank's value, instead of SIGBUS in shared memory or a wait for a setup
-# the other ranks never start.
-def _agree_on_shared_settings(store, rank: int, ranks: Sequence[int], name: str,
-                              opts: _env.GroupOptions, timeout: float) -> None:
-    mine = opts.shared()
-    store.set(f"settings/{rank}", json.dumps(mine))
-    keys = [f"settings/{r}" for r in range(len(ranks))]
-    try:
-        store.wait(keys, timeout)
-    except _C.TimeoutError:
-        missing = [str(ranks[r]) for r, k in enumerate(keys) if not store.check([k])]
-        raise _C.TimeoutError(
-            f"rank {ranks[rank]}: creating group {name!r} (global ranks {list(ranks)}): "
-            f"rank(s) {', '.join(missing)} did not arrive within {timeout:g} s; every member "
-            f"must create the group (init, new_group, split) in the same order") from None
-    values = [json.loads(store.get(k, timeout)) for k in keys]
-    wrong = _env.shared_settings_disagreement(values, ranks)
-    if wrong:
-        raise _C.MismatchError(
-            f"rank {ranks[rank]}: group {name!r} (global ranks {list(ranks)}) cannot be "
-            f"created: its ranks disagree: {wrong}. Every rank of a group must use the same "
-            f"value: set it alike in every rank's environment (or pass the same argument)")
 
 
 def _tag(tag: int) -> int:

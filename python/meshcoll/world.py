@@ -19,6 +19,7 @@ class _Default:
     world: Optional[ProcessGroup] = None
     store = None
     warned_no_token = False
+    owns_store = False  # init made the TCP store (rather than being given one)
 
 
 NO_TOKEN_WARNING = (
@@ -76,25 +77,35 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
         # Rank 0 hosts the store: one warning for the job, once per process.
         _Default.warned_no_token = True
         warnings.warn(NO_TOKEN_WARNING, UserWarning, stacklevel=2)
+    owns_store = store is None and file_path is None
     if file_path is not None:
         store = _C.FileStore(file_path, timeout)
-    elif store is None:
+    elif owns_store:
         store = _C.TCPStore(rv.master_addr, rv.master_port, is_server=rv.rank == 0,
                             timeout=timeout, token=token)
+    try:
+        world = _world(backend, store, rv, timeout, token, device)
+    except Exception:
+        # A failed rendezvous on rank 0 must not take the store from ranks still in it: each
+        # of them then fails with its own error (Note [Store teardown]).
+        if owns_store:
+            store.close()
+        raise
+    _Default.world, _Default.store, _Default.owns_store = world, store, owns_store
+    return world
+
+
+def _world(backend, store, rv, timeout: float, token: str, device) -> ProcessGroup:
     bind_host = _bind_host(store)
     if backend in ("nccl", "auto"):
         from . import nccl
         if backend == "auto":
             backend = nccl.agree_on_backend(store, rv.rank, rv.world_size, timeout)
     if backend == "nccl":
-        world = nccl.make_world(store, rv.rank, rv.world_size, timeout, bind_host, token,
-                                device if device is not None else rv.local_rank)
-    else:
-        world = ProcessGroup(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
-                             bind_host=bind_host, token=token,
-                             options=_env.group_options_from_env())
-    _Default.world, _Default.store = world, store
-    return world
+        return nccl.make_world(store, rv.rank, rv.world_size, timeout, bind_host, token,
+                               device if device is not None else rv.local_rank)
+    return ProcessGroup(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
+                        bind_host=bind_host, token=token, options=_env.group_options_from_env())
 
 
 def _bind_host(store) -> str:
@@ -133,12 +144,21 @@ def _outbound_address() -> str:
 
 
 def destroy() -> None:
-    """Close every group and the store; init may be called again afterwards."""
-    world, store = _Default.world, _Default.store
-    _Default.world, _Default.store = None, None
-    if world is not None:
-        world.destroy()
-    del store
+    """Close every group and the store; init may be called again afterwards. Needs no
+    barrier before it: rank 0, which hosts the store init made, keeps it serving until every
+    rank has closed it (destroyed or exited), at most the init timeout (Note [Store teardown]
+    in csrc/store/tcp_store.h); a store passed to init is the caller's to close."""
+    world, store, owns = _Default.world, _Default.store, _Default.owns_store
+    _Default.world, _Default.store, _Default.owns_store = None, None, False
+    try:
+        if world is not None:
+            world.destroy()  # may raise a failure no call raised yet (an NCCL group's)
+    finally:
+        if owns and not store.close():
+            warnings.warn(f"meshcoll.destroy: the store stopped serving after waiting "
+                          f"{store.timeout:g} s for ranks still connected to it; they fail at "
+                          f"their next store use (creating a group)", RuntimeWarning,
+                          stacklevel=2)
 
 
 def is_initialized() -> bool:

@@ -22,6 +22,7 @@ def test_unset_environment_is_the_defaults():
     ({"MESHCOLL_NCCL_LIBRARY": "/opt/nccl/libnccl.so.2"}, "nccl_library",
      "/opt/nccl/libnccl.so.2"),
     ({"MESHCOLL_NCCL_SPLIT": "0"}, "nccl_split", False),
+    ({"MESHCOLL_FAULT": "kill@shm/created"}, "fault", "kill@shm/created"),
 ])
 def test_each_variable(env, field, value):
     assert getattr(core_config_from_env(env), field) == value
@@ -29,7 +30,7 @@ def test_each_variable(env, field, value):
 
 @pytest.mark.parametrize("name, text", [
     ("MESHCOLL_SIMD", "sse9"), ("MESHCOLL_SIMD", "AVX2"), ("MESHCOLL_CMA", "yes"),
-    ("MESHCOLL_NCCL_TRACE", "on"), ("MESHCOLL_NCCL_SPLIT", "2"),
+    ("MESHCOLL_NCCL_TRACE", "on"), ("MESHCOLL_NCCL_SPLIT", "2"), ("MESHCOLL_FAULT", "die"),
 ])
 def test_bad_value_names_the_variable(name, text):
     with pytest.raises(ValueError, match=f"{name}='{text}'"):

@@ -13,7 +13,6 @@ from meshcoll._env import (
     launcher_env,
     parse_init_method,
     rendezvous_from_env,
-    shared_settings_disagreement,
     socket_ifname_from_env,
     timeout_from_env,
 )
@@ -391,14 +390,9 @@ def test_torchrun_agent_store_port_is_left_to_torch():
     assert rdv({**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}).master_port == 29500
 
 
-def test_shared_settings_disagreement_names_each_setting_and_each_rank_value():
-    a = GroupOptions().shared()
-    b = GroupOptions(shm_bytes=65536, transport="tcp").shared()
-    assert shared_settings_disagreement([a, a, a], [0, 3, 5]) is None
-    msg = shared_settings_disagreement([a, b, a], [0, 3, 5])
-    assert "MESHCOLL_SHM_BYTES is 4194304 on ranks 0, 5 but 65536 on rank 3" in msg
-    assert "MESHCOLL_TRANSPORT (or new_group's transport=) is 'auto' on ranks 0, 5 but " \
-           "'tcp' on rank 3" in msg
-    assert "HIERARCHY" not in msg
-    # Settings that may differ (the algorithm travels with every call) are not compared.
-    assert GroupOptions(algorithm="ring", debug=True).shared() == a
+def test_shared_settings_are_named_as_users_set_them():
+    assert GroupOptions(shm_bytes=65536, transport="tcp", hierarchy=False).shared() == {
+        "MESHCOLL_TRANSPORT (or new_group's transport=)": "'tcp'",
+        "MESHCOLL_SHM_BYTES": "65536", "MESHCOLL_HIERARCHY": "0"}
+    # Settings that may differ (the algorithm travels with every call) are not among them.
+    assert GroupOptions(algorithm="ring", debug=True).shared() == GroupOptions().shared()

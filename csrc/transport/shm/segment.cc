@@ -19,7 +19,7 @@
 
 #include "common/config.h"
 #include "common/error.h"
-#include "common/interrupt.h"
+#include "store/exchange.h"
 
 namespace meshcoll::transport {
 
@@ -82,45 +82,50 @@ ShmGroup::ShmGroup(int rank, int size, size_t data_bytes)
 }
 
 std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& store,
-                                           size_t data_bytes, const Deadline& d, std::string* why) {
-  Millis left(d.poll_ms() < 0 ? 24LL * 3600 * 1000 : std::max(1, d.poll_ms()));
+                                           size_t data_bytes, const Deadline& d,
+                                           const Check& check, std::string* why) {
+  auto step = [&](const char* name, const std::string& mine) {
+    return store::exchange(store, str_cat("shm/", name), rank, size, mine, d, check);
+  };
   // Every rank publishes a verdict for each step and reads everyone's, so all ranks take the
   // same branch even when only one of them fails.
-  auto agree = [&](const std::string& step, const std::string& my_error) {
-    std::string mine = my_error.empty() ? "ok" : my_error;
-    store.set(str_cat("shm/", step, "/", rank), store::Bytes(mine.begin(), mine.end()));
+  auto agree = [&](const char* name, const std::string& my_error) {
+    auto all = step(name, my_error.empty() ? "ok" : my_error);
     for (int r = 0; r < size; ++r) {
-      store::Bytes v;
-      try {
-        v = store.get(str_cat("shm/", step, "/", r), left);
-      } catch (const TimeoutError&) {
-        throw TimeoutError(str_cat("rank ", rank, ": group rank ", r, " died or never came during "
-                                   "setup (shared memory, step '", step, "')"));
-      }
-      std::string s(v.begin(), v.end());
-      if (s != "ok") {
-        *why = str_cat("rank ", r, ": ", s);
+      if (all[r] != "ok") {
+        *why = str_cat("rank ", r, ": ", all[r]);
         return false;
       }
     }
     return true;
   };
-  // Same host and IPC namespace as rank 0?
-  std::string id = host_identity();
-  if (rank == 0) store.set("shm/host", store::Bytes(id.begin(), id.end()));
-  auto host0 = store.get("shm/host", left);
-  bool same = std::string(host0.begin(), host0.end()) == id;
-  if (!agree("host", same ? "" : "on another host or IPC namespace than rank 0")) return nullptr;
 
-  // A nonce from rank 0 makes the names unique across concurrent jobs on the host.
+  // Same host and IPC namespace as rank 0? Rank 0's entry also carries, before a newline, a
+  // nonce that makes segment names unique across concurrent jobs on the host.
+  std::string id = host_identity();
   if (rank == 0) {
     sweep_stale_segments();
-    std::string nonce = str_cat(getpid(), "-", Clock::now().time_since_epoch().count());
-    store.set("shm/nonce", store::Bytes(nonce.begin(), nonce.end()));
+    id = str_cat(getpid(), "-", Clock::now().time_since_epoch().count(), "\n", id);
   }
-  auto nb = store.get("shm/nonce", left);
-  std::string base = str_cat("/meshcoll-", std::string(nb.begin(), nb.end()), "-");
+  auto ids = step("host", id);
+  const size_t cut = ids[0].find('\n');
+  const std::string nonce = ids[0].substr(0, cut);
+  for (int r = 1; r < size; ++r) {
+    if (ids[r] != ids[0].substr(cut + 1)) {
+      *why = str_cat("rank ", r, ": on another host or IPC namespace than rank 0");
+      return nullptr;
+    }
+  }
+  const std::string base = str_cat("/meshcoll-", nonce, "-");
   auto shm_name = [&](int r) { return str_cat(base, r); };
+  // Note [Shared-memory lifetime]: however create() ends, every rank's name goes.
+  struct UnlinkAll {
+    std::function<std::string(int)> name;
+    int size;
+    ~UnlinkAll() {
+      for (int r = 0; r < size; ++r) shm_unlink(name(r).c_str());
+    }
+  } unlink_all{shm_name, size};
 
   std::unique_ptr<ShmGroup> g(new ShmGroup(rank, size, data_bytes));
   std::string mine = shm_name(rank);
@@ -150,15 +155,20 @@ std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& sto
     }
     ::close(fd);
   }
-  if (!agree("created", err)) {
-    shm_unlink(mine.c_str());
-    return nullptr;
-  }
+  if (!agree("created", err)) return nullptr;
   for (int r = 0; r < size && err.empty(); ++r) {
     if (r == rank) continue;
     int pfd = shm_open(shm_name(r).c_str(), O_RDWR, 0600);
     if (pfd < 0) {
       err = str_cat("cannot open rank ", r, "'s shared memory: ", errno_text(errno));
+      break;
+    }
+    // Mapping past the end of a smaller segment would be SIGBUS on first touch.
+    struct stat st {};
+    if (fstat(pfd, &st) != 0 || static_cast<size_t>(st.st_size) != g->seg_bytes_) {
+      err = str_cat("rank ", r, "'s shared memory holds ", st.st_size, " bytes, not the ",
+                    g->seg_bytes_, " this rank's does: the ranks have different data sizes");
+      ::close(pfd);
       break;
     }
     void* m = mmap(nullptr, g->seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, pfd, 0);
@@ -171,9 +181,7 @@ std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& sto
     g->ctrl_[r] = static_cast<ShmControl*>(m);
     g->data_[r] = static_cast<uint8_t*>(m) + kControlBytes;
   }
-  bool ok = agree("mapped", err);
-  shm_unlink(mine.c_str());  // every rank has mapped it (or given up): the name can go
-  if (!ok) return nullptr;
+  if (!agree("mapped", err)) return nullptr;
 
   // Note [Cross-memory attach]: read each peer's pid field through the kernel and compare
   // it with what the mapping shows. A failure only turns the feature off, on every rank.
@@ -192,13 +200,9 @@ std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& sto
       cma_why = e.what();
     }
   }
-  std::string verdict = cma_why.empty() ? "ok" : cma_why;
-  store.set(str_cat("shm/cma/", rank), store::Bytes(verdict.begin(), verdict.end()));
   g->cma_ = true;
-  for (int r = 0; r < size; ++r) {
-    auto v = store.get(str_cat("shm/cma/", r), left);
-    if (std::string(v.begin(), v.end()) != "ok") g->cma_ = false;
-  }
+  for (const auto& verdict : step("cma", cma_why.empty() ? "ok" : cma_why))
+    if (verdict != "ok") g->cma_ = false;
   return g;
 }
 

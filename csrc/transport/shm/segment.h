@@ -3,11 +3,22 @@
 // (csrc/algo/shm_collectives.cc) read peers' data areas directly: no kernel copies.
 //
 // Note [Shared-memory lifetime]
-// Segments are POSIX shm objects named from the job token, the group and the rank. Each is
-// unlinked as soon as every peer has mapped it (a store barrier during setup), so a normal
-// exit, a crash or kill -9 after setup leaves nothing in /dev/shm; the mappings die with the
-// processes. Space is reserved with posix_fallocate, so a too-small /dev/shm is a clear error
-// at setup (naming the bytes needed) instead of SIGBUS on first touch.
+// Segments are POSIX shm objects named /meshcoll-<nonce>-<rank>, where rank 0 makes the nonce
+// (its pid, then a clock reading) and sends it to every rank in setup's first step: every
+// rank knows every rank's name. Setup is a series of store barriers (host, created, mapped,
+// cma), and however it ends for a rank that is still alive (success, a failed step, an
+// error, a peer's death), that rank unlinks *every* rank's name on its way out (an absent
+// name is no error). On success that is after the "mapped" barrier, when every rank has
+// mapped every segment; the mappings then die with the processes, so a normal exit, a crash
+// or kill -9 after setup leaves nothing in /dev/shm. A rank killed inside setup, between
+// creating its segment and the end, never unlinks its own name: the survivors do, since they
+// fail (or finish) setup too, and each one unlinks all names. Only a host where every rank
+// of a setup dies inside it keeps names behind; the next setup on the host sweeps those whose
+// rank 0 pid is gone. While waiting at a barrier, setup watches the TCP links, so a peer's
+// death is a PeerError naming it at once, not a timeout. Space is reserved with
+// posix_fallocate, so a too-small /dev/shm is a clear error at setup (naming the bytes
+// needed) instead of SIGBUS on first touch, and a peer's segment must have this rank's size
+// before it is mapped.
 #pragma once
 
 #include <atomic>
@@ -20,6 +31,7 @@
 
 #include "common/deadline.h"
 #include "common/rank_names.h"
+#include "store/exchange.h"
 #include "store/store.h"
 #include "transport/transport.h"
 
@@ -63,11 +75,17 @@ static_assert(sizeof(ShmControl) % 64 == 0, "control block layout");
 
 class ShmGroup {
  public:
+  // Called every few ms while waiting, with the ranks not there yet: polls the TCP links for
+  // a dead peer or an ABORT frame, and throws.
+  using Check = store::WaitCheck;
+
   // Collective over the group: creates, exchanges and maps segments through `store`. Every
   // rank gets the same outcome: a group, or nullptr with the reason in *why (a rank's
-  // /dev/shm too small, ranks on different hosts or IPC namespaces).
+  // /dev/shm too small, ranks on different hosts or IPC namespaces). A peer that dies or
+  // never comes is an error: what `check` throws, or TimeoutError at `d`.
   static std::unique_ptr<ShmGroup> create(int rank, int size, store::Store& store,
-                                          size_t data_bytes, const Deadline& d, std::string* why);
+                                          size_t data_bytes, const Deadline& d,
+                                          const Check& check, std::string* why);
   ~ShmGroup();
   ShmGroup(const ShmGroup&) = delete;
   ShmGroup& operator=(const ShmGroup&) = delete;
@@ -85,9 +103,6 @@ class ShmGroup {
   ShmSlot& slot(int r, uint64_t round) { return ctrl_[r]->slot[round & 1]; }
   // Publishes this rank's `phase` counter for `round` and wakes sleeping waiters.
   void publish(Phase phase, uint64_t round);
-  // Called every few ms while waiting, with the ranks not there yet: polls the TCP links for
-  // a dead peer or an ABORT frame, and throws.
-  using Check = std::function<void(const std::vector<int>& missing)>;
   // Waits until every rank's `phase` counter is >= round. On the deadline: TimeoutError
   // naming the ranks that had not reached the phase.
   void wait_all(Phase phase, uint64_t round, const Deadline& d, const Check& check,

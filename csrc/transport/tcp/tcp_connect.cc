@@ -76,7 +76,7 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
     ~Closer() { net::close_fd(fd); }
   } closer{listen_fd};
   std::string me = net::Endpoint{opts.bind_host, port}.str();
-  store.set(str_cat("tcp/addr/", rank_), store::Bytes(me.begin(), me.end()));
+  store.set(str_cat("tcp/addr/", rank_), store::Bytes(me.begin(), me.end()), remaining(d));
 
   Handshake hs{kHandshakeMagic, kHandshakeVersion, static_cast<uint16_t>(opts.token.size()),
                rank_, size_, opts.comm_id};
