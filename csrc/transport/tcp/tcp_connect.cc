@@ -50,7 +50,7 @@ Millis remaining(const Deadline& d) {
 
 TcpTransport::TcpTransport(int rank, int size, store::Store& store, const TcpOptions& opts,
                            DescribeOp describe, const Deadline& d)
-    : rank_(rank), size_(size), global_(opts.global), describe_(describe) {
+    : rank_(rank), size_(size), global_(opts.global), stop_(opts.stop), describe_(describe) {
   for (int i = 0; i < size; ++i) peers_.push_back(std::make_unique<Peer>());
   unsigned cores = std::thread::hardware_concurrency();
   spin_ = cores != 0 && static_cast<unsigned>(size) <= cores;
