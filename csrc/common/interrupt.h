@@ -7,9 +7,8 @@
 // check_interrupt() at least every kInterruptEvery. Only waits that already lasted that long
 // run the hook: a loop of short calls never takes the GIL here (Python checks for signals
 // between them anyway), so a thread holding the GIL cannot slow it. The bindings install a
-// hook that takes
-// the GIL and runs the pending Python signal handlers (on the main thread only, where
-// Python runs them); when a handler raises (KeyboardInterrupt for SIGINT), the hook keeps
+// hook that takes the GIL and runs the pending Python signal handlers (on the main thread
+// only, where Python runs them); when a handler raises (KeyboardInterrupt for SIGINT), the hook keeps
 // that Python exception for the binding to raise as the call's result and check_interrupt
 // throws Interrupted. Interrupted is a PeerError: the operation fails the group as any
 // failure does, and the peers raise PeerError naming the interrupted rank at once.
