@@ -172,3 +172,42 @@ def test_ctrl_c_through_meshcoll_run(tmp_path):
         assert len(at) == 1, f"rank {rank} did not raise KeyboardInterrupt:\n{err}"
         assert at[0] - sent < 1.0, f"rank {rank}: KeyboardInterrupt after {at[0] - sent:.2f} s"
         _assert_clean(rank, mine)
+
+
+SETUP_SCRIPT = """
+import os, sys, time
+import meshcoll
+
+open(os.path.join(sys.argv[1], "0"), "w").close()
+try:
+    meshcoll.init()  # rank 1 never comes: rank 0 waits for its connection
+except KeyboardInterrupt:
+    print(f"KeyboardInterrupt at {time.monotonic():.3f}", file=sys.stderr, flush=True)
+    raise
+"""
+
+
+def test_ctrl_c_while_waiting_for_ranks_to_come(tmp_path):
+    from meshcoll import _env
+    script = tmp_path / "setup.py"
+    script.write_text(textwrap.dedent(SETUP_SCRIPT))
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    env = _clean_env()
+    env.update(_env.launcher_env(rank=0, world_size=2, local_rank=0, local_world_size=2,
+                                 node_rank=0, master_addr="127.0.0.1", master_port=free_port(),
+                                 token="interrupt-test", timeout=30))
+    proc = subprocess.Popen([sys.executable, str(script), str(ready)], env=env,
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        _wait_ready(ready, [proc], n=1)
+        time.sleep(0.7)  # past the store and the listening socket: waiting for rank 1
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=15)[1]
+    finally:
+        proc.kill()
+        proc.wait()
+    at = _interrupted_at(err)
+    assert at and at[0] - sent < 1.0, err
+    _assert_clean(0, err)

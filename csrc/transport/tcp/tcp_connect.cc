@@ -116,7 +116,14 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
     pending[i] = std::move(pending.back());
     pending.pop_back();
   };
+  const auto accept_start = Clock::now();
   while (expected > 0) {
+    try {
+      check_interrupt(global_(rank_), accept_start);  // Note [Interrupts]
+    } catch (const Interrupted&) {
+      for (auto& p : pending) net::close_fd(p.fd);
+      throw;
+    }
     if (d.expired()) {
       for (auto& p : pending) net::close_fd(p.fd);
       std::string missing;
