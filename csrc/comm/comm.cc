@@ -70,6 +70,7 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
   topts.token = opts.token;
   topts.comm_id = comm_id;
   topts.global = opts.global;
+  topts.stop = stop_;
   transport_ = std::make_unique<transport::TcpTransport>(rank, size, *store_, topts, &describe_op,
                                                          Deadline(opts.timeout));
   Deadline setup(opts.timeout);
@@ -181,7 +182,7 @@ std::shared_ptr<CpuWork> Comm::enqueue(const transport::OpDesc& desc, Millis tim
   item.env.op = desc;
   item.timeout = timeout.count() < 0 ? opts_.timeout : timeout;
   item.run = std::move(run);
-  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc);
+  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_);
   for (auto& k : keep) item.work->keep(std::move(k));
   return push(std::move(item));
 }
@@ -198,7 +199,7 @@ std::shared_ptr<CpuWork> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag,
   item.is_send = is_send;
   item.src = src;
   item.dst = dst;
-  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc);
+  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_);
   for (auto& k : keep) item.work->keep(std::move(k));
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -194,6 +194,8 @@ class Comm {
   int size_;
   CommOptions opts_;
   std::shared_ptr<store::Store> store_;
+  // Set by an interrupted Work.wait (Note [Interrupts]); the transport's waits check it.
+  std::shared_ptr<StopRequest> stop_ = std::make_shared<StopRequest>();
   std::unique_ptr<transport::Transport> transport_;
   std::unique_ptr<transport::ShmGroup> shm_;
   std::string shm_status_;

@@ -6,8 +6,8 @@
 
 namespace meshcoll::comm {
 
-// Waits in naps of kInterruptEvery (Note [Interrupts]). An interrupt here leaves the
-// operation running on the group's worker: it ends by its own deadline.
+// Waits in naps of kInterruptEvery (Note [Interrupts]). An interrupt here also stops the
+// operation, which fails the group.
 void CpuWork::wait(Millis timeout, bool, Stream) {
   const Deadline d(timeout);
   const auto since = Clock::now();
@@ -20,7 +20,12 @@ void CpuWork::wait(Millis timeout, bool, Stream) {
     cv_.wait_for(lock, kInterruptEvery);
     if (!done_) {
       lock.unlock();
-      check_interrupt(rank_, since);
+      try {
+        check_interrupt(rank_, since);
+      } catch (const Interrupted& e) {
+        stop_->request(e.what());
+        throw;
+      }
       lock.lock();
     }
   }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/deadline.h"
+#include "common/interrupt.h"
 #include "transport/transport.h"
 
 namespace meshcoll::comm {
@@ -39,7 +40,8 @@ using WorkPtr = std::shared_ptr<Work>;
 class CpuWork : public Work {
  public:
   // The description is formatted only when an error needs it: this is on every call's path.
-  CpuWork(int rank, const transport::OpDesc& op) : rank_(rank), op_(op) {}
+  CpuWork(int rank, const transport::OpDesc& op, std::shared_ptr<StopRequest> stop)
+      : rank_(rank), op_(op), stop_(std::move(stop)) {}
   // TimeoutError if `timeout` passes first; the operation itself goes on and fails by its
   // own deadline if it is stuck.
   void wait(Millis timeout, bool has_stream = false, Stream stream = nullptr) override;
@@ -57,6 +59,7 @@ class CpuWork : public Work {
   std::exception_ptr error_;
   int rank_;
   transport::OpDesc op_;
+  std::shared_ptr<StopRequest> stop_;  // the group's: an interrupted wait stops the operation
   std::vector<std::shared_ptr<void>> keep_;
 };
 

@@ -50,8 +50,8 @@ void bind_comm(py::module_& m) {
              o.debug = debug;
              o.global = RankNames(std::move(global_ranks));
              o.shared = std::move(shared);
-             py::gil_scoped_release nogil;
-             return std::make_shared<cpu::CpuBackend>(store, rank, size, o, comm_id);
+             return call_nogil(  // Note [Interrupts]: Ctrl-C while waiting for the ranks
+                 [&] { return std::make_shared<cpu::CpuBackend>(store, rank, size, o, comm_id); });
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            py::arg("bind_host"), py::arg("token"), py::arg("comm_id"), py::arg("transport") = "auto",

@@ -47,8 +47,16 @@ unsigned long g_main_thread = 0;  // Python runs signal handlers on this thread 
 // The exception a signal handler raised in the hook, kept until the call returns to Python.
 PyObject *g_raised_type = nullptr, *g_raised_value = nullptr, *g_raised_tb = nullptr;
 
+bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 std::string run_signal_handlers() {
-  if (PyThread_get_thread_ident() != g_main_thread || _Py_IsFinalizing()) return "";
+  if (PyThread_get_thread_ident() != g_main_thread || finalizing()) return "";
   PyGILState_STATE gil = PyGILState_Ensure();
   std::string raised;
   if (PyErr_CheckSignals() != 0) {

@@ -40,6 +40,8 @@ open(os.path.join(sys.argv[1], str(rank)), "w").close()  # ready: waiting from n
 try:
     if rank == pg.size - 1:
         time.sleep(30)  # never calls the all_reduce
+    elif sys.argv[2] == "async":
+        pg.all_reduce(x, timeout=30, async_op=True).wait()
     else:
         pg.all_reduce(x, timeout=30)
 except KeyboardInterrupt:
@@ -65,7 +67,7 @@ def _wait_ready(ready, procs, n=WORLD):
     time.sleep(0.3)  # the waiting ranks are inside the all_reduce now
 
 
-def _start_ranks(tmp_path, transport="auto"):
+def _start_ranks(tmp_path, transport="auto", call="sync"):
     """WORLD ranks in one new process group, as a shell starts a job's processes."""
     from meshcoll import _env
     script = tmp_path / "rank.py"
@@ -81,7 +83,7 @@ def _start_ranks(tmp_path, transport="auto"):
                                      token="interrupt-test", timeout=30))
         env["MESHCOLL_TRANSPORT"] = transport
         procs.append(subprocess.Popen(
-            [sys.executable, str(script), str(ready)], env=env, stderr=subprocess.PIPE,
+            [sys.executable, str(script), str(ready), call], env=env, stderr=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True,
             process_group=procs[0].pid if procs else 0))
     return procs, ready
@@ -120,11 +122,12 @@ def test_ctrl_c_interrupts_every_rank(tmp_path, transport):
         _assert_clean(rank, err)
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_interrupted_rank_fails_the_group(tmp_path, transport):
+@pytest.mark.parametrize("transport, call", [("tcp", "sync"), ("shm", "async")])
+def test_interrupted_rank_fails_the_group(tmp_path, transport, call):
     """SIGINT to rank 1 alone: rank 0, waiting in the same all_reduce, raises PeerError that
-    names rank 1 and the interrupt within 1 s."""
-    procs, ready = _start_ranks(tmp_path, transport)
+    names rank 1 and the interrupt within 1 s; also when rank 1 waits in Work.wait() for an
+    async all_reduce, which runs on the group's worker thread."""
+    procs, ready = _start_ranks(tmp_path, transport, call)
     try:
         _wait_ready(ready, procs)
         sent = time.monotonic()
@@ -150,7 +153,7 @@ def test_ctrl_c_through_meshcoll_run(tmp_path):
     ready.mkdir()
     launcher = subprocess.Popen(
         [sys.executable, "-m", "meshcoll.run", "-n", str(WORLD), "--timeout", "30",
-         str(script), str(ready)], env=_clean_env(), stderr=subprocess.PIPE,
+         str(script), str(ready), "sync"], env=_clean_env(), stderr=subprocess.PIPE,
         stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _wait_ready(ready, [launcher])
@@ -169,3 +172,42 @@ def test_ctrl_c_through_meshcoll_run(tmp_path):
         assert len(at) == 1, f"rank {rank} did not raise KeyboardInterrupt:\n{err}"
         assert at[0] - sent < 1.0, f"rank {rank}: KeyboardInterrupt after {at[0] - sent:.2f} s"
         _assert_clean(rank, mine)
+
+
+SETUP_SCRIPT = """
+import os, sys, time
+import meshcoll
+
+open(os.path.join(sys.argv[1], "0"), "w").close()
+try:
+    meshcoll.init()  # rank 1 never comes: rank 0 waits for its connection
+except KeyboardInterrupt:
+    print(f"KeyboardInterrupt at {time.monotonic():.3f}", file=sys.stderr, flush=True)
+    raise
+"""
+
+
+def test_ctrl_c_while_waiting_for_ranks_to_come(tmp_path):
+    from meshcoll import _env
+    script = tmp_path / "setup.py"
+    script.write_text(textwrap.dedent(SETUP_SCRIPT))
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    env = _clean_env()
+    env.update(_env.launcher_env(rank=0, world_size=2, local_rank=0, local_world_size=2,
+                                 node_rank=0, master_addr="127.0.0.1", master_port=free_port(),
+                                 token="interrupt-test", timeout=30))
+    proc = subprocess.Popen([sys.executable, str(script), str(ready)], env=env,
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        _wait_ready(ready, [proc], n=1)
+        time.sleep(0.7)  # past the store and the listening socket: waiting for rank 1
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        err = proc.communicate(timeout=15)[1]
+    finally:
+        proc.kill()
+        proc.wait()
+    at = _interrupted_at(err)
+    assert at and at[0] - sent < 1.0, err
+    _assert_clean(0, err)

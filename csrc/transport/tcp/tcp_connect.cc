@@ -50,7 +50,7 @@ Millis remaining(const Deadline& d) {
 
 TcpTransport::TcpTransport(int rank, int size, store::Store& store, const TcpOptions& opts,
                            DescribeOp describe, const Deadline& d)
-    : rank_(rank), size_(size), global_(opts.global), describe_(describe) {
+    : rank_(rank), size_(size), global_(opts.global), stop_(opts.stop), describe_(describe) {
   for (int i = 0; i < size; ++i) peers_.push_back(std::make_unique<Peer>());
   unsigned cores = std::thread::hardware_concurrency();
   spin_ = cores != 0 && static_cast<unsigned>(size) <= cores;
@@ -116,7 +116,14 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
     pending[i] = std::move(pending.back());
     pending.pop_back();
   };
+  const auto accept_start = Clock::now();
   while (expected > 0) {
+    try {
+      check_interrupt(global_(rank_), accept_start);  // Note [Interrupts]
+    } catch (const Interrupted&) {
+      for (auto& p : pending) net::close_fd(p.fd);
+      throw;
+    }
     if (d.expired()) {
       for (auto& p : pending) net::close_fd(p.fd);
       std::string missing;

@@ -355,6 +355,7 @@ TcpTransport::PollResult TcpTransport::poll_and_progress(int timeout_ms, int wak
 
 void TcpTransport::poll_once() {
   if (failed_) rethrow();
+  if (stop_) stop_->check();
   poll_and_progress(0);
 }
 
@@ -408,9 +409,13 @@ bool TcpTransport::wait_any(const std::vector<Request>& reqs, const Deadline& d,
     for (const auto& r : reqs)
       if (r->complete()) return true;
     check_pending_peers(reqs);
-    PollResult res = poll_and_progress(d.poll_ms(), wake_fd);
+    if (stop_) stop_->check();
+    int timeout_ms = d.poll_ms();  // naps of kInterruptEvery at most: see the stop request
+    if (timeout_ms < 0 || timeout_ms > kInterruptEvery.count())
+      timeout_ms = static_cast<int>(kInterruptEvery.count());
+    PollResult res = poll_and_progress(timeout_ms, wake_fd);
     if (res == kWoken) return true;
-    if (res == kTimedOut) return false;
+    if (res == kTimedOut && d.expired()) return false;
   }
 }
 
@@ -451,6 +456,7 @@ void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d)
     if (all) return;
     check_pending_peers(reqs);
     check_interrupt(global_(rank_), spin_start);
+    if (stop_) stop_->check();
     // Busy-poll briefly before sleeping in poll(): a reply is usually microseconds away, and
     // a wake-up from a blocking poll costs tens of microseconds. Not when ranks outnumber
     // cores: spinning would steal the core the peer needs. Sleeps last at most

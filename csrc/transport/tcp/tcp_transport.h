@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/interrupt.h"
 #include "common/rank_names.h"
 #include "store/store.h"
 #include "transport/transport.h"
@@ -38,6 +39,7 @@ struct TcpOptions {
   std::string token;      // job token every connection must present
   uint64_t comm_id = 0;   // identifies the group, so connections of two groups never mix
   RankNames global;       // how messages name the ranks
+  std::shared_ptr<StopRequest> stop;  // checked by every wait (Note [Interrupts])
 };
 
 class TcpTransport : public Transport {
@@ -86,6 +88,7 @@ class TcpTransport : public Transport {
   int rank_;
   int size_;
   RankNames global_;
+  std::shared_ptr<StopRequest> stop_;
   DescribeOp describe_;
   std::vector<std::unique_ptr<Peer>> peers_;
   bool failed_ = false;
