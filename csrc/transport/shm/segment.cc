@@ -19,6 +19,7 @@
 
 #include "common/config.h"
 #include "common/error.h"
+#include "common/interrupt.h"
 #include "store/exchange.h"
 
 namespace meshcoll::transport {
