@@ -187,19 +187,17 @@ void TcpStoreServer::serve(int fd) {
     }
     if (status == wire::HelloStatus::kOk) {
       // Before the answer: once the client reads "ok" it must not be pushed out any more
-      // (if it was already, the answer fails to send and the client connects again).
+      // (if it was already, the answer fails to send and the client connects again), and it
+      // is a user a closing store waits for (Note [Store teardown]).
       std::lock_guard<std::mutex> lock(mu_);
       forget_unauthenticated(fd);
+      ++clients_;
+      counted = true;
     }
     wire::HelloReply reply{static_cast<uint8_t>(status), static_cast<uint16_t>(reply_msg.size())};
     net::send_all(fd, &reply, sizeof(reply), hello_deadline, "store");
     net::send_all(fd, reply_msg.data(), reply_msg.size(), hello_deadline, "store");
     if (status == wire::HelloStatus::kOk) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        ++clients_;
-        counted = true;
-      }
       while (!stopping_ && handle_one(fd)) {
       }
     }

@@ -338,7 +338,9 @@ class ProcessGroup:
                      stream=None) -> Tuple[object, List[int]]:
         """Concatenate each rank's ``x`` along axis 0, where ranks may hold different numbers
         of rows (same trailing shape). Returns ``(concatenation, rows per rank)``."""
-        v = self._look(x, "all_gather_v: x", stream)
+        # Checked in full before the metadata exchange: a bad array must raise before
+        # anything is sent (the backend would check it only after the exchange).
+        v = self._view(x, "all_gather_v: x", stream=stream)
         n = rows(v, "all_gather_v")
         row_elems = math.prod(v.shape[1:])
         meta = self.all_gather(np.array([n, row_elems], np.int64), timeout=timeout)
@@ -408,7 +410,9 @@ class ProcessGroup:
                      stream=None) -> Tuple[object, List[int]]:
         """Rows ``send_counts[i]`` of ``x`` (in order) go to rank i. Returns ``(received rows
         concatenated in rank order, rows received from each rank)``."""
-        v = self._look(x, "all_to_all_v: x", stream)
+        # Checked in full before the metadata exchange: a bad array must raise before
+        # anything is sent (the backend would check it only after the exchange).
+        v = self._view(x, "all_to_all_v: x", stream=stream)
         n = rows(v, "all_to_all_v")
         send_counts = [int(c) for c in send_counts]
         if len(send_counts) != self.size or any(c < 0 for c in send_counts) or sum(send_counts) != n:

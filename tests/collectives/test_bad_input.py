@@ -233,3 +233,32 @@ def test_shm_algorithm_on_tcp_group(run_ranks):
         assert r["transport"] == "tcp"
         assert r["error"] == "ValueError"
         assert r["after"] == [2.0] * 4
+
+
+def _bad_v_array_then_retry(pg):
+    # Rank 1's first call has a big-endian array: it must raise before the _v collective's
+    # count exchange, so that its corrected retry pairs with rank 0's one call.
+    rng = np.random.default_rng(7 + pg.rank)
+    x = rng.standard_normal((4, 3))
+    out = []
+    for name, call in (("all_to_all_v", lambda a: pg.all_to_all_v(a, [2, 2])),
+                       ("all_gather_v", lambda a: pg.all_gather_v(a))):
+        if pg.rank == 1:
+            try:
+                call(x.astype(">f8"))
+                out.append(f"{name}: no error")
+            except TypeError:
+                pass
+        got, _ = call(x)
+        ref = [np.random.default_rng(7 + r).standard_normal((4, 3)) for r in range(pg.size)]
+        want = (np.concatenate([ref[r][2 * pg.rank:2 * pg.rank + 2] for r in range(pg.size)])
+                if name == "all_to_all_v" else np.concatenate(ref))
+        out.append(f"{name}: {np.array_equal(got, want)}")
+    return out
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_bad_v_array_raises_before_the_count_exchange(run_ranks, transport):
+    res = run_ranks(2, _bad_v_array_then_retry, transport=transport)
+    assert res == [["all_to_all_v: True", "all_gather_v: True"]] * 2, res
