@@ -383,10 +383,7 @@ def _jax(pg):
         except (ValueError, TypeError) as e:
             said[label] = "immutable" in str(e) and "from_dlpack" in str(e)
     torch.cuda.synchronize()
-    out = torch.empty((pg.size, 1024), device="cuda")  # a JAX input with a writable out=
-    pg.all_gather(x, out=out)
-    want = np.stack([np.arange(1024, dtype=np.float32) + r for r in range(pg.size)])
-    return said, bool(np.array_equal(np.asarray(x), before)), bool(np.array_equal(out.cpu().numpy(), want))
+    return said, bool(np.array_equal(np.asarray(x), before))
 
 
 @needs_torch
@@ -394,12 +391,12 @@ def _jax(pg):
 def test_jax_arrays_are_never_written():
     """Issue 16 item 3 (Note [Immutable arrays] in csrc/python/array.cc): JAX arrays are
     immutable; an op that would write into one raises saying what to pass, on every rank,
-    and the array keeps its values; as an input it is read as any other."""
+    and the array keeps its values."""
     pytest.importorskip("jax")
     res = run_nccl(2, _jax, env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
-    for said, unchanged, gathered in res:
+    for said, unchanged in res:
         assert all(v is True for v in said.values()), said
-        assert unchanged and gathered
+        assert unchanged
 
 
 @needs_torch
