@@ -393,7 +393,13 @@ std::string Comm::census(uint64_t seq) {
   const Millis call(500);
   try {
     const std::string base = "census/";
-    const std::string mine = std::to_string(seq);
+    // "seq:ms": the operation this rank was in and how long it had waited there. A rank that
+    // came to the operation only after the others gave up (late by about the timeout) joins
+    // the census too, but had waited almost nothing: it is named as late.
+    const int64_t span = deadline_.timeout().count();
+    const int left = deadline_.poll_ms();
+    const int64_t waited = left < 0 ? 0 : std::max<int64_t>(0, span - left);
+    const std::string mine = str_cat(seq, ":", waited);
     store_->set(base + std::to_string(rank_), store::Bytes(mine.begin(), mine.end()), call);
     std::vector<int> silent;
     for (;;) {
@@ -403,14 +409,20 @@ std::string Comm::census(uint64_t seq) {
       if (silent.empty() || until.expired()) break;
       std::this_thread::sleep_for(Millis(20));
     }
-    std::string never, behind;
+    std::string never, behind, late;
     for (int r : silent) never += str_cat(never.empty() ? "" : ", ", global_rank(r));
     for (int r = 0; r < size_; ++r) {
       if (std::find(silent.begin(), silent.end(), r) != silent.end()) continue;
       store::Bytes b = store_->get(base + std::to_string(r), call);
-      uint64_t theirs = std::stoull(std::string(b.begin(), b.end()));
+      const std::string v(b.begin(), b.end());
+      const size_t colon = v.find(':');
+      uint64_t theirs = std::stoull(v.substr(0, colon));
+      const int64_t their_wait = colon == std::string::npos ? 0 : std::stoll(v.substr(colon + 1));
       if (theirs < seq)
         behind += str_cat(behind.empty() ? "" : ", ", global_rank(r), " (at seq ", theirs, ")");
+      else if (theirs == seq && r != rank_ && waited >= span / 2 && their_wait < span / 2)
+        late += str_cat(late.empty() ? "" : ", ", global_rank(r), " (it had waited ",
+                        their_wait, " ms)");
     }
     std::string out;
     if (!never.empty())
@@ -418,6 +430,9 @@ std::string Comm::census(uint64_t seq) {
                      "operation, or are stopped or stuck (every other rank reported in)");
     if (!behind.empty())
       out += str_cat("; rank(s) ", behind, " were still in an earlier operation of this group");
+    if (!late.empty())
+      out += str_cat("; rank(s) ", late, " reached this operation only as it failed: they "
+                     "came late (after the others had waited ", waited, " ms)");
     return out;
   } catch (const std::exception& e) {
     return str_cat("; no census: ", e.what());  // the store's host is stopped or gone too

@@ -203,3 +203,27 @@ def test_death_during_setup_is_named(phase, dead, group, survivors):
         msg = results[rank]
         assert re.search(rf"rank(\(s\))? {dead} died or never came during setup", msg), msg
         assert f"group {group!r}" in msg, msg
+
+
+def _late_rank(pg):
+    """Rank 2 comes to the all_reduce a second after the others' 1.5 s deadline: it reaches
+    the operation while the census runs, so it reports in, but as having waited nothing."""
+    x = np.random.default_rng(pg.rank).standard_normal(64)
+    pg.all_reduce(x)
+    if pg.rank == 2:
+        time.sleep(2.5)
+    try:
+        pg.all_reduce(x, timeout=1.5)
+        return "no error"
+    except meshcoll.MeshcollError as e:
+        return str(e)
+
+
+def test_census_names_a_late_rank():
+    res = launch(3, _late_rank, transport="tcp", timeout=40)
+    for rank in (0, 1):
+        msg = res[rank]
+        named = re.search(r"rank\(s\) 2 (\(it had waited \d+ ms\) reached this operation only as "
+                          r"it failed|never reported in)", msg)
+        assert named, f"rank {rank}: {msg}"
+        assert _never_reported(msg) in (None, [2]), f"rank {rank}: {msg}"

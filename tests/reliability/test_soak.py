@@ -69,8 +69,12 @@ def test_judge_flags_every_wrong_outcome(case):
         peer2 = _report(2, "PeerError", DIED, elapsed=TIMEOUT + fault_soak.SLACK + 0.1)
     elif case == "no error":
         peer2 = _report(2)
-    elif case == "error before the fault":
-        peer2 = _report(2, "PeerError", DIED, step=0)
+    elif case == "error before the fault":  # (kill and mismatch allow one step early)
+        late = {"kind": "late", "hold": 3.5}
+        never = "rank(s) 1 never reached this operation"
+        return _expect_flagged(late, [_report(0, "TimeoutError", never),
+                                      _report(1, "PeerError", "rank 0 timed out"),
+                                      _report(2, "TimeoutError", never, step=0)])
     elif case == "wrong result":
         peer2["wrong"] = ["step 0 all_reduce sum: 1 of 4 elements differ"]
     elif case == "late write":
