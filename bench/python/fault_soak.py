@@ -47,13 +47,13 @@ it injects the fault; ranks drift apart by a call or two, so a peer may rightly 
 earlier step than the victim's), no wrong result, destroy() clean, no process alive after the
 hard limit (a HANG: the driver dumps the stacks to rank<r>.err, kills all), nothing of the job
 left in /dev/shm, no stray process. A timeout whose diagnosis says a healthy rank never
-reached a call that this rank had finished (it raised later, in a call with a higher sequence
-number, or never) counts as a MISBLAME (issue 16 item 14).
+reached a call that the healthy rank had finished (it raised later, in a call with a higher
+sequence number, or never) counts as a MISBLAME (issue 16 item 14).
 
 The driver prints a table per (fault, transport): episodes, episodes fully right, episodes
-with a wrong error, wrong results (late writes included), misblames, hangs, leftovers, setup failures
-(init did not complete), median and max time to the expected error; then the problems of every
-failing episode with the exact messages. The exit code is 1 if any episode failed.
+with a wrong error, wrong results (late writes included), misblames, hangs, leftovers, setup
+failures (init did not complete), median and max time to the expected error; then the
+problems of every failing episode with the exact messages. The exit code is 1 if any episode failed.
 ``--json`` writes one record per episode. Failing episodes keep their directory (plan, reports,
 each rank's stderr) under ``--keep``.
 """
@@ -85,7 +85,6 @@ TRANSPORTS = ("shm", "tcp")
 INIT_TIMEOUT = 30.0
 SLACK = 2.0  # an error must come within the call's timeout plus this
 REDUCING = {"all_reduce", "all_reduce_async", "reduce", "reduce_scatter", "reduce_scatter_v"}
-ROOTED = {"reduce", "broadcast", "gather", "scatter"}
 BITWISE = {"band", "bor", "bxor"}
 
 # What one rank may change to disagree with the others, by collective.
@@ -105,7 +104,7 @@ MISMATCH = {
     "sendrecv": ("tag", "count", "dtype"),
     "barrier": ("kind",),
 }
-# Bad arguments one rank may pass, by collective ("array": a spoiled input array).
+# Bad arguments one rank may pass, by collective; ARRAY_SPOILS make an array unacceptable.
 ARRAY_SPOILS = ("unsupported_dtype", "big_endian", "non_contiguous")
 BADARG = {
     "all_reduce": ARRAY_SPOILS + ("read_only", "op", "timeout"),
@@ -819,22 +818,21 @@ def summarize(records, elapsed: float, args) -> int:
     print(f"# meshcoll fault soak  seed={args.seed}  max-ranks={args.max_ranks}  "
           f"transport={args.transport}  timeout={args.timeout} s  episodes={len(records)}  "
           f"minutes={elapsed / 60:.1f}")
-    print(f"# {'fault':>9} {'transport':>9} {'episodes':>8} {'right':>6} {'wrong_err':>9} "
-          f"{'wrong_res':>9} {'misblame':>8} {'hangs':>5} {'leftover':>8} {'setup':>5} "
-          f"{'t_med':>6} {'t_max':>6}")
+    cols = ("episodes", "right", "wrong_err", "wrong_res", "misblame", "hangs", "leftover",
+            "setup")
+
+    def line(first, second, row, t=()):
+        cells = "".join(f" {row[c]:>{len(c)}}" for c in cols)
+        med, mx = (f"{np.median(t):.2f}", f"{max(t):.2f}") if t else ("-", "-")
+        return f"  {first:>9} {second:>9}{cells} {med:>6} {mx:>6}"
+
+    print(f"# {'fault':>9} {'transport':>9} " + " ".join(cols) + f" {'t_med':>6} {'t_max':>6}")
     total = defaultdict(int)
     for key in sorted(rows):
-        row, t = rows[key], times[key]
-        med = f"{np.median(t):.2f}" if t else "-"
-        mx = f"{max(t):.2f}" if t else "-"
-        print(f"  {key[0]:>9} {key[1]:>9} {row['episodes']:>8} {row['right']:>6} "
-              f"{row['wrong_err']:>9} {row['wrong_res']:>9} {row['misblame']:>8} {row['hangs']:>5} "
-              f"{row['leftover']:>8} {row['setup']:>5} {med:>6} {mx:>6}")
-        for k, val in row.items():
+        print(line(*key, rows[key], times[key]))
+        for k, val in rows[key].items():
             total[k] += val
-    print(f"  {'total':>9} {'':>9} {total['episodes']:>8} {total['right']:>6} "
-          f"{total['wrong_err']:>9} {total['wrong_res']:>9} {total['misblame']:>8} {total['hangs']:>5} "
-          f"{total['leftover']:>8} {total['setup']:>5}")
+    print(line("total", "", total, sum(times.values(), [])))
     failed = [rec for rec in records if rec["problems"]]
     for rec in failed:
         print(f"\n## episode {rec['plan']['index']}: {describe(rec['plan'])}"

@@ -41,8 +41,8 @@ DIED = "rank 1 closed its connection"
 
 def test_judge_accepts_the_right_errors():
     # The victim of a kill leaves no report; the others name it.
-    assert _judge(KILL, [_report(0, "PeerError", DIED), None,
-                         _report(2, "TimeoutError", "rank(s) 1 never reached this operation")]) == []
+    timeout = _report(2, "TimeoutError", "rank(s) 1 never reached this operation")
+    assert _judge(KILL, [_report(0, "PeerError", DIED), None, timeout]) == []
     mismatch = {"kind": "mismatch", "what": "op", "op": "max"}
     assert _judge(mismatch, [_report(r, "MismatchError", "collective mismatch")
                              for r in range(3)]) == []
