@@ -42,14 +42,18 @@ Expected outcome (a WRONG ERROR otherwise), with each error raised within the ca
     badarg            the victim: ValueError or TypeError; then, retry: no error anywhere and
                       every result right; exit: every other rank PeerError, TimeoutError or
                       AbortedError naming the victim
-and on every episode: no error before the fault, no wrong result, destroy() clean, no process
-alive after the hard limit (a HANG: the driver dumps the stacks to rank<r>.err, kills all),
-nothing of the job left in /dev/shm, no stray process.
+and on every episode: no error raised before the fault (wall clock: the victim notes the time
+it injects the fault; ranks drift apart by a call or two, so a peer may rightly fail in an
+earlier step than the victim's), no wrong result, destroy() clean, no process alive after the
+hard limit (a HANG: the driver dumps the stacks to rank<r>.err, kills all), nothing of the job
+left in /dev/shm, no stray process. A timeout whose diagnosis says a healthy rank never
+reached a call that the healthy rank had finished (it raised later, in a call with a higher
+sequence number, or never) counts as a MISBLAME (issue 16 item 14).
 
 The driver prints a table per (fault, transport): episodes, episodes fully right, episodes
-with a wrong error, wrong results (late writes included), hangs, leftovers, setup failures
-(init did not complete), median and max time to the expected error; then the problems of every
-failing episode with the exact messages. The exit code is 1 if any episode failed.
+with a wrong error, wrong results (late writes included), misblames, hangs, leftovers, setup
+failures (init did not complete), median and max time to the expected error; then the
+problems of every failing episode with the exact messages. The exit code is 1 if any episode failed.
 ``--json`` writes one record per episode. Failing episodes keep their directory (plan, reports,
 each rank's stderr) under ``--keep``.
 """
@@ -81,7 +85,6 @@ TRANSPORTS = ("shm", "tcp")
 INIT_TIMEOUT = 30.0
 SLACK = 2.0  # an error must come within the call's timeout plus this
 REDUCING = {"all_reduce", "all_reduce_async", "reduce", "reduce_scatter", "reduce_scatter_v"}
-ROOTED = {"reduce", "broadcast", "gather", "scatter"}
 BITWISE = {"band", "bor", "bxor"}
 
 # What one rank may change to disagree with the others, by collective.
@@ -101,7 +104,7 @@ MISMATCH = {
     "sendrecv": ("tag", "count", "dtype"),
     "barrier": ("kind",),
 }
-# Bad arguments one rank may pass, by collective ("array": a spoiled input array).
+# Bad arguments one rank may pass, by collective; ARRAY_SPOILS make an array unacceptable.
 ARRAY_SPOILS = ("unsupported_dtype", "big_endian", "non_contiguous")
 BADARG = {
     "all_reduce": ARRAY_SPOILS + ("read_only", "op", "timeout"),
@@ -427,6 +430,13 @@ def write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def failure(e: BaseException, step: int, t0: float) -> dict:
+    """What a rank reports of an exception: class, message, step, seconds in the call, and
+    when it was raised (wall clock: the driver compares it with the fault's time)."""
+    return {"cls": type(e).__name__, "msg": str(e), "step": step,
+            "elapsed": time.monotonic() - t0, "t": time.time()}
+
+
 def worker(epdir: str, rank: int) -> int:
     import faulthandler
     faulthandler.register(signal.SIGUSR1)  # the driver asks for the stacks of a hang
@@ -454,7 +464,7 @@ def worker(epdir: str, rank: int) -> int:
             pg = meshcoll.init(rank=rank, world_size=n, master_addr="127.0.0.1",
                                master_port=plan["port"], timeout=INIT_TIMEOUT)
     except Exception as e:  # noqa: BLE001 - every failure is reported
-        rep["error"] = {"cls": type(e).__name__, "msg": str(e), "step": -1, "elapsed": 0.0}
+        rep["error"] = failure(e, -1, time.monotonic())
         write_json(out_path, rep)
         return 1
     rep["transport"] = pg.transport
@@ -467,6 +477,7 @@ def worker(epdir: str, rank: int) -> int:
         at(f"step {s}")
         mod = None
         if victim and s == fault["step"]:
+            write_json(os.path.join(epdir, "fault_at.json"), time.time())
             k = fault["kind"]
             if k == "kill" and fault["when"] == "before":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -504,11 +515,9 @@ def worker(epdir: str, rank: int) -> int:
                 problems = [] if np.all(x == n * (n - 1) // 2) else [f"closing all_reduce: {x}"]
         except (ValueError, TypeError) as e:
             if mod is None or mod["kind"] != "badarg":
-                rep["error"] = {"cls": type(e).__name__, "msg": str(e), "step": s,
-                                "elapsed": time.monotonic() - t0}
+                rep["error"] = failure(e, s, t0)
                 break
-            rep["arg_error"] = {"cls": type(e).__name__, "msg": str(e), "step": s,
-                                "elapsed": time.monotonic() - t0}
+            rep["arg_error"] = failure(e, s, t0)
             rep["applied"] = mod.get("applied", mod["what"])
             if fault["then"] == "exit":
                 write_json(out_path, rep)
@@ -518,12 +527,10 @@ def worker(epdir: str, rank: int) -> int:
             try:
                 problems = call_step(pg, steps[s], timeout, None, keep)
             except Exception as e2:  # noqa: BLE001
-                rep["error"] = {"cls": type(e2).__name__, "msg": str(e2), "step": s,
-                                "elapsed": time.monotonic() - t0}
+                rep["error"] = failure(e2, s, t0)
                 break
         except Exception as e:  # noqa: BLE001 - meshcoll errors and anything unexpected
-            rep["error"] = {"cls": type(e).__name__, "msg": str(e), "step": s,
-                            "elapsed": time.monotonic() - t0}
+            rep["error"] = failure(e, s, t0)
             break
         if mod is not None and mod["kind"] == "badarg":
             rep["applied"] = mod.get("applied", mod["what"])
@@ -649,6 +656,8 @@ def run_episode(plan, workdir: str, hard_limit: float) -> dict:
         if os.path.exists(path):
             with open(path) as f:
                 reports[r] = json.load(f)
+    fault_at = os.path.join(epdir, "fault_at.json")
+    fault_at = json.load(open(fault_at)) if os.path.exists(fault_at) else None
     pid0 = reports[0]["pid"] if 0 in reports else procs[0].pid
     leftovers = shm_left(pid0)
     for name in leftovers:  # counted; now removed so that the soak does not fill /dev/shm
@@ -657,7 +666,7 @@ def run_episode(plan, workdir: str, hard_limit: float) -> dict:
         except OSError:
             pass
     del server
-    record = {"plan": plan, "reports": reports, "hang": hang, "stuck": stuck,
+    record = {"plan": plan, "reports": reports, "fault_at": fault_at, "hang": hang, "stuck": stuck,
               "leftovers": leftovers, "strays": strays, "seconds": round(elapsed, 2),
               "exit_codes": [p.returncode for p in procs], "dir": epdir}
     record.update(judge(record))
@@ -672,10 +681,31 @@ def ranks_named(text: str) -> set:
     return {int(d) for m in re.finditer(RANK_LIST, text) for d in re.findall(r"\d+", m.group(1))}
 
 
-def ranks_blamed(msg: str) -> set:
-    """The ranks a timeout's diagnosis says did not arrive or never reached the call."""
-    return {int(d) for m in re.finditer(RANK_LIST + r" (?:had not arrived|never reached)", msg)
-            for d in re.findall(r"\d+", m.group(1))}
+def blamed(msg: str):
+    """(sequence number, ranks) for each "rank(s) ... had not arrived / never reached" of a
+    timeout's diagnosis: the ranks it says did not reach the call with that sequence number
+    (the last one named before it; None if none is)."""
+    for m in re.finditer(RANK_LIST + r" (?:had not arrived|never reached)", msg):
+        seqs = re.findall(r"\[seq (\d+)\]", msg[:m.start()])
+        yield (int(seqs[-1]) if seqs else None), {int(d) for d in re.findall(r"\d+", m.group(1))}
+
+
+def position(rep: Optional[dict], rank: int) -> float:
+    """The sequence number of the call in which ``rank`` raised (inf if it finished the job,
+    -1 if unknown: dead, or raised in a point-to-point call, which has none)."""
+    if rep is None:
+        return -1
+    if rep["error"] is None:
+        return float("inf")
+    m = re.search(rf"\[seq (\d+)\] on rank {rank} of", rep["error"]["msg"])
+    return int(m.group(1)) if m else -1
+
+
+def misblamed(msg: str, reports: dict, victim: int) -> List[int]:
+    """Healthy ranks the diagnosis says never reached a call that they had finished: each
+    raised later in a call with a higher sequence number, or never raised."""
+    return sorted({b for seq, ranks in blamed(msg) if seq is not None for b in ranks
+                   if b != victim and position(reports.get(b), b) > seq})
 
 
 def judge(rec) -> dict:
@@ -712,9 +742,7 @@ def judge(rec) -> dict:
         err = rep["error"]
         shown = f"{err['cls']} after {err['elapsed']:.2f} s at step {err['step']}: " \
                 f"{err['msg']}" if err else "no error"
-        # A rank still in the call before the fault's when its peers' group failed learns of
-        # the failure there (the ABORT reaches it first): allowed one step early.
-        if err and err["step"] < f["step"] - (1 if kind in ("mismatch", "kill") else 0):
+        if err and (rec["fault_at"] is None or err["t"] < rec["fault_at"]):
             problems.append(("wrong error", f"rank {r}: before the fault: {shown}"))
             continue
         if kind == "badarg" and r == v:
@@ -760,11 +788,10 @@ def judge(rec) -> dict:
             if v not in ranks_named(err["msg"]):
                 problems.append(("wrong error", f"rank {r}: does not name rank {v}: {shown}"))
                 continue
-            healthy = ranks_blamed(err["msg"]) - {v}
-            if healthy:
-                problems.append(("wrong error", f"rank {r}: blames healthy rank(s) "
-                                                f"{sorted(healthy)}: {shown}"))
-                continue
+            healthy = misblamed(err["msg"], reports, v)
+            if healthy:  # the error is right; its diagnosis is not (issue 16 item 14)
+                problems.append(("misblame", f"rank {r}: says rank(s) {healthy} never "
+                                             f"reached a call they had finished: {shown}"))
         if err["elapsed"] > limit:
             problems.append(("wrong error", f"rank {r}: took {err['elapsed']:.2f} s > timeout "
                                             f"+ {SLACK:g} s: {shown}"))
@@ -789,26 +816,27 @@ def summarize(records, elapsed: float, args) -> int:
         row["wrong_res"] += rec["wrong_results"] + rec["late_writes"]
         row["hangs"] += rec["hang"]
         row["leftover"] += "leftover" in kinds
+        row["misblame"] += "misblame" in kinds
         row["setup"] += rec["setup"]
         times[key] += rec["times"]
     print(f"# meshcoll fault soak  seed={args.seed}  max-ranks={args.max_ranks}  "
           f"transport={args.transport}  timeout={args.timeout} s  episodes={len(records)}  "
           f"minutes={elapsed / 60:.1f}")
-    print(f"# {'fault':>9} {'transport':>9} {'episodes':>8} {'right':>6} {'wrong_err':>9} "
-          f"{'wrong_res':>9} {'hangs':>5} {'leftover':>8} {'setup':>5} {'t_med':>6} {'t_max':>6}")
+    cols = ("episodes", "right", "wrong_err", "wrong_res", "misblame", "hangs", "leftover",
+            "setup")
+
+    def line(first, second, row, t=()):
+        cells = "".join(f" {row[c]:>{len(c)}}" for c in cols)
+        med, mx = (f"{np.median(t):.2f}", f"{max(t):.2f}") if t else ("-", "-")
+        return f"  {first:>9} {second:>9}{cells} {med:>6} {mx:>6}"
+
+    print(f"# {'fault':>9} {'transport':>9} " + " ".join(cols) + f" {'t_med':>6} {'t_max':>6}")
     total = defaultdict(int)
     for key in sorted(rows):
-        row, t = rows[key], times[key]
-        med = f"{np.median(t):.2f}" if t else "-"
-        mx = f"{max(t):.2f}" if t else "-"
-        print(f"  {key[0]:>9} {key[1]:>9} {row['episodes']:>8} {row['right']:>6} "
-              f"{row['wrong_err']:>9} {row['wrong_res']:>9} {row['hangs']:>5} "
-              f"{row['leftover']:>8} {row['setup']:>5} {med:>6} {mx:>6}")
-        for k, val in row.items():
+        print(line(*key, rows[key], times[key]))
+        for k, val in rows[key].items():
             total[k] += val
-    print(f"  {'total':>9} {'':>9} {total['episodes']:>8} {total['right']:>6} "
-          f"{total['wrong_err']:>9} {total['wrong_res']:>9} {total['hangs']:>5} "
-          f"{total['leftover']:>8} {total['setup']:>5}")
+    print(line("total", "", total, sum(times.values(), [])))
     failed = [rec for rec in records if rec["problems"]]
     for rec in failed:
         print(f"\n## episode {rec['plan']['index']}: {describe(rec['plan'])}"

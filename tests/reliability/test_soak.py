@@ -17,10 +17,11 @@ TIMEOUT = 2.5
 
 
 def _report(rank, cls=None, msg="", step=1, elapsed=0.1, **extra):
+    """A rank's report; an error at ``step`` 0 was raised before the fault (at time 0)."""
     rep = {"rank": rank, "steps_done": 3, "wrong": [], "arg_error": None, "completed": cls is None,
            "late_writes": [], "destroy_error": None, "applied": None,
            "error": None if cls is None else {"cls": cls, "msg": msg, "step": step,
-                                              "elapsed": elapsed}}
+                                              "elapsed": elapsed, "t": 1.0 if step else -1.0}}
     rep.update(extra)
     return rep
 
@@ -29,7 +30,7 @@ def _judge(fault, reports, world=3):
     """judge()'s problems for one episode; ``reports[r]`` None: rank r died."""
     plan = {"world": world, "timeout": TIMEOUT, "fault": dict(fault, step=1, victim=1)}
     rec = {"plan": plan, "reports": {r: rep for r, rep in enumerate(reports) if rep},
-           "hang": False, "stuck": {},
+           "fault_at": 0.0, "hang": False, "stuck": {},
            "leftovers": [], "strays": [], "exit_codes": [0] * world}
     return [text for _, text in fault_soak.judge(rec)["problems"]]
 
@@ -40,8 +41,8 @@ DIED = "rank 1 closed its connection"
 
 def test_judge_accepts_the_right_errors():
     # The victim of a kill leaves no report; the others name it.
-    assert _judge(KILL, [_report(0, "PeerError", DIED), None,
-                         _report(2, "TimeoutError", "rank(s) 1 never reached this operation")]) == []
+    timeout = _report(2, "TimeoutError", "rank(s) 1 never reached this operation")
+    assert _judge(KILL, [_report(0, "PeerError", DIED), None, timeout]) == []
     mismatch = {"kind": "mismatch", "what": "op", "op": "max"}
     assert _judge(mismatch, [_report(r, "MismatchError", "collective mismatch")
                              for r in range(3)]) == []
@@ -50,53 +51,55 @@ def test_judge_accepts_the_right_errors():
     assert _judge(retry, [_report(0), bad, _report(2)]) == []
 
 
-@pytest.mark.parametrize("case", [
-    "another class", "victim not named", "healthy rank blamed", "too slow", "no error",
-    "error before the fault", "wrong result", "late write", "mismatch as a timeout",
-    "bad argument accepted", "destroy raised", "survivor died",
+@pytest.mark.parametrize("case, says", [
+    ("another class", "expected PeerError or TimeoutError"),
+    ("victim not named", "does not name rank 1"),
+    ("healthy rank blamed", "rank(s) [0] never reached a call they had finished"),
+    ("too slow", "> timeout + 2 s"),
+    ("no error", "rank 2: no error"),
+    ("error before the fault", "before the fault"),
+    ("wrong result", "1 of 4 elements differ"),
+    ("late write", "changed after the call raised"),
+    ("mismatch as a timeout", "expected MismatchError"),
+    ("bad argument accepted", "expected ValueError or TypeError, got no error"),
+    ("destroy raised", "destroy() raised"),
+    ("survivor died", "rank 2: died without a report"),
 ])
-def test_judge_flags_every_wrong_outcome(case):
+def test_judge_flags_every_wrong_outcome(case, says):
     fault = KILL
-    peer0 = _report(0, "PeerError", DIED)
-    peer2 = _report(2, "PeerError", DIED)
+    reports = [_report(0, "PeerError", DIED), None, _report(2, "PeerError", DIED)]
     if case == "another class":
-        peer2 = _report(2, "AbortedError", "the group was aborted after rank 1 died")
+        reports[2] = _report(2, "AbortedError", "the group was aborted after rank 1 died")
     elif case == "victim not named":
-        peer2 = _report(2, "PeerError", "rank 0 closed its connection")
-    elif case == "healthy rank blamed":
-        peer2 = _report(2, "TimeoutError", "rank(s) 0, 1 never reached this operation")
+        reports[2] = _report(2, "PeerError", "rank 0 closed its connection")
+    elif case == "healthy rank blamed":  # rank 0 had finished seq 5: it raised in seq 6
+        reports[0] = _report(0, "PeerError", f"barrier [seq 6] on rank 0 of 3: {DIED}")
+        reports[2] = _report(2, "TimeoutError", "all_gather(count=8, int64) [seq 5] on rank 2 "
+                                                "of 3: rank(s) 0, 1 never reached this operation")
     elif case == "too slow":
-        peer2 = _report(2, "PeerError", DIED, elapsed=TIMEOUT + fault_soak.SLACK + 0.1)
+        reports[2] = _report(2, "PeerError", DIED, elapsed=TIMEOUT + fault_soak.SLACK + 0.1)
     elif case == "no error":
-        peer2 = _report(2)
-    elif case == "error before the fault":  # (kill and mismatch allow one step early)
-        late = {"kind": "late", "hold": 3.5}
-        never = "rank(s) 1 never reached this operation"
-        return _expect_flagged(late, [_report(0, "TimeoutError", never),
-                                      _report(1, "PeerError", "rank 0 timed out"),
-                                      _report(2, "TimeoutError", never, step=0)])
+        reports[2] = _report(2)
+    elif case == "error before the fault":
+        reports[2] = _report(2, "PeerError", DIED, step=0)
     elif case == "wrong result":
-        peer2["wrong"] = ["step 0 all_reduce sum: 1 of 4 elements differ"]
+        reports[2]["wrong"] = ["step 0 all_reduce sum: 1 of 4 elements differ"]
     elif case == "late write":
-        peer2["late_writes"] = ["8 of 64 bytes changed after the call raised"]
+        reports[2]["late_writes"] = ["8 of 64 bytes changed after the call raised"]
     elif case == "mismatch as a timeout":
         fault = {"kind": "mismatch", "what": "count"}
-        peer0 = _report(0, "MismatchError", "collective mismatch")
-        peer2 = _report(2, "TimeoutError", "rank 2 timed out; rank(s) 1 never reached")
-        return _expect_flagged(fault, [peer0, _report(1, "MismatchError", "mismatch"), peer2])
+        reports = [_report(0, "MismatchError", "collective mismatch"),
+                   _report(1, "MismatchError", "collective mismatch"),
+                   _report(2, "TimeoutError", "rank 2 timed out; rank(s) 1 never reached")]
     elif case == "bad argument accepted":
         fault = {"kind": "badarg", "what": "out", "then": "retry"}
-        return _expect_flagged(fault, [_report(0), _report(1), _report(2)])
+        reports = [_report(0), _report(1), _report(2)]
     elif case == "destroy raised":
-        peer2["destroy_error"] = "PeerError: store closed"
+        reports[2]["destroy_error"] = "PeerError: store closed"
     elif case == "survivor died":
-        peer2 = None
-    _expect_flagged(fault, [peer0, None, peer2])
-
-
-def _expect_flagged(fault, reports):
+        reports[2] = None
     problems = _judge(fault, reports)
-    assert problems, "the judge let a wrong outcome pass"
+    assert len(problems) == 1 and says in problems[0], problems
 
 
 def test_fixed_seed_episodes_end_in_the_right_errors(capsys):
