@@ -225,6 +225,7 @@ WorkPtr Backend::scatter(const ArrayView& in, const ArrayView& out,
   if (rank_ == root && in.count != total(counts))
     size_error(what, "x", in.count, total(counts), "the counts add up to");
   auto d = make_desc(CollKind::kScatter, out.dtype, out.count, RedOp::kSum, root);
+  d.shape = out.shape_hash;  // each rank's block has the shape it expects: the same one
   Call c = open(CollKind::kScatter, d, o, what, {&in, &out});
   return issue(c, [&] { return do_scatter(c, in, out, counts, root); });
 }
@@ -261,6 +262,8 @@ WorkPtr Backend::recv(const ArrayView& buf, int peer, uint32_t tag, const CallOp
   return issue(c, [&] { return do_recv(c, buf, peer, tag); });
 }
 
-void Backend::fail(const std::string& message) { do_fail(message); }
+void Backend::fail(const std::string& message, std::exception_ptr like) {
+  do_fail(message, like);
+}
 
 }  // namespace meshcoll::comm

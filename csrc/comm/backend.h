@@ -41,6 +41,7 @@
 #pragma once
 
 #include <atomic>
+#include <exception>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -136,8 +137,9 @@ class Backend {
   WorkPtr send(const ArrayView& buf, int peer, uint32_t tag, const CallOptions& o);
   WorkPtr recv(const ArrayView& buf, int peer, uint32_t tag, const CallOptions& o);
   // Fails the group as an operation's failure would, after the pending operations: every
-  // member raises. For operations composed over several groups (the hierarchy).
-  void fail(const std::string& message);
+  // member raises, with the type of `like` (PeerError when null). For operations composed
+  // over several groups (the hierarchy).
+  void fail(const std::string& message, std::exception_ptr like = nullptr);
   // Lets issued work finish (each operation's deadline bounds it), then closes the group.
   virtual void shutdown() = 0;
 
@@ -174,7 +176,7 @@ class Backend {
   virtual WorkPtr do_barrier(Call& c) = 0;
   virtual WorkPtr do_send(Call& c, const ArrayView& buf, int peer, uint32_t tag) = 0;
   virtual WorkPtr do_recv(Call& c, const ArrayView& buf, int peer, uint32_t tag) = 0;
-  virtual void do_fail(const std::string& message) = 0;
+  virtual void do_fail(const std::string& message, std::exception_ptr like) = 0;
 
  private:
   Call open(CollKind kind, const transport::OpDesc& d, const CallOptions& o, const char* what,

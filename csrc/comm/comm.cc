@@ -114,9 +114,11 @@ Comm::~Comm() {
   if (wake_fd_ >= 0) ::close(wake_fd_);
 }
 
-void Comm::fail(const std::string& message) {
-  enqueue(make_desc(CollKind::kFail, DType::kUint8, 0), Millis(-1),
-          [message](Comm&) { throw PeerError(message); });
+void Comm::fail(const std::string& message, std::exception_ptr like) {
+  enqueue(make_desc(CollKind::kFail, DType::kUint8, 0), Millis(-1), [message, like](Comm&) {
+    if (like) std::rethrow_exception(same_type(like, message));
+    throw PeerError(message);
+  });
 }
 
 void Comm::shutdown() {

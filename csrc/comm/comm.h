@@ -117,8 +117,8 @@ class Comm {
   // Fails the group as an operation's failure would (every peer gets an ABORT and raises at
   // once), queued behind the pending operations. For operations composed over several
   // groups (Note [Hierarchy] in hierarchy.py): a failure in one group must reach the ranks
-  // that wait in another.
-  void fail(const std::string& message);
+  // that wait in another, with its type (that of `like`; PeerError when null).
+  void fail(const std::string& message, std::exception_ptr like = nullptr);
 
   // ---- for algorithms, on the worker thread, inside `run` ----
   transport::Request send(int peer, uint32_t tag, ConstBytes src);

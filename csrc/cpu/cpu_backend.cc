@@ -145,6 +145,8 @@ WorkPtr CpuBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t ta
                             std::move(c.keep));
 }
 
-void CpuBackend::do_fail(const std::string& message) { comm_->fail(message); }
+void CpuBackend::do_fail(const std::string& message, std::exception_ptr like) {
+  comm_->fail(message, like);
+}
 
 }  // namespace meshcoll::cpu

@@ -53,7 +53,7 @@ class CpuBackend final : public comm::Backend {
   comm::WorkPtr do_barrier(Call& c) override;
   comm::WorkPtr do_send(Call& c, const comm::ArrayView& buf, int peer, uint32_t tag) override;
   comm::WorkPtr do_recv(Call& c, const comm::ArrayView& buf, int peer, uint32_t tag) override;
-  void do_fail(const std::string& message) override;
+  void do_fail(const std::string& message, std::exception_ptr like) override;
 
  private:
   // Runs `op` (a callable over the Comm holding its args by value) as call `c`.

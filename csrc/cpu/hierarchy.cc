@@ -85,10 +85,19 @@ void run_steps(comm::Comm& parent, const Hierarchy& h, const char* what, Steps&&
     const std::string why = str_cat("rank ", parent.global_rank(parent.rank()), " of a group of ",
                                     parent.size(),
                                     ": hierarchical ", what, " failed: ", message_of(error));
+    // A disagreement stays a MismatchError on the ranks of the other child (a timeout or a
+    // death reaches them as the PeerError that names it: their own census would misread it).
+    std::exception_ptr like;
+    try {
+      std::rethrow_exception(error);
+    } catch (const MismatchError&) {
+      like = error;
+    } catch (...) {
+    }
     for (comm::Backend* child : {h.local.get(), h.leaders.get()}) {
       if (!child) continue;
       try {
-        child->fail(why);
+        child->fail(why, like);
       } catch (const std::exception&) {  // the child was shut down: nobody waits there
       }
     }
@@ -145,6 +154,7 @@ void hier_all_gather(comm::Comm& parent, const Hierarchy& h, const ArrayView& in
     ArrayView block = rows;  // this host's block; written on the leader only
     block.count = h.leaders ? h.host_size[mine] * n : 0;
     block.data = static_cast<uint8_t*>(rows.data) + h.block_offset[mine] * row;
+    block.row_hash = in.shape_hash;  // leaders compare the blocks' shape (all_gather_v's rows)
     h.local->gather(in, block, std::vector<size_t>(h.host_size[mine], n), 0, step(parent));
     if (h.leaders) {
       std::vector<size_t> counts(h.host_size.size());

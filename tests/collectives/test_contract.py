@@ -229,6 +229,10 @@ def _v_mismatch(pg, which):
         if which == "gather":
             # The same count, other shapes: the root would stack (2, 3) and (3, 2) blocks.
             g.gather(np.ones((2, 3)) if pg.rank == 0 else np.ones((3, 2)), 0, timeout=30)
+        elif which == "scatter":
+            # The root splits (2, 2, 3) into (2, 3) blocks; rank 1 expects a (3, 2) one.
+            out = np.empty((2, 3) if pg.rank == 0 else (3, 2))
+            g.scatter(np.ones((2, 2, 3)) if pg.rank == 0 else None, 0, out=out, timeout=30)
         elif which == "reduce_scatter_v":
             # Both splits sum to 6 rows; the ranks disagree on where they fall.
             counts = [2, 4] if pg.rank == 0 else [4, 2]
@@ -245,7 +249,7 @@ def _v_mismatch(pg, which):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("which", ["reduce_scatter_v", "all_to_all_v", "gather"])
+@pytest.mark.parametrize("which", ["reduce_scatter_v", "all_to_all_v", "gather", "scatter"])
 def test_v_disagreements_raise_mismatch(run_ranks, transport, which):
     for kind, msg in run_ranks(2, _v_mismatch, transport=transport, which=which):
         assert kind == "MismatchError", (kind, msg)  # the check's, not the 30 s timeout's

@@ -215,3 +215,23 @@ def test_dropped_async_array_survives_the_hierarchy(run_ranks):
     for rank, damaged in enumerate(run_ranks(4, _dropped_async_body,
                                              env={"MALLOC_PERTURB_": "165"})):
         assert not damaged, (rank, damaged)
+
+
+def _shape_mismatch_body(pg):
+    """Hosts A and B (two ranks each) gather blocks of one count but other shapes into an
+    out= of one shape everywhere: within a host the shapes agree, so only the leaders' step
+    can see it (a flat group compares the blocks' shapes: so must the hierarchy)."""
+    _emulate_host("AB"[pg.rank % 2])
+    g = pg.new_group(list(range(pg.size)))
+    assert g._hier is not None
+    shape = (2, 3) if pg.rank % 2 == 0 else (3, 2)
+    try:
+        g.all_gather(np.ones(shape), out=np.empty((g.size, 6)), timeout=20)
+        g.barrier(timeout=20)
+        return "no error"
+    except meshcoll.MeshcollError as e:
+        return type(e).__name__
+
+
+def test_hierarchical_all_gather_compares_shapes_across_hosts(run_ranks):
+    assert run_ranks(4, _shape_mismatch_body) == ["MismatchError"] * 4
