@@ -57,6 +57,7 @@ def _measure(pg, calls, repeats):
 
 def _rank(rank, world, port, transport, calls, repeats, q):
     os.environ["MESHCOLL_TRANSPORT"] = transport
+    os.environ["MESHCOLL_TOKEN"] = f"host-cost-{port}"  # a job of ours: no stranger warning
     import meshcoll
     pg = meshcoll.init(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port)
     res = _measure(pg, calls, repeats)

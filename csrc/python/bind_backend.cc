@@ -182,6 +182,46 @@ PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t narg
   });
 }
 
+// Note [Synchronous gathers]
+// all_gather and reduce_scatter with equal blocks, synchronous, into an out= the ProcessGroup
+// made or was given: one METH_FASTCALL call each, as all_reduce_sync. The blocks follow from
+// x (all_gather: x's count from every rank; reduce_scatter: an equal share of x's count), so
+// no list of counts crosses the boundary; the contract checks out's size against them.
+// Arguments: all_gather_sync(x, out, timeout, stream), reduce_scatter_sync(x, out, op,
+// timeout, stream).
+PyObject* all_gather_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return fastcall([&]() -> PyObject* {
+    if (nargs != 4)
+      throw py::type_error(str_cat("all_gather_sync takes 4 positional arguments (x, out, "
+                                   "timeout, stream), got ", nargs));
+    Backend& b = py::cast<Backend&>(py::handle(self));
+    CallReader read(b, "all_gather", py::handle(args[2]), py::handle(args[3]), false);
+    comm::ArrayView in = read(py::handle(args[0]), "x", false);
+    comm::ArrayView out = read(py::handle(args[1]), "out", true);
+    const std::vector<size_t> counts(b.size(), in.count);
+    run(b, read.what(), false, [&] { return b.all_gather(in, out, counts, false, read.opts); });
+    Py_RETURN_NONE;
+  });
+}
+
+PyObject* reduce_scatter_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return fastcall([&]() -> PyObject* {
+    constexpr const char* what = "reduce_scatter";
+    if (nargs != 5)
+      throw py::type_error(str_cat("reduce_scatter_sync takes 5 positional arguments (x, out, "
+                                   "op, timeout, stream), got ", nargs));
+    Backend& b = py::cast<Backend&>(py::handle(self));
+    CallReader read(b, what, py::handle(args[3]), py::handle(args[4]), false);
+    comm::ArrayView in = read(py::handle(args[0]), "x", false);
+    comm::ArrayView out = read(py::handle(args[1]), "out", true);
+    RedOp op = redop_arg(str_arg(args[2], what, "op"), what);
+    const std::vector<size_t> counts(b.size(), in.count / b.size());
+    run(b, read.what(), false,
+        [&] { return b.reduce_scatter(in, out, counts, op, false, read.opts); });
+    Py_RETURN_NONE;
+  });
+}
+
 // send (is_send) or recv of `a`: point-to-point always returns a Work, which holds `a`.
 py::object p2p(Backend& b, bool is_send, const py::handle& a, int peer, uint32_t tag,
                const py::handle& timeout, const py::handle& stream) {
@@ -254,6 +294,12 @@ void bind_backend(py::module_& m) {
                       "all_reduce_sync(x, op, timeout, stream, algorithm, max_segment_bytes, "
                       "tree_threshold_bytes, hd_threshold_bytes): all_reduce x in place and "
                       "return when done (CPU) or enqueued (GPU) (Note [all_reduce_sync]).");
+  add_fastcall_method(b, "all_gather_sync", &all_gather_sync,
+                      "all_gather_sync(x, out, timeout, stream): every rank's x, in rank order, "
+                      "into out (Note [Synchronous gathers]).");
+  add_fastcall_method(b, "reduce_scatter_sync", &reduce_scatter_sync,
+                      "reduce_scatter_sync(x, out, op, timeout, stream): this rank's equal share "
+                      "of the reduction of x into out (Note [Synchronous gathers]).");
   b.def_property_readonly("rank", &Backend::rank)
       .def_property_readonly("size", &Backend::size)
       .def_property_readonly("name", [](const Backend& x) { return std::string(x.name()); })

@@ -226,6 +226,20 @@ class ProcessGroup:
         like = like.obj if isinstance(like, _C.Array) else like
         return self._arrays.empty(shape, like, dtype)
 
+    def _fast(self, x) -> bool:
+        """Whether ``x`` takes the one-call synchronous path (Note [Synchronous gathers]): a
+        numpy array on a CPU group, a framework array with a shape on a GPU group (the backend
+        reads and checks it in the call; the output is made like it)."""
+        if type(x) is np.ndarray:
+            return not self._arrays.device_memory
+        return self._arrays.device_memory and hasattr(x, "shape")
+
+    def _empty_like(self, x, shape):
+        """An output of ``shape`` like ``x`` (an array _fast accepted)."""
+        if type(x) is np.ndarray:
+            return np.empty(shape, x.dtype)
+        return self._arrays.empty(shape, x)
+
     def _current_stream(self, like):
         """The stream the caller computes on for arrays like ``like`` (None on the CPU)."""
         return self._arrays.current_stream(like)
@@ -327,6 +341,12 @@ class ProcessGroup:
             if out is not None or async_op:
                 raise ValueError("all_gather of a host (numpy) array takes no out= or async_op")
             return self._host_all_gather(x, timeout)
+        if not async_op and self._fast(x):
+            # Note [Synchronous gathers] in bind_backend.cc: one C++ call.
+            if out is None:
+                out = self._empty_like(x, (self.size,) + tuple(x.shape))
+            self._backend.all_gather_sync(x, out, timeout, stream)
+            return out
         v = self._look(x, "all_gather: x", stream)
         shape = (self.size,) + tuple(v.shape)
         out = self._empty(shape, v) if out is None else out
@@ -358,6 +378,18 @@ class ProcessGroup:
                        timeout: Optional[float] = None, stream=None):
         """Reduce ``x`` across ranks and keep this rank's slice of axis 0 (which must divide
         evenly by the group size): shape ``(x.shape[0] // size, *x.shape[1:])``."""
+        if not async_op and self._fast(x):
+            # Note [Synchronous gathers] in bind_backend.cc: one C++ call.
+            shape = tuple(x.shape)
+            if not shape or shape[0] % self.size:
+                rows(self._view(x, "reduce_scatter: x", stream=stream), "reduce_scatter")
+                raise ValueError(f"reduce_scatter: axis 0 has {shape[0]} rows, not divisible by "
+                                 f"the group size {self.size}; use reduce_scatter_v for uneven "
+                                 "splits")
+            if out is None:
+                out = self._empty_like(x, (shape[0] // self.size,) + shape[1:])
+            self._backend.reduce_scatter_sync(x, out, op, timeout, stream)
+            return out
         v = self._look(x, "reduce_scatter: x", stream)
         n = rows(v, "reduce_scatter")
         if n % self.size:
