@@ -157,7 +157,9 @@ def test_module_mode(tmp_path):
 
 
 def test_no_prefix(tmp_path):
-    path = script(tmp_path, "print('plain')")
+    # One write per line: untouched output of two ranks may interleave inside a line when a
+    # rank's print() makes two writes (text, then newline; children run unbuffered).
+    path = script(tmp_path, "import os; os.write(1, b'plain\\n')")
     r = launch(tmp_path, "-n", 2, "--no-prefix", path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["plain", "plain"]
