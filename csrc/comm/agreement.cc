@@ -24,14 +24,16 @@ struct Agreement::Record {
 };
 
 Agreement::Agreement(std::shared_ptr<Backend> channel, Mode mode, Millis timeout,
-                     const Ledger& ledger, Sink sink)
+                     const Ledger& ledger, Sink sink, RankNames names)
     : channel_(std::move(channel)), mode_(mode), timeout_(timeout), ledger_(ledger),
       sink_(std::move(sink)), rank_(channel_->rank()), size_(channel_->size()),
-      peer_issued_(size_, 0), last_round_(Clock::now()) {}
+      names_(std::move(names)), peer_issued_(size_, 0), last_round_(Clock::now()) {}
 
 std::shared_ptr<Agreement> Agreement::create(std::shared_ptr<Backend> channel, Mode mode,
-                                             Millis timeout, const Ledger& ledger, Sink sink) {
-  auto a = std::make_shared<Agreement>(std::move(channel), mode, timeout, ledger, std::move(sink));
+                                             Millis timeout, const Ledger& ledger, Sink sink,
+                                             RankNames names) {
+  auto a = std::make_shared<Agreement>(std::move(channel), mode, timeout, ledger, std::move(sink),
+                                       std::move(names));
   if (mode == Mode::kAsync && a->size_ > 1)
     a->checker_ = std::thread([self = a] { self->loop(); });
   return a;
@@ -46,7 +48,8 @@ void Agreement::note(uint64_t seq, const transport::OpDesc& d) {
   if (size_ == 1) return;
   if (seq > peer_final_.load(std::memory_order_acquire))
     throw MismatchError(str_cat(
-        comm::describe_op(d), " [seq ", seq, "] on rank ", rank_, ": rank ", left_rank_,
+        comm::describe_op(d), " [seq ", seq, "] on rank ", names_(rank_), ": rank ",
+        names_(left_rank_.load()),
         " has destroyed the group after its call seq ", peer_final_.load(),
         ", so this call has no partner; every rank must make the same calls before destroy()"));
   // The ring holds calls not yet compared: wait for the checker when it is full (kRing calls
@@ -95,8 +98,8 @@ bool Agreement::round(bool leaving, Millis deadline) {
       if (all[p].descs[i] == all[0].descs[i]) continue;
       const uint64_t seq = checked + 1 + i;
       fail(std::make_exception_ptr(MismatchError(str_cat(
-               "collective mismatch (found by the agreement check): rank 0 called ",
-               describe_op(all[0].descs[i]), " [seq ", seq, "] but rank ", p, " called ",
+               "collective mismatch (found by the agreement check): rank ", names_(0), " called ",
+               describe_op(all[0].descs[i]), " [seq ", seq, "] but rank ", names_(p), " called ",
                describe_op(all[p].descs[i]), " [seq ", seq, "]",
                all[0].descs[i].shape != all[p].descs[i].shape ? " (array shapes differ)" : "",
                "; every rank of a group must call the same collectives, with the same count, "
@@ -122,8 +125,8 @@ bool Agreement::round(bool leaving, Millis deadline) {
     const uint64_t mine_now = issued_.load(std::memory_order_acquire);
     if (mine_now > all[p].issued) {
       fail(std::make_exception_ptr(MismatchError(str_cat(
-               "rank ", p, " destroyed the group after its call seq ", all[p].issued,
-               " but rank ", rank_, " called ", desc_of(all[p].issued + 1), " [seq ",
+               "rank ", names_(p), " destroyed the group after its call seq ", all[p].issued,
+               " but rank ", names_(rank_), " called ", desc_of(all[p].issued + 1), " [seq ",
                all[p].issued + 1, "]: it has no partner; every rank must make the same calls "
                "before destroy()"))),
            all[p].issued + 1);
@@ -194,7 +197,7 @@ std::string Agreement::census(uint64_t seq) const {
   std::string never;
   for (int p = 0; p < size_; ++p) {
     if (p == rank_ || issued[p] >= seq) continue;
-    never += str_cat(never.empty() ? "" : "; ", "rank ", p, " (its last call: ",
+    never += str_cat(never.empty() ? "" : "; ", "rank ", names_(p), " (its last call: ",
                      issued[p] ? str_cat(desc_of(issued[p]), " [seq ", issued[p], "]")
                                : std::string("none"),
                      ")");
@@ -212,7 +215,7 @@ std::string Agreement::census(uint64_t seq) const {
 void Agreement::stop(bool abandon) {
   if (stopped_.exchange(true)) return;
   if (abandon && size_ > 1 && !failed_.load())
-    channel_->fail(str_cat("rank ", rank_, " destroyed the group after it failed there"));
+    channel_->fail(str_cat("rank ", names_(rank_), " destroyed the group after it failed there"));
   if (checker_.joinable()) {
     {
       std::lock_guard<std::mutex> lock(wake_mu_);

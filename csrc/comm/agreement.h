@@ -42,6 +42,7 @@
 
 #include "comm/backend.h"
 #include "comm/ledger.h"
+#include "common/rank_names.h"
 
 namespace meshcoll::comm {
 
@@ -55,10 +56,12 @@ class Agreement : public std::enable_shared_from_this<Agreement> {
   // `channel`: a CPU backend among the same ranks, used by this object only. Starts the
   // checker thread in async mode. `ledger`: the checked backend's, to describe its calls in
   // messages.
+  // messages. `names`: the members' global ranks, which messages name.
   static std::shared_ptr<Agreement> create(std::shared_ptr<Backend> channel, Mode mode,
-                                           Millis timeout, const Ledger& ledger, Sink sink);
+                                           Millis timeout, const Ledger& ledger, Sink sink,
+                                           RankNames names);
   Agreement(std::shared_ptr<Backend> channel, Mode mode, Millis timeout, const Ledger& ledger,
-            Sink sink);
+            Sink sink, RankNames names);
   ~Agreement();
   Agreement(const Agreement&) = delete;
   Agreement& operator=(const Agreement&) = delete;
@@ -100,6 +103,7 @@ class Agreement : public std::enable_shared_from_this<Agreement> {
   const Ledger& ledger_;
   Sink sink_;
   const int rank_, size_;
+  const RankNames names_;
 
   std::array<Entry, kRing> ring_{};
   std::atomic<uint64_t> issued_{0};   // written by the issuing thread

@@ -33,7 +33,9 @@ class NcclBackend final : public comm::Backend {
   NcclComm& comm() { return *comm_; }
   // Turns on the agreement check (Note [Agreement on a side channel]) over `channel`, a CPU
   // backend among the same ranks. Set once, before the group's first collective.
-  void set_agreement(std::shared_ptr<comm::Backend> channel, comm::Agreement::Mode mode);
+  // `global_ranks`: the members' global ranks, which its messages name.
+  void set_agreement(std::shared_ptr<comm::Backend> channel, comm::Agreement::Mode mode,
+                     std::vector<int> global_ranks);
 
  protected:
   void check_reduction(DType dt, RedOp op) const override;

@@ -164,7 +164,7 @@ class ProcessGroup:
                                         len(self._ranks), timeout, bind_host, token,
                                         _comm_id(name + "/agree", token), "auto", 64 << 10,
                                         False, self._ranks)
-                self._backend.set_agreement(channel, opts.check == "strict")
+                self._backend.set_agreement(channel, opts.check == "strict", self._ranks)
             self.config = CollectiveConfig("auto")  # NCCL picks its own algorithms
         else:
             self._device = None
