@@ -30,7 +30,7 @@ void agree_on_shared(store::Store& store, int rank, int size, const CommOptions&
                      const Deadline& d, const store::WaitCheck& died) {
   std::string mine;
   for (const auto& [name, value] : opts.shared) mine += str_cat(name, "\t", value, "\n");
-  auto all = store::exchange(store, "settings", rank, size, mine, d, died);
+  auto all = store::exchange(store, "settings", rank, size, mine, d, died, opts.global);
   if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == mine; }))
     return;
   // Every rank runs this code, so every list names the same settings in the same order.
@@ -43,9 +43,9 @@ void agree_on_shared(store::Store& store, int rank, int size, const CommOptions&
       const std::string v = i < values[r].size() ? values[r][i] : "(unknown)";
       auto it = std::find_if(held.begin(), held.end(), [&](const auto& h) { return h.first == v; });
       if (it == held.end()) {
-        held.push_back({v, str_cat("rank ", r)});
+        held.push_back({v, str_cat("rank ", opts.global(r))});
       } else {
-        it->second += str_cat(", ", r);
+        it->second += str_cat(", ", opts.global(r));
       }
     }
     if (held.size() < 2) continue;
@@ -53,7 +53,8 @@ void agree_on_shared(store::Store& store, int rank, int size, const CommOptions&
     for (size_t h = 0; h < held.size(); ++h)
       wrong += str_cat(h ? " but " : "", held[h].first, " on ", held[h].second);
   }
-  throw MismatchError(str_cat("rank ", rank, ": the ranks of this group disagree on settings "
+  throw MismatchError(str_cat("rank ", opts.global(rank), ": the ranks of this group disagree "
+                              "on settings "
                               "they must share: ", wrong, ". Every rank of a group must use "
                               "the same value: set it alike in every rank's environment (or "
                               "pass the same argument)"));
@@ -84,7 +85,8 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
   if (size > 1) agree_on_shared(*store_, rank, size, opts, setup, died);
   if (size > 1 && opts.transport != "tcp") {
     std::string why;
-    shm_ = transport::ShmGroup::create(rank, size, *store_, opts.shm_bytes, setup, died, &why);
+    shm_ = transport::ShmGroup::create(rank, size, *store_, opts.shm_bytes, setup, died, &why,
+                                       opts.global);
     if (!shm_ && opts.transport == "shm")
       throw Error(str_cat("rank ", rank, ": MESHCOLL_TRANSPORT=shm but shared memory is not usable: ",
                           why));

@@ -16,7 +16,7 @@ Millis left_of(const Deadline& d) {
 
 std::vector<std::string> exchange(Store& store, const std::string& step, int rank, int size,
                                   const std::string& mine, const Deadline& d,
-                                  const WaitCheck& check) {
+                                  const WaitCheck& check, const RankNames& names) {
   auto call = [&] { return std::max(left_of(d), Millis(500)); };
   std::vector<std::string> keys;
   for (int r = 0; r < size; ++r) keys.push_back(str_cat(step, "/", r));
@@ -35,8 +35,8 @@ std::vector<std::string> exchange(Store& store, const std::string& step, int ran
       if (check) check(missing);
       if (d.expired()) {
         std::string list;
-        for (int r : missing) list += str_cat(list.empty() ? "" : ", ", r);
-        throw TimeoutError(str_cat("rank ", rank, ": setting up this group timed out after ",
+        for (int r : missing) list += str_cat(list.empty() ? "" : ", ", names(r));
+        throw TimeoutError(str_cat("rank ", names(rank), ": setting up this group timed out after ",
                                    d.timeout().count(), " ms at step '", step, "': rank(s) ",
                                    list, " never got there; they are stuck, or did not create "
                                    "this group"));

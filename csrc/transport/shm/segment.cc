@@ -84,9 +84,10 @@ ShmGroup::ShmGroup(int rank, int size, size_t data_bytes)
 
 std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& store,
                                            size_t data_bytes, const Deadline& d,
-                                           const Check& check, std::string* why) {
+                                           const Check& check, std::string* why,
+                                           const RankNames& names) {
   auto step = [&](const char* name, const std::string& mine) {
-    return store::exchange(store, str_cat("shm/", name), rank, size, mine, d, check);
+    return store::exchange(store, str_cat("shm/", name), rank, size, mine, d, check, names);
   };
   // Every rank publishes a verdict for each step and reads everyone's, so all ranks take the
   // same branch even when only one of them fails.

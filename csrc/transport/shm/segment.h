@@ -85,7 +85,8 @@ class ShmGroup {
   // never comes is an error: what `check` throws, or TimeoutError at `d`.
   static std::unique_ptr<ShmGroup> create(int rank, int size, store::Store& store,
                                           size_t data_bytes, const Deadline& d,
-                                          const Check& check, std::string* why);
+                                          const Check& check, std::string* why,
+                                          const RankNames& names = {});
   ~ShmGroup();
   ShmGroup(const ShmGroup&) = delete;
   ShmGroup& operator=(const ShmGroup&) = delete;
