@@ -9,8 +9,10 @@ namespace meshcoll::comm {
 Backend::Backend(int rank, int size, bool device_memory)
     : rank_(rank), size_(size), device_memory_(device_memory), who_(str_cat("rank ", rank)) {}
 
-void Backend::set_identity(int global_rank, const std::string& group) {
-  who_ = str_cat("rank ", global_rank, " (global) of group '", group, "'");
+void Backend::set_identity(std::vector<int> global_ranks, const std::string& group) {
+  names_ = RankNames(std::move(global_ranks));
+  who_ = str_cat("rank ", names_(rank_), " (global) of group '", group, "'");
+  on_identity();
 }
 
 Backend::Issue::Issue(Backend& b, const char* what) : b_(b), what_(what) {

@@ -50,6 +50,7 @@
 #include "comm/array_view.h"
 #include "comm/ledger.h"
 #include "comm/work.h"
+#include "common/rank_names.h"
 #include "common/deadline.h"
 #include "common/dtype.h"
 
@@ -90,9 +91,11 @@ class Backend {
   bool device_memory() const { return device_memory_; }  // a field: asked on every call
   virtual int device() const { return -1; }       // the CUDA device of a GPU backend
   Ledger& ledger() { return ledger_; }
-  // How errors raised here name this rank: its global number and the group's name (until
-  // set: the rank in the group).
-  void set_identity(int global_rank, const std::string& group);
+  // How errors name the group's ranks: by their global numbers (`global_ranks`, in group
+  // order), and the group by its name. Until set: group ranks. Set once, before the first
+  // call (a backend that keeps its own messages takes the names from here: on_identity).
+  void set_identity(std::vector<int> global_ranks, const std::string& group);
+  const RankNames& names() const { return names_; }
 
   // Note [One issuing thread]: this thread's issue of a call on the group, for the Issue's
   // lifetime. It throws ConcurrentCall (after failing the group) if another thread's Issue
@@ -177,6 +180,8 @@ class Backend {
   virtual WorkPtr do_send(Call& c, const ArrayView& buf, int peer, uint32_t tag) = 0;
   virtual WorkPtr do_recv(Call& c, const ArrayView& buf, int peer, uint32_t tag) = 0;
   virtual void do_fail(const std::string& message, std::exception_ptr like) = 0;
+  // set_identity ran: a backend whose own parts write messages hands them the names.
+  virtual void on_identity() {}
 
  private:
   Call open(CollKind kind, const transport::OpDesc& d, const CallOptions& o, const char* what,
@@ -193,6 +198,7 @@ class Backend {
   int rank_, size_;
   bool device_memory_;
   Ledger ledger_;
+  RankNames names_;
   std::string who_;  // "rank 3 (global) of group 'world'"
   // Note [One issuing thread]. Threads are named by pthread_self(), which is Python's
   // threading.get_ident(): errors name them as the user knows them.

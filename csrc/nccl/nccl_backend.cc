@@ -157,14 +157,14 @@ void NcclBackend::open(Call& c) {
 }
 
 void NcclBackend::set_agreement(std::shared_ptr<comm::Backend> channel,
-                                comm::Agreement::Mode mode, std::vector<int> global_ranks) {
+                                comm::Agreement::Mode mode) {
   std::weak_ptr<NcclComm> comm = comm_;
   agreement_ = comm::Agreement::create(
       std::move(channel), mode, comm_->timeout(), ledger(),
       [comm](std::exception_ptr error, uint64_t seq) {
         if (auto c = comm.lock()) c->fail(std::move(error), seq);
       },
-      RankNames(std::move(global_ranks)));
+      names());
   std::weak_ptr<comm::Agreement> a = agreement_;
   comm_->set_census([a](uint64_t seq) {
     auto p = a.lock();

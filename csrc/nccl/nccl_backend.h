@@ -33,9 +33,8 @@ class NcclBackend final : public comm::Backend {
   NcclComm& comm() { return *comm_; }
   // Turns on the agreement check (Note [Agreement on a side channel]) over `channel`, a CPU
   // backend among the same ranks. Set once, before the group's first collective.
-  // `global_ranks`: the members' global ranks, which its messages name.
-  void set_agreement(std::shared_ptr<comm::Backend> channel, comm::Agreement::Mode mode,
-                     std::vector<int> global_ranks);
+  // Messages name ranks as set_identity said (call it first).
+  void set_agreement(std::shared_ptr<comm::Backend> channel, comm::Agreement::Mode mode);
 
  protected:
   void check_reduction(DType dt, RedOp op) const override;
@@ -60,6 +59,7 @@ class NcclBackend final : public comm::Backend {
   comm::WorkPtr do_send(Call& c, const comm::ArrayView& buf, int peer, uint32_t tag) override;
   comm::WorkPtr do_recv(Call& c, const comm::ArrayView& buf, int peer, uint32_t tag) override;
   void do_fail(const std::string& message, std::exception_ptr like) override;
+  void on_identity() override { comm_->set_rank_names(names()); }
 
  private:
   void open(Call& c);

@@ -406,7 +406,7 @@ void NcclComm::abort_locked() {
 // ---- failure bookkeeping -----------------------------------------------------------------
 
 std::string NcclComm::where() const {
-  return str_cat("rank ", rank_, " of ", size_, ", CUDA device ", device_);
+  return str_cat("rank ", names_(rank_), " of ", size_, ", CUDA device ", device_);
 }
 
 void NcclComm::raise_locked(const std::string& context) const {

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "comm/work.h"
+#include "common/rank_names.h"
 #include "common/deadline.h"
 #include "common/dtype.h"
 #include "nccl/nccl_abi.h"
@@ -132,6 +133,8 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void set_census(std::function<std::string(uint64_t coll_seq)> census) {
     census_ = std::move(census);
   }
+  // How messages name ranks (global numbers). Set once, before the first op.
+  void set_rank_names(RankNames names) { names_ = std::move(names); }
 
   using WorkPtr = std::shared_ptr<NcclWork>;
   // Counts are in elements; the caller validated buffers against them. `in` may alias `out`.
@@ -228,6 +231,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   mutable bool reported_ = false;  // error_ reached the user (a call, wait or synchronize)
   bool shut_down_ = false;
   std::function<std::string(uint64_t)> census_;
+  RankNames names_;
 
   // Note [Stuck calls]: the deadline (steady-clock ns) of the NCCL call in progress, 0 when
   // none, -1 once the watchdog claimed it; the communicator it runs on; set once aborted.

@@ -312,7 +312,7 @@ void bind_backend(py::module_& m) {
            }, py::arg("x"), py::arg("what"), py::arg("writable") = false,
            py::arg("stream") = py::none(),
            "Reads x as this backend's collectives would (every check), once.")
-      .def("set_identity", &Backend::set_identity, py::arg("global_rank"), py::arg("group"),
+      .def("set_identity", &Backend::set_identity, py::arg("global_ranks"), py::arg("group"),
            "Names this rank (global number) and the group in the errors raised above the "
            "backends; set once, before the first call.")
       .def("recent_calls", [](Backend& x, size_t n) {

@@ -40,13 +40,11 @@ void bind_nccl(py::module_& m) {
            }),
            py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("timeout"))
       .def("set_agreement",
-           [](nccl::NcclBackend& b, std::shared_ptr<comm::Backend> channel, bool strict,
-              std::vector<int> global_ranks) {
-             b.set_agreement(std::move(channel),
-                             strict ? comm::Agreement::Mode::kStrict : comm::Agreement::Mode::kAsync,
-                             std::move(global_ranks));
+           [](nccl::NcclBackend& b, std::shared_ptr<comm::Backend> channel, bool strict) {
+             b.set_agreement(std::move(channel), strict ? comm::Agreement::Mode::kStrict
+                                                        : comm::Agreement::Mode::kAsync);
            },
-           py::arg("channel"), py::arg("strict"), py::arg("global_ranks") = std::vector<int>(),
+           py::arg("channel"), py::arg("strict"),
            "Turns on the agreement check over `channel` (a CpuBackend among the same ranks; "
            "Note [Agreement on a side channel]). Once, before the first collective.")
       .def("split", [](nccl::NcclBackend& b, int color, int key, const py::handle& timeout) {

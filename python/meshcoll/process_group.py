@@ -151,6 +151,7 @@ class ProcessGroup:
         self._next_child = 0
         self.backend_name = backend
         prefixed = _C.PrefixStore(f"mc/{name}", store)
+        channel = None
         if backend == "nccl":
             from . import nccl
             self._device = parent._device if parent is not None else int(device)
@@ -164,7 +165,6 @@ class ProcessGroup:
                                         len(self._ranks), timeout, bind_host, token,
                                         _comm_id(name + "/agree", token), "auto", 64 << 10,
                                         False, self._ranks)
-                self._backend.set_agreement(channel, opts.check == "strict", self._ranks)
             self.config = CollectiveConfig("auto")  # NCCL picks its own algorithms
         else:
             self._device = None
@@ -175,7 +175,9 @@ class ProcessGroup:
                                               opts.transport, opts.shm_bytes, opts.debug,
                                               self._ranks, list(opts.shared().items()))
             self.config = CollectiveConfig(opts.algorithm)
-        self._backend.set_identity(self._ranks[rank], name)
+        self._backend.set_identity(self._ranks, name)
+        if channel is not None:
+            self._backend.set_agreement(channel, opts.check == "strict")
         # Every member is done with the store for this group before anyone returns: rank 0
         # may otherwise exit (closing the store) while a peer still rendezvouses through it.
         with self._naming_setup():

