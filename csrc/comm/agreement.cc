@@ -27,7 +27,8 @@ Agreement::Agreement(std::shared_ptr<Backend> channel, Mode mode, Millis timeout
                      const Ledger& ledger, Sink sink, RankNames names)
     : channel_(std::move(channel)), mode_(mode), timeout_(timeout), ledger_(ledger),
       sink_(std::move(sink)), rank_(channel_->rank()), size_(channel_->size()),
-      names_(std::move(names)), peer_issued_(size_, 0), last_round_(Clock::now()) {}
+      names_(std::move(names)), all_(size_), counts_(size_, sizeof(Record)),
+      peer_issued_(size_, 0), last_round_(Clock::now()) {}
 
 std::shared_ptr<Agreement> Agreement::create(std::shared_ptr<Backend> channel, Mode mode,
                                              Millis timeout, const Ledger& ledger, Sink sink,
@@ -79,7 +80,7 @@ bool Agreement::round(bool leaving, Millis deadline) {
   mine.leaving = leaving ? 1 : 0;
   for (uint32_t i = 0; i < mine.n; ++i) mine.descs[i] = ring_[(checked + i) % kRing].desc;
 
-  std::vector<Record> all(size_);
+  std::vector<Record>& all = all_;
   ArrayView in, out;
   in.data = &mine;
   in.count = sizeof(Record);
@@ -89,7 +90,7 @@ bool Agreement::round(bool leaving, Millis deadline) {
   out.dtype = DType::kUint8;
   CallOptions o;
   o.timeout = deadline;
-  channel_->all_gather(in, out, std::vector<size_t>(size_, sizeof(Record)), false, o);
+  channel_->all_gather(in, out, counts_, false, o);
 
   uint32_t k = mine.n;
   for (const Record& r : all) k = std::min(k, r.n);

@@ -106,6 +106,10 @@ class Agreement : public std::enable_shared_from_this<Agreement> {
   const RankNames names_;
 
   std::array<Entry, kRing> ring_{};
+  // A round's records and counts, made once: rounds run one at a time (the checker thread,
+  // or in strict mode the one thread that issues on the group).
+  std::vector<Record> all_;
+  const std::vector<size_t> counts_;
   std::atomic<uint64_t> issued_{0};   // written by the issuing thread
   std::atomic<uint64_t> checked_{0};  // every call up to here agreed (written by rounds)
   std::atomic<bool> stopping_{false};
