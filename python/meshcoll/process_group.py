@@ -231,16 +231,10 @@ class ProcessGroup:
     def _fast(self, x) -> bool:
         """Whether ``x`` takes the one-call synchronous path (Note [Synchronous gathers]): a
         numpy array on a CPU group, a framework array with a shape on a GPU group (the backend
-        reads and checks it in the call; the output is made like it)."""
+        reads and checks it in the call; the output is made like it, by the group's arrays)."""
         if type(x) is np.ndarray:
             return not self._arrays.device_memory
         return self._arrays.device_memory and hasattr(x, "shape")
-
-    def _empty_like(self, x, shape):
-        """An output of ``shape`` like ``x`` (an array _fast accepted)."""
-        if type(x) is np.ndarray:
-            return np.empty(shape, x.dtype)
-        return self._arrays.empty(shape, x)
 
     def _current_stream(self, like):
         """The stream the caller computes on for arrays like ``like`` (None on the CPU)."""
@@ -346,7 +340,7 @@ class ProcessGroup:
         if not async_op and self._fast(x):
             # Note [Synchronous gathers] in bind_backend.cc: one C++ call.
             if out is None:
-                out = self._empty_like(x, (self.size,) + tuple(x.shape))
+                out = self._arrays.empty((self.size,) + tuple(x.shape), x)
             self._backend.all_gather_sync(x, out, timeout, stream)
             return out
         v = self._look(x, "all_gather: x", stream)
@@ -389,7 +383,7 @@ class ProcessGroup:
                                  f"the group size {self.size}; use reduce_scatter_v for uneven "
                                  "splits")
             if out is None:
-                out = self._empty_like(x, (shape[0] // self.size,) + shape[1:])
+                out = self._arrays.empty((shape[0] // self.size,) + shape[1:], x)
             self._backend.reduce_scatter_sync(x, out, op, timeout, stream)
             return out
         v = self._look(x, "reduce_scatter: x", stream)

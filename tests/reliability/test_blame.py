@@ -219,8 +219,9 @@ def _late_rank(pg):
         return str(e)
 
 
-def test_census_names_a_late_rank():
-    res = launch(3, _late_rank, transport="tcp", timeout=40)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_census_names_a_late_rank(transport):
+    res = launch(3, _late_rank, transport=transport, timeout=40)
     for rank in (0, 1):
         msg = res[rank]
         named = re.search(r"rank\(s\) 2 (\(it had waited \d+ ms\) reached this operation only as "

@@ -108,12 +108,13 @@ def _mismatch_then_wait(pg):
 
 
 @pytest.mark.timeout(60)
-def test_on_error_abort_ends_every_rank_with_the_diagnosis(run_ranks):
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_on_error_abort_ends_every_rank_with_the_diagnosis(run_ranks, transport):
     # MESHCOLL_ON_ERROR=abort: the failed group ends each process (exit code 1) instead of
     # raising; the default raises.
-    assert run_ranks(2, _mismatch_then_wait, may_die=(0, 1),
+    assert run_ranks(2, _mismatch_then_wait, may_die=(0, 1), transport=transport,
                      env={"MESHCOLL_ON_ERROR": "abort"}) == [None, None]
-    assert run_ranks(2, _mismatch_then_wait) == ["raised", "raised"]
+    assert run_ranks(2, _mismatch_then_wait, transport=transport) == ["raised", "raised"]
 
 
 def test_on_error_and_check_settings_are_validated():
