@@ -313,6 +313,7 @@ NcclComm::~NcclComm() {
   // block in a destructor; abort instead, which never waits for peers.
   if (cu_.ctx_set_current(ctx_) != CUDA_SUCCESS) return;  // the driver is gone already
   abort_locked();
+  close_windows_locked();
   for (auto& s : slots_)
     if (s.event) cu_.event_destroy(s.event);
   if (order_event_) cu_.event_destroy(order_event_);
@@ -335,6 +336,7 @@ void NcclComm::shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
   if (!comm_) {
+    close_windows_locked();
     if (failed_ && !reported_)
       raise_locked(str_cat("destroy() on ", where(), ": the group failed earlier, after the "
                            "last call that could raise it: "));
@@ -361,6 +363,7 @@ void NcclComm::shutdown() {
     backoff(round);
     lock.lock();
   }
+  close_windows_locked();
   // ncclCommDestroy tears down connections; bound it too, and leave it behind if a peer
   // vanished meanwhile (the process is shutting the group down anyway).
   ncclComm_t c = comm_;

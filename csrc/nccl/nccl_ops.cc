@@ -37,6 +37,7 @@ void NcclComm::claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadl
 template <class Launch>
 NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_blocking,
                                 Launch&& launch) {
+  drain_retired();  // an atomic load unless symmetric blocks were dropped
   std::unique_lock<std::mutex> lock(mu_);
   usable_locked();
   CtxGuard guard(cu_, ctx_);

@@ -17,7 +17,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _C, _env
-from .arrays import host_view, numpy_dtype, rows
+from .arrays import dtype_name, host_view, numpy_dtype, rows
 from .hierarchy import Hierarchy, host_of_each_rank
 
 
@@ -228,6 +228,63 @@ class ProcessGroup:
         like = like.obj if isinstance(like, _C.Array) else like
         return self._arrays.empty(shape, like, dtype)
 
+    # ---- memory ---------------------------------------------------------------------
+    def empty(self, shape, dtype=None, *, like=None, symmetric: bool = False,
+              timeout: Optional[float] = None):
+        """A new array of ``shape`` where this group communicates: numpy on a CPU group; on an
+        NCCL group, a PyTorch tensor or CuPy array (``like``'s framework; PyTorch when
+        ``like`` is None) on the group's device. ``dtype``: a name ("float32", "bfloat16"), a
+        numpy or framework dtype; default ``like``'s, else float32.
+
+        ``symmetric=True`` on an NCCL group is collective: every rank calls it with the same
+        shape and dtype, in the same order as its other calls (ranks that disagree get
+        MismatchError). The memory comes from ncclMemAlloc and is registered as a symmetric
+        window of this group (NCCL 2.27+), so collectives on it run NCCL's symmetric kernels
+        (lower latency, less GPU time). The rule: every rank passes the same offsets into
+        these arrays (the same slices of the same allocation); ranks that pass different ones,
+        or ordinary memory where a peer passes a window, get MismatchError from the agreement
+        check. ``symmetric_memory`` says whether windows are available here; where they are
+        not, the array is ordinary memory, and ``is_symmetric(x)`` says which an array is.
+        Allocate once and reuse: ncclMemAlloc rounds up to its granularity (MiBs), and
+        dropping such an array synchronizes the device at the group's next call, as cudaFree
+        does. ``destroy()`` deregisters the windows; arrays still held stay valid memory."""
+        return self._new(shape, dtype, like, symmetric, timeout, zero=False)
+
+    def zeros(self, shape, dtype=None, *, like=None, symmetric: bool = False,
+              timeout: Optional[float] = None):
+        """``empty`` filled with zeros."""
+        return self._new(shape, dtype, like, symmetric, timeout, zero=True)
+
+    def _new(self, shape, dtype, like, symmetric: bool, timeout, zero: bool):
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        if dtype is None:
+            dtype = like.dtype if like is not None else "float32"
+        name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+        if not self._arrays.device_memory:
+            return (np.zeros if zero else np.empty)(shape, numpy_dtype(name, "empty"))
+        if symmetric and not self._backend.symmetric_unavailable():
+            buf = self._backend.alloc_symmetric(list(shape), name, zero, timeout)
+            return self._arrays.framework(like).from_dlpack(buf)
+        return self._arrays.new(shape, name, like, self._device, zero)
+
+    @property
+    def symmetric_memory(self) -> str:
+        """What ``empty(symmetric=True)`` gives on this group: "nccl windows" (ncclMemAlloc
+        memory registered as symmetric windows), or "unavailable: <why>" (ordinary memory)."""
+        if not self._arrays.device_memory:
+            return ("unavailable: symmetric windows are an NCCL feature; the CPU backend reads "
+                    "peers' memory through shared memory already")
+        why = self._backend.symmetric_unavailable()
+        return f"unavailable: {why}" if why else "nccl windows"
+
+    def is_symmetric(self, x) -> bool:
+        """Whether ``x`` lies in one symmetric window of this group (``empty(symmetric=True)``
+        memory, or a slice of it)."""
+        if not self._arrays.device_memory:
+            return False
+        v = self._backend.view(x, "is_symmetric: x")
+        return bool(self._backend.in_window(v.ptr, v.nbytes))
+
     def _fast(self, x) -> bool:
         """Whether ``x`` takes the one-call synchronous path (Note [Synchronous gathers]): a
         numpy array on a CPU group, a framework array with a shape on a GPU group (the backend
@@ -321,11 +378,17 @@ class ProcessGroup:
     def reduce(self, x, dst: int = 0, op: str = "sum", *, async_op: bool = False,
                timeout: Optional[float] = None, stream=None):
         """Reduce ``x`` onto group rank ``dst``, in place there; other ranks' ``x`` is unchanged."""
+        if not async_op:  # one C++ call (Note [Rooted in-place calls] in bind_backend.cc)
+            self._backend.reduce_sync(x, dst, op, timeout, stream)
+            return x
         return _result(self._backend.reduce(x, x, dst, op, timeout, stream, async_op), x, async_op)
 
     def broadcast(self, x, src: int = 0, *, async_op: bool = False,
                   timeout: Optional[float] = None, stream=None):
         """Copy ``x`` from group rank ``src`` into every rank's ``x``, in place."""
+        if not async_op:  # one C++ call (Note [Rooted in-place calls] in bind_backend.cc)
+            self._backend.broadcast_sync(x, src, timeout, stream)
+            return x
         return _result(self._backend.broadcast(x, src, timeout, stream, async_op), x, async_op)
 
     def all_gather(self, x, out=None, *, async_op: bool = False,
