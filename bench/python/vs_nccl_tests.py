@@ -196,7 +196,7 @@ def rank_main(rank, world, port, token, args, plan, conn):
 
 
 def run_meshcoll(args, plan):
-    port = pick_free_port()
+    port = pick_free_port("127.0.0.1")
     token = secrets.token_hex(8)
     ctx = mp.get_context("spawn")
     pipes, procs = [], []

@@ -68,7 +68,7 @@ class NcclBackend final : public comm::Backend {
  private:
   // Opens the call's record (and notes it to the agreement check); `in`/`out`: its buffers,
   // whose symmetric windows are part of its description.
-  void open(Call& c, const void* in = nullptr, const void* out = nullptr);
+  void open(Call& c, const comm::ArrayView* in = nullptr, const comm::ArrayView* out = nullptr);
   std::shared_ptr<NcclComm> comm_;
   std::shared_ptr<comm::Agreement> agreement_;
 };

@@ -377,11 +377,7 @@ void NcclComm::shutdown() {
   }, Deadline(timeout_));
 }
 
-void NcclComm::fail(std::exception_ptr error, uint64_t coll_seq) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!comm_ || failed_) return;
-  CtxGuard guard(cu_, ctx_);
-  // The first op (a slot still in the ring) of collective coll_seq or later.
+uint64_t NcclComm::first_op_locked(uint64_t coll_seq) const {
   uint64_t from = UINT64_MAX;
   const uint64_t oldest = issued_ > kSlots ? issued_ - kSlots : 0;
   for (uint64_t k = issued_; coll_seq && k-- > oldest;) {
@@ -389,7 +385,33 @@ void NcclComm::fail(std::exception_ptr error, uint64_t coll_seq) {
     if (s && s < coll_seq) break;
     if (s) from = k;
   }
-  fail_locked(std::move(error), from);
+  return from;
+}
+
+void NcclComm::fail(std::exception_ptr error, uint64_t coll_seq) {
+  std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+  while (!lock.try_lock()) {
+    // The issuing thread holds mu_. It may be blocked inside NCCL (an enqueue waiting for
+    // room while kernels wait for the disagreeing peer): abort from here, as the watchdog
+    // does for a stuck call (Note [Stuck calls]); that thread records `error`.
+    int64_t dl = enqueue_deadline_.load(std::memory_order_acquire);
+    if (dl > 0) {
+      {
+        std::lock_guard<std::mutex> el(ext_mu_);
+        ext_error_ = error;
+        ext_seq_ = coll_seq;
+      }
+      if (enqueue_deadline_.compare_exchange_strong(dl, -1)) {
+        nc_.comm_abort(enqueue_comm_.load(std::memory_order_relaxed));
+        wd_aborted_.store(true, std::memory_order_release);
+        return;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  if (!comm_ || failed_) return;
+  CtxGuard guard(cu_, ctx_);
+  fail_locked(std::move(error), first_op_locked(coll_seq));
 }
 
 void NcclComm::abort(const std::string& why) {

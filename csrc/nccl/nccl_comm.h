@@ -217,7 +217,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   std::string symmetric_unavailable() const;
   // 0 when neither buffer lies in a window of this communicator; else a tag of the windows'
   // numbers and the offsets into them, equal on every rank that passes the same ones.
-  uint32_t window_tag(const void* in, const void* out) const;
+  uint32_t window_tag(const void* in, size_t in_bytes, const void* out, size_t out_bytes) const;
   // Whether [p, p + bytes) lies in one window.
   bool in_window(const void* p, size_t bytes) const;
   // Small metadata exchange through device scratch on a private stream: every rank's
@@ -268,6 +268,8 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void wait_ready_locked(abi::ncclComm_t comm, const Deadline& d, const char* what);
   void usable_locked() const;
   void claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d);
+  // The first op (a slot still in the ring) of collective `coll_seq` or later.
+  uint64_t first_op_locked(uint64_t coll_seq) const;
   // Ops from index `voids_from` (or not completed yet, whichever is first) report `error`.
   void fail_locked(std::exception_ptr error, uint64_t voids_from = UINT64_MAX);
   // The failure, as the next call or wait raises it (and marks it reported).
@@ -322,6 +324,11 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   std::atomic<int64_t> enqueue_deadline_{0};
   std::atomic<abi::ncclComm_t> enqueue_comm_{nullptr};
   std::atomic<bool> wd_aborted_{false};
+  // fail() while the issuing thread is stuck inside NCCL holding mu_: the failure it aborted
+  // for, which that thread records (guarded_locked) in place of a timeout.
+  std::mutex ext_mu_;
+  std::exception_ptr ext_error_;
+  uint64_t ext_seq_ = 0;
 
   std::mutex wd_mu_;
   std::condition_variable wd_cv_;

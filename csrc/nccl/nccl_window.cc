@@ -34,22 +34,29 @@ std::string NcclComm::symmetric_unavailable() const {
 std::shared_ptr<SymmetricBlock> NcclComm::alloc_symmetric(size_t bytes, bool zero,
                                                           Millis timeout) {
   drain_retired();
-  std::unique_lock<std::mutex> lock(mu_);
-  usable_locked();
   if (!nc_.has_windows()) throw Error(symmetric_unavailable());
-  CtxGuard guard(cu_, ctx_);
   bytes = std::max<size_t>(bytes, 1);
   void* p = nullptr;
-  if (ncclResult_t r = nc_.mem_alloc(&p, bytes); r != ncclSuccess)
-    throw Error(str_cat("ncclMemAlloc(", bytes, " bytes) on ", where(), ": ",
-                        nc_.error_text(r, comm_)));
+  {
+    // Not under mu_: the device synchronize may wait for a stuck op that the watchdog or
+    // the agreement check must be able to abort.
+    CtxGuard guard(cu_, ctx_);
+    if (ncclResult_t r = nc_.mem_alloc(&p, bytes); r != ncclSuccess)
+      throw Error(str_cat("ncclMemAlloc(", bytes, " bytes) on ", where(), ": ",
+                          nc_.error_text(r, nullptr)));
+    CUresult cr = zero ? cu_.memset_d8_async(reinterpret_cast<CUdeviceptr>(p), 0, bytes, nullptr)
+                       : CUDA_SUCCESS;
+    if (cr == CUDA_SUCCESS) cr = cu_.ctx_synchronize();
+    if (cr != CUDA_SUCCESS) {
+      nc_.mem_free(p);
+      cu_.check(cr, "zeroing a symmetric block");
+    }
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  CtxGuard guard(cu_, ctx_);
   ncclWindow_t win = nullptr;
   try {
-    if (zero) {
-      cu_.check(cu_.memset_d8_async(reinterpret_cast<CUdeviceptr>(p), 0, bytes, nullptr),
-                "cuMemsetD8Async (symmetric block)");
-    }
-    cu_.check(cu_.ctx_synchronize(), "cuCtxSynchronize (symmetric block)");
+    usable_locked();
     // Collective: NCCL exchanges the window with every peer (bounded by the watchdog).
     Deadline d(timeout.count() < 0 ? timeout_ : timeout);
     ncclResult_t r = guarded_locked(d, "ncclCommWindowRegister", [&] {
@@ -73,17 +80,22 @@ std::shared_ptr<SymmetricBlock> NcclComm::alloc_symmetric(size_t bytes, bool zer
                                           device_);
 }
 
-uint32_t NcclComm::window_tag(const void* in, const void* out) const {
+uint32_t NcclComm::window_tag(const void* in, size_t in_bytes, const void* out,
+                              size_t out_bytes) const {
   if (num_windows_.load(std::memory_order_acquire) == 0) return 0;
+  const auto a = reinterpret_cast<uintptr_t>(in), b = reinterpret_cast<uintptr_t>(out);
+  // The in-place forms (one buffer inside the other, Note [Overlapping buffers]) put x at a
+  // rank's own offset: the outer buffer alone says where the call's data lies.
+  std::vector<uintptr_t> bufs{a, b};
+  if (a < b + out_bytes && b < a + in_bytes) bufs = {std::min(a, b)};
   std::lock_guard<std::mutex> wl(win_mu_);
   uint64_t h = 14695981039346656037ull;
   bool any = false;
-  for (const void* ptr : {in, out}) {
-    const auto a = reinterpret_cast<uintptr_t>(ptr);
-    auto it = windows_.upper_bound(a);
-    if (it != windows_.begin() && a - std::prev(it)->first < std::prev(it)->second.bytes) {
+  for (uintptr_t p : bufs) {
+    auto it = windows_.upper_bound(p);
+    if (it != windows_.begin() && p - std::prev(it)->first < std::prev(it)->second.bytes) {
       --it;
-      h = mix(mix(h, it->second.number), a - it->first);
+      h = mix(mix(h, it->second.number), p - it->first);
       any = true;
     } else {
       h = mix(h, 0);
