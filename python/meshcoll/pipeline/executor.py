@@ -160,7 +160,9 @@ class PipelineExecutor:
         # (sending rank, receiving rank) -> two-rank group: Note [Channels on NCCL].
         self._channels: Dict[Tuple[int, int], Any] = {}
         if not self._host and self.specs:
-            links = {(self._peer(b), self._peer(b + 1)) for b in range(self.num_stages - 1)}
+            # A V's turn (stages p-1, p on one rank) hands over locally: no channel.
+            links = {(self._peer(b), self._peer(b + 1)) for b in range(self.num_stages - 1)
+                     if self._peer(b) != self._peer(b + 1)}
             for src, dst in sorted(links | {(d, s) for s, d in links}):
                 # Collective over the group; src is the child's rank 0, dst its rank 1.
                 g = group.new_group([group.ranks[src], group.ranks[dst]], timeout=timeout)
