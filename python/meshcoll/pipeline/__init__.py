@@ -21,12 +21,13 @@ from .schedule import (
     zero_bubble,
     zero_bubble_v,
 )
-from .simulate import SimResult, simulate, timeline, validate
+from .simulate import SimResult, simulate, stash_peak, timeline, validate
+from .planner import PlanEntry, plan
 
 __all__ = [
     "SCHEDULES", "Action", "DeadlockError", "Kind", "Schedule", "ScheduleError",
     "from_compute_orders", "gpipe", "interleaved_1f1b", "make_schedule", "one_f_one_b",
-    "zero_bubble", "interleaved_zero_bubble", "zero_bubble_v", "dualpipe_v", "SimResult", "simulate", "timeline", "validate",
+    "zero_bubble", "interleaved_zero_bubble", "zero_bubble_v", "dualpipe_v", "SimResult", "simulate", "stash_peak", "timeline", "validate", "plan", "PlanEntry",
     "PipelineExecutor", "Stage", "SplitStage", "ArraySpec",
 ]
 

@@ -22,11 +22,12 @@ free. Every stage costs the same (the "equal stage times" of the theory).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple, Union
 
 from .schedule import Action, DeadlockError, Kind, Schedule, ScheduleError
 
-__all__ = ["SimResult", "simulate", "validate", "timeline", "ScheduleError", "DeadlockError"]
+__all__ = ["SimResult", "simulate", "validate", "timeline", "stash_peak", "ScheduleError",
+           "DeadlockError"]
 
 Event = Tuple[float, float, Action]  # (start, end, action)
 
@@ -62,11 +63,13 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float 
     makespan = max((end for events in lines for _, end, _ in events), default=0.0)
     busy = tuple(sum(end - start for start, end, a in events if a.kind.is_compute) for events in lines)
     bubble = tuple((makespan - b) / makespan if makespan > 0 else 0.0 for b in busy)
-    return SimResult(makespan, bubble, tuple(_peak(schedule, r) for r in range(schedule.num_ranks)),
+    return SimResult(makespan, bubble, tuple(stash_peak(schedule, r) for r in range(schedule.num_ranks)),
                      busy, tuple(tuple(e) for e in lines))
 
 
-def _peak(schedule: Schedule, rank: int) -> int:
+def stash_peak(schedule: Schedule, rank: int) -> int:
+    """Most stage inputs `rank` holds at once (in stages, not ranks' shares): +1 at F,
+    -1 at B or W, the last pass that reads it."""
     held = peak = 0
     for a in schedule.actions(rank):
         if a.kind is Kind.F:
@@ -196,9 +199,13 @@ def _describe(key: tuple) -> str:
     return f"the message for {a} ({'activation' if a.kind is Kind.RECV_F else 'gradient'})"
 
 
-def timeline(schedule: Schedule, duration: Callable[[Action], float], t_comm: float = 0.0,
+def timeline(schedule: Schedule, duration: Callable[[Action], float],
+             t_comm: Union[float, Callable[[Action], float]] = 0.0,
              serial_p2p: bool = False) -> List[List[Event]]:
     """Validate, then play the schedule; per rank, (start, end, action) in list order.
+
+    `t_comm` is the time from a SEND to its message being usable: one number,
+    or a function of the SEND action (the planner's per-rank send costs).
 
     Note [Serial p2p]: by default receives never hold anything back: both
     backends keep point-to-point transfers in flight (the CPU group's worker
@@ -213,6 +220,7 @@ def timeline(schedule: Schedule, duration: Callable[[Action], float], t_comm: fl
     a send its peer is waiting for deadlocks here exactly as it would there.
     """
     validate(schedule)
+    latency = t_comm if callable(t_comm) else (lambda a: t_comm)
     p, S = schedule.num_ranks, schedule.num_stages
     rank_of = schedule.stage_rank
     bwd = _backward_kinds(schedule)
@@ -291,9 +299,9 @@ def timeline(schedule: Schedule, duration: Callable[[Action], float], t_comm: fl
                 if a.kind.is_compute:
                     ready[("done", a)] = end
                 elif a.kind is Kind.SEND_F:
-                    ready[("msg", Action(a.stage + 1, Kind.RECV_F, a.microbatch))] = end + t_comm
+                    ready[("msg", Action(a.stage + 1, Kind.RECV_F, a.microbatch))] = end + latency(a)
                 elif a.kind is Kind.SEND_B:
-                    ready[("msg", Action(a.stage - 1, Kind.RECV_B, a.microbatch))] = end + t_comm
+                    ready[("msg", Action(a.stage - 1, Kind.RECV_B, a.microbatch))] = end + latency(a)
                 else:
                     posted[a] = end
                 idx[r] += 1
