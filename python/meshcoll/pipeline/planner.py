@@ -189,7 +189,10 @@ def draw(entry: PlanEntry, path: str) -> None:
     from matplotlib.patches import Patch
 
     p = entry.schedule.num_ranks
-    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, entry.makespan * 0.35)), 0.6 * p + 1.4))
+    blocks = max(sum(a.kind.is_compute for _, _, a in line) for line in entry.events)
+    width = max(8.0, min(30.0, 0.3 * blocks))  # about 0.3 inch per pass on the busiest rank
+    inch_per_unit = 0.8 * width / (entry.makespan or 1.0)
+    fig, ax = plt.subplots(figsize=(width, 0.6 * p + 1.4))
     for r, line in enumerate(entry.events):
         for start, end, a in line:
             if not a.kind.is_compute or end <= start:
@@ -197,9 +200,9 @@ def draw(entry: PlanEntry, path: str) -> None:
             later_chunk = a.stage >= p
             ax.broken_barh([(start, end - start)], (r - 0.4, 0.8), facecolors=_COLOURS[a.kind],
                            edgecolor="white", linewidth=0.5, hatch="//" if later_chunk else None)
-            if (end - start) / (entry.makespan or 1.0) > 0.012:
-                ax.text((start + end) / 2, r, f"{a.stage}:{a.microbatch}", ha="center", va="center",
-                        fontsize=6, color="white")
+            label = f"{a.stage}:{a.microbatch}"
+            if (end - start) * inch_per_unit >= 0.065 * len(label):  # only where the text fits
+                ax.text((start + end) / 2, r, label, ha="center", va="center", fontsize=6, color="white")
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.invert_yaxis()
     ax.set_xlim(0, entry.makespan)
