@@ -325,11 +325,9 @@ def zero_bubble(num_stages: int, num_microbatches: int, virtual_stages: int = 1)
     return from_compute_orders("zero_bubble", orders, m, 1)
 
 
-def _counted(stage_of: Callable[[int], int], kind: Kind, counts: Dict[Tuple[int, Kind], int],
-             step: int) -> Action:
-    """The next microbatch of `kind` on stage `stage_of(step)`: each stage runs each kind
-    of pass over its microbatches in order, so a builder only has to say which stage."""
-    stage = stage_of(step)
+def _counted(stage: int, kind: Kind, counts: Dict[Tuple[int, Kind], int]) -> Action:
+    """The next microbatch of `kind` on `stage`: each stage runs each kind of pass over its
+    microbatches in order, so a builder only has to say which stage."""
     mb = counts.get((stage, kind), 0)
     counts[(stage, kind)] = mb + 1
     return Action(stage, kind, mb)
@@ -367,16 +365,16 @@ def interleaved_zero_bubble(num_stages: int, num_microbatches: int,
         fwd = lambda k: ((k // per_round) % v) * p + r  # noqa: E731
         bwd = lambda k: (v - 1 - ((k - warmup) // per_round) % v) * p + r  # noqa: E731
         counts: Dict[Tuple[int, Kind], int] = {}
-        acts = [_counted(fwd, Kind.F, counts, k) for k in range(warmup)]
+        acts = [_counted(fwd(k), Kind.F, counts) for k in range(warmup)]
         i_steps: List[int] = []  # the step of every I so far; the Ws follow in this order
         for k in range(warmup, total + warmup):
             if k < total:
-                acts.append(_counted(fwd, Kind.F, counts, k))
-            acts.append(_counted(bwd, Kind.I, counts, k))
+                acts.append(_counted(fwd(k), Kind.F, counts))
+            acts.append(_counted(bwd(k), Kind.I, counts))
             i_steps.append(k)
             if k - warmup >= r:
-                acts.append(_counted(bwd, Kind.W, counts, i_steps[len(i_steps) - 1 - r]))
-        acts += [_counted(bwd, Kind.W, counts, k) for k in i_steps[max(0, len(i_steps) - r):]]
+                acts.append(_counted(bwd(i_steps[len(i_steps) - 1 - r]), Kind.W, counts))
+        acts += [_counted(bwd(k), Kind.W, counts) for k in i_steps[max(0, len(i_steps) - r):]]
         orders.append(acts)
     return from_compute_orders("interleaved_zero_bubble", orders, m, v)
 
@@ -413,7 +411,7 @@ def zero_bubble_v(num_stages: int, num_microbatches: int, virtual_stages: int = 
         acts: List[Action] = []
 
         def add(stage: int, kind: Kind) -> None:
-            acts.append(_counted(lambda _: stage, kind, counts, 0))
+            acts.append(_counted(stage, kind, counts))
 
         n_f = lambda stage: counts.get((stage, Kind.F), 0)  # noqa: E731
         for _ in range(2 * (p - r) - 1):
@@ -475,7 +473,7 @@ def dualpipe_v(num_stages: int, num_microbatches: int, virtual_stages: int = 2) 
             # A full B takes the microbatch number from the I counter: the two
             # share one sequence of backwards per stage.
             key = Kind.I if kind is Kind.B else kind
-            a = _counted(lambda _: stage, key, counts, 0)
+            a = _counted(stage, key, counts)
             acts.append(Action(stage, kind, a.microbatch))
             if kind is Kind.I:
                 pending_w.append(Action(stage, Kind.W, a.microbatch))
@@ -484,6 +482,8 @@ def dualpipe_v(num_stages: int, num_microbatches: int, virtual_stages: int = 2) 
             if pending_w:
                 acts.append(pending_w.pop(0))
 
+        # Torch's (and DeepSeek's) eight steps. Warm-up: chunk-0 forwards until the V's
+        # far side has work, then F0 F1 pairs, then I1 W F1 (zero-bubble ramp).
         for _ in range((p - r - 1) * 2):
             add(c0, Kind.F)
         for _ in range(r + 1):
@@ -493,11 +493,15 @@ def dualpipe_v(num_stages: int, num_microbatches: int, virtual_stages: int = 2) 
             add(c1, Kind.I)
             w_if_pending()
             add(c1, Kind.F)
+        # Steady state: F0 B1, F1 B0 (each pair one OVERLAP_F_B in torch).
         for _ in range(m - 2 * p + r + 1):
             add(c0, Kind.F)
             add(c1, Kind.B)
             add(c1, Kind.F)
             add(c0, Kind.B)
+        # Cool-down: B1 then F1 B0 while chunk 1 still has forwards, then B1 B0,
+        # switching to split backwards half way through (odd ranks one pass
+        # earlier), so that the pending Ws fill the drain's bubbles.
         for _ in range(p - r - 1):
             add(c1, Kind.B)
             add(c1, Kind.F)
