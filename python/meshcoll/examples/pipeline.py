@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from meshcoll.pipeline.executor import ArraySpec, PipelineExecutor
-from meshcoll.pipeline.schedule import make_schedule
+from meshcoll.pipeline.schedule import SCHEDULES, make_schedule
 
 TOLERANCE = 1e-5
 
@@ -155,8 +155,7 @@ def gather_to_root(group, value: float) -> List[float]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default="1f1b",
-                        choices=["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"])
+    parser.add_argument("--schedule", default="1f1b", choices=sorted(SCHEDULES))
     parser.add_argument("--virtual-stages", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--microbatches", type=int, default=8)
