@@ -151,13 +151,13 @@ class DataParallel:
     - ``mode``: ``"sync"`` (average gradients every step) or ``LocalSGD(period)``.
     - ``symmetric``: on an NCCL group, buckets live in symmetric memory (one
       ``group.empty(symmetric=True)`` arena per dtype, the buckets slices of it at the same
-      offsets on every rank), so their all-reduces run NCCL's symmetric kernels. Default
-      (None): where the group has symmetric windows (``group.symmetric_memory``).
+      offsets on every rank), so their all-reduces run NCCL's symmetric kernels. Opt-in
+      (default False): see the README's Symmetric memory for the check mode to use with it.
     """
 
     def __init__(self, params: Mapping[str, object], *, group=None, bucket_cap_mb: float = 25,
                  average: bool = True, broadcast_from: Optional[int] = 0,
-                 compression=None, mode="sync", symmetric: Optional[bool] = None):
+                 compression=None, mode="sync", symmetric: bool = False):
         from .world import get_world_group
         self._group = group if group is not None else get_world_group()
         if not isinstance(params, Mapping) or not params:
@@ -186,8 +186,6 @@ class DataParallel:
         self._average = bool(average)
         self._half = self._compression_dtype(compression)
         self._hook: Optional[Callable] = compression if callable(compression) else None
-        if symmetric is None:
-            symmetric = self._group.symmetric_memory == "nccl windows"
         self._symmetric = bool(symmetric) and self._group.backend_name == "nccl"
         self._build_buckets(float(bucket_cap_mb) * _MB)
 
