@@ -63,7 +63,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Seque
 import numpy as np
 
 from ..arrays import dtype_name
-from .schedule import Action, Kind, Schedule
+from .schedule import Action, Kind, Schedule, from_compute_orders
 from .simulate import timeline
 
 __all__ = ["ArraySpec", "Stage", "SplitStage", "PipelineExecutor"]
@@ -125,6 +125,15 @@ class PipelineExecutor:
                  specs: Union[ArraySpec, Sequence[ArraySpec], None] = None,
                  loss_fn: Optional[LossFn] = None, timeout: Optional[float] = None,
                  empty: Optional[Callable[[Tuple[int, ...], Any], Any]] = None) -> None:
+        if getattr(group, "backend_name", "cpu") == "nccl":
+            # NCCL runs each point-to-point transfer as a kernel on the group's stream, in
+            # posting order: a receive posted ahead of a send the peer waits for blocks that
+            # send (a hang, found on 2 H100s). Receives go right before their consumer there
+            # (Note [Receive lookahead]: lookahead 0).
+            orders = [schedule.compute_actions(r) for r in range(schedule.num_ranks)]
+            schedule = from_compute_orders(schedule.name, orders, schedule.num_microbatches,
+                                           schedule.virtual_stages, schedule.placement,
+                                           recv_lookahead=0)
         # Validate and play the schedule once (unit costs) so that a malformed or
         # deadlocking custom schedule fails here, by name, instead of hanging.
         timeline(schedule, lambda a: 1.0)
