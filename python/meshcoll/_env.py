@@ -16,7 +16,7 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 # The names meshcoll-run sets and meshcoll reads.
 RANK = "MESHCOLL_RANK"
@@ -267,7 +267,7 @@ def rendezvous_from_env(
 
 
 def _local_ranks(env: Mapping[str, str], scheme: Optional[_Scheme],
-                 world: int):
+                 world: int) -> Tuple[Optional[int], Optional[int]]:
     if world == 1:
         return 0, 1  # the only case where the answer is certain without being told
     if scheme is None:
@@ -302,7 +302,7 @@ def _first_slurm_host(nodelist: str) -> Optional[str]:
     return prefix + re.split(r"[,-]", ranges)[0] + suffix
 
 
-def _slurm_master(env: Mapping[str, str]):
+def _slurm_master(env: Mapping[str, str]) -> Tuple[Optional[str], Optional[int]]:
     """Under srun with no master given: the step's first node, and a port every rank derives
     from the job and step ids (20000 + (job + step) mod 20000), as (addr, port, where from)."""
     addr = port = None
@@ -319,7 +319,7 @@ def _slurm_master(env: Mapping[str, str]):
 
 
 def _master(env: Mapping[str, str], addr_arg: Optional[str], port_arg: Optional[int],
-            world: int, came_from: str, slurm: bool = False):
+            world: int, came_from: str, slurm: bool = False) -> Tuple[str, int]:
     if addr_arg is not None:
         if not str(addr_arg).strip():
             raise ValueError(f"{_WHO}: master_addr is empty")

@@ -106,7 +106,7 @@ def pick_free_port(addr: str) -> int:
         addr, 0, type=socket.SOCK_STREAM)[0]
     with socket.socket(family, type_, proto) as s:
         s.bind(sockaddr)
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def port_in_use(addr: str, port: int) -> bool:
@@ -176,7 +176,7 @@ class _Job:
         self.args = args
         self.master_port = master_port
         self.port_from = "--master-port" if args.master_port else "picked by meshcoll-run"
-        self.procs: List[subprocess.Popen] = []
+        self.procs: List[subprocess.Popen[bytes]] = []
         self.ranks: List[int] = []
         self.pumps: List[threading.Thread] = []
         self.lock = threading.Lock()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import secrets
 import warnings
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from . import _C, _env
 from .process_group import ProcessGroup
@@ -18,7 +18,7 @@ class _Default:
     collective library (``meshcoll.init`` sets it, ``meshcoll.destroy`` clears it)."""
 
     world: Optional[ProcessGroup] = None
-    store = None
+    store: Any = None  # a meshcoll store (TCPStore, FileStore or the caller's)
     warned_no_token = False
     logged_world_of_one = False
     owns_store = False  # init made the TCP store (rather than being given one)
