@@ -65,7 +65,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(format_table(entries, args.stages, args.microbatches, costs, args.memory_limit))
     for reason in candidates(args.stages, args.microbatches)[1]:
         print(f"# not applicable: {reason}")
-    for e in entries:
+    for entry in entries:
         if args.ascii:
             print()
             print(ascii_timeline(e))
