@@ -68,10 +68,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for entry in entries:
         if args.ascii:
             print()
-            print(ascii_timeline(e))
+            print(ascii_timeline(entry))
         if args.draw:
-            path = os.path.join(args.draw, f"{e.name}_v{e.virtual_stages}.png")
-            draw(e, path)
+            path = os.path.join(args.draw, f"{entry.name}_v{entry.virtual_stages}.png")
+            draw(entry, path)
             print(f"# drew {path}")
     return 0
 
