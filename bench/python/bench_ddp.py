@@ -51,6 +51,8 @@ def parse_args():
                    help="backward time per layer (sleep), or its target (matmul: calibrated)")
     p.add_argument("--repeats", type=int, default=25)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--symmetric", choices=("on", "off"), default="off",
+                   help="NCCL: gradient buckets in symmetric memory (DataParallel(symmetric=))")
     p.add_argument("--json", metavar="FILE", help="append one json record per row")
     return p.parse_args()
 
@@ -139,7 +141,8 @@ def main() -> None:
         dev = torch.device("cuda", pg.device)
         params = {k: torch.from_numpy(v).to(dev) for k, v in params.items()}
         grads = {k: torch.from_numpy(v).to(dev) for k, v in grads.items()}
-    ddp = DataParallel(params, group=pg, bucket_cap_mb=args.bucket_cap_mb)
+    ddp = DataParallel(params, group=pg, bucket_cap_mb=args.bucket_cap_mb,
+                       symmetric=args.symmetric == "on")
     bw = Backward(pg, args, grads)
 
     def overlapped():
@@ -159,7 +162,7 @@ def main() -> None:
                 else f"matmul x{bw.reps} (~{args.ms_per_layer:g} ms)")
         print(f"# meshcoll {meshcoll.__version__}  ddp overlap  backend={args.backend}  ranks={pg.size}  "
               f"layers={args.layers} x {args.layer_mb:g} MiB = {total_mb:g} MiB  "
-              f"buckets={len(ddp.bucket_names)}  compute={what} per layer  "
+              f"buckets={len(ddp.bucket_names)}  symmetric={ddp.symmetric}  compute={what} per layer  "
               f"repeats={args.repeats} warmup={args.warmup}")
         print(f"# {'phase':>16} {'time':>9} {'algbw':>8}")
         print(f"# {'':>16} {'(ms)':>9} {'(GB/s)':>8}")

@@ -71,6 +71,22 @@ void Agreement::note(uint64_t seq, const transport::OpDesc& d) {
   if (failed_.load(std::memory_order_acquire)) std::rethrow_exception(error_);
 }
 
+void Agreement::await(uint64_t seq, Millis timeout) {
+  if (size_ == 1) return;
+  const Millis t = timeout.count() < 0 ? timeout_ : timeout;
+  Deadline d(t);
+  // The checker runs a round at once while calls wait, else within kIdlePause: poll.
+  while (checked_.load(std::memory_order_acquire) < seq) {
+    if (failed_.load(std::memory_order_acquire)) std::rethrow_exception(error_);
+    if (d.expired())
+      throw TimeoutError(str_cat(desc_of(seq), " [seq ", seq, "] on rank ", names_(rank_),
+                                 ": not every rank issued it within ", t.count(), " ms",
+                                 census(seq), "; every rank must make the same calls"));
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  if (failed_.load(std::memory_order_acquire)) std::rethrow_exception(error_);
+}
+
 bool Agreement::round(bool leaving, Millis deadline) {
   Record mine;
   const uint64_t checked = checked_.load(std::memory_order_relaxed);

@@ -69,6 +69,10 @@ class Agreement : public std::enable_shared_from_this<Agreement> {
   // Collective `seq` (consecutive from 1) was issued with description `d`. Strict: raises
   // MismatchError (or the channel's failure) before the call may be launched.
   void note(uint64_t seq, const transport::OpDesc& d);
+  // Blocks until every rank issued call `seq` and it agreed (for calls that must not start
+  // on a disagreement even in async mode: a symmetric allocation). Raises the check's
+  // failure, or TimeoutError naming the ranks that never issued it after `timeout`.
+  void await(uint64_t seq, Millis timeout);
   // "; rank(s) 1 never issued it (last issued: seq 41, all_reduce(...))" for a call `seq`
   // that timed out, from the last round; "" when every rank had issued it.
   std::string census(uint64_t seq) const;

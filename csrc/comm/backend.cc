@@ -61,6 +61,13 @@ std::string Backend::message_of_concurrent(const char* what, uint64_t other,
 }
 
 namespace {
+// Elements before rank r's block.
+size_t offset_of(const std::vector<size_t>& counts, int r) {
+  size_t n = 0;
+  for (int i = 0; i < r; ++i) n += counts[i];
+  return n;
+}
+
 size_t total(const std::vector<size_t>& v) {
   size_t n = 0;
   for (size_t x : v) n += x;
@@ -99,6 +106,26 @@ void Backend::check_arrays(const char* what, const ArrayView& in, const ArrayVie
                                dtype_name(in.dtype), "; pass an out of x's dtype"));
 }
 
+// Note [Overlapping buffers]
+// x and out either do not overlap, or overlap exactly as the call's in-place form: the same
+// array (all_reduce, reduce), x = out's block of this rank (all_gather), out = x's block of
+// this rank (reduce_scatter). Every backend runs those right (NCCL takes them as its own
+// in-place form and skips a copy). Any other overlap would read data the call already
+// overwrote: InvalidArgument, on the rank that passed it (its peers then time out or are
+// failed with it, as for any bad argument).
+void Backend::check_overlap(const char* what, const ArrayView& in, const ArrayView& out,
+                            size_t in_place_offset, const char* in_place) const {
+  const auto a = reinterpret_cast<uintptr_t>(in.data);
+  const auto b = reinterpret_cast<uintptr_t>(out.data);
+  const size_t es = dtype_size(in.dtype);
+  const size_t na = in.count * es, nb = out.count * es;
+  const size_t off = in_place_offset * es;
+  if (!na || !nb || a + na <= b || b + nb <= a) return;  // disjoint
+  if ((a == b + off && a + na <= b + nb) || (b == a + off && b + nb <= a + na)) return;
+  throw InvalidArgument(str_cat(what, ": x and out overlap but are not the in-place form (",
+                                in_place, "); pass separate arrays, or exactly that"));
+}
+
 Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const CallOptions& o,
                             const char* what, std::initializer_list<const ArrayView*> arrays) {
   if (device_memory_)
@@ -120,6 +147,7 @@ WorkPtr Backend::all_reduce(const ArrayView& in, const ArrayView& out, RedOp op,
   const char* what = "all_reduce";
   check_arrays(what, in, out);
   if (out.count != in.count) size_error(what, "out", out.count, in.count, "x has");
+  check_overlap(what, in, out, 0, "out is x");
   check_reduction(in.dtype, op);
   Call c = open(CollKind::kAllReduce, make_desc(CollKind::kAllReduce, in.dtype, in.count, op), o,
                 what, {&in, &out});
@@ -132,6 +160,7 @@ WorkPtr Backend::reduce(const ArrayView& in, const ArrayView& out, RedOp op, int
   check_arrays(what, in, out);
   check_root(root, what);
   if (rank_ == root && out.count != in.count) size_error(what, "out", out.count, in.count, "x has");
+  if (rank_ == root) check_overlap(what, in, out, 0, "out is x");
   check_reduction(in.dtype, op);
   Call c = open(CollKind::kReduce, make_desc(CollKind::kReduce, in.dtype, in.count, op, root), o,
                 what, {&in, &out});
@@ -154,6 +183,7 @@ WorkPtr Backend::all_gather(const ArrayView& in, const ArrayView& out,
   check_counts(counts, what);
   if (in.count != counts[rank_]) size_error(what, "x", in.count, counts[rank_], "its count is");
   if (out.count != total(counts)) size_error(what, "out", out.count, total(counts), "the counts add up to");
+  check_overlap(what, in, out, offset_of(counts, rank_), "x is out's block of this rank");
   const CollKind kind = uneven ? CollKind::kAllGatherV : CollKind::kAllGather;
   auto d = make_desc(kind, in.dtype, total(counts));
   // The result is stacked by shape: (2, 3) on one rank and (3, 2) on another disagree even
@@ -171,6 +201,7 @@ WorkPtr Backend::reduce_scatter(const ArrayView& in, const ArrayView& out,
   check_counts(counts, what);
   if (in.count != total(counts)) size_error(what, "x", in.count, total(counts), "the counts add up to");
   if (out.count != counts[rank_]) size_error(what, "out", out.count, counts[rank_], "this rank's count is");
+  check_overlap(what, in, out, offset_of(counts, rank_), "out is x's block of this rank");
   check_reduction(in.dtype, op);
   const CollKind kind = uneven ? CollKind::kReduceScatterV : CollKind::kReduceScatter;
   auto d = make_desc(kind, in.dtype, total(counts), op);

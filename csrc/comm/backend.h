@@ -189,6 +189,10 @@ class Backend {
   void check_root(int root, const char* what) const;
   void check_counts(const std::vector<size_t>& counts, const char* what) const;
   void check_arrays(const char* what, const ArrayView& in, const ArrayView& out) const;
+  // Note [Overlapping buffers]: in and out are disjoint or the in-place form, where one
+  // starts `in_place_offset` elements into the other (`in_place` says which, for the error).
+  void check_overlap(const char* what, const ArrayView& in, const ArrayView& out,
+                     size_t in_place_offset, const char* in_place) const;
   // Runs `issue_op` (the do_* call) in an Issue of `c`.
   template <class F>
   WorkPtr issue(const Call& c, F&& issue_op);

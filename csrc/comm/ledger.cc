@@ -21,6 +21,7 @@ const char* coll_name(CollKind k) {
     case CollKind::kBarrier: return "barrier";
     case CollKind::kSendRecv: return "send/recv";
     case CollKind::kFail: return "relayed failure";
+    case CollKind::kAllocSymmetric: return "empty(symmetric=True)";
   }
   return "unknown";
 }
@@ -28,6 +29,7 @@ const char* coll_name(CollKind k) {
 std::string describe_op(const transport::OpDesc& d) {
   auto kind = static_cast<CollKind>(d.coll);
   if (kind == CollKind::kFail) return coll_name(kind);  // no data: count and dtype say nothing
+  if (kind == CollKind::kAllocSymmetric) return str_cat("empty(symmetric=True, ", d.count, " bytes)");
   std::string s = str_cat(coll_name(kind), "(count=", d.count, ", ",
                           dtype_name(static_cast<DType>(d.dtype)));
   if (kind == CollKind::kAllReduce || kind == CollKind::kReduce ||
@@ -37,6 +39,7 @@ std::string describe_op(const transport::OpDesc& d) {
   // Codes of algo::Algorithm (the layer above cannot be included here).
   static const char* const kAlgorithms[] = {"auto", "ring", "tree", "halving_doubling", "direct", "shm"};
   if (d.algo) s += str_cat(", ", d.algo < 6 ? kAlgorithms[d.algo] : "?");
+  if (d.memory) s += str_cat(", symmetric buffers #", d.memory);
   return s + ")";
 }
 

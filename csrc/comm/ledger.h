@@ -43,6 +43,7 @@ enum class CollKind : uint8_t {
   kBarrier,
   kSendRecv,  // point-to-point
   kFail,      // Backend::fail: the group is failed on purpose (a relayed failure)
+  kAllocSymmetric,  // NCCL: a symmetric window allocated together (count: bytes)
 };
 const char* coll_name(CollKind k);
 // "all_reduce(count=1024, float32, sum)": for error messages and logs.

@@ -132,6 +132,16 @@ using ncclSend_t = ncclResult_t (*)(const void* sendbuff, size_t count, ncclData
                                     ncclComm_t comm, cudaStream_t stream);
 using ncclRecv_t = ncclResult_t (*)(void* recvbuff, size_t count, ncclDataType_t dt, int peer,
                                     ncclComm_t comm, cudaStream_t stream);
+// Symmetric memory (2.27): memory from ncclMemAlloc (2.19) registered collectively as a window
+// of a communicator; ncclWindow_t is opaque. NCCL_WIN_COLL_SYMMETRIC promises that every
+// rank passes the same offset into its window, which lets NCCL run its symmetric kernels.
+typedef struct ncclWindow_vidmem* ncclWindow_t;
+inline constexpr int NCCL_WIN_COLL_SYMMETRIC = 0x01;
+using ncclMemAlloc_t = ncclResult_t (*)(void** ptr, size_t size);
+using ncclMemFree_t = ncclResult_t (*)(void* ptr);
+using ncclCommWindowRegister_t = ncclResult_t (*)(ncclComm_t comm, void* buff, size_t size,
+                                                  ncclWindow_t* win, int winFlags);
+using ncclCommWindowDeregister_t = ncclResult_t (*)(ncclComm_t comm, ncclWindow_t win);
 using ncclGroupStart_t = ncclResult_t (*)();
 using ncclGroupEnd_t = ncclResult_t (*)();
 
@@ -178,6 +188,8 @@ using cuGetErrorName_t = CUresult (*)(CUresult error, const char** str);
 using cuMemAlloc_t = CUresult (*)(CUdeviceptr* dptr, size_t bytes);
 using cuMemFree_t = CUresult (*)(CUdeviceptr dptr);
 using cuMemcpyHtoDAsync_t = CUresult (*)(CUdeviceptr dst, const void* src, size_t bytes, CUstream s);
+using cuCtxSynchronize_t = CUresult (*)();
+using cuMemsetD8Async_t = CUresult (*)(CUdeviceptr dst, unsigned char value, size_t n, CUstream s);
 using cuMemcpyDtoHAsync_t = CUresult (*)(void* dst, CUdeviceptr src, size_t bytes, CUstream s);
 
 }  // namespace meshcoll::nccl::abi

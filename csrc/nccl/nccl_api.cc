@@ -80,6 +80,8 @@ std::unique_ptr<CudaApi> load_cuda() {
   bind(lib, api->mem_free, "cuMemFree_v2");
   bind(lib, api->memcpy_htod_async, "cuMemcpyHtoDAsync_v2");
   bind(lib, api->memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2");
+  bind(lib, api->ctx_synchronize, "cuCtxSynchronize");
+  bind(lib, api->memset_d8_async, "cuMemsetD8Async");
   trace("cuInit");
   abi::CUresult r = api->init(0);
   trace(str_cat("cuInit returned ", r));
@@ -134,6 +136,10 @@ std::unique_ptr<NcclApi> load_nccl(const std::vector<std::string>& wheel_candida
   bind_optional(*lib, api->comm_finalize, "ncclCommFinalize");
   bind_optional(*lib, api->comm_split, "ncclCommSplit");
   bind_optional(*lib, api->get_last_error, "ncclGetLastError");
+  bind_optional(*lib, api->mem_alloc, "ncclMemAlloc");
+  bind_optional(*lib, api->mem_free, "ncclMemFree");
+  bind_optional(*lib, api->window_register, "ncclCommWindowRegister");
+  bind_optional(*lib, api->window_deregister, "ncclCommWindowDeregister");
   trace("ncclGetVersion");
   abi::ncclResult_t r = api->get_version(&api->version);
   trace(str_cat("ncclGetVersion returned ", static_cast<int>(r), ", version ", api->version));

@@ -43,9 +43,18 @@ struct NcclApi {
   abi::ncclCommFinalize_t comm_finalize = nullptr;                // [2.14]
   abi::ncclCommSplit_t comm_split = nullptr;                      // [2.18]
   abi::ncclGetLastError_t get_last_error = nullptr;               // [2.13]
+  abi::ncclMemAlloc_t mem_alloc = nullptr;                        // [2.19]
+  abi::ncclMemFree_t mem_free = nullptr;                          // [2.19]
+  abi::ncclCommWindowRegister_t window_register = nullptr;        // [2.27]
+  abi::ncclCommWindowDeregister_t window_deregister = nullptr;    // [2.27]
 
   bool has_bf16() const { return version >= abi::nccl_version_code(2, 10, 0); }
   bool has_avg() const { return version >= abi::nccl_version_code(2, 10, 0); }
+  // Symmetric windows (Note [Symmetric memory] in nccl_comm.h): NCCL 2.27 or later.
+  bool has_windows() const {
+    return mem_alloc && mem_free && window_register && window_deregister &&
+           version >= abi::nccl_version_code(2, 27, 0);
+  }
   bool has_fp8() const { return version >= abi::nccl_version_code(2, 24, 0); }
   // "NCCL 2.28.9 (/path/libnccl.so.2)"
   std::string describe() const;
@@ -80,6 +89,8 @@ struct CudaApi {
   abi::cuMemFree_t mem_free = nullptr;
   abi::cuMemcpyHtoDAsync_t memcpy_htod_async = nullptr;
   abi::cuMemcpyDtoHAsync_t memcpy_dtoh_async = nullptr;
+  abi::cuCtxSynchronize_t ctx_synchronize = nullptr;
+  abi::cuMemsetD8Async_t memset_d8_async = nullptr;
 
   // "CUDA_ERROR_INVALID_VALUE (invalid argument)"
   std::string error_text(abi::CUresult r) const;

@@ -59,35 +59,35 @@ void NcclBackend::check_options(const char* what, const comm::CallOptions& o) co
 }
 
 WorkPtr NcclBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
-  open(c);
+  open(c, &in, &out);
   return result(comm_->all_reduce(opts_of(c.opts, c.keep, c.seq), in.data, out.data, in.count, in.dtype, op),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op,
                                int root) {
-  open(c);
+  open(c, &in, &out);
   return result(comm_->reduce(opts_of(c.opts, c.keep, c.seq), in.data, out.data, in.count, in.dtype, op,
                               root),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
-  open(c);
+  open(c, &buf, &buf);
   return result(comm_->broadcast(opts_of(c.opts, c.keep, c.seq), buf.data, buf.count, buf.dtype, root),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                    const std::vector<size_t>& counts) {
-  open(c);
+  open(c, &in, &out);
   return result(comm_->all_gather(opts_of(c.opts, c.keep, c.seq), in.data, out.data, counts, in.dtype),
                 c.opts);
 }
 
 WorkPtr NcclBackend::do_reduce_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                        const std::vector<size_t>& counts, RedOp op) {
-  open(c);
+  open(c, &in, &out);
   return result(comm_->reduce_scatter(opts_of(c.opts, c.keep, c.seq), in.data, out.data, counts,
                                       in.dtype, op),
                 c.opts);
@@ -145,7 +145,12 @@ void NcclBackend::do_fail(const std::string& message, std::exception_ptr /*like*
 // An NCCL group is used by one thread at a time (NCCL requires it; the entry points check it:
 // Note [One issuing thread]), so the order of these calls is the order the ops reach NCCL:
 // the record opens here (Note [Call ledger]).
-void NcclBackend::open(Call& c) {
+void NcclBackend::open(Call& c, const ArrayView* in, const ArrayView* out) {
+  auto bytes = [](const ArrayView* v) { return v ? v->count * dtype_size(v->dtype) : 0; };
+  const void* in_data = in ? in->data : nullptr;
+  const void* out_data = out ? out->data : nullptr;
+  const size_t in_bytes = bytes(in), out_bytes = bytes(out);
+  c.desc.memory = comm_->window_tag(in_data, in_bytes, out_data, out_bytes);
   c.seq = ledger().open_collective(c.desc);
   if (!agreement_) return;
   try {
@@ -170,6 +175,24 @@ void NcclBackend::set_agreement(std::shared_ptr<comm::Backend> channel,
     auto p = a.lock();
     return p ? p->census(seq) : std::string();
   });
+}
+
+std::shared_ptr<SymmetricBlock> NcclBackend::alloc_symmetric(size_t bytes, bool zero,
+                                                             Millis timeout) {
+  const auto d = comm::make_desc(comm::CollKind::kAllocSymmetric, DType::kUint8, bytes);
+  const uint64_t seq = ledger().open_collective(d);
+  if (agreement_) {
+    try {
+      agreement_->note(seq, d);
+      agreement_->await(seq, timeout);
+    } catch (...) {
+      comm_->mark_reported();
+      throw;
+    }
+  }
+  auto block = comm_->alloc_symmetric(bytes, zero, timeout);
+  ledger().set_state(seq, comm::CallState::kDone);
+  return block;
 }
 
 void NcclBackend::shutdown() {

@@ -35,6 +35,10 @@ class NcclBackend final : public comm::Backend {
   // backend among the same ranks. Set once, before the group's first collective.
   // Messages name ranks as set_identity said (call it first).
   void set_agreement(std::shared_ptr<comm::Backend> channel, comm::Agreement::Mode mode);
+  // Collective: `bytes` of symmetric memory on every rank (Note [Symmetric memory]). The
+  // ranks agree on the size first, in every check mode: a disagreement is a MismatchError
+  // before NCCL is asked.
+  std::shared_ptr<SymmetricBlock> alloc_symmetric(size_t bytes, bool zero, Millis timeout);
 
  protected:
   void check_reduction(DType dt, RedOp op) const override;
@@ -62,7 +66,9 @@ class NcclBackend final : public comm::Backend {
   void on_identity() override { comm_->set_rank_names(names()); }
 
  private:
-  void open(Call& c);
+  // Opens the call's record (and notes it to the agreement check); `in`/`out`: its buffers,
+  // whose symmetric windows are part of its description.
+  void open(Call& c, const comm::ArrayView* in = nullptr, const comm::ArrayView* out = nullptr);
   std::shared_ptr<NcclComm> comm_;
   std::shared_ptr<comm::Agreement> agreement_;
 };

@@ -313,6 +313,7 @@ NcclComm::~NcclComm() {
   // block in a destructor; abort instead, which never waits for peers.
   if (cu_.ctx_set_current(ctx_) != CUDA_SUCCESS) return;  // the driver is gone already
   abort_locked();
+  close_windows_locked();
   for (auto& s : slots_)
     if (s.event) cu_.event_destroy(s.event);
   if (order_event_) cu_.event_destroy(order_event_);
@@ -335,6 +336,7 @@ void NcclComm::shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
   if (!comm_) {
+    close_windows_locked();
     if (failed_ && !reported_)
       raise_locked(str_cat("destroy() on ", where(), ": the group failed earlier, after the "
                            "last call that could raise it: "));
@@ -361,6 +363,7 @@ void NcclComm::shutdown() {
     backoff(round);
     lock.lock();
   }
+  close_windows_locked();
   // ncclCommDestroy tears down connections; bound it too, and leave it behind if a peer
   // vanished meanwhile (the process is shutting the group down anyway).
   ncclComm_t c = comm_;
@@ -374,11 +377,7 @@ void NcclComm::shutdown() {
   }, Deadline(timeout_));
 }
 
-void NcclComm::fail(std::exception_ptr error, uint64_t coll_seq) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!comm_ || failed_) return;
-  CtxGuard guard(cu_, ctx_);
-  // The first op (a slot still in the ring) of collective coll_seq or later.
+uint64_t NcclComm::first_op_locked(uint64_t coll_seq) const {
   uint64_t from = UINT64_MAX;
   const uint64_t oldest = issued_ > kSlots ? issued_ - kSlots : 0;
   for (uint64_t k = issued_; coll_seq && k-- > oldest;) {
@@ -386,7 +385,33 @@ void NcclComm::fail(std::exception_ptr error, uint64_t coll_seq) {
     if (s && s < coll_seq) break;
     if (s) from = k;
   }
-  fail_locked(std::move(error), from);
+  return from;
+}
+
+void NcclComm::fail(std::exception_ptr error, uint64_t coll_seq) {
+  std::unique_lock<std::mutex> lock(mu_, std::defer_lock);
+  while (!lock.try_lock()) {
+    // The issuing thread holds mu_. It may be blocked inside NCCL (an enqueue waiting for
+    // room while kernels wait for the disagreeing peer): abort from here, as the watchdog
+    // does for a stuck call (Note [Stuck calls]); that thread records `error`.
+    int64_t dl = enqueue_deadline_.load(std::memory_order_acquire);
+    if (dl > 0) {
+      {
+        std::lock_guard<std::mutex> el(ext_mu_);
+        ext_error_ = error;
+        ext_seq_ = coll_seq;
+      }
+      if (enqueue_deadline_.compare_exchange_strong(dl, -1)) {
+        nc_.comm_abort(enqueue_comm_.load(std::memory_order_relaxed));
+        wd_aborted_.store(true, std::memory_order_release);
+        return;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  if (!comm_ || failed_) return;
+  CtxGuard guard(cu_, ctx_);
+  fail_locked(std::move(error), first_op_locked(coll_seq));
 }
 
 void NcclComm::abort(const std::string& why) {

@@ -29,6 +29,25 @@
 // [Stuck calls] in nccl_comm.cc). A group is used by one thread at a time, as NCCL
 // requires (the backend's entry points check it: Note [One issuing thread] in
 // comm/backend.h); one mutex (uncontended on the hot path) orders the caller and the watchdog.
+//
+// Note [Symmetric memory]
+// NCCL 2.27+ runs its symmetric kernels (lower latency: peers' buffers are read and written
+// directly over NVLink) when a collective's buffers lie in windows registered with
+// NCCL_WIN_COLL_SYMMETRIC and every rank passes the same offset into its window.
+// alloc_symmetric() is collective: each rank takes `bytes` from ncclMemAlloc and registers it
+// (ncclCommWindowRegister also exchanges with the peers, so it runs under the stuck-call
+// deadline); windows are numbered in registration order, the same on every rank. A call's
+// window_tag() names the windows and offsets of its buffers; the backend puts it in the call's
+// description, so ranks that disagree (one passes symmetric memory, another not, or another
+// offset: NCCL would pick different kernels and hang or mix data) get MismatchError from the
+// agreement check. The memory lives as long as its SymmetricBlock (the array's DLPack deleter
+// holds it). Dropping it retires the window: the next call on the issuing thread (NCCL is not
+// thread-safe, and a deleter runs on any thread), once the ops issued before the drop have
+// completed, synchronizes the device (the memory may still be read by other streams, as
+// cudaFree would) and deregisters and frees it. shutdown() deregisters every window; blocks
+// still held then keep their memory until dropped. Where NCCL has no windows (older than
+// 2.27, or symmetricSupport off on this communicator: ncclCommWindowRegister then returns no
+// window) the block is ordinary ncclMemAlloc memory and symmetric() says so.
 #pragma once
 
 #include <array>
@@ -36,6 +55,7 @@
 #include <condition_variable>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -53,6 +73,32 @@
 namespace meshcoll::nccl {
 
 class NcclComm;
+
+// One ncclMemAlloc allocation of a communicator, registered as a symmetric window where NCCL
+// can (Note [Symmetric memory]). Freed when the last reference goes.
+class SymmetricBlock {
+ public:
+  SymmetricBlock(std::weak_ptr<NcclComm> comm, void* ptr, size_t bytes, bool windowed,
+                 abi::CUcontext ctx, int device)
+      : comm_(std::move(comm)), ptr_(ptr), bytes_(bytes), windowed_(windowed), ctx_(ctx),
+        device_(device) {}
+  ~SymmetricBlock();
+  SymmetricBlock(const SymmetricBlock&) = delete;
+  SymmetricBlock& operator=(const SymmetricBlock&) = delete;
+  void* data() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+  int device() const { return device_; }
+  // Registered as a symmetric window (else ordinary ncclMemAlloc memory).
+  bool windowed() const { return windowed_; }
+
+ private:
+  std::weak_ptr<NcclComm> comm_;
+  void* ptr_;
+  size_t bytes_;
+  bool windowed_;
+  abi::CUcontext ctx_;  // retained by the communicator at alloc; by us from then on
+  int device_;
+};
 
 // Handle on one enqueued op (the backend contract's Work).
 class NcclWork final : public comm::Work {
@@ -163,6 +209,17 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   WorkPtr barrier(const CallOpts& c);
   // Orders `waiter` after the work issued so far on `producer` (an event; no host block).
   void order_streams(abi::CUstream producer, abi::CUstream waiter);
+  // Collective (Note [Symmetric memory]): `bytes` of ncclMemAlloc memory on every rank,
+  // registered as a symmetric window where NCCL can; zeroed when `zero`. Ranks must pass the
+  // same bytes (the backend agrees on it first).
+  std::shared_ptr<SymmetricBlock> alloc_symmetric(size_t bytes, bool zero, Millis timeout);
+  // "" when this communicator can register symmetric windows, else why not.
+  std::string symmetric_unavailable() const;
+  // 0 when neither buffer lies in a window of this communicator; else a tag of the windows'
+  // numbers and the offsets into them, equal on every rank that passes the same ones.
+  uint32_t window_tag(const void* in, size_t in_bytes, const void* out, size_t out_bytes) const;
+  // Whether [p, p + bytes) lies in one window.
+  bool in_window(const void* p, size_t bytes) const;
   // Small metadata exchange through device scratch on a private stream: every rank's
   // `bytes` bytes, concatenated in rank order. Blocks the host (bounded by `timeout`).
   std::vector<uint8_t> host_all_gather(const void* data, size_t bytes, Millis timeout);
@@ -178,6 +235,22 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
     std::vector<std::shared_ptr<void>> keep;  // CallOpts::keep
   };
   struct Issue;  // one op's enqueue state (nccl_comm.cc)
+  friend class SymmetricBlock;
+  struct Window {
+    size_t bytes = 0;
+    uint64_t number = 0;  // registration order, the same on every rank
+    abi::ncclWindow_t win = nullptr;
+  };
+  // A block was dropped: its window (if still registered) and memory wait in retired_ for
+  // drain_retired(). False when the communicator holds no windows any more (the block frees
+  // its memory itself).
+  bool retire(void* ptr);
+  // On the issuing thread, before taking mu_: synchronizes the device (bounded by every
+  // group's watchdog, which may need mu_ to abort a stuck op), then deregisters and frees the
+  // retired blocks.
+  void drain_retired();
+  // Deregisters every window (shutdown); later drops free their memory themselves.
+  void close_windows_locked();
 
   NcclComm(abi::ncclComm_t comm, int rank, int size, int device, abi::CUcontext ctx,
            Millis timeout);
@@ -195,6 +268,8 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void wait_ready_locked(abi::ncclComm_t comm, const Deadline& d, const char* what);
   void usable_locked() const;
   void claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d);
+  // The first op (a slot still in the ring) of collective `coll_seq` or later.
+  uint64_t first_op_locked(uint64_t coll_seq) const;
   // Ops from index `voids_from` (or not completed yet, whichever is first) report `error`.
   void fail_locked(std::exception_ptr error, uint64_t voids_from = UINT64_MAX);
   // The failure, as the next call or wait raises it (and marks it reported).
@@ -233,11 +308,27 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   std::function<std::string(uint64_t)> census_;
   RankNames names_;
 
+  // Note [Symmetric memory]. windows_ is read on every call (window_tag) and changed by
+  // alloc_symmetric and by retire() from any thread: its own mutex, never held while taking
+  // mu_ (retire may run under mu_, when a slot drops an array's owner).
+  mutable std::mutex win_mu_;
+  std::map<uintptr_t, Window> windows_;  // by base address
+  std::atomic<size_t> num_windows_{0};   // windows_.size(): the hot path's lock-free test
+  uint64_t windows_made_ = 0;
+  bool windows_closed_ = false;          // shutdown deregistered them: retire() refuses
+  std::map<void*, abi::ncclWindow_t> retired_;  // dropped blocks (window or nullptr)
+  std::atomic<bool> has_retired_{false};
+
   // Note [Stuck calls]: the deadline (steady-clock ns) of the NCCL call in progress, 0 when
   // none, -1 once the watchdog claimed it; the communicator it runs on; set once aborted.
   std::atomic<int64_t> enqueue_deadline_{0};
   std::atomic<abi::ncclComm_t> enqueue_comm_{nullptr};
   std::atomic<bool> wd_aborted_{false};
+  // fail() while the issuing thread is stuck inside NCCL holding mu_: the failure it aborted
+  // for, which that thread records (guarded_locked) in place of a timeout.
+  std::mutex ext_mu_;
+  std::exception_ptr ext_error_;
+  uint64_t ext_seq_ = 0;
 
   std::mutex wd_mu_;
   std::condition_variable wd_cv_;

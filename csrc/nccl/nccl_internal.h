@@ -98,14 +98,20 @@ ncclResult_t NcclComm::guarded_locked(const Deadline& d, const char* what, Call&
   enqueue_deadline_.store(0, std::memory_order_release);
   comm_ = nullptr;  // already aborted
   if (!failed_) {
-    while (completed_ < issued_ &&
-           cu_.event_query(slots_[completed_ % kSlots].event) == CUDA_SUCCESS)
-      slots_[completed_++ % kSlots].keep.clear();
-    failed_ = true;
-    failed_from_ = completed_;
-    error_ = std::make_exception_ptr(TimeoutError(str_cat(
-        "NCCL ", what, " on ", where(), " was still blocked inside NCCL after ", t,
-        " ms (a peer never made the matching call, or died); the communicator was aborted")));
+    std::exception_ptr ext;
+    uint64_t seq = 0;
+    {
+      std::lock_guard<std::mutex> el(ext_mu_);
+      ext = ext_error_;
+      seq = ext_seq_;
+    }
+    // The agreement check aborted us (fail()), or the watchdog at the deadline.
+    if (ext)
+      fail_locked(ext, first_op_locked(seq));
+    else
+      fail_locked(std::make_exception_ptr(TimeoutError(str_cat(
+          "NCCL ", what, " on ", where(), " was still blocked inside NCCL after ", t,
+          " ms (a peer never made the matching call, or died); the communicator was aborted"))));
   }
   std::rethrow_exception(error_);
 }

@@ -194,6 +194,23 @@ void from_buffer(Read& r, const py::handle& x, const Want& w, std::vector<int64_
 }
 
 // ---- device arrays ---------------------------------------------------------------------------
+DLDataType dl_dtype(DType t) {
+  switch (t) {
+    case DType::kBool: return {kDLBool, 8, 1};
+    case DType::kInt8: return {kDLInt, 8, 1};
+    case DType::kUint8: return {kDLUInt, 8, 1};
+    case DType::kInt32: return {kDLInt, 32, 1};
+    case DType::kInt64: return {kDLInt, 64, 1};
+    case DType::kFloat16: return {kDLFloat, 16, 1};
+    case DType::kBFloat16: return {kDLBfloat, 16, 1};
+    case DType::kFloat32: return {kDLFloat, 32, 1};
+    case DType::kFloat64: return {kDLFloat, 64, 1};
+    case DType::kFloat8E4M3: return {kDLFloat8_e4m3fn, 8, 1};
+    case DType::kFloat8E5M2: return {kDLFloat8_e5m2, 8, 1};
+  }
+  throw InvalidArgument("unknown dtype");
+}
+
 DType dtype_from_dl(DLDataType t, const Want& w) {
   if (t.lanes == 1) {
     if (t.code == kDLInt && t.bits == 8) return DType::kInt8;
@@ -577,6 +594,39 @@ Read read_array(const py::handle& x, const Want& w, std::vector<int64_t>* dims) 
                        : owner_of(x);
   }
   return r;
+}
+
+namespace {
+// What a capsule's DLManagedTensor owns: the memory's owner and the shape.
+struct Exported {
+  DLManagedTensor managed{};
+  std::shared_ptr<void> owner;
+  std::vector<int64_t> shape;
+};
+void delete_exported(DLManagedTensor* m) { delete static_cast<Exported*>(m->manager_ctx); }
+}  // namespace
+
+py::capsule device_capsule(std::shared_ptr<void> owner, void* data, int device, DType dt,
+                           const std::vector<int64_t>& shape) {
+  auto* e = new Exported;
+  e->owner = std::move(owner);
+  e->shape = shape;
+  DLTensor& t = e->managed.dl_tensor;
+  t.data = data;
+  t.device = {kDLCUDA, device};
+  t.ndim = static_cast<int32_t>(e->shape.size());
+  t.dtype = dl_dtype(dt);
+  t.shape = e->shape.data();
+  t.strides = nullptr;  // C-contiguous
+  t.byte_offset = 0;
+  e->managed.manager_ctx = e;
+  e->managed.deleter = &delete_exported;
+  // A consumer renames the capsule "used_dltensor" and calls the deleter itself.
+  return py::capsule(&e->managed, "dltensor", [](PyObject* cap) {
+    if (!PyCapsule_IsValid(cap, "dltensor")) return;
+    auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap, "dltensor"));
+    if (m && m->deleter) m->deleter(m);
+  });
 }
 
 }  // namespace meshcoll::python

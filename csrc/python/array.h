@@ -63,4 +63,10 @@ std::shared_ptr<void> owner_of(const pybind11::handle& x);
 // Drops the references finished operations left for a GIL holder (the GIL held).
 void release_owners();
 
+// A DLPack capsule ("dltensor") of C-contiguous CUDA memory at `data` on `device`, holding
+// `owner` until the consumer's deleter runs (or the capsule dies unconsumed): how memory
+// meshcoll allocates becomes a framework's array (torch.from_dlpack, cupy.from_dlpack).
+pybind11::capsule device_capsule(std::shared_ptr<void> owner, void* data, int device, DType dt,
+                                 const std::vector<int64_t>& shape);
+
 }  // namespace meshcoll::python

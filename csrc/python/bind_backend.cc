@@ -7,6 +7,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <climits>
 #include <string>
 #include <vector>
 
@@ -222,6 +223,50 @@ PyObject* reduce_scatter_sync(PyObject* self, PyObject* const* args, Py_ssize_t 
   });
 }
 
+// A rank argument (an int or anything with __index__); the backend checks its range.
+int rank_arg(PyObject* o) {
+  py::object i = py::reinterpret_steal<py::object>(PyNumber_Index(o));
+  if (!i) throw py::error_already_set();
+  const long long v = PyLong_AsLongLong(i.ptr());
+  if (v == -1 && PyErr_Occurred()) PyErr_Clear();
+  return v < INT_MIN ? INT_MIN : v > INT_MAX ? INT_MAX : static_cast<int>(v);
+}
+
+// Note [Rooted in-place calls]
+// broadcast and reduce, synchronous and in place (x is read once, as writable, and is both
+// the input and the output): one METH_FASTCALL call each, as all_reduce_sync. Arguments:
+// broadcast_sync(x, root, timeout, stream), reduce_sync(x, root, op, timeout, stream).
+PyObject* broadcast_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return fastcall([&]() -> PyObject* {
+    constexpr const char* what = "broadcast";
+    if (nargs != 4)
+      throw py::type_error(str_cat("broadcast_sync takes 4 positional arguments (x, root, "
+                                   "timeout, stream), got ", nargs));
+    Backend& b = py::cast<Backend&>(py::handle(self));
+    CallReader read(b, what, py::handle(args[2]), py::handle(args[3]), false);
+    comm::ArrayView x = read(py::handle(args[0]), "x", true);
+    const int root = rank_arg(args[1]);
+    run(b, what, false, [&] { return b.broadcast(x, root, read.opts); });
+    Py_RETURN_NONE;
+  });
+}
+
+PyObject* reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  return fastcall([&]() -> PyObject* {
+    constexpr const char* what = "reduce";
+    if (nargs != 5)
+      throw py::type_error(str_cat("reduce_sync takes 5 positional arguments (x, root, op, "
+                                   "timeout, stream), got ", nargs));
+    Backend& b = py::cast<Backend&>(py::handle(self));
+    CallReader read(b, what, py::handle(args[3]), py::handle(args[4]), false);
+    comm::ArrayView x = read(py::handle(args[0]), "x", true);
+    const int root = rank_arg(args[1]);
+    RedOp op = redop_arg(str_arg(args[2], what, "op"), what);
+    run(b, what, false, [&] { return b.reduce(x, x, op, root, read.opts); });
+    Py_RETURN_NONE;
+  });
+}
+
 // send (is_send) or recv of `a`: point-to-point always returns a Work, which holds `a`.
 py::object p2p(Backend& b, bool is_send, const py::handle& a, int peer, uint32_t tag,
                const py::handle& timeout, const py::handle& stream) {
@@ -272,6 +317,9 @@ void bind_backend(py::module_& m) {
       })
       .def_property_readonly("ndim", [](const Array& a) { return a.dims.size(); })
       .def_property_readonly("size", [](const Array& a) { return a.read.view.count; })
+      .def_property_readonly("nbytes", [](const Array& a) {
+        return a.read.view.count * dtype_size(a.read.view.dtype);
+      })
       .def_property_readonly("dtype", [](const Array& a) { return std::string(dtype_name(a.read.view.dtype)); })
       .def_property_readonly("device", [](const Array& a) { return a.read.view.device; })
       .def_property_readonly("stream", [](const Array& a) { return a.read.stream; })
@@ -300,6 +348,12 @@ void bind_backend(py::module_& m) {
   add_fastcall_method(b, "reduce_scatter_sync", &reduce_scatter_sync,
                       "reduce_scatter_sync(x, out, op, timeout, stream): this rank's equal share "
                       "of the reduction of x into out (Note [Synchronous gathers]).");
+  add_fastcall_method(b, "broadcast_sync", &broadcast_sync,
+                      "broadcast_sync(x, root, timeout, stream): x of rank root into every "
+                      "rank's x (Note [Rooted in-place calls]).");
+  add_fastcall_method(b, "reduce_sync", &reduce_sync,
+                      "reduce_sync(x, root, op, timeout, stream): the reduction of x into "
+                      "root's x (Note [Rooted in-place calls]).");
   b.def_property_readonly("rank", &Backend::rank)
       .def_property_readonly("size", &Backend::size)
       .def_property_readonly("name", [](const Backend& x) { return std::string(x.name()); })

@@ -7,13 +7,41 @@
 #include "common/error.h"
 #include "nccl/nccl_api.h"
 #include "nccl/nccl_backend.h"
+#include "python/array.h"
 #include "python/fastcall.h"
 
 namespace py = pybind11;
 
 namespace meshcoll::python {
 
+namespace {
+// Memory of one symmetric allocation as an array protocol object: a framework makes its own
+// array of it with from_dlpack (each __dlpack__ call exports a new capsule that holds the
+// block), so the memory lives until the last array over it is gone.
+struct SymmetricBuffer {
+  std::shared_ptr<nccl::SymmetricBlock> block;
+  std::vector<int64_t> shape;
+  DType dtype;
+};
+
+}  // namespace
+
 void bind_nccl(py::module_& m) {
+  py::class_<SymmetricBuffer>(m, "SymmetricBuffer",
+      "Memory of NcclBackend.alloc_symmetric: pass to torch.from_dlpack / cupy.from_dlpack.")
+      .def("__dlpack__", [](const SymmetricBuffer& s, const py::args&, const py::kwargs&) {
+             // Fresh memory (zeroed or not) with no pending work: no stream to order after.
+             return device_capsule(s.block, s.block->data(), s.block->device(), s.dtype, s.shape);
+           })
+      .def("__dlpack_device__", [](const SymmetricBuffer& s) {
+             return py::make_tuple(2 /* kDLCUDA */, s.block->device());
+           })
+      .def_property_readonly("windowed", [](const SymmetricBuffer& s) { return s.block->windowed(); })
+      .def_property_readonly("nbytes", [](const SymmetricBuffer& s) { return s.block->bytes(); })
+      .def_property_readonly("ptr", [](const SymmetricBuffer& s) {
+        return reinterpret_cast<uintptr_t>(s.block->data());
+      });
+
   m.def("nccl_set_library_candidates", &nccl::set_nccl_candidates, py::arg("paths"),
         "Wheel paths of libnccl.so.2 to try after $MESHCOLL_NCCL_LIBRARY, before the system.");
   m.def("nccl_available", [] {
@@ -53,6 +81,32 @@ void bind_nccl(py::module_& m) {
              return b.split(color, key, t);
            }, py::arg("color"), py::arg("key"), py::arg("timeout") = py::none(),
            "ncclCommSplit: collective over every rank; color < 0 joins none (returns None).")
+      .def("alloc_symmetric", [](nccl::NcclBackend& b, const std::vector<int64_t>& shape,
+                                 const std::string& dtype, bool zero, const py::handle& timeout) {
+             DType dt;
+             if (!dtype_from_name(dtype, &dt))
+               throw TypeMismatch(str_cat("empty(symmetric=True): unknown dtype '", dtype, "'"));
+             size_t n = 1;
+             for (int64_t d : shape) {
+               if (d < 0) throw InvalidArgument(str_cat("empty: negative dimension ", d));
+               n *= static_cast<size_t>(d);
+             }
+             Millis t = timeout_arg(timeout);
+             comm::Backend::Issue issue(b, "empty(symmetric=True)");
+             auto block = call_nogil([&] { return b.alloc_symmetric(n * dtype_size(dt), zero, t); });
+             issue.check();
+             return SymmetricBuffer{std::move(block), shape, dt};
+           }, py::arg("shape"), py::arg("dtype"), py::arg("zero") = false,
+           py::arg("timeout") = py::none(),
+           "Collective: an array's memory on every rank, registered as a symmetric window of "
+           "this communicator where NCCL can (Note [Symmetric memory]).")
+      .def("symmetric_unavailable", [](nccl::NcclBackend& b) {
+             return b.comm().symmetric_unavailable();
+           }, "'' when symmetric windows can be registered here, else why not.")
+      .def("in_window", [](nccl::NcclBackend& b, uintptr_t ptr, size_t bytes) {
+             return b.comm().in_window(reinterpret_cast<const void*>(ptr), bytes);
+           }, py::arg("ptr"), py::arg("nbytes"),
+           "Whether [ptr, ptr + nbytes) lies in one symmetric window of this communicator.")
       .def("abort", [](nccl::NcclBackend& b, const std::string& why) {
         py::gil_scoped_release nogil;
         b.comm().abort(why);

@@ -37,10 +37,13 @@ struct OpDesc {
   int32_t root = -1;
   uint64_t count = 0;  // elements (per rank, as the collective defines it)
   uint32_t shape = 0;  // hash of the array's shape where the result depends on it (all_gather)
-  uint32_t pad = 0;
+  // Where the buffers lie when the kernels depend on it, else 0: on NCCL, a tag of the
+  // symmetric windows and offsets of the call's buffers (Note [Symmetric memory]), which
+  // must be the same on every rank.
+  uint32_t memory = 0;
   bool operator==(const OpDesc& o) const {
     return coll == o.coll && dtype == o.dtype && redop == o.redop && algo == o.algo &&
-           root == o.root && count == o.count && shape == o.shape;
+           root == o.root && count == o.count && shape == o.shape && memory == o.memory;
   }
   bool operator!=(const OpDesc& o) const { return !(*this == o); }
 };

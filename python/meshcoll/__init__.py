@@ -10,6 +10,7 @@
 __version__ = "0.1.0"
 
 import importlib as _importlib
+import typing as _typing
 
 # Note [Lazy package]
 # The pure tiers (pipeline schedules and simulator, MeshLayout mesh math, partition math,
@@ -33,78 +34,45 @@ _HOME = {
                     "process_group"),
     **dict.fromkeys(("destroy", "get_world_group", "init", "is_initialized", "new_group"),
                     "world"),
+    # The module functions over the world group (Note [One source of truth]).
+    **dict.fromkeys(("TCPStore", "get_rank", "get_world_size", "all_reduce", "reduce",
+                     "broadcast", "all_gather", "all_gather_v", "reduce_scatter",
+                     "reduce_scatter_v", "all_to_all", "all_to_all_v", "gather", "scatter",
+                     "send", "recv", "isend", "irecv", "barrier"), "api"),
 }
 
-# Module functions mirror the group methods, on the world group or ``group=``.
-_COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_v",
-                "reduce_scatter", "reduce_scatter_v", "all_to_all", "all_to_all_v", "gather",
-                "scatter", "send", "recv", "isend", "irecv", "barrier")
-
-# Names defined in this file over the world group; made together by _world_api().
-_WORLD_API = ("TCPStore", "get_rank", "get_world_size") + _COLLECTIVES
-
 # Submodules that were attributes of the package after a plain ``import meshcoll``.
-_SUBMODULES = ("_C", "_env", "arrays", "ddp", "device_mesh", "hierarchy", "monitor", "nccl",
-               "partition", "process_group", "world")
+_SUBMODULES = ("_C", "_env", "api", "arrays", "ddp", "device_mesh", "hierarchy", "monitor",
+               "nccl", "partition", "process_group", "world")
+
+if _typing.TYPE_CHECKING:  # what __getattr__ binds, as type checkers and IDEs see it
+    from ._C import (AbortedError, ConcurrentCallError, FileStore, MeshcollError,
+                     MismatchError, PeerError, PrefixStore, Store, TimeoutError)
+    from .api import (TCPStore, all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v,
+                      barrier, broadcast, gather, get_rank, get_world_size, irecv, isend, recv,
+                      reduce, reduce_scatter, reduce_scatter_v, scatter, send)
+    from .ddp import DataParallel, LocalSGD
+    from .device_mesh import DeviceMesh, MeshLayout, init_device_mesh
+    from .monitor import monitored_barrier
+    from .nccl import nccl_available
+    from .partition import ShardedArray, partition_range, reduce_scatter_dim, shard
+    from .process_group import CollectiveConfig, NonMemberGroup, ProcessGroup, Work
+    from .world import destroy, get_world_group, init, is_initialized, new_group
 
 
-def _world_api() -> dict:
-    """TCPStore, get_rank, get_world_size and the module-level collectives; they need _C."""
-    from . import _C
-    from .process_group import ProcessGroup
-    from .world import get_world_group
-
-    class TCPStore(_C.TCPStore):
-        """TCP key-value store. ``is_server=True`` also hosts the server (port 0 picks a
-        free one: read ``.port``). ``token`` defaults to ``$MESHCOLL_TOKEN``; a client whose
-        token differs from the server's is refused. ``timeout`` (seconds) bounds every call."""
-
-        def __init__(self, host, port, *, is_server=False, timeout=None, token=None):
-            import os
-            if token is None:
-                token = os.environ.get("MESHCOLL_TOKEN") or None
-            super().__init__(host, port, is_server=is_server, timeout=timeout, token=token)
-
-    TCPStore.__qualname__ = "TCPStore"  # as if defined at module level, as it was
-
-    def get_rank() -> int:
-        return get_world_group().rank
-
-    def get_world_size() -> int:
-        return get_world_group().size
-
-    def forward(name):
-        method = getattr(ProcessGroup, name)
-
-        def fn(*args, group=None, **kwargs):
-            return getattr(group if group is not None else get_world_group(), name)(
-                *args, **kwargs)
-
-        fn.__name__ = fn.__qualname__ = name
-        fn.__doc__ = (method.__doc__ or "") + "\n\nOn the world group unless ``group=`` is given."
-        return fn
-
-    get_rank.__qualname__, get_world_size.__qualname__ = "get_rank", "get_world_size"
-    api = {"TCPStore": TCPStore, "get_rank": get_rank, "get_world_size": get_world_size}
-    api.update((name, forward(name)) for name in _COLLECTIVES)
-    return api
+if not _typing.TYPE_CHECKING:  # hidden from type checkers: a misspelt name stays an error
+    def __getattr__(name: str) -> object:
+        if name in _HOME:
+            value = getattr(_importlib.import_module(f".{_HOME[name]}", __name__), name)
+            globals()[name] = value
+        elif name in _SUBMODULES:
+            value = _importlib.import_module(f".{name}", __name__)  # binds the attribute
+        else:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return value
 
 
-def __getattr__(name):
-    if name in _HOME:
-        value = getattr(_importlib.import_module(f".{_HOME[name]}", __name__), name)
-        globals()[name] = value
-    elif name in _WORLD_API:
-        globals().update(_world_api())
-        value = globals()[name]
-    elif name in _SUBMODULES:
-        value = _importlib.import_module(f".{name}", __name__)  # binds the attribute itself
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return value
-
-
-def __dir__():
+def __dir__() -> "list[str]":
     return sorted(set(globals()) | set(__all__))
 
 

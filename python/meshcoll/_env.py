@@ -16,7 +16,7 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional
+from typing import Dict, Mapping, Optional, Sequence, Tuple
 
 # The names meshcoll-run sets and meshcoll reads.
 RANK = "MESHCOLL_RANK"
@@ -85,7 +85,9 @@ class Rendezvous:
     master_addr: str  # "" when no master is needed (the store is given or a file)
     master_port: int
     token: Optional[str]
-    source: str  # "arguments", "meshcoll", "torchrun", "slurm", "openmpi" or "pmi"
+    # "arguments", "meshcoll", "torchrun", "slurm", "openmpi", "pmi", or "default": no
+    # launcher variables and no arguments, a world of one.
+    source: str
 
 
 @dataclass(frozen=True)
@@ -153,10 +155,10 @@ def _find_scheme(env: Mapping[str, str]) -> Optional[_Scheme]:
 
 
 def _nothing_found(rank: object, world_size: object) -> ValueError:
+    """Only one of rank= and world_size= was given, and no launcher says the other (with
+    neither given, no launcher means a world of one)."""
     others = ", ".join(f"{s.owner} {s.rank}/{s.world_size}" for s in _SCHEMES[1:])
-    if rank is None and world_size is None:
-        what, fix = f"{RANK} and {WORLD_SIZE} are", "pass rank= and world_size="
-    elif rank is None:
+    if rank is None:
         what, fix = f"{RANK} is", "pass rank="
     else:
         what, fix = f"{WORLD_SIZE} is", "pass world_size="
@@ -194,8 +196,10 @@ def rendezvous_from_env(
 
     Explicit arguments win. Otherwise rank and world size come from the first
     scheme that has either variable set: MESHCOLL_*, torchrun, Open MPI, PMI,
-    Slurm. The master address and port come from the arguments, else
-    MESHCOLL_MASTER_ADDR/PORT, else torchrun's MASTER_ADDR/PORT, for every
+    Slurm; with none of them set and neither argument given, this process is a
+    world of one (rank 0 of 1, source "default"). The master address and port
+    come from the arguments, else MESHCOLL_MASTER_ADDR/PORT, else torchrun's
+    MASTER_ADDR/PORT, for every
     scheme (srun and mpirun do not provide one). A single process
     (world_size 1) needs no master: it gets 127.0.0.1 and port 0. With
     ``need_master=False`` (a given store, a file store) no master is looked up:
@@ -206,11 +210,17 @@ def rendezvous_from_env(
     env = os.environ if environ is None else environ
 
     scheme = None
+    source = "arguments"
     if rank is None or world_size is None:
         scheme = _find_scheme(env)
-        if scheme is None:
+        if scheme is not None:
+            source = scheme.source
+        elif rank is None and world_size is None:
+            # No launcher and no arguments: ``python script.py`` is a world of one, as with
+            # mpi4py and Horovod (init logs it once). Half of the pair given is still an error.
+            rank, world_size, source = 0, 1, "default"
+        else:
             raise _nothing_found(rank, world_size)
-    source = "arguments" if scheme is None else scheme.source
 
     # Resolve rank and world size, remembering where each came from for messages.
     values = {}
@@ -238,7 +248,9 @@ def rendezvous_from_env(
 
     local_rank, local_world = _local_ranks(env, scheme, world_v)
 
-    if scheme is None:
+    if source == "default":
+        came_from = "no launcher variables are set: a world of one"
+    elif scheme is None:
         came_from = "rank and world size were passed as arguments"
     elif rank is None and world_size is None:
         came_from = f"rank and world size came from {scheme.owner} {rank_from}/{world_from}"
@@ -255,7 +267,7 @@ def rendezvous_from_env(
 
 
 def _local_ranks(env: Mapping[str, str], scheme: Optional[_Scheme],
-                 world: int):
+                 world: int) -> Tuple[Optional[int], Optional[int]]:
     if world == 1:
         return 0, 1  # the only case where the answer is certain without being told
     if scheme is None:
@@ -290,7 +302,7 @@ def _first_slurm_host(nodelist: str) -> Optional[str]:
     return prefix + re.split(r"[,-]", ranges)[0] + suffix
 
 
-def _slurm_master(env: Mapping[str, str]):
+def _slurm_master(env: Mapping[str, str]) -> Tuple[Optional[str], Optional[int]]:
     """Under srun with no master given: the step's first node, and a port every rank derives
     from the job and step ids (20000 + (job + step) mod 20000), as (addr, port, where from)."""
     addr = port = None
@@ -307,7 +319,7 @@ def _slurm_master(env: Mapping[str, str]):
 
 
 def _master(env: Mapping[str, str], addr_arg: Optional[str], port_arg: Optional[int],
-            world: int, came_from: str, slurm: bool = False):
+            world: int, came_from: str, slurm: bool = False) -> Tuple[str, int]:
     if addr_arg is not None:
         if not str(addr_arg).strip():
             raise ValueError(f"{_WHO}: master_addr is empty")

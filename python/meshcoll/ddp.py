@@ -149,11 +149,15 @@ class DataParallel:
       the group size afterwards when ``average``, calls ``wait()`` exactly once, from its
       completion thread, and counts ``bucket.nbytes`` as the bytes sent.
     - ``mode``: ``"sync"`` (average gradients every step) or ``LocalSGD(period)``.
+    - ``symmetric``: on an NCCL group, buckets live in symmetric memory (one
+      ``group.empty(symmetric=True)`` arena per dtype, the buckets slices of it at the same
+      offsets on every rank), so their all-reduces run NCCL's symmetric kernels. Opt-in
+      (default False): see the README's Symmetric memory for the check mode to use with it.
     """
 
     def __init__(self, params: Mapping[str, object], *, group=None, bucket_cap_mb: float = 25,
                  average: bool = True, broadcast_from: Optional[int] = 0,
-                 compression=None, mode="sync"):
+                 compression=None, mode="sync", symmetric: bool = False):
         from .world import get_world_group
         self._group = group if group is not None else get_world_group()
         if not isinstance(params, Mapping) or not params:
@@ -182,6 +186,7 @@ class DataParallel:
         self._average = bool(average)
         self._half = self._compression_dtype(compression)
         self._hook: Optional[Callable] = compression if callable(compression) else None
+        self._symmetric = bool(symmetric) and self._group.backend_name == "nccl"
         self._build_buckets(float(bucket_cap_mb) * _MB)
 
         self._given: Dict[str, np.ndarray] = {}   # this step's gradient arrays, for write-back
@@ -228,10 +233,16 @@ class DataParallel:
             size += p.nbytes
         self._buckets: List[_Bucket] = []
         self._slot: Dict[str, tuple] = {}  # name -> (bucket index, view of its slot)
+        totals = [sum(_numel(self._params[n]) for n in names) for names in groups]
+        arenas = self._symmetric_arenas(groups, totals) if self._symmetric else {}
         for i, names in enumerate(groups):
             first = self._params[names[0]]
-            total = sum(_numel(self._params[n]) for n in names)
-            buf = self._group._empty(total, first)
+            total = totals[i]
+            if arenas:
+                arena, offsets = arenas[_dtype_name(first)]
+                buf = arena[offsets[i]:offsets[i] + total]
+            else:
+                buf = self._group._empty(total, first)
             off = 0
             for n in names:
                 p = self._params[n]
@@ -242,6 +253,28 @@ class DataParallel:
             if self._half is not None and _FLOAT_DTYPES[_dtype_name(first)] > 2:
                 b.half = self._group._empty(total, first, dtype=self._half)
             self._buckets.append(b)
+
+    _ALIGN = 512  # bytes between bucket starts in an arena (NCCL's kernels like alignment)
+
+    def _symmetric_arenas(self, groups: List[List[str]], totals: List[int]) -> dict:
+        """dtype name -> (one symmetric array for every bucket of that dtype, bucket index ->
+        offset in elements). The layout follows from the parameters alone, so it is the same
+        on every rank, as symmetric kernels require."""
+        layout: Dict[str, tuple] = {}
+        for i, names in enumerate(groups):
+            first = self._params[names[0]]
+            name = _dtype_name(first)
+            step = max(1, self._ALIGN // _FLOAT_DTYPES[name])
+            size, offsets, like = layout.get(name, (0, {}, first))
+            offsets[i] = size
+            layout[name] = (size + -(-totals[i] // step) * step, offsets, like)
+        return {name: (self._group.empty(size, name, like=like, symmetric=True), offsets)
+                for name, (size, offsets, like) in sorted(layout.items())}
+
+    @property
+    def symmetric(self) -> bool:
+        """Whether the buckets live in symmetric memory (NCCL windows)."""
+        return self._symmetric and all(self._group.is_symmetric(b.buf) for b in self._buckets)
 
     def _on_stream(self) -> dict:
         """``stream=`` for the group's calls and waits: GPU arrays are ordered against the

@@ -126,6 +126,35 @@ class CudaArrays:
                         "PyTorch or CuPy arrays)")
 
     @staticmethod
+    def framework(like):
+        """The module that makes arrays like ``like``: torch or cupy (torch, else cupy, when
+        ``like`` is None)."""
+        if like is not None:
+            mod = sys.modules.get(type(like).__module__.split(".")[0])
+            if mod is not None and hasattr(mod, "from_dlpack") and mod.__name__ in ("torch", "cupy"):
+                return mod
+            raise TypeError(f"empty(like=...): a {type(like).__module__}.{type(like).__name__} "
+                            "names no framework the NCCL backend allocates in; pass a PyTorch "
+                            "tensor or a CuPy array")
+        for name in ("torch", "cupy"):
+            try:
+                return importlib.import_module(name)
+            except ImportError:
+                continue
+        raise ImportError("empty() on an NCCL group makes PyTorch or CuPy arrays; install one "
+                          "or pass like=")
+
+    @staticmethod
+    def new(shape, dtype: str, like, device: int, zero: bool):
+        """A new ``dtype`` array of ``shape`` on CUDA ``device``, in ``like``'s framework."""
+        mod = CudaArrays.framework(like)
+        make = mod.zeros if zero else mod.empty
+        if mod.__name__ == "torch":
+            return make(shape, dtype=getattr(mod, dtype), device=f"cuda:{device}")
+        with mod.cuda.Device(device):
+            return make(shape, dtype=numpy_dtype(dtype, "CuPy"))
+
+    @staticmethod
     def current_stream(like):
         """The framework's current stream on ``like``'s device, found through the array's own
         module: ``torch.cuda.current_stream(device)``, ``cupy.cuda.get_current_stream()``;

@@ -11,14 +11,58 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
 
 import numpy as np
 
 from . import _C, _env
-from .arrays import host_view, numpy_dtype, rows
+from .arrays import dtype_name, host_view, numpy_dtype, rows
 from .hierarchy import Hierarchy, host_of_each_rank
+
+
+# Arrays: numpy, anything with the buffer protocol or __dlpack__ (host memory) on a CPU group;
+# torch tensors, CuPy arrays, DLPack or __cuda_array_interface__ objects on an NCCL group.
+# JAX arrays are read, never written (Note [Immutable arrays] in csrc/python/array.cc).
+Array = Any
+# NCCL groups: None (the caller's current stream), an int handle, or an object with
+# .cuda_stream (torch) or .ptr (CuPy).
+Stream = Any
+
+# Note [One source of truth]: each collective is documented once, on its ProcessGroup method;
+# the module functions of meshcoll (meshcoll/api.py) forward to these methods with the same
+# signature plus ``group=``, and take their docstrings from here
+# (tests/python/test_typing.py checks both). What every collective shares is appended below.
+_SHARED_DOC = """
+Arrays: numpy arrays, or anything with the buffer protocol or ``__dlpack__`` in host memory
+(CPU groups); torch, CuPy, DLPack or ``__cuda_array_interface__`` arrays (NCCL groups). Each
+is checked once, before anything is sent: C-contiguous, writable where written (JAX arrays
+never are: pass a writable copy), native byte order, ``out=`` exactly the size written.
+Dtypes: bool, int8, uint8, int32, int64, float16, bfloat16 (``ml_dtypes.bfloat16``),
+float32, float64; float16/bfloat16 are reduced in float32 and rounded at each step. Ops:
+"sum", "prod", "min", "max", "avg", and "band", "bor", "bxor" for integers and bool.
+
+``async_op=True`` returns a ``Work`` at once (``wait(timeout)`` returns the result); the
+operation holds its arrays until it completes. ``timeout``: seconds, > 0 and at most 1e7
+(default: the group's, from ``meshcoll.init``). ``stream`` (NCCL groups): the CUDA stream
+to run on (default: the caller's current stream).
+
+Raises ValueError or TypeError for bad arguments, on this rank, before anything is sent;
+``meshcoll.MismatchError`` when ranks disagree on the call (collective, count, dtype, op,
+root, shapes); ``meshcoll.TimeoutError`` past the deadline (naming the ranks waited for);
+``meshcoll.PeerError`` when a peer died or closed; ``meshcoll.AbortedError`` when the group
+failed earlier; ``meshcoll.ConcurrentCallError`` when another thread calls on the group at
+the same time. After any of these the group is dead: destroy it and build a new one."""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _collective(fn: _F) -> _F:
+    """Appends what every collective shares to ``fn``'s docstring (Note [One source of
+    truth])."""
+    fn.__doc__ = inspect.cleandoc(fn.__doc__ or "") + "\n" + _SHARED_DOC
+    return fn
 
 
 class CollectiveConfig:
@@ -228,6 +272,63 @@ class ProcessGroup:
         like = like.obj if isinstance(like, _C.Array) else like
         return self._arrays.empty(shape, like, dtype)
 
+    # ---- memory ---------------------------------------------------------------------
+    def empty(self, shape, dtype=None, *, like=None, symmetric: bool = False,
+              timeout: Optional[float] = None):
+        """A new array of ``shape`` where this group communicates: numpy on a CPU group; on an
+        NCCL group, a PyTorch tensor or CuPy array (``like``'s framework; PyTorch when
+        ``like`` is None) on the group's device. ``dtype``: a name ("float32", "bfloat16"), a
+        numpy or framework dtype; default ``like``'s, else float32.
+
+        ``symmetric=True`` on an NCCL group is collective: every rank calls it with the same
+        shape and dtype, in the same order as its other calls (ranks that disagree get
+        MismatchError). The memory comes from ncclMemAlloc and is registered as a symmetric
+        window of this group (NCCL 2.27+), so collectives on it run NCCL's symmetric kernels
+        (lower latency, less GPU time). The rule: every rank passes the same offsets into
+        these arrays (the same slices of the same allocation); ranks that pass different ones,
+        or ordinary memory where a peer passes a window, get MismatchError from the agreement
+        check. ``symmetric_memory`` says whether windows are available here; where they are
+        not, the array is ordinary memory, and ``is_symmetric(x)`` says which an array is.
+        Allocate once and reuse: ncclMemAlloc rounds up to its granularity (MiBs), and
+        dropping such an array synchronizes the device at the group's next call, as cudaFree
+        does. ``destroy()`` deregisters the windows; arrays still held stay valid memory."""
+        return self._new(shape, dtype, like, symmetric, timeout, zero=False)
+
+    def zeros(self, shape, dtype=None, *, like=None, symmetric: bool = False,
+              timeout: Optional[float] = None):
+        """``empty`` filled with zeros."""
+        return self._new(shape, dtype, like, symmetric, timeout, zero=True)
+
+    def _new(self, shape, dtype, like, symmetric: bool, timeout, zero: bool):
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        if dtype is None:
+            dtype = like.dtype if like is not None else "float32"
+        name = dtype if isinstance(dtype, str) else dtype_name(dtype)
+        if not self._arrays.device_memory:
+            return (np.zeros if zero else np.empty)(shape, numpy_dtype(name, "empty"))
+        if symmetric and not self._backend.symmetric_unavailable():
+            buf = self._backend.alloc_symmetric(list(shape), name, zero, timeout)
+            return self._arrays.framework(like).from_dlpack(buf)
+        return self._arrays.new(shape, name, like, self._device, zero)
+
+    @property
+    def symmetric_memory(self) -> str:
+        """What ``empty(symmetric=True)`` gives on this group: "nccl windows" (ncclMemAlloc
+        memory registered as symmetric windows), or "unavailable: <why>" (ordinary memory)."""
+        if not self._arrays.device_memory:
+            return ("unavailable: symmetric windows are an NCCL feature; the CPU backend reads "
+                    "peers' memory through shared memory already")
+        why = self._backend.symmetric_unavailable()
+        return f"unavailable: {why}" if why else "nccl windows"
+
+    def is_symmetric(self, x) -> bool:
+        """Whether ``x`` lies in one symmetric window of this group (``empty(symmetric=True)``
+        memory, or a slice of it)."""
+        if not self._arrays.device_memory:
+            return False
+        v = self._backend.view(x, "is_symmetric: x")
+        return bool(self._backend.in_window(v.ptr, v.nbytes))
+
     def _fast(self, x) -> bool:
         """Whether ``x`` takes the one-call synchronous path (Note [Synchronous gathers]): a
         numpy array on a CPU group, a framework array with a shape on a GPU group (the backend
@@ -301,10 +402,14 @@ class ProcessGroup:
                 f"rank={self.rank}, size={self.size}, ranks={self._ranks}{dev})")
 
     # ---- collectives ----------------------------------------------------------------
-    def all_reduce(self, x, op: str = "sum", *, async_op: bool = False,
+    @_collective
+    def all_reduce(self, x: Array, op: str = "sum", *, async_op: bool = False,
                    timeout: Optional[float] = None, algorithm: Optional[str] = None,
-                   stream=None):
-        """Reduce ``x`` across the group, in place; returns ``x`` (or a Work)."""
+                   stream: Stream = None) -> Any:
+        """Reduce ``x`` across the group, in place: every rank ends with ``op`` over every
+        rank's ``x`` (same shape and dtype on every rank). Returns ``x``, or a Work.
+        ``algorithm`` (CPU groups): "auto" (default: the group's ``config``), "ring",
+        "tree", "halving_doubling", "direct" or "shm" (shared-memory groups only)."""
         cfg = self.config
         algo = cfg.algorithm if algorithm is None else algorithm
         if not async_op:
@@ -318,21 +423,34 @@ class ProcessGroup:
                                      cfg.hd_threshold_bytes)
         return Work(w, x)
 
-    def reduce(self, x, dst: int = 0, op: str = "sum", *, async_op: bool = False,
-               timeout: Optional[float] = None, stream=None):
-        """Reduce ``x`` onto group rank ``dst``, in place there; other ranks' ``x`` is unchanged."""
+    @_collective
+    def reduce(self, x: Array, dst: int = 0, op: str = "sum", *, async_op: bool = False,
+               timeout: Optional[float] = None, stream: Stream = None) -> Any:
+        """Reduce ``x`` onto group rank ``dst``, in place there; other ranks' ``x`` is
+        unchanged. Returns ``x``, or a Work."""
+        if not async_op:  # one C++ call (Note [Rooted in-place calls] in bind_backend.cc)
+            self._backend.reduce_sync(x, dst, op, timeout, stream)
+            return x
         return _result(self._backend.reduce(x, x, dst, op, timeout, stream, async_op), x, async_op)
 
-    def broadcast(self, x, src: int = 0, *, async_op: bool = False,
-                  timeout: Optional[float] = None, stream=None):
-        """Copy ``x`` from group rank ``src`` into every rank's ``x``, in place."""
+    @_collective
+    def broadcast(self, x: Array, src: int = 0, *, async_op: bool = False,
+                  timeout: Optional[float] = None, stream: Stream = None) -> Any:
+        """Copy ``x`` from group rank ``src`` into every rank's ``x``, in place. Returns
+        ``x``, or a Work."""
+        if not async_op:  # one C++ call (Note [Rooted in-place calls] in bind_backend.cc)
+            self._backend.broadcast_sync(x, src, timeout, stream)
+            return x
         return _result(self._backend.broadcast(x, src, timeout, stream, async_op), x, async_op)
 
-    def all_gather(self, x, out=None, *, async_op: bool = False,
-                   timeout: Optional[float] = None, stream=None):
-        """Every rank's ``x`` stacked along a new axis 0: shape ``(size, *x.shape)``. On an
-        NCCL group, a numpy array (small metadata) is exchanged through the communicator and
-        returned as numpy (blocking)."""
+    @_collective
+    def all_gather(self, x: Array, out: Optional[Array] = None, *, async_op: bool = False,
+                   timeout: Optional[float] = None, stream: Stream = None) -> Any:
+        """Every rank's ``x`` stacked along a new axis 0: shape ``(size, *x.shape)``,
+        written into ``out`` (or a new array of ``x``'s framework). Returns it, or a Work.
+        ``x`` may be this rank's block of ``out`` (in place). On an NCCL group, a numpy
+        array (small metadata) is exchanged through the communicator and returned as numpy
+        (blocking)."""
         if self._arrays.device_memory and isinstance(x, np.ndarray):
             if out is not None or async_op:
                 raise ValueError("all_gather of a host (numpy) array takes no out= or async_op")
@@ -350,10 +468,11 @@ class ProcessGroup:
                                      async_op)
         return _result(w, out, async_op)
 
-    def all_gather_v(self, x, *, timeout: Optional[float] = None,
-                     stream=None) -> Tuple[object, List[int]]:
+    @_collective
+    def all_gather_v(self, x: Array, *, timeout: Optional[float] = None,
+                     stream: Stream = None) -> Tuple[Any, List[int]]:
         """Concatenate each rank's ``x`` along axis 0, where ranks may hold different numbers
-        of rows (same trailing shape). Returns ``(concatenation, rows per rank)``."""
+        of rows (same trailing shape). Returns ``(concatenation, rows per rank)``. Blocks."""
         # Checked in full before the metadata exchange: a bad array must raise before
         # anything is sent (the backend would check it only after the exchange).
         v = self._view(x, "all_gather_v: x", stream=stream)
@@ -370,10 +489,14 @@ class ProcessGroup:
                                  False)
         return out, counts
 
-    def reduce_scatter(self, x, out=None, op: str = "sum", *, async_op: bool = False,
-                       timeout: Optional[float] = None, stream=None):
+    @_collective
+    def reduce_scatter(self, x: Array, out: Optional[Array] = None, op: str = "sum", *,
+                       async_op: bool = False, timeout: Optional[float] = None,
+                       stream: Stream = None) -> Any:
         """Reduce ``x`` across ranks and keep this rank's slice of axis 0 (which must divide
-        evenly by the group size): shape ``(x.shape[0] // size, *x.shape[1:])``."""
+        evenly by the group size): shape ``(x.shape[0] // size, *x.shape[1:])``, written into
+        ``out`` (or a new array; ``out`` may be this rank's block of ``x``). Returns it, or a
+        Work."""
         if not async_op and self._fast(x):
             # Note [Synchronous gathers] in bind_backend.cc: one C++ call.
             shape = tuple(x.shape)
@@ -397,11 +520,12 @@ class ProcessGroup:
                                          timeout, stream, async_op)
         return _result(w, out, async_op)
 
-    def reduce_scatter_v(self, x, counts: Sequence[int], op: str = "sum", *,
-                         timeout: Optional[float] = None, stream=None):
+    @_collective
+    def reduce_scatter_v(self, x: Array, counts: Sequence[int], op: str = "sum", *,
+                         timeout: Optional[float] = None, stream: Stream = None) -> Any:
         """Reduce ``x`` across ranks and keep rows ``[sum(counts[:rank]), +counts[rank])``.
         ``counts`` (rows per rank) must be the same on every rank: ranks that pass different
-        counts get MismatchError."""
+        counts get MismatchError. Returns this rank's rows (a new array). Blocks."""
         v = self._look(x, "reduce_scatter_v: x", stream)
         n = rows(v, "reduce_scatter_v")
         counts = [int(c) for c in counts]
@@ -414,11 +538,13 @@ class ProcessGroup:
                                      stream, False)
         return out
 
-    def all_to_all(self, x, out=None, *, async_op: bool = False,
-                   timeout: Optional[float] = None, stream=None):
-        """Block i of ``x``'s axis 0 goes to rank i; ``out``'s block j comes from rank j. On
-        an NCCL group, a numpy array (small metadata) is exchanged through the communicator
-        and returned as numpy (blocking)."""
+    @_collective
+    def all_to_all(self, x: Array, out: Optional[Array] = None, *, async_op: bool = False,
+                   timeout: Optional[float] = None, stream: Stream = None) -> Any:
+        """Block i of ``x``'s axis 0 goes to rank i; ``out``'s block j comes from rank j
+        (``out``: a new array of ``x``'s shape unless given; it may not alias ``x``).
+        Returns ``out``, or a Work. On an NCCL group, a numpy array (small metadata) is
+        exchanged through the communicator and returned as numpy (blocking)."""
         if self._arrays.device_memory and isinstance(x, np.ndarray):
             if out is not None or async_op:
                 raise ValueError("all_to_all of a host (numpy) array takes no out= or async_op")
@@ -434,10 +560,12 @@ class ProcessGroup:
                                      stream, async_op)
         return _result(w, out, async_op)
 
-    def all_to_all_v(self, x, send_counts: Sequence[int], *, timeout: Optional[float] = None,
-                     stream=None) -> Tuple[object, List[int]]:
+    @_collective
+    def all_to_all_v(self, x: Array, send_counts: Sequence[int], *,
+                     timeout: Optional[float] = None,
+                     stream: Stream = None) -> Tuple[Any, List[int]]:
         """Rows ``send_counts[i]`` of ``x`` (in order) go to rank i. Returns ``(received rows
-        concatenated in rank order, rows received from each rank)``."""
+        concatenated in rank order, rows received from each rank)``. Blocks."""
         # Checked in full before the metadata exchange: a bad array must raise before
         # anything is sent (the backend would check it only after the exchange).
         v = self._view(x, "all_to_all_v: x", stream=stream)
@@ -455,18 +583,23 @@ class ProcessGroup:
                                  False)
         return out, recv_counts
 
-    def gather(self, x, dst: int = 0, *, timeout: Optional[float] = None, stream=None):
-        """On ``dst``: every rank's ``x`` stacked along a new axis 0; elsewhere None."""
+    @_collective
+    def gather(self, x: Array, dst: int = 0, *, timeout: Optional[float] = None,
+               stream: Stream = None) -> Optional[Any]:
+        """On ``dst``: every rank's ``x`` stacked along a new axis 0 (a new array); elsewhere
+        None. Blocks."""
         v = self._look(x, "gather: x", stream)
         me = self.rank == dst
         out = self._empty((self.size,) + tuple(v.shape) if me else 0, v)
         self._backend.gather(v, out, [v.size] * self.size, dst, timeout, stream, False)
         return out if me else None
 
-    def scatter(self, x, src: int = 0, *, out=None, timeout: Optional[float] = None,
-                stream=None):
+    @_collective
+    def scatter(self, x: Optional[Array], src: int = 0, *, out: Optional[Array] = None,
+                timeout: Optional[float] = None, stream: Stream = None) -> Any:
         """Rank ``src`` passes ``x`` of shape ``(size, *s)``; every rank gets its block of
-        shape ``s``. Other ranks pass ``out`` (shape ``s``), or an ``x`` of the full shape."""
+        shape ``s`` (in ``out``, or a new array). Other ranks pass ``out`` (shape ``s``) and
+        ``x=None``, or an ``x`` of the full shape. Returns the block. Blocks."""
         v = None
         if x is not None:
             # Read, not looked at: off the root x never reaches the backend, yet must be sound.
@@ -484,25 +617,37 @@ class ProcessGroup:
         self._backend.scatter(x, o, [block] * self.size, src, timeout, stream, False)
         return out
 
-    def send(self, x, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
-             stream=None) -> None:
-        """Send ``x`` to group rank ``peer``; returns once sent (CPU) or enqueued (GPU)."""
+    @_collective
+    def send(self, x: Array, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
+             stream: Stream = None) -> None:
+        """Send ``x`` to group rank ``peer``; returns once sent (CPU) or enqueued (GPU).
+        Sends and receives between a pair of ranks match in order; ``tag`` in [0, 2**32)
+        must match the receiver's. Point to point always goes over TCP on CPU groups."""
         self.isend(x, peer, tag, timeout=timeout, stream=stream).wait()
 
-    def recv(self, x, peer: int, tag: int = 0, *, timeout: Optional[float] = None, stream=None):
-        """Receive into ``x`` (in place) from group rank ``peer``; returns ``x``."""
+    @_collective
+    def recv(self, x: Array, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
+             stream: Stream = None) -> Any:
+        """Receive into ``x`` (in place, writable) from group rank ``peer``; returns ``x``."""
         return self.irecv(x, peer, tag, timeout=timeout, stream=stream).wait()
 
-    def isend(self, x, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
-              stream=None) -> Work:
+    @_collective
+    def isend(self, x: Array, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
+              stream: Stream = None) -> Work:
+        """``send`` without waiting: returns a Work whose ``wait()`` returns None."""
         return Work(self._backend.send(x, peer, _tag(tag), timeout, stream), None)
 
-    def irecv(self, x, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
-              stream=None) -> Work:
+    @_collective
+    def irecv(self, x: Array, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
+              stream: Stream = None) -> Work:
+        """``recv`` without waiting: returns a Work whose ``wait()`` returns ``x``."""
         return Work(self._backend.recv(x, peer, _tag(tag), timeout, stream), x)
 
-    def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None, stream=None):
-        """Every member arrives before any returns (on GPUs too: the host blocks)."""
+    @_collective
+    def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None,
+                stream: Stream = None) -> Optional[Work]:
+        """Every member arrives before any returns (on GPUs too: the host blocks). Returns
+        None, or a Work."""
         return _result(self._backend.barrier(timeout, stream, async_op), None, async_op)
 
     # ---- metadata of NCCL groups: host arrays through the communicator ---------------

@@ -17,6 +17,7 @@ before, and without, the C++ extension.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import secrets
 import signal
@@ -27,7 +28,7 @@ import threading
 import time
 from typing import BinaryIO, List, Optional
 
-from meshcoll import _env
+from meshcoll import __version__, _env
 
 # Survivors get SIGTERM, then this long to run their handlers, then SIGKILL.
 GRACE_S = 5.0
@@ -37,8 +38,11 @@ _POLL_S = 0.05  # how often we look at the children; also bounds failure latency
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="meshcoll-run",
+        usage="%(prog)s [options] script.py [args ...]\n"
+              "       %(prog)s [options] -m module [args ...]",
         description="Run one process per rank on this node with the MESHCOLL_* "
                     "variables set; stop all of them when one fails.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("-n", "--nproc-per-node", type=int, default=1, metavar="N",
                    help="ranks to start on this node (default 1)")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
@@ -57,9 +61,17 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="pass the children's output through untouched")
     p.add_argument("-m", dest="module", action="store_true",
                    help="run the target as a module, like python -m")
-    p.add_argument("target", metavar="script|module", help="script path, or module with -m")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    # Optional to argparse (which would otherwise list REMAINDER's args as required too):
+    # the missing target is reported below, in words.
+    p.add_argument("target", metavar="script|module", nargs="?",
+                   help="script path, or module with -m")
+    p.add_argument("args", nargs=argparse.REMAINDER,
+                   help="arguments for the script (optional)")
     args = p.parse_args(argv)
+
+    if args.target is None:
+        p.error("nothing to run: give a script (meshcoll-run -n 2 train.py) or a module "
+                "(meshcoll-run -n 2 -m pkg.train)")
 
     if args.nproc_per_node < 1:
         p.error(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
@@ -94,7 +106,38 @@ def pick_free_port(addr: str) -> int:
         addr, 0, type=socket.SOCK_STREAM)[0]
     with socket.socket(family, type_, proto) as s:
         s.bind(sockaddr)
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+def port_in_use(addr: str, port: int) -> bool:
+    """Whether another process listens on ``addr:port`` now: a listen there fails with
+    EADDRINUSE. The socket options are the store's (SO_REUSEADDR, csrc/common/socket.cc), so
+    connections of an earlier job in TIME_WAIT do not count. An address that is not this
+    host's (EADDRNOTAVAIL) or does not resolve says nothing: False, and rank 0 reports it."""
+    try:
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False
+    for family, type_, proto, _, sockaddr in infos:
+        with socket.socket(family, type_, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(sockaddr)
+                s.listen(1)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    return True
+    return False
+
+
+def port_clash_message(addr: str, port: int, came_from: str) -> str:
+    """What the launcher says when another process holds the store's port. Every rank of
+    this job then fails, but with a symptom of its own: rank 0 cannot listen, the others
+    reach the other job's store, which refuses their token."""
+    return (f"port clash: {addr}:{port} ({came_from}) is held by another process, most "
+            f"likely another job on the same port; this job's rank 0 cannot host its store "
+            f"there, and its other ranks reach the other job's store (which refuses their "
+            f"token). Pick another --master-port, or 0 to let a one-node job choose a free one")
 
 
 def _pump(src: BinaryIO, dst: BinaryIO, prefix: bytes, lock: threading.Lock) -> None:
@@ -132,7 +175,8 @@ class _Job:
     def __init__(self, args: argparse.Namespace, master_port: int):
         self.args = args
         self.master_port = master_port
-        self.procs: List[subprocess.Popen] = []
+        self.port_from = "--master-port" if args.master_port else "picked by meshcoll-run"
+        self.procs: List[subprocess.Popen[bytes]] = []
         self.ranks: List[int] = []
         self.pumps: List[threading.Thread] = []
         self.lock = threading.Lock()
@@ -220,11 +264,18 @@ class _Job:
                 what, code = f"failed with exit code {rc}", rc
             stopped = f"; stopped the other {running} rank{'s' if running != 1 else ''}" \
                 if running else ""
+            self.stop()
+            # Node 0 hosts the store. Once every rank of ours is gone, a port still held is
+            # held by someone else: that, not the rank that happened to fail first, is the
+            # cause (a job that took the port after the check in main, or a picked port
+            # taken before rank 0 bound it).
+            addr = self.args.master_addr
             self._log(f"rank {rank} (pid {proc.pid}) {what}{stopped}")
-        else:
-            code = 0
+            if self.args.node_rank == 0 and port_in_use(addr, self.master_port):
+                self._log(port_clash_message(addr, self.master_port, self.port_from))
+            return code
         self.stop()
-        return code
+        return 0
 
     def stop(self, first: Optional[int] = signal.SIGTERM) -> None:
         """Send `first` to every child's process group, SIGKILL what is left after GRACE_S.
@@ -275,6 +326,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"meshcoll-run: cannot pick a free port on --master-addr "
                   f"{args.master_addr}: {e}", file=sys.stderr)
             return 1
+
+    elif args.node_rank == 0 and port_in_use(args.master_addr, port):
+        # Before starting anything: every rank would fail, each with its own symptom.
+        print(f"meshcoll-run: {port_clash_message(args.master_addr, port, '--master-port')}",
+              file=sys.stderr)
+        return 1
 
     job = _Job(args, port)
     old = {s: signal.signal(s, job.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

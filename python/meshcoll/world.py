@@ -4,9 +4,10 @@ group. Groups themselves are in process_group.py."""
 
 from __future__ import annotations
 
+import logging
 import secrets
 import warnings
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from . import _C, _env
 from .process_group import ProcessGroup
@@ -17,8 +18,9 @@ class _Default:
     collective library (``meshcoll.init`` sets it, ``meshcoll.destroy`` clears it)."""
 
     world: Optional[ProcessGroup] = None
-    store = None
+    store: Any = None  # a meshcoll store (TCPStore, FileStore or the caller's)
     warned_no_token = False
+    logged_world_of_one = False
     owns_store = False  # init made the TCP store (rather than being given one)
 
 
@@ -31,13 +33,21 @@ NO_TOKEN_WARNING = (
     "which makes one.")
 
 
+WORLD_OF_ONE = (
+    "meshcoll.init: no launcher variables are set (meshcoll-run, torchrun, Slurm, Open MPI), "
+    "so this process is a world of one (rank 0 of 1); start it with meshcoll-run -n N (or "
+    "another launcher) for more ranks")
+
+
 def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
          world_size: Optional[int] = None, master_addr: Optional[str] = None,
          master_port: Optional[int] = None, timeout: Optional[float] = None,
          device=None, store=None, init_method: Optional[str] = None) -> ProcessGroup:
     """Join the job: rendezvous through rank 0's TCP store, connect to every rank, return
     the world group. With no arguments it reads meshcoll-run's, torchrun's, Slurm's or
-    Open MPI's environment variables. ``backend``: "cpu" (the default), "nccl" (CUDA
+    Open MPI's environment variables; when none is set (``python script.py``) the process
+    is a world of one, rank 0 of 1 (logged once, at info level, on the "meshcoll" logger).
+    ``backend``: "cpu" (the default), "nccl" (CUDA
     arrays; ``device`` defaults to the launcher's local rank), or "auto" (nccl when every
     rank has a GPU and NCCL loads, else cpu). ``store``: an existing store
     (``meshcoll.TCPStore``, client or server, or ``meshcoll.FileStore``) to rendezvous
@@ -70,6 +80,9 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
     rv = _env.rendezvous_from_env(rank=rank, world_size=world_size, master_addr=master_addr,
                                   master_port=master_port,
                                   need_master=store is None and file_path is None)
+    if rv.source == "default" and not _Default.logged_world_of_one:
+        _Default.logged_world_of_one = True
+        logging.getLogger("meshcoll").info(WORLD_OF_ONE)
     timeout = float(timeout) if timeout is not None else _env.timeout_from_env()
     # A job of one process has no one to share a token with: it makes its own.
     token = rv.token or (secrets.token_hex(16) if rv.world_size == 1 else "")

@@ -53,7 +53,10 @@ def test_every_collective_verifies_on_two_gpus(tmp_path):
     sizes = bench.size_steps(8, 4 << 20, 16, 0)
     assert sorted({r["op"] for r in recs}) == sorted(bench.OPS)
     for op in bench.OPS:  # float32 on 2 ranks: every size splits evenly
-        assert [r["size"] for r in recs if r["op"] == op] == sizes, op
+        for in_place in bench.PLACEMENTS[op]:  # out of place and in place where it has both
+            assert [r["size"] for r in recs if r["op"] == op and r["in_place"] == in_place] \
+                == sizes, (op, in_place)
+        assert {r["in_place"] for r in recs if r["op"] == op} == set(bench.PLACEMENTS[op])
     for r in recs:
         assert r["backend"] == "nccl" and r["ranks"] == 2 and r["transport"] == "nccl"
         assert r["wrong"] == 0, r

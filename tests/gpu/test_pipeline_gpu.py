@@ -1,7 +1,9 @@
 """PipelineExecutor on the NCCL backend (Note [Channels on NCCL] in meshcoll/pipeline/executor.py):
 every schedule, run on CUDA tensors, gives gradients and losses equal to one process's bit for
 bit (the integer-valued model of tests/pipeline_common.py), on the world group and along pp
-of a (dp, pp) mesh. Skips without GPUs."""
+of a (dp, pp) mesh. That includes the V-shaped schedules (the turn of the V hands over on one
+GPU, rank 0 holds the first and the last stage) and receives posted one compute ahead of their
+consumer (Note [Receive lookahead] in meshcoll/pipeline/schedule.py). Skips without GPUs."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from test_nccl import NGPU, needs_torch, run_nccl
 pytestmark = pytest.mark.timeout(240)
 
 # (schedule, virtual stages, microbatches; None: 2 per rank, Megatron's m % p == 0)
-CONFIGS = [("gpipe", 1, 4), ("1f1b", 1, 5), ("zero_bubble", 1, 4), ("interleaved_1f1b", 2, None)]
+CONFIGS = [("gpipe", 1, 4), ("1f1b", 1, 5), ("zero_bubble", 1, 4), ("interleaved_1f1b", 2, None),
+           ("interleaved_zero_bubble", 2, None), ("zero_bubble_v", 2, 5), ("dualpipe_v", 2, None)]
 
 
 def _body(pg, mesh):

@@ -88,7 +88,9 @@ def test_pattern_matches_simulation(op, n, redop, dtype):
 
 # ---- tier 2: the command line, 2 ranks ------------------------------------------------
 
-_ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+(\S+)\s+(\S+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\S+)$")
+# size count type redop, then out-of-place and in-place: time algbw busbw #wrong (or N/A)
+_GROUP = r"\s+([\d.]+|N/A)\s+([\d.]+|N/A)\s+([\d.]+|N/A)\s+(\S+)"
+_ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+(\S+)\s+(\S+)" + _GROUP * 2 + "$")
 _LAUNCH_VARS = ("MESHCOLL_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                 "OMPI_COMM_WORLD_", "PMI_", "SLURM_")
 
@@ -111,11 +113,14 @@ def test_bench_all_reduce_table_and_json(tmp_path):
     assert re.fullmatch(r"# meshcoll \S+  all_reduce  backend=cpu  ranks=2  iters=2 warmup=1"
                         r"(  .*)?", lines[0]), lines[0]
     cols = next(l for l in lines if "#wrong" in l)
-    assert cols.split() == ["#", "size", "count", "type", "redop", "time", "algbw", "busbw",
-                            "#wrong"]
+    assert lines[lines.index(cols) - 1].split() == ["#", "out-of-place", "in-place"]
+    assert cols.split() == ["#", "size", "count", "type", "redop"] + \
+        ["time", "algbw", "busbw", "#wrong"] * 2
     rows = [m.groups() for m in map(_ROW.match, lines) if m]
     assert [int(r[0]) for r in rows] == [8 << k for k in range(10)]  # 8 B .. 4 KiB
-    for size, count, typ, redop, *_, wrong in rows:
+    for size, count, typ, redop, *out_of_place, t, algbw, busbw, wrong in rows:
+        # meshcoll's all_reduce works in place (it has no out=): no out-of-place form
+        assert out_of_place == ["N/A"] * 4
         assert (int(count), typ, redop, wrong) == (int(size) // 4, "float", "sum", "0")
     assert re.fullmatch(r"# Avg bus bandwidth : [\d.e+-]+", lines[-1]), lines[-1]
 
@@ -123,6 +128,7 @@ def test_bench_all_reduce_table_and_json(tmp_path):
     assert [r["size"] for r in recs] == [int(r[0]) for r in rows]
     for r in recs:
         assert r["op"] == "all_reduce" and r["ranks"] == 2 and r["wrong"] == 0
+        assert r["in_place"] is True
         assert r["time"] > 0 and r["busbw"] == pytest.approx(r["algbw"] * 2 * (2 - 1) / 2)
         assert r["algbw"] == pytest.approx(r["size"] / r["time"] / 1e3)
 
@@ -135,7 +141,98 @@ def test_bench_every_collective_verifies(tmp_path):
     headers = [l.split()[3] for l in p.stdout.splitlines() if l.startswith("# meshcoll ")]
     assert headers == list(bench.OPS)
     rows = [m.groups() for m in map(_ROW.match, p.stdout.splitlines()) if m]
-    assert len(rows) == 6 * 4 and all(r[-1] == "0" for r in rows)
+    assert len(rows) == 6 * 4
+    # Each op's forms (bench.PLACEMENTS) verified; the others N/A.
+    for op, table in zip(bench.OPS, (rows[i:i + 4] for i in range(0, 24, 4))):
+        for r in table:
+            out_of_place, in_place = r[7], r[11]  # #wrong of each form
+            assert out_of_place == ("0" if False in bench.PLACEMENTS[op] else "N/A"), (op, r)
+            assert in_place == ("0" if True in bench.PLACEMENTS[op] else "N/A"), (op, r)
+
+
+@pytest.mark.timeout(120)
+def test_bench_algo_all_over_tcp_runs_what_tcp_has_and_writes_csv(tmp_path):
+    """Issue 18: ``--algo all --transport tcp`` crashed on the shm algorithm. It now runs
+    every algorithm tcp has, verified; the CSV holds the JSON's records."""
+    js, cs = tmp_path / "r.jsonl", tmp_path / "r.csv"
+    p = _bench(tmp_path, "-N", 3, "--op", "all_reduce,all_gather", "--algo", "all",
+               "--transport", "tcp", "-b", 64, "-e", "4K", "-f", 8, "-n", 1, "-w", 0,
+               "--repeats", 1, "--json", js, "--csv", cs)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stderr == "", p.stderr
+    algos = [m.group(1) for m in re.finditer(r"transport=tcp  algo=(\S+)", p.stdout)]
+    assert algos == list(bench.P2P_ALGORITHMS) and "shm" not in algos
+    recs = [json.loads(l) for l in js.read_text().splitlines()]
+    assert all(r["wrong"] == 0 and r["transport"] == "tcp" for r in recs)
+    assert {(r["series"], r["in_place"]) for r in recs} == \
+        {(f"all_reduce/{a}", True) for a in bench.P2P_ALGORITHMS} | \
+        {("all_gather", False), ("all_gather", True)}
+    import csv
+    with open(cs, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(recs)
+    for row, rec in zip(rows, recs):
+        assert (row["series"], row["in_place"], int(row["size"]), int(row["wrong"])) == \
+            (rec["series"], str(rec["in_place"]), rec["size"], rec["wrong"])
+        assert float(row["time"]) == pytest.approx(rec["time"])
+        assert [float(t) for t in row["times"].split()] == \
+            pytest.approx(rec["times"], rel=1e-6, abs=1e-3)
+
+
+def test_bench_shm_algorithm_over_tcp_is_refused_up_front(tmp_path):
+    p = _bench(tmp_path, "-N", 2, "--algo", "ring,shm", "--transport", "tcp")
+    assert p.returncode == 2 and p.stdout == ""
+    assert "--algo shm needs shared memory, and --transport tcp has none" in p.stderr
+    assert "Traceback" not in p.stderr
+    # A group that fell back to tcp finds it after init, where the transport is known.
+    assert bench.resolve_algorithms(["all"], "tcp") == list(bench.P2P_ALGORITHMS)
+    assert bench.resolve_algorithms(["all"], "shm") == list(bench.ALGORITHMS)
+    with pytest.raises(SystemExit, match="--algo shm: not available on this group's "
+                                         "transport \\(tcp\\)"):
+        bench.resolve_algorithms(["ring", "shm"], "tcp")
+
+
+def test_bench_plot_without_matplotlib_fails_before_running(tmp_path):
+    # A matplotlib that does not import, first on the path, stands for one not installed.
+    fake = tmp_path / "fake" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    env = {k: v for k, v in os.environ.items()
+           if not any(k == p or (p.endswith("_") and k.startswith(p)) for p in _LAUNCH_VARS)}
+    env["PYTHONPATH"] = os.pathsep.join([str(fake.parent)] + sys.path)
+    p = subprocess.run([sys.executable, "-m", "meshcoll.bench", "-N", "2", "--plot",
+                        str(tmp_path / "x.png"), "-e", "8"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and p.stdout == "", p
+    assert p.stderr.startswith("meshcoll-bench: --plot needs matplotlib"), p.stderr
+    assert "nothing was run" in p.stderr and "[rank" not in p.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_in_place_buffers_alias_as_nccl_tests(op, n):
+    """In place, all_gather's input is this rank's block of its output and reduce_scatter's
+    output this rank's block of its input; fill() leaves the input's pattern intact."""
+    dt = np.dtype("float32")
+    count = bench.element_counts(op, 48, 4, n)
+    for r in range(n):
+        pg = SimpleNamespace(rank=r, size=n)
+        c = bench.Case(pg, bench.Series(op, None), count, dt, "sum", 0, in_place=True)
+        ref = bench.Case(pg, bench.Series(op, None), count, dt, "sum", 0, in_place=False)
+        blk = count // n
+        np.testing.assert_array_equal(c.x, ref.x)  # the same input pattern
+        if op == "all_gather":
+            assert np.shares_memory(c.x, c.out) and c.out.size == count
+            np.testing.assert_array_equal(c.out[r * blk:(r + 1) * blk], c.x)
+        else:
+            assert np.shares_memory(c.x, c.out) and c.out.size == blk
+            assert c.out.__array_interface__["data"][0] == \
+                c.x.__array_interface__["data"][0] + r * blk * dt.itemsize
+        np.testing.assert_array_equal(c.expected(), ref.expected())
+    with pytest.raises(ValueError, match="all_to_all has no in-place form"):
+        bench.Case(SimpleNamespace(rank=0, size=2), bench.Series("all_to_all", None), 4, dt,
+                   "sum", 0, in_place=True)
 
 
 # ---- the NCCL backend's random inputs and host reference, on the CPU backend ----------

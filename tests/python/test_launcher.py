@@ -312,3 +312,114 @@ def test_second_signal_kills_at_once(tmp_path):
     assert rc == 128 + signal.SIGTERM
     assert elapsed < GRACE_S
     assert_all_dead(read_pids(tmp_path))
+
+
+# ---- usage, version ----------------------------------------------------------------------
+
+def test_version_and_usage(tmp_path):
+    v = launch(tmp_path, "--version")
+    assert v.returncode == 0 and re.fullmatch(r"meshcoll-run \d+\.\d+\.\S+\n", v.stdout), v
+    h = launch(tmp_path, "--help")
+    usage = h.stdout.split("\n\n")[0]
+    # The script's arguments are optional: the usage shows them in brackets, and a script
+    # run without any is fine (test_all_succeed); only the script itself is needed.
+    assert usage == ("usage: meshcoll-run [options] script.py [args ...]\n"
+                     "       meshcoll-run [options] -m module [args ...]"), h.stdout
+    none = launch(tmp_path, "-n", 2)
+    assert none.returncode == 2
+    assert "nothing to run: give a script" in none.stderr
+    assert "required" not in none.stderr, none.stderr
+
+
+# ---- two jobs on one port ------------------------------------------------------------------
+
+def _listening_socket():
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    return s
+
+
+def test_port_clash_is_found_before_any_rank_starts(tmp_path):
+    other = _listening_socket()  # another job's store holds the port
+    port = other.getsockname()[1]
+    try:
+        path = script(tmp_path, "print('must not run')")
+        r = launch(tmp_path, "-n", 2, "--master-port", port, path)
+    finally:
+        other.close()
+    assert r.returncode == 1 and "must not run" not in r.stdout, r
+    assert r.stderr.startswith(f"meshcoll-run: port clash: 127.0.0.1:{port} (--master-port) "
+                               "is held by another process"), r.stderr
+    assert "Pick another --master-port" in r.stderr
+
+
+# Job B: rank 0 hosts its store only once the test says "go"; rank 1 joins at once.
+LATE_STORE = SYNC + """
+import meshcoll
+if rank == 0:
+    while not (d / "go").exists():
+        time.sleep(0.01)
+meshcoll.init()
+"""
+
+# Job A: a job of one that holds the port (its store) until the test says "done".
+HOLD_PORT = """
+import os, sys, time, pathlib
+import meshcoll
+d = pathlib.Path(sys.argv[1])
+meshcoll.init()
+(d / "a-ready").write_text("")
+while not (d / "done").exists():
+    time.sleep(0.01)
+meshcoll.destroy()
+"""
+
+
+def test_port_clash_after_start_is_named_in_the_summary(tmp_path):
+    """Two real jobs on one port, the second taking it after the first passed its check:
+    the first job's ranks fail with their own symptoms (rank 0 cannot listen, rank 1 is
+    refused by the other job's store), and the summary names the cause, the clash."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    b_dir, a_dir = tmp_path / "b", tmp_path / "a"
+    b_dir.mkdir()
+    a_dir.mkdir()
+    b_script, a_script = script(b_dir, LATE_STORE), script(a_dir, HOLD_PORT)
+    env = clean_env()
+    cmd = LAUNCH + ["-n", "2", "--master-port", str(port), "--timeout", "20"]
+    job_b = subprocess.Popen(cmd + [str(b_script), str(b_dir), "2"], cwd=b_dir, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    job_a = None
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(b_dir.glob("pid-?"))) < 2:  # B is past its check, its ranks running
+            assert job_b.poll() is None and time.monotonic() < deadline, job_b.communicate()
+            time.sleep(0.02)
+        job_a = subprocess.Popen(LAUNCH + ["-n", "1", "--master-port", str(port),
+                                           str(a_script), str(a_dir)],
+                                 cwd=a_dir, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        while not (a_dir / "a-ready").exists():
+            assert job_a.poll() is None and time.monotonic() < deadline, job_a.communicate()
+            time.sleep(0.02)
+        (b_dir / "go").write_text("")
+        _, b_err = job_b.communicate(timeout=40)
+        (a_dir / "done").write_text("")
+        _, a_err = job_a.communicate(timeout=30)
+    finally:
+        for p in (job_a, job_b):
+            if p is not None:
+                p.kill()
+    assert job_a.returncode == 0, a_err  # A never noticed
+    assert job_b.returncode == 1, b_err
+    summary = [line for line in b_err.splitlines() if line.startswith("meshcoll-run:")]
+    assert len(summary) == 2, b_err
+    assert re.fullmatch(r"meshcoll-run: rank [01] \(pid \d+\) failed with exit code 1.*",
+                        summary[0]), summary
+    assert summary[1].startswith(f"meshcoll-run: port clash: 127.0.0.1:{port} (--master-port) "
+                                 "is held by another process"), summary
+    assert_all_dead(read_pids(b_dir))

@@ -21,6 +21,10 @@ def _configs(world):
                 ("zero_bubble", 1, 2)]
     for v in (2, 3):
         yield "interleaved_1f1b", v, 2 * world  # Megatron's m % p == 0
+        yield "interleaved_zero_bubble", v, 2 * world
+    yield "interleaved_zero_bubble", 2, 3 if 3 % max(1, 3 // world) == 0 else 2 * world
+    # The V schedules: two stages per rank, the first and the last on rank 0.
+    yield from [("zero_bubble_v", 2, 5), ("zero_bubble_v", 2, 1), ("dualpipe_v", 2, 2 * world + 1)]
 
 
 def _all_schedules_body(pg):
@@ -46,7 +50,8 @@ def _example_body(pg, schedule_name, virtual_stages):
     assert diff <= TOLERANCE
 
 
-@pytest.mark.parametrize("schedule_name,virtual_stages", [("1f1b", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize("schedule_name,virtual_stages", [("1f1b", 1), ("interleaved_1f1b", 2),
+                                                          ("dualpipe_v", 2)])
 def test_example_matches_one_process_training(run_ranks, schedule_name, virtual_stages):
     run_ranks(4, _example_body, schedule_name=schedule_name, virtual_stages=virtual_stages)
 

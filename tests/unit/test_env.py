@@ -180,13 +180,22 @@ def test_launcher_ids_are_not_tokens():
 
 # -- errors: each names the variable -----------------------------------------
 
-def test_nothing_set_names_all_schemes():
+def test_nothing_set_is_a_world_of_one():
+    # python script.py, as with mpi4py and Horovod: no launcher, no master needed.
+    assert rdv({}) == Rendezvous(0, 1, 0, 1, "127.0.0.1", 0, None, "default")
+    assert rdv({"MESHCOLL_TOKEN": "t"}, need_master=False) == \
+        Rendezvous(0, 1, 0, 1, "", 0, "t", "default")
+    # A master given in the environment is used (the store of a world of one listens there).
+    assert rdv(MASTER).master_port == 29500
+
+
+def test_half_a_pair_and_nothing_set_names_all_schemes():
     with pytest.raises(ValueError) as e:
-        rdv({})
+        rdv({}, world_size=4)
     msg = str(e.value)
-    for name in ("MESHCOLL_RANK", "MESHCOLL_WORLD_SIZE", "RANK/WORLD_SIZE",
+    for name in ("MESHCOLL_RANK is not set", "RANK/WORLD_SIZE",
                  "SLURM_PROCID/SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
-                 "meshcoll-run", "rank= and world_size="):
+                 "meshcoll-run", "pass rank="):
         assert name in msg
 
 

@@ -35,6 +35,12 @@ def _valid_configs():
             if m % p == 0:
                 for v in (1, 2, 3, 4):
                     yield "interleaved_1f1b", p * v, m, v
+            if m % max(1, m // p) == 0:
+                for v in (2, 3, 4):
+                    yield "interleaved_zero_bubble", p * v, m, v
+            yield "zero_bubble_v", 2 * p, m, 2
+            if m >= 2 * p:
+                yield "dualpipe_v", 2 * p, m, 2
 
 
 # ---------------------------------------------------------------- theory
@@ -106,6 +112,64 @@ def test_interleaved_peak_is_megatron_warmup(p, v):
     assert res.peak_activations == tuple(min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) for r in range(p))
 
 
+@pytest.mark.parametrize("p,v,m", [(p, v, m) for p in (1, 2, 3, 4, 5) for v in (2, 3, 4)
+                                   for m in (1, 2, 3, 4, 6, 8, 12) if m % max(1, m // p) == 0])
+def test_interleaved_zero_bubble_peak(p, v, m):
+    per_round = m // max(1, m // p)
+    res = simulate(make_schedule("interleaved_zero_bubble", p * v, m, virtual_stages=v), t_w=1.0)
+    assert res.peak_activations == (min((v - 1) * per_round + p, v * m),) * p
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("m", range(1, 13))
+def test_v_schedule_peaks(p, m):
+    zbv = simulate(make_schedule("zero_bubble_v", 2 * p, m, virtual_stages=2), t_w=1.0)
+    assert zbv.peak_activations == tuple(min(2 * p, m + 1 + r, 2 * m) for r in range(p))
+    if m >= 2 * p:
+        dpv = simulate(make_schedule("dualpipe_v", 2 * p, m, virtual_stages=2), t_w=1.0)
+        assert dpv.peak_activations == (2 * p + 1,) * p
+
+
+def test_v_schedules_reach_the_issue_bubble():
+    # 4 ranks, 2 stages each, 8 microbatches, t_f = t_I = t_w: the three zero-bubble
+    # schedules leave 3/51 idle, interleaved 1F1B (p-1)/(vm+p-1) = 3/19.
+    kw = dict(t_f=1.0, t_b=2.0, t_w=1.0)
+    for name in ("interleaved_zero_bubble", "zero_bubble_v", "dualpipe_v"):
+        res = simulate(make_schedule(name, 8, 8, virtual_stages=2), **kw)
+        assert res.makespan == _approx(51.0) and res.bubble == _approx(3 / 51), name
+    assert simulate(make_schedule("interleaved_1f1b", 8, 8, virtual_stages=2), **kw).bubble == _approx(3 / 19)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_v_placement(p):
+    s = make_schedule("zero_bubble_v", 2 * p, 2 * p, virtual_stages=2)
+    for r in range(p):
+        assert s.stages_of(r) == [r, 2 * p - 1 - r]
+    assert s.stage_rank(p - 1) == s.stage_rank(p) == p - 1  # the turn of the V is local
+    turn = {str(a) for a in s.actions(p - 1) if not a.kind.is_compute and a.stage in (p - 1, p)}
+    assert not turn & ({f"{p - 1}sF{i}" for i in range(2 * p)} | {f"{p}rF{i}" for i in range(2 * p)})
+    assert s.stage_rank(0) == s.stage_rank(2 * p - 1) == 0
+
+
+def test_v_schedule_parameters():
+    with pytest.raises(ScheduleError, match=r"zero_bubble_v runs exactly two stages per rank.*virtual_stages=3"):
+        make_schedule("zero_bubble_v", 6, 4, virtual_stages=3)
+    with pytest.raises(ScheduleError, match=r"dualpipe_v needs num_microbatches >= num_stages \(6\), got 5"):
+        make_schedule("dualpipe_v", 6, 5, virtual_stages=2)
+    with pytest.raises(ScheduleError, match=r"interleaved_zero_bubble needs virtual_stages >= 2.*zero_bubble"):
+        make_schedule("interleaved_zero_bubble", 4, 4)
+    with pytest.raises(ScheduleError, match=r"num_microbatches \(5\) must be a multiple of max\(1, 5 // 2\) = 2"):
+        make_schedule("interleaved_zero_bubble", 4, 5, virtual_stages=2)
+
+
+def test_v_wrong_rank_names_the_placement():
+    s = make_schedule("zero_bubble_v", 4, 2, virtual_stages=2)
+    s = _with(s, 0, list(s.actions(0)) + [Action(2, W, 0)])
+    with pytest.raises(ScheduleError, match=r"rank 0: action 2W0 belongs to rank 1 \(stages go down ranks "
+                                            r"0..1 and back up in a V: \[0, 1, 1, 0\]\)"):
+        validate(s)
+
+
 def test_comm_latency_adds_two_hops_per_boundary_to_gpipe():
     p, m, c = 4, 5, 0.25
     res = simulate(make_schedule("gpipe", p, m), t_f=1.0, t_b=2.0, t_comm=c)
@@ -115,7 +179,11 @@ def test_comm_latency_adds_two_hops_per_boundary_to_gpipe():
 # ---------------------------------------------------------------- every schedule is sound
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zero_bubble", "interleaved_1f1b"])
+NAMES = ["gpipe", "1f1b", "zero_bubble", "interleaved_1f1b", "interleaved_zero_bubble",
+         "zero_bubble_v", "dualpipe_v"]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_every_schedule_passes_dependency_checks(name):
     count = 0
     for cfg in _valid_configs():
@@ -181,36 +249,45 @@ def test_action_names():
     assert str(Action(2, Kind.SEND_B, 5)) == "2sB5"
 
 
+def _recv_lookahead(s: Schedule, lookahead: int) -> Schedule:
+    """The same compute orders with the RECVs placed `lookahead` computes ahead."""
+    orders = [s.compute_actions(r) for r in range(s.num_ranks)]
+    return from_compute_orders(s.name, orders, s.num_microbatches, s.virtual_stages, s.placement,
+                               recv_lookahead=lookahead)
+
+
 def test_1f1b_lists_with_comms():
+    # Note [Receive lookahead]: each receive is posted one compute before its consumer.
     s = make_schedule("1f1b", 2, 2)
-    assert [str(a) for a in s.actions(0)] == ["0F0", "0sF0", "0F1", "0sF1", "0rB0", "0B0", "0rB1", "0B1"]
-    assert [str(a) for a in s.actions(1)] == ["1rF0", "1F0", "1B0", "1sB0", "1rF1", "1F1", "1B1", "1sB1"]
+    assert [str(a) for a in s.actions(0)] == ["0F0", "0sF0", "0rB0", "0F1", "0sF1", "0rB1", "0B0", "0B1"]
+    assert [str(a) for a in s.actions(1)] == ["1rF0", "1F0", "1rF1", "1B0", "1sB0", "1F1", "1B1", "1sB1"]
+    late = _recv_lookahead(s, 0)
+    assert [str(a) for a in late.actions(0)] == ["0F0", "0sF0", "0F1", "0sF1", "0rB0", "0B0", "0rB1", "0B1"]
+    assert [str(a) for a in late.actions(1)] == ["1rF0", "1F0", "1B0", "1sB0", "1rF1", "1F1", "1B1", "1sB1"]
 
 
 def test_early_receive_deadlocks_serial_p2p():
-    # Receives posted one compute ahead (to overlap them with that compute):
-    # fine on a fully asynchronous transport, a deadlock when each rank's p2p
-    # ops run in issue order (Note [Serial p2p]): 0sF1 queues behind 0rB0,
-    # whose gradient 1sB0 queues behind 1rF1, which needs 0sF1.
-    s = make_schedule("1f1b", 2, 2)
-    r0, r1 = s.actions(0), s.actions(1)
-    r0.remove(Action(0, Kind.RECV_B, 0))
-    r0.insert(r0.index(Action(0, F, 1)), Action(0, Kind.RECV_B, 0))
-    r1.remove(Action(1, Kind.RECV_F, 1))
-    r1.insert(r1.index(Action(1, B, 0)), Action(1, Kind.RECV_F, 1))
-    early = Schedule(s.name, 2, 1, 2, (tuple(r0), tuple(r1)))
-    assert simulate(early, serial_p2p=False).makespan == simulate(s).makespan
+    # The builders post receives one compute ahead (to overlap them with that
+    # compute): sound when transfers progress in flight, as on both backends, a
+    # deadlock when each rank's p2p ops run in issue order (Note [Serial p2p]):
+    # 0sF1 queues behind 0rB0, whose gradient 1sB0 queues behind 1rF1, which
+    # needs 0sF1. Posted right before their consumers they are sound either way.
+    early = make_schedule("1f1b", 2, 2)
+    late = _recv_lookahead(early, 0)
+    assert simulate(early).makespan == simulate(late, serial_p2p=True).makespan
     with pytest.raises(DeadlockError, match=r"rank 0 at 0sF1 waits for the receive 0rB0 to complete.*"
                                             r"rank 1 at 1sB0 waits for the receive 1rF1 to complete"):
-        simulate(early)
+        simulate(early, serial_p2p=True)
 
 
 @pytest.mark.parametrize("name,stages,m,v", [("1f1b", 4, 8, 1), ("zero_bubble", 5, 3, 1),
-                                             ("interleaved_1f1b", 6, 6, 2), ("gpipe", 3, 4, 1)])
-def test_builtin_schedules_lose_nothing_to_serial_p2p(name, stages, m, v):
-    s = make_schedule(name, stages, m, virtual_stages=v)
+                                             ("interleaved_1f1b", 6, 6, 2), ("gpipe", 3, 4, 1),
+                                             ("interleaved_zero_bubble", 6, 6, 2),
+                                             ("zero_bubble_v", 6, 5, 2), ("dualpipe_v", 6, 7, 2)])
+def test_late_receives_lose_nothing_to_serial_p2p(name, stages, m, v):
+    s = _recv_lookahead(make_schedule(name, stages, m, virtual_stages=v), 0)
     kw = dict(t_f=1.0, t_b=2.0, t_w=0.5, t_comm=0.3)
-    assert simulate(s, **kw).timeline == simulate(s, serial_p2p=False, **kw).timeline
+    assert simulate(s, serial_p2p=True, **kw).timeline == simulate(s, **kw).timeline
 
 
 def test_zero_bubble_defers_w_by_rank():
@@ -262,7 +339,7 @@ def _drop(s: Schedule, rank: int, name: str) -> Schedule:
 def _with(s: Schedule, rank: int, acts) -> Schedule:
     lists = list(s.per_rank)
     lists[rank] = tuple(acts)
-    return Schedule(s.name, s.num_ranks, s.virtual_stages, s.num_microbatches, tuple(lists))
+    return Schedule(s.name, s.num_ranks, s.virtual_stages, s.num_microbatches, tuple(lists), s.placement)
 
 
 def test_missing_compute_action_is_named():
@@ -332,13 +409,13 @@ def test_deadlock_is_reported_with_each_stuck_rank():
     orders = [[Action(0, F, 0), Action(0, B, 0), Action(0, F, 1), Action(0, B, 1)],
               [Action(1, F, 1), Action(1, B, 1), Action(1, F, 0), Action(1, B, 0)]]
     with pytest.raises(DeadlockError) as info:
-        simulate(from_compute_orders("crossed", orders, 2))
+        simulate(from_compute_orders("crossed", orders, 2), serial_p2p=True)
     msg = str(info.value)
     assert "crossed deadlocks" in msg
-    assert "rank 0 at 0B0 waits for the receive 0rB0 to complete" in msg
+    assert "rank 0 at 0sF0 waits for the receive 0rB0 to complete" in msg  # posted one compute early
     assert "rank 1 at 1F1 waits for the receive 1rF1 to complete" in msg
     with pytest.raises(DeadlockError) as info:
-        simulate(from_compute_orders("crossed", orders, 2), serial_p2p=False)
+        simulate(from_compute_orders("crossed", orders, 2))
     msg = str(info.value)
     assert "rank 0 at 0B0 waits for the message for 0rB0 (gradient)" in msg
     assert "rank 1 at 1F1 waits for the message for 1rF1 (activation)" in msg

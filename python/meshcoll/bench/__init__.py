@@ -34,8 +34,15 @@ picks ``shm`` on shared memory, else by size as ``CollectiveConfig.select_all_re
 
 With several series (``--op a,b`` or ``--algo ring,tree``), every size runs each series in
 turn within each repeat, so that the machine's slow moments fall on all series alike; the
-tables print at the end. ``--json FILE`` writes one ``json.dumps`` record per table row;
-``--plot FILE.png`` draws busbw against size per series (needs ``meshcoll[plot]``).
+tables print at the end. ``--algo all`` is every algorithm the group's transport has (``shm``
+only on shared memory). Each row has nccl-tests' two column groups, out-of-place and in-place
+(``PLACEMENTS``): all_reduce, broadcast and reduce work in place in meshcoll's API (no
+``out=``), so their out-of-place group is N/A; all_gather and reduce_scatter run both ways (in
+place, as nccl-tests aliases them: the input is this rank's block of the output, or the
+output of the input); all_to_all only out of place. ``--json FILE`` writes one ``json.dumps``
+record per measured form (``in_place`` says which), ``--csv FILE`` the same records as CSV;
+``--plot FILE.png`` draws busbw against size per series (needs ``meshcoll[plot]``, checked
+before anything runs).
 
 ``--backend nccl`` runs the same tables on GPUs (``-N`` defaults to the visible GPUs; rank r
 uses GPU LOCAL_RANK, as ``meshcoll.init(backend="nccl")`` picks it). Buffers are PyTorch
@@ -56,11 +63,12 @@ per call; the slowest rank's mean, median over ``--repeats``. ``--algo`` and
 
 from .buffers import (ARRAY_LIBS, TYPE_NAMES, CupyArrays, DeviceDType, TorchArrays,
                       array_library, device_dtype, make_arrays, numpy_dtype)
-from .cases import (ALGORITHMS, BUS_FACTORS, OPS, P2P_ALGORITHMS, REDOPS, REDUCING, SPLIT, Case,
-                    DeviceCase, DeviceRunner, HostRunner, Series, device_time_loop,
-                    element_counts, format_size, make_record, measure, parse_size, size_steps,
-                    time_loop, transport_name)
-from .cli import BACKENDS, main, nccl_preflight, parse_args
-from .report import footer, format_row, header, plot_records, print_tables, write_json
+from .cases import (ALGORITHMS, BUS_FACTORS, OPS, P2P_ALGORITHMS, PLACEMENTS, REDOPS, REDUCING,
+                    SPLIT, Case, DeviceCase, DeviceRunner, HostRunner, Series, algorithms_for,
+                    device_time_loop, element_counts, format_size, make_record, measure,
+                    parse_size, size_steps, time_loop, transport_name)
+from .cli import BACKENDS, main, nccl_preflight, parse_args, resolve_algorithms
+from .report import (check_plot_dependencies, footer, format_row, header, plot_records,
+                     print_tables, table_rows, write_csv, write_json)
 from .verify import (CHUNK, count_wrong, move_input, rank_values, reduce_expected, reduce_input,
                      reference_reduce)

@@ -8,7 +8,7 @@ import re
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -36,6 +36,21 @@ SPLIT = ("all_gather", "reduce_scatter", "all_to_all")  # count must divide by r
 ALGORITHMS = tuple(a for a in _C.algorithm_names() if a != "auto")
 P2P_ALGORITHMS = tuple(a for a in ALGORITHMS if a != "shm")
 REDOPS = ("sum", "prod", "min", "max", "avg")
+# Where each op's result goes, as nccl-tests' two column groups: out-of-place (a buffer of
+# its own) and in-place (nccl-tests' aliasing: all_gather's input is this rank's block of
+# the output, reduce_scatter's output this rank's block of the input). all_reduce,
+# broadcast and reduce work in place in meshcoll's API (no out=); all_to_all's out may not
+# alias its input.
+PLACEMENTS: Dict[str, Tuple[bool, ...]] = {  # in_place values, out-of-place first
+    "all_reduce": (True,), "broadcast": (True,), "reduce": (True,),
+    "all_gather": (False, True), "reduce_scatter": (False, True), "all_to_all": (False,),
+}
+
+
+def algorithms_for(transport: str) -> Tuple[str, ...]:
+    """The all_reduce algorithms a group over ``transport`` ("shm" or "tcp") can run: "shm"
+    needs shared memory; the others run over point-to-point links on any group."""
+    return ALGORITHMS if transport == "shm" else P2P_ALGORITHMS
 
 
 # ---- sizes ---------------------------------------------------------------------------
@@ -85,37 +100,49 @@ def element_counts(op: str, nbytes: int, itemsize: int, n: int) -> int:
 
 
 class Case:
-    """Buffers and the call for one series at one element count on this rank."""
+    """Buffers and the call for one series at one element count on this rank, in place or
+    not (``PLACEMENTS``)."""
 
-    def __init__(self, pg, series: Series, count: int, dtype: np.dtype, redop: str, root: int):
+    def __init__(self, pg, series: Series, count: int, dtype: np.dtype, redop: str, root: int,
+                 in_place: Optional[bool] = None):
         self.pg, self.series, self.count, self.dtype = pg, series, count, dtype
         self.redop, self.root = redop, root
+        self.in_place = PLACEMENTS[series.op][0] if in_place is None else in_place
         self.allocate(lambda n: np.empty(n, dtype))
         self.fill()
 
     def allocate(self, empty: Callable[[int], Any]) -> None:
         """The input buffer and, unless the op works in place, the output, each made by
-        ``empty(elements)``; ``blk`` is the per-rank block of the ops that split."""
-        n, op, count = self.pg.size, self.series.op, self.count
+        ``empty(elements)``; ``blk`` is the per-rank block of the ops that split. In place,
+        one buffer: the input or output is this rank's block of the other (nccl-tests)."""
+        n, r, op, count = self.pg.size, self.pg.rank, self.series.op, self.count
+        if self.in_place not in PLACEMENTS[op]:
+            raise ValueError(f"{op} has no {'in' if self.in_place else 'out-of'}-place form")
         self.blk = count // n if op in SPLIT else count
         self.in_count = self.blk if op == "all_gather" else count
-        self.x = empty(self.in_count)
         self.out = None
-        if op in ("all_gather", "all_to_all"):
+        if op == "all_gather":
+            self.out = empty(count)
+            self.x = self.out[r * self.blk:(r + 1) * self.blk] if self.in_place else \
+                empty(self.in_count)
+            return
+        self.x = empty(self.in_count)
+        if op == "all_to_all":
             self.out = empty(count)
         elif op == "reduce_scatter":
-            self.out = empty(self.blk)
+            self.out = self.x[r * self.blk:(r + 1) * self.blk] if self.in_place else \
+                empty(self.blk)
 
     def fill(self) -> None:
         """Write this rank's pattern into the input (and a sentinel into the output)."""
         r, n, op = self.pg.rank, self.pg.size, self.series.op
+        if self.out is not None:  # first: in place, the input is part of it (or it of the input)
+            self.out[...] = SENTINEL
         i = np.arange(self.x.size, dtype=np.int64)
         if op in REDUCING:
             self.x[...] = reduce_input(r, n, i, self.redop)
         else:  # all_to_all: block j of it goes to rank j
             self.x[...] = move_input(r, i)
-        if self.out is not None:
-            self.out[...] = SENTINEL
 
     def run(self) -> None:
         pg, op = self.pg, self.series.op
@@ -168,9 +195,10 @@ class DeviceCase(Case):
     ``chunk`` elements at a time (the same on every rank)."""
 
     def __init__(self, pg, series: Series, count: int, dtype: DeviceDType, redop: str, root: int,
-                 arrays, seed: int, chunk: int = CHUNK):
+                 arrays, seed: int, chunk: int = CHUNK, in_place: Optional[bool] = None):
         self.pg, self.series, self.count, self.dtype = pg, series, count, dtype
         self.redop, self.root, self.arrays, self.seed = redop, root, arrays, seed
+        self.in_place = PLACEMENTS[series.op][0] if in_place is None else in_place
         self.chunk = chunk
         op = series.op
         self.kind = ("prod" if redop == "prod" else "reduce") if op in REDUCING else "move"
@@ -181,11 +209,11 @@ class DeviceCase(Case):
         return rank_values(self.seed, rank, self.in_count, start, stop, self.kind, self.chunk)
 
     def fill(self) -> None:
+        if self.out is not None:  # first: in place, the input is part of it (or it of the input)
+            self.arrays.fill(self.out, SENTINEL)
         for a in range(0, self.in_count, self.chunk):
             stop = min(a + self.chunk, self.in_count)
             self.arrays.write(self.x, a, self.values(self.pg.rank, a, stop))
-        if self.out is not None:
-            self.arrays.fill(self.out, SENTINEL)
 
     def expected_range(self, start: int, stop: int) -> np.ndarray:
         """Elements ``[start, stop)`` of this rank's result (float64 / int64)."""
@@ -260,8 +288,9 @@ class HostRunner:
     """How measure() builds cases, sums a count over ranks and times a loop: the CPU
     backend (numpy buffers, exact patterns)."""
 
-    def case(self, pg, series: Series, count: int, dtype, args: argparse.Namespace) -> Case:
-        return Case(pg, series, count, dtype, args.redop, args.root)
+    def case(self, pg, series: Series, count: int, dtype, args: argparse.Namespace,
+             in_place: bool) -> Case:
+        return Case(pg, series, count, dtype, args.redop, args.root, in_place)
 
     def sum_over_ranks(self, pg, value: int) -> int:
         w = np.array([value], np.int64)
@@ -279,8 +308,10 @@ class DeviceRunner(HostRunner):
     def __init__(self, arrays, seed: int):
         self.arrays, self.seed = arrays, seed
 
-    def case(self, pg, series: Series, count: int, dtype, args: argparse.Namespace) -> Case:
-        return DeviceCase(pg, series, count, dtype, args.redop, args.root, self.arrays, self.seed)
+    def case(self, pg, series: Series, count: int, dtype, args: argparse.Namespace,
+             in_place: bool) -> Case:
+        return DeviceCase(pg, series, count, dtype, args.redop, args.root, self.arrays, self.seed,
+                          in_place=in_place)
 
     def sum_over_ranks(self, pg, value: int) -> int:
         return int(pg.all_gather(np.array([value], np.int64)).sum())
@@ -291,12 +322,12 @@ class DeviceRunner(HostRunner):
 
 def make_record(series: Series, *, count: int, dtype: np.dtype, redop: str, times_s: List[float],
                 wrong: Optional[int], ranks: int, transport: str,
-                args: argparse.Namespace) -> dict:
+                args: argparse.Namespace, in_place: bool = True) -> dict:
     t = statistics.median(times_s)
     size = count * dtype.itemsize
     algbw = size / t / 1e9
     return {
-        "op": series.op, "algo": series.algo, "series": series.label,
+        "op": series.op, "algo": series.algo, "series": series.label, "in_place": in_place,
         "size": size, "count": count, "type": TYPE_NAMES[dtype.name],
         "redop": redop if series.op in REDUCING else "none",
         "root": args.root if series.op in ("broadcast", "reduce") else None,
@@ -309,9 +340,11 @@ def make_record(series: Series, *, count: int, dtype: np.dtype, redop: str, time
 
 
 def measure(pg, series_list: Sequence[Series], sizes: Iterable[int], args: argparse.Namespace,
-            dtype: np.dtype, on_row: Optional[Callable[[dict], None]] = None,
+            dtype: np.dtype, on_row: Optional[Callable[[List[dict]], None]] = None,
             runner: Optional[HostRunner] = None) -> List[dict]:
-    """Every series at every size; returns the records in (series, size) order.
+    """Every series at every size, out of place and in place where the op has that form
+    (``PLACEMENTS``); returns the records in (series, size, out-of-place first) order.
+    ``on_row`` gets each series' records of one size (one table row) as they are made.
     ``runner``: HostRunner() (the default, CPU backend) or a DeviceRunner."""
     runner = runner or HostRunner()
     rows: Dict[str, List[dict]] = {s.label: [] for s in series_list}
@@ -322,25 +355,27 @@ def measure(pg, series_list: Sequence[Series], sizes: Iterable[int], args: argpa
             count = element_counts(s.op, nbytes, dtype.itemsize, pg.size)
             if count != last[s.label]:
                 last[s.label] = count
-                cases.append(runner.case(pg, s, count, dtype, args))
+                cases += [runner.case(pg, s, count, dtype, args, p) for p in PLACEMENTS[s.op]]
         wrong = {}
         for c in cases:
             if args.check:
-                wrong[c.series.label] = runner.sum_over_ranks(pg, c.check())
+                wrong[id(c)] = runner.sum_over_ranks(pg, c.check())
             for _ in range(args.warmup_iters):
                 c.run()
-        times: Dict[str, List[float]] = {c.series.label: [] for c in cases}
+        times: Dict[int, List[float]] = {id(c): [] for c in cases}
         for _ in range(args.repeats):
             for c in cases:  # interleaved: a noisy moment hits every series
-                times[c.series.label].append(runner.time_loop(pg, c.run, args.iters))
+                times[id(c)].append(runner.time_loop(pg, c.run, args.iters))
+        row: Dict[str, List[dict]] = {}
         for c in cases:
             rec = make_record(c.series, count=c.count, dtype=dtype, redop=args.redop,
-                              times_s=times[c.series.label],
-                              wrong=wrong.get(c.series.label), ranks=pg.size,
-                              transport=transport_name(pg), args=args)
+                              times_s=times[id(c)], wrong=wrong.get(id(c)), ranks=pg.size,
+                              transport=transport_name(pg), args=args, in_place=c.in_place)
             rows[c.series.label].append(rec)
-            if on_row is not None:
-                on_row(rec)
+            row.setdefault(c.series.label, []).append(rec)
+        if on_row is not None:
+            for recs in row.values():
+                on_row(recs)
         del cases  # free this size's buffers before the next, larger one
     return [r for s in series_list for r in rows[s.label]]
 

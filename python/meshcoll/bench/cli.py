@@ -12,9 +12,10 @@ import meshcoll
 from meshcoll import _C, __version__, _env
 
 from .buffers import ARRAY_LIBS, array_library, device_dtype, make_arrays, numpy_dtype
-from .cases import (ALGORITHMS, OPS, REDOPS, DeviceRunner, Series, measure, parse_size,
-                    size_steps)
-from .report import format_row, header, plot_records, print_tables, write_json
+from .cases import (ALGORITHMS, OPS, REDOPS, DeviceRunner, Series, algorithms_for, measure,
+                    parse_size, size_steps, transport_name)
+from .report import (check_plot_dependencies, format_row, header, plot_records, print_tables,
+                     write_csv, write_json)
 
 BACKENDS = ("cpu", "nccl")
 
@@ -58,8 +59,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--redop", default="sum", choices=REDOPS,
                    help="reduction of all_reduce, reduce_scatter, reduce (default sum)")
     p.add_argument("--algo", default="auto",
-                   type=lambda s: _list_arg(s, ("auto",) + ALGORITHMS, "--algo"),
-                   help="all_reduce algorithm(s), comma-separated, or 'all' (default auto)")
+                   type=lambda s: ["all"] if s == "all" else
+                   _list_arg(s, ("auto",) + ALGORITHMS, "--algo"),
+                   help="all_reduce algorithm(s), comma-separated, or 'all': every one the "
+                        "group's transport has (shm only on shared memory) (default auto)")
     p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce")
     p.add_argument("--backend", default="cpu", choices=list(BACKENDS),
                    help="cpu (default): numpy buffers; nccl: CUDA buffers, one GPU per rank")
@@ -76,7 +79,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-segment-bytes", type=parse_size, default=None,
                    help="override the group's CollectiveConfig.max_segment_bytes")
     p.add_argument("--json", metavar="FILE", default=None,
-                   help="also write each row as one JSON record per line")
+                   help="also write each record (a row's out-of-place or in-place half) as "
+                        "one JSON record per line")
+    p.add_argument("--csv", metavar="FILE", default=None,
+                   help="also write the same records as CSV, with a header line")
     p.add_argument("--plot", metavar="FILE.png", default=None,
                    help="draw busbw against size per series (needs matplotlib)")
     a = p.parse_args(argv)
@@ -101,7 +107,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error("--transport and --max-segment-bytes are CPU-backend options")
     elif a.array != "auto":
         p.error("--array applies to --backend nccl only")
+    if a.transport == "tcp" and "shm" in a.algo:
+        p.error("--algo shm needs shared memory, and --transport tcp has none; "
+                f"over tcp: {', '.join(algorithms_for('tcp'))} (or --algo all)")
     return a
+
+
+def resolve_algorithms(requested: Sequence[str], transport: str) -> List[str]:
+    """``--algo`` against the group's transport: 'all' is every algorithm it has; a named
+    one it lacks (shm when shared memory was not usable) is a SystemExit saying so."""
+    have = algorithms_for(transport)
+    if list(requested) == ["all"]:
+        return list(have)
+    lacking = [a for a in requested if a != "auto" and a not in have]
+    if lacking:
+        raise SystemExit(f"meshcoll-bench: --algo {', '.join(lacking)}: not available on this "
+                         f"group's transport ({transport}); it has {', '.join(have)}")
+    return list(requested)
 
 
 # ---- entry point ---------------------------------------------------------------------
@@ -126,6 +148,8 @@ def nccl_preflight(args: argparse.Namespace) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.plot:
+        check_plot_dependencies()  # before any rank starts, not after the whole run
     nccl = args.backend == "nccl"
     if nccl and not _launched():
         # Before starting ranks: say what is missing once, not once per rank. exec below
@@ -168,15 +192,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.max_segment_bytes is not None:
             pg.config.max_segment_bytes = args.max_segment_bytes
             pg.config.validate()
+        try:
+            algos = args.algo if nccl else resolve_algorithms(args.algo, transport_name(pg))
+        except SystemExit as e:  # every rank finds it (the transport is the group's): say it once
+            raise SystemExit(e.code if pg.rank == 0 else 1) from None
         series = [Series(op, algo if op == "all_reduce" else None)
-                  for op in args.op for algo in (args.algo if op == "all_reduce" else [None])]
+                  for op in args.op for algo in (algos if op == "all_reduce" else [None])]
         sizes = size_steps(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
         lead = pg.rank == 0
         stream = len(series) == 1 and lead
         if stream:
             print(header(series[0], args, pg, device_note), flush=True)
         records = measure(pg, series, sizes, args, dtype,
-                          on_row=(lambda r: print(format_row(r), flush=True)) if stream else None,
+                          on_row=(lambda row: print(format_row(row), flush=True))
+                          if stream else None,
                           runner=runner)
         wrong = sum(r["wrong"] or 0 for r in records)
         if lead:
@@ -185,6 +214,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"# Errors: {wrong} wrong elements", flush=True)
             if args.json:
                 write_json(records, args.json)
+            if args.csv:
+                write_csv(records, args.csv)
             if args.plot:
                 plot_records(records, args.plot,
                              title=f"meshcoll {__version__}, {pg.size} ranks, {args.dtype}")

@@ -1,14 +1,16 @@
-"""meshcoll-bench's output: nccl-tests-style tables, JSON lines and a busbw plot."""
+"""meshcoll-bench's output: nccl-tests-style tables (out-of-place and in-place columns),
+JSON lines, CSV and a busbw plot."""
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
-from typing import Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from meshcoll import __version__
 
-from .cases import Series, format_size, transport_name
+from .cases import PLACEMENTS, Series, format_size, transport_name
 
 
 def header(series: Series, args: argparse.Namespace, pg, device_note: str = "") -> str:
@@ -24,18 +26,41 @@ def header(series: Series, args: argparse.Namespace, pg, device_note: str = "") 
         f"# meshcoll {__version__}  {series.op}  backend={args.backend}  ranks={pg.size}  "
         f"iters={args.iters} warmup={args.warmup_iters}{extra}{device_note}",
         f"# time: median of {args.repeats} repeat(s) of the slowest rank's mean per call{timing}",
-        "#" + f"{'size':>11}{'count':>10}{'type':>9}{'redop':>7}{'time':>9}"
-              f"{'algbw':>8}{'busbw':>8}{'#wrong':>8}",
-        "#" + f"{'(B)':>11}{'(elems)':>10}{'':>9}{'':>7}{'(us)':>9}{'(GB/s)':>8}{'(GB/s)':>8}",
+        f"#{'':37}{'out-of-place':^33}{'in-place':^33}".rstrip(),
+        "#" + f"{'size':>11}{'count':>10}{'type':>9}{'redop':>7}" + _GROUP_HEAD * 2,
+        ("#" + f"{'(B)':>11}{'(elems)':>10}{'':>9}{'':>7}" + _GROUP_UNITS * 2).rstrip(),
     ])
 
 
-def format_row(r: dict) -> str:
+_GROUP_HEAD = f"{'time':>9}{'algbw':>8}{'busbw':>8}{'#wrong':>8}"
+_GROUP_UNITS = f"{'(us)':>9}{'(GB/s)':>8}{'(GB/s)':>8}{'':>8}"
+_NA_GROUP = f"{'N/A':>9}{'N/A':>8}{'N/A':>8}{'N/A':>8}"  # the op has no such form
+
+
+def _group(r: Optional[dict]) -> str:
+    if r is None:
+        return _NA_GROUP
     t = r["time"]
     ts = f"{t:9.2f}" if t < 1e5 else f"{t:9.0f}"
     wrong = "N/A" if r["wrong"] is None else str(r["wrong"])
-    return (f"{r['size']:12d}{r['count']:10d}{r['type']:>9}{r['redop']:>7}{ts}"
-            f"{r['algbw']:8.2f}{r['busbw']:8.2f}{wrong:>8}")
+    return f"{ts}{r['algbw']:8.2f}{r['busbw']:8.2f}{wrong:>8}"
+
+
+def format_row(recs: Sequence[dict]) -> str:
+    """One table row: the records of one series at one size, out of place and in place
+    (``cases.PLACEMENTS``; a form the op lacks shows N/A)."""
+    by = {r["in_place"]: r for r in recs}
+    r = recs[0]
+    return (f"{r['size']:12d}{r['count']:10d}{r['type']:>9}{r['redop']:>7}"
+            f"{_group(by.get(False))}{_group(by.get(True))}")
+
+
+def table_rows(records: Sequence[dict]) -> List[List[dict]]:
+    """Records grouped into rows (one series and size each), in order."""
+    rows: Dict[Tuple[str, int], List[dict]] = {}
+    for r in records:
+        rows.setdefault((r["series"], r["size"]), []).append(r)
+    return list(rows.values())
 
 
 def footer(records: Sequence[dict]) -> str:
@@ -48,12 +73,12 @@ def print_tables(series: Sequence[Series], records: Sequence[dict], args: argpar
     """One table per series, each closed by its average busbw. ``streamed``: the only
     series' header and rows were already printed as they came; only the footer is left."""
     for i, s in enumerate(series):
-        rows = [r for r in records if r["series"] == s.label]
+        recs = [r for r in records if r["series"] == s.label]
         if not streamed:
             print(("\n" if i else "") + header(s, args, pg, device_note))
-            for r in rows:
-                print(format_row(r))
-        print(footer(rows), flush=True)
+            for row in table_rows(recs):
+                print(format_row(row))
+        print(footer(recs), flush=True)
 
 
 def write_json(records: Sequence[dict], path: str) -> None:
@@ -61,6 +86,31 @@ def write_json(records: Sequence[dict], path: str) -> None:
     with open(path, "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
+
+
+CSV_FIELDS = ("op", "algo", "series", "in_place", "size", "count", "type", "redop", "root",
+              "time", "algbw", "busbw", "wrong", "ranks", "backend", "transport", "iters",
+              "warmup", "repeats", "library", "version", "times")
+
+
+def write_csv(records: Sequence[dict], path: str) -> None:
+    """The JSON records' fields, one row per record (``times``: the repeats' times in us,
+    separated by spaces; None: an empty cell)."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w.writeheader()
+        for r in records:
+            w.writerow({**{k: r[k] for k in CSV_FIELDS if k != "times"},
+                        "times": " ".join(f"{t:.3f}" for t in r["times"])})
+
+
+def check_plot_dependencies() -> None:
+    """--plot needs matplotlib: found before any rank starts, not after the benchmark ran."""
+    try:
+        import matplotlib  # noqa: F401  (imported, not looked up: a broken install fails here too)
+    except ImportError as e:
+        raise SystemExit(f"meshcoll-bench: --plot needs matplotlib, which does not import "
+                         f"({e}): pip install 'meshcoll[plot]'; nothing was run") from None
 
 
 def plot_records(records: Sequence[dict], path: str, *, title: Optional[str] = None,
@@ -75,9 +125,15 @@ def plot_records(records: Sequence[dict], path: str, *, title: Optional[str] = N
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
+    def name_of(r: dict) -> str:
+        # An op measured both ways gets a line for each.
+        both = len(PLACEMENTS.get(r.get("op", ""), ())) > 1
+        return f"{r[key]} ({'in-place' if r['in_place'] else 'out-of-place'})" if both \
+            else str(r[key])
+
     fig, ax = plt.subplots(figsize=(8, 5))
-    for name in dict.fromkeys(r[key] for r in records):
-        pts = sorted((r["size"], r["busbw"]) for r in records if r[key] == name)
+    for name in dict.fromkeys(map(name_of, records)):
+        pts = sorted((r["size"], r["busbw"]) for r in records if name_of(r) == name)
         ax.plot([s for s, _ in pts], [b for _, b in pts], marker="o", ms=3, label=name)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(

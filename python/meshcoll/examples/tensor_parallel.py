@@ -28,7 +28,7 @@ import argparse
 import math
 import sys
 from dataclasses import replace
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -76,7 +76,7 @@ def reference(p: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
     return {"O": Y @ B, "dX": dZ @ A.T, "dA": X.T @ dZ, "dB": Y.T @ dO}
 
 
-def tensor_parallel(p: Dict[str, np.ndarray], tp) -> Tuple[Dict[str, object], np.ndarray]:
+def tensor_parallel(p: Dict[str, np.ndarray], tp) -> Tuple[Dict[str, Any], np.ndarray]:
     """The block across ``tp``: returns sharded and replicated results, and this rank's
     partial O (before the all_reduce) for the sequence-parallel check."""
     X, dO = p["X"], p["dO"]

@@ -12,18 +12,22 @@ from .schedule import (
     Schedule,
     ScheduleError,
     from_compute_orders,
+    dualpipe_v,
     gpipe,
     interleaved_1f1b,
+    interleaved_zero_bubble,
     make_schedule,
     one_f_one_b,
     zero_bubble,
+    zero_bubble_v,
 )
-from .simulate import SimResult, simulate, timeline, validate
+from .simulate import SimResult, simulate, stash_peak, timeline, validate
+from .planner import PlanEntry, plan
 
 __all__ = [
     "SCHEDULES", "Action", "DeadlockError", "Kind", "Schedule", "ScheduleError",
     "from_compute_orders", "gpipe", "interleaved_1f1b", "make_schedule", "one_f_one_b",
-    "zero_bubble", "SimResult", "simulate", "timeline", "validate",
+    "zero_bubble", "interleaved_zero_bubble", "zero_bubble_v", "dualpipe_v", "SimResult", "simulate", "stash_peak", "timeline", "validate", "plan", "PlanEntry",
     "PipelineExecutor", "Stage", "SplitStage", "ArraySpec",
 ]
 

@@ -11,15 +11,17 @@ rank's action list (`schedule.actions(group.rank)`) and, per action:
   grad_x = stage.backward_input(i, grad_y), later stage.backward_weight(i).
 * ``SEND_F`` / ``SEND_B``: ``isend`` of the activation / input gradient.
 * ``RECV_F`` / ``RECV_B``: ``irecv`` into a fresh buffer (``empty``); the
-  compute that consumes it waits on it.
+  compute that consumes it waits on it. The builders place each RECV one
+  compute ahead of its consumer (Note [Receive lookahead] in schedule.py),
+  so the transfer progresses while that compute runs.
 
 Note [Why sends are waited at the end]: a blocking send (or waiting on an
 isend right away) to a rank that is itself busy sending can stall on large
 arrays, and in a pipeline every rank sends both ways. Here nothing blocks but
-a compute waiting for its input, and receives are posted only right before
-that compute (see Note [Serial p2p] in simulate.py for why not earlier), so
-the executor makes progress exactly when `simulate` says the schedule does;
-the constructor plays the schedule once to make sure. Finished sends are
+a compute waiting for its input, and posted transfers progress in flight
+(Note [Serial p2p] in simulate.py), so the executor makes progress exactly
+when `simulate` says the schedule does; the constructor plays the schedule
+once to make sure. Finished sends are
 dropped as the step goes (when the Work can say so); the rest are waited when
 the step ends.
 
@@ -61,7 +63,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Seque
 import numpy as np
 
 from ..arrays import dtype_name
-from .schedule import Action, Kind, Schedule
+from .schedule import Action, Kind, Schedule, from_compute_orders
 from .simulate import timeline
 
 __all__ = ["ArraySpec", "Stage", "SplitStage", "PipelineExecutor"]
@@ -123,6 +125,15 @@ class PipelineExecutor:
                  specs: Union[ArraySpec, Sequence[ArraySpec], None] = None,
                  loss_fn: Optional[LossFn] = None, timeout: Optional[float] = None,
                  empty: Optional[Callable[[Tuple[int, ...], Any], Any]] = None) -> None:
+        if getattr(group, "backend_name", "cpu") == "nccl":
+            # NCCL runs each point-to-point transfer as a kernel on the group's stream, in
+            # posting order: a receive posted ahead of a send the peer waits for blocks that
+            # send (a hang, found on 2 H100s). Receives go right before their consumer there
+            # (Note [Receive lookahead]: lookahead 0).
+            orders = [schedule.compute_actions(r) for r in range(schedule.num_ranks)]
+            schedule = from_compute_orders(schedule.name, orders, schedule.num_microbatches,
+                                           schedule.virtual_stages, schedule.placement,
+                                           recv_lookahead=0)
         # Validate and play the schedule once (unit costs) so that a malformed or
         # deadlocking custom schedule fails here, by name, instead of hanging.
         timeline(schedule, lambda a: 1.0)
@@ -134,8 +145,8 @@ class PipelineExecutor:
         self.num_stages = schedule.num_stages
         mine = schedule.stages_of(self.rank)
         if sorted(stage_fns) != mine:
-            raise ValueError(f"rank {self.rank} owns stages {mine} (stage s lives on rank "
-                             f"s % {schedule.num_ranks}); stage_fns has {sorted(stage_fns)}")
+            raise ValueError(f"rank {self.rank} owns stages {mine} ({schedule.describe_placement()}); "
+                             f"stage_fns has {sorted(stage_fns)}")
         self.stages = dict(stage_fns)
         if schedule.uses_split_backward:
             for s, fn in self.stages.items():
@@ -158,7 +169,9 @@ class PipelineExecutor:
         # (sending rank, receiving rank) -> two-rank group: Note [Channels on NCCL].
         self._channels: Dict[Tuple[int, int], Any] = {}
         if not self._host and self.specs:
-            links = {(self._peer(b), self._peer(b + 1)) for b in range(self.num_stages - 1)}
+            # A V's turn (stages p-1, p on one rank) hands over locally: no channel.
+            links = {(self._peer(b), self._peer(b + 1)) for b in range(self.num_stages - 1)
+                     if self._peer(b) != self._peer(b + 1)}
             for src, dst in sorted(links | {(d, s) for s, d in links}):
                 # Collective over the group; src is the child's rank 0, dst its rank 1.
                 g = group.new_group([group.ranks[src], group.ranks[dst]], timeout=timeout)

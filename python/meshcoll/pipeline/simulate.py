@@ -9,7 +9,7 @@ RECVs in its send order (Note [Channel order] in schedule.py).
 `simulate` then plays the lists: a rank runs its next action as soon as what
 it needs exists, exactly as the executor does (sends never block the rank, a
 RECV only posts a receive, a compute waits for its inputs; Note [Serial p2p]
-says what a posted receive may hold back). If no rank can move, the schedule
+says what a posted receive may hold back, on a transport that serialises). If no rank can move, the schedule
 deadlocks and the error names each rank's stuck action.
 
 Cost model. F costs t_f and B costs t_b. For split backwards the B is divided,
@@ -22,11 +22,12 @@ free. Every stage costs the same (the "equal stage times" of the theory).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple, Union
 
 from .schedule import Action, DeadlockError, Kind, Schedule, ScheduleError
 
-__all__ = ["SimResult", "simulate", "validate", "timeline", "ScheduleError", "DeadlockError"]
+__all__ = ["SimResult", "simulate", "validate", "timeline", "stash_peak", "ScheduleError",
+           "DeadlockError"]
 
 Event = Tuple[float, float, Action]  # (start, end, action)
 
@@ -50,7 +51,7 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0,
-             t_comm: float = 0.0, serial_p2p: bool = True) -> SimResult:
+             t_comm: float = 0.0, serial_p2p: bool = False) -> SimResult:
     """Validate and time `schedule` (see the module docstring and Note [Serial p2p])."""
     for name, value in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w), ("t_comm", t_comm)):
         if not value >= 0:
@@ -62,11 +63,13 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float 
     makespan = max((end for events in lines for _, end, _ in events), default=0.0)
     busy = tuple(sum(end - start for start, end, a in events if a.kind.is_compute) for events in lines)
     bubble = tuple((makespan - b) / makespan if makespan > 0 else 0.0 for b in busy)
-    return SimResult(makespan, bubble, tuple(_peak(schedule, r) for r in range(schedule.num_ranks)),
+    return SimResult(makespan, bubble, tuple(stash_peak(schedule, r) for r in range(schedule.num_ranks)),
                      busy, tuple(tuple(e) for e in lines))
 
 
-def _peak(schedule: Schedule, rank: int) -> int:
+def stash_peak(schedule: Schedule, rank: int) -> int:
+    """Most stage inputs `rank` holds at once (in stages, not ranks' shares): +1 at F,
+    -1 at B or W, the last pass that reads it."""
     held = peak = 0
     for a in schedule.actions(rank):
         if a.kind is Kind.F:
@@ -96,7 +99,8 @@ def validate(schedule: Schedule) -> None:
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
     if len(schedule.per_rank) != p:
         raise ScheduleError(f"schedule has {len(schedule.per_rank)} rank lists for {p} ranks")
-    cross = lambda a, b: (a % p) != (b % p)  # noqa: E731 - stages on different ranks
+    rank_of = schedule.stage_rank
+    cross = lambda a, b: rank_of(a) != rank_of(b)  # noqa: E731 - stages on different ranks
     where: Dict[Tuple[Kind, int, int], Tuple[int, int]] = {}  # action -> (rank, position)
     for r, acts in enumerate(schedule.per_rank):
         for pos, a in enumerate(acts):
@@ -104,9 +108,9 @@ def validate(schedule: Schedule) -> None:
                 raise ScheduleError(f"rank {r} position {pos}: not an Action: {a!r}")
             if not (0 <= a.stage < S and 0 <= a.microbatch < m):
                 raise ScheduleError(f"rank {r}: action {a} is outside {S} stages x {m} microbatches")
-            if a.stage % p != r:
-                raise ScheduleError(f"rank {r}: action {a} belongs to rank {a.stage % p} "
-                                    f"(stage {a.stage} lives on rank stage % {p})")
+            if rank_of(a.stage) != r:
+                raise ScheduleError(f"rank {r}: action {a} belongs to rank {rank_of(a.stage)} "
+                                    f"({schedule.describe_placement()})")
             key = (a.kind, a.stage, a.microbatch)
             if key in where:
                 raise ScheduleError(f"duplicate action {a}: on rank {where[key][0]} position "
@@ -121,7 +125,7 @@ def validate(schedule: Schedule) -> None:
 
     def need(kind: Kind, s: int, i: int, why: str = "") -> Tuple[int, int]:
         if (kind, s, i) not in where:
-            raise ScheduleError(f"missing action {Action(s, kind, i)} on rank {s % p}{why}")
+            raise ScheduleError(f"missing action {Action(s, kind, i)} on rank {rank_of(s)}{why}")
         return where[(kind, s, i)]
 
     def before(first: Tuple[int, int], second: Tuple[int, int], a: Action, b: Action) -> None:
@@ -146,13 +150,13 @@ def validate(schedule: Schedule) -> None:
                 bwd = need(Kind.B, s, i, f" (or {Action(s, Kind.I, i)} and {Action(s, Kind.W, i)})")
             before(f, bwd, Action(s, Kind.F, i), Action(s, bwd_kind, i))
             if s + 1 < S and cross(s, s + 1):
-                send = need(Kind.SEND_F, s, i, f" (stage {s + 1} on rank {(s + 1) % p} needs it)")
+                send = need(Kind.SEND_F, s, i, f" (stage {s + 1} on rank {rank_of(s + 1)} needs it)")
                 before(f, send, Action(s, Kind.F, i), Action(s, Kind.SEND_F, i))
                 recv = need(Kind.RECV_F, s + 1, i)
                 before(recv, where[(Kind.F, s + 1, i)], Action(s + 1, Kind.RECV_F, i),
                        Action(s + 1, Kind.F, i))
             if s > 0 and cross(s, s - 1):
-                send = need(Kind.SEND_B, s, i, f" (stage {s - 1} on rank {(s - 1) % p} needs it)")
+                send = need(Kind.SEND_B, s, i, f" (stage {s - 1} on rank {rank_of(s - 1)} needs it)")
                 before(bwd, send, Action(s, bwd_kind, i), Action(s, Kind.SEND_B, i))
             if s + 1 < S and cross(s, s + 1):
                 recv_b = need(Kind.RECV_B, s, i)
@@ -164,15 +168,15 @@ def validate(schedule: Schedule) -> None:
     for r, acts in enumerate(schedule.per_rank):
         for a in acts:
             if a.kind is Kind.SEND_F:
-                sent.setdefault((r, (a.stage + 1) % p), []).append(
+                sent.setdefault((r, rank_of(a.stage + 1)), []).append(
                     Action(a.stage + 1, Kind.RECV_F, a.microbatch))
             elif a.kind is Kind.SEND_B:
-                sent.setdefault((r, (a.stage - 1) % p), []).append(
+                sent.setdefault((r, rank_of(a.stage - 1)), []).append(
                     Action(a.stage - 1, Kind.RECV_B, a.microbatch))
             elif a.kind is Kind.RECV_F:
-                posted.setdefault(((a.stage - 1) % p, r), []).append(a)
+                posted.setdefault((rank_of(a.stage - 1), r), []).append(a)
             elif a.kind is Kind.RECV_B:
-                posted.setdefault(((a.stage + 1) % p, r), []).append(a)
+                posted.setdefault((rank_of(a.stage + 1), r), []).append(a)
     for (src, dst), msgs in sent.items():
         got = posted.get((src, dst), [])
         for k, (x, y) in enumerate(zip(msgs, got)):
@@ -195,21 +199,30 @@ def _describe(key: tuple) -> str:
     return f"the message for {a} ({'activation' if a.kind is Kind.RECV_F else 'gradient'})"
 
 
-def timeline(schedule: Schedule, duration: Callable[[Action], float], t_comm: float = 0.0,
-             serial_p2p: bool = True) -> List[List[Event]]:
+def timeline(schedule: Schedule, duration: Callable[[Action], float],
+             t_comm: Union[float, Callable[[Action], float]] = 0.0,
+             serial_p2p: bool = False) -> List[List[Event]]:
     """Validate, then play the schedule; per rank, (start, end, action) in list order.
 
-    Note [Serial p2p]: with ``serial_p2p`` (the default) a rank's sends and
-    receives are carried out one at a time in the order it issues them, as
-    meshcoll's CPU backend does (one worker thread per group): a receive holds
-    back every send issued after it until its message has arrived. A schedule
-    that is sound this way is sound on any transport; one that posts a receive
-    too early (say, before a send its peer is waiting for) deadlocks here
-    exactly as it would on that backend. With ``serial_p2p=False`` receives
-    never hold anything back (a fully asynchronous transport).
+    `t_comm` is the time from a SEND to its message being usable: one number,
+    or a function of the SEND action (the planner's per-rank send costs).
+
+    Note [Serial p2p]: by default receives never hold anything back: both
+    backends keep point-to-point transfers in flight (the CPU group's worker
+    posts a transfer and moves on, Note [Point-to-point in flight] in
+    csrc/comm/comm.h; NCCL gives each direction of each rank pair its own
+    communicator), so the builders post receives early (Note [Receive
+    lookahead] in schedule.py). With ``serial_p2p`` a rank's sends and
+    receives are carried out one at a time in the order it issues them, as a
+    transport with one blocking queue per rank would: a receive holds back
+    every send issued after it until its message has arrived. A schedule
+    sound this way is sound on any transport; one that posts a receive before
+    a send its peer is waiting for deadlocks here exactly as it would there.
     """
     validate(schedule)
+    latency = t_comm if callable(t_comm) else (lambda a: t_comm)
     p, S = schedule.num_ranks, schedule.num_stages
+    rank_of = schedule.stage_rank
     bwd = _backward_kinds(schedule)
     lists = schedule.per_rank
     # A compute waits for its message to be received: with serial p2p that is
@@ -221,14 +234,14 @@ def timeline(schedule: Schedule, duration: Callable[[Action], float], t_comm: fl
         if a.kind is Kind.F:
             if s == 0:
                 return ()
-            if (s - 1) % p == s % p:
+            if rank_of(s - 1) == rank_of(s):
                 return (("done", Action(s - 1, Kind.F, i)),)
             return ((got, Action(s, Kind.RECV_F, i)),)
         if a.kind in (Kind.B, Kind.I):
             own = ("done", Action(s, Kind.F, i))
             if s + 1 == S:
                 return (own,)
-            if (s + 1) % p == s % p:
+            if rank_of(s + 1) == rank_of(s):
                 return (own, ("done", Action(s + 1, bwd[(s + 1, i)], i)))
             return (own, (got, Action(s, Kind.RECV_B, i)))
         if a.kind is Kind.W:
@@ -286,9 +299,9 @@ def timeline(schedule: Schedule, duration: Callable[[Action], float], t_comm: fl
                 if a.kind.is_compute:
                     ready[("done", a)] = end
                 elif a.kind is Kind.SEND_F:
-                    ready[("msg", Action(a.stage + 1, Kind.RECV_F, a.microbatch))] = end + t_comm
+                    ready[("msg", Action(a.stage + 1, Kind.RECV_F, a.microbatch))] = end + latency(a)
                 elif a.kind is Kind.SEND_B:
-                    ready[("msg", Action(a.stage - 1, Kind.RECV_B, a.microbatch))] = end + t_comm
+                    ready[("msg", Action(a.stage - 1, Kind.RECV_B, a.microbatch))] = end + latency(a)
                 else:
                     posted[a] = end
                 idx[r] += 1

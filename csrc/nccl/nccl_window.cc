@@ -1,0 +1,185 @@
+// Symmetric memory of one NCCL communicator: ncclMemAlloc blocks registered as windows, the
+// tag that lets the agreement check compare where each rank's buffers lie, and the blocks'
+// release (Note [Symmetric memory] in nccl_comm.h).
+#include "common/error.h"
+#include "nccl/nccl_comm.h"
+#include "nccl/nccl_internal.h"
+
+namespace meshcoll::nccl {
+
+using namespace abi;  // NOLINT: the ABI names read best unqualified here
+using detail::CtxGuard;
+
+namespace {
+// Frees a block's memory after the device is idle: it may still be read or written by work
+// on any stream (as cudaFree, which ncclMemFree does not imitate).
+void free_block(const NcclApi& nc, const CudaApi& cu, void* ptr) {
+  cu.ctx_synchronize();
+  nc.mem_free(ptr);
+}
+
+uint64_t mix(uint64_t h, uint64_t v) {  // FNV-1a over 8 bytes
+  for (int i = 0; i < 8; ++i) h = (h ^ ((v >> (8 * i)) & 0xff)) * 1099511628211ull;
+  return h;
+}
+}  // namespace
+
+std::string NcclComm::symmetric_unavailable() const {
+  if (!nc_.has_windows())
+    return str_cat("symmetric windows need NCCL 2.27 or later (ncclMemAlloc, "
+                   "ncclCommWindowRegister); loaded ", nc_.describe());
+  return "";
+}
+
+std::shared_ptr<SymmetricBlock> NcclComm::alloc_symmetric(size_t bytes, bool zero,
+                                                          Millis timeout) {
+  drain_retired();
+  if (!nc_.has_windows()) throw Error(symmetric_unavailable());
+  bytes = std::max<size_t>(bytes, 1);
+  void* p = nullptr;
+  {
+    // Not under mu_: the device synchronize may wait for a stuck op that the watchdog or
+    // the agreement check must be able to abort.
+    CtxGuard guard(cu_, ctx_);
+    if (ncclResult_t r = nc_.mem_alloc(&p, bytes); r != ncclSuccess)
+      throw Error(str_cat("ncclMemAlloc(", bytes, " bytes) on ", where(), ": ",
+                          nc_.error_text(r, nullptr)));
+    CUresult cr = zero ? cu_.memset_d8_async(reinterpret_cast<CUdeviceptr>(p), 0, bytes, nullptr)
+                       : CUDA_SUCCESS;
+    if (cr == CUDA_SUCCESS) cr = cu_.ctx_synchronize();
+    if (cr != CUDA_SUCCESS) {
+      nc_.mem_free(p);
+      cu_.check(cr, "zeroing a symmetric block");
+    }
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  CtxGuard guard(cu_, ctx_);
+  ncclWindow_t win = nullptr;
+  try {
+    usable_locked();
+    // Collective: NCCL exchanges the window with every peer (bounded by the watchdog).
+    Deadline d(timeout.count() < 0 ? timeout_ : timeout);
+    ncclResult_t r = guarded_locked(d, "ncclCommWindowRegister", [&] {
+      return nc_.window_register(comm_, p, bytes, &win, NCCL_WIN_COLL_SYMMETRIC);
+    });
+    check_nccl_locked(r, "ncclCommWindowRegister", d);
+  } catch (...) {
+    nc_.mem_free(p);
+    throw;
+  }
+  CUdevice dev = 0;
+  CUcontext retained = nullptr;  // the block's own hold on the context (it may outlive us)
+  cu_.check(cu_.device_get(&dev, device_), "cuDeviceGet");
+  cu_.check(cu_.primary_ctx_retain(&retained, dev), "cuDevicePrimaryCtxRetain");
+  if (win) {
+    std::lock_guard<std::mutex> wl(win_mu_);
+    windows_[reinterpret_cast<uintptr_t>(p)] = Window{bytes, ++windows_made_, win};
+    num_windows_.store(windows_.size(), std::memory_order_release);
+  }
+  return std::make_shared<SymmetricBlock>(weak_from_this(), p, bytes, win != nullptr, retained,
+                                          device_);
+}
+
+uint32_t NcclComm::window_tag(const void* in, size_t in_bytes, const void* out,
+                              size_t out_bytes) const {
+  if (num_windows_.load(std::memory_order_acquire) == 0) return 0;
+  const auto a = reinterpret_cast<uintptr_t>(in), b = reinterpret_cast<uintptr_t>(out);
+  // The in-place forms (one buffer inside the other, Note [Overlapping buffers]) put x at a
+  // rank's own offset: the outer buffer alone says where the call's data lies.
+  std::vector<uintptr_t> bufs{a, b};
+  if (a < b + out_bytes && b < a + in_bytes) bufs = {std::min(a, b)};
+  std::lock_guard<std::mutex> wl(win_mu_);
+  uint64_t h = 14695981039346656037ull;
+  bool any = false;
+  for (uintptr_t p : bufs) {
+    auto it = windows_.upper_bound(p);
+    if (it != windows_.begin() && p - std::prev(it)->first < std::prev(it)->second.bytes) {
+      --it;
+      h = mix(mix(h, it->second.number), p - it->first);
+      any = true;
+    } else {
+      h = mix(h, 0);
+    }
+  }
+  if (!any) return 0;
+  const auto t = static_cast<uint32_t>(h ^ (h >> 32));
+  return t ? t : 1;
+}
+
+bool NcclComm::in_window(const void* ptr, size_t bytes) const {
+  std::lock_guard<std::mutex> wl(win_mu_);
+  const auto a = reinterpret_cast<uintptr_t>(ptr);
+  auto it = windows_.upper_bound(a);
+  if (it == windows_.begin()) return false;
+  --it;
+  return a - it->first < it->second.bytes && a - it->first + bytes <= it->second.bytes;
+}
+
+bool NcclComm::retire(void* ptr) {
+  std::lock_guard<std::mutex> wl(win_mu_);
+  if (windows_closed_) return false;
+  ncclWindow_t win = nullptr;
+  if (auto it = windows_.find(reinterpret_cast<uintptr_t>(ptr)); it != windows_.end()) {
+    win = it->second.win;
+    windows_.erase(it);
+    num_windows_.store(windows_.size(), std::memory_order_release);
+  }
+  retired_[ptr] = win;
+  has_retired_.store(true, std::memory_order_release);
+  return true;
+}
+
+void NcclComm::drain_retired() {
+  if (!has_retired_.load(std::memory_order_acquire)) return;
+  std::map<void*, ncclWindow_t> ready;
+  {
+    std::lock_guard<std::mutex> wl(win_mu_);
+    ready.swap(retired_);
+    has_retired_.store(false, std::memory_order_release);
+  }
+  if (ready.empty()) return;
+  CtxGuard guard(cu_, ctx_);
+  // Not under mu_: the watchdog may need it to abort an op of ours that never ends.
+  cu_.ctx_synchronize();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [ptr, win] : ready) {
+    if (win && comm_ && !failed_) nc_.window_deregister(comm_, win);
+    nc_.mem_free(ptr);
+  }
+}
+
+void NcclComm::close_windows_locked() {
+  std::map<uintptr_t, Window> live;
+  std::map<void*, ncclWindow_t> retired;
+  {
+    std::lock_guard<std::mutex> wl(win_mu_);
+    windows_closed_ = true;
+    live.swap(windows_);
+    retired.swap(retired_);
+    num_windows_.store(0, std::memory_order_release);
+    has_retired_.store(false, std::memory_order_release);
+  }
+  if (live.empty() && retired.empty()) return;
+  cu_.ctx_synchronize();
+  for (const auto& [base, w] : live)
+    if (comm_ && !failed_) nc_.window_deregister(comm_, w.win);
+  for (const auto& [ptr, win] : retired) {
+    if (win && comm_ && !failed_) nc_.window_deregister(comm_, win);
+    nc_.mem_free(ptr);
+  }
+}
+
+SymmetricBlock::~SymmetricBlock() {
+  try {
+    const CudaApi& cu = cuda();
+    CtxGuard guard(cu, ctx_);
+    auto comm = comm_.lock();
+    if (!(comm && comm->retire(ptr_))) free_block(nccl(), cu, ptr_);
+    CUdevice dev = 0;
+    if (cu.device_get(&dev, device_) == CUDA_SUCCESS) cu.primary_ctx_release(dev);
+  } catch (...) {
+    // The driver is gone (process exit): so is the memory.
+  }
+}
+
+}  // namespace meshcoll::nccl

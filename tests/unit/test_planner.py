@@ -1,0 +1,120 @@
+"""Tier 1: the schedule planner (meshcoll.pipeline.plan) and its command line, no processes.
+
+The planner plays each schedule through `timeline` with per-action costs; the
+references here are `simulate` (uniform costs, its own code path) and closed forms."""
+
+import os
+
+import pytest
+
+from meshcoll.pipeline import make_schedule, plan, simulate
+from meshcoll.pipeline.plan import main
+from meshcoll.pipeline.planner import ascii_timeline
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _costs(f=1.0, bi=1.0, bw=1.0, send=0.0):
+    return {"forward": f, "backward_input": bi, "backward_weight": bw, "send": send}
+
+
+@pytest.mark.parametrize("p,m", [(1, 4), (2, 4), (3, 6), (4, 8), (4, 5)])
+@pytest.mark.parametrize("c", [(1.0, 1.0, 1.0, 0.0), (1.0, 1.5, 0.5, 0.1), (2.0, 1.0, 3.0, 0.25)])
+def test_every_entry_matches_simulate(p, m, c):
+    f, bi, bw, send = c
+    entries = plan(p, m, _costs(f, bi, bw, send))
+    assert all(a.makespan <= b.makespan + 1e-9 for a, b in zip(entries, entries[1:]))
+    assert {(e.name, e.virtual_stages) for e in entries} >= {("gpipe", 1), ("1f1b", 1), ("zero_bubble", 1),
+                                                             ("zero_bubble_v", 2)}
+    for e in entries:
+        v = e.virtual_stages
+        ref = simulate(make_schedule(e.name, p * v, m, virtual_stages=v),
+                       t_f=f / v, t_b=(bi + bw) / v, t_w=bw / v, t_comm=send)
+        assert e.makespan == pytest.approx(ref.makespan, rel=1e-12)
+        assert e.bubble == pytest.approx(ref.bubble, rel=1e-12, abs=1e-12)
+        assert e.peak_memory == max(ref.peak_activations) / v
+
+
+def test_closed_forms_and_memory_marks():
+    p, m = 4, 8
+    entries = {(e.name, e.virtual_stages): e for e in plan(p, m, _costs(1.0, 1.0, 1.0), memory_limit=4)}
+    assert entries[("gpipe", 1)].makespan == (m + p - 1) * 3.0
+    assert entries[("1f1b", 1)].makespan == (m + p - 1) * 3.0
+    # ZB-V's 2p chunk stashes are p rank shares, 1F1B's bound; GPipe holds all m.
+    assert entries[("zero_bubble_v", 2)].peak_memory == p == entries[("1f1b", 1)].peak_memory
+    assert entries[("gpipe", 1)].peak_memory == m
+    assert entries[("dualpipe_v", 2)].peak_memory == (2 * p + 1) / 2
+    for e in entries.values():
+        assert e.over_limit == (e.peak_memory > 4)
+    assert entries[("gpipe", 1)].over_limit and not entries[("zero_bubble_v", 2)].over_limit
+
+
+def test_free_weight_gradients_make_zero_bubble_1f1b():
+    e = {(x.name, x.virtual_stages): x for x in plan(3, 6, _costs(1.0, 2.0, 0.0))}
+    assert e[("zero_bubble", 1)].makespan == e[("1f1b", 1)].makespan
+
+
+def test_per_rank_costs():
+    p, m = 3, 4
+    same = plan(p, m, _costs(1.0, 1.0, 1.0, 0.1))
+    listed = plan(p, m, {"forward": [1.0] * p, "backward_input": [1.0] * p,
+                         "backward_weight": [1, 1, 1], "send": [0.1] * p})
+    assert [(e.name, e.makespan) for e in same] == [(e.name, e.makespan) for e in listed]
+    # GPipe with one slow rank: its forwards and backwards set the pace (m of each) and the
+    # others add one pass each on the way: (m + p - 1) passes of the slow stage if it is last.
+    slow = {(e.name, e.virtual_stages): e for e in plan(p, m, {
+        "forward": [1, 1, 2], "backward_input": [1, 1, 2], "backward_weight": [0, 0, 0], "send": 0})}
+    assert slow[("gpipe", 1)].makespan == 1 + 1 + m * 2 + m * 2 + 1 + 1
+
+
+def test_cost_errors_name_the_key():
+    with pytest.raises(ValueError, match=r"missing \['send'\], unknown \['sned'\]"):
+        plan(2, 4, {"forward": 1, "backward_input": 1, "backward_weight": 1, "sned": 0})
+    with pytest.raises(ValueError, match=r"costs\['forward'\] has 3 values for 2 pipeline ranks"):
+        plan(2, 4, dict(_costs(), forward=[1, 1, 1]))
+    with pytest.raises(ValueError, match=r"costs\['send'\] must be finite numbers >= 0"):
+        plan(2, 4, dict(_costs(), send=-1))
+    with pytest.raises(ValueError, match=r"memory_limit .* must be > 0"):
+        plan(2, 4, _costs(), memory_limit=0)
+
+
+def test_ascii_timeline_is_exact():
+    (e,) = [x for x in plan(2, 2, _costs(1.0, 1.0, 1.0)) if x.name == "1f1b"]
+    assert e.makespan == 9.0
+    assert ascii_timeline(e, width=9).splitlines()[1:] == ["rank0   FF..BB.BB", "rank1   .FBBFBB.."]
+
+
+def test_cli_table(capsys):
+    assert main(["--stages", "2", "--microbatches", "4", "--forward", "1", "--backward-input", "1",
+                 "--backward-weight", "1", "--send", "0,0", "--memory-limit", "2", "--ascii"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# meshcoll pipeline plan  ranks=2  microbatches=4  forward=1  "
+                          "backward_input=1  backward_weight=1  send=0  memory_limit=2")
+    ranked = [line.split()[1] for line in out.splitlines() if line[:7].strip().isdigit()]
+    assert ranked[0] in ("interleaved_zero_bubble", "zero_bubble_v", "dualpipe_v")
+    assert "# not applicable: dualpipe_v" not in out  # m = 2p: it applies
+    assert "rank1   " in out and " OVER" in out
+
+
+def test_cli_rejects_bad_counts(capsys):
+    assert main(["--stages", "0", "--microbatches", "4", "--forward", "1", "--backward-input", "1",
+                 "--backward-weight", "1", "--send", "0"]) == 2
+    assert "plan: num_stages must be a positive int, got 0" in capsys.readouterr().err
+
+
+def test_cli_draws_or_says_matplotlib_is_missing(tmp_path, capsys):
+    argv = ["--stages", "2", "--microbatches", "4", "--forward", "1", "--backward-input", "1",
+            "--backward-weight", "1", "--send", "0.1", "--draw", str(tmp_path / "pics")]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert main(argv) == 2
+        assert "--draw needs matplotlib, which is not installed" in capsys.readouterr().err
+        assert not (tmp_path / "pics").exists()  # checked before any work
+        return
+    assert main(argv) == 0
+    pics = sorted(os.listdir(tmp_path / "pics"))
+    assert "zero_bubble_v_v2.png" in pics and "1f1b_v1.png" in pics
+    for name in pics:
+        with open(tmp_path / "pics" / name, "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
