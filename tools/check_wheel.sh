@@ -6,7 +6,8 @@
 #   bash tools/check_wheel.sh wheelhouse/meshcoll-*-cp311-*.whl [pytest args]
 #
 # PYTHON picks the interpreter (default python3; it must match the wheel's tag). Without pytest
-# args it runs the CPU tests of every folder but gpu/ (about 6 minutes on 2 cores).
+# args it runs the CPU tests of every folder but gpu/ (about 4 minutes on 2 cores); paths given
+# as pytest args must be absolute (the tests run from a temporary folder).
 set -euo pipefail
 whl=$(realpath "$1"); shift
 src=$(cd "$(dirname "$0")/.." && pwd)
