@@ -80,8 +80,8 @@ void TcpStoreServer::stop() {
 // Note [Connection flood]
 // Anyone who can reach the port can open connections, so what a connection that has not
 // said a valid hello may hold is bounded: at most kMaxUnauthenticated of them at once (a
-// new one pushes out the oldest: a proper client's hello is already in its socket when it
-// is accepted, while a silent one has had its turn), each for at most kHelloTimeoutMs.
+// new one pushes out the oldest that has sent nothing: a proper client's hello is already in
+// its socket when it is accepted, while a silent one has had its turn), each for at most kHelloTimeoutMs.
 // When accept fails for want of descriptors (EMFILE, ENFILE) the connection stays in the
 // backlog and the listener stays readable, so polling again at once would spin: the
 // acceptor pushes out the oldest unauthenticated connection to free a descriptor and
@@ -96,10 +96,22 @@ constexpr int kHelloTimeoutMs = 5000;
 
 bool TcpStoreServer::drop_oldest_unauthenticated() {
   if (unauthenticated_.empty()) return false;
+  // The oldest that has sent nothing: one whose hello is waiting in its socket only lacks
+  // its serving thread's turn (on a loaded machine, a flood's new connections can outrun
+  // it), so it is spared while a silent one is left. All of them sent bytes: the oldest.
+  auto victim = unauthenticated_.begin();
+  for (auto it = unauthenticated_.begin(); it != unauthenticated_.end(); ++it) {
+    char byte;
+    if (::recv(*it, &byte, 1, MSG_PEEK | MSG_DONTWAIT) < 0 &&
+        (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      victim = it;
+      break;
+    }
+  }
   // Its serving thread wakes on the shutdown and closes the descriptor (under mu_, after
   // taking it out of unauthenticated_, so the number cannot be reused meanwhile).
-  ::shutdown(unauthenticated_.front(), SHUT_RDWR);
-  unauthenticated_.pop_front();
+  ::shutdown(*victim, SHUT_RDWR);
+  unauthenticated_.erase(victim);
   return true;
 }
 
@@ -213,6 +225,10 @@ void TcpStoreServer::serve(int fd) {
         break;
       }
     }
+    // A connection that ended before its hello (the client closed it, sent garbage, or
+    // took too long) must leave the list with its number: once closed, the number is
+    // reused, and a stale entry would push out whichever client got it next.
+    forget_unauthenticated(fd);
     net::close_fd(fd);
     if (counted) --clients_;
     done_.push_back(std::this_thread::get_id());

@@ -13,6 +13,7 @@ rank made them until they first overlap. The attack below therefore checks that 
 raises, and the exact scenario checks that no call that overlapped another returns.
 """
 
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,11 +59,19 @@ def _two_threads_one_group(pg, iters):
             error = f"{type(e).__name__}: {e}"
         outcome[t] = (done, crossed, error)
 
-    threads = [threading.Thread(target=loop, args=(t,)) for t in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    # The attack needs the threads' calls to overlap at least once (see above). Python hands
+    # the GIL over every 5 ms by default, between calls more often than inside one on a
+    # loaded machine; a short switch interval makes the threads contend as real ones do.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        threads = [threading.Thread(target=loop, args=(t,)) for t in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(interval)
     return outcome
 
 

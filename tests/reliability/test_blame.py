@@ -152,6 +152,9 @@ def _send_unmapped(pg):
     else:
         x = np.zeros(n, np.float32)
     try:
+        # Rank 1 may still be finishing init's own exchange when rank 0's ABORT comes: a
+        # barrier inside the try makes the place where it hears of it one we look at.
+        pg.barrier(timeout=10)
         pg.broadcast(x, 0, timeout=10)
         return "no error"
     except meshcoll.MeshcollError as e:
