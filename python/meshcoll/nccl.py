@@ -46,7 +46,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -106,14 +106,14 @@ class CudaArrays:
     device_memory = True
 
     @staticmethod
-    def empty(shape, like, dtype: Optional[str] = None):
+    def empty(shape: Union[int, Sequence[int]], like: Any, dtype: Optional[str] = None) -> Any:
         shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         new_empty = getattr(like, "new_empty", None)
         mod = sys.modules.get(type(like).__module__.split(".")[0])
         if callable(new_empty):  # PyTorch: like's device, like's dtype unless one is named
             return new_empty(shape) if dtype is None else new_empty(shape, dtype=getattr(mod, dtype))
         empty = getattr(mod, "empty", None)
-        device = getattr(like, "device", None)
+        device: Any = getattr(like, "device", None)  # a framework's device object, if any
         if callable(empty) and hasattr(device, "__enter__"):  # CuPy: empty() on like's device
             with device:
                 return empty(shape, dtype=like.dtype if dtype is None else numpy_dtype(dtype, "CuPy"))
@@ -126,7 +126,7 @@ class CudaArrays:
                         "PyTorch or CuPy arrays)")
 
     @staticmethod
-    def framework(like):
+    def framework(like: Any) -> Any:
         """The module that makes arrays like ``like``: torch or cupy (torch, else cupy, when
         ``like`` is None)."""
         if like is not None:
@@ -145,7 +145,7 @@ class CudaArrays:
                           "or pass like=")
 
     @staticmethod
-    def new(shape, dtype: str, like, device: int, zero: bool):
+    def new(shape: Tuple[int, ...], dtype: str, like: Any, device: int, zero: bool) -> Any:
         """A new ``dtype`` array of ``shape`` on CUDA ``device``, in ``like``'s framework."""
         mod = CudaArrays.framework(like)
         make = mod.zeros if zero else mod.empty
@@ -155,33 +155,35 @@ class CudaArrays:
             return make(shape, dtype=numpy_dtype(dtype, "CuPy"))
 
     @staticmethod
-    def current_stream(like):
+    def current_stream(like: Any) -> Any:
         """The framework's current stream on ``like``'s device, found through the array's own
         module: ``torch.cuda.current_stream(device)``, ``cupy.cuda.get_current_stream()``;
         None (the backend's default) for other arrays."""
         mod = sys.modules.get(type(like).__module__.split(".")[0])
-        cuda = getattr(mod, "cuda", None)
+        cuda: Any = getattr(mod, "cuda", None)  # torch.cuda or cupy.cuda, if any
         if callable(getattr(like, "new_empty", None)) and hasattr(cuda, "current_stream"):
             return cuda.current_stream(like.device)
         get = getattr(cuda, "get_current_stream", None)
         return get() if callable(get) else None
 
 
-def make_backend(prefixed_store, rank: int, size: int, device: int, timeout: float, parent,
-                 color: int):
+def make_backend(prefixed_store: _C.Store, rank: int, size: int, device: int, timeout: float,
+                 parent: Optional[ProcessGroup], color: int) -> _C.NcclBackend:
     """The NCCL backend of a new group: ncclCommSplit of the parent's (every parent rank
     calls it, non-members through ``sit_out``; the key orders ranks as the group does), or a
     new communicator through the store."""
     _Loader.ensure()
     if parent is not None and _C.nccl_split_supported():
-        return parent._backend.split(color, rank, timeout)
+        backend = parent._nccl_backend().split(color, rank, timeout)
+        assert backend is not None  # None only for color -1 (sit_out), never for a member
+        return backend
     return _C.NcclBackend(prefixed_store, rank, size, device, timeout)
 
 
-def sit_out(parent, timeout) -> None:
+def sit_out(parent: ProcessGroup, timeout: Optional[float]) -> None:
     """A parent rank outside the new subgroup takes part in ncclCommSplit with no color."""
     if _C.nccl_split_supported():
-        parent._backend.split(-1, 0, timeout)
+        parent._nccl_backend().split(-1, 0, timeout)
 
 
 def _device_count() -> int:
@@ -189,8 +191,8 @@ def _device_count() -> int:
     return int(_C.cuda_device_count())
 
 
-def make_world(store, rank: int, world_size: int, timeout: float, bind_host: str, token: str,
-               device=None) -> ProcessGroup:
+def make_world(store: _C.Store, rank: int, world_size: int, timeout: float, bind_host: str,
+               token: str, device: Any = None) -> ProcessGroup:
     """The world group on NCCL (what ``init(backend="nccl")`` calls). ``device``: an int (or
     an object with ``.index``, e.g. torch.device); None picks device 0 when that is the only
     choice (one rank, or one visible GPU per process), and otherwise raises: pass
@@ -214,7 +216,7 @@ def make_world(store, rank: int, world_size: int, timeout: float, bind_host: str
                         bind_host=bind_host, token=token, backend="nccl", device=int(device))
 
 
-def agree_on_backend(store, rank: int, world_size: int, timeout: float) -> str:
+def agree_on_backend(store: _C.Store, rank: int, world_size: int, timeout: float) -> str:
     """``init(backend="auto")``: "nccl" when every rank has a GPU and NCCL loads, else
     "cpu" — decided together through the store, so all ranks pick the same."""
     ok, _ = nccl_available()

@@ -13,13 +13,17 @@ import dataclasses
 import hashlib
 import inspect
 import math
-from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
+from typing import (TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple,
+                    Type, TypeVar, Union)
 
 import numpy as np
 
 from . import _C, _env
 from .arrays import dtype_name, host_view, numpy_dtype, rows
 from .hierarchy import Hierarchy, host_of_each_rank
+
+if TYPE_CHECKING:
+    from .nccl import CudaArrays
 
 
 # Arrays: numpy, anything with the buffer protocol or __dlpack__ (host memory) on a CPU group;
@@ -56,6 +60,7 @@ failed earlier; ``meshcoll.ConcurrentCallError`` when another thread calls on th
 the same time. After any of these the group is dead: destroy it and build a new one."""
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
 
 
 def _collective(fn: _F) -> _F:
@@ -74,7 +79,7 @@ class CollectiveConfig:
 
     def __init__(self, algorithm: str = "auto", *, tree_threshold_bytes: int = 256 * 1024,
                  hd_threshold_bytes: int = 8 << 20, max_segment_bytes: int = 512 * 1024,
-                 tree_arity: int = 2):
+                 tree_arity: int = 2) -> None:
         self.algorithm = algorithm
         self.tree_threshold_bytes = tree_threshold_bytes
         self.hd_threshold_bytes = hd_threshold_bytes
@@ -107,12 +112,13 @@ class Work:
 
     __slots__ = ("_work", "_result", "_finish")
 
-    def __init__(self, work, result, finish=None):
+    def __init__(self, work: _C.Work, result: Any,
+                 finish: Optional[Callable[[], Any]] = None) -> None:
         self._work = work
         self._result = result
         self._finish = finish
 
-    def wait(self, timeout: Optional[float] = None, stream=None):
+    def wait(self, timeout: Optional[float] = None, stream: Stream = None) -> Any:
         """Waits for the operation and raises its failure; returns its result. On a GPU
         group, orders ``stream`` (default: the stream the op was issued from) after the op
         instead of blocking the host (a barrier blocks the host)."""
@@ -122,7 +128,7 @@ class Work:
             self._finish = None
         return self._result
 
-    def synchronize(self, timeout: Optional[float] = None):
+    def synchronize(self, timeout: Optional[float] = None) -> Any:
         """Blocks the host until the operation completed; returns its result."""
         self._work.synchronize(timeout)
         return self.wait()
@@ -130,12 +136,15 @@ class Work:
     def is_completed(self) -> bool:
         return self._work.is_completed()
 
-    def exception(self):
+    def exception(self) -> Optional[BaseException]:
         return self._work.exception()
 
 
-def _result(w, result, async_op: bool):
-    return Work(w, result) if async_op else result
+def _result(w: Optional[_C.Work], result: _T, async_op: bool) -> Union[Work, _T]:
+    if not async_op:
+        return result
+    assert w is not None  # the backend returns a Work for every async_op call
+    return Work(w, result)
 
 
 def _comm_id(name: str, token: str) -> int:
@@ -148,14 +157,15 @@ class HostArrays:
     device_memory = False
 
     @staticmethod
-    def empty(shape, like, dtype: Optional[str] = None):
+    def empty(shape: Union[int, Sequence[int]], like: Array,
+              dtype: Optional[str] = None) -> np.ndarray:
         """A new array of ``shape`` with ``like``'s dtype (or the dtype named ``dtype``)."""
         if dtype is None:
             dtype = like.dtype
         return np.empty(shape, numpy_dtype(dtype, "meshcoll") if isinstance(dtype, str) else dtype)
 
     @staticmethod
-    def current_stream(like):
+    def current_stream(like: Array) -> Stream:
         return None
 
 
@@ -180,10 +190,11 @@ class ProcessGroup:
 
     is_member = True
 
-    def __init__(self, store, ranks: Sequence[int], rank: int, name: str, *, timeout: float,
-                 bind_host: str, token: str, parent: Optional["ProcessGroup"] = None,
-                 backend: str = "cpu", device: Optional[int] = None, color: int = 0,
-                 options: Optional[_env.GroupOptions] = None):
+    def __init__(self, store: _C.Store, ranks: Sequence[int], rank: int, name: str, *,
+                 timeout: float, bind_host: str, token: str,
+                 parent: Optional["ProcessGroup"] = None, backend: str = "cpu",
+                 device: Optional[int] = None, color: int = 0,
+                 options: Optional[_env.GroupOptions] = None) -> None:
         self._store = store
         opts = self._options = options if options is not None else _env.GroupOptions()
         self._ranks = list(ranks)
@@ -191,14 +202,20 @@ class ProcessGroup:
         self._timeout = timeout
         self._bind_host = bind_host
         self._token = token
-        self._children: List[object] = []
+        self._children: List[Union[ProcessGroup, NonMemberGroup]] = []
         self._next_child = 0
         self.backend_name = backend
         prefixed = _C.PrefixStore(f"mc/{name}", store)
         channel = None
+        self._device: Optional[int]
+        self._arrays: Union[Type[HostArrays], Type[CudaArrays]]
+        self._backend: Union[_C.CpuBackend, _C.NcclBackend]
         if backend == "nccl":
             from . import nccl
-            self._device = parent._device if parent is not None else int(device)
+            dev = parent._device if parent is not None else device
+            # nccl.init_world names the world's device; children inherit their parent's.
+            assert dev is not None
+            self._device = int(dev)
             self._arrays = nccl.CudaArrays
             self._backend = nccl.make_backend(prefixed, rank, len(self._ranks), self._device,
                                               timeout, parent, color)
@@ -221,7 +238,7 @@ class ProcessGroup:
             self.config = CollectiveConfig(opts.algorithm)
         self._backend.set_identity(self._ranks, name)
         if channel is not None:
-            self._backend.set_agreement(channel, opts.check == "strict")
+            self._nccl_backend().set_agreement(channel, opts.check == "strict")
         # Every member is done with the store for this group before anyone returns: rank 0
         # may otherwise exit (closing the store) while a peer still rendezvouses through it.
         with self._naming_setup():
@@ -239,8 +256,13 @@ class ProcessGroup:
                 warnings.warn(f"meshcoll group {name!r}: {transport}; falling back to TCP "
                               "between same-host ranks", RuntimeWarning, stacklevel=3)
 
+    def _nccl_backend(self) -> _C.NcclBackend:
+        """The backend, for calls only an NCCL group makes (its callers check first)."""
+        assert isinstance(self._backend, _C.NcclBackend)
+        return self._backend
+
     @contextlib.contextmanager
-    def _naming_setup(self):
+    def _naming_setup(self) -> Iterator[None]:
         """A failure while the group is set up says which group (its name and members)."""
         try:
             yield
@@ -249,32 +271,34 @@ class ProcessGroup:
                           f"{self._ranks})") from None
 
     # ---- arrays ---------------------------------------------------------------------
-    def _view(self, x, what: str, writable: bool = False, stream=None):
+    def _view(self, x: Array, what: str, writable: bool = False,
+              stream: Stream = None) -> _C.Array:
         """``x`` as this group's backend reads it (every check, once): a ``_C.Array`` with
         shape, dtype and size, which the collectives take in place of ``x``."""
         return self._backend.view(x, what, writable, stream)
 
-    def _look(self, x, what: str, stream=None):
+    def _look(self, x: Array, what: str, stream: Stream = None) -> Union[np.ndarray, _C.Array]:
         """What a method needs to know of ``x`` (shape, size, dtype) before the call: a numpy
         array as it is (the backend reads and checks it in the call itself: no second read
         on the hot path), anything else read once through ``_view``."""
         return x if type(x) is np.ndarray else self._view(x, what, stream=stream)
 
-    def _as_array(self, x, what: str, writable: bool = False):
+    def _as_array(self, x: Array, what: str, writable: bool = False) -> Array:
         """``x`` checked by the backend; on the CPU backend, a numpy view of it (for code
         that reshapes, as the partition and DDP helpers do)."""
         v = self._backend.view(x, what, writable)
         return v if self._arrays.device_memory else host_view(x)
 
-    def _empty(self, shape, like, dtype: Optional[str] = None):
+    def _empty(self, shape: Union[int, Sequence[int]], like: Array,
+               dtype: Optional[str] = None) -> Array:
         """A new array of ``shape`` where this backend works, like ``like`` (an array or the
         ``_C.Array`` of one): its dtype unless ``dtype`` is named, its framework and device."""
         like = like.obj if isinstance(like, _C.Array) else like
         return self._arrays.empty(shape, like, dtype)
 
     # ---- memory ---------------------------------------------------------------------
-    def empty(self, shape, dtype=None, *, like=None, symmetric: bool = False,
-              timeout: Optional[float] = None):
+    def empty(self, shape: Union[int, Sequence[int]], dtype: Any = None, *, like: Array = None,
+              symmetric: bool = False, timeout: Optional[float] = None) -> Array:
         """A new array of ``shape`` where this group communicates: numpy on a CPU group; on an
         NCCL group, a PyTorch tensor or CuPy array (``like``'s framework; PyTorch when
         ``like`` is None) on the group's device. ``dtype``: a name ("float32", "bfloat16"), a
@@ -294,22 +318,27 @@ class ProcessGroup:
         does. ``destroy()`` deregisters the windows; arrays still held stay valid memory."""
         return self._new(shape, dtype, like, symmetric, timeout, zero=False)
 
-    def zeros(self, shape, dtype=None, *, like=None, symmetric: bool = False,
-              timeout: Optional[float] = None):
+    def zeros(self, shape: Union[int, Sequence[int]], dtype: Any = None, *, like: Array = None,
+              symmetric: bool = False, timeout: Optional[float] = None) -> Array:
         """``empty`` filled with zeros."""
         return self._new(shape, dtype, like, symmetric, timeout, zero=True)
 
-    def _new(self, shape, dtype, like, symmetric: bool, timeout, zero: bool):
+    def _new(self, shape: Union[int, Sequence[int]], dtype: Any, like: Array, symmetric: bool,
+             timeout: Optional[float], zero: bool) -> Array:
         shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         if dtype is None:
             dtype = like.dtype if like is not None else "float32"
         name = dtype if isinstance(dtype, str) else dtype_name(dtype)
         if not self._arrays.device_memory:
             return (np.zeros if zero else np.empty)(shape, numpy_dtype(name, "empty"))
-        if symmetric and not self._backend.symmetric_unavailable():
-            buf = self._backend.alloc_symmetric(list(shape), name, zero, timeout)
-            return self._arrays.framework(like).from_dlpack(buf)
-        return self._arrays.new(shape, name, like, self._device, zero)
+        # Device memory: an NCCL group, whose _arrays are CudaArrays and _device is set.
+        backend = self._nccl_backend()
+        from .nccl import CudaArrays
+        assert self._device is not None
+        if symmetric and not backend.symmetric_unavailable():
+            buf = backend.alloc_symmetric(list(shape), name, zero, timeout)
+            return CudaArrays.framework(like).from_dlpack(buf)
+        return CudaArrays.new(shape, name, like, self._device, zero)
 
     @property
     def symmetric_memory(self) -> str:
@@ -318,18 +347,18 @@ class ProcessGroup:
         if not self._arrays.device_memory:
             return ("unavailable: symmetric windows are an NCCL feature; the CPU backend reads "
                     "peers' memory through shared memory already")
-        why = self._backend.symmetric_unavailable()
+        why = self._nccl_backend().symmetric_unavailable()
         return f"unavailable: {why}" if why else "nccl windows"
 
-    def is_symmetric(self, x) -> bool:
+    def is_symmetric(self, x: Array) -> bool:
         """Whether ``x`` lies in one symmetric window of this group (``empty(symmetric=True)``
         memory, or a slice of it)."""
         if not self._arrays.device_memory:
             return False
         v = self._backend.view(x, "is_symmetric: x")
-        return bool(self._backend.in_window(v.ptr, v.nbytes))
+        return bool(self._nccl_backend().in_window(v.ptr, v.nbytes))
 
-    def _fast(self, x) -> bool:
+    def _fast(self, x: Array) -> bool:
         """Whether ``x`` takes the one-call synchronous path (Note [Synchronous gathers]): a
         numpy array on a CPU group, a framework array with a shape on a GPU group (the backend
         reads and checks it in the call; the output is made like it, by the group's arrays)."""
@@ -337,11 +366,13 @@ class ProcessGroup:
             return not self._arrays.device_memory
         return self._arrays.device_memory and hasattr(x, "shape")
 
-    def _current_stream(self, like):
+    def _current_stream(self, like: Array) -> Stream:
         """The stream the caller computes on for arrays like ``like`` (None on the CPU)."""
         return self._arrays.current_stream(like)
 
-    def _child(self, ranks, rank, name, timeout, color: int = 0, transport=None, check=None):
+    def _child(self, ranks: Sequence[int], rank: int, name: str, timeout: Optional[float],
+               color: int = 0, transport: Optional[str] = None,
+               check: Optional[str] = None) -> "ProcessGroup":
         opts = self._options
         if transport is not None:
             if transport not in _env.TRANSPORTS:
@@ -352,8 +383,8 @@ class ProcessGroup:
                 raise ValueError(f"check={check!r}: use one of {', '.join(_env.CHECK_MODES)}")
             opts = dataclasses.replace(opts, check=check)
         # None: the parent's; anything else is checked where the backend is made.
-        timeout = self._timeout if timeout is None else float(timeout)
-        return ProcessGroup(self._store, ranks, rank, name, timeout=timeout,
+        return ProcessGroup(self._store, ranks, rank, name,
+                            timeout=self._timeout if timeout is None else float(timeout),
                             bind_host=self._bind_host, token=self._token, parent=self,
                             backend=self.backend_name, device=self._device, color=color,
                             options=opts)
@@ -421,7 +452,7 @@ class ProcessGroup:
         w = self._backend.all_reduce(x, x, op, timeout, stream, True, algo,
                                      cfg.max_segment_bytes, cfg.tree_threshold_bytes,
                                      cfg.hd_threshold_bytes)
-        return Work(w, x)
+        return _result(w, x, True)
 
     @_collective
     def reduce(self, x: Array, dst: int = 0, op: str = "sum", *, async_op: bool = False,
@@ -609,7 +640,9 @@ class ProcessGroup:
                                  f"got {tuple(v.shape)}")
         elif self.rank == src or out is None:
             raise ValueError("scatter: pass x (the root) or out= (this rank's block)")
-        out = self._empty(tuple(v.shape[1:]), v) if out is None else out
+        if out is None:
+            assert v is not None  # without x, out= is required (raised above)
+            out = self._empty(tuple(v.shape[1:]), v)
         o = self._look(out, "scatter: out", stream)
         # The block is x's row where x is given (the root), else out.
         block = v.size // self.size if v is not None else o.size
@@ -651,12 +684,12 @@ class ProcessGroup:
         return _result(self._backend.barrier(timeout, stream, async_op), None, async_op)
 
     # ---- metadata of NCCL groups: host arrays through the communicator ---------------
-    def _host_all_gather(self, x: np.ndarray, timeout) -> np.ndarray:
+    def _host_all_gather(self, x: np.ndarray, timeout: Optional[float]) -> np.ndarray:
         x = np.ascontiguousarray(x)
-        raw = self._backend.host_all_gather(x.tobytes(), timeout)
+        raw = self._nccl_backend().host_all_gather(x.tobytes(), timeout)
         return np.frombuffer(raw, x.dtype).reshape((self.size,) + x.shape).copy()
 
-    def _host_all_to_all(self, x: np.ndarray, timeout) -> np.ndarray:
+    def _host_all_to_all(self, x: np.ndarray, timeout: Optional[float]) -> np.ndarray:
         x = np.ascontiguousarray(x)
         if x.ndim == 0 or x.shape[0] % self.size:
             raise ValueError(f"all_to_all: axis 0 must divide by the group size {self.size}")
@@ -667,7 +700,8 @@ class ProcessGroup:
 
     # ---- subgroups ------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int], *, timeout: Optional[float] = None,
-                  transport: Optional[str] = None, check: Optional[str] = None):
+                  transport: Optional[str] = None,
+                  check: Optional[str] = None) -> Union["ProcessGroup", "NonMemberGroup"]:
         """Collective over this group: every member calls it with the same global ``ranks``
         in the same order. Members get a ProcessGroup; others a NonMemberGroup.
         ``transport`` ("auto", "shm", "tcp"; CPU groups) overrides the job's for this group;
@@ -682,6 +716,7 @@ class ProcessGroup:
         name = f"{self._name}.{self._next_child}"
         self._next_child += 1
         me = self._ranks[self.rank]
+        child: Union[ProcessGroup, NonMemberGroup]
         if me not in ranks:
             child = NonMemberGroup(ranks, name)
             self._sit_out(timeout)
@@ -691,7 +726,8 @@ class ProcessGroup:
         self._children.append(child)
         return child
 
-    def split(self, color: Optional[int], key: int = 0, *, timeout: Optional[float] = None):
+    def split(self, color: Optional[int], key: int = 0, *,
+              timeout: Optional[float] = None) -> Union["ProcessGroup", "NonMemberGroup"]:
         """Collective: ranks with the same ``color`` form a group, ordered by (key, rank).
         ``color=None`` (or negative) joins no group and gets a NonMemberGroup."""
         c = -1 if color is None else int(color)
@@ -701,6 +737,7 @@ class ProcessGroup:
                                 timeout=timeout)
         name = f"{self._name}.s{self._next_child}"
         self._next_child += 1
+        child: Union[ProcessGroup, NonMemberGroup]
         if c < 0:
             child = NonMemberGroup([], name)
             self._sit_out(timeout)
@@ -712,7 +749,7 @@ class ProcessGroup:
         self._children.append(child)
         return child
 
-    def _sit_out(self, timeout) -> None:
+    def _sit_out(self, timeout: Optional[float]) -> None:
         """A rank outside a new subgroup: ncclCommSplit is collective over the whole parent,
         so an NCCL parent's non-members take part with no color."""
         if self.backend_name == "nccl":
@@ -744,11 +781,11 @@ class NonMemberGroup:
         self.rank = -1
         self.size = len(self.ranks)
 
-    def __getattr__(self, attr):
+    def __getattr__(self, attr: str) -> Callable[..., Any]:
         if attr.startswith("_"):
             raise AttributeError(attr)
 
-        def not_a_member(*args, **kwargs):
+        def not_a_member(*args: Any, **kwargs: Any) -> Any:
             raise RuntimeError(f"{attr}: this rank is not a member of group {self.name} "
                                f"(members: global ranks {self.ranks})")
         return not_a_member
