@@ -6,10 +6,12 @@ memory, sizes) lives in one place, csrc/python/array.cc, reached through
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 
-def host_view(x) -> np.ndarray:
+def host_view(x: Any) -> np.ndarray:
     """A numpy view sharing ``x``'s memory, for host objects the backend accepted (numpy,
     DLPack on the CPU, the buffer protocol)."""
     if isinstance(x, np.ndarray):
@@ -19,7 +21,7 @@ def host_view(x) -> np.ndarray:
     return np.asarray(memoryview(x))
 
 
-def dtype_name(dtype) -> str:
+def dtype_name(dtype: Any) -> str:
     """"float32" for np.float32, np.dtype("float32"), torch.float32 or a CuPy array's dtype."""
     if isinstance(dtype, np.dtype):
         return dtype.name
@@ -27,7 +29,7 @@ def dtype_name(dtype) -> str:
     return text[len("torch."):] if text.startswith("torch.") else np.dtype(dtype).name
 
 
-def numpy_dtype(name: str, what: str) -> np.dtype:
+def numpy_dtype(name: str, what: str) -> "np.dtype[Any]":
     """The numpy dtype called ``name``; bfloat16 comes from ml_dtypes (an optional extra)."""
     if name != "bfloat16":
         return np.dtype(name)
@@ -36,13 +38,14 @@ def numpy_dtype(name: str, what: str) -> np.dtype:
     except ImportError:
         raise ImportError(f"{what}: bfloat16 on the host needs ml_dtypes "
                           "(pip install ml_dtypes, or meshcoll[bf16])") from None
-    return np.dtype(ml_dtypes.bfloat16)
+    bf16: "np.dtype[Any]" = np.dtype(ml_dtypes.bfloat16)  # ml_dtypes is untyped here
+    return bf16
 
 
-def rows(a, what: str) -> int:
+def rows(a: Any, what: str) -> int:
     """Length of axis 0 of an array (or the ``_C.Array`` of one); 0-d arrays have no rows to
     split or stack by."""
     shape = tuple(a.shape)
     if not shape:
         raise ValueError(f"{what}: needs an array with at least one dimension, got a 0-d array")
-    return shape[0]
+    return int(shape[0])

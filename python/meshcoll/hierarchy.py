@@ -40,14 +40,17 @@ census in the step's group only (``Comm::set_composed``).
 from __future__ import annotations
 
 import hashlib
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional, Union
 
 import numpy as np
 
 from . import _C
 
+if TYPE_CHECKING:
+    from .process_group import NonMemberGroup, ProcessGroup
 
-def host_of_each_rank(group) -> List[int]:
+
+def host_of_each_rank(group: ProcessGroup) -> List[int]:
     """Collective over ``group``: for each group rank, the index of its host (hosts numbered
     in order of their first rank). A host is what ``_C.host_identity()`` names."""
     me = hashlib.blake2b(_C.host_identity().encode(), digest_size=8).digest()
@@ -59,19 +62,24 @@ def host_of_each_rank(group) -> List[int]:
 class Hierarchy:
     """The ``local`` and ``leaders`` children of a multi-host group (Note [Hierarchy])."""
 
-    def __init__(self, local, leaders, hosts: List[int]):
+    def __init__(self, local: ProcessGroup, leaders: Union[ProcessGroup, NonMemberGroup],
+                 hosts: List[int]) -> None:
         self.local, self.leaders = local, leaders
         self.hosts = hosts  # host index of each group rank; leader i is host i's
 
     @classmethod
-    def build(cls, group, hosts: List[int]) -> Optional["Hierarchy"]:
+    def build(cls, group: ProcessGroup, hosts: List[int]) -> Optional["Hierarchy"]:
         """Collective over ``group`` (``hosts`` from host_of_each_rank): splits the children
         and hands them to the group's backend, which runs the steps from then on. None when
         no host holds two members."""
+        from .process_group import ProcessGroup
         if max(hosts.count(h) for h in set(hosts)) < 2:
             return None
         local = group.split(hosts[group.rank], key=group.rank)
+        # Every rank's color is its host's index (>= 0): it is a member of its local group.
+        assert isinstance(local, ProcessGroup)
         leaders = group.split(0 if local.rank == 0 else None, key=group.rank)
-        group._backend.set_hierarchy(local._backend,
-                                     leaders._backend if leaders.is_member else None, hosts)
+        group._cpu_backend().set_hierarchy(
+            local._cpu_backend(),
+            leaders._cpu_backend() if isinstance(leaders, ProcessGroup) else None, hosts)
         return cls(local, leaders, hosts)

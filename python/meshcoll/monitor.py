@@ -9,12 +9,14 @@ bottleneck: every rank reads every key itself).
 from __future__ import annotations
 
 import math
-from typing import List
+from typing import List, Optional, Union
 
 from . import _C
+from .process_group import NonMemberGroup, ProcessGroup
 
 
-def monitored_barrier(group=None, timeout: float = 30.0) -> None:
+def monitored_barrier(group: Optional[Union[ProcessGroup, NonMemberGroup]] = None,
+                      timeout: float = 30.0) -> None:
     """Block until every member of ``group`` (default: the world) has called this, or raise
     ``meshcoll.TimeoutError`` after ``timeout`` seconds naming the global ranks that did not
     arrive. Every member calls it the same number of times; it sends nothing over the
@@ -30,6 +32,7 @@ def monitored_barrier(group=None, timeout: float = 30.0) -> None:
     if not getattr(group, "is_member", False):
         raise RuntimeError(f"monitored_barrier: this rank is not a member of group "
                            f"{group.name} (members: global ranks {list(group.ranks)})")
+    assert isinstance(group, ProcessGroup)  # the one kind of group whose is_member is true
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
             or not math.isfinite(timeout) or timeout <= 0:
         raise ValueError(f"monitored_barrier: timeout must be a finite number of seconds > 0, "

@@ -189,6 +189,7 @@ class ProcessGroup:
     (NCCL groups only): the CUDA stream the op runs on; see meshcoll.nccl."""
 
     is_member = True
+    _monitored_calls = 0  # calls of monitored_barrier on this group (monitor.py)
 
     def __init__(self, store: _C.Store, ranks: Sequence[int], rank: int, name: str, *,
                  timeout: float, bind_host: str, token: str,
@@ -259,6 +260,11 @@ class ProcessGroup:
     def _nccl_backend(self) -> _C.NcclBackend:
         """The backend, for calls only an NCCL group makes (its callers check first)."""
         assert isinstance(self._backend, _C.NcclBackend)
+        return self._backend
+
+    def _cpu_backend(self) -> _C.CpuBackend:
+        """The backend, for calls only a CPU group makes (its callers check first)."""
+        assert isinstance(self._backend, _C.CpuBackend)
         return self._backend
 
     @contextlib.contextmanager

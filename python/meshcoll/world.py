@@ -7,10 +7,10 @@ from __future__ import annotations
 import logging
 import secrets
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from . import _C, _env
-from .process_group import ProcessGroup
+from .process_group import NonMemberGroup, ProcessGroup
 
 
 class _Default:
@@ -42,7 +42,8 @@ WORLD_OF_ONE = (
 def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
          world_size: Optional[int] = None, master_addr: Optional[str] = None,
          master_port: Optional[int] = None, timeout: Optional[float] = None,
-         device=None, store=None, init_method: Optional[str] = None) -> ProcessGroup:
+         device: Any = None, store: Optional[_C.Store] = None,
+         init_method: Optional[str] = None) -> ProcessGroup:
     """Join the job: rendezvous through rank 0's TCP store, connect to every rank, return
     the world group. With no arguments it reads meshcoll-run's, torchrun's, Slurm's or
     Open MPI's environment variables; when none is set (``python script.py``) the process
@@ -90,25 +91,27 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
         # Rank 0 hosts the store: one warning for the job, once per process.
         _Default.warned_no_token = True
         warnings.warn(NO_TOKEN_WARNING, UserWarning, stacklevel=2)
-    owns_store = store is None and file_path is None
+    owned: Optional[_C.TCPStore] = None  # the store init makes, and closes on failure
     if file_path is not None:
         store = _C.FileStore(file_path, timeout)
-    elif owns_store:
-        store = _C.TCPStore(rv.master_addr, rv.master_port, is_server=rv.rank == 0,
-                            timeout=timeout, token=token)
+    elif store is None:
+        store = owned = _C.TCPStore(rv.master_addr, rv.master_port, is_server=rv.rank == 0,
+                                    timeout=timeout, token=token)
+    owns_store = owned is not None
     try:
         world = _world(backend, store, rv, timeout, token, device)
     except Exception:
         # A failed rendezvous on rank 0 must not take the store from ranks still in it: each
         # of them then fails with its own error (Note [Store teardown]).
-        if owns_store:
-            store.close()
+        if owned is not None:
+            owned.close()
         raise
     _Default.world, _Default.store, _Default.owns_store = world, store, owns_store
     return world
 
 
-def _world(backend, store, rv, timeout: float, token: str, device) -> ProcessGroup:
+def _world(backend: Optional[str], store: _C.Store, rv: _env.Rendezvous, timeout: float,
+           token: str, device: Any) -> ProcessGroup:
     bind_host = _bind_host(store)
     if backend in ("nccl", "auto"):
         from . import nccl
@@ -121,7 +124,7 @@ def _world(backend, store, rv, timeout: float, token: str, device) -> ProcessGro
                         bind_host=bind_host, token=token, options=_env.group_options_from_env())
 
 
-def _bind_host(store) -> str:
+def _bind_host(store: _C.Store) -> str:
     ifname = _env.socket_ifname_from_env()
     if ifname:
         import fcntl
@@ -149,7 +152,7 @@ def _outbound_address() -> str:
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         s.connect(("10.255.255.255", 1))
-        return s.getsockname()[0]
+        return str(s.getsockname()[0])
     except OSError:
         return "127.0.0.1"
     finally:
@@ -186,6 +189,6 @@ def get_world_group() -> ProcessGroup:
 
 def new_group(ranks: Sequence[int], *, group: Optional[ProcessGroup] = None,
               timeout: Optional[float] = None, transport: Optional[str] = None,
-              check: Optional[str] = None):
+              check: Optional[str] = None) -> Union[ProcessGroup, NonMemberGroup]:
     return (group or get_world_group()).new_group(ranks, timeout=timeout, transport=transport,
                                                    check=check)
