@@ -32,7 +32,7 @@ def monitored_barrier(group: Optional[Union[ProcessGroup, NonMemberGroup]] = Non
     if not getattr(group, "is_member", False):
         raise RuntimeError(f"monitored_barrier: this rank is not a member of group "
                            f"{group.name} (members: global ranks {list(group.ranks)})")
-    assert isinstance(group, ProcessGroup)  # the one kind of group whose is_member is true
+    assert not isinstance(group, NonMemberGroup)  # its is_member is False: raised above
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
             or not math.isfinite(timeout) or timeout <= 0:
         raise ValueError(f"monitored_barrier: timeout must be a finite number of seconds > 0, "

@@ -23,9 +23,16 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, List, Tuple
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Union
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .process_group import NonMemberGroup, ProcessGroup
+
+# A group argument: None (the world), a ProcessGroup, or what new_group gives a non-member
+# (rejected with a ValueError that names the group).
+_Group = Optional[Union["ProcessGroup", "NonMemberGroup"]]
 
 
 def partition_range(length: int, parts: int, index: int) -> Tuple[int, int]:
@@ -65,7 +72,7 @@ class ShardedArray:
     stop: int
     parts: int
     index: int
-    group: Any = field(default=None, repr=False)
+    group: _Group = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.global_shape = tuple(int(s) for s in self.global_shape)
@@ -90,7 +97,7 @@ class ShardedArray:
         """Length of ``dim`` on every rank, in rank order."""
         return partition_sizes(self.global_shape[self.dim], self.parts)
 
-    def all_gather(self, group=None):
+    def all_gather(self, group: _Group = None) -> Any:
         """Collective: the whole array, on every rank of the group (uneven shards too)."""
         group = self._check_group(group)
         moved = _contiguous(group, _swap(self.local, self.dim))
@@ -101,7 +108,7 @@ class ShardedArray:
                              f"over {self.parts} is {self.sizes}")
         return _contiguous(group, _swap(gathered, self.dim))
 
-    def _check_group(self, group):
+    def _check_group(self, group: _Group) -> ProcessGroup:
         group = _resolve(group if group is not None else self.group)
         if (group.size, group.rank) != (self.parts, self.index):
             raise ValueError(f"ShardedArray: shard {self.index} of {self.parts} cannot be "
@@ -109,7 +116,7 @@ class ShardedArray:
         return group
 
 
-def shard(x, dim: int, group=None) -> ShardedArray:
+def shard(x: Any, dim: int, group: _Group = None) -> ShardedArray:
     """This rank's part of ``x`` along ``dim`` (negative counts from the end), as a
     contiguous copy. No communication: every rank passes the whole ``x``."""
     group = _resolve(group)
@@ -121,7 +128,8 @@ def shard(x, dim: int, group=None) -> ShardedArray:
                         group.size, group.rank, group)
 
 
-def reduce_scatter_dim(x, dim: int, op: str = "sum", group=None) -> ShardedArray:
+def reduce_scatter_dim(x: Any, dim: int, op: str = "sum",
+                       group: _Group = None) -> ShardedArray:
     """Collective: reduce ``x`` (same shape on every rank) with ``op`` over the group and
     return this rank's part of the result along ``dim``, split as ``shard`` splits it."""
     group = _resolve(group)
@@ -136,13 +144,15 @@ def reduce_scatter_dim(x, dim: int, op: str = "sum", group=None) -> ShardedArray
 
 # ---- helpers ----------------------------------------------------------------------------
 
-def _resolve(group):
+def _resolve(group: _Group) -> ProcessGroup:
     if group is None:
         from . import world  # at call time, as device_mesh does
         group = world.get_world_group()
     if not getattr(group, "is_member", True):
         raise ValueError(f"this rank is not a member of group {group.name} "
                          f"(members: global ranks {group.ranks})")
+    from .process_group import NonMemberGroup
+    assert not isinstance(group, NonMemberGroup)  # its is_member is False: raised above
     return group
 
 
@@ -155,7 +165,7 @@ def _normalize_dim(dim: int, ndim: int, what: str) -> int:
     return dim % ndim
 
 
-def _host_array(group, x, what: str):
+def _host_array(group: ProcessGroup, x: Any, what: str) -> Any:
     """On the CPU backend, anything the group takes (DLPack, buffer protocol) becomes a
     numpy view; other backends get their arrays through unchanged."""
     if isinstance(x, np.ndarray) or group.backend_name != "cpu":
@@ -163,11 +173,11 @@ def _host_array(group, x, what: str):
     return group._as_array(x, what)
 
 
-def _swap(a, d: int):
+def _swap(a: Any, d: int) -> Any:
     return a if d == 0 else a.swapaxes(0, d)
 
 
-def _copy(group, view):
+def _copy(group: ProcessGroup, view: Any) -> Any:
     """A C-contiguous copy in ``view``'s framework."""
     if isinstance(view, np.ndarray):
         return view.copy(order="C")
@@ -176,13 +186,13 @@ def _copy(group, view):
     return out
 
 
-def _contiguous(group, a):
+def _contiguous(group: ProcessGroup, a: Any) -> Any:
     if isinstance(a, np.ndarray):
         return np.ascontiguousarray(a)
     return a if _is_contiguous(a) else _copy(group, a)
 
 
-def _is_contiguous(a) -> bool:
+def _is_contiguous(a: Any) -> bool:
     # torch: is_contiguous(); CuPy: flags.c_contiguous. Unknown kinds are copied.
     if hasattr(a, "is_contiguous"):
         return bool(a.is_contiguous())

@@ -13,8 +13,8 @@ import dataclasses
 import hashlib
 import inspect
 import math
-from typing import (TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple,
-                    Type, TypeVar, Union)
+from typing import (TYPE_CHECKING, Any, Callable, Iterator, List, Literal, Optional, Sequence,
+                    Tuple, Type, TypeVar, Union)
 
 import numpy as np
 
@@ -188,7 +188,8 @@ class ProcessGroup:
     backend. Ranks passed to methods (roots, peers) are ranks *within this group*. ``stream=``
     (NCCL groups only): the CUDA stream the op runs on; see meshcoll.nccl."""
 
-    is_member = True
+    # Literal: ``if g.is_member:`` narrows what new_group and split return to a ProcessGroup.
+    is_member: Literal[True] = True
     _monitored_calls = 0  # calls of monitored_barrier on this group (monitor.py)
 
     def __init__(self, store: _C.Store, ranks: Sequence[int], rank: int, name: str, *,
@@ -778,7 +779,7 @@ class NonMemberGroup:
     """What ``new_group`` returns on ranks outside the group: it knows the members, and every
     collective raises."""
 
-    is_member = False
+    is_member: Literal[False] = False
     backend_name = "none"
 
     def __init__(self, ranks: Sequence[int], name: str):
