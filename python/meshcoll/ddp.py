@@ -48,11 +48,18 @@ import queue
 import threading
 import time
 import weakref
-from typing import Callable, Dict, Iterator, List, Mapping, Optional
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional,
+                    Tuple, Union)
 
 import numpy as np
 
 from .arrays import dtype_name
+
+if TYPE_CHECKING:
+    from .process_group import ProcessGroup
+
+# A compression hook: fn(group, bucket) -> a Work (anything with wait()) or None.
+_Hook = Callable[["ProcessGroup", Any], Any]
 
 _MB = 1 << 20
 _FLOAT_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}  # name -> itemsize
@@ -63,7 +70,7 @@ class LocalSGD:
     local, every rank steps on its own, and every ``period``-th ``ddp.step()`` replaces the
     parameters by their average over the group (so ranks drift for at most k steps)."""
 
-    def __init__(self, period: int):
+    def __init__(self, period: int) -> None:
         if isinstance(period, bool) or not isinstance(period, int) or period < 1:
             raise ValueError(f"LocalSGD: period must be an integer >= 1, got {period!r}")
         self.period = period
@@ -77,7 +84,8 @@ class _Flight:
 
     __slots__ = ("work", "t_launch", "t_end", "t_wait", "error", "done", "blocking", "nbytes")
 
-    def __init__(self, work, t_launch: float, nbytes: int, blocking: bool = False):
+    def __init__(self, work: Any, t_launch: float, nbytes: int, blocking: bool = False) -> None:
+        # work: the group's Work, a hook's object with wait(), or None (done synchronously)
         self.work, self.t_launch, self.nbytes, self.blocking = work, t_launch, nbytes, blocking
         self.t_end = self.t_wait = t_launch
         self.error: Optional[BaseException] = None
@@ -105,23 +113,23 @@ def _complete(q: "queue.SimpleQueue[Optional[_Flight]]") -> None:
 class _Bucket:
     __slots__ = ("names", "buf", "half", "missing", "flight")
 
-    def __init__(self, names: List[str], buf):
+    def __init__(self, names: List[str], buf: Any) -> None:
         self.names, self.buf = names, buf  # buf: flat array of the parameters' dtype
-        self.half = None  # a bf16/fp16 copy sent instead of buf (compression)
+        self.half: Any = None  # a bf16/fp16 copy sent instead of buf (compression)
         self.missing = len(names)               # gradients still to come this step
         self.flight: Optional[_Flight] = None
 
 
-def _numel(x) -> int:
+def _numel(x: Any) -> int:
     numel = getattr(x, "numel", None)  # PyTorch: size is a method
     return int(numel()) if callable(numel) else int(x.size)
 
 
-def _dtype_name(x) -> str:
+def _dtype_name(x: Any) -> str:
     return dtype_name(x.dtype)
 
 
-def _operand(group, x, what: str):
+def _operand(group: ProcessGroup, x: Any, what: str) -> Any:
     """The array DataParallel computes with (Note [Arrays]): a numpy view on the CPU backend;
     on the NCCL backend the caller's own GPU array (validated by the backend), detached from
     autograd so in-place writes are allowed."""
@@ -155,9 +163,11 @@ class DataParallel:
       (default False): see the README's Symmetric memory for the check mode to use with it.
     """
 
-    def __init__(self, params: Mapping[str, object], *, group=None, bucket_cap_mb: float = 25,
-                 average: bool = True, broadcast_from: Optional[int] = 0,
-                 compression=None, mode="sync", symmetric: bool = False):
+    def __init__(self, params: Mapping[str, object], *, group: Optional[ProcessGroup] = None,
+                 bucket_cap_mb: float = 25, average: bool = True,
+                 broadcast_from: Optional[int] = 0,
+                 compression: Union[None, str, _Hook] = None,
+                 mode: Union[str, LocalSGD] = "sync", symmetric: bool = False) -> None:
         from .world import get_world_group
         self._group = group if group is not None else get_world_group()
         if not isinstance(params, Mapping) or not params:
@@ -185,12 +195,12 @@ class DataParallel:
         self._mode = mode
         self._average = bool(average)
         self._half = self._compression_dtype(compression)
-        self._hook: Optional[Callable] = compression if callable(compression) else None
+        self._hook: Optional[_Hook] = compression if callable(compression) else None
         self._symmetric = bool(symmetric) and self._group.backend_name == "nccl"
         self._build_buckets(float(bucket_cap_mb) * _MB)
 
         self._given: Dict[str, np.ndarray] = {}   # this step's gradient arrays, for write-back
-        self._accumulated: set = set()             # names whose slot holds a no_sync sum
+        self._accumulated: set[str] = set()        # names whose slot holds a no_sync sum
         self._next_launch = 0                      # buckets launch in index order only
         # GPU arrays: wait() orders the caller's stream instead of blocking (Note [Arrays]);
         # its flights are counted once done on the device.
@@ -210,7 +220,7 @@ class DataParallel:
 
     # ---- construction ---------------------------------------------------------------
     @staticmethod
-    def _compression_dtype(compression) -> Optional[str]:
+    def _compression_dtype(compression: Union[None, str, _Hook]) -> Optional[str]:
         if compression is None or callable(compression):
             return None
         if compression in ("fp16", "bf16"):
@@ -232,7 +242,7 @@ class DataParallel:
             groups[-1].append(n)
             size += p.nbytes
         self._buckets: List[_Bucket] = []
-        self._slot: Dict[str, tuple] = {}  # name -> (bucket index, view of its slot)
+        self._slot: Dict[str, Tuple[int, Any]] = {}  # name -> (bucket index, view of its slot)
         totals = [sum(_numel(self._params[n]) for n in names) for names in groups]
         arenas = self._symmetric_arenas(groups, totals) if self._symmetric else {}
         for i, names in enumerate(groups):
@@ -256,11 +266,12 @@ class DataParallel:
 
     _ALIGN = 512  # bytes between bucket starts in an arena (NCCL's kernels like alignment)
 
-    def _symmetric_arenas(self, groups: List[List[str]], totals: List[int]) -> dict:
+    def _symmetric_arenas(self, groups: List[List[str]],
+                          totals: List[int]) -> Dict[str, Tuple[Any, Dict[int, int]]]:
         """dtype name -> (one symmetric array for every bucket of that dtype, bucket index ->
         offset in elements). The layout follows from the parameters alone, so it is the same
         on every rank, as symmetric kernels require."""
-        layout: Dict[str, tuple] = {}
+        layout: Dict[str, Tuple[int, Dict[int, int], Any]] = {}
         for i, names in enumerate(groups):
             first = self._params[names[0]]
             name = _dtype_name(first)
@@ -276,7 +287,7 @@ class DataParallel:
         """Whether the buckets live in symmetric memory (NCCL windows)."""
         return self._symmetric and all(self._group.is_symmetric(b.buf) for b in self._buckets)
 
-    def _on_stream(self) -> dict:
+    def _on_stream(self) -> Dict[str, Any]:
         """``stream=`` for the group's calls and waits: GPU arrays are ordered against the
         stream the caller computes on (Note [Arrays]); nothing on the CPU backend."""
         if not self._stream_ordered:
@@ -299,7 +310,7 @@ class DataParallel:
                     self._params[n][...] = self._slot[n][1]
 
     # ---- gradients ------------------------------------------------------------------
-    def grad_ready(self, name: str, grad) -> None:
+    def grad_ready(self, name: str, grad: Any) -> None:
         """Hand over the gradient of ``name``; starts its bucket's all-reduce once the bucket
         is complete. ``grad`` receives the averaged value at ``wait()``. Under ``no_sync()``
         it is added to this rank's running sum instead."""
@@ -420,6 +431,7 @@ class DataParallel:
         on = self._on_stream()
         for b in self._buckets:
             fl = b.flight
+            assert fl is not None  # every bucket was launched
             b.flight, b.missing = None, len(b.names)
             fl.t_wait = t_wait
             if self._stream_ordered and fl.work is not None and self._hook is None:
@@ -522,7 +534,7 @@ class DataParallel:
 
     # ---- introspection --------------------------------------------------------------
     @property
-    def group(self):
+    def group(self) -> ProcessGroup:
         return self._group
 
     @property
