@@ -18,18 +18,20 @@ import argparse
 import os
 import sys
 import time
-from typing import Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
 import meshcoll
 from meshcoll.ddp import DataParallel, LocalSGD
+from meshcoll.process_group import ProcessGroup
 
 Params = Dict[str, np.ndarray]
 
 
 # ---- model and data: pure functions, shared with tests/python/test_ddp.py -----------------
-def make_dataset(n: int = 4096, dim: int = 32, classes: int = 10, seed: int = 0):
+def make_dataset(n: int = 4096, dim: int = 32, classes: int = 10,
+                 seed: int = 0) -> Tuple[np.ndarray, np.ndarray]:
     """Gaussian blobs around random class centres: learnable, not trivially separable."""
     rng = np.random.default_rng(seed)
     centres = rng.standard_normal((classes, dim)).astype(np.float32) * 1.5
@@ -38,7 +40,7 @@ def make_dataset(n: int = 4096, dim: int = 32, classes: int = 10, seed: int = 0)
     return x.astype(np.float32), y.astype(np.int64)
 
 
-def init_params(sizes=(32, 128, 128, 10), seed: int = 0) -> Params:
+def init_params(sizes: Sequence[int] = (32, 128, 128, 10), seed: int = 0) -> Params:
     """He-initialised weights ``w{i}`` (in, out) and zero biases ``b{i}``, in forward order."""
     rng = np.random.default_rng(seed)
     params: Params = {}
@@ -82,13 +84,14 @@ def sgd(params: Params, grads: Params, lr: float) -> None:
         p -= np.float32(lr) * grads[name]
 
 
-def batches(n: int, batch_size: int, epoch: int, seed: int):
+def batches(n: int, batch_size: int, epoch: int, seed: int) -> List[np.ndarray]:
     """Index arrays of each global batch; the same permutation on every rank."""
     perm = np.random.default_rng((seed, epoch)).permutation(n)
     return [perm[i:i + batch_size] for i in range(0, n, batch_size)]
 
 
-def train_single(params: Params, x, y, epochs: int, batch_size: int, lr: float, seed: int) -> Params:
+def train_single(params: Params, x: np.ndarray, y: np.ndarray, epochs: int, batch_size: int,
+                 lr: float, seed: int) -> Params:
     """The reference: one process, the whole global batch at each step."""
     for epoch in range(epochs):
         for idx in batches(len(x), batch_size, epoch, seed):
@@ -105,8 +108,9 @@ def max_rel_diff(a: Params, b: Params) -> float:
 
 # ---- progress: tqdm when installed, else a line every quarter epoch ------------------------
 class _Progress:
-    def __init__(self, total: int, desc: str, enabled: bool):
-        self.total, self.desc, self.done, self.bar = total, desc, 0, None
+    def __init__(self, total: int, desc: str, enabled: bool) -> None:
+        self.total, self.desc, self.done = total, desc, 0
+        self.bar: Any = None  # a tqdm bar, when tqdm is installed
         self.enabled = enabled
         if enabled:
             try:
@@ -133,10 +137,11 @@ class _Progress:
 
 
 # ---- the job ------------------------------------------------------------------------------
-def train_distributed(pg, args, x, y) -> Tuple[Params, DataParallel]:
+def train_distributed(pg: ProcessGroup, args: argparse.Namespace, x: np.ndarray,
+                      y: np.ndarray) -> Tuple[Params, DataParallel]:
     # Each rank starts from its own seed: the construction broadcast makes them equal.
     params = init_params(seed=args.seed + pg.rank)
-    mode = LocalSGD(args.local_sgd) if args.local_sgd else "sync"
+    mode: Union[str, LocalSGD] = LocalSGD(args.local_sgd) if args.local_sgd else "sync"
     ddp = DataParallel(params, group=pg, bucket_cap_mb=args.bucket_cap_mb, mode=mode)
     if pg.rank == 0:
         print(f"{pg.size} ranks, {len(x)} samples, global batch {args.batch_size}, "
@@ -152,7 +157,7 @@ def train_distributed(pg, args, x, y) -> Tuple[Params, DataParallel]:
             shard = np.array_split(idx, pg.size)[pg.rank]
             grads: Params = {}
 
-            def on_grad(name, g):
+            def on_grad(name: str, g: np.ndarray) -> None:
                 grads[name] = g
                 ddp.grad_ready(name, g)  # may start a bucket's all-reduce right now
             # Scale so the group average is the mean over the *global* batch, also when
@@ -179,7 +184,7 @@ def train_distributed(pg, args, x, y) -> Tuple[Params, DataParallel]:
     return params, ddp
 
 
-def parse_args(argv=None):
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-N", "--nproc", type=int, default=4,
@@ -203,7 +208,7 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if meshcoll._env._find_scheme(os.environ) is None:
