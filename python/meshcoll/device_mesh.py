@@ -16,9 +16,12 @@ import os
 import platform
 import socket
 import struct
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Dict, List, Mapping, Optional, Sequence, Tuple, TypedDict, Union
 
 import numpy as np
+
+if TYPE_CHECKING:  # for annotations only: imported at call time (see above)
+    from .process_group import NonMemberGroup, ProcessGroup
 
 Dims = Union[str, Sequence[str]]
 
@@ -187,7 +190,8 @@ class MeshLayout:
         return moved.reshape(-1, self.size(dims))
 
     def groups(self, dims: Dims) -> List[List[int]]:
-        return self.group_array(dims).tolist()
+        groups: List[List[int]] = self.group_array(dims).tolist()
+        return groups
 
     def group_of(self, rank: int, dims: Dims) -> List[int]:
         """The one group along ``dims`` that contains ``rank``."""
@@ -195,7 +199,8 @@ class MeshLayout:
         hit = np.nonzero((rows == rank).any(axis=1))[0]
         if len(hit) != 1:
             raise ValueError(f"rank {rank} is outside mesh {self!r}")
-        return rows[hit[0]].tolist()
+        group: List[int] = rows[hit[0]].tolist()
+        return group
 
     def sub_layout(self, dims: Dims) -> "MeshLayout":
         idx = self.indices(dims)
@@ -258,7 +263,7 @@ def _total_ram() -> Optional[int]:
         return None
 
 
-def _local_device(group) -> DeviceInfo:
+def _local_device(group: ProcessGroup) -> DeviceInfo:
     host = socket.gethostname()
     if group.backend_name == "cpu":
         return DeviceInfo("cpu", 0, _cpu_name(), host, _total_ram())
@@ -280,7 +285,7 @@ def _local_device(group) -> DeviceInfo:
 class _MeshState:
     """What a mesh and all its views/flattenings share: one per init_device_mesh."""
 
-    def __init__(self, parent, layout: MeshLayout):
+    def __init__(self, parent: ProcessGroup, layout: MeshLayout) -> None:
         self.parent = parent
         self.layout = layout                   # the root layout, positions 0..n-1
         self.global_ranks = np.asarray(parent.ranks)  # mesh position -> global rank
@@ -288,11 +293,11 @@ class _MeshState:
         self.flattened: Dict[str, "DeviceMesh"] = {}
         self.devices: List[DeviceInfo] = []
 
-    def create_groups(self, dims: Dims):
+    def create_groups(self, dims: Dims) -> ProcessGroup:
         """Create every group along ``dims`` (collective); return the one we are in."""
         from . import world
 
-        mine = None
+        mine: Optional[ProcessGroup] = None
         for row in self.layout.group_array(dims):
             g = world.new_group(self.global_ranks[row].tolist(), group=self.parent)
             self.group_count += 1
@@ -311,7 +316,8 @@ class DeviceMesh:
     ``describe()`` may be called on one rank alone.
     """
 
-    def __init__(self, layout: MeshLayout, group=None):
+    def __init__(self, layout: MeshLayout,
+                 group: Optional[Union[ProcessGroup, NonMemberGroup]] = None) -> None:
         from . import world
 
         parent = world.get_world_group() if group is None else group
@@ -326,12 +332,13 @@ class DeviceMesh:
 
     @classmethod
     def _view(cls, state: _MeshState, layout: MeshLayout, ranks: np.ndarray,
-              groups: Dict[str, object]) -> "DeviceMesh":
+              groups: Dict[str, ProcessGroup]) -> "DeviceMesh":
         mesh = cls.__new__(cls)
         mesh._init_view(state, layout, ranks, groups)
         return mesh
 
-    def _init_view(self, state, layout, ranks, groups) -> None:
+    def _init_view(self, state: _MeshState, layout: MeshLayout, ranks: np.ndarray,
+                   groups: Dict[str, ProcessGroup]) -> None:
         self._state = state
         self._layout = layout
         self._ranks = ranks                  # global ranks, shaped like layout.shape
@@ -371,7 +378,7 @@ class DeviceMesh:
     def get_local_rank(self, dim: str) -> int:
         return self._coord[self._layout.index(dim)]
 
-    def get_group(self, dim: Optional[str] = None):
+    def get_group(self, dim: Optional[str] = None) -> ProcessGroup:
         if dim is None:
             if self.ndim != 1:
                 raise ValueError(f"mesh {self._layout!r} has {self.ndim} dims; name one")
@@ -435,7 +442,7 @@ class DeviceMesh:
         pos = int(np.nonzero(self._state.global_ranks == global_rank)[0][0])
         return self._state.devices[pos]
 
-    def stats(self) -> Dict[str, object]:
+    def stats(self) -> MeshStats:
         """Totals over distinct physical devices: ranks sharing one host's CPU count once."""
         devs = self.devices()
         distinct = {(d.host, d.kind, d.index): d for d in devs}
@@ -479,11 +486,24 @@ class DeviceMesh:
         return f"DeviceMesh{self._layout!r}"
 
 
+class MeshStats(TypedDict):
+    """What ``DeviceMesh.stats()`` returns (a dict)."""
+
+    world_size: int
+    shape: Dict[str, int]
+    hosts: int
+    devices_by_kind: Dict[str, int]
+    ranks_by_kind: Dict[str, int]
+    total_memory: Optional[int]  # bytes; None when no device's memory is known
+    memory_unknown: int
+    group_count: int
+
+
 def _fmt_bytes(n: Optional[int]) -> str:
     return "?" if n is None else f"{n / 2**30:.1f} GiB"
 
 
 def init_device_mesh(shape: Sequence[int], dim_names: Sequence[str], *,
-                     group=None) -> DeviceMesh:
+                     group: Optional[Union[ProcessGroup, NonMemberGroup]] = None) -> DeviceMesh:
     """Collective over ``group`` (default world): build a mesh and all its groups."""
     return DeviceMesh(MeshLayout(shape, dim_names), group=group)
