@@ -18,15 +18,18 @@ bucket all-reduces start during backward; the hook of the last parameter finishe
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator
 
 import numpy as np
 import torch
 
 from .ddp import DataParallel, LocalSGD
 
+if TYPE_CHECKING:
+    from .process_group import ProcessGroup
 
-def _operand(t: torch.Tensor, group, what: str):
+
+def _operand(t: torch.Tensor, group: ProcessGroup, what: str) -> Any:
     """What DataParallel gets for ``t``: a numpy array sharing a CPU tensor's memory on the
     CPU backend, the detached CUDA tensor itself on NCCL."""
     want = "cuda" if group.backend_name == "nccl" else "cpu"
@@ -59,7 +62,8 @@ class DistributedDataParallel(torch.nn.Module):
     With ``mode=LocalSGD(k)`` gradients stay local: call ``step()`` after each optimizer
     step, and every k-th call averages the parameters."""
 
-    def __init__(self, module: torch.nn.Module, *, find_unused_parameters: bool = False, **kw):
+    def __init__(self, module: torch.nn.Module, *, find_unused_parameters: bool = False,
+                 **kw: Any) -> None:
         super().__init__()
         self.module = module
         self._find_unused = bool(find_unused_parameters)
@@ -73,12 +77,16 @@ class DistributedDataParallel(torch.nn.Module):
         self.ddp = DataParallel({n: _operand(p.data, group, f"parameter {n!r}")
                                  for n, p in self._params.items()}, **kw)
         self._sync = True
-        self._arrived: set = set()  # names whose gradient this backward handed over
+        self._arrived: set[str] = set()  # names whose gradient this backward handed over
         self._local = isinstance(kw.get("mode"), LocalSGD)
-        self._handles = [] if self._local else [
-            p.register_post_accumulate_grad_hook(self._hook(n)) for n, p in self._params.items()]
+        # Each parameter's hook registration, through Any: torch 2.x leaves the method
+        # unannotated, and this checks the same with torch's stubs or without torch.
+        registers: Dict[str, Any] = {n: p.register_post_accumulate_grad_hook
+                                     for n, p in self._params.items()}
+        self._handles: list[Any] = [] if self._local else [
+            register(self._hook(n)) for n, register in registers.items()]
 
-    def _hook(self, name: str):
+    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def on_grad(p: torch.Tensor) -> None:
             # Under no_sync() torch itself accumulates into p.grad; the next synchronised
             # backward hands over that sum, so DataParallel must not accumulate again.
@@ -88,6 +96,8 @@ class DistributedDataParallel(torch.nn.Module):
                 # Runs once autograd finished this backward, hooks included (torch's DDP
                 # marks unused parameters ready the same way).
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            # The hook runs after autograd accumulated into p.grad: it is set.
+            assert p.grad is not None
             self.ddp.grad_ready(name, _operand(p.grad, self.ddp.group, f"gradient of {name!r}"))
             self._arrived.add(name)
             if len(self._arrived) == len(self._params):
@@ -104,7 +114,7 @@ class DistributedDataParallel(torch.nn.Module):
                 self.ddp.grad_ready(name, _operand(p.grad, self.ddp.group, f"gradient of {name!r}"))
         self.finish_gradient_sync()
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
     def finish_gradient_sync(self) -> None:
@@ -130,7 +140,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Call after each optimizer step (LocalSGD averages parameters every k-th call)."""
         self.ddp.step()
 
-    def stats(self):
+    def stats(self) -> Dict[str, float]:
         return self.ddp.stats()
 
     def close(self) -> None:
