@@ -4,6 +4,8 @@ Importing this package loads only pure Python (schedule, simulate);
 the executor is imported lazily because it talks to a ProcessGroup.
 """
 
+from typing import Any
+
 from .schedule import (
     SCHEDULES,
     Action,
@@ -32,7 +34,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     # PEP 562 lazy import: the executor pulls in numpy and, through the group
     # it is given, the C++ extension; schedules and the simulator need neither.
     if name in ("PipelineExecutor", "Stage", "SplitStage", "ArraySpec"):

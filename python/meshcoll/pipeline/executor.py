@@ -58,7 +58,8 @@ must be rebuilt.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple,
+                    Union, cast)
 
 import numpy as np
 
@@ -266,6 +267,7 @@ class PipelineExecutor:
                 recvs[a] = recv(self.specs[s], self._route(s + 1, False, self._tag(s, i, True)))
             elif kind is Kind.F:
                 if s == 0:
+                    assert inputs is not None  # this rank owns stage 0: checked above
                     x = inputs[i]
                 elif self._peer(s - 1) == self.rank:
                     x = outputs.pop((s - 1, i))
@@ -273,6 +275,8 @@ class PipelineExecutor:
                     x = take(Action(s, Kind.RECV_F, i))
                 y = self.stages[s].forward(i, x)
                 if s == self.last_stage:
+                    # The constructor requires loss_fn on the last stage's rank.
+                    assert self.loss_fn is not None
                     loss, loss_grads[i] = self.loss_fn(y, None if targets is None else targets[i])
                     losses[i] = float(loss)
                 else:
@@ -285,13 +289,16 @@ class PipelineExecutor:
                 else:
                     g = take(Action(s, Kind.RECV_B, i))
                 fn = self.stages[s]
-                gx = fn.backward(i, g) if kind is Kind.B else fn.backward_input(i, g)
+                # I and W come only from split-backward schedules, whose stages the
+                # constructor checked for backward_input and backward_weight.
+                gx = (fn.backward(i, g) if kind is Kind.B
+                      else cast(SplitStage, fn).backward_input(i, g))
                 if s > 0:
                     if gx is None:
                         raise ValueError(f"stage {s} returned no input gradient for microbatch {i}")
                     grads[(s, i)] = gx
             elif kind is Kind.W:
-                self.stages[s].backward_weight(i)
+                cast(SplitStage, self.stages[s]).backward_weight(i)
             elif kind is Kind.SEND_F:
                 arr = self._wire_array(outputs.pop((s, i)), s, "an activation", s, i)
                 send(arr, self._route(s + 1, True, self._tag(s, i, False)))

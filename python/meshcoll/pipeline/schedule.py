@@ -362,8 +362,11 @@ def interleaved_zero_bubble(num_stages: int, num_microbatches: int,
     orders = []
     for r in range(p):
         warmup = min((v - 1) * per_round + (p - 1 - r), total)
-        fwd = lambda k: ((k // per_round) % v) * p + r  # noqa: E731
-        bwd = lambda k: (v - 1 - ((k - warmup) // per_round) % v) * p + r  # noqa: E731
+        def fwd(k: int) -> int:
+            return ((k // per_round) % v) * p + r
+
+        def bwd(k: int) -> int:
+            return (v - 1 - ((k - warmup) // per_round) % v) * p + r
         counts: Dict[Tuple[int, Kind], int] = {}
         acts = [_counted(fwd(k), Kind.F, counts) for k in range(warmup)]
         i_steps: List[int] = []  # the step of every I so far; the Ws follow in this order
@@ -413,7 +416,8 @@ def zero_bubble_v(num_stages: int, num_microbatches: int, virtual_stages: int = 
         def add(stage: int, kind: Kind) -> None:
             acts.append(_counted(stage, kind, counts))
 
-        n_f = lambda stage: counts.get((stage, Kind.F), 0)  # noqa: E731
+        def n_f(stage: int) -> int:
+            return counts.get((stage, Kind.F), 0)
         for _ in range(2 * (p - r) - 1):
             add(c0, Kind.F)
         for _ in range(r):
@@ -633,7 +637,7 @@ def _add_comms(orders: Sequence[Sequence[Action]], rank_of: Callable[[int], int]
     result = []
     for dst, acts in enumerate(orders):
         posted: Dict[int, int] = {}  # peer -> how many of its messages are posted
-        orphans: set = set()
+        orphans: set[Action] = set()
         out: List[Action] = []
 
         def post(a: Action) -> None:

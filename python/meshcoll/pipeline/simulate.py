@@ -22,7 +22,7 @@ free. Every stage costs the same (the "equal stage times" of the theory).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from .schedule import Action, DeadlockError, Kind, Schedule, ScheduleError
 
@@ -30,6 +30,9 @@ __all__ = ["SimResult", "simulate", "validate", "timeline", "stash_peak", "Sched
            "DeadlockError"]
 
 Event = Tuple[float, float, Action]  # (start, end, action)
+# What a step of the timeline waits for: ("done", compute), ("msg", receive) (its message
+# arrived) or ("recv", receive) (the receive completed).
+_Key = Tuple[str, Action]
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,7 @@ def stash_peak(schedule: Schedule, rank: int) -> int:
 
 def _backward_kinds(schedule: Schedule) -> Dict[Tuple[int, int], Kind]:
     """(stage, microbatch) -> the kind (B or I) that produces its input gradient."""
-    out = {}
+    out: Dict[Tuple[int, int], Kind] = {}
     for acts in schedule.per_rank:
         for a in acts:
             if a.kind in (Kind.B, Kind.I):
@@ -100,7 +103,10 @@ def validate(schedule: Schedule) -> None:
     if len(schedule.per_rank) != p:
         raise ScheduleError(f"schedule has {len(schedule.per_rank)} rank lists for {p} ranks")
     rank_of = schedule.stage_rank
-    cross = lambda a, b: rank_of(a) != rank_of(b)  # noqa: E731 - stages on different ranks
+
+    def cross(a: int, b: int) -> bool:  # stages on different ranks
+        return rank_of(a) != rank_of(b)
+
     where: Dict[Tuple[Kind, int, int], Tuple[int, int]] = {}  # action -> (rank, position)
     for r, acts in enumerate(schedule.per_rank):
         for pos, a in enumerate(acts):
@@ -190,7 +196,7 @@ def validate(schedule: Schedule) -> None:
 # Timing.
 
 
-def _describe(key: tuple) -> str:
+def _describe(key: _Key) -> str:
     what, a = key
     if what == "done":
         return str(a)
@@ -229,7 +235,7 @@ def timeline(schedule: Schedule, duration: Callable[[Action], float],
     # the receive completing in turn ("recv"), otherwise just its arrival ("msg").
     got = "recv" if serial_p2p else "msg"
 
-    def deps(a: Action, last_recv) -> Sequence[tuple]:
+    def deps(a: Action, last_recv: Optional[Action]) -> Tuple[_Key, ...]:
         s, i = a.stage, a.microbatch
         if a.kind is Kind.F:
             if s == 0:
@@ -253,9 +259,12 @@ def timeline(schedule: Schedule, duration: Callable[[Action], float],
             return (("done", Action(s, bwd[(s, i)], i)),) + behind
         return ()  # RECV_*: posting a receive never waits
 
-    dep_lists, recv_lists = [], []
+    dep_lists: List[List[Tuple[_Key, ...]]] = []
+    recv_lists: List[List[Action]] = []
     for acts in lists:
-        last, dl, rl = None, [], []
+        last: Optional[Action] = None
+        dl: List[Tuple[_Key, ...]] = []
+        rl: List[Action] = []
         for a in acts:
             dl.append(deps(a, last))
             if a.kind in (Kind.RECV_F, Kind.RECV_B):
@@ -264,7 +273,7 @@ def timeline(schedule: Schedule, duration: Callable[[Action], float],
         dep_lists.append(dl)
         recv_lists.append(rl)
 
-    ready: Dict[tuple, float] = {}
+    ready: Dict[_Key, float] = {}
     posted: Dict[Action, float] = {}
     recv_next = [0] * p       # receives of each rank completed so far, in issue order
     recv_clock = [0.0] * p    # when the last of them completed
