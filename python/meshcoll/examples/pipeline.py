@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from meshcoll.pipeline.executor import ArraySpec, PipelineExecutor
 from meshcoll.pipeline.schedule import SCHEDULES, make_schedule
+
+if TYPE_CHECKING:  # the example loads the extension only through the group it is given
+    from meshcoll.process_group import ProcessGroup
 
 TOLERANCE = 1e-5
 
@@ -29,22 +32,23 @@ class DenseTanh:
     """y = tanh(x @ w + b). Implements both Stage and SplitStage (zero-bubble)."""
 
     def __init__(self, fan_in: int, fan_out: int, rng: np.random.Generator) -> None:
-        self.w = rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)
-        self.b = rng.standard_normal(fan_out) * 0.1
+        self.w: np.ndarray = rng.standard_normal((fan_in, fan_out)) / np.sqrt(fan_in)
+        self.b: np.ndarray = rng.standard_normal(fan_out) * 0.1
         self.dw = np.zeros_like(self.w)
         self.db = np.zeros_like(self.b)
         self._saved: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}  # mb -> (x, y) or (x, dpre)
 
     def forward(self, mb: int, x: np.ndarray) -> np.ndarray:
-        y = np.tanh(x @ self.w + self.b)
+        y: np.ndarray = np.tanh(x @ self.w + self.b)
         self._saved[mb] = (x, y)
         return y
 
     def backward_input(self, mb: int, grad_y: np.ndarray) -> np.ndarray:
         x, y = self._saved[mb]
-        dpre = grad_y * (1.0 - y * y)
+        dpre: np.ndarray = grad_y * (1.0 - y * y)
         self._saved[mb] = (x, dpre)
-        return dpre @ self.w.T
+        grad_x: np.ndarray = dpre @ self.w.T
+        return grad_x
 
     def backward_weight(self, mb: int) -> None:
         x, dpre = self._saved.pop(mb)
@@ -70,23 +74,26 @@ def build_model(widths: Sequence[int], seed: int) -> List[DenseTanh]:
     return [DenseTanh(widths[s], widths[s + 1], rng) for s in range(len(widths) - 1)]
 
 
-def batch(step: int, microbatches: int, rows: int, widths: Sequence[int], seed: int):
+def batch(step: int, microbatches: int, rows: int, widths: Sequence[int],
+          seed: int) -> Tuple[List[np.ndarray], List[np.ndarray]]:
     rng = np.random.default_rng([seed, step])
     xs = [rng.standard_normal((rows, widths[0])) for _ in range(microbatches)]
     ts = [np.tanh(rng.standard_normal((rows, widths[-1]))) for _ in range(microbatches)]
     return xs, ts
 
 
-def make_loss(microbatches: int):
-    def loss_fn(y: np.ndarray, target: np.ndarray):
+def make_loss(microbatches: int) -> Callable[[np.ndarray, np.ndarray], Tuple[float, np.ndarray]]:
+    def loss_fn(y: np.ndarray, target: np.ndarray) -> Tuple[float, np.ndarray]:
         # Mean over microbatches of half the squared error.
         diff = (y - target) / microbatches
         return 0.5 * float(np.sum((y - target) * diff)), diff
     return loss_fn
 
 
-def train_reference(widths, steps, microbatches, rows, lr, seed) -> Tuple[List[DenseTanh], List[float]]:
-    model, loss_fn, losses = build_model(widths, seed), make_loss(microbatches), []
+def train_reference(widths: Sequence[int], steps: int, microbatches: int, rows: int, lr: float,
+                    seed: int) -> Tuple[List[DenseTanh], List[float]]:
+    model, loss_fn = build_model(widths, seed), make_loss(microbatches)
+    losses: List[float] = []
     for step in range(steps):
         xs, ts = batch(step, microbatches, rows, widths, seed)
         total = 0.0
@@ -104,7 +111,7 @@ def train_reference(widths, steps, microbatches, rows, lr, seed) -> Tuple[List[D
     return model, losses
 
 
-def run(group, schedule_name: str = "1f1b", virtual_stages: int = 1, steps: int = 3,
+def run(group: ProcessGroup, schedule_name: str = "1f1b", virtual_stages: int = 1, steps: int = 3,
         microbatches: int = 8, rows: int = 5, width: int = 16, lr: float = 0.1,
         seed: int = 1234, verbose: bool = True) -> float:
     """Train with the pipeline on `group`; return this rank's largest difference
@@ -143,7 +150,7 @@ def run(group, schedule_name: str = "1f1b", virtual_stages: int = 1, steps: int 
     return diff
 
 
-def gather_to_root(group, value: float) -> List[float]:
+def gather_to_root(group: ProcessGroup, value: float) -> List[float]:
     """Every rank's value on rank 0 (an empty list elsewhere), with plain send/recv."""
     if group.rank != 0:
         group.send(np.array([value]), 0)

@@ -35,6 +35,7 @@ import numpy as np
 import meshcoll
 from meshcoll.device_mesh import init_device_mesh
 from meshcoll.partition import partition_range, reduce_scatter_dim, shard
+from meshcoll.process_group import ProcessGroup
 
 # Relative to the largest entry of each reference tensor. float64 lands near 1e-16; the
 # float32 bound leaves room for matmul reassociation across the split.
@@ -48,12 +49,14 @@ _C1 = 0.044715
 
 def gelu(z: np.ndarray) -> np.ndarray:
     """GeLU, tanh approximation (as in GPT-2 and Megatron)."""
-    return 0.5 * z * (1.0 + np.tanh(_C0 * (z + _C1 * z ** 3)))
+    out: np.ndarray = 0.5 * z * (1.0 + np.tanh(_C0 * (z + _C1 * z ** 3)))
+    return out
 
 
 def gelu_grad(z: np.ndarray) -> np.ndarray:
     t = np.tanh(_C0 * (z + _C1 * z ** 3))
-    return 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _C0 * (1.0 + 3.0 * _C1 * z * z)
+    out: np.ndarray = 0.5 * (1.0 + t) + 0.5 * z * (1.0 - t * t) * _C0 * (1.0 + 3.0 * _C1 * z * z)
+    return out
 
 
 def make_problem(batch: int, hidden: int, ffn: int, dtype: str, seed: int,
@@ -76,7 +79,8 @@ def reference(p: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
     return {"O": Y @ B, "dX": dZ @ A.T, "dA": X.T @ dZ, "dB": Y.T @ dO}
 
 
-def tensor_parallel(p: Dict[str, np.ndarray], tp) -> Tuple[Dict[str, Any], np.ndarray]:
+def tensor_parallel(p: Dict[str, np.ndarray],
+                    tp: ProcessGroup) -> Tuple[Dict[str, Any], np.ndarray]:
     """The block across ``tp``: returns sharded and replicated results, and this rank's
     partial O (before the all_reduce) for the sequence-parallel check."""
     X, dO = p["X"], p["dO"]
@@ -106,7 +110,8 @@ def rel_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.max(np.abs(got - want))) / scale
 
 
-def run(world, tp_size: Optional[int] = None, batch: int = 5, hidden: int = 8, ffn: int = 29,
+def run(world: ProcessGroup, tp_size: Optional[int] = None, batch: int = 5, hidden: int = 8,
+        ffn: int = 29,
         dtype: str = "float64", seed: int = 0, verbose: bool = True) -> float:
     """Run the block on ``world`` (tp over all of it, or a (dp, tp) mesh when ``tp_size``
     is smaller); return this rank's largest relative error against the reference."""
