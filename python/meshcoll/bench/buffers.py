@@ -4,6 +4,7 @@ device buffers for ``--backend nccl`` (host buffers are numpy arrays, made by th
 from __future__ import annotations
 
 import importlib.util
+from typing import Any, Union
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,18 +64,19 @@ class TorchArrays:
         torch.cuda.set_device(device)
         self.device = torch.device("cuda", device)
 
-    def empty(self, count: int, dtype: str):
+    def empty(self, count: int, dtype: str) -> Any:
         return self.torch.empty(count, dtype=getattr(self.torch, dtype), device=self.device)
 
-    def write(self, x, start: int, values: np.ndarray) -> None:
+    def write(self, x: Any, start: int, values: np.ndarray) -> None:
         x[start:start + values.size].copy_(self.torch.from_numpy(values).to(self.device))
 
-    def fill(self, x, value) -> None:
+    def fill(self, x: Any, value: float) -> None:
         x.fill_(value)
 
-    def read(self, x, start: int, stop: int, integer: bool) -> np.ndarray:
+    def read(self, x: Any, start: int, stop: int, integer: bool) -> np.ndarray:
         t = x[start:stop].to(self.torch.int64 if integer else self.torch.float64)
-        return t.cpu().numpy()
+        out: np.ndarray = t.cpu().numpy()
+        return out
 
     def synchronize(self) -> None:
         self.torch.cuda.synchronize(self.device)
@@ -91,21 +93,22 @@ class CupyArrays:
         self.dev = cupy.cuda.Device(device)
         self.dev.use()
 
-    def empty(self, count: int, dtype: str):
+    def empty(self, count: int, dtype: str) -> Any:
         if dtype == "bfloat16":
             raise SystemExit("meshcoll-bench: CuPy has no bfloat16; use --array torch")
         with self.dev:
             return self.cupy.empty(count, dtype=np.dtype(dtype))
 
-    def write(self, x, start: int, values: np.ndarray) -> None:
+    def write(self, x: Any, start: int, values: np.ndarray) -> None:
         with self.dev:
             x[start:start + values.size] = self.cupy.asarray(values).astype(x.dtype)
 
-    def fill(self, x, value) -> None:
+    def fill(self, x: Any, value: float) -> None:
         x.fill(value)
 
-    def read(self, x, start: int, stop: int, integer: bool) -> np.ndarray:
-        return self.cupy.asnumpy(x[start:stop]).astype(np.int64 if integer else np.float64)
+    def read(self, x: Any, start: int, stop: int, integer: bool) -> np.ndarray:
+        out: np.ndarray = self.cupy.asnumpy(x[start:stop]).astype(np.int64 if integer else np.float64)
+        return out
 
     def synchronize(self) -> None:
         self.dev.synchronize()
@@ -123,7 +126,9 @@ def array_library(choice: str) -> str:
                      f"installed (pip install torch, or cupy-cuda12x / cupy-cuda13x)")
 
 
-def make_arrays(choice: str, device: int):
-    return {"torch": TorchArrays, "cupy": CupyArrays}[array_library(choice)](device)
+def make_arrays(choice: str, device: int) -> Union[TorchArrays, CupyArrays]:
+    if array_library(choice) == "torch":
+        return TorchArrays(device)
+    return CupyArrays(device)
 
 

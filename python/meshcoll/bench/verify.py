@@ -28,7 +28,7 @@ def _b(i: np.ndarray) -> np.ndarray:
 def reduce_input(rank: int, n: int, i: np.ndarray, redop: str) -> np.ndarray:
     if redop == "prod":
         return np.where(i % (n + 1) == rank, 2, 1)
-    return _b(i) + n * (i % n == rank)
+    return np.asarray(_b(i) + n * (i % n == rank))
 
 
 def reduce_expected(n: int, i: np.ndarray, redop: str) -> np.ndarray:
@@ -38,8 +38,9 @@ def reduce_expected(n: int, i: np.ndarray, redop: str) -> np.ndarray:
     return {"sum": n * b + n, "avg": b + 1, "max": b + n, "min": b + (n if n == 1 else 0)}[redop]
 
 
-def move_input(rank: int, i: np.ndarray) -> np.ndarray:
-    return (i + 7 * rank) % 13
+def move_input(rank: "int | np.ndarray", i: np.ndarray) -> np.ndarray:
+    """Rank ``rank``'s input at ``i`` (``rank`` may be an array: one rank per element)."""
+    return np.asarray((i + 7 * rank) % 13)
 
 
 # ---- the NCCL backend: random inputs, a host reference ---------------------------------
@@ -87,10 +88,10 @@ def reference_reduce(parts: Sequence[np.ndarray], redop: str, dtype: str) -> np.
     elif dtype in INTS:  # avg of integers: the sum divided by n, truncated (non-negative)
         r = a.sum(0) // n
     else:
-        return a.sum(0) / n
+        return np.asarray(a.sum(0) / n)
     if dtype in INTS:
-        return r.astype(dtype).astype(np.int64)
-    return r.astype(np.float64)
+        return np.asarray(r.astype(dtype).astype(np.int64))
+    return np.asarray(r.astype(np.float64))
 
 
 def count_wrong(got: np.ndarray, want: np.ndarray, dtype: str, n: int, inexact: bool) -> int:
