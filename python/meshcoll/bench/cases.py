@@ -8,7 +8,8 @@ import re
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence,
+                    Tuple, Union)
 
 import numpy as np
 
@@ -17,6 +18,13 @@ from meshcoll import _C, __version__
 from .buffers import INTS, TYPE_NAMES, DeviceDType
 from .verify import (CHUNK, SENTINEL, count_wrong, move_input, rank_values, reduce_expected,
                      reduce_input, reference_reduce)
+
+if TYPE_CHECKING:
+    from meshcoll.process_group import ProcessGroup
+
+Record = Dict[str, Any]  # one table row's cell: JSON-ready
+# A dtype as the bench uses it (.name, .itemsize): numpy's, or one numpy may lack (bfloat16).
+BenchDType = Union["np.dtype[Any]", DeviceDType]
 
 # busbw = algbw x factor(ranks): the bytes each rank's busiest link carries per byte of
 # ``size`` in the bandwidth-optimal algorithm (nccl-tests' PERFORMANCE.md).
@@ -60,7 +68,7 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+)\s*([kmgt]?)(i?b)?\s*", str(text), re.IGNORECASE)
     if not m:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 8, 4K, 16M, 1G)")
-    return int(m.group(1)) * 1024 ** " kmgt".index(m.group(2).lower() or " ")
+    return int(m.group(1)) * int(1024 ** " kmgt".index(m.group(2).lower() or " "))
 
 
 def format_size(nbytes: int) -> str:
@@ -103,8 +111,8 @@ class Case:
     """Buffers and the call for one series at one element count on this rank, in place or
     not (``PLACEMENTS``)."""
 
-    def __init__(self, pg, series: Series, count: int, dtype: np.dtype, redop: str, root: int,
-                 in_place: Optional[bool] = None):
+    def __init__(self, pg: ProcessGroup, series: Series, count: int, dtype: BenchDType,
+                 redop: str, root: int, in_place: Optional[bool] = None):
         self.pg, self.series, self.count, self.dtype = pg, series, count, dtype
         self.redop, self.root = redop, root
         self.in_place = PLACEMENTS[series.op][0] if in_place is None else in_place
@@ -176,9 +184,10 @@ class Case:
             e = move_input(i // blk, i % blk)  # block j is rank j's input
         else:  # all_to_all: block j came from rank j, which sent its block r
             e = move_input(i // blk, r * blk + i % blk)
+        assert isinstance(self.dtype, np.dtype)  # host cases; DeviceCase checks its own way
         return e.astype(self.dtype)
 
-    def result(self) -> np.ndarray:
+    def result(self) -> Any:  # numpy (CPU) or a device array
         return self.x if self.out is None else self.out
 
     def check(self) -> int:
@@ -194,8 +203,9 @@ class DeviceCase(Case):
     reference. ``run`` and ``result`` are Case's. Inputs are generated and results compared
     ``chunk`` elements at a time (the same on every rank)."""
 
-    def __init__(self, pg, series: Series, count: int, dtype: DeviceDType, redop: str, root: int,
-                 arrays, seed: int, chunk: int = CHUNK, in_place: Optional[bool] = None):
+    def __init__(self, pg: ProcessGroup, series: Series, count: int, dtype: BenchDType,
+                 redop: str, root: int, arrays: Any, seed: int, chunk: int = CHUNK,
+                 in_place: Optional[bool] = None):
         self.pg, self.series, self.count, self.dtype = pg, series, count, dtype
         self.redop, self.root, self.arrays, self.seed = redop, root, arrays, seed
         self.in_place = PLACEMENTS[series.op][0] if in_place is None else in_place
@@ -219,7 +229,8 @@ class DeviceCase(Case):
         """Elements ``[start, stop)`` of this rank's result (float64 / int64)."""
         r, n, op, blk = self.pg.rank, self.pg.size, self.series.op, self.blk
         integer = self.dtype.name in INTS
-        as_result = (lambda v: v.astype(np.int64)) if integer else (lambda v: v.astype(np.float64))
+        def as_result(v: np.ndarray) -> np.ndarray:
+            return v.astype(np.int64 if integer else np.float64)
         if op in ("all_reduce", "reduce", "reduce_scatter"):
             if op == "reduce" and r != self.root:
                 return as_result(self.values(r, start, stop))  # non-roots keep their input
@@ -259,7 +270,7 @@ class DeviceCase(Case):
 
 # ---- timing --------------------------------------------------------------------------
 
-def time_loop(pg, run: Callable[[], None], iters: int) -> float:
+def time_loop(pg: ProcessGroup, run: Callable[[], None], iters: int) -> float:
     """Seconds per call: the largest over ranks of each rank's mean over ``iters`` calls
     that start together after a barrier."""
     pg.barrier()
@@ -271,7 +282,8 @@ def time_loop(pg, run: Callable[[], None], iters: int) -> float:
     return float(t[0])
 
 
-def device_time_loop(pg, run: Callable[[], None], iters: int, arrays) -> float:
+def device_time_loop(pg: ProcessGroup, run: Callable[[], None], iters: int,
+                     arrays: Any) -> float:
     """nccl-tests' timing: after a barrier, ``iters`` back-to-back calls, then a device
     synchronize; seconds per call on the host clock, the largest over ranks."""
     pg.barrier()
@@ -288,16 +300,16 @@ class HostRunner:
     """How measure() builds cases, sums a count over ranks and times a loop: the CPU
     backend (numpy buffers, exact patterns)."""
 
-    def case(self, pg, series: Series, count: int, dtype, args: argparse.Namespace,
-             in_place: bool) -> Case:
+    def case(self, pg: ProcessGroup, series: Series, count: int, dtype: BenchDType,
+             args: argparse.Namespace, in_place: bool) -> Case:
         return Case(pg, series, count, dtype, args.redop, args.root, in_place)
 
-    def sum_over_ranks(self, pg, value: int) -> int:
+    def sum_over_ranks(self, pg: ProcessGroup, value: int) -> int:
         w = np.array([value], np.int64)
         pg.all_reduce(w, "sum")
         return int(w[0])
 
-    def time_loop(self, pg, run: Callable[[], None], iters: int) -> float:
+    def time_loop(self, pg: ProcessGroup, run: Callable[[], None], iters: int) -> float:
         return time_loop(pg, run, iters)
 
 
@@ -305,24 +317,24 @@ class DeviceRunner(HostRunner):
     """The NCCL backend: device buffers from ``arrays``, random inputs, device timing.
     Host integers go through the NCCL group's host all_gather."""
 
-    def __init__(self, arrays, seed: int):
+    def __init__(self, arrays: Any, seed: int):
         self.arrays, self.seed = arrays, seed
 
-    def case(self, pg, series: Series, count: int, dtype, args: argparse.Namespace,
-             in_place: bool) -> Case:
+    def case(self, pg: ProcessGroup, series: Series, count: int, dtype: BenchDType,
+             args: argparse.Namespace, in_place: bool) -> Case:
         return DeviceCase(pg, series, count, dtype, args.redop, args.root, self.arrays, self.seed,
                           in_place=in_place)
 
-    def sum_over_ranks(self, pg, value: int) -> int:
+    def sum_over_ranks(self, pg: ProcessGroup, value: int) -> int:
         return int(pg.all_gather(np.array([value], np.int64)).sum())
 
-    def time_loop(self, pg, run: Callable[[], None], iters: int) -> float:
+    def time_loop(self, pg: ProcessGroup, run: Callable[[], None], iters: int) -> float:
         return device_time_loop(pg, run, iters, self.arrays)
 
 
-def make_record(series: Series, *, count: int, dtype: np.dtype, redop: str, times_s: List[float],
-                wrong: Optional[int], ranks: int, transport: str,
-                args: argparse.Namespace, in_place: bool = True) -> dict:
+def make_record(series: Series, *, count: int, dtype: BenchDType, redop: str,
+                times_s: List[float], wrong: Optional[int], ranks: int, transport: str,
+                args: argparse.Namespace, in_place: bool = True) -> Record:
     t = statistics.median(times_s)
     size = count * dtype.itemsize
     algbw = size / t / 1e9
@@ -339,16 +351,17 @@ def make_record(series: Series, *, count: int, dtype: np.dtype, redop: str, time
     }
 
 
-def measure(pg, series_list: Sequence[Series], sizes: Iterable[int], args: argparse.Namespace,
-            dtype: np.dtype, on_row: Optional[Callable[[List[dict]], None]] = None,
-            runner: Optional[HostRunner] = None) -> List[dict]:
+def measure(pg: ProcessGroup, series_list: Sequence[Series], sizes: Iterable[int],
+            args: argparse.Namespace, dtype: BenchDType,
+            on_row: Optional[Callable[[List[Record]], None]] = None,
+            runner: Optional[HostRunner] = None) -> List[Record]:
     """Every series at every size, out of place and in place where the op has that form
     (``PLACEMENTS``); returns the records in (series, size, out-of-place first) order.
     ``on_row`` gets each series' records of one size (one table row) as they are made.
     ``runner``: HostRunner() (the default, CPU backend) or a DeviceRunner."""
     runner = runner or HostRunner()
-    rows: Dict[str, List[dict]] = {s.label: [] for s in series_list}
-    last = {s.label: None for s in series_list}
+    rows: Dict[str, List[Record]] = {s.label: [] for s in series_list}
+    last: Dict[str, Optional[int]] = {s.label: None for s in series_list}
     for nbytes in sizes:
         cases = []
         for s in series_list:
@@ -366,7 +379,7 @@ def measure(pg, series_list: Sequence[Series], sizes: Iterable[int], args: argpa
         for _ in range(args.repeats):
             for c in cases:  # interleaved: a noisy moment hits every series
                 times[id(c)].append(runner.time_loop(pg, c.run, args.iters))
-        row: Dict[str, List[dict]] = {}
+        row: Dict[str, List[Record]] = {}
         for c in cases:
             rec = make_record(c.series, count=c.count, dtype=dtype, redop=args.redop,
                               times_s=times[id(c)], wrong=wrong.get(id(c)), ranks=pg.size,
@@ -380,6 +393,6 @@ def measure(pg, series_list: Sequence[Series], sizes: Iterable[int], args: argpa
     return [r for s in series_list for r in rows[s.label]]
 
 
-def transport_name(pg) -> str:
+def transport_name(pg: ProcessGroup) -> str:
     """"shm" or "tcp" (the group's transport string may add why shm was not used)."""
-    return pg.transport.split()[0]
+    return str(pg.transport.split()[0])

@@ -12,8 +12,8 @@ import meshcoll
 from meshcoll import _C, __version__, _env
 
 from .buffers import ARRAY_LIBS, array_library, device_dtype, make_arrays, numpy_dtype
-from .cases import (ALGORITHMS, OPS, REDOPS, DeviceRunner, Series, algorithms_for, measure,
-                    parse_size, size_steps, transport_name)
+from .cases import (ALGORITHMS, OPS, REDOPS, BenchDType, DeviceRunner, Series, algorithms_for,
+                    measure, parse_size, size_steps, transport_name)
 from .report import (check_plot_dependencies, format_row, header, plot_records, print_tables,
                      write_csv, write_json)
 
@@ -170,10 +170,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.execv(sys.executable, cmd)
 
     runner, device_note = None, ""
+    dtype: BenchDType
     if nccl:
         dtype = device_dtype(args.dtype)
         nccl_preflight(args)
         pg = meshcoll.init(backend="nccl")  # device: the launcher's local rank
+        assert pg.device is not None  # an NCCL group has its device
         arrays = make_arrays(args.array, pg.device)
         runner = DeviceRunner(arrays, args.seed)
         v = int(_C.nccl_version())  # NCCL_VERSION_CODE: X*10000 + Y*100 + Z since 2.9

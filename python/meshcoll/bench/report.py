@@ -6,14 +6,18 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from meshcoll import __version__
 
-from .cases import PLACEMENTS, Series, format_size, transport_name
+from .cases import PLACEMENTS, Record, Series, format_size, transport_name
+
+if TYPE_CHECKING:
+    from meshcoll.process_group import ProcessGroup
 
 
-def header(series: Series, args: argparse.Namespace, pg, device_note: str = "") -> str:
+def header(series: Series, args: argparse.Namespace, pg: ProcessGroup,
+           device_note: str = "") -> str:
     """``device_note``: what the NCCL backend adds (library version, array library)."""
     extra = f"  transport={transport_name(pg)}"
     if series.op == "all_reduce":
@@ -37,7 +41,7 @@ _GROUP_UNITS = f"{'(us)':>9}{'(GB/s)':>8}{'(GB/s)':>8}{'':>8}"
 _NA_GROUP = f"{'N/A':>9}{'N/A':>8}{'N/A':>8}{'N/A':>8}"  # the op has no such form
 
 
-def _group(r: Optional[dict]) -> str:
+def _group(r: Optional[Record]) -> str:
     if r is None:
         return _NA_GROUP
     t = r["time"]
@@ -46,7 +50,7 @@ def _group(r: Optional[dict]) -> str:
     return f"{ts}{r['algbw']:8.2f}{r['busbw']:8.2f}{wrong:>8}"
 
 
-def format_row(recs: Sequence[dict]) -> str:
+def format_row(recs: Sequence[Record]) -> str:
     """One table row: the records of one series at one size, out of place and in place
     (``cases.PLACEMENTS``; a form the op lacks shows N/A)."""
     by = {r["in_place"]: r for r in recs}
@@ -55,21 +59,21 @@ def format_row(recs: Sequence[dict]) -> str:
             f"{_group(by.get(False))}{_group(by.get(True))}")
 
 
-def table_rows(records: Sequence[dict]) -> List[List[dict]]:
+def table_rows(records: Sequence[Record]) -> List[List[Record]]:
     """Records grouped into rows (one series and size each), in order."""
-    rows: Dict[Tuple[str, int], List[dict]] = {}
+    rows: Dict[Tuple[str, int], List[Record]] = {}
     for r in records:
         rows.setdefault((r["series"], r["size"]), []).append(r)
     return list(rows.values())
 
 
-def footer(records: Sequence[dict]) -> str:
+def footer(records: Sequence[Record]) -> str:
     avg = sum(r["busbw"] for r in records) / len(records) if records else 0.0
     return f"# Avg bus bandwidth : {avg:.4g}"
 
 
-def print_tables(series: Sequence[Series], records: Sequence[dict], args: argparse.Namespace,
-                 pg, device_note: str = "", *, streamed: bool = False) -> None:
+def print_tables(series: Sequence[Series], records: Sequence[Record], args: argparse.Namespace,
+                 pg: ProcessGroup, device_note: str = "", *, streamed: bool = False) -> None:
     """One table per series, each closed by its average busbw. ``streamed``: the only
     series' header and rows were already printed as they came; only the footer is left."""
     for i, s in enumerate(series):
@@ -81,7 +85,7 @@ def print_tables(series: Sequence[Series], records: Sequence[dict], args: argpar
         print(footer(recs), flush=True)
 
 
-def write_json(records: Sequence[dict], path: str) -> None:
+def write_json(records: Sequence[Record], path: str) -> None:
     """One ``json.dumps`` record per line."""
     with open(path, "w") as f:
         for r in records:
@@ -93,7 +97,7 @@ CSV_FIELDS = ("op", "algo", "series", "in_place", "size", "count", "type", "redo
               "warmup", "repeats", "library", "version", "times")
 
 
-def write_csv(records: Sequence[dict], path: str) -> None:
+def write_csv(records: Sequence[Record], path: str) -> None:
     """The JSON records' fields, one row per record (``times``: the repeats' times in us,
     separated by spaces; None: an empty cell)."""
     with open(path, "w", newline="") as f:
@@ -113,7 +117,7 @@ def check_plot_dependencies() -> None:
                          f"({e}): pip install 'meshcoll[plot]'; nothing was run") from None
 
 
-def plot_records(records: Sequence[dict], path: str, *, title: Optional[str] = None,
+def plot_records(records: Sequence[Record], path: str, *, title: Optional[str] = None,
                  key: str = "series") -> None:
     """busbw against size, one line per distinct ``record[key]``; writes ``path``."""
     try:
@@ -125,7 +129,7 @@ def plot_records(records: Sequence[dict], path: str, *, title: Optional[str] = N
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    def name_of(r: dict) -> str:
+    def name_of(r: Record) -> str:
         # An op measured both ways gets a line for each.
         both = len(PLACEMENTS.get(r.get("op", ""), ())) > 1
         return f"{r[key]} ({'in-place' if r['in_place'] else 'out-of-place'})" if both \
