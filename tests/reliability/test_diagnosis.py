@@ -179,17 +179,21 @@ def test_timeout_names_collective_seq_and_missing_rank(job, transport):
 
 def test_timeout_downstream_still_names_missing_rank(job):
     for rank in (0, 1):
-        kind, msg, elapsed = job[rank]["timeout downstream"]
-        assert kind == "TimeoutError" and elapsed < SLOW + 2, (rank, kind, msg)
+        kind, msg, _ = job[rank]["timeout downstream"]
+        assert kind == "TimeoutError", (rank, kind, msg)
+        # Rank 1's 1 s deadline reached rank 0 through the ABORT, not rank 0's own 6 s one
+        # (the message, not the wall clock, is the witness).
+        assert f"rank 1 timed out after {int(SLOW * 1000)} ms" in msg, (rank, msg)
+        assert f"{int(PATIENT * 1000)} ms" not in msg, (rank, msg)
         assert names_rank(msg, 2), f"rank {rank}: rank 2 not named: {msg}"
 
 
 def test_monitored_barrier_names_missing_ranks(job):
     for rank in (0, 1):
-        kind, msg, elapsed = job[rank]["monitored late"]
+        kind, msg, _ = job[rank]["monitored late"]
         assert kind == "TimeoutError", (rank, kind, msg)
         assert "global rank 2 did not reach it" in msg and "'world'" in msg, msg
-        assert SLOW - 0.1 < elapsed < SLOW + 2, elapsed
+        assert f"within {SLOW:g} s" in msg, msg  # its own deadline ended the wait
     kind, msg, _ = job[0]["monitored two missing"]
     assert kind == "TimeoutError" and "global ranks 1, 2 did not reach" in msg, msg
     for rank, r in enumerate(job):
