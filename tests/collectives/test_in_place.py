@@ -2,6 +2,8 @@
 paths (Note [Rooted in-place calls] in bind_backend.cc) and ProcessGroup.empty/zeros on the
 CPU backend. Values against numpy on random data; every rank makes the same calls."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,12 @@ from conftest import rand_array
 pytestmark = pytest.mark.timeout(90)
 
 
-def _in_place(pg):
+def _in_place(pg, hosts=None):
+    if hosts:  # a hierarchical group: one leader per emulated host (test_hierarchy.py)
+        os.environ["MESHCOLL_HOST_ID"] = hosts[pg.rank]
+        meshcoll._C.reload_config()
+        pg = pg.new_group(list(range(pg.size)))
+        assert pg._hier is not None
     n, r = pg.size, pg.rank
     rows = 5
     blocks = [rand_array(np.random.default_rng(10 + k), rows * 7, np.float32).reshape(rows, 7)
@@ -57,6 +64,11 @@ def _in_place(pg):
 @pytest.mark.parametrize("world,transport", [(2, "shm"), (3, "tcp"), (4, "shm")])
 def test_in_place_gathers_and_overlap_errors(run_ranks, world, transport):
     for errors in run_ranks(world, _in_place, transport=transport):
+        assert not errors, errors
+
+
+def test_in_place_gathers_and_overlap_errors_on_a_hierarchy(run_ranks):
+    for errors in run_ranks(4, _in_place, hosts=["a", "a", "b", "b"]):
         assert not errors, errors
 
 
