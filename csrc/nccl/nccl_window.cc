@@ -86,12 +86,16 @@ uint32_t NcclComm::window_tag(const void* in, size_t in_bytes, const void* out,
   const auto a = reinterpret_cast<uintptr_t>(in), b = reinterpret_cast<uintptr_t>(out);
   // The in-place forms (one buffer inside the other, Note [Overlapping buffers]) put x at a
   // rank's own offset: the outer buffer alone says where the call's data lies.
-  std::vector<uintptr_t> bufs{a, b};
-  if (a < b + out_bytes && b < a + in_bytes) bufs = {std::min(a, b)};
+  // In, then out: the order is the call's, not the addresses' (windows may lie in another
+  // order on another rank).
+  const bool nested = a < b + out_bytes && b < a + in_bytes;
+  const uintptr_t bufs[2] = {nested ? std::min(a, b) : a, b};
+  const int nbufs = nested ? 1 : 2;
   std::lock_guard<std::mutex> wl(win_mu_);
   uint64_t h = 14695981039346656037ull;
   bool any = false;
-  for (uintptr_t p : bufs) {
+  for (int k = 0; k < nbufs; ++k) {
+    const uintptr_t p = bufs[k];
     auto it = windows_.upper_bound(p);
     if (it != windows_.begin() && p - std::prev(it)->first < std::prev(it)->second.bytes) {
       --it;

@@ -158,6 +158,16 @@ comm::AllReduceTuning tuning_arg(const std::string& algorithm, size_t max_segmen
   return t;
 }
 
+// The backend a METH_FASTCALL method was called on, once its positional arguments are
+// counted: "<name> takes <n> positional arguments (<args>), got <k>" otherwise.
+Backend& fast_backend(PyObject* self, Py_ssize_t nargs, const char* name, Py_ssize_t want,
+                      const char* args) {
+  if (nargs != want)
+    throw py::type_error(str_cat(name, " takes ", want, " positional arguments (", args,
+                                 "), got ", nargs));
+  return py::cast<Backend&>(py::handle(self));
+}
+
 // Note [all_reduce_sync]
 // The synchronous in-place all_reduce, ProcessGroup.all_reduce's hot path on every backend:
 // one METH_FASTCALL call (Note [FASTCALL methods]), no Work, no owner reference. Arguments
@@ -166,11 +176,9 @@ comm::AllReduceTuning tuning_arg(const std::string& algorithm, size_t max_segmen
 PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   return fastcall([&]() -> PyObject* {
     constexpr const char* what = "all_reduce";
-    if (nargs != 8)
-      throw py::type_error(str_cat("all_reduce_sync takes 8 positional arguments (x, op, "
-                                   "timeout, stream, algorithm, max_segment_bytes, "
-                                   "tree_threshold_bytes, hd_threshold_bytes), got ", nargs));
-    Backend& b = py::cast<Backend&>(py::handle(self));
+    Backend& b = fast_backend(self, nargs, "all_reduce_sync", 8,
+                              "x, op, timeout, stream, algorithm, max_segment_bytes, "
+                              "tree_threshold_bytes, hd_threshold_bytes");
     CallReader read(b, what, py::handle(args[2]), py::handle(args[3]), false);
     comm::ArrayView x = read(py::handle(args[0]), "", true);
     RedOp op = redop_arg(str_arg(args[1], what, "op"), what);
@@ -192,10 +200,7 @@ PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t narg
 // timeout, stream).
 PyObject* all_gather_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   return fastcall([&]() -> PyObject* {
-    if (nargs != 4)
-      throw py::type_error(str_cat("all_gather_sync takes 4 positional arguments (x, out, "
-                                   "timeout, stream), got ", nargs));
-    Backend& b = py::cast<Backend&>(py::handle(self));
+    Backend& b = fast_backend(self, nargs, "all_gather_sync", 4, "x, out, timeout, stream");
     CallReader read(b, "all_gather", py::handle(args[2]), py::handle(args[3]), false);
     comm::ArrayView in = read(py::handle(args[0]), "x", false);
     comm::ArrayView out = read(py::handle(args[1]), "out", true);
@@ -208,10 +213,8 @@ PyObject* all_gather_sync(PyObject* self, PyObject* const* args, Py_ssize_t narg
 PyObject* reduce_scatter_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   return fastcall([&]() -> PyObject* {
     constexpr const char* what = "reduce_scatter";
-    if (nargs != 5)
-      throw py::type_error(str_cat("reduce_scatter_sync takes 5 positional arguments (x, out, "
-                                   "op, timeout, stream), got ", nargs));
-    Backend& b = py::cast<Backend&>(py::handle(self));
+    Backend& b = fast_backend(self, nargs, "reduce_scatter_sync", 5,
+                              "x, out, op, timeout, stream");
     CallReader read(b, what, py::handle(args[3]), py::handle(args[4]), false);
     comm::ArrayView in = read(py::handle(args[0]), "x", false);
     comm::ArrayView out = read(py::handle(args[1]), "out", true);
@@ -239,10 +242,7 @@ int rank_arg(PyObject* o) {
 PyObject* broadcast_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   return fastcall([&]() -> PyObject* {
     constexpr const char* what = "broadcast";
-    if (nargs != 4)
-      throw py::type_error(str_cat("broadcast_sync takes 4 positional arguments (x, root, "
-                                   "timeout, stream), got ", nargs));
-    Backend& b = py::cast<Backend&>(py::handle(self));
+    Backend& b = fast_backend(self, nargs, "broadcast_sync", 4, "x, root, timeout, stream");
     CallReader read(b, what, py::handle(args[2]), py::handle(args[3]), false);
     comm::ArrayView x = read(py::handle(args[0]), "x", true);
     const int root = rank_arg(args[1]);
@@ -254,10 +254,7 @@ PyObject* broadcast_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs
 PyObject* reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   return fastcall([&]() -> PyObject* {
     constexpr const char* what = "reduce";
-    if (nargs != 5)
-      throw py::type_error(str_cat("reduce_sync takes 5 positional arguments (x, root, op, "
-                                   "timeout, stream), got ", nargs));
-    Backend& b = py::cast<Backend&>(py::handle(self));
+    Backend& b = fast_backend(self, nargs, "reduce_sync", 5, "x, root, op, timeout, stream");
     CallReader read(b, what, py::handle(args[3]), py::handle(args[4]), false);
     comm::ArrayView x = read(py::handle(args[0]), "x", true);
     const int root = rank_arg(args[1]);
