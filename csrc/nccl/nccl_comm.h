@@ -251,6 +251,9 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void drain_retired();
   // Deregisters every window (shutdown); later drops free their memory themselves.
   void close_windows_locked();
+  // Deregisters (while the communicator is usable) and frees dropped blocks; the device is
+  // idle already.
+  void free_retired_locked(const std::map<void*, abi::ncclWindow_t>& retired);
 
   NcclComm(abi::ncclComm_t comm, int rank, int size, int device, abi::CUcontext ctx,
            Millis timeout);

@@ -146,7 +146,11 @@ void NcclComm::drain_retired() {
   // Not under mu_: the watchdog may need it to abort an op of ours that never ends.
   cu_.ctx_synchronize();
   std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& [ptr, win] : ready) {
+  free_retired_locked(ready);
+}
+
+void NcclComm::free_retired_locked(const std::map<void*, ncclWindow_t>& retired) {
+  for (const auto& [ptr, win] : retired) {
     if (win && comm_ && !failed_) nc_.window_deregister(comm_, win);
     nc_.mem_free(ptr);
   }
@@ -164,13 +168,11 @@ void NcclComm::close_windows_locked() {
     has_retired_.store(false, std::memory_order_release);
   }
   if (live.empty() && retired.empty()) return;
+  CtxGuard guard(cu_, ctx_);  // shutdown's failed path comes here before setting it
   cu_.ctx_synchronize();
   for (const auto& [base, w] : live)
     if (comm_ && !failed_) nc_.window_deregister(comm_, w.win);
-  for (const auto& [ptr, win] : retired) {
-    if (win && comm_ && !failed_) nc_.window_deregister(comm_, win);
-    nc_.mem_free(ptr);
-  }
+  free_retired_locked(retired);
 }
 
 SymmetricBlock::~SymmetricBlock() {
