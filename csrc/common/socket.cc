@@ -121,6 +121,10 @@ int listen_on(const std::string& host, int port, int backlog, int* bound_port) {
                             errno_text(last_err), hint));
 }
 
+namespace {
+constexpr int kConnectAttemptMs = 500;
+}  // namespace
+
 int connect_to(const std::string& host, int port, const Deadline& d, const std::string& what) {
   Endpoint ep{host, port};
   int last_err = 0;
@@ -137,7 +141,13 @@ int connect_to(const std::string& host, int port, const Deadline& d, const std::
       set_nonblocking(fd);
       int rc = ::connect(fd, a->ai_addr, a->ai_addrlen);
       if (rc != 0 && errno == EINPROGRESS) {
-        if (wait_ready(fd, POLLOUT, d)) {
+        // One attempt waits at most kConnectAttemptMs: a SYN dropped by a full backlog (a
+        // busy or flooded listener) is otherwise resent by the kernel after 1, 3, 7 s, so a
+        // 10 s deadline would get four tries; a fresh connect sends one at once.
+        const int left = d.poll_ms();
+        const Deadline attempt = Deadline::after_ms(
+            left < 0 ? kConnectAttemptMs : std::min(left, kConnectAttemptMs));
+        if (wait_ready(fd, POLLOUT, attempt)) {
           int err = 0;
           socklen_t len = sizeof(err);
           getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
