@@ -75,14 +75,31 @@ void Agreement::await(uint64_t seq, Millis timeout) {
   if (size_ == 1) return;
   const Millis t = timeout.count() < 0 ? timeout_ : timeout;
   Deadline d(t);
-  // The checker runs a round at once while calls wait, else within kIdlePause: poll.
+  auto late = [&] {
+    return TimeoutError(str_cat(desc_of(seq), " [seq ", seq, "] on rank ", names_(rank_),
+                                ": not every rank issued it within ", t.count(), " ms",
+                                census(seq), "; every rank must make the same calls"));
+  };
+  auto left = [&] { return d.poll_ms() < 0 ? kIdleDeadline : Millis(d.poll_ms()); };
+  // Rounds run here, on the caller's thread (Note [Agreement before launch]); the checker's
+  // rounds take the same mutex, so this rank's rounds stay one at a time.
   while (checked_.load(std::memory_order_acquire) < seq) {
     if (failed_.load(std::memory_order_acquire)) std::rethrow_exception(error_);
-    if (d.expired())
-      throw TimeoutError(str_cat(desc_of(seq), " [seq ", seq, "] on rank ", names_(rank_),
-                                 ": not every rank issued it within ", t.count(), " ms",
-                                 census(seq), "; every rank must make the same calls"));
-    std::this_thread::sleep_for(std::chrono::microseconds(100));
+    std::unique_lock<std::timed_mutex> lock(round_mu_, std::defer_lock);
+    // A checker's idle round holds the mutex until a peer runs a round too.
+    if (!lock.try_lock_for(left())) throw late();
+    if (checked_.load(std::memory_order_acquire) >= seq) break;
+    try {
+      if (!round(false, left()) && !failed_.load())
+        fail(std::make_exception_ptr(MismatchError(str_cat(
+                 desc_of(seq), " [seq ", seq, "] on rank ", names_(rank_),
+                 ": the peers have destroyed the group, so this call has no partner"))),
+             seq);
+    } catch (const TimeoutError&) {
+      fail(std::make_exception_ptr(late()), seq);
+    } catch (...) {
+      fail(std::current_exception(), seq);
+    }
   }
   if (failed_.load(std::memory_order_acquire)) std::rethrow_exception(error_);
 }
@@ -159,6 +176,7 @@ void Agreement::loop() {
     const uint64_t before = checked_.load(std::memory_order_relaxed);
     const bool waiting = issued_.load(std::memory_order_acquire) > before;
     try {
+      std::lock_guard<std::timed_mutex> lock(round_mu_);
       if (!round(leaving, waiting || leaving ? timeout_ : kIdleDeadline)) break;
     } catch (...) {
       // A failure while calls wait to be compared (or while leaving) is the group's; one

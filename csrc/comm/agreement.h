@@ -21,6 +21,17 @@
 // peer that stops answering is then a TimeoutError naming it) and unbounded when idle (a job
 // may sit in other code for hours). A dead peer breaks the channel at once: a PeerError
 // naming it reaches the sink without waiting for any timeout.
+//
+// Note [Agreement before launch]
+// Some calls must not start on a disagreement even in async mode: a symmetric allocation,
+// and any NCCL call on symmetric memory, whose kernels do not end at ncclCommAbort (a rank
+// in a symmetric kernel whose peer runs another kernel waits forever, and so does every
+// later device synchronize). For those the backend calls await(), which runs rounds on the
+// caller's thread until the call is compared: a rank waits there for its peers to issue
+// the call (a host-side barrier; their kernels need them anyway), and on one host a round
+// is one shared-memory all_gather, a few microseconds. The checker's rounds and await()'s
+// take one mutex, so a rank's rounds never overlap; rounds pair across ranks by order
+// alone, so one rank's caller round may pair with a peer's checker round.
 // The records also tell how far each peer has issued: census() names, for a timed-out call,
 // the ranks that never issued it and the last call each did issue.
 // Leaving (stop(), at destroy): a rank keeps running rounds, marked `leaving`, until every
@@ -69,9 +80,9 @@ class Agreement : public std::enable_shared_from_this<Agreement> {
   // Collective `seq` (consecutive from 1) was issued with description `d`. Strict: raises
   // MismatchError (or the channel's failure) before the call may be launched.
   void note(uint64_t seq, const transport::OpDesc& d);
-  // Blocks until every rank issued call `seq` and it agreed (for calls that must not start
-  // on a disagreement even in async mode: a symmetric allocation). Raises the check's
-  // failure, or TimeoutError naming the ranks that never issued it after `timeout`.
+  // Blocks until every rank issued call `seq` and it agreed, running rounds on this thread
+  // (Note [Agreement before launch]). Raises the check's failure, or TimeoutError naming
+  // the ranks that never issued it after `timeout` (< 0: the group's).
   void await(uint64_t seq, Millis timeout);
   // "; rank(s) 1 never issued it (last issued: seq 41, all_reduce(...))" for a call `seq`
   // that timed out, from the last round; "" when every rank had issued it.
@@ -128,6 +139,9 @@ class Agreement : public std::enable_shared_from_this<Agreement> {
   std::vector<uint64_t> peer_issued_;  // as of the last round
   Clock::time_point last_round_;
 
+  // Held around every round (the checker's, and await()'s on the caller's thread): a rank's
+  // rounds on the channel must not overlap (Note [One issuing thread]).
+  std::timed_mutex round_mu_;
   std::mutex wake_mu_;
   std::condition_variable wake_;
   bool done_ = false;  // the checker has ended (under wake_mu_)

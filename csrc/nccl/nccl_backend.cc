@@ -155,6 +155,8 @@ void NcclBackend::open(Call& c, const ArrayView* in, const ArrayView* out) {
   if (!agreement_) return;
   try {
     agreement_->note(c.seq, c.desc);
+    // Symmetric kernels do not end at an abort: agree first (Note [Agreement before launch]).
+    if (c.desc.memory) agreement_->await(c.seq, c.opts.timeout);
   } catch (...) {
     comm_->mark_reported();  // raised by this call: destroy() need not raise it again
     throw;

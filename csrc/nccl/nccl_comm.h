@@ -79,9 +79,9 @@ class NcclComm;
 class SymmetricBlock {
  public:
   SymmetricBlock(std::weak_ptr<NcclComm> comm, void* ptr, size_t bytes, bool windowed,
-                 abi::CUcontext ctx, int device)
+                 abi::CUcontext ctx, int device, Millis timeout)
       : comm_(std::move(comm)), ptr_(ptr), bytes_(bytes), windowed_(windowed), ctx_(ctx),
-        device_(device) {}
+        device_(device), timeout_(timeout) {}
   ~SymmetricBlock();
   SymmetricBlock(const SymmetricBlock&) = delete;
   SymmetricBlock& operator=(const SymmetricBlock&) = delete;
@@ -98,6 +98,7 @@ class SymmetricBlock {
   bool windowed_;
   abi::CUcontext ctx_;  // retained by the communicator at alloc; by us from then on
   int device_;
+  Millis timeout_;  // the group's: how long a drop after its end waits for the device
 };
 
 // Handle on one enqueued op (the backend contract's Work).
@@ -245,12 +246,14 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // drain_retired(). False when the communicator holds no windows any more (the block frees
   // its memory itself).
   bool retire(void* ptr);
-  // On the issuing thread, before taking mu_: synchronizes the device (bounded by every
-  // group's watchdog, which may need mu_ to abort a stuck op), then deregisters and frees the
-  // retired blocks.
+  // On the issuing thread, before taking mu_: synchronizes the device (bounded by the
+  // timeout: Note [Bounded device synchronize] in nccl_window.cc; not under mu_, which the
+  // watchdog may need to abort a stuck op), then deregisters and frees the retired blocks.
   void drain_retired();
-  // Deregisters every window (shutdown); later drops free their memory themselves.
+  // Deregisters every window (shutdown); later drops free their memory themselves. A failed
+  // group waits at most kFailedSyncBound for its device to go idle.
   void close_windows_locked();
+  static constexpr Millis kFailedSyncBound{2000};
   // Deregisters (while the communicator is usable) and frees dropped blocks; the device is
   // idle already.
   void free_retired_locked(const std::map<void*, abi::ncclWindow_t>& retired);

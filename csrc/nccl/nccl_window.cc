@@ -1,6 +1,10 @@
 // Symmetric memory of one NCCL communicator: ncclMemAlloc blocks registered as windows, the
 // tag that lets the agreement check compare where each rank's buffers lie, and the blocks'
 // release (Note [Symmetric memory] in nccl_comm.h).
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
 #include "common/error.h"
 #include "nccl/nccl_comm.h"
 #include "nccl/nccl_internal.h"
@@ -11,11 +15,42 @@ using namespace abi;  // NOLINT: the ABI names read best unqualified here
 using detail::CtxGuard;
 
 namespace {
-// Frees a block's memory after the device is idle: it may still be read or written by work
-// on any stream (as cudaFree, which ncclMemFree does not imitate).
-void free_block(const NcclApi& nc, const CudaApi& cu, void* ptr) {
-  cu.ctx_synchronize();
-  nc.mem_free(ptr);
+// Note [Bounded device synchronize]
+// Symmetric memory is freed only once the device is idle (it may still be read or written
+// by work on any stream, as cudaFree waits for). But NCCL's symmetric kernels do not end at
+// ncclCommAbort: after a peer died inside one, cuCtxSynchronize would never return, and
+// neither would the call, destroy() or the array's deleter that waits for it. So the
+// synchronize runs on a helper thread and is waited for up to a bound; past it the memory
+// is never freed (a stuck kernel may still write it) and the helper is left behind, holding
+// only its own state, until the kernel ends or the process exits.
+bool device_idle(const CudaApi& cu, CUcontext ctx, Millis bound) {
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    bool ok = false;
+  };
+  auto st = std::make_shared<State>();
+  std::thread([st, &cu, ctx] {
+    bool ok = false;
+    try {
+      CtxGuard guard(cu, ctx);
+      ok = cu.ctx_synchronize() == CUDA_SUCCESS;
+    } catch (...) {
+    }
+    std::lock_guard<std::mutex> lock(st->mu);
+    st->done = true;
+    st->ok = ok;
+    st->cv.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(st->mu);
+  st->cv.wait_for(lock, bound, [&] { return st->done; });
+  return st->done && st->ok;
+}
+
+// Frees a block's memory after the device is idle (never, if it does not become idle).
+void free_block(const NcclApi& nc, const CudaApi& cu, CUcontext ctx, void* ptr, Millis bound) {
+  if (device_idle(cu, ctx, bound)) nc.mem_free(ptr);
 }
 
 uint64_t mix(uint64_t h, uint64_t v) {  // FNV-1a over 8 bytes
@@ -46,11 +81,13 @@ std::shared_ptr<SymmetricBlock> NcclComm::alloc_symmetric(size_t bytes, bool zer
                           nc_.error_text(r, nullptr)));
     CUresult cr = zero ? cu_.memset_d8_async(reinterpret_cast<CUdeviceptr>(p), 0, bytes, nullptr)
                        : CUDA_SUCCESS;
-    if (cr == CUDA_SUCCESS) cr = cu_.ctx_synchronize();
     if (cr != CUDA_SUCCESS) {
       nc_.mem_free(p);
       cu_.check(cr, "zeroing a symmetric block");
     }
+    if (!device_idle(cu_, ctx_, timeout.count() < 0 ? timeout_ : timeout))
+      throw TimeoutError(str_cat("symmetric allocation on ", where(), ": the device did not go "
+                                 "idle within the timeout (a kernel that never ends?)"));
   }
   std::unique_lock<std::mutex> lock(mu_);
   CtxGuard guard(cu_, ctx_);
@@ -77,7 +114,7 @@ std::shared_ptr<SymmetricBlock> NcclComm::alloc_symmetric(size_t bytes, bool zer
     num_windows_.store(windows_.size(), std::memory_order_release);
   }
   return std::make_shared<SymmetricBlock>(weak_from_this(), p, bytes, win != nullptr, retained,
-                                          device_);
+                                          device_, timeout_);
 }
 
 uint32_t NcclComm::window_tag(const void* in, size_t in_bytes, const void* out,
@@ -142,9 +179,9 @@ void NcclComm::drain_retired() {
     has_retired_.store(false, std::memory_order_release);
   }
   if (ready.empty()) return;
-  CtxGuard guard(cu_, ctx_);
-  // Not under mu_: the watchdog may need it to abort an op of ours that never ends.
-  cu_.ctx_synchronize();
+  // Not under mu_: the watchdog may need it to abort an op of ours that never ends. A device
+  // that stays busy past the timeout keeps the memory (Note [Bounded device synchronize]).
+  if (!device_idle(cu_, ctx_, timeout_)) return;
   std::lock_guard<std::mutex> lock(mu_);
   free_retired_locked(ready);
 }
@@ -169,7 +206,9 @@ void NcclComm::close_windows_locked() {
   }
   if (live.empty() && retired.empty()) return;
   CtxGuard guard(cu_, ctx_);  // shutdown's failed path comes here before setting it
-  cu_.ctx_synchronize();
+  // A failed group's kernels may never end: a short bound, then the memory is kept.
+  if (!device_idle(cu_, ctx_, failed_ ? std::min(timeout_, kFailedSyncBound) : timeout_))
+    return;
   for (const auto& [base, w] : live)
     if (comm_ && !failed_) nc_.window_deregister(comm_, w.win);
   free_retired_locked(retired);
@@ -180,7 +219,7 @@ SymmetricBlock::~SymmetricBlock() {
     const CudaApi& cu = cuda();
     CtxGuard guard(cu, ctx_);
     auto comm = comm_.lock();
-    if (!(comm && comm->retire(ptr_))) free_block(nccl(), cu, ptr_);
+    if (!(comm && comm->retire(ptr_))) free_block(nccl(), cu, ctx_, ptr_, timeout_);
     CUdevice dev = 0;
     if (cu.device_get(&dev, device_) == CUDA_SUCCESS) cu.primary_ctx_release(dev);
   } catch (...) {

@@ -159,15 +159,18 @@ class DataParallel:
     - ``mode``: ``"sync"`` (average gradients every step) or ``LocalSGD(period)``.
     - ``symmetric``: on an NCCL group, buckets live in symmetric memory (one
       ``group.empty(symmetric=True)`` arena per dtype, the buckets slices of it at the same
-      offsets on every rank), so their all-reduces run NCCL's symmetric kernels. Opt-in
-      (default False): see the README's Symmetric memory for the check mode to use with it.
+      offsets on every rank), so their all-reduces run NCCL's symmetric kernels. None (the
+      default): wherever the group has symmetric windows (``group.symmetric_memory``), its
+      calls are checked (``check`` is not "off": symmetric kernels must be agreed before
+      launch) and no ``"bf16"``/``"fp16"`` compression sends a copy instead.
     """
 
     def __init__(self, params: Mapping[str, object], *, group: Optional[ProcessGroup] = None,
                  bucket_cap_mb: float = 25, average: bool = True,
                  broadcast_from: Optional[int] = 0,
                  compression: Union[None, str, _Hook] = None,
-                 mode: Union[str, LocalSGD] = "sync", symmetric: bool = False) -> None:
+                 mode: Union[str, LocalSGD] = "sync",
+                 symmetric: Optional[bool] = None) -> None:
         from .world import get_world_group
         self._group = group if group is not None else get_world_group()
         if not isinstance(params, Mapping) or not params:
@@ -196,6 +199,10 @@ class DataParallel:
         self._average = bool(average)
         self._half = self._compression_dtype(compression)
         self._hook: Optional[_Hook] = compression if callable(compression) else None
+        if symmetric is None:
+            symmetric = (self._group.backend_name == "nccl" and self._half is None
+                         and self._group._options.check != "off"
+                         and self._group.symmetric_memory == "nccl windows")
         self._symmetric = bool(symmetric) and self._group.backend_name == "nccl"
         self._build_buckets(float(bucket_cap_mb) * _MB)
 

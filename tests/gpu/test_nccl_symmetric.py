@@ -5,6 +5,8 @@ is given back."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -66,7 +68,7 @@ def test_symmetric_arrays_give_exact_results():
 
 
 # (label, what rank 0 passes, what rank 1 passes): NCCL would pick different kernels.
-def _disagree(pg):
+def _disagree(pg, check):
     import torch
     out = {}
     cases = {
@@ -75,9 +77,9 @@ def _disagree(pg):
         "offsets": lambda g, a: a[:1024] if g.rank == 0 else a[256:1280],
     }
     for name, pick in cases.items():
-        # strict: NCCL's symmetric kernels do not end at ncclCommAbort, so a disagreement must
-        # be found before launch (README, Symmetric memory: known limit of the async check).
-        g = pg.new_group([0, 1], timeout=20, check="strict")
+        # NCCL's symmetric kernels do not end at ncclCommAbort, so in either mode a call on
+        # symmetric memory is agreed before launch (Note [Agreement before launch]).
+        g = pg.new_group([0, 1], timeout=20, check=check)
         arena = g.zeros(1 << 16, "float32", symmetric=True)
         g.all_reduce(arena[:8])  # agreed: the group works
         kind, msg = "no error", ""
@@ -108,11 +110,45 @@ def _disagree(pg):
 
 
 @gpus(2)
-def test_ranks_that_disagree_on_symmetric_buffers_get_mismatch():
-    for rank, res in enumerate(run_nccl(2, _disagree, deadline=200)):
+@pytest.mark.parametrize("check", ["async", "strict"])
+def test_ranks_that_disagree_on_symmetric_buffers_get_mismatch(check):
+    for rank, res in enumerate(run_nccl(2, _disagree, deadline=200, check=check)):
         for name, (kind, named, msg) in res.items():
             assert kind == "MismatchError", (rank, name, kind, msg)
             assert named, (rank, name, msg)
+
+
+def _killed_in_symmetric_kernels(pg):
+    """Rank 1 dies while rank 0 loops on symmetric all-reduces: rank 0's kernels wait on a
+    peer that is gone, and NCCL's abort does not end them (Note [Bounded device
+    synchronize])."""
+    x = pg.zeros(1 << 20, "float32", symmetric=True)
+    pg.all_reduce(x, async_op=True).synchronize()
+    if pg.rank == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    kind, msg = "no error", ""
+    try:
+        for _ in range(100000):
+            pg.all_reduce(x, async_op=True, timeout=10).synchronize()
+    except (meshcoll.PeerError, meshcoll.TimeoutError, meshcoll.AbortedError) as e:
+        kind, msg = type(e).__name__, str(e)
+    del x  # its memory is kept, not freed under a stuck kernel
+    t0 = time.monotonic()
+    try:
+        pg.destroy()
+    except meshcoll.MeshcollError:
+        pass
+    return kind, msg[:400], time.monotonic() - t0
+
+
+@gpus(2)
+def test_a_peer_killed_inside_symmetric_kernels_is_an_error_and_destroy_returns():
+    res = run_nccl(2, _killed_in_symmetric_kernels, may_die=(1,), deadline=120)
+    kind, msg, destroy_s = res[0]
+    assert kind in ("PeerError", "TimeoutError", "AbortedError"), res[0]
+    assert "rank 1" in msg, msg
+    assert destroy_s < 30, res[0]  # bounded: not the stuck kernel's forever
 
 
 def _lifetime(pg):
@@ -193,7 +229,7 @@ def _ddp(pg):
     import torch
     params = {f"p{i}": torch.zeros(1000 + 37 * i, device="cuda") for i in range(6)}
     out = {}
-    for sym in (False, True):
+    for sym in (False, True, None):  # None: the default, symmetric where windows are
         ddp = meshcoll.DataParallel(params, bucket_cap_mb=0.01, symmetric=sym)
         grads = {k: _rand(11 * i + pg.rank, v.numel()).view_as(v)
                  for i, (k, v) in enumerate(params.items())}
@@ -210,4 +246,4 @@ def _ddp(pg):
 @gpus(2)
 def test_data_parallel_buckets_in_symmetric_memory():
     for res in run_nccl(2, _ddp):
-        assert res == {False: (False, True), True: (True, True)}, res
+        assert res == {False: (False, True), True: (True, True), None: (True, True)}, res
