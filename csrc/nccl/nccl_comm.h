@@ -41,10 +41,13 @@
 // description, so ranks that disagree (one passes symmetric memory, another not, or another
 // offset: NCCL would pick different kernels and hang or mix data) get MismatchError from the
 // agreement check. The memory lives as long as its SymmetricBlock (the array's DLPack deleter
-// holds it). Dropping it retires the window: the next call on the issuing thread (NCCL is not
-// thread-safe, and a deleter runs on any thread), once the ops issued before the drop have
-// completed, synchronizes the device (the memory may still be read by other streams, as
-// cudaFree would) and deregisters and frees it. shutdown() deregisters every window; blocks
+// holds it). Dropping it retires the window; the issuing thread frees retired blocks (NCCL is
+// not thread-safe, and a deleter runs on any thread) at the next symmetric allocation, at
+// shutdown, or at the next call once they add up to kDrainBytes: it synchronizes the device
+// (the memory may still be read by other streams, as cudaFree would; bounded: Note [Bounded
+// device synchronize] in nccl_window.cc), then deregisters and frees them. Not at every next
+// call: a dropped DataParallel would otherwise stall a later step's host until the device
+// is idle. shutdown() deregisters every window; blocks
 // still held then keep their memory until dropped. Where NCCL has no windows (older than
 // 2.27, or symmetricSupport off on this communicator: ncclCommWindowRegister then returns no
 // window) the block is ordinary ncclMemAlloc memory and symmetric() says so.
@@ -245,7 +248,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // A block was dropped: its window (if still registered) and memory wait in retired_ for
   // drain_retired(). False when the communicator holds no windows any more (the block frees
   // its memory itself).
-  bool retire(void* ptr);
+  bool retire(void* ptr, size_t bytes);
   // On the issuing thread, before taking mu_: synchronizes the device (bounded by the
   // timeout: Note [Bounded device synchronize] in nccl_window.cc; not under mu_, which the
   // watchdog may need to abort a stuck op), then deregisters and frees the retired blocks.
@@ -254,6 +257,9 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // group waits at most kFailedSyncBound for its device to go idle.
   void close_windows_locked();
   static constexpr Millis kFailedSyncBound{2000};
+  // Dropped blocks wait for the next symmetric allocation (which synchronizes anyway) or
+  // shutdown, unless they add up to this much: then the next call frees them.
+  static constexpr size_t kDrainBytes = size_t{1} << 30;
   // Deregisters (while the communicator is usable) and frees dropped blocks; the device is
   // idle already.
   void free_retired_locked(const std::map<void*, abi::ncclWindow_t>& retired);
@@ -323,7 +329,8 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   uint64_t windows_made_ = 0;
   bool windows_closed_ = false;          // shutdown deregistered them: retire() refuses
   std::map<void*, abi::ncclWindow_t> retired_;  // dropped blocks (window or nullptr)
-  std::atomic<bool> has_retired_{false};
+  size_t retired_bytes_ = 0;
+  std::atomic<bool> drain_due_{false};  // retired_bytes_ reached kDrainBytes
 
   // Note [Stuck calls]: the deadline (steady-clock ns) of the NCCL call in progress, 0 when
   // none, -1 once the watchdog claimed it; the communicator it runs on; set once aborted.

@@ -37,9 +37,10 @@ void NcclComm::claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadl
 template <class Launch>
 NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_blocking,
                                 Launch&& launch) {
-  // Dropped symmetric blocks are freed here (an atomic load unless there are some), but not
-  // while the stream is captured: the device synchronize would break the capture.
-  if (has_retired_.load(std::memory_order_acquire)) {
+  // Dropped symmetric blocks are freed here once they add up to kDrainBytes (an atomic load
+  // unless so), but not while the stream is captured: the device synchronize would break
+  // the capture.
+  if (drain_due_.load(std::memory_order_acquire)) {
     int capturing = CU_STREAM_CAPTURE_STATUS_NONE;
     CtxGuard guard(cu_, ctx_);
     if (cu_.stream_is_capturing(c.stream, &capturing) == CUDA_SUCCESS &&

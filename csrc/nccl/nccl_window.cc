@@ -156,7 +156,7 @@ bool NcclComm::in_window(const void* ptr, size_t bytes) const {
   return a - it->first < it->second.bytes && a - it->first + bytes <= it->second.bytes;
 }
 
-bool NcclComm::retire(void* ptr) {
+bool NcclComm::retire(void* ptr, size_t bytes) {
   std::lock_guard<std::mutex> wl(win_mu_);
   if (windows_closed_) return false;
   ncclWindow_t win = nullptr;
@@ -166,17 +166,18 @@ bool NcclComm::retire(void* ptr) {
     num_windows_.store(windows_.size(), std::memory_order_release);
   }
   retired_[ptr] = win;
-  has_retired_.store(true, std::memory_order_release);
+  retired_bytes_ += bytes;
+  if (retired_bytes_ >= kDrainBytes) drain_due_.store(true, std::memory_order_release);
   return true;
 }
 
 void NcclComm::drain_retired() {
-  if (!has_retired_.load(std::memory_order_acquire)) return;
   std::map<void*, ncclWindow_t> ready;
   {
     std::lock_guard<std::mutex> wl(win_mu_);
     ready.swap(retired_);
-    has_retired_.store(false, std::memory_order_release);
+    retired_bytes_ = 0;
+    drain_due_.store(false, std::memory_order_release);
   }
   if (ready.empty()) return;
   // Not under mu_: the watchdog may need it to abort an op of ours that never ends. A device
@@ -201,8 +202,9 @@ void NcclComm::close_windows_locked() {
     windows_closed_ = true;
     live.swap(windows_);
     retired.swap(retired_);
+    retired_bytes_ = 0;
     num_windows_.store(0, std::memory_order_release);
-    has_retired_.store(false, std::memory_order_release);
+    drain_due_.store(false, std::memory_order_release);
   }
   if (live.empty() && retired.empty()) return;
   CtxGuard guard(cu_, ctx_);  // shutdown's failed path comes here before setting it
@@ -219,7 +221,7 @@ SymmetricBlock::~SymmetricBlock() {
     const CudaApi& cu = cuda();
     CtxGuard guard(cu, ctx_);
     auto comm = comm_.lock();
-    if (!(comm && comm->retire(ptr_))) free_block(nccl(), cu, ctx_, ptr_, timeout_);
+    if (!(comm && comm->retire(ptr_, bytes_))) free_block(nccl(), cu, ctx_, ptr_, timeout_);
     CUdevice dev = 0;
     if (cu.device_get(&dev, device_) == CUDA_SUCCESS) cu.primary_ctx_release(dev);
   } catch (...) {

@@ -154,14 +154,21 @@ def test_a_peer_killed_inside_symmetric_kernels_is_an_error_and_destroy_returns(
 def _lifetime(pg):
     import torch
     free0 = torch.cuda.mem_get_info()[0]
-    for i in range(12):  # 12 x 256 MiB: would not fit twice over if nothing were freed
+    for i in range(12):  # 12 x 256 MiB; each allocation frees the block dropped before it
         x = pg.empty(64 << 20, "float32", symmetric=True)
         x.fill_(1.0)
         pg.all_reduce(x[:1024])
         del x
-    pg.all_reduce(torch.ones(4, device="cuda"))  # frees what was dropped
+    pg.all_reduce(torch.ones(4, device="cuda"))
     torch.cuda.synchronize()
     grown = (free0 - torch.cuda.mem_get_info()[0]) / 2**20
+    # Blocks dropped together past kDrainBytes (1 GiB) are freed at the next call.
+    blocks = [pg.empty(64 << 20, "float32", symmetric=True) for _ in range(5)]
+    pg.all_reduce(blocks[0][:1024])
+    del blocks
+    pg.all_reduce(torch.ones(4, device="cuda"))
+    torch.cuda.synchronize()
+    grown = max(grown, (free0 - torch.cuda.mem_get_info()[0]) / 2**20)
     # An array that outlives its group stays valid memory; dropping it later is safe.
     g = pg.new_group([0, 1])
     kept = g.zeros(1000, "float32", symmetric=True)
