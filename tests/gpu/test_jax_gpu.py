@@ -59,7 +59,8 @@ def _jax_inputs(pg):
     except TypeError as e:
         res["no out="] = "out=" in str(e) and "JAX" in str(e)
     # The results taken back into JAX without a copy.
-    back = jax.numpy.from_dlpack(g)
+    with torch.cuda.device(t):  # torch exports a tensor only from its own current device
+        back = jax.numpy.from_dlpack(g)
     res["from_dlpack"] = np.array_equal(np.asarray(back), stacked)
     return res
 

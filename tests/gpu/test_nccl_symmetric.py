@@ -67,6 +67,43 @@ def test_symmetric_arrays_give_exact_results():
         assert not bad, (rank, bad)
 
 
+def _overlaps(pg):
+    """x and out that overlap other than in the in-place forms: ValueError before anything is
+    sent (Note [Overlapping buffers]), so the group still works, on ordinary and symmetric
+    memory alike."""
+    import torch
+    n, r = pg.size, pg.rank
+    out = {}
+    for label, make in (("ordinary", lambda c: torch.zeros(c, device="cuda")),
+                        ("symmetric", lambda c: pg.zeros(c, "float32", symmetric=True))):
+        a = make(8 * n * 32)
+        cases = {
+            "all_gather shifted": lambda: pg.all_gather(a[1:17], out=a[:n * 16].view(n, 16)),
+            "reduce_scatter shifted": lambda: pg.reduce_scatter(a[:n * 16], out=a[8:24]),
+            "all_gather out inside x": lambda: pg.all_gather(a[:n * 32], out=a[16:16 + n * n * 32]
+                                                             .view(n, n * 32)),
+        }
+        for name, call in cases.items():
+            try:
+                call()
+                out[(label, name)] = "no error"
+            except ValueError as e:
+                out[(label, name)] = "ValueError" if "overlap" in str(e) else str(e)[:200]
+        x = _rand(5 + r, 64)
+        pg.all_reduce(x)
+        want = sum(_rand(5 + k, 64).double() for k in range(n))
+        out[(label, "group works after")] = bool(torch.equal(x.double(), want))
+    torch.cuda.synchronize()
+    return out
+
+
+@gpus(2)
+def test_overlapping_buffers_raise_value_error_and_leave_the_group_working():
+    for rank, res in enumerate(run_nccl(2, _overlaps)):
+        for (label, name), v in res.items():
+            assert v is True if name == "group works after" else v == "ValueError", (rank, res)
+
+
 # (label, what rank 0 passes, what rank 1 passes): NCCL would pick different kernels.
 def _disagree(pg, check):
     import torch
