@@ -128,6 +128,9 @@ void Backend::check_overlap(const char* what, const ArrayView& in, const ArrayVi
 
 Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const CallOptions& o,
                             const char* what, std::initializer_list<const ArrayView*> arrays) {
+  if (destroyed_.load(std::memory_order_acquire))
+    throw Aborted(str_cat(who_, ": ", describe_op(d), " was called on a destroyed group; make "
+                          "a new group to go on"));
   if (device_memory_)
     for (const ArrayView* a : arrays)
       if (a->device >= 0 && a->device != device())

@@ -144,7 +144,11 @@ class Backend {
   // over several groups (the hierarchy).
   void fail(const std::string& message, std::exception_ptr like = nullptr);
   // Lets issued work finish (each operation's deadline bounds it), then closes the group.
-  virtual void shutdown() = 0;
+  // Every later call, on any backend, raises AbortedError saying the group was destroyed.
+  void shutdown() {
+    destroyed_.store(true, std::memory_order_release);
+    do_shutdown();
+  }
 
  protected:
   // A checked, described call: what the do_* methods receive.
@@ -157,6 +161,7 @@ class Backend {
     // a synchronous caller holds them itself).
     std::vector<std::shared_ptr<void>> keep;
   };
+  virtual void do_shutdown() = 0;
   // Backend-specific checks, called before anything is described or sent.
   virtual void check_reduction(DType dt, RedOp op) const = 0;
   virtual void check_options(const char* what, const CallOptions& o) const = 0;
@@ -206,6 +211,7 @@ class Backend {
   std::string who_;  // "rank 3 (global) of group 'world'"
   // Note [One issuing thread]. Threads are named by pthread_self(), which is Python's
   // threading.get_ident(): errors name them as the user knows them.
+  std::atomic<bool> destroyed_{false};  // shutdown() was called: open() refuses calls
   std::atomic<uint64_t> issuing_{0};  // the thread issuing a call now, or 0
   std::atomic<const char*> issuing_what_{""};  // its operation, for the error only
   std::atomic<uint64_t> intruder_{0};  // a thread that found the mark taken, or 0

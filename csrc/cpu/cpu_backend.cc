@@ -32,7 +32,7 @@ CpuBackend::CpuBackend(std::shared_ptr<store::Store> store, int rank, int size,
 
 CpuBackend::~CpuBackend() { shutdown(); }
 
-void CpuBackend::shutdown() { comm_->shutdown(); }
+void CpuBackend::do_shutdown() { comm_->shutdown(); }
 
 void CpuBackend::check_reduction(DType dt, RedOp op) const {
   reduce::lookup(dt, op);  // throws TypeMismatch naming both when unsupported

@@ -23,7 +23,6 @@ class CpuBackend final : public comm::Backend {
 
   const char* name() const override { return "cpu"; }
   std::string transport() const override { return comm_->shm_status(); }
-  void shutdown() override;
   comm::Comm& comm() { return *comm_; }
   // Makes all_reduce (algorithm auto), broadcast and all_gather (equal counts) hierarchical
   // (Note [Hierarchy] in python/meshcoll/hierarchy.py): each call becomes one operation on
@@ -32,6 +31,7 @@ class CpuBackend final : public comm::Backend {
   void set_hierarchy(std::shared_ptr<const Hierarchy> h) { hier_ = std::move(h); }
 
  protected:
+  void do_shutdown() override;
   void check_reduction(DType dt, RedOp op) const override;
   void check_options(const char* what, const comm::CallOptions& o) const override;
   comm::WorkPtr do_all_reduce(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,

@@ -197,7 +197,7 @@ std::shared_ptr<SymmetricBlock> NcclBackend::alloc_symmetric(size_t bytes, bool 
   return block;
 }
 
-void NcclBackend::shutdown() {
+void NcclBackend::do_shutdown() {
   if (agreement_) agreement_->stop(comm_->failed());
   comm_->shutdown();
 }

@@ -28,8 +28,6 @@ class NcclBackend final : public comm::Backend {
   const char* name() const override { return "nccl"; }
   std::string transport() const override { return "nccl"; }
   int device() const override { return comm_->device(); }
-  // Stops the agreement check (comparing what remains), then lets issued work finish.
-  void shutdown() override;
   NcclComm& comm() { return *comm_; }
   // Turns on the agreement check (Note [Agreement on a side channel]) over `channel`, a CPU
   // backend among the same ranks. Set once, before the group's first collective.
@@ -41,6 +39,8 @@ class NcclBackend final : public comm::Backend {
   std::shared_ptr<SymmetricBlock> alloc_symmetric(size_t bytes, bool zero, Millis timeout);
 
  protected:
+  // Stops the agreement check (comparing what remains), then lets issued work finish.
+  void do_shutdown() override;
   void check_reduction(DType dt, RedOp op) const override;
   void check_options(const char* what, const comm::CallOptions& o) const override;
   comm::WorkPtr do_all_reduce(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,

@@ -213,6 +213,35 @@ def test_a_peer_waiting_on_a_destroyed_group_fails_at_once(run_ranks):
     assert kind == "PeerError" and "rank 0" in msg, res[1]
 
 
+def _calls_after_destroy(pg):
+    import meshcoll
+    g = pg.new_group([0, 1])
+    g.all_reduce(np.ones(4))
+    g.destroy()
+    x = np.ones(8)
+    calls = {"all_reduce": lambda: g.all_reduce(x), "broadcast": lambda: g.broadcast(x),
+             "all_gather": lambda: g.all_gather(x), "barrier": lambda: g.barrier(),
+             "send": lambda: g.send(x, 1 - pg.rank), "recv": lambda: g.recv(x, 1 - pg.rank),
+             "async all_reduce": lambda: g.all_reduce(x, async_op=True).wait()}
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = ("no error", "")
+        except meshcoll.MeshcollError as e:
+            out[name] = (type(e).__name__, str(e))
+    pg.barrier(timeout=30)
+    return out
+
+
+def test_every_call_on_a_destroyed_group_is_aborted_error(run_ranks):
+    # The shared Backend layer refuses them (Backend::shutdown), on every backend alike.
+    for rank, res in enumerate(run_ranks(2, _calls_after_destroy)):
+        for name, (kind, msg) in res.items():
+            assert kind == "AbortedError", (rank, name, kind, msg)
+            assert "destroyed group" in msg and f"rank {rank}" in msg, (rank, name, msg)
+
+
 # ---- item 13: a stopped store host -----------------------------------------------------
 
 def _store_host_stops(rank, port, token):
