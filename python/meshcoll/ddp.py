@@ -162,7 +162,8 @@ class DataParallel:
       offsets on every rank), so their all-reduces run NCCL's symmetric kernels. None (the
       default): wherever the group has symmetric windows (``group.symmetric_memory``), its
       calls are checked (``check`` is not "off": symmetric kernels must be agreed before
-      launch) and no ``"bf16"``/``"fp16"`` compression sends a copy instead.
+      launch) and no ``"bf16"``/``"fp16"`` compression sends a copy instead. A bucket's
+      launch then waits on the host until every rank reaches it (that agreement).
     """
 
     def __init__(self, params: Mapping[str, object], *, group: Optional[ProcessGroup] = None,
