@@ -86,8 +86,13 @@ void Agreement::await(uint64_t seq, Millis timeout) {
   while (checked_.load(std::memory_order_acquire) < seq) {
     if (failed_.load(std::memory_order_acquire)) std::rethrow_exception(error_);
     std::unique_lock<std::timed_mutex> lock(round_mu_, std::defer_lock);
-    // A checker's idle round holds the mutex until a peer runs a round too.
-    if (!lock.try_lock_for(left())) throw late();
+    // A checker's idle round holds the mutex until a peer runs a round too. Past the
+    // deadline the call was issued here but never launched: the group fails, as it would
+    // had the round itself timed out.
+    if (!lock.try_lock_for(left())) {
+      fail(std::make_exception_ptr(late()), seq);
+      break;
+    }
     if (checked_.load(std::memory_order_acquire) >= seq) break;
     try {
       if (!round(false, left()) && !failed_.load())
