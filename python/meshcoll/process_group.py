@@ -318,11 +318,14 @@ class ProcessGroup:
         (lower latency, less GPU time). The rule: every rank passes the same offsets into
         these arrays (the same slices of the same allocation); ranks that pass different ones,
         or ordinary memory where a peer passes a window, get MismatchError from the agreement
-        check. ``symmetric_memory`` says whether windows are available here; where they are
-        not, the array is ordinary memory, and ``is_symmetric(x)`` says which an array is.
-        Allocate once and reuse: ncclMemAlloc rounds up to its granularity (MiBs), and
-        dropping such an array synchronizes the device at the group's next call, as cudaFree
-        does. ``destroy()`` deregisters the windows; arrays still held stay valid memory."""
+        check, before any kernel starts: a call on symmetric memory waits on the host until
+        every rank makes it (NCCL's symmetric kernels do not end at an abort).
+        ``symmetric_memory`` says whether windows are available here; where they are not, the
+        array is ordinary memory, and ``is_symmetric(x)`` says which an array is. Allocate
+        once and reuse: ncclMemAlloc rounds up to its granularity (MiBs), and dropped arrays
+        are freed, after a device synchronize as cudaFree does, at the group's next symmetric
+        allocation, at ``destroy()``, or at its next call once they add up to 1 GiB.
+        ``destroy()`` deregisters the windows; arrays still held stay valid memory."""
         return self._new(shape, dtype, like, symmetric, timeout, zero=False)
 
     def zeros(self, shape: Union[int, Sequence[int]], dtype: Any = None, *, like: Array = None,
