@@ -293,6 +293,10 @@ class _Job:
             if not any(self._group_alive(p.pid) for p in self.procs):
                 break
             time.sleep(_POLL_S)
+        left = [r for p, r in zip(self.procs, self.ranks) if self._group_alive(p.pid)]
+        if left:
+            self._log(f"rank{'s' if len(left) > 1 else ''} {', '.join(map(str, left))} still "
+                      f"running {GRACE_S:g} s after the signal: sent SIGKILL")
         self._signal_all(signal.SIGKILL)
         for p in self.procs:
             p.wait()
