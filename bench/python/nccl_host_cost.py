@@ -1,0 +1,135 @@
+"""Host cost of a small NCCL call from Python: meshcoll against the same NCCL called through
+CuPy's thin binding (the floor for any Python library), in the same processes.
+
+    NCCL_NVLS_ENABLE=0 python bench/python/nccl_host_cost.py --nprocs 2
+
+Per op, microseconds per call of `--calls` back-to-back calls on 8-byte buffers (then one
+synchronize), median of `--repeats`, rank 0: meshcoll's method, meshcoll's C++ entry point
+called directly (the Python layer's share is the difference), bare NCCL through CuPy, and a
+torch `add_` for the cost of one kernel launch from Python. Such calls are bound by the host:
+nccl-tests' C loop (`all_reduce_perf -b 8 -e 8`) is the other anchor. One process per GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import secrets
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from meshcoll.run import pick_free_port
+
+
+def rank_main(rank, world, port, token, args, conn):
+    try:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        import torch
+        import meshcoll
+        from cupy.cuda import nccl
+        torch.cuda.set_device(rank)
+        os.environ["MESHCOLL_TOKEN"] = token
+        pg = meshcoll.init(backend="nccl", rank=rank, world_size=world, master_addr="127.0.0.1",
+                           master_port=port, timeout=120, device=rank)
+
+        def timed(f):
+            for _ in range(10):
+                f()
+            torch.cuda.synchronize()
+            pg.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                f()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) / args.calls * 1e6
+
+        # CuPy's communicator over the same ranks: rank 0's unique id, through meshcoll.
+        uid = nccl.get_unique_id()
+        raw = np.frombuffer(uid, np.uint8) if isinstance(uid, bytes) else np.array(uid, np.int64)
+        ids = pg.all_gather(raw)
+        cc = nccl.NcclCommunicator(
+            world, ids[0].tobytes() if isinstance(uid, bytes) else tuple(int(v) for v in ids[0]),
+            rank)
+        sp = torch.cuda.current_stream().cuda_stream
+        be, cfg, n = pg._backend, pg.config, 2
+        x = torch.randn(n, device="cuda")
+        ag = torch.empty(world * n, device="cuda")
+        agv = ag.view(world, n)
+        xs = torch.randn(world * n, device="cuda")
+        o = torch.empty(n, device="cuda")
+        xp, agp, xsp, op_ = x.data_ptr(), ag.data_ptr(), xs.data_ptr(), o.data_ptr()
+        F32, SUM = nccl.NCCL_FLOAT32, nccl.NCCL_SUM
+        cases = {
+            "all_reduce": (
+                lambda: pg.all_reduce(x),
+                lambda: be.all_reduce_sync(x, "sum", None, None, "auto", cfg.max_segment_bytes,
+                                           cfg.tree_threshold_bytes, cfg.hd_threshold_bytes),
+                lambda: cc.allReduce(xp, xp, n, F32, SUM, sp)),
+            "all_gather": (
+                lambda: pg.all_gather(x, out=agv),
+                lambda: be.all_gather_sync(x, agv, None, None),
+                lambda: cc.allGather(xp, agp, n, F32, sp)),
+            "reduce_scatter": (
+                lambda: pg.reduce_scatter(xs, out=o),
+                lambda: be.reduce_scatter_sync(xs, o, "sum", None, None),
+                lambda: cc.reduceScatter(xsp, op_, n, F32, SUM, sp)),
+            "broadcast": (
+                lambda: pg.broadcast(x, src=0),
+                lambda: be.broadcast_sync(x, 0, None, None),
+                lambda: cc.bcast(xp, n, F32, 0, sp)),
+        }
+        rows = []
+        for name, fs in cases.items():
+            rows.append((name,) + tuple(statistics.median(timed(f) for _ in range(args.repeats))
+                                        for f in fs))
+        launch = statistics.median(timed(lambda: x.add_(0.0)) for _ in range(args.repeats))
+        meshcoll.destroy()
+        conn.send(("ok", (rows, launch)))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", traceback.format_exc()))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nprocs", type=int, default=2)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args(argv)
+    port = pick_free_port("127.0.0.1")
+    token = secrets.token_hex(8)
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for r in range(args.nprocs):
+        a, b = ctx.Pipe(False)
+        p = ctx.Process(target=rank_main, args=(r, args.nprocs, port, token, args, b))
+        p.start()
+        pipes.append(a)
+        procs.append(p)
+    results = []
+    for r, a in enumerate(pipes):
+        if not a.poll(300):
+            raise RuntimeError(f"rank {r} did not finish within 300 s")
+        results.append(a.recv())
+    for p in procs:
+        p.join(30)
+    for status, body in results:
+        if status != "ok":
+            raise RuntimeError(body)
+    rows, launch = results[0][1]
+    import torch
+    print(f"# host cost per 8-byte call, {args.nprocs} x {torch.cuda.get_device_name(0)}, "
+          f"{args.calls} back-to-back calls, median of {args.repeats}, rank 0, us")
+    print(f"{'op':>16} {'meshcoll':>9} {'_C entry':>9} {'cupy nccl':>10} {'ratio':>6}")
+    for name, mesh, entry, bare in rows:
+        print(f"{name:>16} {mesh:9.2f} {entry:9.2f} {bare:10.2f} {mesh / bare:6.2f}")
+    print(f"# one torch kernel launch (x.add_): {launch:.2f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
