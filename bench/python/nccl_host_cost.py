@@ -8,6 +8,10 @@ synchronize), median of `--repeats`, rank 0: meshcoll's method, meshcoll's C++ e
 called directly (the Python layer's share is the difference), bare NCCL through CuPy, and a
 torch `add_` for the cost of one kernel launch from Python. Such calls are bound by the host:
 nccl-tests' C loop (`all_reduce_perf -b 8 -e 8`) is the other anchor. One process per GPU.
+
+--steps also prints where meshcoll's call spends its time, step by step (Note [Host timers]
+in csrc/common/host_timers.h: MESHCOLL_HOST_TIMERS=1, which adds its own few tenths of a
+microsecond to every call timed in that run).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ def rank_main(rank, world, port, token, args, conn):
         import torch
         import meshcoll
         from cupy.cuda import nccl
+        from meshcoll import _C
         torch.cuda.set_device(rank)
         os.environ["MESHCOLL_TOKEN"] = token
         pg = meshcoll.init(backend="nccl", rank=rank, world_size=world, master_addr="127.0.0.1",
@@ -83,13 +88,15 @@ def rank_main(rank, world, port, token, args, conn):
                 lambda: be.broadcast_sync(x, 0, None, None),
                 lambda: cc.bcast(xp, n, F32, 0, sp)),
         }
-        rows = []
+        rows, steps = [], {}
         for name, fs in cases.items():
-            rows.append((name,) + tuple(statistics.median(timed(f) for _ in range(args.repeats))
-                                        for f in fs))
+            _C.host_timers(reset=True)
+            times = [statistics.median(timed(f) for _ in range(args.repeats)) for f in fs]
+            steps[name] = _C.host_timers(reset=True)  # [] unless --steps
+            rows.append((name, *times))
         launch = statistics.median(timed(lambda: x.add_(0.0)) for _ in range(args.repeats))
         meshcoll.destroy()
-        conn.send(("ok", (rows, launch)))
+        conn.send(("ok", (rows, launch, steps)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         conn.send(("error", traceback.format_exc()))
 
@@ -99,7 +106,10 @@ def main(argv=None):
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--steps", action="store_true", help="also time each step (host timers)")
     args = ap.parse_args(argv)
+    if args.steps:
+        os.environ["MESHCOLL_HOST_TIMERS"] = "1"  # read by each rank's import of meshcoll._C
     port = pick_free_port("127.0.0.1")
     token = secrets.token_hex(8)
     ctx = mp.get_context("spawn")
@@ -120,7 +130,7 @@ def main(argv=None):
     for status, body in results:
         if status != "ok":
             raise RuntimeError(body)
-    rows, launch = results[0][1]
+    rows, launch, steps = results[0][1]
     import torch
     print(f"# host cost per 8-byte call, {args.nprocs} x {torch.cuda.get_device_name(0)}, "
           f"{args.calls} back-to-back calls, median of {args.repeats}, rank 0, us")
@@ -128,6 +138,11 @@ def main(argv=None):
     for name, mesh, entry, bare in rows:
         print(f"{name:>16} {mesh:9.2f} {entry:9.2f} {bare:10.2f} {mesh / bare:6.2f}")
     print(f"# one torch kernel launch (x.add_): {launch:.2f} us")
+    for name, table in steps.items():
+        if table:
+            print(f"\n## {name}: meshcoll's call (method and _C entry) step by step, mean us")
+            for step, calls, us in table:
+                print(f"{step:>40} {us:8.2f}   ({calls} calls)")
     return 0
 
 

@@ -3,6 +3,7 @@
 #include <pthread.h>
 
 #include "common/error.h"
+#include "common/host_timers.h"
 
 namespace meshcoll::comm {
 
@@ -47,6 +48,7 @@ void Backend::Issue::check() const {
 template <class F>
 WorkPtr Backend::issue(const Call& c, F&& issue_op) {
   Issue issue(*this, c.what);
+  host_timers::mark(host_timers::kIssued);
   WorkPtr w = issue_op();
   issue.check();
   return w;

@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "common/check.h"
+#include "common/host_timers.h"
 
 namespace meshcoll {
 
@@ -34,6 +35,7 @@ void set_config(const Config& c) {
                "for no cap)");
   std::lock_guard<std::mutex> lock(config_mu());
   current() = c;
+  host_timers::enabled.store(c.host_timers, std::memory_order_relaxed);
 }
 
 void fault_point(const std::string& point) {

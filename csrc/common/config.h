@@ -10,7 +10,7 @@
 //
 // When a field takes effect: host_id, cma and fault when a communicator sets up shared memory,
 // simd when the kernel table is first built (the first reduction), nccl_* when NCCL is
-// loaded or split.
+// loaded or split, host_timers at once.
 #pragma once
 
 #include <string>
@@ -25,6 +25,7 @@ struct Config {
   std::string nccl_library;  // MESHCOLL_NCCL_LIBRARY: libnccl.so.2 to try first ("": none)
   bool nccl_split = true;    // MESHCOLL_NCCL_SPLIT: subgroups through ncclCommSplit where available
   bool abort_on_error = false;  // MESHCOLL_ON_ERROR=abort: a failed group ends the process
+  bool host_timers = false;  // MESHCOLL_HOST_TIMERS: time each fast-path call's steps (Note [Host timers])
   // MESHCOLL_FAULT, for fault-injection tests: "kill@<point>" makes this process SIGKILL
   // itself when it reaches fault_point(<point>) ("": never).
   std::string fault;

@@ -1,6 +1,7 @@
 #include "nccl/nccl_backend.h"
 
 #include "common/error.h"
+#include "common/host_timers.h"
 
 namespace meshcoll::nccl {
 
@@ -152,15 +153,17 @@ void NcclBackend::open(Call& c, const ArrayView* in, const ArrayView* out) {
   const size_t in_bytes = bytes(in), out_bytes = bytes(out);
   c.desc.memory = comm_->window_tag(in_data, in_bytes, out_data, out_bytes);
   c.seq = ledger().open_collective(c.desc);
-  if (!agreement_) return;
-  try {
-    agreement_->note(c.seq, c.desc);
-    // Symmetric kernels do not end at an abort: agree first (Note [Agreement before launch]).
-    if (c.desc.memory) agreement_->await(c.seq, c.opts.timeout);
-  } catch (...) {
-    comm_->mark_reported();  // raised by this call: destroy() need not raise it again
-    throw;
+  if (agreement_) {
+    try {
+      agreement_->note(c.seq, c.desc);
+      // Symmetric kernels do not end at an abort: agree first (Note [Agreement before launch]).
+      if (c.desc.memory) agreement_->await(c.seq, c.opts.timeout);
+    } catch (...) {
+      comm_->mark_reported();  // raised by this call: destroy() need not raise it again
+      throw;
+    }
   }
+  host_timers::mark(host_timers::kNoted);
 }
 
 void NcclBackend::set_agreement(std::shared_ptr<comm::Backend> channel,

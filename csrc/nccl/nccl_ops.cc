@@ -5,6 +5,7 @@
 
 #include "common/check.h"
 #include "common/error.h"
+#include "common/host_timers.h"
 #include "nccl/nccl_internal.h"
 
 namespace meshcoll::nccl {
@@ -67,15 +68,18 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
     cu_.check(cu_.stream_wait_event(internal_, order_event_, 0), "cuStreamWaitEvent");
     exec = internal_;
   }
+  host_timers::mark(host_timers::kPrepared);
   guarded_locked(d, what, [&] {
     launch(exec, d);
     return ncclSuccess;
   });
+  host_timers::mark(host_timers::kLaunched);
   if (captured)
     return std::make_shared<NcclWork>(shared_from_this(), 0, user, false, true, host_blocking);
   Slot& s = slots_[issued_ % kSlots];
   if (!s.event) cu_.check(cu_.event_create(&s.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
   cu_.check(cu_.event_record(s.event, exec), "cuEventRecord (op completion)");
+  host_timers::mark(host_timers::kRecorded);
   s.deadline = deadline_at(t);
   s.timeout_ms = t.count();
   s.what = what;

@@ -1,15 +1,20 @@
-// Bindings for csrc/common/config.h (Note [Configuration]). The module's init calls
+// Bindings for csrc/common/config.h (Note [Configuration]) and for the host timers one of its
+// settings turns on (common/host_timers.h). The module's init calls
 // config_at_import before registering anything: it asks python/meshcoll/_env.py (the one
 // place that knows variable names) for the settings and installs them. A bad value fails the
 // import of _C with an ImportError carrying _env's message (pybind11 would otherwise say only
 // "initialization failed"); nothing was registered yet, so a later import tries again.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <stdexcept>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "common/config.h"
 #include "common/error.h"
+#include "common/host_timers.h"
 
 namespace py = pybind11;
 
@@ -27,6 +32,7 @@ Config from_python(py::handle c) {
   out.nccl_library = c.attr("nccl_library").cast<std::string>();
   out.nccl_split = c.attr("nccl_split").cast<bool>();
   out.abort_on_error = c.attr("abort_on_error").cast<bool>();
+  out.host_timers = c.attr("host_timers").cast<bool>();
   out.fault = c.attr("fault").cast<std::string>();
   return out;
 }
@@ -58,18 +64,31 @@ void bind_config(py::module_& m) {
       .def_readwrite("nccl_library", &Config::nccl_library)
       .def_readwrite("nccl_split", &Config::nccl_split)
       .def_readwrite("abort_on_error", &Config::abort_on_error)
+      .def_readwrite("host_timers", &Config::host_timers)
       .def_readwrite("fault", &Config::fault)
       .def("__repr__", [](const Config& c) {
         auto b = [](bool v) { return v ? "True" : "False"; };
         return str_cat("Config(host_id='", c.host_id, "', cma=", b(c.cma), ", simd='", c.simd,
                        "', nccl_trace=", b(c.nccl_trace), ", nccl_library='", c.nccl_library,
                        "', nccl_split=", b(c.nccl_split), ", abort_on_error=",
-                       b(c.abort_on_error), ", fault='", c.fault, "')");
+                       b(c.abort_on_error), ", host_timers=", b(c.host_timers), ", fault='",
+                       c.fault, "')");
       });
   m.def("config", &config, "A copy of the settings in force.");
   m.def("set_config", [](py::handle c) { set_config(from_python(c)); }, py::arg("config"),
         "Installs the settings of `config` (a Config or meshcoll._env.CoreConfig); ValueError "
         "for a simd other than '', baseline, avx2 or avx512.");
+  m.def(
+      "host_timers",
+      [](bool reset) {
+        std::vector<std::tuple<std::string, uint64_t, double>> rows;
+        for (const auto& r : host_timers::take(reset)) rows.emplace_back(r.step, r.calls, r.mean_us);
+        return rows;
+      },
+      py::arg("reset") = true,
+      "Note [Host timers] (MESHCOLL_HOST_TIMERS=1): [(step, calls, mean us)] of this process's "
+      "synchronous fast-path calls since the last reset, each step the span that ends there; "
+      "empty when the timers are off.");
   m.def("reload_config", &apply_env_config,
         "Reads the MESHCOLL_* variables of the core again (they are read once, when _C is "
         "imported); ValueError naming a variable with a bad value.");

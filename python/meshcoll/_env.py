@@ -45,6 +45,7 @@ NCCL_LIBRARY = "MESHCOLL_NCCL_LIBRARY"
 NCCL_SPLIT = "MESHCOLL_NCCL_SPLIT"
 ON_ERROR = "MESHCOLL_ON_ERROR"
 ON_ERROR_CHOICES = ("raise", "abort")
+HOST_TIMERS = "MESHCOLL_HOST_TIMERS"
 CHECK = "MESHCOLL_CHECK"
 CHECK_MODES = ("async", "strict", "off")
 FAULT = "MESHCOLL_FAULT"
@@ -556,6 +557,7 @@ class CoreConfig:
     nccl_library: str = ""    # MESHCOLL_NCCL_LIBRARY: libnccl.so.2 to try first
     nccl_split: bool = True   # MESHCOLL_NCCL_SPLIT: subgroups through ncclCommSplit
     abort_on_error: bool = False  # MESHCOLL_ON_ERROR=abort: a failed group ends the process
+    host_timers: bool = False  # MESHCOLL_HOST_TIMERS: time each fast-path call's steps
     fault: str = ""           # MESHCOLL_FAULT (tests): "kill@<point>", see fault_point
 
 
@@ -573,7 +575,7 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreConfig:
     """The C++ core's settings from MESHCOLL_HOST_ID, _CMA, _SIMD, _NCCL_TRACE,
-    _NCCL_LIBRARY, _NCCL_SPLIT and _FAULT; ValueError naming the variable for a bad value. The
+    _NCCL_LIBRARY, _NCCL_SPLIT, _ON_ERROR, _HOST_TIMERS and _FAULT; ValueError naming the variable for a bad value. The
     compiled module installs the result once, when it is imported (Note [Configuration])."""
     env = os.environ if environ is None else environ
     simd = _get(env, SIMD) or ""
@@ -592,5 +594,6 @@ def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreCon
         nccl_library=_get(env, NCCL_LIBRARY) or "",
         nccl_split=_flag(env, NCCL_SPLIT, True),
         abort_on_error=_choice(env, ON_ERROR, ON_ERROR_CHOICES) == "abort",
+        host_timers=_flag(env, HOST_TIMERS, False),
         fault=fault,
     )

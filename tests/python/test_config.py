@@ -28,7 +28,8 @@ def test_cpp_defaults_equal_unset_environment():
 def test_set_reload_and_core_validation(monkeypatch):
     try:
         _C.set_config(CoreConfig(host_id="h1", cma=False, nccl_library="/x/libnccl.so.2"))
-        assert _as_tuple(_C.config()) == ("h1", False, "", False, "/x/libnccl.so.2", True, False, "")
+        assert _as_tuple(_C.config()) == ("h1", False, "", False, "/x/libnccl.so.2", True, False,
+                                          False, "")
         assert _C.host_identity() == "h1"
         bad = _C.Config()
         bad.simd = "sse9"
@@ -72,3 +73,33 @@ def test_bad_simd_fails_the_import_naming_the_variable():
     assert first == ("ImportError: meshcoll: MESHCOLL_SIMD='sse9' is not a SIMD level; use "
                      "baseline, avx2, avx512 (or unset it)"), r.stdout
     assert second == "baseline baseline", r.stdout
+
+
+def _host_timers(pg, calls):
+    import numpy as np
+    from meshcoll import _C
+    x = np.ones(4, np.float32)
+    out = np.empty((pg.size, 4), np.float32)
+    _C.host_timers(reset=True)  # what setup made
+    for _ in range(calls):
+        pg.all_reduce(x)
+        pg.all_gather(x, out=out)
+        pg.all_reduce(x, async_op=True).wait()  # not a fast-path call: not timed
+    return _C.host_timers(reset=True), _C.host_timers()
+
+
+@pytest.mark.timeout(60)
+def test_host_timers_time_each_fast_path_call_step_by_step(run_ranks):
+    # Note [Host timers]: with MESHCOLL_HOST_TIMERS=1 every synchronous fast-path call is
+    # timed once per step (the CPU backend has no NCCL steps); off, nothing is.
+    for on in (True, False):
+        env = {"MESHCOLL_HOST_TIMERS": "1"} if on else {}
+        for rows, after_reset in run_ranks(2, _host_timers, calls=50, env=env):
+            assert after_reset == []
+            if not on:
+                assert rows == [], rows
+                continue
+            steps = {step: (n, us) for step, n, us in rows}
+            assert list(steps) == ["read arguments and arrays", "shared checks (Backend)",
+                                   "to the return"], rows
+            assert all(n == 100 and us > 0 for n, us in steps.values()), rows
