@@ -3,11 +3,13 @@
 // Note [Host timers]
 // A small collective is bound by the host (an 8-byte NCCL all_reduce: NCCL's own enqueue is
 // most of it, and meshcoll's steps around it the rest). MESHCOLL_HOST_TIMERS=1 times each
-// synchronous fast-path call (bind_backend.cc: all_reduce, all_gather, reduce_scatter,
-// broadcast, reduce) between fixed steps, on the steady clock, per thread, and sums the
-// spans process-wide; _C.host_timers() reads them (bench/python/nccl_host_cost.py --steps
-// prints them). A span is attributed to the step that ends it, and only within one call (the
-// entry starts it). Off (the default), each step costs one predictable branch.
+// synchronous fast-path call (the METH_FASTCALL methods of python/fastcall.h: all_reduce,
+// all_gather, reduce_scatter, broadcast, reduce) between fixed steps, on the steady clock,
+// per thread, and sums the spans process-wide; _C.host_timers() reads them
+// (bench/python/nccl_host_cost.py --steps prints them). A span is attributed to the step that
+// ends it, and only within one call (the entry starts it, the return or a failure ends it; a
+// call nested in it, the agreement's channel round, adds its time to the outer call's next
+// step). Off (the default), each step costs one predictable branch.
 #pragma once
 
 #include <atomic>
@@ -36,6 +38,8 @@ void mark_slow(Step s);
 inline void mark(Step s) {
   if (enabled.load(std::memory_order_relaxed)) mark_slow(s);
 }
+// This thread's call failed before its return: nothing more of it is timed.
+void abandon();
 
 struct Row {
   std::string step;  // what the span ending at this step covers

@@ -177,7 +177,6 @@ Backend& fast_backend(PyObject* self, Py_ssize_t nargs, const char* name, Py_ssi
 // are positional: (x, op, timeout, stream, algorithm, max_segment_bytes,
 // tree_threshold_bytes, hd_threshold_bytes).
 PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  host_timers::mark(host_timers::kEntry);
   return fastcall([&]() -> PyObject* {
     constexpr const char* what = "all_reduce";
     Backend& b = fast_backend(self, nargs, "all_reduce_sync", 8,
@@ -203,7 +202,6 @@ PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t narg
 // Arguments: all_gather_sync(x, out, timeout, stream), reduce_scatter_sync(x, out, op,
 // timeout, stream).
 PyObject* all_gather_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  host_timers::mark(host_timers::kEntry);
   return fastcall([&]() -> PyObject* {
     Backend& b = fast_backend(self, nargs, "all_gather_sync", 4, "x, out, timeout, stream");
     CallReader read(b, "all_gather", py::handle(args[2]), py::handle(args[3]), false);
@@ -216,7 +214,6 @@ PyObject* all_gather_sync(PyObject* self, PyObject* const* args, Py_ssize_t narg
 }
 
 PyObject* reduce_scatter_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  host_timers::mark(host_timers::kEntry);
   return fastcall([&]() -> PyObject* {
     constexpr const char* what = "reduce_scatter";
     Backend& b = fast_backend(self, nargs, "reduce_scatter_sync", 5,
@@ -246,7 +243,6 @@ int rank_arg(PyObject* o) {
 // the input and the output): one METH_FASTCALL call each, as all_reduce_sync. Arguments:
 // broadcast_sync(x, root, timeout, stream), reduce_sync(x, root, op, timeout, stream).
 PyObject* broadcast_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  host_timers::mark(host_timers::kEntry);
   return fastcall([&]() -> PyObject* {
     constexpr const char* what = "broadcast";
     Backend& b = fast_backend(self, nargs, "broadcast_sync", 4, "x, root, timeout, stream");
@@ -259,7 +255,6 @@ PyObject* broadcast_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs
 }
 
 PyObject* reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-  host_timers::mark(host_timers::kEntry);
   return fastcall([&]() -> PyObject* {
     constexpr const char* what = "reduce";
     Backend& b = fast_backend(self, nargs, "reduce_sync", 5, "x, root, op, timeout, stream");

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "common/deadline.h"
+#include "common/host_timers.h"
 
 namespace meshcoll::python {
 
@@ -58,6 +59,7 @@ void set_python_error(std::exception_ptr e);
 // nullptr, as CPython expects of a failed call.
 template <class Body>
 PyObject* fastcall(Body&& body) noexcept {
+  host_timers::mark(host_timers::kEntry);  // Note [Host timers]: these calls are the timed ones
   try {
     return body();
   } catch (pybind11::error_already_set& e) {
@@ -65,6 +67,7 @@ PyObject* fastcall(Body&& body) noexcept {
   } catch (...) {
     set_python_error(std::current_exception());
   }
+  host_timers::abandon();  // a failed call's spans stop here
   return nullptr;
 }
 
