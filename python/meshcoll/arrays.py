@@ -6,7 +6,7 @@ memory, sizes) lives in one place, csrc/python/array.cc, reached through
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict
 
 import numpy as np
 
@@ -21,12 +21,25 @@ def host_view(x: Any) -> np.ndarray:
     return np.asarray(memoryview(x))
 
 
+_DTYPE_NAMES: Dict[Any, str] = {}  # dtype object -> name: numpy's dtype.name costs ~2 us
+
+
 def dtype_name(dtype: Any) -> str:
     """"float32" for np.float32, np.dtype("float32"), torch.float32 or a CuPy array's dtype."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):  # not seen yet, or unhashable
+        pass
     if isinstance(dtype, np.dtype):
-        return dtype.name
-    text = str(dtype)
-    return text[len("torch."):] if text.startswith("torch.") else np.dtype(dtype).name
+        name = dtype.name
+    else:
+        text = str(dtype)
+        name = text[len("torch."):] if text.startswith("torch.") else np.dtype(dtype).name
+    try:
+        _DTYPE_NAMES[dtype] = name
+    except TypeError:
+        pass
+    return name
 
 
 def numpy_dtype(name: str, what: str) -> "np.dtype[Any]":
