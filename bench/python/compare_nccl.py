@@ -35,6 +35,31 @@ from meshcoll.bench import BUS_FACTORS, parse_size, size_steps
 from meshcoll.run import pick_free_port
 
 
+def cupy_comm(pg, rank, world, device):
+    """A bare NCCL communicator through CuPy among `pg`'s ranks (rank 0's unique id through
+    pg's store), or None where CuPy has no NCCL."""
+    try:
+        import cupy
+        from cupy.cuda import nccl
+        if not getattr(nccl, "available", True):
+            return None
+    except Exception:
+        return None
+    store = pg._store
+    if rank == 0:
+        uid = nccl.get_unique_id()  # bytes (CuPy >= 13) or a tuple of ints
+        store.set("bench/cupy_uid", uid if isinstance(uid, bytes) else
+                  json.dumps(list(uid)).encode())
+    raw = store.get("bench/cupy_uid")
+    uid = raw if len(raw) == 128 and not raw.startswith(b"[") else tuple(json.loads(raw))
+    try:
+        with cupy.cuda.Device(device):
+            return nccl.NcclCommunicator(world, uid, rank)
+    except Exception as e:
+        print(f"rank {rank}: no cupy NCCL baseline: {e}", file=sys.stderr)
+        return None
+
+
 class Libs:
     """The communicators under test on this rank, as callables per op."""
 
@@ -54,26 +79,7 @@ class Libs:
         self.names = ["meshcoll", "torch"] + (["nccl(cupy)"] if self.cupy_comm else [])
 
     def _cupy_comm(self):
-        try:
-            import cupy
-            from cupy.cuda import nccl
-            if not getattr(nccl, "available", True):
-                return None
-        except Exception:
-            return None
-        store = self.pg._store
-        if self.rank == 0:
-            uid = nccl.get_unique_id()  # bytes (CuPy >= 13) or a tuple of ints
-            store.set("bench/cupy_uid", uid if isinstance(uid, bytes) else
-                      json.dumps(list(uid)).encode())
-        raw = store.get("bench/cupy_uid")
-        uid = raw if len(raw) == 128 and not raw.startswith(b"[") else tuple(json.loads(raw))
-        try:
-            with cupy.cuda.Device(self.torch.cuda.current_device()):
-                return nccl.NcclCommunicator(self.world, uid, self.rank)
-        except Exception as e:
-            print(f"rank {self.rank}: no cupy NCCL baseline: {e}", file=sys.stderr)
-            return None
+        return cupy_comm(self.pg, self.rank, self.world, self.torch.cuda.current_device())
 
     def op(self, lib, name, inp, out):
         """A no-argument callable running one `name` of `lib` on torch's current stream."""

@@ -9,14 +9,12 @@ one job (interleaved rounds, medians). One process per GPU.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import secrets
 import statistics
 import sys
 import time
 
-from meshcoll.run import pick_free_port
+from spawn_ranks import run_ranks
 
 MODES = ("off", "async", "strict")
 
@@ -65,27 +63,11 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args(argv)
-    ctx = mp.get_context("spawn")
-    port, token = pick_free_port("127.0.0.1"), secrets.token_hex(8)
-    conns, procs = [], []
-    for r in range(args.nprocs):
-        a, b = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=rank_main, args=(r, args.nprocs, port, token, args, b))
-        p.start()
-        conns.append(a)
-        procs.append(p)
-    res = []
-    for r, c in enumerate(conns):
-        if not c.poll(600):
-            print(f"rank {r}: no result", file=sys.stderr)
-            return 1
-        status, value = c.recv()
-        if status != "ok":
-            print(f"--- rank {r} ---\n{value}", file=sys.stderr)
-            return 1
-        res.append(value)
-    for p in procs:
-        p.join(30)
+    try:
+        res = run_ranks(rank_main, args.nprocs, args)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
     import torch
     print(f"# {args.nprocs} x {torch.cuda.get_device_name(0)}, {args.rounds} rounds x "
           f"{args.calls} calls; medians over rounds, worst rank")

@@ -17,17 +17,14 @@ microsecond to every call timed in that run).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import secrets
 import statistics
 import sys
 import time
 import traceback
 
-import numpy as np
-
-from meshcoll.run import pick_free_port
+from compare_nccl import cupy_comm
+from spawn_ranks import run_ranks
 
 
 def rank_main(rank, world, port, token, args, conn):
@@ -53,13 +50,9 @@ def rank_main(rank, world, port, token, args, conn):
             torch.cuda.synchronize()
             return (time.perf_counter() - t0) / args.calls * 1e6
 
-        # CuPy's communicator over the same ranks: rank 0's unique id, through meshcoll.
-        uid = nccl.get_unique_id()
-        raw = np.frombuffer(uid, np.uint8) if isinstance(uid, bytes) else np.array(uid, np.int64)
-        ids = pg.all_gather(raw)
-        cc = nccl.NcclCommunicator(
-            world, ids[0].tobytes() if isinstance(uid, bytes) else tuple(int(v) for v in ids[0]),
-            rank)
+        cc = cupy_comm(pg, rank, world, rank)  # CuPy's communicator over the same ranks
+        if cc is None:
+            raise RuntimeError("nccl_host_cost needs CuPy with NCCL (cupy.cuda.nccl)")
         sp = torch.cuda.current_stream().cuda_stream
         be, cfg, n = pg._backend, pg.config, 2
         x = torch.randn(n, device="cuda")
@@ -110,27 +103,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.steps:
         os.environ["MESHCOLL_HOST_TIMERS"] = "1"  # read by each rank's import of meshcoll._C
-    port = pick_free_port("127.0.0.1")
-    token = secrets.token_hex(8)
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
-    for r in range(args.nprocs):
-        a, b = ctx.Pipe(False)
-        p = ctx.Process(target=rank_main, args=(r, args.nprocs, port, token, args, b))
-        p.start()
-        pipes.append(a)
-        procs.append(p)
-    results = []
-    for r, a in enumerate(pipes):
-        if not a.poll(300):
-            raise RuntimeError(f"rank {r} did not finish within 300 s")
-        results.append(a.recv())
-    for p in procs:
-        p.join(30)
-    for status, body in results:
-        if status != "ok":
-            raise RuntimeError(body)
-    rows, launch, steps = results[0][1]
+    rows, launch, steps = run_ranks(rank_main, args.nprocs, args, timeout=300)[0]
     import torch
     print(f"# host cost per 8-byte call, {args.nprocs} x {torch.cuda.get_device_name(0)}, "
           f"{args.calls} back-to-back calls, median of {args.repeats}, rank 0, us")

@@ -27,10 +27,8 @@ place and in place) and broadcast, eager, ordinary buffers.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import re
-import secrets
 import statistics
 import subprocess
 import sys
@@ -38,7 +36,7 @@ import time
 import traceback
 
 from meshcoll.bench import BUS_FACTORS, format_size, parse_size, size_steps
-from meshcoll.run import pick_free_port
+from spawn_ranks import run_ranks
 
 MODES = {"eager": [], "symmetric": ["-R", "2"], "graph": ["-G", "{graph}"],
          "sym+graph": ["-R", "2", "-G", "{graph}"]}
@@ -203,27 +201,7 @@ def rank_main(rank, world, port, token, args, plan, conn):
 
 
 def run_meshcoll(args, plan):
-    port = pick_free_port("127.0.0.1")
-    token = secrets.token_hex(8)
-    ctx = mp.get_context("spawn")
-    pipes, procs = [], []
-    for r in range(args.nprocs):
-        a, b = ctx.Pipe(False)
-        p = ctx.Process(target=rank_main, args=(r, args.nprocs, port, token, args, plan, b))
-        p.start()
-        pipes.append(a)
-        procs.append(p)
-    results = []
-    for r, a in enumerate(pipes):
-        if not a.poll(args.timeout):
-            raise RuntimeError(f"rank {r} did not finish within {args.timeout} s")
-        results.append(a.recv())
-    for p in procs:
-        p.join(30)
-    for status, body in results:
-        if status != "ok":
-            raise RuntimeError(body)
-    return results[0][1]
+    return run_ranks(rank_main, args.nprocs, args, plan, timeout=args.timeout)[0]
 
 
 # ---- the report ----------------------------------------------------------------------------

@@ -329,3 +329,51 @@ def test_nccl_backend_rejects_cpu_options():
         bench.parse_args(["--backend", "nccl", "--transport", "tcp"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--array", "torch"])  # cpu backend
+
+
+# ---- bench/python/spawn_ranks.py: the GPU benchmarks' process launcher ---------------------
+
+_SPAWN_SCRIPT = """
+import os, sys, traceback
+sys.path.insert(0, {bench!r})
+import numpy as np
+from spawn_ranks import run_ranks
+
+
+def rank_main(rank, world, port, token, fail, conn):
+    try:
+        import meshcoll
+        os.environ["MESHCOLL_TOKEN"] = token
+        pg = meshcoll.init(backend="cpu", rank=rank, world_size=world,
+                           master_addr="127.0.0.1", master_port=port, timeout=30)
+        x = np.random.default_rng(rank).standard_normal(5)
+        pg.all_reduce(x)
+        if fail and rank == 1:
+            raise ValueError("rank 1 fails on purpose")
+        meshcoll.destroy()
+        conn.send(("ok", x.tolist()))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+if __name__ == "__main__":
+    res = run_ranks(rank_main, 2, False, timeout=60)
+    want = sum(np.random.default_rng(r).standard_normal(5) for r in range(2))
+    print("values", all(np.allclose(r, want) for r in res) and len(res) == 2)
+    try:
+        run_ranks(rank_main, 2, True, timeout=60)
+        print("no error")
+    except RuntimeError as e:
+        print("error", "rank 1 failed" in str(e) and "fails on purpose" in str(e))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_spawn_ranks_runs_every_rank_and_names_a_failing_one(tmp_path):
+    bench_dir = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "python")
+    script = tmp_path / "spawn_check.py"
+    script.write_text(_SPAWN_SCRIPT.format(bench=os.path.abspath(bench_dir)))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=100)
+    assert p.returncode == 0, p.stderr
+    assert "values True" in p.stdout and "error True" in p.stdout, (p.stdout, p.stderr)
