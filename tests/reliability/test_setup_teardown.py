@@ -213,15 +213,19 @@ def test_a_peer_waiting_on_a_destroyed_group_fails_at_once(run_ranks):
     assert kind == "PeerError" and "rank 0" in msg, res[1]
 
 
-def _calls_after_destroy(pg):
+def _calls_after_destroy(pg, transport="auto", hosts=None):
     import meshcoll
-    g = pg.new_group([0, 1])
+    if hosts:  # a hierarchical group: one leader per emulated host (test_hierarchy.py)
+        os.environ["MESHCOLL_HOST_ID"] = hosts[pg.rank]
+        meshcoll._C.reload_config()
+    g = pg.new_group(list(range(pg.size)), transport=transport)
+    assert (g._hier is not None) == bool(hosts)
     g.all_reduce(np.ones(4))
     g.destroy()
     x = np.ones(8)
     calls = {"all_reduce": lambda: g.all_reduce(x), "broadcast": lambda: g.broadcast(x),
              "all_gather": lambda: g.all_gather(x), "barrier": lambda: g.barrier(),
-             "send": lambda: g.send(x, 1 - pg.rank), "recv": lambda: g.recv(x, 1 - pg.rank),
+             "send": lambda: g.send(x, pg.rank ^ 1), "recv": lambda: g.recv(x, pg.rank ^ 1),
              "async all_reduce": lambda: g.all_reduce(x, async_op=True).wait()}
     out = {}
     for name, call in calls.items():
@@ -234,9 +238,14 @@ def _calls_after_destroy(pg):
     return out
 
 
-def test_every_call_on_a_destroyed_group_is_aborted_error(run_ranks):
-    # The shared Backend layer refuses them (Backend::shutdown), on every backend alike.
-    for rank, res in enumerate(run_ranks(2, _calls_after_destroy)):
+@pytest.mark.parametrize("world,transport,hosts", [
+    (2, "shm", None), (2, "tcp", None), (4, "auto", ["a", "a", "b", "b"])],
+    ids=["shm", "tcp", "hierarchy"])
+def test_every_call_on_a_destroyed_group_is_aborted_error(run_ranks, world, transport, hosts):
+    # The shared Backend layer refuses them (Backend::shutdown), on every backend and path
+    # alike (NCCL: tests/gpu/test_nccl_symmetric.py's lifetime test).
+    for rank, res in enumerate(run_ranks(world, _calls_after_destroy, transport=transport,
+                                         hosts=hosts)):
         for name, (kind, msg) in res.items():
             assert kind == "AbortedError", (rank, name, kind, msg)
             assert "destroyed group" in msg and f"rank {rank}" in msg, (rank, name, msg)
