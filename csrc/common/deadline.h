@@ -12,9 +12,10 @@ using Millis = std::chrono::milliseconds;
 class Deadline {
  public:
   Deadline() : at_(Clock::time_point::max()) {}  // never
-  explicit Deadline(Millis timeout)
-      : at_(timeout.count() < 0 ? Clock::time_point::max() : Clock::now() + timeout),
-        timeout_(timeout) {}
+  explicit Deadline(Millis timeout) : Deadline(timeout, Clock::now()) {}
+  // From a clock reading the caller already took (a hot path reads the clock once per call).
+  Deadline(Millis timeout, Clock::time_point now)
+      : at_(timeout.count() < 0 ? Clock::time_point::max() : now + timeout), timeout_(timeout) {}
   static Deadline after_ms(int64_t ms) { return Deadline(Millis(ms)); }
 
   bool expired() const { return Clock::now() >= at_; }
@@ -26,6 +27,8 @@ class Deadline {
     return left > INT32_MAX ? INT32_MAX : static_cast<int>(left);
   }
   Millis timeout() const { return timeout_; }  // the span it was made with, for messages
+  bool never() const { return at_ == Clock::time_point::max(); }
+  Clock::time_point at() const { return at_; }
 
  private:
   Clock::time_point at_;

@@ -27,10 +27,14 @@ void check_no_tag(const char* what, uint32_t tag) {
                                   "tag=0 and post sends and receives in the same order"));
 }
 
-// The contract returns no Work for a synchronous call: it is enqueued on the caller's stream,
-// which orders every later use of the result.
-WorkPtr result(std::shared_ptr<NcclWork> w, const comm::CallOptions& o) {
-  return o.async ? WorkPtr(std::move(w)) : nullptr;
+// A collective's options: the contract returns no Work for a synchronous call (it is
+// enqueued on the caller's stream, which orders every later use of the result), so none is
+// made.
+CallOpts coll_opts(const comm::CallOptions& o, std::vector<std::shared_ptr<void>>& keep,
+                   uint64_t coll_seq) {
+  CallOpts c = opts_of(o, keep, coll_seq);
+  c.want_work = o.async;
+  return c;
 }
 }  // namespace
 
@@ -61,61 +65,57 @@ void NcclBackend::check_options(const char* what, const comm::CallOptions& o) co
 
 WorkPtr NcclBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
   open(c, &in, &out);
-  return result(comm_->all_reduce(opts_of(c.opts, c.keep, c.seq), in.data, out.data, in.count, in.dtype, op),
-                c.opts);
+  return comm_->all_reduce(coll_opts(c.opts, c.keep, c.seq),
+                           in.data, out.data, in.count, in.dtype, op);
 }
 
 WorkPtr NcclBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op,
                                int root) {
   open(c, &in, &out);
-  return result(comm_->reduce(opts_of(c.opts, c.keep, c.seq), in.data, out.data, in.count, in.dtype, op,
-                              root),
-                c.opts);
+  return comm_->reduce(coll_opts(c.opts, c.keep, c.seq),
+                       in.data, out.data, in.count, in.dtype, op, root);
 }
 
 WorkPtr NcclBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
   open(c, &buf, &buf);
-  return result(comm_->broadcast(opts_of(c.opts, c.keep, c.seq), buf.data, buf.count, buf.dtype, root),
-                c.opts);
+  return comm_->broadcast(coll_opts(c.opts, c.keep, c.seq),
+                          buf.data, buf.count, buf.dtype, root);
 }
 
 WorkPtr NcclBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                    const std::vector<size_t>& counts) {
   open(c, &in, &out);
-  return result(comm_->all_gather(opts_of(c.opts, c.keep, c.seq), in.data, out.data, counts, in.dtype),
-                c.opts);
+  return comm_->all_gather(coll_opts(c.opts, c.keep, c.seq),
+                           in.data, out.data, counts, in.dtype);
 }
 
 WorkPtr NcclBackend::do_reduce_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                        const std::vector<size_t>& counts, RedOp op) {
   open(c, &in, &out);
-  return result(comm_->reduce_scatter(opts_of(c.opts, c.keep, c.seq), in.data, out.data, counts,
-                                      in.dtype, op),
-                c.opts);
+  return comm_->reduce_scatter(coll_opts(c.opts, c.keep, c.seq),
+                               in.data, out.data, counts, in.dtype, op);
 }
 
 WorkPtr NcclBackend::do_all_to_all(Call& c, const ArrayView& in, const ArrayView& out,
                                    const std::vector<size_t>& send_counts,
                                    const std::vector<size_t>& recv_counts) {
   open(c);
-  return result(comm_->all_to_all(opts_of(c.opts, c.keep, c.seq), in.data, out.data, send_counts,
-                                  recv_counts, in.dtype),
-                c.opts);
+  return comm_->all_to_all(coll_opts(c.opts, c.keep, c.seq),
+                           in.data, out.data, send_counts, recv_counts, in.dtype);
 }
 
 WorkPtr NcclBackend::do_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                const std::vector<size_t>& counts, int root) {
   open(c);
-  return result(comm_->gather(opts_of(c.opts, c.keep, c.seq), in.data, out.data, counts, in.dtype, root),
-                c.opts);
+  return comm_->gather(coll_opts(c.opts, c.keep, c.seq),
+                       in.data, out.data, counts, in.dtype, root);
 }
 
 WorkPtr NcclBackend::do_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                 const std::vector<size_t>& counts, int root) {
   open(c);
-  return result(comm_->scatter(opts_of(c.opts, c.keep, c.seq), in.data, out.data, counts, out.dtype,
-                               root),
-                c.opts);
+  return comm_->scatter(coll_opts(c.opts, c.keep, c.seq),
+                        in.data, out.data, counts, out.dtype, root);
 }
 
 WorkPtr NcclBackend::do_barrier(Call& c) {

@@ -135,6 +135,9 @@ struct CallOpts {
   bool async = false;
   Millis timeout{-1};
   uint64_t coll_seq = 0;  // the call's collective sequence number (Note [Call ledger]); 0: p2p
+  // The caller keeps a Work (async ops, point-to-point, a barrier); else the op returns
+  // nullptr and costs no allocation (a synchronous collective: its stream orders its result).
+  bool want_work = true;
   // Owners of an async op's arrays: its slot holds them until the op completed (or the
   // communicator was aborted), whatever the caller drops.
   std::vector<std::shared_ptr<void>> keep;

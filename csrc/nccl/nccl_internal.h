@@ -48,20 +48,16 @@ inline void backoff(int& round) {
   std::this_thread::sleep_for(std::chrono::microseconds(50));
 }
 
-inline Clock::time_point deadline_at(Millis t) {
-  return t.count() < 0 ? Clock::time_point::max() : Clock::now() + t;
-}
-
 inline bool all_equal(const std::vector<size_t>& v) {
   for (size_t x : v)
     if (x != v[0]) return false;
   return true;
 }
 
-inline int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
-      .count();
+inline int64_t ns_of(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
 }
+inline int64_t now_ns() { return ns_of(Clock::now()); }
 
 }  // namespace meshcoll::nccl::detail
 
@@ -76,8 +72,7 @@ using namespace abi;  // NOLINT
 // then sees the claim, waits until the abort is done, and fails with TimeoutError.
 template <class Call>
 ncclResult_t NcclComm::guarded_locked(const Deadline& d, const char* what, Call&& call) {
-  const int64_t t = d.timeout().count();
-  const int64_t dl = t < 0 ? 0 : detail::now_ns() + t * 1000000;
+  const int64_t dl = d.never() ? 0 : detail::ns_of(d.at());  // the call's own deadline
   enqueue_comm_.store(comm_, std::memory_order_relaxed);
   enqueue_deadline_.store(dl, std::memory_order_release);
   ncclResult_t r = ncclSuccess;
@@ -110,8 +105,8 @@ ncclResult_t NcclComm::guarded_locked(const Deadline& d, const char* what, Call&
       fail_locked(ext, first_op_locked(seq));
     else
       fail_locked(std::make_exception_ptr(TimeoutError(str_cat(
-          "NCCL ", what, " on ", where(), " was still blocked inside NCCL after ", t,
-          " ms (a peer never made the matching call, or died); the communicator was aborted"))));
+          "NCCL ", what, " on ", where(), " was still blocked inside NCCL after ",
+          d.timeout().count(), " ms (a peer never made the matching call, or died); the communicator was aborted"))));
   }
   std::rethrow_exception(error_);
 }

@@ -14,7 +14,6 @@ using namespace abi;  // NOLINT: the ABI names read best unqualified here
 using detail::all_equal;
 using detail::backoff;
 using detail::CtxGuard;
-using detail::deadline_at;
 
 // ---- the op path -------------------------------------------------------------------------
 
@@ -60,7 +59,8 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   const bool captured = capture != CU_STREAM_CAPTURE_STATUS_NONE;
   const bool async = c.async && !captured;
   const Millis t = c.timeout.count() < 0 ? timeout_ : c.timeout;
-  Deadline d(t);
+  // One clock reading per op: the enqueue's and the completion's deadline are the same.
+  Deadline d(t, Clock::now());
   if (!captured) claim_slot_locked(lock, d);
   CUstream exec = user;
   if (async) {
@@ -75,17 +75,20 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   });
   host_timers::mark(host_timers::kLaunched);
   if (captured)
-    return std::make_shared<NcclWork>(shared_from_this(), 0, user, false, true, host_blocking);
+    return c.want_work ? std::make_shared<NcclWork>(shared_from_this(), 0, user, false, true,
+                                                    host_blocking)
+                       : nullptr;
   Slot& s = slots_[issued_ % kSlots];
   if (!s.event) cu_.check(cu_.event_create(&s.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
   cu_.check(cu_.event_record(s.event, exec), "cuEventRecord (op completion)");
   host_timers::mark(host_timers::kRecorded);
-  s.deadline = deadline_at(t);
+  s.deadline = d.at();
   s.timeout_ms = t.count();
   s.what = what;
   s.coll_seq = c.coll_seq;
   if (async) s.keep = c.keep;
   const uint64_t seq = issued_++;
+  if (!c.want_work) return nullptr;
   return std::make_shared<NcclWork>(shared_from_this(), seq, user, async, false, host_blocking);
 }
 

@@ -349,12 +349,25 @@ uintptr_t torch_stream(int device) {
   return s == 0 ? kLegacyStream : s;
 }
 
-// x.<name>(): interned name, no bound method object (a torch tensor is read on every call).
-py::object call_method(const py::handle& x, const char* name) {
+// `name` as an interned str, made once per name (a torch tensor is read on every call: no
+// str is built per lookup).
+PyObject* interned(const char* name) {
   static auto* names = new std::unordered_map<const char*, PyObject*>();
   PyObject*& n = (*names)[name];
   if (!n && !(n = PyUnicode_InternFromString(name))) throw py::error_already_set();
-  auto r = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(x.ptr(), n));
+  return n;
+}
+
+// x.<name>(): no bound method object.
+py::object call_method(const py::handle& x, const char* name) {
+  auto r = py::reinterpret_steal<py::object>(PyObject_CallMethodNoArgs(x.ptr(), interned(name)));
+  if (!r) throw py::error_already_set();
+  return r;
+}
+
+// x.<name>
+py::object get_attr(const py::handle& x, const char* name) {
+  auto r = py::reinterpret_steal<py::object>(PyObject_GetAttr(x.ptr(), interned(name)));
   if (!r) throw py::error_already_set();
   return r;
 }
@@ -379,8 +392,8 @@ void from_torch(Read& r, const py::handle& x, const Want& w, std::vector<int64_t
   if (!call_method(x, "is_contiguous").cast<bool>())
     throw InvalidArgument(str_cat(label(w), ": the tensor is not contiguous; pass x.contiguous() "
                                           "(and copy the result back)"));
-  r.view.dtype = torch_dtype(x.attr("dtype"), w);
-  py::object size = x.attr("shape");  // torch.Size, a tuple of ints
+  r.view.dtype = torch_dtype(get_attr(x, "dtype"), w);
+  py::object size = get_attr(x, "shape");  // torch.Size, a tuple of ints
   if (!PyTuple_Check(size.ptr())) throw py::type_error(str_cat(label(w), ": tensor.shape is not a tuple"));
   r.view.count = 1;
   ShapeReader s(r.view, dims);

@@ -71,9 +71,12 @@ uint8_t algorithm_arg(const std::string& name, const char* what) {
   return static_cast<uint8_t>(a);
 }
 
-// A numpy array (the hot path's usual argument) is never an Array: checked first, as it is
-// cheaper than pybind11's isinstance for a bound class.
-bool is_numpy(const py::handle& x) { return py::isinstance<py::array>(x); }
+// Whether x is an Array (below): the bound type, looked up once (pybind11's isinstance
+// looks it up by typeid at every call).
+bool is_array(const py::handle& x) {
+  static PyTypeObject* type = reinterpret_cast<PyTypeObject*>(py::type::of<Array>().ptr());
+  return PyObject_TypeCheck(x.ptr(), type);
+}
 
 // One call's options and how its arrays are read: the first array read decides the stream
 // of a device op (stream= if given, else that array's own), later arrays are read on it.
@@ -108,7 +111,7 @@ class CallReader {
     w.arg = name;
     w.writable = writable;
     Read r;
-    if (!is_numpy(x) && py::isinstance<Array>(x)) {
+    if (is_array(x)) {
       const Array& a = x.cast<const Array&>();
       if ((writable && !a.writable) || (w.device && want_.has_stream && a.read.stream != w.stream))
         r = read_array(a.obj, w);  // read again: another check or another stream

@@ -304,6 +304,38 @@ def _async_streams(pg):
                 y_ok=bool((y == 2 * want).all()), z_ok=bool((zz == 2.0 * pg.size + 1).all()))
 
 
+def _host_timers(pg, calls):
+    import torch
+    from meshcoll import _C
+    torch.manual_seed(0)  # the same x on every rank
+    x = torch.randn(4, device="cuda")
+    want = x.clone()
+    out = torch.empty(pg.size, 4, device="cuda")
+    _C.host_timers(reset=True)  # what setup made
+    for _ in range(calls):
+        pg.all_reduce(x)
+        pg.all_gather(x, out=out)
+        x.div_(pg.size)  # sums of equal inputs: x stays what it was
+    torch.cuda.synchronize()
+    return _C.host_timers(reset=True), bool(torch.allclose(x, want))
+
+
+@needs_torch
+@gpus(2)
+def test_host_timers_time_the_nccl_steps():
+    # Note [Host timers] on NCCL: every fast-path call passes each step once, the NCCL
+    # steps included. Equal inputs on both ranks keep x a fixed point of sum / size.
+    env = {"MESHCOLL_HOST_TIMERS": "1"}
+    for rows, same in run_nccl(2, _host_timers, calls=50, env=env):
+        assert same
+        steps = {step: (n, us) for step, n, us in rows}
+        assert list(steps) == ["read arguments and arrays", "shared checks (Backend)",
+                               "window tag, ledger, agreement note",
+                               "lock, context, capture query, slot", "NCCL call",
+                               "completion event", "to the return"], rows
+        assert all(n == 100 and us > 0 for n, us in steps.values()), rows
+
+
 @needs_torch
 @gpus(2)
 def test_async_op_wait_orders_the_stream_without_blocking():
