@@ -332,23 +332,30 @@ bool NcclComm::op_done_locked(uint64_t seq, std::exception_ptr* error) {
   return true;
 }
 
+// Note [Waiting off the lock]
+// A thread that blocks on an op (Work.synchronize; DataParallel's completion thread does it
+// for every bucket) polls the op's event without mu_, which it takes only to confirm: polling
+// under mu_ made the issuing thread queue behind it for every enqueue. The event read under
+// the lock stays this op's until the op has completed (a slot is reused only then), so
+// "ready" means done, and "not ready" may be a newer op in the reused slot: the periodic
+// check under the lock (completed_, failures) settles that.
 void NcclComm::op_synchronize(uint64_t seq, Millis timeout) {
   Deadline own(timeout);
-  int round = 0;
-  for (;;) {
-    {
+  CUevent event = nullptr;
+  for (int round = 0;; backoff(round)) {
+    if (!event || round % 64 == 0 || cu_.event_query(event) != CUDA_ERROR_NOT_READY) {
       std::lock_guard<std::mutex> lock(mu_);
       std::exception_ptr e;
       if (op_done_locked(seq, &e)) {
         if (e) std::rethrow_exception(e);
         return;
       }
+      event = slots_[seq % kSlots].event;
     }
     if (own.expired())
       throw TimeoutError(str_cat("NCCL op ", seq, " on ", where(), " did not complete within ",
                                  timeout.count(), " ms (Work.synchronize timeout); it keeps "
                                  "running and fails by its own deadline if it is stuck"));
-    backoff(round);
   }
 }
 

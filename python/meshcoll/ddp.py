@@ -29,8 +29,8 @@ Note [Arrays]
 On the CPU backend parameters and gradients are numpy arrays (or viewed as numpy through the
 buffer protocol / DLPack). On the NCCL backend they are the caller's GPU arrays, PyTorch
 tensors or CuPy arrays, one type for all, and DataParallel computes with their own operators
-(flat buckets from the group's allocator, slice views, ``[...] =``, ``+=``, ``/=``), so it
-never imports a framework. Stream order, as torch's DDP: gradients are copied into a bucket on
+(flat buckets from the group's allocator, slice views, ``copy_`` or ``[...] =``, ``+=``,
+``/=``), so it never imports a framework. Stream order, as torch's DDP: gradients are copied into a bucket on
 the caller's current stream, the bucket's all-reduce is queued after that stream's work, and
 ``wait()`` makes the current stream wait for every all-reduce and queues the write-back of the
 averages there, without blocking the host: the next step's work can be queued while the last
@@ -129,14 +129,29 @@ def _dtype_name(x: Any) -> str:
     return dtype_name(x.dtype)
 
 
-def _operand(group: ProcessGroup, x: Any, what: str) -> Any:
+def _operand(group: ProcessGroup, x: Any, what: str, read: bool = True) -> Any:
     """The array DataParallel computes with (Note [Arrays]): a numpy view on the CPU backend;
-    on the NCCL backend the caller's own GPU array (validated by the backend), detached from
-    autograd so in-place writes are allowed."""
+    on the NCCL backend the caller's own GPU array (validated by the backend unless ``read``
+    is False: a gradient is compared with its parameter instead), detached from autograd so
+    in-place writes are allowed."""
     detach = getattr(x, "detach", None)
     x = detach() if callable(detach) else x
+    if group.backend_name != "cpu" and not read:
+        return x
     view = group._as_array(x, what)  # TypeError for the wrong memory, an unsupported dtype, ...
     return view if group.backend_name == "cpu" else x
+
+
+def _copier(like: Any) -> Callable[[Any, Any], None]:
+    """``copy(dst, src)`` for arrays like ``like``, with their own operator: ``copy_`` where
+    they have one (PyTorch: several times cheaper than ``dst[...] = src``, which parses an
+    index), else ``dst[...] = src`` (numpy, CuPy)."""
+    if callable(getattr(like, "copy_", None)):
+        return lambda dst, src: dst.copy_(src)
+
+    def assign(dst: Any, src: Any) -> None:
+        dst[...] = src
+    return assign
 
 
 class DataParallel:
@@ -196,6 +211,7 @@ class DataParallel:
                 raise TypeError(f"DataParallel: parameter {n!r} is a {type(p).__name__}, others "
                                 f"are {type(next(iter(self._params.values()))).__name__}; use "
                                 "one array type for all parameters")
+        self._copy = _copier(next(iter(self._params.values())))
         self._mode = mode
         self._average = bool(average)
         self._half = self._compression_dtype(compression)
@@ -309,13 +325,13 @@ class DataParallel:
         for b in self._buckets:
             if self._group.rank == src:
                 for n in b.names:
-                    self._slot[n][1][...] = self._params[n]
+                    self._copy(self._slot[n][1], self._params[n])
             works.append(self._group.broadcast(b.buf, src, async_op=True, **on))
         for b, w in zip(self._buckets, works):
             w.wait(**on)
             if self._group.rank != src:
                 for n in b.names:
-                    self._params[n][...] = self._slot[n][1]
+                    self._copy(self._params[n], self._slot[n][1])
 
     # ---- gradients ------------------------------------------------------------------
     def grad_ready(self, name: str, grad: Any) -> None:
@@ -325,7 +341,9 @@ class DataParallel:
         if name not in self._slot:
             known = ", ".join(list(self._slot)[:8]) + (", ..." if len(self._slot) > 8 else "")
             raise KeyError(f"grad_ready: unknown parameter {name!r} (registered: {known})")
-        g = _operand(self._group, grad, f"grad_ready({name!r})")
+        # On NCCL the checks below against the parameter (which the backend read) are the
+        # whole validation: a second read of every gradient costs the hot path microseconds.
+        g = _operand(self._group, grad, f"grad_ready({name!r})", read=False)
         p = self._params[name]
         if type(g) is not type(p) or getattr(g, "device", None) != getattr(p, "device", None):
             raise TypeError(f"grad_ready({name!r}): the gradient is a {type(g).__name__} on "
@@ -346,7 +364,7 @@ class DataParallel:
             if name in self._accumulated:
                 slot += g
             else:
-                slot[...] = g
+                self._copy(slot, g)
                 self._accumulated.add(name)
             return
         if isinstance(g, np.ndarray) and not g.flags.writeable:
@@ -356,7 +374,7 @@ class DataParallel:
             slot += g  # the sync step carries the no_sync sum plus this gradient
             self._accumulated.discard(name)
         else:
-            slot[...] = g
+            self._copy(slot, g)
         self._given[name] = g
         self._buckets[idx].missing -= 1
         try:
@@ -402,7 +420,7 @@ class DataParallel:
         elif b.half is not None:
             if self._half == "float16" and self._average:
                 b.buf /= n  # before the sum: fp16 overflows at 65504 (buf is our own copy)
-            b.half[...] = b.buf
+            self._copy(b.half, b.buf)
             fl = _Flight(self._group.all_reduce(b.half, op="sum", async_op=True, **on), t0,
                          b.half.nbytes)
         else:
@@ -455,14 +473,14 @@ class DataParallel:
             if error is not None:
                 continue  # still drain the other flights: their buffers are in use
             if b.half is not None and self._hook is None and write_back:
-                b.buf[...] = b.half
+                self._copy(b.buf, b.half)
                 if self._half != "float16" and self._average:
                     b.buf /= n
             elif self._hook is not None and self._average and write_back:
                 b.buf /= n
             for name in b.names:
                 dst = self._given[name] if write_back else self._params[name]
-                dst[...] = self._slot[name][1]
+                self._copy(dst, self._slot[name][1])
         self._given.clear()
         self._next_launch = 0
         if error is not None:
@@ -536,7 +554,7 @@ class DataParallel:
                                "in the buckets; call wait() first")
         for b in self._buckets:  # copying bucket i+1 overlaps bucket i's all-reduce
             for n in b.names:
-                self._slot[n][1][...] = self._params[n]
+                self._copy(self._slot[n][1], self._params[n])
             self._launch(b, op="avg")
         self._finish(time.perf_counter(), write_back=False)
 

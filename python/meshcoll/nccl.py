@@ -157,11 +157,17 @@ class CudaArrays:
     @staticmethod
     def current_stream(like: Any) -> Any:
         """The framework's current stream on ``like``'s device, found through the array's own
-        module: ``torch.cuda.current_stream(device)``, ``cupy.cuda.get_current_stream()``;
-        None (the backend's default) for other arrays."""
+        module, as ``stream=`` takes it: PyTorch's raw handle (an int), else
+        ``torch.cuda.current_stream(device)``, ``cupy.cuda.get_current_stream()``; None (the
+        backend's default) for other arrays."""
         mod = sys.modules.get(type(like).__module__.split(".")[0])
         cuda: Any = getattr(mod, "cuda", None)  # torch.cuda or cupy.cuda, if any
         if callable(getattr(like, "new_empty", None)) and hasattr(cuda, "current_stream"):
+            # The raw handle, as the backend reads a tensor's stream (csrc/python/array.cc):
+            # no Stream object per call (DataParallel asks at every bucket).
+            raw = getattr(getattr(mod, "_C", None), "_cuda_getCurrentRawStream", None)
+            if callable(raw):
+                return raw(like.get_device())
             return cuda.current_stream(like.device)
         get = getattr(cuda, "get_current_stream", None)
         return get() if callable(get) else None

@@ -119,7 +119,9 @@ def test_gpu_data_parallel_matches_one_process(world):
         assert len(msgs) == 5, msgs
         assert "host memory" in msgs[0] or "numpy" in msgs[0] or "CUDA" in msgs[0], msgs[0]
         assert "takes cuda tensors" in msgs[1], msgs[1]
-        assert "CPU tensor" in msgs[2] and "shape (4,)" in msgs[3] and "float64" in msgs[4], msgs
+        # A gradient is checked against its parameter (not read again by the backend).
+        assert "a Tensor on cpu" in msgs[2] and "on cuda:" in msgs[2], msgs[2]
+        assert "shape (4,)" in msgs[3] and "float64" in msgs[4], msgs
         busy, got, calls = res["no_host_block"]
         assert busy, "wait() blocked the host until the device was idle"
         for i, n in enumerate(("a", "b")):
