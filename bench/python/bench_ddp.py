@@ -51,9 +51,8 @@ def parse_args():
                    help="backward time per layer (sleep), or its target (matmul: calibrated)")
     p.add_argument("--repeats", type=int, default=25)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--symmetric", choices=("auto", "on", "off"), default="auto",
-                   help="NCCL: gradient buckets in symmetric memory (DataParallel(symmetric=); "
-                        "auto: its default)")
+    p.add_argument("--symmetric", choices=("on", "off"), default="off",
+                   help="NCCL: gradient buckets in symmetric memory (DataParallel(symmetric=))")
     p.add_argument("--json", metavar="FILE", help="append one json record per row")
     return p.parse_args()
 
@@ -143,7 +142,7 @@ def main() -> None:
         params = {k: torch.from_numpy(v).to(dev) for k, v in params.items()}
         grads = {k: torch.from_numpy(v).to(dev) for k, v in grads.items()}
     ddp = DataParallel(params, group=pg, bucket_cap_mb=args.bucket_cap_mb,
-                       symmetric={"auto": None, "on": True, "off": False}[args.symmetric])
+                       symmetric=args.symmetric == "on")
     bw = Backward(pg, args, grads)
 
     def overlapped():

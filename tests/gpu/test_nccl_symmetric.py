@@ -273,8 +273,9 @@ def _ddp(pg):
     import torch
     params = {f"p{i}": torch.zeros(1000 + 37 * i, device="cuda") for i in range(6)}
     out = {}
-    for sym in (False, True, None):  # None: the default, symmetric where windows are
-        ddp = meshcoll.DataParallel(params, bucket_cap_mb=0.01, symmetric=sym)
+    for sym in (False, True, "default"):  # the default: ordinary buckets
+        kw = {} if sym == "default" else {"symmetric": sym}
+        ddp = meshcoll.DataParallel(params, bucket_cap_mb=0.01, **kw)
         grads = {k: _rand(11 * i + pg.rank, v.numel()).view_as(v)
                  for i, (k, v) in enumerate(params.items())}
         ddp.sync_gradients(grads)
@@ -290,4 +291,4 @@ def _ddp(pg):
 @gpus(2)
 def test_data_parallel_buckets_in_symmetric_memory():
     for res in run_nccl(2, _ddp):
-        assert res == {False: (False, True), True: (True, True), None: (True, True)}, res
+        assert res == {False: (False, True), True: (True, True), "default": (False, True)}, res
