@@ -35,6 +35,8 @@ def rank_main(rank, world, port, token, args, conn):
         from cupy.cuda import nccl
         from meshcoll import _C
         torch.cuda.set_device(rank)
+        if args.stream == "side":  # every call, meshcoll's and CuPy's, on a created stream
+            torch.cuda.set_stream(torch.cuda.Stream())
         os.environ["MESHCOLL_TOKEN"] = token
         pg = meshcoll.init(backend="nccl", rank=rank, world_size=world, master_addr="127.0.0.1",
                            master_port=port, timeout=120, device=rank)
@@ -100,13 +102,16 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", action="store_true", help="also time each step (host timers)")
+    ap.add_argument("--stream", choices=("default", "side"), default="default",
+                    help="torch's default (legacy) stream or a created one (nccl-tests' kind)")
     args = ap.parse_args(argv)
     if args.steps:
         os.environ["MESHCOLL_HOST_TIMERS"] = "1"  # read by each rank's import of meshcoll._C
     rows, launch, steps = run_ranks(rank_main, args.nprocs, args, timeout=300)[0]
     import torch
     print(f"# host cost per 8-byte call, {args.nprocs} x {torch.cuda.get_device_name(0)}, "
-          f"{args.calls} back-to-back calls, median of {args.repeats}, rank 0, us")
+          f"{args.calls} back-to-back calls on the {args.stream} stream, median of "
+          f"{args.repeats}, rank 0, us")
     print(f"{'op':>16} {'meshcoll':>9} {'_C entry':>9} {'cupy nccl':>10} {'ratio':>6}")
     for name, mesh, entry, bare in rows:
         print(f"{name:>16} {mesh:9.2f} {entry:9.2f} {bare:10.2f} {mesh / bare:6.2f}")

@@ -171,33 +171,41 @@ def rank_main(rank, world, port, token, args, plan, conn):
         os.environ["MESHCOLL_TOKEN"] = token
         pg = meshcoll.init(backend="nccl", rank=rank, world_size=world, master_addr="127.0.0.1",
                            master_port=port, timeout=300, device=rank)
-        rows = []
-        arenas = {}
-        for op, dtype, mode, in_place, sizes, iters in plan:
-            sym = mode in ("symmetric", "sym+graph")
-            key = (dtype, sym)
-            itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-            if key not in arenas:
-                arenas[key] = Buffers(pg, torch, dtype, args.maxbytes // itemsize + world, sym)
-            bufs = arenas[key]
-            for nbytes in sizes:
-                nx, nout = counts_for(op, nbytes, itemsize, world)
-                x, out = bufs.get(op, nx, nout, rank, in_place)
-                wrong = check(pg, torch, op, x, out)
-                x.zero_()  # in-place sums stay finite
-                f = call_of(pg, op, x, out)
-                ts = [time_call(pg, torch, f, iters, args.warmup, mode.endswith("graph"),
-                                args.graph_launches) for _ in range(args.repeats)]
-                med = torch.tensor([statistics.median(ts)], device="cuda")
-                pg.all_reduce(med, op="max")
-                w = torch.tensor([wrong], device="cuda", dtype=torch.int64)
-                pg.all_reduce(w)
-                rows.append((op, dtype, mode, in_place, nbytes, float(med.item()), int(w.item()),
-                             pg.is_symmetric(x)))
+        # --stream side: every call on a created (non-blocking) stream, as nccl-tests' own.
+        side = torch.cuda.Stream() if args.stream == "side" else None
+        with torch.cuda.stream(side):
+            rows = time_plan(pg, torch, args, plan, rank, world)
         meshcoll.destroy()
         conn.send(("ok", rows))
     except BaseException:  # noqa: BLE001 - reported to the parent
         conn.send(("error", traceback.format_exc()))
+
+
+def time_plan(pg, torch, args, plan, rank, world):
+    """Checks and times every (op, dtype, mode, placement, size) of the plan: the rows."""
+    rows, arenas = [], {}
+    for op, dtype, mode, in_place, sizes, iters in plan:
+        sym = mode in ("symmetric", "sym+graph")
+        key = (dtype, sym)
+        itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        if key not in arenas:
+            arenas[key] = Buffers(pg, torch, dtype, args.maxbytes // itemsize + world, sym)
+        bufs = arenas[key]
+        for nbytes in sizes:
+            nx, nout = counts_for(op, nbytes, itemsize, world)
+            x, out = bufs.get(op, nx, nout, rank, in_place)
+            wrong = check(pg, torch, op, x, out)
+            x.zero_()  # in-place sums stay finite
+            f = call_of(pg, op, x, out)
+            ts = [time_call(pg, torch, f, iters, args.warmup, mode.endswith("graph"),
+                            args.graph_launches) for _ in range(args.repeats)]
+            med = torch.tensor([statistics.median(ts)], device="cuda")
+            pg.all_reduce(med, op="max")
+            w = torch.tensor([wrong], device="cuda", dtype=torch.int64)
+            pg.all_reduce(w)
+            rows.append((op, dtype, mode, in_place, nbytes, float(med.item()), int(w.item()),
+                         pg.is_symmetric(x)))
+    return rows
 
 
 def run_meshcoll(args, plan):
@@ -221,6 +229,9 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--graph-launches", type=int, default=20, help="nccl-tests -G")
     ap.add_argument("--big", action="store_true", help="64 MiB - 1 GiB busbw, eager")
+    ap.add_argument("--stream", choices=("default", "side"), default="default",
+                    help="meshcoll's calls on torch's default (legacy) stream or on a created "
+                         "one, as nccl-tests runs on")
     ap.add_argument("--timeout", type=float, default=1200)
     args = ap.parse_args(argv)
     ops, dtypes = args.ops.split(","), args.dtypes.split(",")
