@@ -13,8 +13,6 @@
 namespace meshcoll::comm {
 
 struct Completions::State {
-  static constexpr int kYields = 16;
-  static constexpr std::chrono::microseconds kNap{20};
   struct Done {
     double end = 0;
     std::exception_ptr error;
@@ -44,14 +42,7 @@ struct Completions::State {
       lock.unlock();
       Done d;
       try {
-        // Polled with naps, not synchronize()'s spin: a thread spinning on a GPU op's event
-        // slowed the issuing thread's enqueues (Note [Completion stamps]). The operation's
-        // own deadline bounds the loop.
-        for (int round = 0; !w->is_completed(); ++round) {
-          if (round < kYields) std::this_thread::yield();
-          else std::this_thread::sleep_for(kNap);
-        }
-        w->synchronize(Millis(-1));  // complete: returns at once, or raises its failure
+        w->synchronize(Millis(-1));  // the operation's own deadline bounds it
       } catch (...) {
         d.error = std::current_exception();
       }

@@ -8,10 +8,6 @@
 // for the operations in add() order (a group's operations complete in issue order, so none
 // waits behind a later one) and stamps each end on the steady clock (CLOCK_MONOTONIC, which
 // is Python's time.monotonic()). wait(ticket) returns that stamp or rethrows the failure.
-// The thread polls each operation with 20 us naps rather than Work.synchronize()'s spin:
-// spinning on a GPU op's event from this thread made 64 x 256 KiB DataParallel steps on
-// 2 H100s 15-60% slower (the issuing thread's enqueues wait on the same driver), and a stamp
-// late by a nap is well within what the stats are for.
 // An operation always ends (by its own deadline if stuck), so the thread does too; close()
 // or the destructor stops it after the operation it is waiting for, without blocking.
 #pragma once
