@@ -13,7 +13,6 @@
 
 #include "algo/collectives.h"
 #include "comm/backend.h"
-#include "comm/completions.h"
 #include "common/error.h"
 #include "common/host_timers.h"
 #include "python/array.h"
@@ -311,18 +310,6 @@ void bind_backend(py::module_& m) {
       .def("is_completed", &Work::is_completed)
       .def_property_readonly("captured", &Work::captured)
       .def("exception", &work_exception);
-
-  py::class_<comm::Completions>(m, "Completions",
-      "When each queued Work completed, stamped by a C++ thread without the GIL (Note "
-      "[Completion stamps] in csrc/comm/completions.h).")
-      .def(py::init<int>(), py::arg("rank"))
-      .def("add", &comm::Completions::add, py::arg("work"),
-           "Queues the Work; returns its ticket.")
-      .def("wait", [](comm::Completions& c, uint64_t ticket) {
-             return call_nogil([&] { return c.wait(ticket); });
-           }, py::arg("ticket"),
-           "The Work's end (seconds, time.monotonic's clock), or its failure raised.")
-      .def("close", &comm::Completions::close, "Stops the thread; later add() raises.");
 
   py::class_<Array>(m, "Array", "An array as a backend read it: dtype, shape, device, stream.")
       .def_property_readonly("obj", [](const Array& a) { return a.obj; })

@@ -18,15 +18,12 @@ backward produces gradients in another order must not reorder the all-reduces. T
 worker thread runs them while Python goes on computing the rest of backward.
 
 Note [Stats]
-Each queued all-reduce is handed to the DataParallel's completion stamps (``_C.Completions``,
-Note [Completion stamps] in csrc/comm/completions.h): a C++ thread waits on it and stamps the
-time it finished, without the GIL (a Python thread cost two GIL handoffs per bucket). A
-compression hook's Work, which may be any object with ``wait()``, is waited for by a Python
-completion thread instead, which stamps it when it gets the GIL back. Ops of one group
-complete in issue order, so a bucket's communication time is counted from max(its launch,
-the previous bucket's end) to its end: the time the worker spent on it, not its time queued
-behind our own previous bucket. The part of that before ``wait()`` was called is
-"overlapped". Stamps are ``time.monotonic()`` (CLOCK_MONOTONIC, the C++ steady clock).
+Each queued all-reduce is handed to one completion thread per DataParallel, which waits on it
+and stamps the time it finished. Ops of one group complete in issue order, so a bucket's
+communication time is counted from max(its launch, the previous bucket's end) to its end: the
+time the worker spent on it, not its time queued behind our own previous bucket. The part of
+that before ``wait()`` was called is "overlapped". The end stamp is taken when the completion
+thread gets the GIL back, so pure-Python compute on the main thread can delay it a little.
 
 Note [Arrays]
 On the CPU backend parameters and gradients are numpy arrays (or viewed as numpy through the
@@ -37,8 +34,8 @@ tensors or CuPy arrays, one type for all, and DataParallel computes with their o
 the caller's current stream, the bucket's all-reduce is queued after that stream's work, and
 ``wait()`` makes the current stream wait for every all-reduce and queues the write-back of the
 averages there, without blocking the host: the next step's work can be queued while the last
-buckets are on the wire. The completion stamps wait with ``Work.synchronize()`` for each
-bucket's end (Note [Stats]); those flights are settled (counted, and a failure raised) at the
+buckets are on the wire. The completion thread calls ``Work.synchronize()`` to stamp each
+bucket's end for Note [Stats]; those flights are settled (counted, and a failure raised) at the
 next ``wait()``, ``stats()`` or ``reset_stats()``, which block until the device got there. A
 compression hook's Work is waited for on the host, as on the CPU backend. Compression casts
 with the same operators.
@@ -56,7 +53,6 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping,
 
 import numpy as np
 
-from . import _C
 from .arrays import dtype_name
 
 if TYPE_CHECKING:
@@ -84,41 +80,34 @@ class LocalSGD:
 
 
 class _Flight:
-    """One queued all-reduce (or hook) of one bucket, until its end is known (Note [Stats])."""
+    """One queued all-reduce (or hook) of one bucket, as the completion thread sees it."""
 
-    __slots__ = ("work", "t_launch", "t_end", "t_wait", "error", "ticket", "done", "blocking",
-                 "nbytes")
+    __slots__ = ("work", "t_launch", "t_end", "t_wait", "error", "done", "blocking", "nbytes")
 
     def __init__(self, work: Any, t_launch: float, nbytes: int, blocking: bool = False) -> None:
         # work: the group's Work, a hook's object with wait(), or None (done synchronously)
         self.work, self.t_launch, self.nbytes, self.blocking = work, t_launch, nbytes, blocking
         self.t_end = self.t_wait = t_launch
         self.error: Optional[BaseException] = None
-        self.ticket: Optional[int] = None               # stamped by _C.Completions
-        self.done: Optional[threading.Event] = None     # stamped by the hook thread
+        self.done = threading.Event()
 
 
 def _complete(q: "queue.SimpleQueue[Optional[_Flight]]") -> None:
-    # The hook Works' completion thread. A module-level function holding only the queue, so
-    # the thread never keeps its DataParallel alive; a None from the finalizer ends it.
+    # A module-level function holding only the queue, so the thread never keeps its
+    # DataParallel alive; a None from the finalizer ends it.
     while True:
         fl = q.get()
         if fl is None:
             return
-        assert fl.done is not None
         try:
-            # A GPU Work's wait() only orders a stream; synchronize() blocks until the
-            # all-reduce is done on the device, which the end stamp and wait() rely on.
-            getattr(fl.work, "synchronize", fl.work.wait)()
+            if fl.work is not None:
+                # A GPU Work's wait() only orders a stream; synchronize() blocks until the
+                # all-reduce is done on the device, which the end stamp and wait() rely on.
+                getattr(fl.work, "synchronize", fl.work.wait)()
         except BaseException as e:  # handed to the main thread, which re-raises it
             fl.error = e
-        fl.t_end = time.monotonic()
+        fl.t_end = time.perf_counter()
         fl.done.set()
-
-
-def _close(q: "queue.SimpleQueue[Optional[_Flight]]", stamps: _C.Completions) -> None:
-    q.put(None)
-    stamps.close()
 
 
 class _Bucket:
@@ -243,12 +232,9 @@ class DataParallel:
         self._steps = 0
         self.reset_stats()
         # The completion thread starts with the first all-reduce and ends with this object.
-        # Completion stamps (Note [Stats]): the C++ thread and the hook thread start with the
-        # first all-reduce (or hook) and end with this object.
-        self._stamps = _C.Completions(self._group.global_rank(self._group.rank))
         self._queue: "queue.SimpleQueue[Optional[_Flight]]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
-        self._finalizer = weakref.finalize(self, _close, self._queue, self._stamps)
+        self._finalizer = weakref.finalize(self, self._queue.put, None)
 
         if broadcast_from is not None:
             self._broadcast_parameters(int(broadcast_from))
@@ -402,7 +388,7 @@ class DataParallel:
         # buffers are in use, and drop the step so the object stays usable.
         for b in self._buckets:
             if b.flight is not None:
-                self._await(b.flight)
+                b.flight.done.wait()
             b.flight, b.missing = None, len(b.names)
         self._given.clear()
         self._next_launch = 0
@@ -411,7 +397,7 @@ class DataParallel:
         if not self._finalizer.alive:
             raise RuntimeError("DataParallel: used after close()")
         n = self._group.size
-        t0 = time.monotonic()
+        t0 = time.perf_counter()
         on = self._on_stream()
         if op is not None:  # LocalSGD parameter averaging: plain, uncompressed
             fl = _Flight(self._group.all_reduce(b.buf, op=op, async_op=True, **on), t0,
@@ -420,7 +406,8 @@ class DataParallel:
             work = self._hook(self._group, b.buf)
             if work is None:  # the hook communicated synchronously: time it, never overlapped
                 b.flight = _Flight(None, t0, b.buf.nbytes, blocking=True)
-                b.flight.t_end = time.monotonic()
+                b.flight.t_end = time.perf_counter()
+                b.flight.done.set()
                 return
             if not callable(getattr(work, "wait", None)):
                 raise TypeError(f"DataParallel: the compression hook returned "
@@ -437,26 +424,11 @@ class DataParallel:
             fl = _Flight(self._group.all_reduce(b.buf, op="avg" if self._average else "sum",
                                                 async_op=True, **on), t0, b.buf.nbytes)
         b.flight = fl
-        if isinstance(fl.work, _C.Work):
-            fl.ticket = self._stamps.add(fl.work)
-            return
         if self._thread is None:
             self._thread = threading.Thread(target=_complete, args=(self._queue,),
                                             name="meshcoll-ddp-completion", daemon=True)
             self._thread.start()
-        fl.done = threading.Event()
         self._queue.put(fl)
-
-    def _await(self, fl: _Flight) -> None:
-        """Blocks until ``fl`` ended: its t_end and error are known (Note [Stats])."""
-        if fl.ticket is not None:
-            ticket, fl.ticket = fl.ticket, None
-            try:
-                fl.t_end = self._stamps.wait(ticket)
-            except BaseException as e:  # the all-reduce failed: raised by whoever finishes
-                fl.error, fl.t_end = e, time.monotonic()
-        elif fl.done is not None:
-            fl.done.wait()
 
     def wait(self) -> None:
         """Finish every bucket's all-reduce and write the averages into the gradient arrays
@@ -470,7 +442,7 @@ class DataParallel:
             raise RuntimeError(f"wait: no gradient was given for {', '.join(missing[:10])}{more}; "
                                "call grad_ready for every parameter before wait() (the step "
                                "stays open: give them and call wait() again)")
-        self._finish(time.monotonic(), write_back=True)
+        self._finish(time.perf_counter(), write_back=True)
 
     def _finish(self, t_wait: float, write_back: bool) -> None:
         # Every bucket was launched (nothing is missing). Finish in launch order, writing
@@ -492,7 +464,7 @@ class DataParallel:
                     error = error or e
                 self._unsettled.append(fl)
             else:
-                self._await(fl)
+                fl.done.wait()
                 self._count(fl)
                 error = error or fl.error
             if error is not None:
@@ -527,7 +499,7 @@ class DataParallel:
         flights, self._unsettled = self._unsettled, []
         error: Optional[BaseException] = None
         for fl in flights:
-            self._await(fl)
+            fl.done.wait()
             self._count(fl)
             error = error or fl.error
         if error is not None:
@@ -581,7 +553,7 @@ class DataParallel:
             for n in b.names:
                 self._copy(self._slot[n][1], self._params[n])
             self._launch(b, op="avg")
-        self._finish(time.monotonic(), write_back=False)
+        self._finish(time.perf_counter(), write_back=False)
 
     # ---- introspection --------------------------------------------------------------
     @property
