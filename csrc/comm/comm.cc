@@ -186,7 +186,7 @@ std::shared_ptr<CpuWork> Comm::enqueue(const transport::OpDesc& desc, Millis tim
   item.env.op = desc;
   item.timeout = timeout.count() < 0 ? opts_.timeout : timeout;
   item.run = std::move(run);
-  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_);
+  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, reported_);
   for (auto& k : keep) item.work->keep(std::move(k));
   return push(std::move(item));
 }
@@ -203,7 +203,7 @@ std::shared_ptr<CpuWork> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag,
   item.is_send = is_send;
   item.src = src;
   item.dst = dst;
-  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_);
+  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, reported_);
   for (auto& k : keep) item.work->keep(std::move(k));
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -478,14 +478,13 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
                    me == rank_ ? "" : str_cat(" (group rank ", rank_, ")"), " of ", size_, ": ");
   };
   if (first_error_) {
-    // Operations already queued when the group failed report the failure's own type (a
-    // caller waiting on one of them learns that a peer died, not merely "aborted"); ones
-    // issued afterwards get Aborted.
+    // Note [Failure types]: the failure's own type until it reached the caller, or for an
+    // operation already queued when the group failed; Aborted afterwards.
     std::string msg = str_cat(ctx(), "not run: the group failed earlier (", message_of(first_error_),
                               "); destroy it and create a new one");
     if (collective) ledger_->set_state(env.seq, CallState::kFailed);
-    return index < failed_before_ ? same_type(first_error_, msg)
-                                  : std::make_exception_ptr(Aborted(msg));
+    return index < failed_before_ || !reported_->load() ? same_type(first_error_, msg)
+                                                        : std::make_exception_ptr(Aborted(msg));
   }
   current_ = env;
   deadline_ = Deadline(timeout);

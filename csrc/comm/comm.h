@@ -1,6 +1,16 @@
 // A communicator: one group's rank, size, transport, timeout, and the worker thread that
 // runs the group's operations one at a time, in issue order (so every rank's transport
 // sees the same sequence of collectives; see Note [Agreement check]).
+//
+// Note [Failure types]
+// A group is dead after its first failure. The caller learns of it with the failure's own
+// type (PeerError, TimeoutError, MismatchError, ...) the first time: from the call or Work
+// that failed, or, when that was an asynchronous operation nobody waited for yet (an isend
+// whose peer died), from the next call, which is then the first to hear of it. Operations
+// already queued when the group failed report that type too. Once the failure has reached
+// the caller (a Work raised or handed it out, or a blocking call raised it), later calls
+// raise AbortedError naming it: an `except PeerError` handler runs once per failure, and
+// "aborted" is the witness that the call failed at once rather than at its deadline.
 #pragma once
 
 #include <atomic>
@@ -103,7 +113,10 @@ class Comm {
     std::exception_ptr error =
         execute(env, timeout.count() < 0 ? opts_.timeout : timeout, index, OpRef(run), true);
     release_claim();
-    if (error) std::rethrow_exception(error);
+    if (error) {
+      reported_->store(true);
+      std::rethrow_exception(error);
+    }
   }
   // Queues a point-to-point send or receive; the per-peer message count is its sequence.
   // Note [Point-to-point in flight]: the worker only *posts* it and moves on to the next
@@ -196,6 +209,8 @@ class Comm {
   std::shared_ptr<store::Store> store_;
   // Set by an interrupted Work.wait (Note [Interrupts]); the transport's waits check it.
   std::shared_ptr<StopRequest> stop_ = std::make_shared<StopRequest>();
+  // The group's failure reached the caller (Note [Failure types]); shared with the Works.
+  std::shared_ptr<std::atomic<bool>> reported_ = std::make_shared<std::atomic<bool>>(false);
   std::unique_ptr<transport::Transport> transport_;
   std::unique_ptr<transport::ShmGroup> shm_;
   std::string shm_status_;

@@ -29,7 +29,10 @@ void CpuWork::wait(Millis timeout, bool, Stream) {
       lock.lock();
     }
   }
-  if (error_) std::rethrow_exception(error_);
+  if (error_) {
+    reported_->store(true);
+    std::rethrow_exception(error_);
+  }
 }
 
 std::string CpuWork::what() const { return str_cat("rank ", rank_, " ", describe_op(op_)); }
@@ -41,6 +44,7 @@ bool CpuWork::is_completed() {
 
 std::exception_ptr CpuWork::exception() {
   std::lock_guard<std::mutex> lock(mu_);
+  if (error_) reported_->store(true);
   return error_;
 }
 

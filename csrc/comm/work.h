@@ -2,6 +2,7 @@
 // the CPU backend's implementation of it.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <exception>
 #include <memory>
@@ -40,8 +41,11 @@ using WorkPtr = std::shared_ptr<Work>;
 class CpuWork : public Work {
  public:
   // The description is formatted only when an error needs it: this is on every call's path.
-  CpuWork(int rank, const transport::OpDesc& op, std::shared_ptr<StopRequest> stop)
-      : rank_(rank), op_(op), stop_(std::move(stop)) {}
+  // `reported`: the group's flag that its failure reached the caller (Note [Failure types]
+  // in comm/comm.h); set when this Work raises or hands out its failure.
+  CpuWork(int rank, const transport::OpDesc& op, std::shared_ptr<StopRequest> stop,
+          std::shared_ptr<std::atomic<bool>> reported)
+      : rank_(rank), op_(op), stop_(std::move(stop)), reported_(std::move(reported)) {}
   // TimeoutError if `timeout` passes first; the operation itself goes on and fails by its
   // own deadline if it is stuck.
   void wait(Millis timeout, bool has_stream = false, Stream stream = nullptr) override;
@@ -60,6 +64,7 @@ class CpuWork : public Work {
   int rank_;
   transport::OpDesc op_;
   std::shared_ptr<StopRequest> stop_;  // the group's: an interrupted wait stops the operation
+  std::shared_ptr<std::atomic<bool>> reported_;
   std::vector<std::shared_ptr<void>> keep_;
 };
 

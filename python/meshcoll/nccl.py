@@ -37,8 +37,9 @@ Point-to-point. NCCL matches messages between two ranks in posting order and has
 ``send``/``recv`` take ``tag=0`` only.
 
 Failures. A watchdog aborts the communicator when an op passes its deadline or NCCL reports
-an asynchronous error; unfinished ops then raise TimeoutError / PeerError, and later calls
-AbortedError. Rebuild the group (``destroy()`` and ``init()``) after that.
+an asynchronous error; unfinished ops then raise TimeoutError / PeerError, and so does every
+later call (with the same type: Note [NCCL failure model] in csrc/nccl/nccl_comm.h). Rebuild
+the group (``destroy()`` and ``init()``) after that.
 """
 
 from __future__ import annotations
