@@ -104,8 +104,10 @@ class CallReader {
   CallReader(const Backend& b, const char* what, const py::handle& timeout,
              const py::handle& stream, bool async)
       : CallReader(b, what, timeout, stream, async, async) {}
-  // x or out: a raw array, or an Array the ProcessGroup made of one.
-  comm::ArrayView operator()(const py::handle& x, const char* name, bool writable) {
+  // x or out: a raw array, or an Array the ProcessGroup made of one. `dims`, if given,
+  // receives its shape.
+  comm::ArrayView operator()(const py::handle& x, const char* name, bool writable,
+                             std::vector<int64_t>* dims = nullptr) {
     Want w = want_;
     w.what = what_;
     w.arg = name;
@@ -118,8 +120,9 @@ class CallReader {
       else
         r = a.read;
       if (w.keep && !r.view.owner) r.view.owner = owner_of(a.obj);
+      if (dims) *dims = a.dims;
     } else {
-      r = read_array(x, w);
+      r = read_array(x, w, dims);
     }
     if (w.device && !want_.has_stream) {  // the first array sets the op's stream
       want_.has_stream = true;
@@ -198,21 +201,40 @@ PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t narg
 }
 
 // Note [Synchronous gathers]
-// all_gather and reduce_scatter with equal blocks, synchronous, into an out= the ProcessGroup
-// made or was given: one METH_FASTCALL call each, as all_reduce_sync. The blocks follow from
-// x (all_gather: x's count from every rank; reduce_scatter: an equal share of x's count), so
-// no list of counts crosses the boundary; the contract checks out's size against them.
+// all_gather and reduce_scatter with equal blocks, synchronous: one METH_FASTCALL call each,
+// as all_reduce_sync. The blocks follow from x (all_gather: x's count from every rank;
+// reduce_scatter: an equal share of x's rows, checked here), so no list of counts crosses
+// the boundary; the contract checks out's size against them. out=None: on a CPU group, a
+// numpy x gets a new numpy out made here (a third of a small call's host time when Python
+// made it); a GPU group's ProcessGroup makes it with the array's framework. Returns out.
 // Arguments: all_gather_sync(x, out, timeout, stream), reduce_scatter_sync(x, out, op,
 // timeout, stream).
+
+// A numpy array of x's dtype and `shape` for an out=None on a CPU group.
+py::object new_host_out(const Backend& b, const py::handle& x, const char* what,
+                        std::vector<py::ssize_t> shape) {
+  if (b.device_memory() || !py::isinstance<py::array>(x))
+    throw py::type_error(str_cat(what, ": out=None is for a numpy x on a CPU group; pass out="));
+  return py::array(py::reinterpret_borrow<py::array>(x).dtype(), std::move(shape));
+}
+
 PyObject* all_gather_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   return fastcall([&]() -> PyObject* {
+    constexpr const char* what = "all_gather";
     Backend& b = fast_backend(self, nargs, "all_gather_sync", 4, "x, out, timeout, stream");
-    CallReader read(b, "all_gather", py::handle(args[2]), py::handle(args[3]), false);
-    comm::ArrayView in = read(py::handle(args[0]), "x", false);
-    comm::ArrayView out = read(py::handle(args[1]), "out", true);
+    CallReader read(b, what, py::handle(args[2]), py::handle(args[3]), false);
+    std::vector<int64_t> dims;
+    comm::ArrayView in = read(py::handle(args[0]), "x", false, &dims);
+    py::object out_obj = py::reinterpret_borrow<py::object>(args[1]);
+    if (out_obj.is_none()) {
+      std::vector<py::ssize_t> shape{b.size()};
+      shape.insert(shape.end(), dims.begin(), dims.end());
+      out_obj = new_host_out(b, py::handle(args[0]), what, std::move(shape));
+    }
+    comm::ArrayView out = read(out_obj, "out", true);
     const std::vector<size_t> counts(b.size(), in.count);
     run(b, read.what(), false, [&] { return b.all_gather(in, out, counts, false, read.opts); });
-    Py_RETURN_NONE;
+    return out_obj.release().ptr();
   });
 }
 
@@ -222,13 +244,27 @@ PyObject* reduce_scatter_sync(PyObject* self, PyObject* const* args, Py_ssize_t 
     Backend& b = fast_backend(self, nargs, "reduce_scatter_sync", 5,
                               "x, out, op, timeout, stream");
     CallReader read(b, what, py::handle(args[3]), py::handle(args[4]), false);
-    comm::ArrayView in = read(py::handle(args[0]), "x", false);
-    comm::ArrayView out = read(py::handle(args[1]), "out", true);
+    std::vector<int64_t> dims;
+    comm::ArrayView in = read(py::handle(args[0]), "x", false, &dims);
+    if (dims.empty())
+      throw InvalidArgument(str_cat(what, ": needs an array with at least one dimension, got a "
+                                          "0-d array"));
+    if (dims[0] % b.size())
+      throw InvalidArgument(str_cat(what, ": axis 0 has ", dims[0], " rows, not divisible by the "
+                                          "group size ", b.size(), "; use reduce_scatter_v for "
+                                          "uneven splits"));
+    py::object out_obj = py::reinterpret_borrow<py::object>(args[1]);
+    if (out_obj.is_none()) {
+      std::vector<py::ssize_t> shape(dims.begin(), dims.end());
+      shape[0] /= b.size();
+      out_obj = new_host_out(b, py::handle(args[0]), what, std::move(shape));
+    }
+    comm::ArrayView out = read(out_obj, "out", true);
     RedOp op = redop_arg(str_arg(args[2], what, "op"), what);
     const std::vector<size_t> counts(b.size(), in.count / b.size());
     run(b, read.what(), false,
         [&] { return b.reduce_scatter(in, out, counts, op, false, read.opts); });
-    Py_RETURN_NONE;
+    return out_obj.release().ptr();
   });
 }
 
@@ -347,10 +383,12 @@ void bind_backend(py::module_& m) {
                       "return when done (CPU) or enqueued (GPU) (Note [all_reduce_sync]).");
   add_fastcall_method(b, "all_gather_sync", &all_gather_sync,
                       "all_gather_sync(x, out, timeout, stream): every rank's x, in rank order, "
-                      "into out (Note [Synchronous gathers]).");
+                      "into out (None: a new numpy array, CPU groups); returns out (Note "
+                      "[Synchronous gathers]).");
   add_fastcall_method(b, "reduce_scatter_sync", &reduce_scatter_sync,
                       "reduce_scatter_sync(x, out, op, timeout, stream): this rank's equal share "
-                      "of the reduction of x into out (Note [Synchronous gathers]).");
+                      "of the reduction of x's rows into out (None: a new numpy array, CPU "
+                      "groups); returns out (Note [Synchronous gathers]).");
   add_fastcall_method(b, "broadcast_sync", &broadcast_sync,
                       "broadcast_sync(x, root, timeout, stream): x of rank root into every "
                       "rank's x (Note [Rooted in-place calls]).");

@@ -497,11 +497,11 @@ class ProcessGroup:
                 raise ValueError("all_gather of a host (numpy) array takes no out= or async_op")
             return self._host_all_gather(x, timeout)
         if not async_op and self._fast(x):
-            # Note [Synchronous gathers] in bind_backend.cc: one C++ call.
-            if out is None:
+            # Note [Synchronous gathers] in bind_backend.cc: one C++ call, which makes a CPU
+            # group's out.
+            if out is None and self._arrays.device_memory:
                 out = self._arrays.empty((self.size,) + tuple(x.shape), x)
-            self._backend.all_gather_sync(x, out, timeout, stream)
-            return out
+            return self._backend.all_gather_sync(x, out, timeout, stream)
         v = self._look(x, "all_gather: x", stream)
         shape = (self.size,) + tuple(v.shape)
         out = self._empty(shape, v) if out is None else out
@@ -539,17 +539,13 @@ class ProcessGroup:
         ``out`` (or a new array; ``out`` may be this rank's block of ``x``). Returns it, or a
         Work."""
         if not async_op and self._fast(x):
-            # Note [Synchronous gathers] in bind_backend.cc: one C++ call.
-            shape = tuple(x.shape)
-            if not shape or shape[0] % self.size:
-                rows(self._view(x, "reduce_scatter: x", stream=stream), "reduce_scatter")
-                raise ValueError(f"reduce_scatter: axis 0 has {shape[0]} rows, not divisible by "
-                                 f"the group size {self.size}; use reduce_scatter_v for uneven "
-                                 "splits")
-            if out is None:
-                out = self._arrays.empty((shape[0] // self.size,) + shape[1:], x)
-            self._backend.reduce_scatter_sync(x, out, op, timeout, stream)
-            return out
+            # Note [Synchronous gathers] in bind_backend.cc: one C++ call, which checks x's
+            # rows and makes a CPU group's out.
+            if out is None and self._arrays.device_memory:
+                shape = tuple(x.shape)
+                if shape and shape[0] % self.size == 0:  # else the call raises, naming them
+                    out = self._arrays.empty((shape[0] // self.size,) + shape[1:], x)
+            return self._backend.reduce_scatter_sync(x, out, op, timeout, stream)
         v = self._look(x, "reduce_scatter: x", stream)
         n = rows(v, "reduce_scatter")
         if n % self.size:
