@@ -1,6 +1,7 @@
 """Per-call host cost of small synchronous collectives on the CPU backend: the time of one
 8-byte (one float64, or two float32) call, back to back, at world 1 (in process) and world 2
-(two processes, shared memory and TCP). It measures the road from Python to the wire, which
+(two processes, shared memory and TCP), and of an async all_reduce with its wait (the hand-off
+to the group's worker thread and back). It measures the road from Python to the wire, which
 is what a refactor of that road must not slow down.
 
     PYTHONPATH=/tmp/newsite python bench/python/host_cost.py --label after
@@ -24,7 +25,7 @@ import time
 
 import numpy as np
 
-OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter")
+OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_reduce async")
 
 
 def _call(pg, op, x):
@@ -34,6 +35,8 @@ def _call(pg, op, x):
         pg.broadcast(x, 0)
     elif op == "all_gather":
         pg.all_gather(x)
+    elif op == "all_reduce async":  # the worker's hand-off and the wait (Note [Brief spin])
+        pg.all_reduce(x, async_op=True).wait()
     else:
         pg.reduce_scatter(x)
 
@@ -95,11 +98,11 @@ def main():
     args = ap.parse_args()
     import meshcoll
     print(f"# meshcoll {meshcoll.__file__} {args.label}  calls={args.calls} repeats={args.repeats}")
-    print(f"# {'world':>5} {'transport':>9} {'op':>15} {'us/call':>9} {'min':>8} {'max':>8}")
+    print(f"# {'world':>5} {'transport':>9} {'op':>16} {'us/call':>9} {'min':>8} {'max':>8}")
     for world, transport in ((1, "auto"), (2, "shm"), (2, "tcp")):
         res = run(world, transport, args.calls if world == 1 else args.calls // 5, args.repeats)
         for op, means in res.items():
-            print(f"  {world:>5} {transport:>9} {op:>15} {statistics.median(means):9.3f} "
+            print(f"  {world:>5} {transport:>9} {op:>16} {statistics.median(means):9.3f} "
                   f"{min(means):8.3f} {max(means):8.3f}", flush=True)
 
 

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "common/check.h"
+#include "common/cores.h"
 #include "store/exchange.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -63,7 +64,9 @@ void agree_on_shared(store::Store& store, int rank, int size, const CommOptions&
 
 Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOptions& opts,
            uint64_t comm_id, Ledger* ledger)
-    : rank_(rank), size_(size), opts_(opts), store_(std::move(store)), ledger_(ledger) {
+    : rank_(rank), size_(size), opts_(opts), store_(std::move(store)),
+      spin_(threads_fit_cores(2u * static_cast<unsigned>(size))),  // Note [Spinning]
+      ledger_(ledger) {
   MC_ARG_CHECK(size >= 1, "group size must be >= 1, got ", size);
   MC_ARG_CHECK(rank >= 0 && rank < size, "rank ", rank, " is out of range for a group of ", size);
   transport::TcpOptions topts;
@@ -148,6 +151,7 @@ std::shared_ptr<CpuWork> Comm::push(Item item) {
   item.index = next_index_++;
   auto work = item.work;
   queue_.push_back(std::move(item));
+  queued_.store(queue_.size(), std::memory_order_release);
   cv_.notify_all();
   if (polling_idle_.load()) {
     uint64_t one = 1;
@@ -186,7 +190,7 @@ std::shared_ptr<CpuWork> Comm::enqueue(const transport::OpDesc& desc, Millis tim
   item.env.op = desc;
   item.timeout = timeout.count() < 0 ? opts_.timeout : timeout;
   item.run = std::move(run);
-  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, reported_);
+  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, reported_, spin_);
   for (auto& k : keep) item.work->keep(std::move(k));
   return push(std::move(item));
 }
@@ -203,7 +207,7 @@ std::shared_ptr<CpuWork> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag,
   item.is_send = is_send;
   item.src = src;
   item.dst = dst;
-  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, reported_);
+  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, reported_, spin_);
   for (auto& k : keep) item.work->keep(std::move(k));
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -236,6 +240,13 @@ void Comm::worker_loop() {
   for (;;) {
     Item item;
     bool have = false;
+    // Note [Brief spin] (comm/work.cc), the worker's side: the next operation of a stream of
+    // small asynchronous ones usually comes within microseconds; a sleep on cv_ would cost the
+    // caller a futex wake-up and a context switch to hand it over.
+    for (const auto idle_since = Clock::now();
+         spin_ && queued_.load(std::memory_order_acquire) == 0 &&
+         Clock::now() - idle_since < kBriefSpin;)
+      std::this_thread::yield();
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [this] {
@@ -244,6 +255,7 @@ void Comm::worker_loop() {
       if (!queue_.empty()) {
         item = std::move(queue_.front());
         queue_.pop_front();
+        queued_.store(queue_.size(), std::memory_order_release);
         have = true;
       } else if (in_flight_count_ == 0) {
         return;  // stopping, and everything issued has finished

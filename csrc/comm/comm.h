@@ -220,6 +220,10 @@ class Comm {
   std::mutex mu_;  // guards queue_, stopping_, seq counters
   std::condition_variable cv_;
   std::deque<Item> queue_;
+  std::atomic<size_t> queued_{0};  // queue_.size(), readable without mu_ (the worker's spin)
+  // The worker and the callers' waits spin briefly (Note [Brief spin] in comm/work.cc): the
+  // caller and the worker of every rank can each have a core.
+  const bool spin_;
   bool stopping_ = false;
   bool busy_ = false;  // a thread (worker or inline caller) owns the transport
   size_t in_flight_count_ = 0;  // in_flight_.size(), readable under mu_

@@ -43,9 +43,11 @@ class CpuWork : public Work {
   // The description is formatted only when an error needs it: this is on every call's path.
   // `reported`: the group's flag that its failure reached the caller (Note [Failure types]
   // in comm/comm.h); set when this Work raises or hands out its failure.
+  // `spin`: wait() spins briefly before it sleeps (Note [Brief spin] in work.cc).
   CpuWork(int rank, const transport::OpDesc& op, std::shared_ptr<StopRequest> stop,
-          std::shared_ptr<std::atomic<bool>> reported)
-      : rank_(rank), op_(op), stop_(std::move(stop)), reported_(std::move(reported)) {}
+          std::shared_ptr<std::atomic<bool>> reported, bool spin)
+      : rank_(rank), op_(op), stop_(std::move(stop)), reported_(std::move(reported)),
+        spin_(spin) {}
   // TimeoutError if `timeout` passes first; the operation itself goes on and fails by its
   // own deadline if it is stuck.
   void wait(Millis timeout, bool has_stream = false, Stream stream = nullptr) override;
@@ -60,11 +62,13 @@ class CpuWork : public Work {
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
+  std::atomic<bool> finished_{false};  // done_, readable without mu_ (the brief spin in wait)
   std::exception_ptr error_;
   int rank_;
   transport::OpDesc op_;
   std::shared_ptr<StopRequest> stop_;  // the group's: an interrupted wait stops the operation
   std::shared_ptr<std::atomic<bool>> reported_;
+  const bool spin_;
   std::vector<std::shared_ptr<void>> keep_;
 };
 

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "common/config.h"
+#include "common/cores.h"
 #include "common/error.h"
 #include "common/interrupt.h"
 #include "store/exchange.h"
@@ -74,11 +75,10 @@ ShmGroup::ShmGroup(int rank, int size, size_t data_bytes)
   ctrl_.assign(size, nullptr);
   data_.assign(size, nullptr);
   for (int r = 0; r < size; ++r) all_ranks_.push_back(r);
-  unsigned cores = std::thread::hardware_concurrency();
-  // Oversubscribed (more ranks than cores): the peer we wait for may need our core to run,
-  // so the spin yields it (sched_yield) instead of pausing, for longer before sleeping: a
-  // futex sleep and wake-up costs several context switches per round.
-  yield_ = cores == 0 || static_cast<unsigned>(size) > cores;
+  // Oversubscribed (more ranks than cores, Note [Spinning]): the peer we wait for may need
+  // our core to run, so the spin yields it (sched_yield) instead of pausing, for longer before
+  // sleeping: a futex sleep and wake-up costs several context switches per round.
+  yield_ = !threads_fit_cores(static_cast<unsigned>(size));
   spin_ = std::chrono::microseconds(yield_ ? 1000 : 100);
 }
 

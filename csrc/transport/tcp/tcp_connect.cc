@@ -12,6 +12,7 @@
 #include <cstring>
 #include <thread>
 
+#include "common/cores.h"
 #include "common/error.h"
 #include "common/socket.h"
 #include "transport/tcp/tcp_peer.h"
@@ -52,8 +53,7 @@ TcpTransport::TcpTransport(int rank, int size, store::Store& store, const TcpOpt
                            DescribeOp describe, const Deadline& d)
     : rank_(rank), size_(size), global_(opts.global), stop_(opts.stop), describe_(describe) {
   for (int i = 0; i < size; ++i) peers_.push_back(std::make_unique<Peer>());
-  unsigned cores = std::thread::hardware_concurrency();
-  spin_ = cores != 0 && static_cast<unsigned>(size) <= cores;
+  spin_ = threads_fit_cores(static_cast<unsigned>(size));  // Note [Spinning]
   if (size > 1) {
     try {
       connect_all(store, opts, d);
