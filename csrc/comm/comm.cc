@@ -242,9 +242,10 @@ void Comm::worker_loop() {
     bool have = false;
     // Note [Brief spin] (comm/work.cc), the worker's side: the next operation of a stream of
     // small asynchronous ones usually comes within microseconds; a sleep on cv_ would cost the
-    // caller a futex wake-up and a context switch to hand it over.
+    // caller a futex wake-up and a context switch to hand it over. Not while point-to-point
+    // transfers are in flight: the worker drives those instead (progress_in_flight).
     for (const auto idle_since = Clock::now();
-         spin_ && queued_.load(std::memory_order_acquire) == 0 &&
+         spin_ && in_flight_.empty() && queued_.load(std::memory_order_acquire) == 0 &&
          Clock::now() - idle_since < kBriefSpin;)
       std::this_thread::yield();
     {
