@@ -126,6 +126,13 @@ def bad_calls(pg):
          ValueError, "send_counts"),
         ("all_to_all out aliasing", lambda: pg.all_to_all(f, out=f), ValueError, "out"),
         ("scatter wrong rows", lambda: pg.scatter(np.zeros((n + 1, 2)), 0), ValueError, "shape"),
+        # The C++ entry points make out only for a numpy x (Note [Synchronous gathers]).
+        ("all_gather_sync out=None, not numpy",
+         lambda: pg._backend.all_gather_sync(bytearray(8), None, None, None), TypeError,
+         "out=None is for a numpy x"),
+        ("reduce_scatter_sync out=None, not numpy",
+         lambda: pg._backend.reduce_scatter_sync(bytearray(8 * n), None, "sum", None, None),
+         TypeError, "out=None is for a numpy x"),
     ]
     if n > 1:  # with one rank every length divides evenly
         calls += [
