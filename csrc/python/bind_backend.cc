@@ -133,6 +133,8 @@ class CallReader {
     return r.view;
   }
   const char* what() const { return what_; }
+  // A synchronous call on a CPU group waits for its operation (run()'s `blocks`).
+  bool blocks() const { return !opts.async && !want_.device; }
   CallOptions opts;
 
  private:
@@ -140,15 +142,18 @@ class CallReader {
   Want want_;
 };
 
-// Runs `call` with the GIL released where it may block (Note [Interrupts]: a Ctrl-C meanwhile
-// is the call's outcome); returns the Work (async) or None. Note [One issuing thread]: the
-// Issue opens before the GIL is let go and ends once it is back, so Python threads that take
-// turns on the GIL cannot slip calls in between.
+// Runs `call`, with the GIL released where it `blocks` (Note [Interrupts]: a Ctrl-C meanwhile
+// is the call's outcome); returns the Work (async) or None. A call that only queues its
+// operation (async, point-to-point) or enqueues it on a GPU keeps the GIL: releasing it hands
+// it to any Python thread waiting for it (DataParallel's completion thread), and taking it
+// back then costs a thread switch per call. Note [One issuing thread]: the Issue opens before
+// the GIL is let go and ends once it is back, so Python threads that take turns on the GIL
+// cannot slip calls in between.
 template <class F>
 py::object run(Backend& b, const char* what, bool blocks, F&& call) {
   host_timers::mark(host_timers::kRead);
   Backend::Issue issue(b, what);
-  WorkPtr w = blocks || !b.device_memory() ? call_nogil(call) : call();
+  WorkPtr w = blocks ? call_nogil(call) : call();
   issue.check();
   host_timers::mark(host_timers::kReturned);
   return w ? py::cast(std::move(w)) : py::none();
@@ -195,7 +200,7 @@ PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t narg
                                   size_arg(args[5], what, "max_segment_bytes"),
                                   size_arg(args[6], what, "tree_threshold_bytes"),
                                   size_arg(args[7], what, "hd_threshold_bytes"));
-    run(b, read.what(), false, [&] { return b.all_reduce(x, x, op, read.opts); });
+    run(b, read.what(), read.blocks(), [&] { return b.all_reduce(x, x, op, read.opts); });
     Py_RETURN_NONE;
   });
 }
@@ -233,7 +238,8 @@ PyObject* all_gather_sync(PyObject* self, PyObject* const* args, Py_ssize_t narg
     }
     comm::ArrayView out = read(out_obj, "out", true);
     const std::vector<size_t> counts(b.size(), in.count);
-    run(b, read.what(), false, [&] { return b.all_gather(in, out, counts, false, read.opts); });
+    run(b, read.what(), read.blocks(),
+        [&] { return b.all_gather(in, out, counts, false, read.opts); });
     return out_obj.release().ptr();
   });
 }
@@ -262,7 +268,7 @@ PyObject* reduce_scatter_sync(PyObject* self, PyObject* const* args, Py_ssize_t 
     comm::ArrayView out = read(out_obj, "out", true);
     RedOp op = redop_arg(str_arg(args[2], what, "op"), what);
     const std::vector<size_t> counts(b.size(), in.count / b.size());
-    run(b, read.what(), false,
+    run(b, read.what(), read.blocks(),
         [&] { return b.reduce_scatter(in, out, counts, op, false, read.opts); });
     return out_obj.release().ptr();
   });
@@ -288,7 +294,7 @@ PyObject* broadcast_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     CallReader read(b, what, py::handle(args[2]), py::handle(args[3]), false);
     comm::ArrayView x = read(py::handle(args[0]), "x", true);
     const int root = rank_arg(args[1]);
-    run(b, what, false, [&] { return b.broadcast(x, root, read.opts); });
+    run(b, what, read.blocks(), [&] { return b.broadcast(x, root, read.opts); });
     Py_RETURN_NONE;
   });
 }
@@ -301,7 +307,7 @@ PyObject* reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     comm::ArrayView x = read(py::handle(args[0]), "x", true);
     const int root = rank_arg(args[1]);
     RedOp op = redop_arg(str_arg(args[2], what, "op"), what);
-    run(b, what, false, [&] { return b.reduce(x, x, op, root, read.opts); });
+    run(b, what, read.blocks(), [&] { return b.reduce(x, x, op, root, read.opts); });
     Py_RETURN_NONE;
   });
 }
@@ -434,7 +440,7 @@ void bind_backend(py::module_& m) {
              auto o = out.is(a) ? read(out, "x", true) : read(out, "out", true);
              read.opts.tuning = tuning_arg(algorithm, max_segment_bytes, tree, hd);
              RedOp rop = redop_arg(op, what);
-             return run(x, read.what(), false, [&] { return x.all_reduce(in, o, rop, read.opts); });
+             return run(x, read.what(), read.blocks(), [&] { return x.all_reduce(in, o, rop, read.opts); });
            })
       .def("reduce", [](Backend& x, const py::handle& a, const py::handle& out, int root,
                         const std::string& op, const py::handle& timeout, const py::handle& stream,
@@ -443,13 +449,13 @@ void bind_backend(py::module_& m) {
              auto in = read(a, "x", false);
              auto o = read(out, "out", true);
              RedOp rop = redop_arg(op, "reduce");
-             return run(x, read.what(), false, [&] { return x.reduce(in, o, rop, root, read.opts); });
+             return run(x, read.what(), read.blocks(), [&] { return x.reduce(in, o, rop, root, read.opts); });
            })
       .def("broadcast", [](Backend& x, const py::handle& a, int root, const py::handle& timeout,
                            const py::handle& stream, bool async) {
              CallReader read(x, "broadcast", timeout, stream, async);
              auto buf = read(a, "x", true);
-             return run(x, read.what(), false, [&] { return x.broadcast(buf, root, read.opts); });
+             return run(x, read.what(), read.blocks(), [&] { return x.broadcast(buf, root, read.opts); });
            })
       .def("all_gather", [](Backend& x, const py::handle& a, const py::handle& out,
                             const py::handle& counts, bool uneven, const py::handle& timeout,
@@ -458,7 +464,7 @@ void bind_backend(py::module_& m) {
              auto in = read(a, "x", false);
              auto o = read(out, "out", true);
              auto c = counts_arg(counts);
-             return run(x, read.what(), false, [&] { return x.all_gather(in, o, c, uneven, read.opts); });
+             return run(x, read.what(), read.blocks(), [&] { return x.all_gather(in, o, c, uneven, read.opts); });
            })
       .def("reduce_scatter", [](Backend& x, const py::handle& a, const py::handle& out,
                                 const py::handle& counts, const std::string& op, bool uneven,
@@ -469,7 +475,7 @@ void bind_backend(py::module_& m) {
              auto o = read(out, "out", true);
              auto c = counts_arg(counts);
              RedOp rop = redop_arg(op, what);
-             return run(x, read.what(), false, [&] { return x.reduce_scatter(in, o, c, rop, uneven, read.opts); });
+             return run(x, read.what(), read.blocks(), [&] { return x.reduce_scatter(in, o, c, rop, uneven, read.opts); });
            })
       .def("all_to_all", [](Backend& x, const py::handle& a, const py::handle& out,
                             const py::handle& send_counts, const py::handle& recv_counts,
@@ -479,7 +485,7 @@ void bind_backend(py::module_& m) {
              auto in = read(a, "x", false);
              auto o = read(out, "out", true);
              auto sc = counts_arg(send_counts), rc = counts_arg(recv_counts);
-             return run(x, read.what(), false, [&] { return x.all_to_all(in, o, sc, rc, uneven, read.opts); });
+             return run(x, read.what(), read.blocks(), [&] { return x.all_to_all(in, o, sc, rc, uneven, read.opts); });
            })
       .def("gather", [](Backend& x, const py::handle& a, const py::handle& out,
                         const py::handle& counts, int root, const py::handle& timeout,
@@ -488,7 +494,7 @@ void bind_backend(py::module_& m) {
              auto in = read(a, "x", false);
              auto o = read(out, "out", true);
              auto c = counts_arg(counts);
-             return run(x, read.what(), false, [&] { return x.gather(in, o, c, root, read.opts); });
+             return run(x, read.what(), read.blocks(), [&] { return x.gather(in, o, c, root, read.opts); });
            })
       .def("scatter", [](Backend& x, const py::handle& a, const py::handle& out,
                          const py::handle& counts, int root, const py::handle& timeout,
@@ -497,7 +503,7 @@ void bind_backend(py::module_& m) {
              auto o = read(out, "out", true);  // the output decides the stream: non-roots
              auto in = read(a, "x", false);    // pass an empty x
              auto c = counts_arg(counts);
-             return run(x, read.what(), false, [&] { return x.scatter(in, o, c, root, read.opts); });
+             return run(x, read.what(), read.blocks(), [&] { return x.scatter(in, o, c, root, read.opts); });
            })
       .def("barrier", [](Backend& x, const py::handle& timeout, const py::handle& stream,
                          bool async) {
