@@ -1,8 +1,9 @@
 // The one binding of the backend contract (comm/backend.h): Work, Backend (every collective,
 // for the CPU and the NCCL backend alike) and Array (an array as a backend read it). Arrays
 // are read by python/array.cc with the GIL held; the GIL is released around calls that
-// block (every CPU call, an NCCL barrier) and held around NCCL enqueues, which never block
-// and cost less than a release.
+// block (a synchronous CPU call, a synchronous barrier) and held around calls that only queue
+// (asynchronous CPU calls, point-to-point posts) or enqueue on a GPU: those never block and
+// cost less than a release (run()).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
