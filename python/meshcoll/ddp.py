@@ -43,6 +43,7 @@ with the same operators.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import queue
 import threading
@@ -79,6 +80,24 @@ class LocalSGD:
         return f"LocalSGD(period={self.period})"
 
 
+class _Done:
+    """Set once (by the completion thread), waited for any number of times: a bare lock, held
+    until set. threading.Event costs a Condition per bucket (2.4 us against 0.1 us)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        self._lock.release()
+
+    def wait(self) -> None:
+        with self._lock:
+            pass
+
+
 class _Flight:
     """One queued all-reduce (or hook) of one bucket, as the completion thread sees it."""
 
@@ -89,7 +108,7 @@ class _Flight:
         self.work, self.t_launch, self.nbytes, self.blocking = work, t_launch, nbytes, blocking
         self.t_end = self.t_wait = t_launch
         self.error: Optional[BaseException] = None
-        self.done = threading.Event()
+        self.done = _Done()
 
 
 def _complete(q: "queue.SimpleQueue[Optional[_Flight]]") -> None:
