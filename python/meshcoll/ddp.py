@@ -150,12 +150,12 @@ def _dtype_name(x: Any) -> str:
 
 def _operand(group: ProcessGroup, x: Any, what: str, read: bool = True) -> Any:
     """The array DataParallel computes with (Note [Arrays]): a numpy view on the CPU backend;
-    on the NCCL backend the caller's own GPU array (validated by the backend unless ``read``
-    is False: a gradient is compared with its parameter instead), detached from autograd so
-    in-place writes are allowed."""
+    on the NCCL backend the caller's own GPU array, detached from autograd so in-place writes
+    are allowed. Validated by the backend, unless ``read`` is False and ``x`` is already such
+    an array (a gradient: it is compared with its parameter instead)."""
     detach = getattr(x, "detach", None)
     x = detach() if callable(detach) else x
-    if group.backend_name != "cpu" and not read:
+    if not read and (group.backend_name != "cpu" or type(x) is np.ndarray):
         return x
     view = group._as_array(x, what)  # TypeError for the wrong memory, an unsupported dtype, ...
     return view if group.backend_name == "cpu" else x
@@ -357,8 +357,8 @@ class DataParallel:
         if name not in self._slot:
             known = ", ".join(list(self._slot)[:8]) + (", ..." if len(self._slot) > 8 else "")
             raise KeyError(f"grad_ready: unknown parameter {name!r} (registered: {known})")
-        # On NCCL the checks below against the parameter (which the backend read) are the
-        # whole validation: a second read of every gradient costs the hot path microseconds.
+        # The checks below against the parameter (which the backend read) are the whole
+        # validation of a GPU or numpy gradient: a second read costs the hot path microseconds.
         g = _operand(self._group, grad, f"grad_ready({name!r})", read=False)
         p = self._params[name]
         if type(g) is not type(p) or getattr(g, "device", None) != getattr(p, "device", None):
