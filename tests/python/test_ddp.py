@@ -226,6 +226,13 @@ def _errors(pg):
     g = ddp.sync_gradients({n: np.full(v.shape, pg.rank + 1, v.dtype) for n, v in p.items()})
     assert all((v == 3 * mean).all() for v in g.values()), g
 
+    # Gradients in any layout numpy copies: a strided view and a big-endian array are
+    # checked against their parameters (not read again) and get the average written back.
+    gs = {"a": np.full((2, 6), pg.rank + 1, np.float32)[:, ::2],
+          "b": np.full(5, pg.rank + 1, ">f8"), "c": np.full(4, pg.rank + 1, np.float32)}
+    ddp.sync_gradients(gs)
+    assert all((v == mean).all() for v in gs.values()), gs
+
     # A hook must return a Work or None; a failed launch leaves the object usable.
     bad = DataParallel(params(), group=pg, compression=lambda group, b: b)
     raises(TypeError, "must return a Work", bad.sync_gradients,
