@@ -65,7 +65,7 @@ void agree_on_shared(store::Store& store, int rank, int size, const CommOptions&
 Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOptions& opts,
            uint64_t comm_id, Ledger* ledger)
     : rank_(rank), size_(size), opts_(opts), store_(std::move(store)),
-      spin_(threads_fit_cores(2u * static_cast<unsigned>(size))),  // Note [Spinning]
+      spin_(threads_fit(2u * static_cast<unsigned>(size), process_cores())),  // Note [Spinning]
       ledger_(ledger) {
   MC_ARG_CHECK(size >= 1, "group size must be >= 1, got ", size);
   MC_ARG_CHECK(rank >= 0 && rank < size, "rank ", rank, " is out of range for a group of ", size);

@@ -6,11 +6,13 @@
 
 namespace meshcoll {
 
-unsigned usable_cores() {
+unsigned host_cores() { return std::thread::hardware_concurrency(); }
+
+unsigned process_cores() {
   cpu_set_t set;
   CPU_ZERO(&set);
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return static_cast<unsigned>(CPU_COUNT(&set));
-  return std::thread::hardware_concurrency();
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return host_cores();
+  return static_cast<unsigned>(CPU_COUNT(&set));
 }
 
 }  // namespace meshcoll

@@ -1,24 +1,26 @@
-// Whether a waiting thread may spin: the one rule every wait that spins before sleeping uses.
+// How many threads can run at once: what decides whether a waiting thread may spin.
 //
 // Note [Spinning]
 // A wait that sleeps at once (a futex, a blocking poll) costs a wake-up and a context switch
 // when its event comes: tens of microseconds on a VM (a condition-variable round trip between
 // two threads measured 35-40 us on the 2-core CI VM), more than a small operation. So waits
-// spin briefly first, but only where every thread that must run can have a core: on an
+// spin briefly first, but only where the threads that must run can each have a core: on an
 // oversubscribed host the thread we wait for may need the core we would spin on (on the
-// 2-core VM, yield-spinning workers made 2-rank DataParallel steps 3x slower). The
-// transports count one thread per rank (the peer publishing); a group's worker thread and
-// its caller count two per rank (Note [Brief spin] in comm/work.cc).
+// 2-core VM, yield-spinning group workers made 2-rank DataParallel steps 3x slower).
+//  - The transports wait for a peer process: they spin when the group's ranks fit the host's
+//    CPUs (host_cores), as they did before this rule had a name.
+//  - A group's worker thread and its callers' waits (Note [Brief spin] in comm/work.cc) spin
+//    when two threads per rank fit the CPUs this process may run on (process_cores, its
+//    affinity mask): a process bound to one core, or a container's cpuset, does not spin.
 #pragma once
 
 namespace meshcoll {
 
-// The CPUs this process may run on (its affinity mask), 0 if unknown.
-unsigned usable_cores();
+unsigned host_cores();     // the host's online CPUs; 0 if unknown
+unsigned process_cores();  // the CPUs in this process's affinity mask; 0 if unknown
 
-// `threads` runnable threads each have a core.
-inline bool threads_fit_cores(unsigned threads) {
-  const unsigned cores = usable_cores();
+// `threads` runnable threads each have one of `cores`.
+inline bool threads_fit(unsigned threads, unsigned cores) {
   return cores != 0 && threads <= cores;
 }
 

@@ -78,7 +78,7 @@ ShmGroup::ShmGroup(int rank, int size, size_t data_bytes)
   // Oversubscribed (more ranks than cores, Note [Spinning]): the peer we wait for may need
   // our core to run, so the spin yields it (sched_yield) instead of pausing, for longer before
   // sleeping: a futex sleep and wake-up costs several context switches per round.
-  yield_ = !threads_fit_cores(static_cast<unsigned>(size));
+  yield_ = !threads_fit(static_cast<unsigned>(size), host_cores());
   spin_ = std::chrono::microseconds(yield_ ? 1000 : 100);
 }
 

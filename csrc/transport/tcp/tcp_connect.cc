@@ -53,7 +53,7 @@ TcpTransport::TcpTransport(int rank, int size, store::Store& store, const TcpOpt
                            DescribeOp describe, const Deadline& d)
     : rank_(rank), size_(size), global_(opts.global), stop_(opts.stop), describe_(describe) {
   for (int i = 0; i < size; ++i) peers_.push_back(std::make_unique<Peer>());
-  spin_ = threads_fit_cores(static_cast<unsigned>(size));  // Note [Spinning]
+  spin_ = threads_fit(static_cast<unsigned>(size), host_cores());  // Note [Spinning]
   if (size > 1) {
     try {
       connect_all(store, opts, d);
