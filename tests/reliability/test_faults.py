@@ -74,21 +74,28 @@ def test_group_is_aborted_after_a_failure(run_ranks):
     assert res[0] is True and res[2] is True
 
 
-def _unreported_failure(pg):
+def _unreported_failure(pg, hosts=None):
     """Note [Failure types]: a failure nobody has heard of yet (a receive from a peer that
     died, never waited for) reaches the next call with its own type; after that, calls are
-    AbortedError; the failed receive's own Work still raises its failure."""
+    AbortedError; the failed receive's own Work still raises its failure. `hosts`: the same
+    on a hierarchical group (one leader per emulated host, as test_hierarchy.py makes it)."""
     x = np.ones(4, np.float32)
-    pg.barrier()
-    if pg.rank == 1:
+    g = pg
+    if hosts:
+        os.environ["MESHCOLL_HOST_ID"] = hosts[pg.rank]
+        meshcoll._C.reload_config()
+        g = pg.new_group(list(range(pg.size)))
+        assert g._hier is not None
+    g.barrier()
+    if g.rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
-    w = pg.irecv(np.empty_like(x), 1, timeout=OP_TIMEOUT)
+    w = g.irecv(np.empty_like(x), 1, timeout=OP_TIMEOUT)
     deadline = time.monotonic() + 3 * OP_TIMEOUT
     while not w.is_completed() and time.monotonic() < deadline:
         time.sleep(0.01)  # is_completed() learns of the failure without raising it
     kinds = []
-    for call in (lambda: pg.all_reduce(x, timeout=OP_TIMEOUT),
-                 lambda: pg.all_reduce(x, timeout=OP_TIMEOUT), w.wait):
+    for call in (lambda: g.all_reduce(x, timeout=OP_TIMEOUT),
+                 lambda: g.all_reduce(x, timeout=OP_TIMEOUT), w.wait):
         try:
             call()
             kinds.append("no error")
@@ -97,13 +104,19 @@ def _unreported_failure(pg):
     return kinds
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_the_first_call_to_hear_of_a_failure_gets_its_type(run_ranks, transport):
-    first, then, own = run_ranks(2, _unreported_failure, may_die=(1,), transport=transport)[0]
-    assert first[0] == "PeerError" and "rank 1" in first[1], first
-    assert "not run: the group failed earlier" in first[1], first
-    assert then[0] == "AbortedError" and "rank 1" in then[1], then
-    assert own[0] == "PeerError" and "rank 1" in own[1], own
+@pytest.mark.parametrize("world,transport,hosts", [
+    (2, "tcp", None), (2, "shm", None), (4, "auto", ["a", "a", "b", "b"])],
+    ids=["tcp", "shm", "hierarchy"])
+def test_the_first_call_to_hear_of_a_failure_gets_its_type(run_ranks, world, transport, hosts):
+    res = run_ranks(world, _unreported_failure, may_die=(1,), transport=transport, hosts=hosts)
+    for rank, r in enumerate(res):
+        if rank == 1:
+            continue
+        first, then, own = r
+        assert first[0] == "PeerError" and "rank 1" in first[1], (rank, first)
+        assert "not run: the group failed earlier" in first[1], (rank, first)
+        assert then[0] == "AbortedError" and "rank 1" in then[1], (rank, then)
+        assert own[0] == "PeerError" and "rank 1" in own[1], (rank, own)
 
 
 def _late_rank(pg):
