@@ -3,6 +3,7 @@
 #include <thread>
 
 #include "comm/comm.h"
+#include "common/cores.h"
 #include "common/error.h"
 #include "common/interrupt.h"
 

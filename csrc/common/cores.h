@@ -14,7 +14,13 @@
 //    affinity mask): a process bound to one core, or a container's cpuset, does not spin.
 #pragma once
 
+#include <chrono>
+
 namespace meshcoll {
+
+// How long a group's worker and a wait for a small operation yield-spin before they sleep
+// (Note [Brief spin] in comm/work.cc).
+inline constexpr std::chrono::microseconds kBriefSpin{20};
 
 unsigned host_cores();     // the host's online CPUs; 0 if unknown
 unsigned process_cores();  // the CPUs in this process's affinity mask; 0 if unknown

@@ -33,9 +33,6 @@ class Interrupted : public PeerError {
 };
 
 inline constexpr Millis kInterruptEvery{100};
-// How long a wait for a small operation yield-spins before it sleeps (Note [Brief spin] in
-// comm/work.cc).
-inline constexpr std::chrono::microseconds kBriefSpin{20};
 
 // A request, from a thread waiting on a group's Work, that the group's running operation
 // stop: set from any thread, checked by the group's waits, which throw Interrupted.

@@ -106,7 +106,8 @@ ncclResult_t NcclComm::guarded_locked(const Deadline& d, const char* what, Call&
     else
       fail_locked(std::make_exception_ptr(TimeoutError(str_cat(
           "NCCL ", what, " on ", where(), " was still blocked inside NCCL after ",
-          d.timeout().count(), " ms (a peer never made the matching call, or died); the communicator was aborted"))));
+          d.timeout().count(), " ms (a peer never made the matching call, or died); the "
+          "communicator was aborted"))));
   }
   std::rethrow_exception(error_);
 }
