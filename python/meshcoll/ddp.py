@@ -33,8 +33,8 @@ tensors or CuPy arrays, one type for all, and DataParallel computes with their o
 ``/=``), so it never imports a framework. Stream order, as torch's DDP: gradients are copied
 into a bucket on the caller's current stream, the bucket's all-reduce is queued after that
 stream's work, and ``wait()`` makes the current stream wait for every all-reduce and queues
-the write-back of the averages there, without blocking the host: the next step's work can be queued while the last
-buckets are on the wire. The completion thread calls ``Work.synchronize()`` to stamp each
+the write-back of the averages there, without blocking the host: the next step's work can be
+queued while the last buckets are on the wire. The completion thread calls ``Work.synchronize()`` to stamp each
 bucket's end for Note [Stats]; those flights are settled (counted, and a failure raised) at the
 next ``wait()``, ``stats()`` or ``reset_stats()``, which block until the device got there. A
 compression hook's Work is waited for on the host, as on the CPU backend. Compression casts
