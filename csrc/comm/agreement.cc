@@ -81,6 +81,11 @@ void Agreement::await(uint64_t seq, Millis timeout) {
                                 census(seq), "; every rank must make the same calls"));
   };
   auto left = [&] { return d.poll_ms() < 0 ? kIdleDeadline : Millis(d.poll_ms()); };
+  struct Awaiting {  // the checker sits out while this caller runs rounds
+    std::atomic<int>& n;
+    explicit Awaiting(std::atomic<int>& c) : n(c) { n.fetch_add(1, std::memory_order_acq_rel); }
+    ~Awaiting() { n.fetch_sub(1, std::memory_order_acq_rel); }
+  } awaiting(awaiting_);
   // Rounds run here, on the caller's thread (Note [Agreement before launch]); the checker's
   // rounds take the same mutex, so this rank's rounds stay one at a time.
   while (checked_.load(std::memory_order_acquire) < seq) {
@@ -178,23 +183,31 @@ void Agreement::loop() {
   auto pause = std::chrono::microseconds(0);
   for (;;) {
     const bool leaving = stopping_.load(std::memory_order_acquire);
-    const uint64_t before = checked_.load(std::memory_order_relaxed);
-    const bool waiting = issued_.load(std::memory_order_acquire) > before;
-    try {
+    bool progressed = false;
+    // A caller in await() runs the rounds itself: stay out of its way (Note [Agreement
+    // before launch]).
+    if (leaving || awaiting_.load(std::memory_order_acquire) == 0) {
       std::lock_guard<std::timed_mutex> lock(round_mu_);
-      if (!round(leaving, waiting || leaving ? timeout_ : kIdleDeadline)) break;
-    } catch (...) {
-      // A failure while calls wait to be compared (or while leaving) is the group's; one
-      // after everything agreed and this rank stopped is only the peers leaving.
-      if (waiting || !leaving)
-        fail(same_type(std::current_exception(),
-                       str_cat("the group's host side channel (its agreement check, Note "
-                               "[Agreement on a side channel]) failed: ",
-                               message_of(std::current_exception()))),
-             before + 1);
-      break;
+      // Read under the lock: progress counts only what this round compared, not what a
+      // caller's round did while this thread waited for the lock.
+      const uint64_t before = checked_.load(std::memory_order_relaxed);
+      const bool waiting = issued_.load(std::memory_order_acquire) > before;
+      try {
+        if (!round(leaving, waiting || leaving ? timeout_ : kIdleDeadline)) break;
+      } catch (...) {
+        // A failure while calls wait to be compared (or while leaving) is the group's; one
+        // after everything agreed and this rank stopped is only the peers leaving.
+        if (waiting || !leaving)
+          fail(same_type(std::current_exception(),
+                         str_cat("the group's host side channel (its agreement check, Note "
+                                 "[Agreement on a side channel]) failed: ",
+                                 message_of(std::current_exception()))),
+               before + 1);
+        break;
+      }
+      progressed = checked_.load(std::memory_order_relaxed) > before;
     }
-    if (checked_.load(std::memory_order_relaxed) > before) {
+    if (progressed) {
       pause = std::chrono::microseconds(0);
       continue;
     }
