@@ -24,7 +24,9 @@ enum Step : int {
   kRead,      // arguments and arrays read
   kIssued,    // the shared checks (Backend) done: the backend's own part begins
   kNoted,     // NCCL: window tag, ledger record, agreement note (and its wait, if symmetric)
-  kPrepared,  // NCCL: lock, context, capture query, slot
+  kLocked,    // NCCL: the communicator's lock taken
+  kCaptured,  // NCCL: context set, capture queried
+  kPrepared,  // NCCL: deadline, slot claimed (a wait while kSlots ops are in flight)
   kLaunched,  // NCCL: the NCCL call returned
   kRecorded,  // NCCL: completion event recorded
   kReturned,  // back in the binding, about to return

@@ -235,6 +235,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   friend class NcclWork;
   struct Slot {
     abi::CUevent event = nullptr;
+    abi::CUstream stream = nullptr;  // the event's (Note [Completion by bisection])
     Clock::time_point deadline;
     int64_t timeout_ms = 0;
     const char* what = "";
@@ -291,6 +292,9 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   [[noreturn]] void raise_locked(const std::string& context) const;
   void abort_locked();
   void poll_locked();  // advances completed_, checks async errors and deadlines
+  // Moves completed_ past the ops whose events completed (Note [Completion by bisection]).
+  // Returns the first failed event query (its op in *at), or CUDA_SUCCESS.
+  abi::CUresult advance_completed_locked(uint64_t* at);
   void watchdog();
   // NcclWork's questions about op `seq`.
   bool op_done_locked(uint64_t seq, std::exception_ptr* error);

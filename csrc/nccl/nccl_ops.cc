@@ -49,6 +49,7 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   }
   std::unique_lock<std::mutex> lock(mu_);
   usable_locked();
+  host_timers::mark(host_timers::kLocked);
   CtxGuard guard(cu_, ctx_);
   CUstream user = c.stream;
   int capture = CU_STREAM_CAPTURE_STATUS_NONE;
@@ -57,6 +58,7 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
                                   "caller's stream: ", cu_.error_text(cr),
                                   " (a stream of another device, or destroyed?)"));
   const bool captured = capture != CU_STREAM_CAPTURE_STATUS_NONE;
+  host_timers::mark(host_timers::kCaptured);
   const bool async = c.async && !captured;
   const Millis t = c.timeout.count() < 0 ? timeout_ : c.timeout;
   // One clock reading per op: the enqueue's and the completion's deadline are the same.
@@ -82,6 +84,7 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   if (!s.event) cu_.check(cu_.event_create(&s.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
   cu_.check(cu_.event_record(s.event, exec), "cuEventRecord (op completion)");
   host_timers::mark(host_timers::kRecorded);
+  s.stream = exec;
   s.deadline = d.at();
   s.timeout_ms = t.count();
   s.what = what;

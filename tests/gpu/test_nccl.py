@@ -331,7 +331,8 @@ def test_host_timers_time_the_nccl_steps():
         steps = {step: (n, us) for step, n, us in rows}
         assert list(steps) == ["read arguments and arrays", "shared checks (Backend)",
                                "window tag, ledger, agreement note",
-                               "lock, context, capture query, slot", "NCCL call",
+                               "lock", "context, capture query",
+                               "slot (waits while the ring of slots is full)", "NCCL call",
                                "completion event", "to the return"], rows
         assert all(n == 100 and us > 0 for n, us in steps.values()), rows
 
