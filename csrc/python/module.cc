@@ -10,6 +10,7 @@ void bind_backend(py::module_& m);
 void bind_comm(py::module_& m);
 void bind_reduce(py::module_& m);
 void bind_nccl(py::module_& m);
+void bind_agreement(py::module_& m);
 void config_at_import();
 void bind_config(py::module_& m);
 void install_interrupt_hook();
@@ -24,6 +25,7 @@ PYBIND11_MODULE(_C, m) {
   meshcoll::python::bind_comm(m);
   meshcoll::python::bind_reduce(m);
   meshcoll::python::bind_nccl(m);
+  meshcoll::python::bind_agreement(m);
   meshcoll::python::bind_config(m);
   meshcoll::python::install_interrupt_hook();
 }
