@@ -25,6 +25,8 @@ constexpr const char* kNames[kSteps] = {
 
 std::atomic<uint64_t> g_ns[kSteps];
 std::atomic<uint64_t> g_calls[kSteps];
+std::atomic<uint64_t> g_wait_ns{0};
+std::atomic<uint64_t> g_waits{0};
 
 thread_local Clock::time_point t_last;
 thread_local bool t_in_call = false;
@@ -53,6 +55,12 @@ void mark_slow(Step s) {
 
 void abandon() { t_in_call = false; }
 
+void add_slot_wait(uint64_t ns) {
+  if (!enabled.load(std::memory_order_relaxed)) return;
+  g_wait_ns.fetch_add(ns, std::memory_order_relaxed);
+  g_waits.fetch_add(1, std::memory_order_relaxed);
+}
+
 std::vector<Row> take(bool reset) {
   std::vector<Row> rows;
   for (int s = kRead; s < kSteps; ++s) {
@@ -60,6 +68,11 @@ std::vector<Row> take(bool reset) {
     const uint64_t ns = reset ? g_ns[s].exchange(0) : g_ns[s].load();
     if (n) rows.push_back(Row{kNames[s], n, static_cast<double>(ns) / static_cast<double>(n) / 1000.0});
   }
+  const uint64_t n = reset ? g_waits.exchange(0) : g_waits.load();
+  const uint64_t ns = reset ? g_wait_ns.exchange(0) : g_wait_ns.load();
+  if (n)
+    rows.push_back(Row{"of the slot step: waits for a free slot", n,
+                       static_cast<double>(ns) / static_cast<double>(n) / 1000.0});
   return rows;
 }
 

@@ -42,6 +42,9 @@ inline void mark(Step s) {
 }
 // This thread's call failed before its return: nothing more of it is timed.
 void abandon();
+// A wait inside the slot step (NCCL: every slot of the ring holds an op in flight), counted
+// apart: take() adds a row for the waits when any happened. Off, nothing is counted.
+void add_slot_wait(uint64_t ns);
 
 struct Row {
   std::string step;  // what the span ending at this step covers

@@ -20,6 +20,13 @@ using detail::CtxGuard;
 void NcclComm::claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d) {
   if (issued_ - completed_ < kSlots) return;
   // The ring is full: kSlots ops are in flight. Wait for the oldest (rare; bounded by d).
+  struct Timed {  // the host timers count the wait apart (add_slot_wait)
+    Clock::time_point t0 = Clock::now();
+    ~Timed() {
+      host_timers::add_slot_wait(static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count()));
+    }
+  } timed;
   int round = 0;
   for (;;) {
     poll_locked();
