@@ -161,8 +161,12 @@ def test_await_of_a_call_a_peer_never_makes_names_that_peer(run_ranks):
 def _peer_dies(pg):
     p = _probe(pg)
     p.await_(p.note("all_reduce", 4), TIMEOUT)
+    # Rank 1 dies once rank 0 is out of that await too: a rank that dies while a peer's last
+    # receive from it is pending rightly fails the peer there, which is not this case.
     if pg.rank == 1:
+        pg._store.wait(["out-of-await/0"], timeout=TIMEOUT)
         os.kill(os.getpid(), signal.SIGKILL)
+    pg._store.set("out-of-await/0", b"1")
     err = _outcome(lambda: p.await_(p.note("all_reduce", 4), TIMEOUT))
     p.stop(abandon=True)
     return err

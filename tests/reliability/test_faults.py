@@ -87,8 +87,14 @@ def _unreported_failure(pg, hosts=None):
         g = pg.new_group(list(range(pg.size)))
         assert g._hier is not None
     g.barrier()
+    # Rank 1 dies only once every rank is out of the barrier: a rank that leaves a barrier
+    # first may die while a peer's last receive from it is still pending, and that peer then
+    # rightly fails in the barrier (a flake seen on the hierarchy, where rank 3 still waited).
+    others = [f"out-of-barrier/{r}" for r in range(g.size) if r != 1]
     if g.rank == 1:
+        pg._store.wait(others, timeout=OP_TIMEOUT)
         os.kill(os.getpid(), signal.SIGKILL)
+    pg._store.set(f"out-of-barrier/{g.rank}", b"1")
     w = g.irecv(np.empty_like(x), 1, timeout=OP_TIMEOUT)
     deadline = time.monotonic() + 3 * OP_TIMEOUT
     while not w.is_completed() and time.monotonic() < deadline:
