@@ -73,6 +73,10 @@ struct CallOptions {
   // false: the call returns when the operation is done (CPU) or enqueued on `stream` (GPU),
   // and returns no Work. true: it returns a Work at once.
   bool async = false;
+  // Point-to-point: the caller waits for the transfer at once (send/recv, not isend/irecv).
+  // A backend may then run it to completion itself and return no Work (CPU: Note [Inline
+  // execution]); one that returns a Work leaves the wait to the caller.
+  bool wait = false;
   AllReduceTuning tuning;    // all_reduce only
 };
 
@@ -136,7 +140,8 @@ class Backend {
   WorkPtr scatter(const ArrayView& in, const ArrayView& out, const std::vector<size_t>& counts,
                   int root, const CallOptions& o);
   WorkPtr barrier(const CallOptions& o);
-  // Point-to-point always returns a Work (it completes when the peer has matched it).
+  // Point-to-point returns a Work (it completes when the peer has matched it), or none where
+  // o.wait let the backend finish the transfer itself.
   WorkPtr send(const ArrayView& buf, int peer, uint32_t tag, const CallOptions& o);
   WorkPtr recv(const ArrayView& buf, int peer, uint32_t tag, const CallOptions& o);
   // Fails the group as an operation's failure would, after the pending operations: every

@@ -301,11 +301,7 @@ void Comm::progress_in_flight() {
     if (!transport_->wait_any(reqs, earliest, wake_fd_)) {
       for (const auto& f : in_flight_) {
         if (!f.req->complete() && f.deadline.expired())
-          throw TimeoutError(str_cat(f.what(*this), "timed out after ",
-                                     f.deadline.timeout().count(),
-                                     " ms: the peer never posted the matching ",
-                                     f.is_send ? "recv" : "send",
-                                     ", or it is stuck in other code"));
+          std::rethrow_exception(p2p_timeout(f.is_send, f.peer, f.tag, f.deadline.timeout()));
       }
     }
   } catch (...) {
@@ -340,9 +336,70 @@ void Comm::set_algorithm(const char* name, uint8_t code) {
   transport_->begin_collective(current_);  // re-check buffered frames with the algorithm known
 }
 
-std::string Comm::InFlight::what(const Comm& c) const {
-  return str_cat(is_send ? "send to rank " : "recv from rank ", c.global_rank(peer), " (tag ", tag,
-                 ") on rank ", c.global_rank(c.rank()), ": ");
+std::string Comm::InFlight::what(const Comm& c) const { return c.p2p_what(is_send, peer, tag); }
+
+std::string Comm::p2p_what(bool is_send, int peer, uint32_t tag) const {
+  return str_cat(is_send ? "send to rank " : "recv from rank ", global_rank(peer), " (tag ", tag,
+                 ") on rank ", global_rank(rank_), ": ");
+}
+
+std::exception_ptr Comm::p2p_timeout(bool is_send, int peer, uint32_t tag, Millis timeout) const {
+  return std::make_exception_ptr(TimeoutError(str_cat(
+      p2p_what(is_send, peer, tag), "timed out after ", timeout.count(),
+      " ms: the peer never posted the matching ", is_send ? "recv" : "send",
+      ", or it is stuck in other code")));
+}
+
+void Comm::run_p2p_blocking(bool is_send, int peer, uint32_t tag, ConstBytes src, MutBytes dst,
+                            const transport::OpDesc& desc, Millis timeout) {
+  transport::Envelope env;
+  env.channel = transport::Channel::kP2P;
+  env.tag = tag;
+  env.op = desc;
+  const Millis t = timeout.count() < 0 ? opts_.timeout : timeout;
+  uint64_t index = 0;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (stopping_)
+      throw Aborted(str_cat("rank ", global_rank(rank_), ": ", describe_op(desc),
+                            " was called on a destroyed group"));
+    if (busy_ || !queue_.empty() || in_flight_count_ > 0) {
+      lock.unlock();  // not idle: behind the pending operations, as isend/irecv would be
+      enqueue_p2p(is_send, peer, tag, src, dst, desc, timeout)->wait(Millis(-1));
+      return;
+    }
+    busy_ = true;
+    env.seq = is_send ? p2p_send_seq_[peer]++ : p2p_recv_seq_[peer]++;
+    index = next_index_++;
+  }
+  transport::Request req;
+  auto post = [&](Comm&) {
+    req = is_send ? transport_->isend(peer, env, src) : transport_->irecv(peer, env, dst);
+  };
+  std::exception_ptr error = execute(env, t, index, OpRef(post), false);
+  if (!error) {
+    // Driven here as the worker would (progress_in_flight), in slices of kInterruptEvery so
+    // that a Ctrl-C is the call's outcome (Note [Interrupts]).
+    const auto since = Clock::now();
+    try {
+      while (!req->complete()) {
+        const auto slice = std::min(deadline_.at(), Clock::now() + kInterruptEvery);
+        if (!transport_->wait_any({req}, Deadline::until(slice, t), -1)) {
+          if (deadline_.expired()) std::rethrow_exception(p2p_timeout(is_send, peer, tag, t));
+          check_interrupt(global_rank(rank_), since);
+        }
+      }
+    } catch (...) {
+      std::exception_ptr e = std::current_exception();
+      fail_group(e);
+      error = same_type(e, p2p_what(is_send, peer, tag) + message_of(e));
+    }
+  }
+  release_claim();
+  if (error) {
+    reported_->store(true);
+    std::rethrow_exception(error);
+  }
 }
 
 void Comm::start_p2p(Item& item) {

@@ -125,6 +125,11 @@ class Comm {
   std::shared_ptr<CpuWork> enqueue_p2p(bool is_send, int peer, uint32_t tag, ConstBytes src,
                                        MutBytes dst, const transport::OpDesc& desc, Millis timeout,
                                        std::vector<std::shared_ptr<void>> keep = {});
+  // A send or receive the caller waits for (send/recv, not isend/irecv). Note [Inline
+  // execution] for point-to-point: when the group is idle the transfer is posted and driven on
+  // the calling thread, with no Work; otherwise it is queued and waited for. Throws its failure.
+  void run_p2p_blocking(bool is_send, int peer, uint32_t tag, ConstBytes src, MutBytes dst,
+                        const transport::OpDesc& desc, Millis timeout);
   // Stops accepting work, finishes what is queued (each op is bounded by its deadline).
   void shutdown();
   // Fails the group as an operation's failure would (every peer gets an ABORT and raises at
@@ -199,6 +204,10 @@ class Comm {
   const char* route() const;
   std::string census(uint64_t seq);
   void start_p2p(Item& item);
+  // "send to rank 3 (tag 0) on rank 1: ", for a transfer's errors.
+  std::string p2p_what(bool is_send, int peer, uint32_t tag) const;
+  // The failure of a transfer its peer never matched by the deadline.
+  std::exception_ptr p2p_timeout(bool is_send, int peer, uint32_t tag, Millis timeout) const;
   void progress_in_flight();
   void reap_in_flight();
   void fail_group(std::exception_ptr error);

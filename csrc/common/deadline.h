@@ -17,6 +17,13 @@ class Deadline {
   Deadline(Millis timeout, Clock::time_point now)
       : at_(timeout.count() < 0 ? Clock::time_point::max() : now + timeout), timeout_(timeout) {}
   static Deadline after_ms(int64_t ms) { return Deadline(Millis(ms)); }
+  // Ends at `at`; `timeout` is the span it stands for, for messages.
+  static Deadline until(Clock::time_point at, Millis timeout) {
+    Deadline d;
+    d.at_ = at;
+    d.timeout_ = timeout;
+    return d;
+  }
 
   bool expired() const { return Clock::now() >= at_; }
   // Milliseconds left, clamped to [0, INT32_MAX] for poll(); -1 means forever.

@@ -336,6 +336,25 @@ py::object work_exception(Work& w) {
 }
 }  // namespace
 
+// Note [Synchronous point-to-point]
+// ProcessGroup.send/recv in one call: the transfer and its wait. The backend may finish it
+// itself and return no Work (CPU: on the calling thread when the group is idle, Note [Inline
+// execution], instead of two thread hand-offs each way); a Work it does return (NCCL) is
+// waited for here, as Work.wait would.
+void p2p_sync(Backend& b, bool is_send, const py::handle& a, int peer, uint32_t tag,
+              const py::handle& timeout, const py::handle& stream) {
+  // A Work holds the array only where the transfer may outlive the call (a GPU stream).
+  CallReader read(b, is_send ? "send" : "recv", timeout, stream, false, b.device_memory());
+  read.opts.wait = true;
+  auto buf = read(a, "x", !is_send);
+  py::object w = run(b, read.what(), read.blocks(), [&] {
+    return is_send ? b.send(buf, peer, tag, read.opts) : b.recv(buf, peer, tag, read.opts);
+  });
+  if (w.is_none()) return;
+  Work& work = w.cast<Work&>();
+  call_nogil([&] { work.wait(Millis(-1), false, to_cu_stream(kLegacyStream)); });
+}
+
 void bind_backend(py::module_& m) {
   py::class_<Work, std::shared_ptr<Work>>(m, "Work", "Handle on one asynchronous operation.")
       .def("wait", [](Work& w, const py::handle& timeout, const py::handle& stream) {
@@ -518,7 +537,15 @@ void bind_backend(py::module_& m) {
       .def("recv", [](Backend& x, const py::handle& a, int peer, uint32_t tag,
                       const py::handle& timeout, const py::handle& stream) {
              return p2p(x, false, a, peer, tag, timeout, stream);
-           });
+           })
+      .def("send_sync", [](Backend& x, const py::handle& a, int peer, uint32_t tag,
+                           const py::handle& timeout, const py::handle& stream) {
+             p2p_sync(x, true, a, peer, tag, timeout, stream);
+           }, "send, waited for (Note [Synchronous point-to-point]).")
+      .def("recv_sync", [](Backend& x, const py::handle& a, int peer, uint32_t tag,
+                           const py::handle& timeout, const py::handle& stream) {
+             p2p_sync(x, false, a, peer, tag, timeout, stream);
+           }, "recv, waited for (Note [Synchronous point-to-point]).");
 }
 
 }  // namespace meshcoll::python

@@ -662,13 +662,15 @@ class ProcessGroup:
         """Send ``x`` to group rank ``peer``; returns once sent (CPU) or enqueued (GPU).
         Sends and receives between a pair of ranks match in order; ``tag`` in [0, 2**32)
         must match the receiver's. Point to point always goes over TCP on CPU groups."""
-        self.isend(x, peer, tag, timeout=timeout, stream=stream).wait()
+        # One C++ call (Note [Synchronous point-to-point] in bind_backend.cc).
+        self._backend.send_sync(x, peer, _tag(tag), timeout, stream)
 
     @_collective
     def recv(self, x: Array, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
              stream: Stream = None) -> Any:
         """Receive into ``x`` (in place, writable) from group rank ``peer``; returns ``x``."""
-        return self.irecv(x, peer, tag, timeout=timeout, stream=stream).wait()
+        self._backend.recv_sync(x, peer, _tag(tag), timeout, stream)
+        return x
 
     @_collective
     def isend(self, x: Array, peer: int, tag: int = 0, *, timeout: Optional[float] = None,

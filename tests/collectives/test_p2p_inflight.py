@@ -1,5 +1,10 @@
 """Point-to-point transfers are posted, not run to completion, by the group's worker, so
-irecv-then-isend on both sides of a pair (the MPI idiom) cannot deadlock."""
+irecv-then-isend on both sides of a pair (the MPI idiom) cannot deadlock. A send or recv the
+caller waits for runs on the caller's thread when the group is idle, and behind the posted
+transfers otherwise (Note [Synchronous point-to-point] in csrc/python/bind_backend.cc)."""
+
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -47,3 +52,46 @@ def _recv_times_out(pg):
 
 def test_recv_without_send_times_out(run_ranks):
     assert run_ranks(2, _recv_times_out) == [True, True]
+
+
+def _blocking_pairs(pg, count):
+    peer = 1 - pg.rank
+    rng = np.random.default_rng(pg.rank)
+    mine = [rng.standard_normal(count) for _ in range(3)]
+    theirs = np.random.default_rng(peer)
+    want = [theirs.standard_normal(count) for _ in range(3)]
+    got = [np.empty(count) for _ in range(3)]
+    # Idle group: each send and recv runs on this thread, rank 0 first to send.
+    for i in range(2):
+        if pg.rank == 0:
+            pg.send(mine[i], peer, tag=i)
+            pg.recv(got[i], peer, tag=i)
+        else:
+            pg.recv(got[i], peer, tag=i)
+            pg.send(mine[i], peer, tag=i)
+    # A posted irecv: the blocking send queues behind it, and the order still matches.
+    r = pg.irecv(got[2], peer, tag=2)
+    pg.send(mine[2], peer, tag=2)
+    r.wait()
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    return True
+
+
+@pytest.mark.parametrize("count", [3, 1 << 20])
+def test_blocking_send_recv_inline_and_behind_posted_transfers(run_ranks, count):
+    assert run_ranks(2, _blocking_pairs, count=count) == [True, True]
+
+
+def _recv_from_the_dead(pg):
+    if pg.rank == 1:
+        pg._store.wait(["recv-posted"], timeout=30)
+        os.kill(os.getpid(), signal.SIGKILL)
+    pg._store.set("recv-posted", b"1")  # a moment early: the recv is posted right after
+    with pytest.raises(meshcoll.PeerError, match="recv from rank 1.*rank 1"):
+        pg.recv(np.empty(4), 1, timeout=20)
+    return True
+
+
+def test_blocking_recv_from_a_killed_peer_is_a_peer_error(run_ranks):
+    assert run_ranks(2, _recv_from_the_dead, may_die=(1,))[0] is True

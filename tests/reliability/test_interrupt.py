@@ -5,7 +5,7 @@ fails the group, so a peer waiting in the same call raises PeerError naming it a
 
 Real processes started as a terminal would (one process group, SIGINT to all of it), and
 through meshcoll-run, which forwards the SIGINT it gets. Ranks 0 and 1 wait in an
-all_reduce that the last rank never calls (it sleeps in Python)."""
+all_reduce that the last rank never calls (it sleeps in Python), or in a recv from it."""
 
 import os
 import re
@@ -42,6 +42,8 @@ try:
         time.sleep(30)  # never calls the all_reduce
     elif sys.argv[2] == "async":
         pg.all_reduce(x, timeout=30, async_op=True).wait()
+    elif sys.argv[2] == "recv":  # driven on this thread (Note [Synchronous point-to-point])
+        pg.recv(x, pg.size - 1, timeout=30)
     else:
         pg.all_reduce(x, timeout=30)
 except KeyboardInterrupt:
@@ -102,9 +104,9 @@ def _assert_clean(rank, err):
     assert err.rstrip().endswith("KeyboardInterrupt"), f"rank {rank}:\n{err}"
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_ctrl_c_interrupts_every_rank(tmp_path, transport):
-    procs, ready = _start_ranks(tmp_path, transport)
+@pytest.mark.parametrize("transport, call", [("shm", "sync"), ("tcp", "sync"), ("tcp", "recv")])
+def test_ctrl_c_interrupts_every_rank(tmp_path, transport, call):
+    procs, ready = _start_ranks(tmp_path, transport, call)
     try:
         _wait_ready(ready, procs)
         os.killpg(procs[0].pid, signal.SIGINT)
