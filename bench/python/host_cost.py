@@ -1,7 +1,9 @@
 """Per-call host cost of small synchronous collectives on the CPU backend: the time of one
 8-byte (one float64, or two float32) call, back to back, at world 1 (in process) and world 2
-(two processes, shared memory and TCP), and of an async all_reduce with its wait (the hand-off
-to the group's worker thread and back). It measures the road from Python to the wire, which
+(two processes, shared memory and TCP), of an async all_reduce with its wait (the hand-off
+to the group's worker thread and back), and at world 2 of a point-to-point round trip (one
+"call": rank 0 sends and then receives 8 bytes, rank 1 the reverse; over TCP whatever the
+group's transport), blocking and posted. It measures the road from Python to the wire, which
 is what a refactor of that road must not slow down.
 
     PYTHONPATH=/tmp/newsite python bench/python/host_cost.py --label after
@@ -25,7 +27,9 @@ import time
 
 import numpy as np
 
-OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_reduce async")
+OPS = ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_reduce async",
+       "send+recv", "isend+irecv")
+P2P = ("send+recv", "isend+irecv")  # world 2 only: one round trip per "call"
 
 
 def _call(pg, op, x):
@@ -37,6 +41,16 @@ def _call(pg, op, x):
         pg.all_gather(x)
     elif op == "all_reduce async":  # the worker's hand-off and the wait (Note [Brief spin])
         pg.all_reduce(x, async_op=True).wait()
+    elif op in P2P:  # rank 0 sends first; blocking (Note [Synchronous point-to-point]) or posted
+        peer = 1 - pg.rank
+        send, recv = ((pg.send, pg.recv) if op == "send+recv" else
+                      (lambda a, p: pg.isend(a, p).wait(), lambda a, p: pg.irecv(a, p).wait()))
+        if pg.rank == 0:
+            send(x, peer)
+            recv(x, peer)
+        else:
+            recv(x, peer)
+            send(x, peer)
     else:
         pg.reduce_scatter(x)
 
@@ -44,6 +58,8 @@ def _call(pg, op, x):
 def _measure(pg, calls, repeats):
     out = {}
     for op in OPS:
+        if op in P2P and pg.size != 2:
+            continue
         x = np.ones(pg.size if op == "reduce_scatter" else 1, np.float64)
         for _ in range(200):
             _call(pg, op, x)
