@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import secrets
+import signal
 import time
 import traceback
 
@@ -127,6 +128,17 @@ def launch(world, fn, *, timeout=60.0, init_timeout=30.0, transport="auto", env=
                      kwargs, backend, timeout=timeout, may_die=may_die)
     finally:
         del server  # a failure's traceback keeps this frame: close the store now
+
+
+def kill_after_others(pg, victim, step):
+    """Rank ``victim`` is killed (SIGKILL) once every other rank has said, through the store,
+    that it is past ``step``. A rank killed while a peer still waits for its last message of
+    an operation rightly fails that peer in that operation, which is not what a test of the
+    calls after a death means to test."""
+    if pg.rank == victim:
+        pg._store.wait([f"{step}/{r}" for r in range(pg.size) if r != victim], timeout=30)
+        os.kill(os.getpid(), signal.SIGKILL)
+    pg._store.set(f"{step}/{pg.rank}", b"1")
 
 
 def group_on(pg, transport, ranks=None):

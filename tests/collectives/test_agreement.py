@@ -6,14 +6,13 @@ symmetric memory does (a host-side barrier that must agree before launch), and t
 assert what every rank raises: nothing when the calls agree, MismatchError when they differ,
 TimeoutError naming the late rank, PeerError naming a dead one."""
 
-import os
 import random
-import signal
 import time
 
 import pytest
 
 import meshcoll
+from conftest import kill_after_others
 from meshcoll import _C
 
 TIMEOUT = 30.0
@@ -161,12 +160,7 @@ def test_await_of_a_call_a_peer_never_makes_names_that_peer(run_ranks):
 def _peer_dies(pg):
     p = _probe(pg)
     p.await_(p.note("all_reduce", 4), TIMEOUT)
-    # Rank 1 dies once rank 0 is out of that await too: a rank that dies while a peer's last
-    # receive from it is pending rightly fails the peer there, which is not this case.
-    if pg.rank == 1:
-        pg._store.wait(["out-of-await/0"], timeout=TIMEOUT)
-        os.kill(os.getpid(), signal.SIGKILL)
-    pg._store.set("out-of-await/0", b"1")
+    kill_after_others(pg, 1, "await")
     err = _outcome(lambda: p.await_(p.note("all_reduce", 4), TIMEOUT))
     p.stop(abandon=True)
     return err

@@ -9,7 +9,6 @@ which keeps the three steps of each call in the same order on every rank, is exe
 
 import hashlib
 import os
-import signal
 import time
 
 import ml_dtypes
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 
 import meshcoll
-from conftest import rand_array
+from conftest import kill_after_others, rand_array
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -162,8 +161,7 @@ def _die_body(pg, victim):
     g = pg.new_group(list(range(pg.size)))
     x = np.ones(4096, np.float32)
     g.all_reduce(x)
-    if pg.rank == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
+    kill_after_others(pg, victim, "all_reduce")
     t0 = time.monotonic()
     try:
         for _ in range(1000):

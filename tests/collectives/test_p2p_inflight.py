@@ -3,13 +3,11 @@ irecv-then-isend on both sides of a pair (the MPI idiom) cannot deadlock. A send
 caller waits for runs on the caller's thread when the group is idle, and behind the posted
 transfers otherwise (Note [Synchronous point-to-point] in csrc/python/bind_backend.cc)."""
 
-import os
-import signal
-
 import numpy as np
 import pytest
 
 import meshcoll
+from conftest import kill_after_others
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -84,10 +82,7 @@ def test_blocking_send_recv_inline_and_behind_posted_transfers(run_ranks, count)
 
 
 def _recv_from_the_dead(pg):
-    if pg.rank == 1:
-        pg._store.wait(["recv-posted"], timeout=30)
-        os.kill(os.getpid(), signal.SIGKILL)
-    pg._store.set("recv-posted", b"1")  # a moment early: the recv is posted right after
+    kill_after_others(pg, 1, "about to recv")  # rank 1 dies about as rank 0's recv starts
     with pytest.raises(meshcoll.PeerError, match="recv from rank 1.*rank 1"):
         pg.recv(np.empty(4), 1, timeout=20)
     return True

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import meshcoll
-from conftest import launch
+from conftest import kill_after_others, launch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,8 +116,7 @@ def _hier_death(pg, victim):
     assert g._hier is not None
     x = np.ones(4096, np.float32)
     g.all_reduce(x)
-    if pg.rank == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
+    kill_after_others(pg, victim, "all_reduce")
     try:
         for _ in range(1000):
             g.all_reduce(x, timeout=30.0)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import meshcoll
+from conftest import kill_after_others
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -87,14 +88,7 @@ def _unreported_failure(pg, hosts=None):
         g = pg.new_group(list(range(pg.size)))
         assert g._hier is not None
     g.barrier()
-    # Rank 1 dies only once every rank is out of the barrier: a rank that leaves a barrier
-    # first may die while a peer's last receive from it is still pending, and that peer then
-    # rightly fails in the barrier (a flake seen on the hierarchy, where rank 3 still waited).
-    others = [f"out-of-barrier/{r}" for r in range(g.size) if r != 1]
-    if g.rank == 1:
-        pg._store.wait(others, timeout=OP_TIMEOUT)
-        os.kill(os.getpid(), signal.SIGKILL)
-    pg._store.set(f"out-of-barrier/{g.rank}", b"1")
+    kill_after_others(pg, 1, "barrier")  # (a flake once: rank 3 still waited in the barrier)
     w = g.irecv(np.empty_like(x), 1, timeout=OP_TIMEOUT)
     deadline = time.monotonic() + 3 * OP_TIMEOUT
     while not w.is_completed() and time.monotonic() < deadline:
@@ -140,7 +134,7 @@ def _never_arrives(rank, port, token):
 
 def test_init_times_out_when_a_rank_never_arrives():
     import multiprocessing as mp
-    from conftest import free_port
+    from conftest import kill_after_others, free_port
     port = free_port()
     with mp.get_context("spawn").Pool(2) as pool:
         res = pool.starmap(_never_arrives, [(0, port, "t"), (1, port, "t")])
