@@ -343,6 +343,13 @@ std::string Comm::p2p_what(bool is_send, int peer, uint32_t tag) const {
                  ") on rank ", global_rank(rank_), ": ");
 }
 
+// `error` as a transfer's failure: prefixed with the transfer (`what`) unless it is that
+// transfer's own (a timeout names it already).
+std::exception_ptr Comm::about_p2p(const std::string& what, std::exception_ptr error) {
+  const std::string msg = message_of(error);
+  return msg.rfind(what, 0) == 0 ? error : same_type(error, what + msg);
+}
+
 std::exception_ptr Comm::p2p_timeout(bool is_send, int peer, uint32_t tag, Millis timeout) const {
   return std::make_exception_ptr(TimeoutError(str_cat(
       p2p_what(is_send, peer, tag), "timed out after ", timeout.count(),
@@ -392,7 +399,7 @@ void Comm::run_p2p_blocking(bool is_send, int peer, uint32_t tag, ConstBytes src
     } catch (...) {
       std::exception_ptr e = std::current_exception();
       fail_group(e);
-      error = same_type(e, p2p_what(is_send, peer, tag) + message_of(e));
+      error = about_p2p(p2p_what(is_send, peer, tag), e);
     }
   }
   release_claim();
@@ -443,7 +450,7 @@ void Comm::fail_group(std::exception_ptr error) {
   // Any failure mid-operation leaves peers waiting on us: abort so they fail fast.
   transport_->abort(abort_kind_of(error), message_of(error));
   if (first) on_group_failure(error);
-  for (auto& f : in_flight_) f.work->finish(same_type(error, f.what(*this) + message_of(error)));
+  for (auto& f : in_flight_) f.work->finish(about_p2p(f.what(*this), error));
   in_flight_.clear();
   sync_in_flight_count();
 }

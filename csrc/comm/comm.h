@@ -206,6 +206,7 @@ class Comm {
   void start_p2p(Item& item);
   // "send to rank 3 (tag 0) on rank 1: ", for a transfer's errors.
   std::string p2p_what(bool is_send, int peer, uint32_t tag) const;
+  static std::exception_ptr about_p2p(const std::string& what, std::exception_ptr error);
   // The failure of a transfer its peer never matched by the deadline.
   std::exception_ptr p2p_timeout(bool is_send, int peer, uint32_t tag, Millis timeout) const;
   void progress_in_flight();

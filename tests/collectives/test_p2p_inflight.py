@@ -38,18 +38,24 @@ def test_irecv_before_isend_on_both_ranks(run_ranks, count):
     assert run_ranks(2, _exchange, count=count) == [True, True]
 
 
-def _recv_times_out(pg):
+def _recv_times_out(pg, posted):
     if pg.rank == 0:
-        with pytest.raises(meshcoll.TimeoutError, match="recv from rank 1"):
-            pg.recv(np.empty(4), 1, timeout=0.5)
+        with pytest.raises(meshcoll.TimeoutError, match="recv from rank 1") as e:
+            if posted:  # on the worker (Note [Point-to-point in flight])
+                pg.irecv(np.empty(4), 1, timeout=0.5).wait()
+            else:  # on this thread (Note [Synchronous point-to-point])
+                pg.recv(np.empty(4), 1, timeout=0.5)
+        assert str(e.value).count("recv from rank 1") == 1, str(e.value)  # named once
+        assert "timed out after 500 ms" in str(e.value), str(e.value)
     else:
         import time
         time.sleep(1.5)
     return True
 
 
-def test_recv_without_send_times_out(run_ranks):
-    assert run_ranks(2, _recv_times_out) == [True, True]
+@pytest.mark.parametrize("posted", [False, True], ids=["recv", "irecv"])
+def test_recv_without_send_times_out(run_ranks, posted):
+    assert run_ranks(2, _recv_times_out, posted=posted) == [True, True]
 
 
 def _blocking_pairs(pg, count):
