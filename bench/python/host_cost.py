@@ -42,15 +42,12 @@ def _call(pg, op, x):
     elif op == "all_reduce async":  # the worker's hand-off and the wait (Note [Brief spin])
         pg.all_reduce(x, async_op=True).wait()
     elif op in P2P:  # rank 0 sends first; blocking (Note [Synchronous point-to-point]) or posted
-        peer = 1 - pg.rank
-        send, recv = ((pg.send, pg.recv) if op == "send+recv" else
-                      (lambda a, p: pg.isend(a, p).wait(), lambda a, p: pg.irecv(a, p).wait()))
-        if pg.rank == 0:
-            send(x, peer)
-            recv(x, peer)
-        else:
-            recv(x, peer)
-            send(x, peer)
+        peer, posted = 1 - pg.rank, op == "isend+irecv"
+        for sending in ((True, False) if pg.rank == 0 else (False, True)):
+            if posted:
+                (pg.isend if sending else pg.irecv)(x, peer).wait()
+            else:
+                (pg.send if sending else pg.recv)(x, peer)
     else:
         pg.reduce_scatter(x)
 

@@ -141,11 +141,15 @@ void Comm::shutdown() {
   transport_.reset();
 }
 
+void Comm::check_open_locked(const transport::OpDesc& d) const {
+  if (stopping_)
+    throw Aborted(str_cat("rank ", global_rank(rank_), ": ", describe_op(d),
+                          " was called on a destroyed group"));
+}
+
 std::shared_ptr<CpuWork> Comm::push(Item item) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (stopping_)
-    throw Aborted(str_cat("rank ", global_rank(rank_), ": ", describe_op(item.env.op),
-                          " was called on a destroyed group"));
+  check_open_locked(item.env.op);
   if (item.env.channel == transport::Channel::kCollective)
     item.env.seq = ledger_->open_collective(item.env.op);
   item.index = next_index_++;
@@ -160,16 +164,26 @@ std::shared_ptr<CpuWork> Comm::push(Item item) {
   return work;
 }
 
-bool Comm::try_claim(transport::Envelope& env, uint64_t* index) {
+bool Comm::try_claim(transport::Envelope& env, uint64_t* index, int peer, bool is_send) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (stopping_)
-    throw Aborted(str_cat("rank ", global_rank(rank_), ": ", describe_op(env.op),
-                          " was called on a destroyed group"));
+  check_open_locked(env.op);
   if (busy_ || !queue_.empty() || in_flight_count_ > 0) return false;
   busy_ = true;
-  env.seq = ledger_->open_collective(env.op);
+  env.seq = peer < 0 ? ledger_->open_collective(env.op) : next_p2p_seq_locked(peer, is_send);
   *index = next_index_++;
   return true;
+}
+
+uint64_t Comm::next_p2p_seq_locked(int peer, bool is_send) {
+  return is_send ? p2p_send_seq_[peer]++ : p2p_recv_seq_[peer]++;
+}
+
+transport::Envelope Comm::p2p_envelope(uint32_t tag, const transport::OpDesc& desc) {
+  transport::Envelope env;
+  env.channel = transport::Channel::kP2P;
+  env.tag = tag;
+  env.op = desc;
+  return env;
 }
 
 void Comm::release_claim() {
@@ -199,9 +213,7 @@ std::shared_ptr<CpuWork> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag,
                                            MutBytes dst, const transport::OpDesc& desc,
                                            Millis timeout, std::vector<std::shared_ptr<void>> keep) {
   Item item;
-  item.env.channel = transport::Channel::kP2P;
-  item.env.tag = tag;
-  item.env.op = desc;
+  item.env = p2p_envelope(tag, desc);
   item.timeout = timeout.count() < 0 ? opts_.timeout : timeout;
   item.peer = peer;
   item.is_send = is_send;
@@ -211,7 +223,7 @@ std::shared_ptr<CpuWork> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag,
   for (auto& k : keep) item.work->keep(std::move(k));
   {
     std::lock_guard<std::mutex> lock(mu_);
-    item.env.seq = is_send ? p2p_send_seq_[peer]++ : p2p_recv_seq_[peer]++;
+    item.env.seq = next_p2p_seq_locked(peer, is_send);
   }
   return push(std::move(item));
 }
@@ -359,25 +371,13 @@ std::exception_ptr Comm::p2p_timeout(bool is_send, int peer, uint32_t tag, Milli
 
 void Comm::run_p2p_blocking(bool is_send, int peer, uint32_t tag, ConstBytes src, MutBytes dst,
                             const transport::OpDesc& desc, Millis timeout) {
-  transport::Envelope env;
-  env.channel = transport::Channel::kP2P;
-  env.tag = tag;
-  env.op = desc;
+  transport::Envelope env = p2p_envelope(tag, desc);
   const Millis t = timeout.count() < 0 ? opts_.timeout : timeout;
   uint64_t index = 0;
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (stopping_)
-      throw Aborted(str_cat("rank ", global_rank(rank_), ": ", describe_op(desc),
-                            " was called on a destroyed group"));
-    if (busy_ || !queue_.empty() || in_flight_count_ > 0) {
-      lock.unlock();  // not idle: behind the pending operations, as isend/irecv would be
-      enqueue_p2p(is_send, peer, tag, src, dst, desc, timeout)->wait(Millis(-1));
-      return;
-    }
-    busy_ = true;
-    env.seq = is_send ? p2p_send_seq_[peer]++ : p2p_recv_seq_[peer]++;
-    index = next_index_++;
+  if (!try_claim(env, &index, peer, is_send)) {
+    // Not idle: behind the pending operations, as isend/irecv would be.
+    enqueue_p2p(is_send, peer, tag, src, dst, desc, timeout)->wait(Millis(-1));
+    return;
   }
   transport::Request req;
   auto post = [&](Comm&) {

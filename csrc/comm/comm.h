@@ -179,9 +179,15 @@ class Comm {
     uint64_t index = 0;  // position in issue order
   };
   std::shared_ptr<CpuWork> push(Item item);
-  // Note [Inline execution]: if the group is idle, takes the next sequence number and index
-  // for `env` and the transport for the calling thread; release_claim() gives it back.
-  bool try_claim(transport::Envelope& env, uint64_t* index);
+  // Note [Inline execution]: if the group is idle, takes the next sequence number (a
+  // collective's from the ledger; a transfer's, `peer` >= 0, from its count with that peer)
+  // and index for `env` and the transport for the calling thread; release_claim() gives it
+  // back.
+  bool try_claim(transport::Envelope& env, uint64_t* index, int peer = -1, bool is_send = false);
+  uint64_t next_p2p_seq_locked(int peer, bool is_send);
+  static transport::Envelope p2p_envelope(uint32_t tag, const transport::OpDesc& desc);
+  // Throws Aborted once the group is destroyed.
+  void check_open_locked(const transport::OpDesc& d) const;
   void release_claim();
   // Runs one operation on the thread that owns the transport; returns its error, if any.
   std::exception_ptr execute(const transport::Envelope& env, Millis timeout, uint64_t index,

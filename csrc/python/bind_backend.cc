@@ -313,14 +313,29 @@ PyObject* reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   });
 }
 
-// send (is_send) or recv of `a`: point-to-point always returns a Work, which holds `a`.
+// Note [Synchronous point-to-point]
+// ProcessGroup.send/recv in one call: the transfer and its wait (p2p with `wait`). The
+// backend may finish it itself and return no Work (CPU: on the calling thread when the group
+// is idle, Note [Inline execution], instead of two thread hand-offs each way); a Work it does
+// return (NCCL) is waited for there, as Work.wait would.
+//
+// send (is_send) or recv of `a`. Posted (isend/irecv): returns the Work, which holds `a`.
+// Waited for (`wait`, Note [Synchronous point-to-point]): returns None.
 py::object p2p(Backend& b, bool is_send, const py::handle& a, int peer, uint32_t tag,
-               const py::handle& timeout, const py::handle& stream) {
-  CallReader read(b, is_send ? "send" : "recv", timeout, stream, false, true);
+               const py::handle& timeout, const py::handle& stream, bool wait) {
+  // A waited-for transfer's Work holds the array only where it may outlive the call (a GPU
+  // stream).
+  CallReader read(b, is_send ? "send" : "recv", timeout, stream, false,
+                  !wait || b.device_memory());
+  read.opts.wait = wait;
   auto buf = read(a, "x", !is_send);
-  return run(b, read.what(), false, [&] {
+  py::object w = run(b, read.what(), wait && read.blocks(), [&] {
     return is_send ? b.send(buf, peer, tag, read.opts) : b.recv(buf, peer, tag, read.opts);
   });
+  if (!wait || w.is_none()) return w;
+  Work& work = w.cast<Work&>();
+  call_nogil([&] { work.wait(Millis(-1), false, to_cu_stream(kLegacyStream)); });
+  return py::none();
 }
 
 py::object work_exception(Work& w) {
@@ -335,25 +350,6 @@ py::object work_exception(Work& w) {
   }
 }
 }  // namespace
-
-// Note [Synchronous point-to-point]
-// ProcessGroup.send/recv in one call: the transfer and its wait. The backend may finish it
-// itself and return no Work (CPU: on the calling thread when the group is idle, Note [Inline
-// execution], instead of two thread hand-offs each way); a Work it does return (NCCL) is
-// waited for here, as Work.wait would.
-void p2p_sync(Backend& b, bool is_send, const py::handle& a, int peer, uint32_t tag,
-              const py::handle& timeout, const py::handle& stream) {
-  // A Work holds the array only where the transfer may outlive the call (a GPU stream).
-  CallReader read(b, is_send ? "send" : "recv", timeout, stream, false, b.device_memory());
-  read.opts.wait = true;
-  auto buf = read(a, "x", !is_send);
-  py::object w = run(b, read.what(), read.blocks(), [&] {
-    return is_send ? b.send(buf, peer, tag, read.opts) : b.recv(buf, peer, tag, read.opts);
-  });
-  if (w.is_none()) return;
-  Work& work = w.cast<Work&>();
-  call_nogil([&] { work.wait(Millis(-1), false, to_cu_stream(kLegacyStream)); });
-}
 
 void bind_backend(py::module_& m) {
   py::class_<Work, std::shared_ptr<Work>>(m, "Work", "Handle on one asynchronous operation.")
@@ -532,19 +528,19 @@ void bind_backend(py::module_& m) {
            })
       .def("send", [](Backend& x, const py::handle& a, int peer, uint32_t tag,
                       const py::handle& timeout, const py::handle& stream) {
-             return p2p(x, true, a, peer, tag, timeout, stream);
+             return p2p(x, true, a, peer, tag, timeout, stream, false);
            })
       .def("recv", [](Backend& x, const py::handle& a, int peer, uint32_t tag,
                       const py::handle& timeout, const py::handle& stream) {
-             return p2p(x, false, a, peer, tag, timeout, stream);
+             return p2p(x, false, a, peer, tag, timeout, stream, false);
            })
       .def("send_sync", [](Backend& x, const py::handle& a, int peer, uint32_t tag,
                            const py::handle& timeout, const py::handle& stream) {
-             p2p_sync(x, true, a, peer, tag, timeout, stream);
+             p2p(x, true, a, peer, tag, timeout, stream, true);
            }, "send, waited for (Note [Synchronous point-to-point]).")
       .def("recv_sync", [](Backend& x, const py::handle& a, int peer, uint32_t tag,
                            const py::handle& timeout, const py::handle& stream) {
-             p2p_sync(x, false, a, peer, tag, timeout, stream);
+             p2p(x, false, a, peer, tag, timeout, stream, true);
            }, "recv, waited for (Note [Synchronous point-to-point]).");
 }
 

@@ -82,9 +82,10 @@ def _blocking_pairs(pg, count):
     return True
 
 
+@pytest.mark.parametrize("transport", ["tcp", "shm"])  # the group's; transfers go over TCP
 @pytest.mark.parametrize("count", [3, 1 << 20])
-def test_blocking_send_recv_inline_and_behind_posted_transfers(run_ranks, count):
-    assert run_ranks(2, _blocking_pairs, count=count) == [True, True]
+def test_blocking_send_recv_inline_and_behind_posted_transfers(run_ranks, count, transport):
+    assert run_ranks(2, _blocking_pairs, count=count, transport=transport) == [True, True]
 
 
 def _recv_from_the_dead(pg):
@@ -94,5 +95,6 @@ def _recv_from_the_dead(pg):
     return True
 
 
-def test_blocking_recv_from_a_killed_peer_is_a_peer_error(run_ranks):
-    assert run_ranks(2, _recv_from_the_dead, may_die=(1,))[0] is True
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_blocking_recv_from_a_killed_peer_is_a_peer_error(run_ranks, transport):
+    assert run_ranks(2, _recv_from_the_dead, may_die=(1,), transport=transport)[0] is True
