@@ -114,11 +114,12 @@ def _disagree(pg, at, awaited, strict):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])  # the channel's
 @pytest.mark.parametrize("mode", ["async", "awaited", "strict"])
-def test_disagreement_is_a_mismatch_on_every_rank(run_ranks, mode):
+def test_disagreement_is_a_mismatch_on_every_rank(run_ranks, mode, transport):
     at = 7
     res = run_ranks(2, _disagree, at=at, awaited=mode == "awaited", strict=mode == "strict",
-                    transport="shm")
+                    transport=transport)
     for rank, (seen, failed_seq) in enumerate(res):
         assert len(seen) == 1, (rank, seen)
         where, i, cls, msg = seen[0]
@@ -150,8 +151,9 @@ def _peer_stops(pg):
 
 
 @pytest.mark.timeout(60)
-def test_await_of_a_call_a_peer_never_makes_names_that_peer(run_ranks):
-    cls, msg, took = run_ranks(2, _peer_stops)[0]
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_await_of_a_call_a_peer_never_makes_names_that_peer(run_ranks, transport):
+    cls, msg, took = run_ranks(2, _peer_stops, transport=transport)[0]
     assert cls == "TimeoutError", msg
     assert "never issued by rank 1" in msg and "all_gather(count=64" in msg, msg
     assert took < 2.5, took  # its own timeout (1 s), not the group's or rank 1's pause
