@@ -6,8 +6,10 @@ CuPy's thin binding (the floor for any Python library), in the same processes.
 Per op, microseconds per call of `--calls` back-to-back calls on 8-byte buffers (then one
 synchronize), median of `--repeats`, rank 0: meshcoll's method, meshcoll's C++ entry point
 called directly (the Python layer's share is the difference), bare NCCL through CuPy, and a
-torch `add_` for the cost of one kernel launch from Python. Such calls are bound by the host:
-nccl-tests' C loop (`all_reduce_perf -b 8 -e 8`) is the other anchor. One process per GPU.
+torch `add_` for the cost of one kernel launch from Python. send+recv is one round trip
+between pairs of ranks (rank 0 sends to rank 1, then receives from it). Such calls are bound
+by the host: nccl-tests' C loop (`all_reduce_perf -b 8 -e 8`) is the other anchor. One
+process per GPU.
 
 --steps also prints where meshcoll's call spends its time, step by step (Note [Host timers]
 in csrc/common/host_timers.h: MESHCOLL_HOST_TIMERS=1, which adds its own few tenths of a
@@ -83,6 +85,21 @@ def rank_main(rank, world, port, token, args, conn):
                 lambda: be.broadcast_sync(x, 0, None, None),
                 lambda: cc.bcast(xp, n, F32, 0, sp)),
         }
+        # A round trip between pairs of ranks (0 and 1, 2 and 3, ...): the even rank sends
+        # then receives, the odd one the reverse; an unpaired last rank sits it out.
+        peer = rank ^ 1
+        if peer < world:
+            first = rank % 2 == 0
+            def pair(send, recv):
+                return (lambda: (send(), recv())) if first else (lambda: (recv(), send()))
+            cases["send+recv"] = (
+                pair(lambda: pg.send(x, peer), lambda: pg.recv(x, peer)),
+                pair(lambda: be.send_sync(x, peer, 0, None, None),
+                     lambda: be.recv_sync(x, peer, 0, None, None)),
+                pair(lambda: cc.send(xp, n, F32, peer, sp), lambda: cc.recv(xp, n, F32, peer, sp)))
+        else:
+            idle = (lambda: None,) * 3
+            cases["send+recv"] = idle
         rows, steps = [], {}
         for name, fs in cases.items():
             _C.host_timers(reset=True)

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/error.h"
+#include "common/thread_name.h"
 
 namespace meshcoll::comm {
 
@@ -36,7 +37,10 @@ std::shared_ptr<Agreement> Agreement::create(std::shared_ptr<Backend> channel, M
   auto a = std::make_shared<Agreement>(std::move(channel), mode, timeout, ledger, std::move(sink),
                                        std::move(names));
   if (mode == Mode::kAsync && a->size_ > 1)
-    a->checker_ = std::thread([self = a] { self->loop(); });
+    a->checker_ = std::thread([self = a] {
+      name_this_thread("mc-agreement");
+      self->loop();
+    });
   return a;
 }
 

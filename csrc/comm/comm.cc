@@ -9,6 +9,7 @@
 
 #include "common/check.h"
 #include "common/cores.h"
+#include "common/thread_name.h"
 #include "store/exchange.h"
 #include "transport/tcp/tcp_transport.h"
 
@@ -111,7 +112,10 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
   p2p_recv_seq_.assign(size, 0);
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_fd_ < 0) throw SystemError(str_cat("eventfd failed: ", errno_text(errno)));
-  worker_ = std::thread([this] { worker_loop(); });
+  worker_ = std::thread([this] {
+    name_this_thread("mc-worker");
+    worker_loop();
+  });
 }
 
 Comm::~Comm() {

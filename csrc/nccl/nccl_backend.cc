@@ -36,6 +36,16 @@ CallOpts coll_opts(const comm::CallOptions& o, std::vector<std::shared_ptr<void>
   c.want_work = o.async;
   return c;
 }
+
+// A transfer's options. A waited-for one (send/recv, Note [Synchronous point-to-point] in
+// bind_backend.cc) is, like a synchronous collective, done once it is enqueued on the
+// caller's stream, which orders every later use of the buffer: it makes no Work. A posted
+// one (isend/irecv) returns the Work the caller waits on.
+CallOpts p2p_opts(const comm::CallOptions& o, std::vector<std::shared_ptr<void>>& keep) {
+  CallOpts c = opts_of(o, keep, 0);
+  c.want_work = !o.wait;
+  return c;
+}
 }  // namespace
 
 std::shared_ptr<NcclBackend> NcclBackend::create(std::shared_ptr<store::Store> store, int rank,
@@ -128,12 +138,12 @@ WorkPtr NcclBackend::do_barrier(Call& c) {
 
 WorkPtr NcclBackend::do_send(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
   check_no_tag("send", tag);
-  return comm_->send(opts_of(c.opts, c.keep, c.seq), buf.data, buf.count, buf.dtype, peer);
+  return comm_->send(p2p_opts(c.opts, c.keep), buf.data, buf.count, buf.dtype, peer);
 }
 
 WorkPtr NcclBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
   check_no_tag("recv", tag);
-  return comm_->recv(opts_of(c.opts, c.keep, c.seq), buf.data, buf.count, buf.dtype, peer);
+  return comm_->recv(p2p_opts(c.opts, c.keep), buf.data, buf.count, buf.dtype, peer);
 }
 
 // NCCL has no way to tell the peers: the side channel does (their groups fail with `message`).

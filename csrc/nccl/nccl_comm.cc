@@ -10,6 +10,7 @@
 #include "common/check.h"
 #include "common/config.h"
 #include "common/error.h"
+#include "common/thread_name.h"
 #include "nccl/nccl_internal.h"
 
 namespace meshcoll::nccl {
@@ -66,6 +67,7 @@ bool run_bounded(F fn, const Deadline& d) {
     bool done = false;
   };
   auto st = std::make_shared<State>();
+  // Unnamed: NCCL's init runs here, and the threads it starts take this thread's name.
   std::thread([st, fn = std::move(fn)]() mutable {
     fn();
     std::lock_guard<std::mutex> lock(st->mu);
@@ -260,7 +262,10 @@ NcclComm::NcclComm(ncclComm_t comm, int rank, int size, int device, CUcontext ct
     cu_.primary_ctx_release(dev);
     throw;
   }
-  watchdog_ = std::thread([this] { watchdog(); });
+  watchdog_ = std::thread([this] {
+    name_this_thread("mc-nccl-watch");
+    watchdog();
+  });
 }
 
 bool NcclComm::split_supported() {

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "common/error.h"
+#include "common/thread_name.h"
 #include "nccl/nccl_comm.h"
 #include "nccl/nccl_internal.h"
 
@@ -32,6 +33,7 @@ bool device_idle(const CudaApi& cu, CUcontext ctx, Millis bound) {
   };
   auto st = std::make_shared<State>();
   std::thread([st, &cu, ctx] {
+    name_this_thread("mc-nccl-sync");
     bool ok = false;
     try {
       CtxGuard guard(cu, ctx);

@@ -315,18 +315,19 @@ PyObject* reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
 
 // Note [Synchronous point-to-point]
 // ProcessGroup.send/recv in one call: the transfer and its wait (p2p with `wait`). The
-// backend may finish it itself and return no Work (CPU: on the calling thread when the group
-// is idle, Note [Inline execution], instead of two thread hand-offs each way); a Work it does
-// return (NCCL) is waited for there, as Work.wait would.
+// backend may finish it itself and return no Work: the CPU backend runs it on the calling
+// thread when the group is idle (Note [Inline execution]) instead of two thread hand-offs
+// each way; the NCCL backend enqueues it on the caller's stream, which orders every later use
+// of the buffer, as a synchronous collective (no Work, and the array is not held). A Work it
+// does return (the CPU backend, queued behind posted work) is waited for here.
 //
 // send (is_send) or recv of `a`. Posted (isend/irecv): returns the Work, which holds `a`.
 // Waited for (`wait`, Note [Synchronous point-to-point]): returns None.
 py::object p2p(Backend& b, bool is_send, const py::handle& a, int peer, uint32_t tag,
                const py::handle& timeout, const py::handle& stream, bool wait) {
-  // A waited-for transfer's Work holds the array only where it may outlive the call (a GPU
-  // stream).
-  CallReader read(b, is_send ? "send" : "recv", timeout, stream, false,
-                  !wait || b.device_memory());
+  // Only a posted transfer's Work holds the array: a waited-for one is done (CPU) or ordered
+  // by the caller's stream (GPU) when the call returns.
+  CallReader read(b, is_send ? "send" : "recv", timeout, stream, false, !wait);
   read.opts.wait = wait;
   auto buf = read(a, "x", !is_send);
   py::object w = run(b, read.what(), wait && read.blocks(), [&] {

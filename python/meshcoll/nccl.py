@@ -51,7 +51,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _C
+from . import _C, _env
 from .arrays import numpy_dtype
 from .process_group import ProcessGroup
 
@@ -199,11 +199,13 @@ def _device_count() -> int:
 
 
 def make_world(store: _C.Store, rank: int, world_size: int, timeout: float, bind_host: str,
-               token: str, device: Any = None) -> ProcessGroup:
+               token: str, device: Any = None,
+               options: Optional[_env.GroupOptions] = None) -> ProcessGroup:
     """The world group on NCCL (what ``init(backend="nccl")`` calls). ``device``: an int (or
     an object with ``.index``, e.g. torch.device); None picks device 0 when that is the only
     choice (one rank, or one visible GPU per process), and otherwise raises: pass
-    ``device=`` or launch with LOCAL_RANK."""
+    ``device=`` or launch with LOCAL_RANK. ``options``: the group settings (``init`` reads
+    them from the MESHCOLL_* environment; None: the defaults)."""
     ok, why = nccl_available()
     if not ok:
         raise _C.MeshcollError(f"meshcoll.init(backend='nccl') on rank {rank}: {why}")
@@ -220,7 +222,8 @@ def make_world(store: _C.Store, rank: int, world_size: int, timeout: float, bind
                              "and the launcher did not say which is this rank's; pass device= "
                              "or set LOCAL_RANK")
     return ProcessGroup(store, range(world_size), rank, "world", timeout=timeout,
-                        bind_host=bind_host, token=token, backend="nccl", device=int(device))
+                        bind_host=bind_host, token=token, backend="nccl", device=int(device),
+                        options=options)
 
 
 def agree_on_backend(store: _C.Store, rank: int, world_size: int, timeout: float) -> str:

@@ -113,15 +113,18 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
 def _world(backend: Optional[str], store: _C.Store, rv: _env.Rendezvous, timeout: float,
            token: str, device: Any) -> ProcessGroup:
     bind_host = _bind_host(store)
+    # The MESHCOLL_* group settings, for the world of either backend (its subgroups inherit
+    # them): an NCCL world once took the defaults, so MESHCOLL_CHECK=strict or off went unheard.
+    options = _env.group_options_from_env()
     if backend in ("nccl", "auto"):
         from . import nccl
         if backend == "auto":
             backend = nccl.agree_on_backend(store, rv.rank, rv.world_size, timeout)
     if backend == "nccl":
         return nccl.make_world(store, rv.rank, rv.world_size, timeout, bind_host, token,
-                               device if device is not None else rv.local_rank)
+                               device if device is not None else rv.local_rank, options)
     return ProcessGroup(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
-                        bind_host=bind_host, token=token, options=_env.group_options_from_env())
+                        bind_host=bind_host, token=token, options=options)
 
 
 def _bind_host(store: _C.Store) -> str:

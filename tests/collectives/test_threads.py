@@ -172,3 +172,32 @@ def _pool(pg, iters):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_thread_pool_with_serialised_calls(run_ranks, transport):
     assert run_ranks(2, _pool, transport=transport, iters=25) == [[], []]
+
+
+
+def _meshcoll_threads():
+    import glob
+    names = set()
+    for path in glob.glob("/proc/self/task/*/comm"):
+        try:
+            with open(path) as f:
+                names.add(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return {n for n in names if n.startswith("mc-")}
+
+
+def _thread_names(pg):
+    pg.all_reduce(np.ones(3))
+    return sorted(_meshcoll_threads())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_meshcolls_threads_are_named_for_top_and_debuggers(run_ranks):
+    # A user who sees a busy or stuck thread in top -H, ps -L or gdb can tell it is
+    # meshcoll's and which one: each group's worker, and a store server's threads.
+    assert run_ranks(2, _thread_names) == [["mc-worker"], ["mc-worker"]]
+    server = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=10)
+    client = meshcoll.TCPStore("127.0.0.1", server.port, timeout=10)
+    client.set("k", b"v")
+    assert {"mc-store-accept", "mc-store-serve"} <= _meshcoll_threads()

@@ -219,6 +219,43 @@ def test_large_buffers():
         assert ok_reduce and ok_gather
 
 
+def _blocking_p2p(pg, rounds, n):
+    """Blocking send/recv make no Work and hold no array (Note [Synchronous point-to-point]):
+    the caller's stream orders the transfer before whatever reuses the memory. Rank 0 sends
+    a fresh tensor each round and drops it at once, then fills new tensors of its size (the
+    caching allocator hands the freed block out again); rank 1 receives each and checks it."""
+    import gc
+    import weakref
+    import torch
+    bad, held, returned = [], 0, []
+    buf = torch.empty(n, device="cuda")
+    for i in range(rounds):
+        want = np.random.default_rng(100 + i).standard_normal(n).astype(np.float32)
+        if pg.rank == 0:
+            t = torch.from_numpy(want).cuda()
+            returned.append(pg.send(t, 1))
+            alive = weakref.ref(t)
+            del t
+            gc.collect()
+            held += alive() is not None
+            for _ in range(3):
+                torch.full((n,), -7.0, device="cuda")
+        else:
+            got = pg.recv(buf, 0)
+            returned.append(got is buf)
+            if not np.array_equal(got.cpu().numpy(), want):
+                bad.append(i)
+    torch.cuda.synchronize()
+    return bad, held, returned
+
+
+@needs_torch
+@gpus(2)
+def test_blocking_send_recv_make_no_work_and_hold_nothing():
+    sent, got = run_nccl(2, _blocking_p2p, rounds=20, n=(1 << 20) + 5)
+    assert sent[1] == 0 and sent[2] == [None] * 20, sent[1:]
+    assert got[0] == [] and got[2] == [True] * 20, got
+
 def _subgroups(pg):
     import torch
     r, w = pg.rank, pg.size

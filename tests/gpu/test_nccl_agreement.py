@@ -92,6 +92,43 @@ def test_strict_mode_raises_before_any_data_is_touched():
     assert run_nccl(2, _strict_leaves_data_alone) == [True, True]
 
 
+def _world_check(pg, disagree):
+    """The world group's check, as MESHCOLL_CHECK set it: whether a call (of sizes that
+    differ across ranks if `disagree`) raised, whether its data was then left alone, and
+    whether a checker thread runs (Note [Agreement on a side channel]: async mode's checker
+    is the thread named mc-agreement)."""
+    import glob
+    import torch
+    x = torch.full((1000 + 24 * pg.rank * disagree,), float(pg.rank + 1), device="cuda")
+    try:
+        pg.all_reduce(x)
+        torch.cuda.synchronize()
+        raised = "no error"
+    except meshcoll.MismatchError:
+        raised = "MismatchError"
+    names = set()
+    for path in glob.glob("/proc/self/task/*/comm"):
+        try:
+            with open(path) as f:
+                names.add(f.read().strip())
+        except OSError:
+            pass
+    untouched = bool((x == float(pg.rank + 1)).all().item()) if raised != "no error" else None
+    return raised, untouched, "mc-agreement" in names
+
+
+@gpus(2)
+def test_meshcoll_check_in_the_environment_sets_the_world_groups_check():
+    # The world group once ignored MESHCOLL_CHECK (it took the defaults): strict must raise
+    # before launch, and off must run no checker; the default (async) runs one. (Only
+    # strict is given calls that disagree: unchecked, they could hang NCCL.)
+    assert run_nccl(2, _world_check, disagree=True, env={"MESHCOLL_CHECK": "strict"}) == \
+        [("MismatchError", True, False)] * 2
+    assert run_nccl(2, _world_check, disagree=False, env={"MESHCOLL_CHECK": "off"}) == \
+        [("no error", None, False)] * 2
+    assert run_nccl(2, _world_check, disagree=False) == [("no error", None, True)] * 2
+
+
 def _raised_by_wait_and_destroy(pg):
     import torch
     # An async call whose partner disagrees: its Work raises even though the kernel ran;
