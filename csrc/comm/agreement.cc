@@ -10,6 +10,9 @@ namespace meshcoll::comm {
 namespace {
 // The longest pause between idle rounds: a disagreement is found within about this long.
 constexpr auto kIdlePause = std::chrono::milliseconds(10);
+// The pause after a round that compared calls, while they stream (Note [Paced rounds] in
+// agreement.h).
+constexpr auto kStreamPause = std::chrono::microseconds(500);
 // The channel's deadline while nothing waits to be compared (Note [Agreement on a side
 // channel]): a job may sit in other code for a long time.
 constexpr Millis kIdleDeadline{100LL * 24 * 3600 * 1000};
@@ -212,11 +215,17 @@ void Agreement::loop() {
       progressed = checked_.load(std::memory_order_relaxed) > before;
     }
     if (progressed) {
-      pause = std::chrono::microseconds(0);
-      continue;
+      // Note [Paced rounds]: at once only while leaving or with a round's worth waiting.
+      if (leaving || issued_.load(std::memory_order_acquire) -
+                             checked_.load(std::memory_order_acquire) >= kBatch) {
+        pause = std::chrono::microseconds(0);
+        continue;
+      }
+      pause = kStreamPause;
+    } else {
+      pause = std::min<std::chrono::microseconds>(pause * 2 + std::chrono::microseconds(50),
+                                                  kIdlePause);
     }
-    pause = std::min<std::chrono::microseconds>(pause * 2 + std::chrono::microseconds(50),
-                                                kIdlePause);
     std::unique_lock<std::mutex> lock(wake_mu_);
     wake_.wait_for(lock, pause, [&] { return stopping_.load() && !leaving; });
   }
