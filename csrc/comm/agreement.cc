@@ -190,7 +190,7 @@ void Agreement::loop() {
   auto pause = std::chrono::microseconds(0);
   for (;;) {
     const bool leaving = stopping_.load(std::memory_order_acquire);
-    bool progressed = false;
+    uint64_t compared = 0;  // calls this round compared: the same on every rank
     // A caller in await() runs the rounds itself: stay out of its way (Note [Agreement
     // before launch]).
     if (leaving || awaiting_.load(std::memory_order_acquire) == 0) {
@@ -212,12 +212,11 @@ void Agreement::loop() {
                before + 1);
         break;
       }
-      progressed = checked_.load(std::memory_order_relaxed) > before;
+      compared = checked_.load(std::memory_order_relaxed) - before;
     }
-    if (progressed) {
-      // Note [Paced rounds]: at once only while leaving or with a round's worth waiting.
-      if (leaving || issued_.load(std::memory_order_acquire) -
-                             checked_.load(std::memory_order_acquire) >= kBatch) {
+    if (compared > 0) {
+      // Note [Paced rounds]: at once only while leaving or after a full batch.
+      if (leaving || compared >= kBatch) {
         pause = std::chrono::microseconds(0);
         continue;
       }

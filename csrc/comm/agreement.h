@@ -41,13 +41,17 @@
 // 8% lower over two runs each.)
 // Note [Paced rounds]
 // While calls stream, the checker waits kStreamPause (0.5 ms) after a round that compared
-// calls, unless a round's worth (kBatch) already waits: a round costs about the same for one
-// call as for kBatch. Before, a round ran at once after any progress: each compared the few
-// calls issued since the last, and every other one compared none. On 4 x H200, 8-byte
-// all_reduces back to back (about 15 us each), the checker thread used 1.8-2.0 us of CPU per
-// call (MESHCOLL_CHECK=off: none) and the calls took 0.2-0.4 us longer. The cost of the
-// pause: a disagreement is found up to 0.5 ms later; a rank that leaves, and await(), still
-// run their rounds at once.
+// calls, unless that round compared a full batch (kBatch, so more may wait): a round costs
+// about the same for one call as for kBatch. Before, a round ran at once after any progress:
+// each compared the few calls issued since the last, and every other one compared none. On
+// 4 x H200, 8-byte all_reduces back to back (about 15 us each), the checker thread used
+// 1.8-2.0 us of CPU per call (MESHCOLL_CHECK=off: none) and the calls took 0.2-0.4 us longer.
+// The choice must be the same on every rank, so it rests on what the round compared (the
+// same records everywhere), never on this rank's own backlog: a first version went on at
+// once when this rank had issued kBatch calls ahead of the check, so a rank running ahead
+// entered each round up to 0.5 ms before its paused peers and spun there (on 4 x H200 one
+// rank's checker then used 2.8 us of CPU per call). The cost of the pause: a disagreement is
+// found up to 0.5 ms later; a rank that leaves, and await(), still run rounds at once.
 // The records also tell how far each peer has issued: census() names, for a timed-out call,
 // the ranks that never issued it and the last call each did issue.
 // Leaving (stop(), at destroy): a rank keeps running rounds, marked `leaving`, until every
