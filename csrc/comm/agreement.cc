@@ -40,10 +40,7 @@ std::shared_ptr<Agreement> Agreement::create(std::shared_ptr<Backend> channel, M
   auto a = std::make_shared<Agreement>(std::move(channel), mode, timeout, ledger, std::move(sink),
                                        std::move(names));
   if (mode == Mode::kAsync && a->size_ > 1)
-    a->checker_ = std::thread([self = a] {
-      name_this_thread("mc-agreement");
-      self->loop();
-    });
+    a->checker_ = named_thread("mc-agreement", [self = a] { self->loop(); });
   return a;
 }
 

@@ -112,10 +112,7 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
   p2p_recv_seq_.assign(size, 0);
   wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_fd_ < 0) throw SystemError(str_cat("eventfd failed: ", errno_text(errno)));
-  worker_ = std::thread([this] {
-    name_this_thread("mc-worker");
-    worker_loop();
-  });
+  worker_ = named_thread("mc-worker", [this] { worker_loop(); });
 }
 
 Comm::~Comm() {

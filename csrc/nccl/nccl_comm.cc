@@ -67,7 +67,8 @@ bool run_bounded(F fn, const Deadline& d) {
     bool done = false;
   };
   auto st = std::make_shared<State>();
-  // Unnamed: NCCL's init runs here, and the threads it starts take this thread's name.
+  // Unnamed: NCCL's init runs here, and its threads would take this one's name
+  // (named_thread in common/thread_name.h).
   std::thread([st, fn = std::move(fn)]() mutable {
     fn();
     std::lock_guard<std::mutex> lock(st->mu);
@@ -262,10 +263,7 @@ NcclComm::NcclComm(ncclComm_t comm, int rank, int size, int device, CUcontext ct
     cu_.primary_ctx_release(dev);
     throw;
   }
-  watchdog_ = std::thread([this] {
-    name_this_thread("mc-nccl-watch");
-    watchdog();
-  });
+  watchdog_ = named_thread("mc-nccl-watch", [this] { watchdog(); });
 }
 
 bool NcclComm::split_supported() {

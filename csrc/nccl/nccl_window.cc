@@ -32,8 +32,7 @@ bool device_idle(const CudaApi& cu, CUcontext ctx, Millis bound) {
     bool ok = false;
   };
   auto st = std::make_shared<State>();
-  std::thread([st, &cu, ctx] {
-    name_this_thread("mc-nccl-sync");
+  named_thread("mc-nccl-sync", [st, &cu, ctx] {
     bool ok = false;
     try {
       CtxGuard guard(cu, ctx);

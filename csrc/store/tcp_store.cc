@@ -54,10 +54,7 @@ TcpStoreServer::TcpStoreServer(const std::string& host, int port, std::string to
     net::close_fd(listen_fd_);
     throw SystemError(str_cat("store server: pipe failed: ", errno_text(errno)));
   }
-  acceptor_ = std::thread([this] {
-    name_this_thread("mc-store-accept");
-    accept_loop();
-  });
+  acceptor_ = named_thread("mc-store-accept", [this] { accept_loop(); });
 }
 
 TcpStoreServer::~TcpStoreServer() { stop(); }
@@ -166,10 +163,7 @@ void TcpStoreServer::accept_loop() {
       client_fds_.push_back(fd);
       unauthenticated_.push_back(fd);
       try {
-        std::thread t([this, fd] {
-          name_this_thread("mc-store-serve");
-          serve(fd);
-        });
+        std::thread t = named_thread("mc-store-serve", [this, fd] { serve(fd); });
         auto id = t.get_id();
         client_threads_.emplace(id, std::move(t));
       } catch (const std::system_error&) {  // out of threads: refuse this client, keep serving
