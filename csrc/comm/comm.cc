@@ -15,53 +15,6 @@
 
 namespace meshcoll::comm {
 
-namespace {
-// The values of a list of "name\tvalue\n" lines.
-std::vector<std::string> values_of(const std::string& list) {
-  std::vector<std::string> out;
-  for (size_t at = 0; at < list.size();) {
-    size_t tab = list.find('\t', at), end = list.find('\n', at);
-    out.push_back(list.substr(tab + 1, end - tab - 1));
-    at = end + 1;
-  }
-  return out;
-}
-
-// Note [Shared settings] in comm.h.
-void agree_on_shared(store::Store& store, int rank, int size, const CommOptions& opts,
-                     const Deadline& d, const store::WaitCheck& died) {
-  std::string mine;
-  for (const auto& [name, value] : opts.shared) mine += str_cat(name, "\t", value, "\n");
-  auto all = store::exchange(store, "settings", rank, size, mine, d, died, opts.global);
-  if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == mine; }))
-    return;
-  // Every rank runs this code, so every list names the same settings in the same order.
-  std::vector<std::vector<std::string>> values;
-  for (const auto& list : all) values.push_back(values_of(list));
-  std::string wrong;
-  for (size_t i = 0; i < opts.shared.size(); ++i) {
-    std::vector<std::pair<std::string, std::string>> held;  // value, its ranks
-    for (int r = 0; r < size; ++r) {
-      const std::string v = i < values[r].size() ? values[r][i] : "(unknown)";
-      auto it = std::find_if(held.begin(), held.end(), [&](const auto& h) { return h.first == v; });
-      if (it == held.end()) {
-        held.push_back({v, str_cat("rank ", opts.global(r))});
-      } else {
-        it->second += str_cat(", ", opts.global(r));
-      }
-    }
-    if (held.size() < 2) continue;
-    wrong += str_cat(wrong.empty() ? "" : "; ", opts.shared[i].first, " is ");
-    for (size_t h = 0; h < held.size(); ++h)
-      wrong += str_cat(h ? " but " : "", held[h].first, " on ", held[h].second);
-  }
-  throw MismatchError(str_cat("rank ", opts.global(rank), ": the ranks of this group disagree "
-                              "on settings "
-                              "they must share: ", wrong, ". Every rank of a group must use "
-                              "the same value: set it alike in every rank's environment (or "
-                              "pass the same argument)"));
-}
-}  // namespace
 
 Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOptions& opts,
            uint64_t comm_id, Ledger* ledger)
@@ -86,7 +39,7 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
         throw PeerError(str_cat("rank ", rank_, ": rank ", p, " closed its connection while "
                                 "this group was being set up: rank ", p, " exited or crashed"));
   };
-  if (size > 1) agree_on_shared(*store_, rank, size, opts, setup, died);
+  if (size > 1) store::agree_on_settings(*store_, rank, size, opts.shared, setup, died, opts.global);
   if (size > 1 && opts.transport != "tcp") {
     std::string why;
     shm_ = transport::ShmGroup::create(rank, size, *store_, opts.shm_bytes, setup, died, &why,

@@ -31,6 +31,7 @@
 #include "common/deadline.h"
 #include "common/dtype.h"
 #include "common/rank_names.h"
+#include "store/exchange.h"
 #include "store/store.h"
 #include "transport/shm/segment.h"
 #include "transport/transport.h"
@@ -47,14 +48,9 @@ struct CommOptions {
   std::string token;
   bool debug = false;  // MESHCOLL_DEBUG: one line per operation on stderr
   RankNames global;    // the members' global ranks, which messages name
-  // Note [Shared settings]: some settings must be the same on every rank of a group (a
-  // different shm_bytes maps a peer's shared memory past its end: SIGBUS; a different
-  // transport waits for a shared-memory setup the others never start). The caller lists
-  // them here as (the name users set it by, its value, as they write it); once the TCP links
-  // are up, before anything else, every rank publishes its list through the store and
-  // compares everyone's. A disagreement is a MismatchError on every rank naming each setting
-  // that differs and each rank's value.
-  std::vector<std::pair<std::string, std::string>> shared;
+  // The settings every rank must share (Note [Shared settings] in store/exchange.h),
+  // compared once the TCP links are up.
+  store::Settings shared;
 };
 
 class Comm;

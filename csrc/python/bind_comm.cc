@@ -57,9 +57,9 @@ void bind_comm(py::module_& m) {
            py::arg("bind_host"), py::arg("token"), py::arg("comm_id"), py::arg("transport") = "auto",
            py::arg("shm_bytes") = size_t(4) << 20, py::arg("debug") = false,
            py::arg("global_ranks") = std::vector<int>(),
-           py::arg("shared") = std::vector<std::pair<std::string, std::string>>(),
+           py::arg("shared") = store::Settings(),
            "`shared`: (name, value) of each setting every rank must share (Note [Shared "
-           "settings] in csrc/comm/comm.h)")
+           "settings] in csrc/store/exchange.h)")
       .def("set_hierarchy", [](cpu::CpuBackend& b, std::shared_ptr<cpu::CpuBackend> local,
                                std::shared_ptr<cpu::CpuBackend> leaders, std::vector<int> hosts) {
              b.set_hierarchy(cpu::Hierarchy::make(std::move(local), std::move(leaders),

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "python/fastcall.h"
+#include "store/exchange.h"
 #include "store/file_store.h"
 #include "store/tcp_store.h"
 
@@ -127,6 +128,21 @@ void bind_store(py::module_& m) {
       m, "PrefixStore", "Namespaces another store: every key gets 'prefix/'.")
       .def(py::init<std::string, std::shared_ptr<Store>>(), py::arg("prefix"), py::arg("store"))
       .def_property_readonly("prefix", &store::PrefixStore::prefix);
+
+  m.def("agree_on_settings",
+        [](Store& s, int rank, int size, const store::Settings& settings, double timeout,
+           std::vector<int> ranks) {
+          Deadline d(seconds_arg(timeout, "timeout"));
+          py::gil_scoped_release nogil;
+          store::agree_on_settings(s, rank, size, settings, d, nullptr,
+                                   RankNames(std::move(ranks)));
+        },
+        py::arg("store"), py::arg("rank"), py::arg("size"), py::arg("settings"),
+        py::arg("timeout"), py::arg("ranks"),
+        "Note [Shared settings] (csrc/store/exchange.h): every rank of a group passes the "
+        "(name, value) pairs its members must share; MismatchError on every rank naming each "
+        "that differs, TimeoutError naming the ranks that never came. For groups whose "
+        "backend does not compare them itself (NCCL).");
 }
 
 }  // namespace meshcoll::python

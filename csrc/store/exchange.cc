@@ -12,6 +12,17 @@ Millis left_of(const Deadline& d) {
   int ms = d.poll_ms();
   return Millis(ms < 0 ? 24LL * 3600 * 1000 : ms);
 }
+
+// The values of a list of "name\tvalue\n" lines.
+std::vector<std::string> values_of(const std::string& list) {
+  std::vector<std::string> out;
+  for (size_t at = 0; at < list.size();) {
+    size_t tab = list.find('\t', at), end = list.find('\n', at);
+    out.push_back(list.substr(tab + 1, end - tab - 1));
+    at = end + 1;
+  }
+  return out;
+}
 }  // namespace
 
 std::vector<std::string> exchange(Store& store, const std::string& step, int rank, int size,
@@ -49,6 +60,41 @@ std::vector<std::string> exchange(Store& store, const std::string& step, int ran
     out.emplace_back(v.begin(), v.end());
   }
   return out;
+}
+
+
+// Note [Shared settings] in exchange.h.
+void agree_on_settings(Store& store, int rank, int size, const Settings& shared,
+                       const Deadline& d, const WaitCheck& check, const RankNames& names) {
+  std::string mine;
+  for (const auto& [name, value] : shared) mine += str_cat(name, "\t", value, "\n");
+  auto all = exchange(store, "settings", rank, size, mine, d, check, names);
+  if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == mine; }))
+    return;
+  // Every rank runs this code, so every list names the same settings in the same order.
+  std::vector<std::vector<std::string>> values;
+  for (const auto& list : all) values.push_back(values_of(list));
+  std::string wrong;
+  for (size_t i = 0; i < shared.size(); ++i) {
+    std::vector<std::pair<std::string, std::string>> held;  // value, its ranks
+    for (int r = 0; r < size; ++r) {
+      const std::string v = i < values[r].size() ? values[r][i] : "(unknown)";
+      auto it = std::find_if(held.begin(), held.end(), [&](const auto& h) { return h.first == v; });
+      if (it == held.end()) {
+        held.push_back({v, str_cat("rank ", names(r))});
+      } else {
+        it->second += str_cat(", ", names(r));
+      }
+    }
+    if (held.size() < 2) continue;
+    wrong += str_cat(wrong.empty() ? "" : "; ", shared[i].first, " is ");
+    for (size_t h = 0; h < held.size(); ++h)
+      wrong += str_cat(h ? " but " : "", held[h].first, " on ", held[h].second);
+  }
+  throw MismatchError(str_cat("rank ", names(rank), ": the ranks of this group disagree on "
+                              "settings they must share: ", wrong, ". Every rank of a group "
+                              "must use the same value: set it alike in every rank's "
+                              "environment (or pass the same argument)"));
 }
 
 }  // namespace meshcoll::store

@@ -3,6 +3,7 @@
 
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/deadline.h"
@@ -23,5 +24,19 @@ using WaitCheck = std::function<void(const std::vector<int>& missing)>;
 std::vector<std::string> exchange(Store& store, const std::string& step, int rank, int size,
                                   const std::string& mine, const Deadline& d,
                                   const WaitCheck& check, const RankNames& names = {});
+
+// Note [Shared settings]
+// Some settings must be the same on every rank of a group: a different shm_bytes maps a
+// peer's shared memory past its end (SIGBUS); a different transport waits for a
+// shared-memory setup the others never start; on an NCCL group, a different agreement check
+// (MESHCOLL_CHECK) leaves the ranks that check waiting for a side channel the others never
+// open, and their calls unpaired. The group's setup lists them as (the name users set it
+// by, its value, as they write it); every rank publishes its list through the store and
+// compares everyone's, before anything else is set up (a CPU group: once its TCP links are
+// up; an NCCL group: before NCCL's init). A disagreement is a MismatchError on every rank
+// naming each setting that differs and each rank's value.
+using Settings = std::vector<std::pair<std::string, std::string>>;
+void agree_on_settings(Store& store, int rank, int size, const Settings& shared,
+                       const Deadline& d, const WaitCheck& check, const RankNames& names = {});
 
 }  // namespace meshcoll::store

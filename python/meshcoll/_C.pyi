@@ -45,6 +45,9 @@ class PrefixStore(Store):
     def prefix(self) -> str: ...
     def __init__(self, prefix: str, store: Store) -> None: ...
 
+def agree_on_settings(store: Store, rank: int, size: int, settings: Sequence[Tuple[str, str]],
+                      timeout: float, ranks: Sequence[int]) -> None: ...
+
 Stream = Any  # (a type alias for the stubs; not in _C) None, an int handle, or an object with .cuda_stream (torch) / .ptr (CuPy)
 Timeout = Optional[float]
 

@@ -515,15 +515,18 @@ class GroupOptions:
     debug: bool = False         # MESHCOLL_DEBUG
     check: str = "async"        # MESHCOLL_CHECK: NCCL groups' agreement check: async, strict, off
 
-    def shared(self) -> Dict[str, str]:
-        """The settings every rank of a group must share, named as users set them, with
-        their values as written. Ranks that differ would map each other's shared memory at
-        different sizes (SIGBUS), or wait for a shared-memory setup or a hierarchy that the
-        others never start; so the backend compares them across ranks before it sets up
-        anything past the TCP links (Note [Shared settings] in csrc/comm/comm.h). The
-        algorithm is not among them: it travels with every call, and ranks that choose
-        differently get a MismatchError there; nor is the timeout, which each rank may set
-        for itself."""
+    def shared(self, backend: str = "cpu") -> Dict[str, str]:
+        """The settings every rank of a group on ``backend`` must share, named as users set
+        them, with their values as written. CPU ranks that differ would map each other's
+        shared memory at different sizes (SIGBUS), or wait for a shared-memory setup or a
+        hierarchy that the others never start; NCCL ranks whose agreement check differs
+        would wait for a side channel the others never open. So they are compared across
+        ranks before anything else is set up (Note [Shared settings] in
+        csrc/store/exchange.h). The algorithm is not among them: it travels with every call,
+        and ranks that choose differently get a MismatchError there; nor is the timeout,
+        which each rank may set for itself."""
+        if backend == "nccl":
+            return {f"{CHECK} (or new_group's check=)": repr(self.check)}
         return {f"{TRANSPORT} (or new_group's transport=)": repr(self.transport),
                 SHM_BYTES: str(self.shm_bytes),
                 HIERARCHY: "1" if self.hierarchy else "0"}

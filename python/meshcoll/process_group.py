@@ -219,6 +219,9 @@ class ProcessGroup:
             assert dev is not None
             self._device = int(dev)
             self._arrays = nccl.CudaArrays
+            if len(self._ranks) > 1:  # before NCCL's init; the NCCL backend compares none
+                _C.agree_on_settings(prefixed, rank, len(self._ranks),
+                                     list(opts.shared("nccl").items()), timeout, self._ranks)
             self._backend = nccl.make_backend(prefixed, rank, len(self._ranks), self._device,
                                               timeout, parent, color)
             if len(self._ranks) > 1 and opts.check != "off":

@@ -129,6 +129,20 @@ def test_meshcoll_check_in_the_environment_sets_the_world_groups_check():
     assert run_nccl(2, _world_check, disagree=False) == [("no error", None, True)] * 2
 
 
+def _check_disagrees(pg):
+    try:
+        pg.new_group(list(range(pg.size)), check="off" if pg.rank == 1 else "async")
+        return "no error", ""
+    except meshcoll.MismatchError as e:
+        return "MismatchError", str(e)
+
+
+@gpus(2)
+def test_ranks_whose_check_differs_get_a_mismatch_error_before_nccl_starts():
+    for kind, msg in run_nccl(2, _check_disagrees):
+        assert kind == "MismatchError" and "check=" in msg and "'off' on rank 1" in msg, msg
+
+
 def _raised_by_wait_and_destroy(pg):
     import torch
     # An async call whose partner disagrees: its Work raises even though the kernel ran;

@@ -106,6 +106,47 @@ def test_ranks_that_disagree_on_a_group_setting_get_a_mismatch_error_naming_it()
         assert outcomes[-1][:2] == ("world after", "ok"), outcomes[-1]
 
 
+def _nccl_settings(rank, port, token, checks, present):
+    """What an NCCL group's setup runs before NCCL's init (Note [Shared settings]): the
+    settings agreement over the job's store, here with rank r's MESHCOLL_CHECK checks[r]."""
+    import meshcoll
+    from meshcoll import _C, _env
+    store = meshcoll.TCPStore("127.0.0.1", port, timeout=30, token=token)
+    if rank not in present:
+        return None
+    shared = _env.GroupOptions(check=checks[rank]).shared("nccl")
+    t0 = time.monotonic()
+    try:
+        _C.agree_on_settings(_C.PrefixStore("mc/g", store), rank, len(checks),
+                             list(shared.items()), 3.0, [10 + r for r in range(len(checks))])
+        return "no error", "", time.monotonic() - t0
+    except meshcoll.MeshcollError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("case", ["agree", "disagree", "absent"])
+def test_an_nccl_groups_check_setting_is_compared_before_nccl_starts(case):
+    # Ranks whose MESHCOLL_CHECK differs would wait for a side channel their peers never
+    # open; the group's setup compares it first (global ranks 10-12 here, as messages name).
+    import meshcoll
+    token = secrets.token_hex(8)
+    server = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=30, token=token)
+    checks = {"agree": ["async"] * 3, "disagree": ["async", "off", "async"],
+              "absent": ["strict"] * 3}[case]
+    present = [0, 1] if case == "absent" else [0, 1, 2]
+    res = spawn(3, _nccl_settings, server.port, token, checks, present, timeout=60)
+    for rank in present:
+        kind, msg, elapsed = res[rank]
+        if case == "agree":
+            assert kind == "no error", (rank, msg)
+        elif case == "disagree":
+            assert kind == "MismatchError", (rank, kind, msg)
+            assert "MESHCOLL_CHECK" in msg and "'off' on rank 11" in msg, msg
+            assert "'async' on rank 10, 12" in msg, msg
+        else:  # rank 12 never came: a TimeoutError naming it, within the 3 s given
+            assert kind == "TimeoutError" and "12" in msg and elapsed < 10, (rank, kind, msg)
+
+
 # ---- item 11: kill -9 during shared-memory setup ---------------------------------------
 
 def _setup_with_a_death(rank, port, token, step):
