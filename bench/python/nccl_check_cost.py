@@ -1,7 +1,9 @@
 """Host cost of the NCCL agreement check (Note [Agreement on a side channel],
 csrc/comm/agreement.h): microseconds per synchronous 8-byte all_reduce, enqueue only and
 enqueue + synchronize, on groups with MESHCOLL_CHECK off, async and strict, side by side in
-one job (interleaved rounds, medians). One process per GPU.
+one job (interleaved rounds, medians), and the CPU the checker threads (mc-agreement) spend
+per enqueued call meanwhile (async's checker; the world group's idle one adds a little to
+every mode). One process per GPU.
 
     NCCL_NVLS_ENABLE=0 python bench/python/nccl_check_cost.py --nprocs 2
 """
@@ -14,6 +16,7 @@ import statistics
 import sys
 import time
 
+from agreement_cpu import checker_cpu_seconds
 from spawn_ranks import run_ranks
 
 MODES = ("off", "async", "strict")
@@ -31,6 +34,7 @@ def rank_main(rank, world, port, token, args, conn):
         x = torch.rand(2, device="cuda")
         enq = {m: [] for m in MODES}
         full = {m: [] for m in MODES}
+        cpu = {m: [] for m in MODES}
         for g in groups.values():
             for _ in range(200):
                 g.all_reduce(x)
@@ -39,18 +43,20 @@ def rank_main(rank, world, port, token, args, conn):
             for m, g in groups.items():
                 pg.barrier()
                 torch.cuda.synchronize()
-                t0 = time.perf_counter()
+                c0, t0 = checker_cpu_seconds(), time.perf_counter()
                 for _ in range(args.calls):
                     g.all_reduce(x)
                 enq[m].append((time.perf_counter() - t0) / args.calls * 1e6)
                 torch.cuda.synchronize()
+                time.sleep(0.02)  # the checker compares the last calls (Note [Paced rounds])
+                cpu[m].append((checker_cpu_seconds() - c0) / args.calls * 1e6)
                 t0 = time.perf_counter()
                 for _ in range(args.calls // 10):
                     g.all_reduce(x)
                     torch.cuda.synchronize()
                 full[m].append((time.perf_counter() - t0) / (args.calls // 10) * 1e6)
-        conn.send(("ok", {m: (statistics.median(enq[m]), statistics.median(full[m]))
-                          for m in MODES}))
+        conn.send(("ok", {m: (statistics.median(enq[m]), statistics.median(full[m]),
+                              statistics.median(cpu[m])) for m in MODES}))
         meshcoll.destroy()
     except BaseException:  # noqa: BLE001 - reported to the parent
         import traceback
@@ -71,13 +77,15 @@ def main(argv=None):
     import torch
     print(f"# {args.nprocs} x {torch.cuda.get_device_name(0)}, {args.rounds} rounds x "
           f"{args.calls} calls; medians over rounds, worst rank")
-    print(f"{'check':8} {'enqueue us':>11} {'vs off':>8} {'+sync us':>9} {'vs off':>8}")
+    print(f"{'check':8} {'enqueue us':>11} {'vs off':>8} {'+sync us':>9} {'vs off':>8} "
+          f"{'checker CPU us':>15}")
     base_e = max(r["off"][0] for r in res)
     base_f = max(r["off"][1] for r in res)
     for m in MODES:
         e = max(r[m][0] for r in res)
         f = max(r[m][1] for r in res)
-        print(f"{m:8} {e:11.2f} {e - base_e:+8.2f} {f:9.2f} {f - base_f:+8.2f}")
+        c = max(r[m][2] for r in res)
+        print(f"{m:8} {e:11.2f} {e - base_e:+8.2f} {f:9.2f} {f - base_f:+8.2f} {c:15.2f}")
     return 0
 
 
