@@ -208,6 +208,26 @@ def test_all_gather_same_count_different_shape(job, transport):
         assert r["cases"][("same count", transport)]["error"] == "MismatchError", (rank, r)
 
 
+def _members_differ(pg):
+    # Rank 0 leaves rank 2 out of the new group; ranks 1 and 2 put it in.
+    ranks = [0, 1] if pg.rank == 0 else [0, 1, 2]
+    kind, msg, elapsed, _ = _outcome(lambda: pg.new_group(ranks, timeout=3))
+    return kind, msg, elapsed
+
+
+def test_ranks_that_pass_new_group_different_members_get_an_error_that_says_so():
+    # Each side sees only that the other sets up another group (the members lists never
+    # meet before the links): rank 0 waits for a rank 1 it refused, ranks 1 and 2 are refused
+    # at once. Every message says what must agree.
+    res = launch(3, _members_differ, timeout=60)
+    for rank, (kind, msg, elapsed) in enumerate(res):
+        assert kind in ("TimeoutError", "PeerError"), (rank, kind, msg)
+        assert "new_group with the same ranks" in msg, (rank, msg)
+        assert elapsed < 10, (rank, elapsed)
+    assert res[0][0] == "TimeoutError" and "another group" in res[0][1], res[0]
+    assert "rank 1: handshake with rank 0 was refused" in res[1][1], res[1]
+
+
 def test_calls_before_init_raise_runtime_error():
     from meshcoll.monitor import monitored_barrier
     assert not meshcoll.is_initialized()

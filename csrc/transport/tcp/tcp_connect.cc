@@ -23,6 +23,10 @@ namespace {
 
 constexpr uint32_t kHandshakeMagic = 0x5348434d;  // "MCHS"
 constexpr uint16_t kHandshakeVersion = 1;
+// What a handshake refused for another group most often means, and what to do.
+constexpr const char* kOtherGroup =
+    "every member of a group must call new_group with the same ranks (or split with matching "
+    "colors), and every rank must create its groups in the same order";
 
 #pragma pack(push, 1)
 struct Handshake {
@@ -111,6 +115,9 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
   };
   std::vector<Pending> pending;
   int expected = size_ - 1 - rank_;
+  // A handshake with this job's token refused for another group: the likely reason, should
+  // the peers we wait for never come, is that the ranks disagree on this group.
+  std::string refused;
   auto drop = [&](size_t i) {
     net::close_fd(pending[i].fd);
     pending[i] = std::move(pending.back());
@@ -131,7 +138,8 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
         if (peers_[j]->fd < 0) missing += str_cat(missing.empty() ? "" : ", ", global_(j));
       throw TimeoutError(str_cat("rank ", global_(rank_), ": rank(s) ", missing,
                                  " died or never came during setup: no connection from them "
-                                 "within ", d.timeout().count(), " ms; did every rank start?"));
+                                 "within ", d.timeout().count(), " ms; ",
+                                 refused.empty() ? "did every rank start?" : refused));
     }
     std::vector<pollfd> fds{{listen_fd, POLLIN, 0}};
     for (auto& p : pending) fds.push_back({p.fd, POLLIN, 0});
@@ -172,6 +180,12 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
                    p.bytes.size() == sizeof(in) + in.token_len;
       (void)!::send(p.fd, &ok, 1, MSG_NOSIGNAL);
       if (!ok) {
+        // Only a peer that knows the token is believed about its group.
+        if (refused.empty() && same_token(token, opts.token) &&
+            (in.comm_id != opts.comm_id || in.size != size_))
+          refused = str_cat("meanwhile a rank of this job connected to set up another group (it "
+                            "is rank ", in.rank, " of a group of ", in.size, "), so the ranks "
+                            "disagree on this group: ", kOtherGroup);
         drop(i);  // a stray or mistaken client: refused, keep waiting
         continue;
       }
@@ -192,8 +206,9 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
                               "connection before it answered)"));
     }
     if (!ok)
-      throw PeerError(str_cat(what, " was refused: the job token (MESHCOLL_TOKEN) or group "
-                                    "differs from rank ", global_(j), "'s; start every rank from one launch"));
+      throw PeerError(str_cat(what, " was refused: rank ", global_(j), " sets up another group ",
+                              "(", kOtherGroup, "), or its job token (MESHCOLL_TOKEN) differs "
+                              "(start every rank from one launch)"));
   }
 }
 
