@@ -4,6 +4,7 @@
 
 #include "common/config.h"
 #include "common/error.h"
+#include "common/interrupt.h"
 
 namespace meshcoll::store {
 
@@ -33,12 +34,15 @@ std::vector<std::string> exchange(Store& store, const std::string& step, int ran
   for (int r = 0; r < size; ++r) keys.push_back(str_cat(step, "/", r));
   store.set(keys[rank], Bytes(mine.begin(), mine.end()), call());
   fault_point(step);
-  // Wait in short slices, so that a dead peer is noticed between them.
+  // Wait in short slices, so that a dead peer and a Ctrl-C (Note [Interrupts]) are noticed
+  // between them.
+  const auto since = Clock::now();
   for (;;) {
     try {
       store.wait(keys, std::min(left_of(d), Millis(100)));
       break;
     } catch (const TimeoutError&) {
+      check_interrupt(names(rank), since);
       std::vector<int> missing;
       for (int r = 0; r < size; ++r)
         if (!store.check({keys[r]}, call())) missing.push_back(r);
@@ -68,12 +72,21 @@ void agree_on_settings(Store& store, int rank, int size, const Settings& shared,
                        const Deadline& d, const WaitCheck& check, const RankNames& names) {
   std::string mine;
   for (const auto& [name, value] : shared) mine += str_cat(name, "\t", value, "\n");
-  auto all = exchange(store, "settings", rank, size, mine, d, check, names);
-  if (std::all_of(all.begin(), all.end(), [&](const std::string& s) { return s == mine; }))
+  // Each list travels after its publisher's global rank, which names it in a message: a
+  // rank whose view of the members is wrong would misname the others.
+  auto all = exchange(store, "settings", rank, size, str_cat(names(rank), "\n", mine), d, check,
+                      names);
+  std::vector<std::string> who(size), lists(size);
+  for (int r = 0; r < size; ++r) {
+    const size_t nl = all[r].find('\n');
+    who[r] = nl == std::string::npos ? "?" : all[r].substr(0, nl);
+    lists[r] = nl == std::string::npos ? all[r] : all[r].substr(nl + 1);
+  }
+  if (std::all_of(lists.begin(), lists.end(), [&](const std::string& s) { return s == mine; }))
     return;
   // Every rank runs this code, so every list names the same settings in the same order.
   std::vector<std::vector<std::string>> values;
-  for (const auto& list : all) values.push_back(values_of(list));
+  for (const auto& list : lists) values.push_back(values_of(list));
   std::string wrong;
   for (size_t i = 0; i < shared.size(); ++i) {
     std::vector<std::pair<std::string, std::string>> held;  // value, its ranks
@@ -81,9 +94,9 @@ void agree_on_settings(Store& store, int rank, int size, const Settings& shared,
       const std::string v = i < values[r].size() ? values[r][i] : "(unknown)";
       auto it = std::find_if(held.begin(), held.end(), [&](const auto& h) { return h.first == v; });
       if (it == held.end()) {
-        held.push_back({v, str_cat("rank ", names(r))});
+        held.push_back({v, str_cat("rank ", who[r])});
       } else {
-        it->second += str_cat(", ", names(r));
+        it->second += str_cat(", ", who[r]);
       }
     }
     if (held.size() < 2) continue;

@@ -30,11 +30,14 @@ std::vector<std::string> exchange(Store& store, const std::string& step, int ran
 // peer's shared memory past its end (SIGBUS); a different transport waits for a
 // shared-memory setup the others never start; on an NCCL group, a different agreement check
 // (MESHCOLL_CHECK) leaves the ranks that check waiting for a side channel the others never
-// open, and their calls unpaired. The group's setup lists them as (the name users set it
-// by, its value, as they write it); every rank publishes its list through the store and
-// compares everyone's, before anything else is set up (a CPU group: once its TCP links are
-// up; an NCCL group: before NCCL's init). A disagreement is a MismatchError on every rank
-// naming each setting that differs and each rank's value.
+// open, and their calls unpaired. The group's members come first: ranks whose new_group
+// lists have the same length can pass the TCP handshake (which checks the group's name and
+// size) with one rank standing in for another. The group's setup lists them as (the name
+// users set it by, its value, as they write it); every rank publishes its list through the
+// store and compares everyone's, before anything else is set up (a CPU group: once its TCP
+// links are up, so that a peer that dies meanwhile is named at once; an NCCL group: before
+// NCCL's init). A disagreement is a MismatchError on every rank naming each setting that
+// differs and each rank's value.
 using Settings = std::vector<std::pair<std::string, std::string>>;
 void agree_on_settings(Store& store, int rank, int size, const Settings& shared,
                        const Deadline& d, const WaitCheck& check, const RankNames& names = {});

@@ -48,6 +48,8 @@ ON_ERROR_CHOICES = ("raise", "abort")
 HOST_TIMERS = "MESHCOLL_HOST_TIMERS"
 CHECK = "MESHCOLL_CHECK"
 CHECK_MODES = ("async", "strict", "off")
+# How the settings agreement names a group's members (Note [Shared settings]).
+MEMBERS = "the group's members (new_group's ranks, in order)"
 FAULT = "MESHCOLL_FAULT"
 
 TRANSPORTS = ("auto", "shm", "tcp")  # the values of MESHCOLL_TRANSPORT

@@ -220,8 +220,8 @@ class ProcessGroup:
             self._device = int(dev)
             self._arrays = nccl.CudaArrays
             if len(self._ranks) > 1:  # before NCCL's init; the NCCL backend compares none
-                _C.agree_on_settings(prefixed, rank, len(self._ranks),
-                                     list(opts.shared("nccl").items()), timeout, self._ranks)
+                _C.agree_on_settings(prefixed, rank, len(self._ranks), self._shared("nccl"),
+                                     timeout, self._ranks)
             self._backend = nccl.make_backend(prefixed, rank, len(self._ranks), self._device,
                                               timeout, parent, color)
             if len(self._ranks) > 1 and opts.check != "off":
@@ -239,7 +239,7 @@ class ProcessGroup:
                 self._backend = _C.CpuBackend(prefixed, rank, len(self._ranks), timeout,
                                               bind_host, token, _comm_id(name, token),
                                               opts.transport, opts.shm_bytes, opts.debug,
-                                              self._ranks, list(opts.shared().items()))
+                                              self._ranks, self._shared("cpu"))
             self.config = CollectiveConfig(opts.algorithm)
         self._backend.set_identity(self._ranks, name)
         if channel is not None:
@@ -378,6 +378,11 @@ class ProcessGroup:
         if type(x) is np.ndarray:
             return not self._arrays.device_memory
         return self._arrays.device_memory and hasattr(x, "shape")
+
+    def _shared(self, backend: str) -> List[Tuple[str, str]]:
+        """What every member must agree on before the group is set up (Note [Shared
+        settings] in csrc/store/exchange.h): its members, then its backend's settings."""
+        return [(_env.MEMBERS, repr(self._ranks)), *self._options.shared(backend).items()]
 
     def _current_stream(self, like: Array) -> Stream:
         """The stream the caller computes on for arrays like ``like`` (None on the CPU)."""
