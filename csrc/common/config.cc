@@ -39,7 +39,9 @@ void set_config(const Config& c) {
 }
 
 void fault_point(const std::string& point) {
-  if (config().fault == "kill@" + point) ::kill(::getpid(), SIGKILL);
+  const std::string fault = config().fault;
+  if (fault == "kill@" + point) ::kill(::getpid(), SIGKILL);
+  if (fault == "stop@" + point) ::kill(::getpid(), SIGSTOP);
 }
 
 }  // namespace meshcoll

@@ -27,7 +27,8 @@ struct Config {
   bool abort_on_error = false;  // MESHCOLL_ON_ERROR=abort: a failed group ends the process
   bool host_timers = false;  // MESHCOLL_HOST_TIMERS: time each fast-path call's steps (Note [Host timers])
   // MESHCOLL_FAULT, for fault-injection tests: "kill@<point>" makes this process SIGKILL
-  // itself when it reaches fault_point(<point>) ("": never).
+  // itself when it reaches fault_point(<point>), "stop@<point>" SIGSTOP itself (a hung rank,
+  // until SIGCONT) ("": never).
   std::string fault;
 };
 

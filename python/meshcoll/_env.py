@@ -563,7 +563,7 @@ class CoreConfig:
     nccl_split: bool = True   # MESHCOLL_NCCL_SPLIT: subgroups through ncclCommSplit
     abort_on_error: bool = False  # MESHCOLL_ON_ERROR=abort: a failed group ends the process
     host_timers: bool = False  # MESHCOLL_HOST_TIMERS: time each fast-path call's steps
-    fault: str = ""           # MESHCOLL_FAULT (tests): "kill@<point>", see fault_point
+    fault: str = ""           # MESHCOLL_FAULT (tests): "kill@<point>" or "stop@<point>", see fault_point
 
 
 SIMD_LEVELS = ("baseline", "avx2", "avx512")  # the values of MESHCOLL_SIMD
@@ -588,9 +588,10 @@ def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreCon
         raise ValueError(f"meshcoll: {SIMD}={simd!r} is not a SIMD level; use "
                          f"{', '.join(SIMD_LEVELS)} (or unset it)")
     fault = _get(env, FAULT) or ""
-    if fault and not fault.startswith("kill@"):
-        raise ValueError(f"meshcoll: {FAULT}={fault!r}: use kill@<point> (fault injection, "
-                         f"for tests; csrc/common/config.h lists the points), or unset it")
+    if fault and not fault.startswith(("kill@", "stop@")):
+        raise ValueError(f"meshcoll: {FAULT}={fault!r}: use kill@<point> or stop@<point> (fault "
+                         f"injection, for tests; csrc/common/config.h lists the points), or "
+                         f"unset it")
     return CoreConfig(
         host_id=_get(env, HOST_ID) or "",
         cma=_flag(env, CMA, True),

@@ -207,3 +207,63 @@ def test_ctrl_c_while_waiting_for_ranks_to_come(tmp_path):
     at = _interrupted_at(err)
     assert at, err  # KeyboardInterrupt, not the 30 s setup deadline's TimeoutError
     _assert_clean(0, err)
+
+
+STOPPED_SCRIPT = """
+import os, sys, time
+import meshcoll
+
+open(os.path.join(sys.argv[1], os.environ["MESHCOLL_RANK"]), "w").close()
+try:
+    meshcoll.init()  # rank 1 stops itself at its first setup step after the links
+except KeyboardInterrupt:
+    print(f"KeyboardInterrupt at {time.monotonic():.3f}", file=sys.stderr, flush=True)
+    raise
+"""
+
+
+def test_ctrl_c_while_a_stopped_rank_holds_up_the_setup(tmp_path):
+    # Rank 1 connects, publishes its settings and stops (MESHCOLL_FAULT=stop@settings): its
+    # links stay open, so nothing tells rank 0 it is gone, and rank 0 waits in the store
+    # exchange of the next setup step (shared memory's). A Ctrl-C must end that wait, not
+    # the 30 s setup deadline (Note [Interrupts]).
+    from meshcoll import _env
+    script = tmp_path / "stopped.py"
+    script.write_text(textwrap.dedent(STOPPED_SCRIPT))
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = _clean_env()
+        env.update(_env.launcher_env(rank=rank, world_size=2, local_rank=rank,
+                                     local_world_size=2, node_rank=0, master_addr="127.0.0.1",
+                                     master_port=port, token="interrupt-test", timeout=30))
+        env["MESHCOLL_TRANSPORT"] = "shm"
+        if rank == 1:
+            env["MESHCOLL_FAULT"] = "stop@settings"
+        procs.append(subprocess.Popen([sys.executable, str(script), str(ready)], env=env,
+                                      stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+    try:
+        _wait_ready(ready, procs[:1], n=2)
+        deadline = time.monotonic() + 20
+        while not _stopped(procs[1].pid):
+            assert time.monotonic() < deadline, "rank 1 never stopped at its fault point"
+            time.sleep(0.05)
+        time.sleep(0.5)  # rank 0 is past the settings, waiting in the shared-memory step
+        t0 = time.monotonic()
+        procs[0].send_signal(signal.SIGINT)
+        err = procs[0].communicate(timeout=15)[1]
+        assert time.monotonic() - t0 < 5, err
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert _interrupted_at(err), err  # KeyboardInterrupt, not the setup deadline's TimeoutError
+    _assert_clean(0, err)
+
+
+def _stopped(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+

@@ -23,6 +23,7 @@ def test_unset_environment_is_the_defaults():
      "/opt/nccl/libnccl.so.2"),
     ({"MESHCOLL_NCCL_SPLIT": "0"}, "nccl_split", False),
     ({"MESHCOLL_FAULT": "kill@shm/created"}, "fault", "kill@shm/created"),
+    ({"MESHCOLL_FAULT": "stop@settings"}, "fault", "stop@settings"),
 ])
 def test_each_variable(env, field, value):
     assert getattr(core_config_from_env(env), field) == value
