@@ -82,10 +82,14 @@ def test_store_binds_only_to_the_given_address():
 
 # ---- one job: listeners of a real job, and stray clients at its transport ------------------
 
-def _handshake(token, rank, size, comm_id, magic=0x5348434D, version=1, token_len=None):
+def _handshake(token, rank, size, comm_id, magic=0x5348434D, version=2, token_len=None,
+               global_rank=None):
+    """A transport handshake (csrc/transport/tcp/tcp_connect.cc); `global_rank` defaults to
+    the group rank, as in a world group."""
     token = token.encode()
     n = len(token) if token_len is None else token_len
-    return struct.pack("<IHHiiQ", magic, version, n, rank, size, comm_id) + token
+    g = rank if global_rank is None else global_rank
+    return struct.pack("<IHHiiQi", magic, version, n, rank, size, comm_id, g) + token
 
 
 def _stray(host, port, payload, hold=0.0):
@@ -134,7 +138,9 @@ def _job(pg):
             "lower rank": _handshake(token, 0, 2, cid),
             "rank out of range": _handshake(token, 9, 2, cid),
             "huge token_len": _handshake(token, 1, 2, cid, token_len=60000),
-            "bad version": _handshake(token, 1, 2, cid, version=2),
+            "bad version": _handshake(token, 1, 2, cid, version=1),
+            # Everything right but who it is: global rank 2 claims the place of rank 1.
+            "stand-in": _handshake(token, 1, 2, cid, global_rank=2),
         }
         out["stray"] = {k: _stray(host, port, v) for k, v in attempts.items()}
         # A client that connects and says nothing, while rank 1 comes to join.
@@ -182,6 +188,7 @@ def test_job_listens_only_on_the_master_interface(job):
 def test_stray_clients_are_refused_and_the_job_keeps_working(job):
     for what, answer in job[2]["stray"].items():
         assert answer in (b"\x00", b"", "reset"), (what, answer)
+    assert job[2]["stray"]["stand-in"] == b"\x00", job[2]["stray"]  # read, and refused
     for rank, r in enumerate(job):
         assert r["world ok"], rank
     assert job[0]["group ok"] and job[1]["group ok"]

@@ -22,7 +22,7 @@ namespace meshcoll::transport {
 namespace {
 
 constexpr uint32_t kHandshakeMagic = 0x5348434d;  // "MCHS"
-constexpr uint16_t kHandshakeVersion = 1;
+constexpr uint16_t kHandshakeVersion = 2;  // 2: the connecting rank's global rank
 // What a handshake refused for another group most often means, and what to do.
 constexpr const char* kOtherGroup =
     "every member of a group must call new_group with the same ranks (or split with matching "
@@ -33,9 +33,10 @@ struct Handshake {
   uint32_t magic;
   uint16_t version;
   uint16_t token_len;
-  int32_t rank;
+  int32_t rank;    // in the group
   int32_t size;
   uint64_t comm_id;
+  int32_t global;  // in the job: the acceptor's member list must give `rank` to it
 };
 #pragma pack(pop)
 
@@ -83,7 +84,7 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
   store.set(str_cat("tcp/addr/", rank_), store::Bytes(me.begin(), me.end()), remaining(d));
 
   Handshake hs{kHandshakeMagic, kHandshakeVersion, static_cast<uint16_t>(opts.token.size()),
-               rank_, size_, opts.comm_id};
+               rank_, size_, opts.comm_id, global_(rank_)};
   // Lower ranks accept, higher ranks connect: the kernel completes a connect into the
   // listener's backlog, so connecting first and accepting second cannot deadlock.
   for (int j = 0; j < rank_; ++j) {
@@ -174,18 +175,26 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
         continue;
       }
       std::string token = p.bytes.substr(sizeof(in), in.token_len);
-      uint8_t ok = in.version == kHandshakeVersion && same_token(token, opts.token) &&
-                   in.comm_id == opts.comm_id && in.size == size_ && in.rank > rank_ &&
-                   in.rank < size_ && peers_[in.rank]->fd < 0 &&
+      const bool ours = same_token(token, opts.token);
+      const bool this_group = in.comm_id == opts.comm_id && in.size == size_;
+      // The same group by name and size, but this rank's members list gives that place to
+      // another rank: the ranks' lists differ, and it must not stand in.
+      const bool stand_in = in.rank > rank_ && in.rank < size_ && in.global != global_(in.rank);
+      uint8_t ok = in.version == kHandshakeVersion && ours && this_group && !stand_in &&
+                   in.rank > rank_ && in.rank < size_ && peers_[in.rank]->fd < 0 &&
                    p.bytes.size() == sizeof(in) + in.token_len;
       (void)!::send(p.fd, &ok, 1, MSG_NOSIGNAL);
       if (!ok) {
         // Only a peer that knows the token is believed about its group.
-        if (refused.empty() && same_token(token, opts.token) &&
-            (in.comm_id != opts.comm_id || in.size != size_))
+        if (refused.empty() && ours && !this_group)
           refused = str_cat("meanwhile a rank of this job connected to set up another group (it "
                             "is rank ", in.rank, " of a group of ", in.size, "), so the ranks "
                             "disagree on this group: ", kOtherGroup);
+        else if (refused.empty() && ours && stand_in)
+          refused = str_cat("meanwhile rank ", in.global, " connected as this group's member ",
+                            in.rank, ", the place this rank's members list gives to rank ",
+                            global_(in.rank), ", so the ranks disagree on this group: ",
+                            kOtherGroup);
         drop(i);  // a stray or mistaken client: refused, keep waiting
         continue;
       }
