@@ -125,7 +125,8 @@ namespace {
 constexpr int kConnectAttemptMs = 500;
 }  // namespace
 
-int connect_to(const std::string& host, int port, const Deadline& d, const std::string& what) {
+int connect_to(const std::string& host, int port, const Deadline& d, const std::string& what,
+               bool listening) {
   Endpoint ep{host, port};
   int last_err = 0;
   auto backoff = std::chrono::milliseconds(10);
@@ -164,6 +165,9 @@ int connect_to(const std::string& host, int port, const Deadline& d, const std::
       }
       last_err = errno;
       ::close(fd);
+      if (listening && last_err == ECONNREFUSED)
+        throw PeerError(str_cat(what, ": connection refused at ", ep.str(), ": nothing listens "
+                                "there any more"));
     }
     if (d.expired()) break;
     // The listener may not be up yet (rendezvous); back off and retry until the deadline.

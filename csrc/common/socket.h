@@ -20,7 +20,10 @@ int listen_on(const std::string& host, int port, int backlog, int* bound_port);
 
 // Connects to host:port, retrying refused/unreachable attempts until the deadline:
 // during rendezvous the server may not be listening yet. `what` goes into errors.
-int connect_to(const std::string& host, int port, const Deadline& d, const std::string& what);
+// `listening`: the address was published once its listener was up, so a refusal means that
+// listener is gone: PeerError at the first one instead of retrying.
+int connect_to(const std::string& host, int port, const Deadline& d, const std::string& what,
+               bool listening = false);
 
 // Accepts one connection, waiting at most until the deadline (TimeoutError).
 int accept_one(int listen_fd, const Deadline& d, const std::string& what);

@@ -249,6 +249,9 @@ def test_a_rank_cannot_stand_in_for_another_in_a_group():
         assert all(m in ok and ok[m][1] == ranks for m in ranks), res
         assert total == float(sum(ranks)), res
     assert 3 not in ok, res  # rank 3 is never in: the others gave its place to rank 2
+    # Refused at the handshake, or after the others closed their listeners: told why, at once.
+    assert res[3][0] in ("MismatchError", "PeerError"), res[3]
+    assert "new_group with the same ranks" in res[3][1] or "[0, 1, 3]" in res[3][1], res[3]
     for r, out in enumerate(res):
         if out[0] is not None:
             assert out[0] in ("MismatchError", "PeerError", "TimeoutError"), (r, out)

@@ -102,7 +102,13 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
     std::string host = s.substr(0, colon);
     if (!host.empty() && host.front() == '[') host = host.substr(1, host.size() - 2);
     int peer_port = std::stoi(s.substr(colon + 1));
-    int fd = net::connect_to(host, peer_port, d, what);
+    int fd;
+    try {
+      fd = net::connect_to(host, peer_port, d, what, true);
+    } catch (const PeerError& e) {  // its listener closed: it finished setup, or gave up
+      throw PeerError(str_cat(e.what(), ": rank ", global_(j), " set up this group without this "
+                              "rank (", kOtherGroup, "), or it failed or died during setup"));
+    }
     peers_[j]->fd = fd;
     net::send_all(fd, &hs, sizeof(hs), d, what);
     net::send_all(fd, opts.token.data(), opts.token.size(), d, what);
@@ -211,8 +217,9 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
     try {
       net::recv_all(peers_[j]->fd, &ok, 1, d, what);
     } catch (const PeerError&) {
-      throw PeerError(str_cat(what, ": rank ", global_(j), " died during setup (it closed the "
-                              "connection before it answered)"));
+      throw PeerError(str_cat(what, ": rank ", global_(j), " closed the connection before it "
+                              "answered: it died during setup, or set up this group without "
+                              "this rank (", kOtherGroup, ")"));
     }
     if (!ok)
       throw PeerError(str_cat(what, " was refused: rank ", global_(j), " sets up another group ",
