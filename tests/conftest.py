@@ -130,6 +130,19 @@ def launch(world, fn, *, timeout=60.0, init_timeout=30.0, transport="auto", env=
         del server  # a failure's traceback keeps this frame: close the store now
 
 
+def meshcoll_threads():
+    """The names of this process's meshcoll threads (named mc-...; Linux, /proc/self/task)."""
+    import glob
+    names = set()
+    for path in glob.glob("/proc/self/task/*/comm"):
+        try:
+            with open(path) as f:
+                names.add(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return {n for n in names if n.startswith("mc-")}
+
+
 def kill_after_others(pg, victim, step):
     """Rank ``victim`` is killed (SIGKILL) once every other rank has said, through the store,
     that it is past ``step``. A rank killed while a peer still waits for its last message of

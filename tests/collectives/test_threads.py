@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import meshcoll
+from conftest import meshcoll_threads
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -175,21 +176,9 @@ def test_thread_pool_with_serialised_calls(run_ranks, transport):
 
 
 
-def _meshcoll_threads():
-    import glob
-    names = set()
-    for path in glob.glob("/proc/self/task/*/comm"):
-        try:
-            with open(path) as f:
-                names.add(f.read().strip())
-        except OSError:  # the thread ended meanwhile
-            pass
-    return {n for n in names if n.startswith("mc-")}
-
-
 def _thread_names(pg):
     pg.all_reduce(np.ones(3))
-    return sorted(_meshcoll_threads())
+    return sorted(meshcoll_threads())
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
@@ -200,4 +189,4 @@ def test_meshcolls_threads_are_named_for_top_and_debuggers(run_ranks):
     server = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=10)
     client = meshcoll.TCPStore("127.0.0.1", server.port, timeout=10)
     client.set("k", b"v")
-    assert {"mc-store-accept", "mc-store-serve"} <= _meshcoll_threads()
+    assert {"mc-store-accept", "mc-store-serve"} <= meshcoll_threads()

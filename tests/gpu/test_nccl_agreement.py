@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import meshcoll
+from conftest import meshcoll_threads
 from test_nccl import gpus, needs_torch, run_nccl, NGPU
 
 pytestmark = [needs_torch, pytest.mark.timeout(240)]
@@ -97,7 +98,6 @@ def _world_check(pg, disagree):
     differ across ranks if `disagree`) raised, whether its data was then left alone, and
     whether a checker thread runs (Note [Agreement on a side channel]: async mode's checker
     is the thread named mc-agreement)."""
-    import glob
     import torch
     x = torch.full((1000 + 24 * pg.rank * disagree,), float(pg.rank + 1), device="cuda")
     try:
@@ -106,15 +106,8 @@ def _world_check(pg, disagree):
         raised = "no error"
     except meshcoll.MismatchError:
         raised = "MismatchError"
-    names = set()
-    for path in glob.glob("/proc/self/task/*/comm"):
-        try:
-            with open(path) as f:
-                names.add(f.read().strip())
-        except OSError:
-            pass
     untouched = bool((x == float(pg.rank + 1)).all().item()) if raised != "no error" else None
-    return raised, untouched, "mc-agreement" in names
+    return raised, untouched, "mc-agreement" in meshcoll_threads()
 
 
 @gpus(2)

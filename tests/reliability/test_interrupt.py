@@ -69,20 +69,25 @@ def _wait_ready(ready, procs, n=WORLD):
     time.sleep(0.3)  # the waiting ranks are inside the all_reduce now
 
 
+def _rank_env(rank, world, port):
+    """A rank's environment, as a launcher sets it (30 s setup deadline)."""
+    from meshcoll import _env
+    env = _clean_env()
+    env.update(_env.launcher_env(rank=rank, world_size=world, local_rank=rank,
+                                 local_world_size=world, node_rank=0, master_addr="127.0.0.1",
+                                 master_port=port, token="interrupt-test", timeout=30))
+    return env
+
+
 def _start_ranks(tmp_path, transport="auto", call="sync"):
     """WORLD ranks in one new process group, as a shell starts a job's processes."""
-    from meshcoll import _env
     script = tmp_path / "rank.py"
     script.write_text(textwrap.dedent(RANK_SCRIPT))
     ready = tmp_path / "ready"
     ready.mkdir()
     port, procs = free_port(), []
     for rank in range(WORLD):
-        env = _clean_env()
-        env.update(_env.launcher_env(rank=rank, world_size=WORLD, local_rank=rank,
-                                     local_world_size=WORLD, node_rank=0,
-                                     master_addr="127.0.0.1", master_port=port,
-                                     token="interrupt-test", timeout=30))
+        env = _rank_env(rank, WORLD, port)
         env["MESHCOLL_TRANSPORT"] = transport
         procs.append(subprocess.Popen(
             [sys.executable, str(script), str(ready), call], env=env, stderr=subprocess.PIPE,
@@ -175,51 +180,56 @@ SETUP_SCRIPT = """
 import os, sys, time
 import meshcoll
 
-open(os.path.join(sys.argv[1], "0"), "w").close()
+open(os.path.join(sys.argv[1], os.environ["MESHCOLL_RANK"]), "w").close()
 try:
-    meshcoll.init()  # rank 1 never comes: rank 0 waits for its connection
+    meshcoll.init()
 except KeyboardInterrupt:
     print(f"KeyboardInterrupt at {time.monotonic():.3f}", file=sys.stderr, flush=True)
     raise
 """
 
 
-def test_ctrl_c_while_waiting_for_ranks_to_come(tmp_path):
-    from meshcoll import _env
+def _setup_ranks(tmp_path, ranks, world=2, extra=None):
+    """Ranks ``ranks`` of a ``world``-rank job, each a process in meshcoll.init() with a 30 s
+    setup deadline (``extra``: more environment, by rank); the folder they mark ready in."""
+    extra = extra or {}
     script = tmp_path / "setup.py"
     script.write_text(textwrap.dedent(SETUP_SCRIPT))
     ready = tmp_path / "ready"
     ready.mkdir()
-    env = _clean_env()
-    env.update(_env.launcher_env(rank=0, world_size=2, local_rank=0, local_world_size=2,
-                                 node_rank=0, master_addr="127.0.0.1", master_port=free_port(),
-                                 token="interrupt-test", timeout=30))
-    proc = subprocess.Popen([sys.executable, str(script), str(ready)], env=env,
-                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    port = free_port()
+    procs = []
+    for rank in ranks:
+        env = _rank_env(rank, world, port)
+        env.update(extra.get(rank, {}))
+        procs.append(subprocess.Popen([sys.executable, str(script), str(ready)], env=env,
+                                      stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+    return procs, ready
+
+
+def _interrupt_rank_0(procs):
+    """SIGINT to rank 0; its stderr."""
+    procs[0].send_signal(signal.SIGINT)
+    return procs[0].communicate(timeout=15)[1]
+
+
+def _kill(procs):
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_ctrl_c_while_waiting_for_ranks_to_come(tmp_path):
+    procs, ready = _setup_ranks(tmp_path, [0])  # rank 1 never comes
     try:
-        _wait_ready(ready, [proc], n=1)
+        _wait_ready(ready, procs, n=1)
         time.sleep(0.7)  # past the store and the listening socket: waiting for rank 1
-        proc.send_signal(signal.SIGINT)
-        err = proc.communicate(timeout=15)[1]
+        err = _interrupt_rank_0(procs)
     finally:
-        proc.kill()
-        proc.wait()
+        _kill(procs)
     at = _interrupted_at(err)
     assert at, err  # KeyboardInterrupt, not the 30 s setup deadline's TimeoutError
     _assert_clean(0, err)
-
-
-STOPPED_SCRIPT = """
-import os, sys, time
-import meshcoll
-
-open(os.path.join(sys.argv[1], os.environ["MESHCOLL_RANK"]), "w").close()
-try:
-    meshcoll.init()  # rank 1 stops itself at its first setup step after the links
-except KeyboardInterrupt:
-    print(f"KeyboardInterrupt at {time.monotonic():.3f}", file=sys.stderr, flush=True)
-    raise
-"""
 
 
 def test_ctrl_c_while_a_stopped_rank_holds_up_the_setup(tmp_path):
@@ -227,23 +237,9 @@ def test_ctrl_c_while_a_stopped_rank_holds_up_the_setup(tmp_path):
     # links stay open, so nothing tells rank 0 it is gone, and rank 0 waits in the store
     # exchange of the next setup step (shared memory's). A Ctrl-C must end that wait, not
     # the 30 s setup deadline (Note [Interrupts]).
-    from meshcoll import _env
-    script = tmp_path / "stopped.py"
-    script.write_text(textwrap.dedent(STOPPED_SCRIPT))
-    ready = tmp_path / "ready"
-    ready.mkdir()
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = _clean_env()
-        env.update(_env.launcher_env(rank=rank, world_size=2, local_rank=rank,
-                                     local_world_size=2, node_rank=0, master_addr="127.0.0.1",
-                                     master_port=port, token="interrupt-test", timeout=30))
-        env["MESHCOLL_TRANSPORT"] = "shm"
-        if rank == 1:
-            env["MESHCOLL_FAULT"] = "stop@settings"
-        procs.append(subprocess.Popen([sys.executable, str(script), str(ready)], env=env,
-                                      stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+    shm = {"MESHCOLL_TRANSPORT": "shm"}
+    procs, ready = _setup_ranks(tmp_path, [0, 1],
+                                extra={0: shm, 1: {**shm, "MESHCOLL_FAULT": "stop@settings"}})
     try:
         _wait_ready(ready, procs[:1], n=2)
         deadline = time.monotonic() + 20
@@ -251,14 +247,9 @@ def test_ctrl_c_while_a_stopped_rank_holds_up_the_setup(tmp_path):
             assert time.monotonic() < deadline, "rank 1 never stopped at its fault point"
             time.sleep(0.05)
         time.sleep(0.5)  # rank 0 is past the settings, waiting in the shared-memory step
-        t0 = time.monotonic()
-        procs[0].send_signal(signal.SIGINT)
-        err = procs[0].communicate(timeout=15)[1]
-        assert time.monotonic() - t0 < 5, err
+        err = _interrupt_rank_0(procs)
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
+        _kill(procs)
     assert _interrupted_at(err), err  # KeyboardInterrupt, not the setup deadline's TimeoutError
     _assert_clean(0, err)
 
@@ -266,4 +257,3 @@ def test_ctrl_c_while_a_stopped_rank_holds_up_the_setup(tmp_path):
 def _stopped(pid):
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
-

@@ -115,13 +115,12 @@ def _nccl_settings(rank, port, token, checks, present):
     if rank not in present:
         return None
     shared = _env.GroupOptions(check=checks[rank]).shared("nccl")
-    t0 = time.monotonic()
     try:
         _C.agree_on_settings(_C.PrefixStore("mc/g", store), rank, len(checks),
                              list(shared.items()), 3.0, [10 + r for r in range(len(checks))])
-        return "no error", "", time.monotonic() - t0
+        return "no error", ""
     except meshcoll.MeshcollError as e:
-        return type(e).__name__, str(e), time.monotonic() - t0
+        return type(e).__name__, str(e)
 
 
 @pytest.mark.parametrize("case", ["agree", "disagree", "absent"])
@@ -136,15 +135,15 @@ def test_an_nccl_groups_check_setting_is_compared_before_nccl_starts(case):
     present = [0, 1] if case == "absent" else [0, 1, 2]
     res = spawn(3, _nccl_settings, server.port, token, checks, present, timeout=60)
     for rank in present:
-        kind, msg, elapsed = res[rank]
+        kind, msg = res[rank]
         if case == "agree":
             assert kind == "no error", (rank, msg)
         elif case == "disagree":
             assert kind == "MismatchError", (rank, kind, msg)
             assert "MESHCOLL_CHECK" in msg and "'off' on rank 11" in msg, msg
             assert "'async' on rank 10, 12" in msg, msg
-        else:  # rank 12 never came: a TimeoutError naming it, within the 3 s given
-            assert kind == "TimeoutError" and "12" in msg and elapsed < 10, (rank, kind, msg)
+        else:  # rank 12 never came: a TimeoutError naming it, at the 3 s given
+            assert kind == "TimeoutError" and "12" in msg and "3000 ms" in msg, (rank, kind, msg)
 
 
 # ---- item 11: kill -9 during shared-memory setup ---------------------------------------
