@@ -388,9 +388,21 @@ class ProcessGroup:
         """The stream the caller computes on for arrays like ``like`` (None on the CPU)."""
         return self._arrays.current_stream(like)
 
-    def _child(self, ranks: Sequence[int], rank: int, name: str, timeout: Optional[float],
-               color: int = 0, transport: Optional[str] = None,
-               check: Optional[str] = None) -> "ProcessGroup":
+    def _agree_before_split(self, name: str, ranks: List[int], opts: _env.GroupOptions,
+                            timeout: Optional[float]) -> None:
+        """Every rank of an NCCL parent takes part in the split that makes a subgroup, members
+        or not: so all of them compare the new group's members and check setting first (Note
+        [Shared settings] in csrc/store/exchange.h). Ranks that differ get a MismatchError
+        together, and the parent stays usable; compared among the members alone, the others
+        would wait in ncclCommSplit until its timeout, which aborts the parent."""
+        settings = [(_env.MEMBERS, repr(ranks)), *opts.shared("nccl").items()]
+        _C.agree_on_settings(_C.PrefixStore(f"mc/{name}/split", self._store), self.rank,
+                             self.size, settings,
+                             self._timeout if timeout is None else float(timeout), self._ranks)
+
+    def _child_options(self, transport: Optional[str],
+                       check: Optional[str]) -> _env.GroupOptions:
+        """This group's options with new_group's overrides."""
         opts = self._options
         if transport is not None:
             if transport not in _env.TRANSPORTS:
@@ -400,7 +412,12 @@ class ProcessGroup:
             if check not in _env.CHECK_MODES:
                 raise ValueError(f"check={check!r}: use one of {', '.join(_env.CHECK_MODES)}")
             opts = dataclasses.replace(opts, check=check)
-        # None: the parent's; anything else is checked where the backend is made.
+        return opts
+
+    def _child(self, ranks: Sequence[int], rank: int, name: str, timeout: Optional[float],
+               color: int = 0, options: Optional[_env.GroupOptions] = None) -> "ProcessGroup":
+        # timeout None: the parent's; anything else is checked where the backend is made.
+        opts = self._options if options is None else options
         return ProcessGroup(self._store, ranks, rank, name,
                             timeout=self._timeout if timeout is None else float(timeout),
                             bind_host=self._bind_host, token=self._token, parent=self,
@@ -731,14 +748,16 @@ class ProcessGroup:
                              f"(its global ranks: {self._ranks})")
         name = f"{self._name}.{self._next_child}"
         self._next_child += 1
+        opts = self._child_options(transport, check)
+        if self.backend_name == "nccl" and self.size > 1:
+            self._agree_before_split(name, ranks, opts, timeout)
         me = self._ranks[self.rank]
         child: Union[ProcessGroup, NonMemberGroup]
         if me not in ranks:
             child = NonMemberGroup(ranks, name)
             self._sit_out(timeout)
         else:
-            child = self._child(ranks, ranks.index(me), name, timeout, transport=transport,
-                                check=check)
+            child = self._child(ranks, ranks.index(me), name, timeout, options=opts)
         self._children.append(child)
         return child
 

@@ -136,6 +136,37 @@ def test_ranks_whose_check_differs_get_a_mismatch_error_before_nccl_starts():
         assert kind == "MismatchError" and "check=" in msg and "'off' on rank 1" in msg, msg
 
 
+def _subgroup_disagrees(pg):
+    import torch
+    # Ranks 0 and 1 make a subgroup; the others sit out of its ncclCommSplit. Each rank of
+    # the parent compares the new group's members and check first, so all of them raise at
+    # once, and the parent (not aborted by a split timeout) still computes the right sum.
+    out = []
+    for label, ranks, check in (("members", [0, 2] if pg.rank == pg.size - 1 else [0, 1], None),
+                                ("check", [0, 1], "off" if pg.rank == 1 else None)):
+        try:
+            pg.new_group(ranks, check=check, timeout=30)
+            out.append((label, "no error", ""))
+        except meshcoll.MeshcollError as e:  # a split timeout would be a TimeoutError
+            out.append((label, type(e).__name__, str(e)))
+    rng = np.random.default_rng([7, pg.rank])
+    x = torch.tensor(rng.standard_normal(4096), device="cuda")
+    pg.all_reduce(x)
+    want = sum(np.random.default_rng([7, r]).standard_normal(4096) for r in range(pg.size))
+    out.append(("parent", "sum ok", bool(np.allclose(x.cpu().numpy(), want, atol=1e-12))))
+    return out
+
+
+@gpus(3)
+def test_a_subgroups_disagreement_is_an_error_on_every_rank_of_the_parent():
+    n = min(NGPU, 4)
+    for rank, got in enumerate(run_nccl(n, _subgroup_disagrees)):
+        (_, members, mmsg), (_, check, cmsg), parent = got
+        assert members == "MismatchError" and f"[0, 2] on rank {n - 1}" in mmsg, (rank, mmsg)
+        assert check == "MismatchError" and "'off' on rank 1" in cmsg, (rank, cmsg)
+        assert parent == ("parent", "sum ok", True), (rank, parent)
+
+
 def _raised_by_wait_and_destroy(pg):
     import torch
     # An async call whose partner disagrees: its Work raises even though the kernel ran;
