@@ -13,8 +13,8 @@ import dataclasses
 import hashlib
 import inspect
 import math
-from typing import (TYPE_CHECKING, Any, Callable, Iterator, List, Literal, Optional, Sequence,
-                    Tuple, Type, TypeVar, Union)
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Literal, Optional,
+                    Sequence, Tuple, Type, TypeVar, Union)
 
 import numpy as np
 
@@ -749,15 +749,16 @@ class ProcessGroup:
         name = f"{self._name}.{self._next_child}"
         self._next_child += 1
         opts = self._child_options(transport, check)
-        if self.backend_name == "nccl" and self.size > 1:
-            self._agree_before_split(name, ranks, opts, timeout)
         me = self._ranks[self.rank]
         child: Union[ProcessGroup, NonMemberGroup]
-        if me not in ranks:
-            child = NonMemberGroup(ranks, name)
-            self._sit_out(timeout)
-        else:
-            child = self._child(ranks, ranks.index(me), name, timeout, options=opts)
+        with self._group_call(name, f"new_group({ranks})"):
+            if self.backend_name == "nccl" and self.size > 1:
+                self._agree_before_split(name, ranks, opts, timeout)
+            if me not in ranks:
+                child = NonMemberGroup(ranks, name)
+                self._sit_out(timeout)
+            else:
+                child = self._child(ranks, ranks.index(me), name, timeout, options=opts)
         self._children.append(child)
         return child
 
@@ -768,21 +769,68 @@ class ProcessGroup:
         c = -1 if color is None else int(color)
         if c >= 2**31:
             raise ValueError(f"split: color {c} must be below 2**31")
-        table = self.all_gather(np.array([c, int(key), self._ranks[self.rank]], np.int64),
-                                timeout=timeout)
         name = f"{self._name}.s{self._next_child}"
         self._next_child += 1
         child: Union[ProcessGroup, NonMemberGroup]
-        if c < 0:
-            child = NonMemberGroup([], name)
-            self._sit_out(timeout)
-        else:
-            members = sorted((int(k), int(g)) for cc, k, g in table if cc == c)
-            ranks = [g for _, g in members]
-            me = self._ranks[self.rank]
-            child = self._child(ranks, ranks.index(me), f"{name}.c{c}", timeout, color=c)
+        with self._group_call(name, "split()"):
+            table = self.all_gather(np.array([c, int(key), self._ranks[self.rank]], np.int64),
+                                    timeout=timeout)
+            if c < 0:
+                child = NonMemberGroup([], name)
+                self._sit_out(timeout)
+            else:
+                members = sorted((int(k), int(g)) for cc, k, g in table if cc == c)
+                ranks = [g for _, g in members]
+                me = self._ranks[self.rank]
+                child = self._child(ranks, ranks.index(me), f"{name}.c{c}", timeout, color=c)
         self._children.append(child)
         return child
+
+    @contextlib.contextmanager
+    def _group_call(self, name: str, call: str) -> Iterator[None]:
+        """One new_group or split call on this group, which every rank makes, member of the
+        new group or not. Each rank leaves in the store which call it is at; a setup that
+        fails for want of a peer says which peers are at another call (Note [Calls out of
+        step])."""
+        me = self._ranks[self.rank]
+        mine = f"{name}\t{call}"
+        self._store.set(f"mc/at/{me}", mine)
+        try:
+            yield
+        except (_C.TimeoutError, _C.PeerError) as e:
+            raise type(e)(f"{e}{self._out_of_step(mine)}") from None
+
+    # Note [Calls out of step]
+    # Groups are named by their parent's name and a count of its new_group and split calls,
+    # and found in the store by that name. A rank that skips a call (a non-member that does
+    # not call new_group, say), or makes its calls in another order, sets up each later group
+    # under another name than its peers: its peers wait for it in vain, and it finds their
+    # listeners of an older group closed. Neither side can tell that from the wire: it looks
+    # like a rank that died or never started. So each rank records its latest call under
+    # mc/at/<global rank>, and a setup that failed reads its parent's ranks' records and
+    # names those at another call, and what that call was.
+    def _out_of_step(self, mine: str) -> str:
+        at: Dict[str, List[int]] = {}
+        try:
+            for g in self._ranks:
+                key = f"mc/at/{g}"
+                if g == self._ranks[self.rank] or not self._store.check([key], timeout=1.0):
+                    continue
+                theirs = bytes(self._store.get(key, timeout=1.0)).decode()
+                if theirs != mine:
+                    at.setdefault(theirs, []).append(g)
+        except _C.MeshcollError:  # the store is gone too: nothing more to tell
+            return ""
+        if not at:
+            return ""
+        def say(record: str) -> str:
+            name, call = record.split("\t", 1)
+            return f"{call} (group {name!r})"
+        others = "; ".join(f"global rank(s) {', '.join(map(str, gs))} last called {say(r)}"
+                           for r, gs in list(at.items())[:4])
+        return (f". The ranks' group calls are out of step: this rank called {say(mine)}, "
+                f"but {others}. Every rank of a group calls its new_group (members or not) "
+                f"and split, with the same arguments and in the same order")
 
     def _sit_out(self, timeout: Optional[float]) -> None:
         """A rank outside a new subgroup: ncclCommSplit is collective over the whole parent,

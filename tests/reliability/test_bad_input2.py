@@ -264,6 +264,32 @@ def test_a_rank_cannot_stand_in_for_another_in_a_group(transport):
                 assert "[0, 1, 2] on rank 0, 1 but [0, 1, 3] on rank 3" in out[1], (r, out)
 
 
+def _skips_a_call(pg):
+    # Rank 2, a non-member, skips new_group([0, 1]): its next group is named as the others'
+    # previous one (Note [Calls out of step] in process_group.py).
+    if pg.rank != 2:
+        pg.new_group([0, 1])
+    kind, msg, _, _ = _outcome(lambda: pg.new_group([0, 1, 2], timeout=3))
+    rng = np.random.default_rng([5, pg.rank])
+    x = rng.standard_normal(64)
+    pg.all_reduce(x)  # the parent group is unharmed
+    want = sum(np.random.default_rng([5, r]).standard_normal(64) for r in range(pg.size))
+    return kind, msg, bool(np.allclose(x, want))
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_rank_that_skips_a_new_group_call_is_named_on_every_rank(transport):
+    res = launch(3, _skips_a_call, timeout=60, transport=transport)
+    for rank, (kind, msg, parent_ok) in enumerate(res):
+        assert kind in ("TimeoutError", "PeerError"), (rank, kind, msg)
+        assert "group calls are out of step" in msg, (rank, msg)
+        assert parent_ok, rank
+    for rank in (0, 1):  # named: who is behind, and at which call
+        assert ("global rank(s) 2 last called new_group([0, 1, 2]) (group 'world.0')"
+                in res[rank][1]), res[rank]
+    assert "this rank called new_group([0, 1, 2]) (group 'world.0')" in res[2][1], res[2]
+
+
 def test_calls_before_init_raise_runtime_error():
     from meshcoll.monitor import monitored_barrier
     assert not meshcoll.is_initialized()
