@@ -517,6 +517,9 @@ class ProcessGroup:
         ``x`` may be this rank's block of ``out`` (in place). On an NCCL group, a numpy
         array (small metadata) is exchanged through the communicator and returned as numpy
         (blocking)."""
+        if not async_op and out is not None and self._device is not None \
+                and type(x) is not np.ndarray:
+            return self._backend.all_gather_sync(x, out, timeout, stream)  # a GPU's hot path
         if self._arrays.device_memory and isinstance(x, np.ndarray):
             if out is not None or async_op:
                 raise ValueError("all_gather of a host (numpy) array takes no out= or async_op")
@@ -563,6 +566,8 @@ class ProcessGroup:
         evenly by the group size): shape ``(x.shape[0] // size, *x.shape[1:])``, written into
         ``out`` (or a new array; ``out`` may be this rank's block of ``x``). Returns it, or a
         Work."""
+        if not async_op and out is not None and self._device is not None:
+            return self._backend.reduce_scatter_sync(x, out, op, timeout, stream)  # hot path
         if not async_op and self._fast(x):
             # Note [Synchronous gathers] in bind_backend.cc: one C++ call, which checks x's
             # rows and makes a CPU group's out.
