@@ -47,6 +47,20 @@ struct DLManagedTensorVersioned {
   uint64_t flags;
   DLTensor dl_tensor;
 };
+// The C exchange API (dlpack.h v1.3's DLPackExchangeAPI; Note [The DLPack C exchange API]),
+// up to the two functions we call.
+struct DLPackExchangeAPIHeader {
+  uint32_t major, minor;
+  DLPackExchangeAPIHeader* prev_api;
+};
+struct DLPackExchangeAPI {
+  DLPackExchangeAPIHeader header;
+  void* managed_tensor_allocator;
+  void* managed_tensor_from_py_object_no_sync;
+  void* managed_tensor_to_py_object_no_sync;
+  int (*dltensor_from_py_object_no_sync)(void* py_object, DLTensor* out);
+  int (*current_work_stream)(int32_t device_type, int32_t device_id, void** out_stream);
+};
 constexpr int32_t kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13;
 constexpr uint8_t kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4, kDLBool = 6;
 constexpr uint8_t kDLFloat8_e4m3fn = 10, kDLFloat8_e5m2 = 12;  // DLPack 1.1 (torch >= 2.7)
@@ -225,8 +239,14 @@ DType dtype_from_dl(DLDataType t, const Want& w) {
     if (t.code == kDLFloat8_e4m3fn && t.bits == 8) return DType::kFloat8E4M3;
     if (t.code == kDLFloat8_e5m2 && t.bits == 8) return DType::kFloat8E5M2;
   }
-  throw TypeMismatch(str_cat(label(w), ": DLPack dtype (code ", int(t.code), ", bits ", int(t.bits),
-                             ", lanes ", t.lanes, ") is not supported; use ", kDeviceDtypes));
+  static const char* const kinds[] = {"int", "uint", "float", "opaque handle ", "bfloat",
+                                      "complex", "bool"};
+  const std::string name = t.code < 7 && t.lanes == 1
+                               ? str_cat(kinds[t.code], int(t.bits))
+                               : str_cat("DLPack code ", int(t.code), ", bits ", int(t.bits),
+                                         ", lanes ", t.lanes);
+  throw TypeMismatch(str_cat(label(w), ": dtype ", name, " is not supported; use ",
+                             w.device ? kDeviceDtypes : kHostDtypes));
 }
 
 DType dtype_from_typestr(const std::string& ts, const Want& w) {
@@ -276,9 +296,16 @@ size_t product(const std::vector<int64_t>& shape, const Want& w) {
 // Per-process caches of what a type is and of torch's dtype objects. Types and dtypes are
 // immortal in practice; we hold references so an address is never reused under us.
 // kJax: read through DLPack, always read-only (Note [Immutable arrays]).
-enum class Kind { kUnknown, kNumpy, kTorch, kDLPack, kJax, kCAI, kBuffer };
+// kExchange: a torch tensor read through torch's DLPack C exchange API (Note [The DLPack C
+// exchange API]).
+enum class Kind { kUnknown, kNumpy, kTorch, kExchange, kDLPack, kJax, kCAI, kBuffer };
+struct TypeKind {
+  py::object type;  // held: the address is never reused under us
+  Kind kind;
+  const DLPackExchangeAPI* api;  // kExchange
+};
 struct Caches {
-  std::unordered_map<PyTypeObject*, std::pair<py::object, Kind>> kinds;
+  std::unordered_map<PyTypeObject*, TypeKind> kinds;
   std::unordered_map<PyObject*, std::pair<py::object, DType>> torch_dtypes;
   py::object torch_current_stream;  // torch._C._cuda_getCurrentRawStream, or None
   bool torch_looked_up = false;
@@ -288,24 +315,88 @@ Caches& caches() {
   return *c;
 }
 
-Kind kind_of(const py::handle& x) {
-  if (py::isinstance<py::array>(x)) return Kind::kNumpy;
+// Note [The DLPack C exchange API]
+// DLPack 1.3 lets a framework put a table of C functions on its array type
+// (`__dlpack_c_exchange_api__`, a capsule): one fills a DLTensor that views the array, with
+// no Python object made, and another gives the framework's current stream for a device. A
+// torch tensor read through them costs two C calls instead of six Python calls
+// (get_device, is_contiguous, dtype, shape, data_ptr and the current stream), the largest
+// part of a small GPU call's own host time (Note [Host timers]). torch has it from 2.10
+// (older versions are read as before, kTorch). It is used for torch.Tensor and
+// nn.Parameter themselves, whose accessors are torch's own; subclasses keep kTorch, as they
+// may override what the table bypasses. Other frameworks' arrays keep __dlpack__: a bare
+// DLTensor cannot say that an array is read-only (the versioned capsule's flags can), and
+// torch tensors are never read-only. What the table cannot say either, a torch tensor's
+// negative bit, costs one method call (check_not_negative_view).
+const DLPackExchangeAPI* exchange_api(PyTypeObject* t) {
+  PyObject* cap = PyObject_GetAttrString(reinterpret_cast<PyObject*>(t),
+                                         "__dlpack_c_exchange_api__");
+  if (!cap) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  auto* h = static_cast<DLPackExchangeAPIHeader*>(
+      PyCapsule_IsValid(cap, "dlpack_exchange_api")
+          ? PyCapsule_GetPointer(cap, "dlpack_exchange_api") : nullptr);
+  Py_DECREF(cap);  // the table lives as long as the process (the protocol's promise)
+  while (h && h->major != 1) h = h->prev_api;
+  auto* api = reinterpret_cast<const DLPackExchangeAPI*>(h);
+  return api && api->dltensor_from_py_object_no_sync && api->current_work_stream ? api : nullptr;
+}
+
+const TypeKind& type_kind(const py::handle& x) {
   auto& c = caches();
   PyTypeObject* t = Py_TYPE(x.ptr());
   auto it = c.kinds.find(t);
-  if (it != c.kinds.end()) return it->second.second;
+  if (it != c.kinds.end()) return it->second;
   Kind k = Kind::kUnknown;
-  std::string mod = py::str(py::handle(reinterpret_cast<PyObject*>(t)).attr("__module__"));
-  if (mod.rfind("torch", 0) == 0 && py::hasattr(x, "data_ptr") && py::hasattr(x, "get_device"))
-    k = Kind::kTorch;
-  else if (mod.rfind("jax", 0) == 0 && py::hasattr(x, "__dlpack__")) k = Kind::kJax;
-  else if (py::hasattr(x, "__dlpack__")) k = Kind::kDLPack;
-  else if (py::hasattr(x, "__cuda_array_interface__")) k = Kind::kCAI;
-  else if (PyObject_CheckBuffer(x.ptr())) k = Kind::kBuffer;
-  c.kinds.emplace(t, std::make_pair(py::reinterpret_borrow<py::object>(
-                                        reinterpret_cast<PyObject*>(t)), k));
-  return k;
+  const DLPackExchangeAPI* api = nullptr;
+  const py::handle type(reinterpret_cast<PyObject*>(t));
+  std::string mod = py::str(type.attr("__module__"));
+  const std::string name = py::str(type.attr("__qualname__"));
+  // torch.Tensor and every subclass, a user's too (torch is imported if x is one).
+  py::object torch = py::module_::import("sys").attr("modules").attr("get")("torch");
+  py::object tensor = torch.is_none() ? torch : py::getattr(torch, "Tensor", py::none());
+  if (!tensor.is_none() && PyType_Check(tensor.ptr()) &&
+      PyType_IsSubtype(t, reinterpret_cast<PyTypeObject*>(tensor.ptr()))) {
+    const bool plain = (mod == "torch" && name == "Tensor") ||
+                       (mod == "torch.nn.parameter" && name == "Parameter");
+    api = plain ? exchange_api(t) : nullptr;
+    k = api ? Kind::kExchange : Kind::kTorch;
+  } else if (mod.rfind("jax", 0) == 0 && py::hasattr(x, "__dlpack__")) {
+    k = Kind::kJax;
+  } else if (py::hasattr(x, "__dlpack__")) {
+    k = Kind::kDLPack;
+  } else if (py::hasattr(x, "__cuda_array_interface__")) {
+    k = Kind::kCAI;
+  } else if (PyObject_CheckBuffer(x.ptr())) {
+    k = Kind::kBuffer;
+  }
+  return c.kinds.emplace(t, TypeKind{py::reinterpret_borrow<py::object>(type), k, api})
+      .first->second;
 }
+
+Kind kind_of(const py::handle& x) {
+  if (py::isinstance<py::array>(x)) return Kind::kNumpy;
+  return type_kind(x).kind;
+}
+}  // namespace
+
+const char* array_reader(const py::handle& x) {
+  switch (kind_of(x)) {
+    case Kind::kNumpy: return "numpy";
+    case Kind::kTorch: return "torch";
+    case Kind::kExchange: return "dlpack exchange";
+    case Kind::kDLPack: return "dlpack";
+    case Kind::kJax: return "jax";
+    case Kind::kCAI: return "cuda array interface";
+    case Kind::kBuffer: return "buffer";
+    case Kind::kUnknown: break;
+  }
+  return "unknown";
+}
+
+namespace {
 
 DType torch_dtype(const py::handle& dt, const Want& w) {
   auto& c = caches();
@@ -382,7 +473,18 @@ py::object get_attr(const py::handle& x, const char* name) {
                                        "__cuda_array_interface__ object)"));
 }
 
+// A torch tensor with the negative bit set reads as the negation of what its memory holds
+// (the imaginary part of a conjugate view, z.conj().imag): its data pointer, which is all a
+// collective sees, would give the wrong sign silently.
+void check_not_negative_view(const py::handle& x, const Want& w) {
+  if (call_method(x, "is_neg").cast<bool>())
+    throw InvalidArgument(str_cat(label(w), ": the tensor is a negative view (its memory holds "
+                                          "the negation of its values); pass x.resolve_neg() "
+                                          "(and copy the result back)"));
+}
+
 void from_torch(Read& r, const py::handle& x, const Want& w, std::vector<int64_t>* dims) {
+  check_not_negative_view(x, w);
   r.view.device = call_method(x, "get_device").cast<int>();
   if (w.device && r.view.device < 0)
     throw py::type_error(str_cat(label(w), ": a CPU tensor: the NCCL backend takes CUDA tensors "
@@ -417,6 +519,19 @@ bool check_dlpack_memory(int type, const Want& w) {
   return device;
 }
 
+// A DLTensor's view: memory kind, dtype, compact shape, data.
+void from_dltensor(Read& r, const DLTensor& t, const Want& w, std::vector<int64_t>* dims) {
+  const bool is_device = check_dlpack_memory(t.device.device_type, w);
+  r.view.device = is_device ? t.device.device_id : -1;
+  r.view.dtype = dtype_from_dl(t.dtype, w);
+  std::vector<int64_t> d(t.shape, t.shape + t.ndim);
+  check_compact(d, t.strides, 1, w);
+  r.view.count = product(d, w);
+  ShapeReader s(r.view, dims);
+  for (int64_t n : d) s.add(n);
+  r.view.data = static_cast<uint8_t*>(t.data) + t.byte_offset;
+}
+
 void from_dlpack(Read& r, const py::handle& x, const Want& w, std::vector<int64_t>* dims) {
   // Before the handshake: a host array is not asked to order work before a CUDA stream.
   if (py::hasattr(x, "__dlpack_device__"))
@@ -445,19 +560,35 @@ void from_dlpack(Read& r, const py::handle& x, const Want& w, std::vector<int64_
                                  name ? name : "unnamed", ")"));
   }
   if (!t) throw py::error_already_set();
-  const bool is_device = check_dlpack_memory(t->device.device_type, w);
   if (w.writable && readonly)
     throw InvalidArgument(str_cat(label(w), ": the array is read-only (immutable, as JAX arrays "
                                           "are) but this operation writes its result into it; "
                                           "pass a writable array"));
-  r.view.device = is_device ? t->device.device_id : -1;
-  r.view.dtype = dtype_from_dl(t->dtype, w);
-  std::vector<int64_t> d(t->shape, t->shape + t->ndim);
-  check_compact(d, t->strides, 1, w);
-  r.view.count = product(d, w);
-  ShapeReader s(r.view, dims);
-  for (int64_t n : d) s.add(n);
-  r.view.data = static_cast<uint8_t*>(t->data) + t->byte_offset;
+  from_dltensor(r, *t, w, dims);
+}
+
+// Note [The DLPack C exchange API]: the view filled in by the type's own C function, and
+// its framework's current stream.
+void from_exchange(Read& r, const py::handle& x, const DLPackExchangeAPI& api, const Want& w,
+                   std::vector<int64_t>* dims) {
+  DLTensor t;
+  if (api.dltensor_from_py_object_no_sync(x.ptr(), &t) != 0) {
+    py::error_already_set e;  // the framework's reason, first line (torch adds a C++ trace)
+    std::string why = e.what();
+    why = why.substr(0, why.find('\n'));
+    throw py::type_error(str_cat(label(w), ": the tensor cannot be read (", why,
+                                 "); pass a dense, strided tensor"));
+  }
+  from_dltensor(r, t, w, dims);
+  if (!w.device) return;
+  if (w.has_stream) {
+    r.stream = w.stream;
+    return;
+  }
+  void* s = nullptr;
+  if (api.current_work_stream(kDLCUDA, t.device.device_id, &s) != 0)
+    throw py::error_already_set();
+  r.stream = s ? reinterpret_cast<uintptr_t>(s) : kLegacyStream;
 }
 
 void from_cai(Read& r, const py::handle& x, const Want& w, std::vector<int64_t>* dims) {
@@ -566,12 +697,18 @@ void* to_cu_stream(uintptr_t s) {
 
 Read read_array(const py::handle& x, const Want& w, std::vector<int64_t>* dims) {
   Read r;
-  switch (kind_of(x)) {
+  const bool numpy = py::isinstance<py::array>(x);
+  const TypeKind* tk = numpy ? nullptr : &type_kind(x);
+  switch (numpy ? Kind::kNumpy : tk->kind) {
     case Kind::kNumpy:
       if (w.device) wrong_memory(w, false);
       from_numpy(r, py::reinterpret_borrow<py::array>(x), w, dims);
       break;
     case Kind::kTorch: from_torch(r, x, w, dims); break;
+    case Kind::kExchange:
+      check_not_negative_view(x, w);
+      from_exchange(r, x, *tk->api, w, dims);
+      break;
     case Kind::kDLPack: from_dlpack(r, x, w, dims); break;
     case Kind::kJax:
       // Note [Immutable arrays]: JAX arrays never change once made (XLA may share one buffer

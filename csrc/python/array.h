@@ -45,6 +45,11 @@ std::string label(const Want& w);
 // `want.what` for anything a backend cannot take. `dims`, if given, receives the shape.
 Read read_array(const pybind11::handle& x, const Want& want, std::vector<int64_t>* dims = nullptr);
 
+// Which protocol read_array reads `x` through: "numpy", "torch" (its methods),
+// "dlpack exchange" (Note [The DLPack C exchange API]), "dlpack", "jax", "cuda array
+// interface", "buffer" or "unknown". For tests and diagnosis.
+const char* array_reader(const pybind11::handle& x);
+
 // stream=: None, an int handle, or an object with .cuda_stream (torch) or .ptr (CuPy).
 // False for None. 0 (torch's and CuPy's spelling of the default stream) -> legacy.
 bool stream_arg(const pybind11::handle& s, uintptr_t* out);

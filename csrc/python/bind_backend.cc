@@ -393,6 +393,8 @@ void bind_backend(py::module_& m) {
                        ", device=", a.read.view.device, ")");
       });
 
+  m.def("_array_reader", &array_reader, py::arg("x"),
+        "Which protocol reads x (csrc/python/array.h): for tests and diagnosis.");
   m.def("read_array", &make_array, py::arg("x"), py::arg("what"), py::arg("writable") = false,
         py::arg("device") = false, py::arg("stream") = py::none(),
         "Reads x as a backend would (host memory, or CUDA memory with device=True): the one "

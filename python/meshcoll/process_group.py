@@ -756,7 +756,7 @@ class ProcessGroup:
         opts = self._child_options(transport, check)
         me = self._ranks[self.rank]
         child: Union[ProcessGroup, NonMemberGroup]
-        with self._group_call(name, f"new_group({ranks})"):
+        with self._group_call(name, f"new_group({ranks})", timeout):
             if self.backend_name == "nccl" and self.size > 1:
                 self._agree_before_split(name, ranks, opts, timeout)
             if me not in ranks:
@@ -777,7 +777,7 @@ class ProcessGroup:
         name = f"{self._name}.s{self._next_child}"
         self._next_child += 1
         child: Union[ProcessGroup, NonMemberGroup]
-        with self._group_call(name, "split()"):
+        with self._group_call(name, "split()", timeout):
             table = self.all_gather(np.array([c, int(key), self._ranks[self.rank]], np.int64),
                                     timeout=timeout)
             if c < 0:
@@ -792,14 +792,21 @@ class ProcessGroup:
         return child
 
     @contextlib.contextmanager
-    def _group_call(self, name: str, call: str) -> Iterator[None]:
+    def _group_call(self, name: str, call: str, timeout: Optional[float]) -> Iterator[None]:
         """One new_group or split call on this group, which every rank makes, member of the
         new group or not. Each rank leaves in the store which call it is at; a setup that
         fails for want of a peer says which peers are at another call (Note [Calls out of
         step])."""
         me = self._ranks[self.rank]
         mine = f"{name}\t{call}"
-        self._store.set(f"mc/at/{me}", mine)
+        t = self._timeout if timeout is None else float(timeout)
+        try:  # within the call's own timeout, as the setup that follows (which refuses a bad
+            # one with the message every timeout= gets)
+            if t > 0:
+                self._store.set(f"mc/at/{me}", mine, timeout=t)
+        except (_C.TimeoutError, _C.PeerError) as e:
+            raise type(e)(f"{e} (during setup of group {name!r}: {call} on global rank "
+                          f"{me})") from None
         try:
             yield
         except (_C.TimeoutError, _C.PeerError) as e:

@@ -530,6 +530,20 @@ def test_device_array_protocols():
         _C.read_array(np.ones(3), "test", True, True)
     s = torch.cuda.Stream()
     assert _C.read_array(t, "test", True, True, s).stream == s.cuda_stream
+    # torch.Tensor through DLPack's C exchange API where torch has it (2.10+), subclasses
+    # through torch's methods: both see torch's current stream when no stream= is given.
+    class Sub(torch.Tensor):
+        pass
+    fast = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+    assert _C._array_reader(t) == ("dlpack exchange" if fast else "torch")
+    assert _C._array_reader(t.as_subclass(Sub)) == "torch"
+    for obj in (t, t.as_subclass(Sub)):
+        with torch.cuda.stream(s):
+            assert _C.read_array(obj, "test", True, True).stream == s.cuda_stream
+        a = _C.read_array(obj, "test", True, True)
+        assert (a.ptr, a.shape, a.dtype) == (t.data_ptr(), (3, 4), "float32")
+        with pytest.raises(ValueError, match="resolve_neg"):
+            _C.read_array(torch._neg_view(obj), "test", True, True)
 
 
 def _bad_calls(pg):
