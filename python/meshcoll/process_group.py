@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import inspect
 import math
+import time
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Literal, Optional,
                     Sequence, Tuple, Type, TypeVar, Union)
 
@@ -823,8 +824,11 @@ class ProcessGroup:
     # names those at another call, and what that call was.
     def _out_of_step(self, mine: str) -> str:
         at: Dict[str, List[int]] = {}
+        end = time.monotonic() + 2.0  # an error path: a slow store must not hold it up
         try:
             for g in self._ranks:
+                if time.monotonic() > end:
+                    break
                 key = f"mc/at/{g}"
                 if g == self._ranks[self.rank] or not self._store.check([key], timeout=1.0):
                     continue
