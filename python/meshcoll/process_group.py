@@ -741,8 +741,10 @@ class ProcessGroup:
     def new_group(self, ranks: Sequence[int], *, timeout: Optional[float] = None,
                   transport: Optional[str] = None,
                   check: Optional[str] = None) -> Union["ProcessGroup", "NonMemberGroup"]:
-        """Collective over this group: every member calls it with the same global ``ranks``
-        in the same order. Members get a ProcessGroup; others a NonMemberGroup.
+        """Collective over this group: each of its ranks, in the new group or not, calls it
+        with the same global ``ranks``, and makes its new_group and split calls in the same
+        order as the others (Note [Calls out of step]). The new group's members get a
+        ProcessGroup; the others a NonMemberGroup.
         ``transport`` ("auto", "shm", "tcp"; CPU groups) overrides the job's for this group;
         ``check`` ("async", "strict"; NCCL groups) its agreement check (MESHCOLL_CHECK)."""
         ranks = [int(r) for r in ranks]
