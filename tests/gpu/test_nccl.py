@@ -530,13 +530,13 @@ def test_device_array_protocols():
         _C.read_array(np.ones(3), "test", True, True)
     s = torch.cuda.Stream()
     assert _C.read_array(t, "test", True, True, s).stream == s.cuda_stream
-    # torch.Tensor through DLPack's C exchange API where torch has it (2.10+), subclasses
-    # through torch's methods: both see torch's current stream when no stream= is given.
+    # torch tensors, subclasses too, through DLPack's C exchange API where torch has it
+    # (2.10+), else torch's methods: both see torch's current stream when no stream= is given.
     class Sub(torch.Tensor):
         pass
     fast = hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
-    assert _C._array_reader(t) == ("dlpack exchange" if fast else "torch")
-    assert _C._array_reader(t.as_subclass(Sub)) == "torch"
+    assert _C._array_reader(t) == _C._array_reader(t.as_subclass(Sub)) == \
+        ("dlpack exchange" if fast else "torch")
     for obj in (t, t.as_subclass(Sub)):
         with torch.cuda.stream(s):
             assert _C.read_array(obj, "test", True, True).stream == s.cuda_stream
