@@ -846,9 +846,10 @@ class ProcessGroup:
             return f"{call} (group {name!r})"
         others = "; ".join(f"global rank(s) {', '.join(map(str, gs))} last called {say(r)}"
                            for r, gs in list(at.items())[:4])
-        return (f". The ranks' group calls are out of step: this rank called {say(mine)}, "
-                f"but {others}. Every rank of a group calls its new_group (members or not) "
-                f"and split, with the same arguments and in the same order")
+        return (f". The ranks' group calls may be out of step (or those ranks are late): "
+                f"this rank called {say(mine)}, but {others}. Every rank of a group calls its "
+                f"new_group (members or not) and split, with the same arguments and in the "
+                f"same order")
 
     def _sit_out(self, timeout: Optional[float]) -> None:
         """A rank outside a new subgroup: ncclCommSplit is collective over the whole parent,

@@ -282,7 +282,7 @@ def test_a_rank_that_skips_a_new_group_call_is_named_on_every_rank(transport):
     res = launch(3, _skips_a_call, timeout=60, transport=transport)
     for rank, (kind, msg, parent_ok) in enumerate(res):
         assert kind in ("TimeoutError", "PeerError"), (rank, kind, msg)
-        assert "group calls are out of step" in msg, (rank, msg)
+        assert "group calls may be out of step" in msg, (rank, msg)
         assert parent_ok, rank
     for rank in (0, 1):  # named: who is behind, and at which call
         assert ("global rank(s) 2 last called new_group([0, 1, 2]) (group 'world.0')"
