@@ -34,10 +34,13 @@ std::vector<std::string> exchange(Store& store, const std::string& step, int ran
 // lists have the same length can pass the TCP handshake (which checks the group's name and
 // size) with one rank standing in for another. The group's setup lists them as (the name
 // users set it by, its value, as they write it); every rank publishes its list through the
-// store and compares everyone's, before anything else is set up (a CPU group: once its TCP
-// links are up, so that a peer that dies meanwhile is named at once; an NCCL group: before
-// NCCL's init). A disagreement is a MismatchError on every rank naming each setting that
-// differs and each rank's value.
+// store, and rank 0 compares them all and publishes its verdict, which the others wait for
+// (O(size) store operations: an NCCL parent agrees on each subgroup it splits off). This
+// runs before anything else is set up (a CPU group: once its TCP links are up, so that a
+// peer that dies meanwhile is named at once; an NCCL group: before NCCL's init). A
+// disagreement is a MismatchError on every rank naming each setting that differs and each
+// rank's value; rank 0's own failure (a rank that never came, or died) ends every rank's
+// setup with it.
 using Settings = std::vector<std::pair<std::string, std::string>>;
 void agree_on_settings(Store& store, int rank, int size, const Settings& shared,
                        const Deadline& d, const WaitCheck& check, const RankNames& names = {});

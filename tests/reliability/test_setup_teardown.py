@@ -123,7 +123,7 @@ def _nccl_settings(rank, port, token, checks, present):
         return type(e).__name__, str(e)
 
 
-@pytest.mark.parametrize("case", ["agree", "disagree", "absent"])
+@pytest.mark.parametrize("case", ["agree", "disagree", "absent", "leader absent"])
 def test_an_nccl_groups_check_setting_is_compared_before_nccl_starts(case):
     # Ranks whose MESHCOLL_CHECK differs would wait for a side channel their peers never
     # open; the group's setup compares it first (global ranks 10-12 here, as messages name).
@@ -131,8 +131,8 @@ def test_an_nccl_groups_check_setting_is_compared_before_nccl_starts(case):
     token = secrets.token_hex(8)
     server = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=30, token=token)
     checks = {"agree": ["async"] * 3, "disagree": ["async", "off", "async"],
-              "absent": ["strict"] * 3}[case]
-    present = [0, 1] if case == "absent" else [0, 1, 2]
+              "absent": ["strict"] * 3, "leader absent": ["strict"] * 3}[case]
+    present = {"absent": [0, 1], "leader absent": [1, 2]}.get(case, [0, 1, 2])
     res = spawn(3, _nccl_settings, server.port, token, checks, present, timeout=60)
     for rank in present:
         kind, msg = res[rank]
@@ -142,8 +142,40 @@ def test_an_nccl_groups_check_setting_is_compared_before_nccl_starts(case):
             assert kind == "MismatchError", (rank, kind, msg)
             assert "MESHCOLL_CHECK" in msg and "'off' on rank 11" in msg, msg
             assert "'async' on rank 10, 12" in msg, msg
-        else:  # rank 12 never came: a TimeoutError naming it, at the 3 s given
-            assert kind == "TimeoutError" and "12" in msg and "3000 ms" in msg, (rank, kind, msg)
+        else:  # a rank never came: a TimeoutError naming it, at the 3 s given. Rank 10
+            # compares the lists for everyone (Note [Shared settings]): without it the others
+            # still name it.
+            missing = "10" if case == "leader absent" else "12"
+            assert kind == "TimeoutError" and "3000 ms" in msg, (rank, kind, msg)
+            assert re.search(rf"rank\(s\) {missing} never got there", msg), (rank, msg)
+
+
+def _settings_death(rank, port, token, victim):
+    import meshcoll
+    env = {"MESHCOLL_FAULT": "kill@settings"} if rank == victim else {}
+    try:
+        pg = _init(rank, 3, port, token, env, 20.0)
+        pg.all_reduce(np.ones(10))
+        return "no error", ""
+    except meshcoll.MeshcollError as e:
+        return type(e).__name__, str(e)
+    finally:
+        meshcoll.destroy()
+
+
+@pytest.mark.parametrize("victim", [0, 2])
+def test_a_rank_killed_after_publishing_its_settings_is_named(victim):
+    # Rank 0 compares every rank's settings and the others wait for its verdict: its death
+    # must be seen at once by its link, as any other rank's is in the next step.
+    import meshcoll
+    token = secrets.token_hex(8)
+    server = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=30, token=token)
+    res = spawn(3, _settings_death, server.port, token, victim, timeout=60, may_die=(victim,))
+    assert res[victim] is None, f"rank {victim} should have been killed: {res[victim]}"
+    for rank in {0, 1, 2} - {victim}:
+        kind, msg = res[rank]
+        # PeerError: the death was seen (the 20 s setup deadline would be a TimeoutError).
+        assert kind == "PeerError" and f"rank {victim}" in msg, (rank, kind, msg)
 
 
 # ---- item 11: kill -9 during shared-memory setup ---------------------------------------
