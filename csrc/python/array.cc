@@ -2,6 +2,7 @@
 
 #include <pybind11/numpy.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -271,12 +272,14 @@ DType dtype_from_typestr(const std::string& ts, const Want& w) {
                              "interface has no typestr for them)"));
 }
 
-// strides in `unit`s (elements for DLPack, bytes for the array interface)
-void check_compact(const std::vector<int64_t>& shape, const int64_t* strides, size_t unit,
+// shape[0..ndim) with strides in `unit`s (elements for DLPack, bytes for the array
+// interface). A pointer and a length, not a vector: the DLPack paths (every torch tensor)
+// then read the producer's own shape with no allocation per call.
+void check_compact(const int64_t* shape, size_t ndim, const int64_t* strides, size_t unit,
                    const Want& w) {
   if (!strides) return;
   int64_t expect = static_cast<int64_t>(unit);
-  for (size_t i = shape.size(); i-- > 0;) {
+  for (size_t i = ndim; i-- > 0;) {
     if (shape[i] != 1 && strides[i] != expect)
       throw InvalidArgument(str_cat(label(w), ": the array is not C-contiguous; pass a contiguous "
                                     "copy (x.contiguous() / cupy.ascontiguousarray(x))"));
@@ -284,9 +287,10 @@ void check_compact(const std::vector<int64_t>& shape, const int64_t* strides, si
   }
 }
 
-size_t product(const std::vector<int64_t>& shape, const Want& w) {
+size_t product(const int64_t* shape, size_t ndim, const Want& w) {
   size_t n = 1;
-  for (int64_t d : shape) {
+  for (size_t i = 0; i < ndim; ++i) {
+    const int64_t d = shape[i];
     if (d < 0) throw InvalidArgument(str_cat(label(w), ": negative dimension in the array's shape"));
     n *= static_cast<size_t>(d);
   }
@@ -524,11 +528,11 @@ void from_dltensor(Read& r, const DLTensor& t, const Want& w, std::vector<int64_
   const bool is_device = check_dlpack_memory(t.device.device_type, w);
   r.view.device = is_device ? t.device.device_id : -1;
   r.view.dtype = dtype_from_dl(t.dtype, w);
-  std::vector<int64_t> d(t.shape, t.shape + t.ndim);
-  check_compact(d, t.strides, 1, w);
-  r.view.count = product(d, w);
+  const auto ndim = static_cast<size_t>(std::max(t.ndim, 0));
+  check_compact(t.shape, ndim, t.strides, 1, w);
+  r.view.count = product(t.shape, ndim, w);
   ShapeReader s(r.view, dims);
-  for (int64_t n : d) s.add(n);
+  for (size_t i = 0; i < ndim; ++i) s.add(t.shape[i]);
   r.view.data = static_cast<uint8_t*>(t.data) + t.byte_offset;
 }
 
@@ -607,9 +611,9 @@ void from_cai(Read& r, const py::handle& x, const Want& w, std::vector<int64_t>*
     py::tuple st = d["strides"];
     std::vector<int64_t> strides(st.size());
     for (size_t i = 0; i < strides.size(); ++i) strides[i] = st[i].cast<int64_t>();
-    check_compact(ds, strides.data(), dtype_size(r.view.dtype), w);
+    check_compact(ds.data(), ds.size(), strides.data(), dtype_size(r.view.dtype), w);
   }
-  r.view.count = product(ds, w);
+  r.view.count = product(ds.data(), ds.size(), w);
   ShapeReader s(r.view, dims);
   for (int64_t n : ds) s.add(n);
   uintptr_t own = 0;

@@ -399,7 +399,11 @@ class ProcessGroup:
         settings = [(_env.MEMBERS, repr(ranks)), *opts.shared("nccl").items()]
         _C.agree_on_settings(_C.PrefixStore(f"mc/{name}/split", self._store), self.rank,
                              self.size, settings,
-                             self._timeout if timeout is None else float(timeout), self._ranks)
+                             self._setup_timeout(timeout), self._ranks)
+
+    def _setup_timeout(self, timeout: Optional[float]) -> float:
+        """A new group's setup deadline: new_group's or split's timeout=, else this group's."""
+        return self._timeout if timeout is None else float(timeout)
 
     def _child_options(self, transport: Optional[str],
                        check: Optional[str]) -> _env.GroupOptions:
@@ -420,7 +424,7 @@ class ProcessGroup:
         # timeout None: the parent's; anything else is checked where the backend is made.
         opts = self._options if options is None else options
         return ProcessGroup(self._store, ranks, rank, name,
-                            timeout=self._timeout if timeout is None else float(timeout),
+                            timeout=self._setup_timeout(timeout),
                             bind_host=self._bind_host, token=self._token, parent=self,
                             backend=self.backend_name, device=self._device, color=color,
                             options=opts)
@@ -802,7 +806,7 @@ class ProcessGroup:
         step])."""
         me = self._ranks[self.rank]
         mine = f"{name}\t{call}"
-        t = self._timeout if timeout is None else float(timeout)
+        t = self._setup_timeout(timeout)
         try:  # within the call's own timeout, as the setup that follows (which refuses a bad
             # one with the message every timeout= gets)
             if t > 0:
