@@ -11,6 +11,8 @@ per op, dtype and size, the time of one call and meshcoll's ratio to nccl-tests 
   symmetric    group.empty(symmetric=True) buffers      vs nccl-tests -R 2
   graph        ordinary, `iters` calls in a CUDA graph  vs nccl-tests -G
   sym+graph    symmetric, in a CUDA graph               vs nccl-tests -R 2 -G
+  coalesced    ordinary, `--agg` calls per               vs nccl-tests -m AGG (its
+               group.coalesced() block                      ncclGroupStart/End per AGG ops)
 
 Timing follows nccl-tests: host wall time of `iters` back-to-back calls (or of
 `--graph-launches` replays of a graph of `iters` calls, on its capture stream) until the
@@ -27,6 +29,7 @@ place and in place) and broadcast, eager, ordinary buffers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import statistics
@@ -39,7 +42,7 @@ from meshcoll.bench import BUS_FACTORS, format_size, parse_size, size_steps
 from spawn_ranks import run_ranks
 
 MODES = {"eager": [], "symmetric": ["-R", "2"], "graph": ["-G", "{graph}"],
-         "sym+graph": ["-R", "2", "-G", "{graph}"]}
+         "sym+graph": ["-R", "2", "-G", "{graph}"], "coalesced": ["-m", "{agg}"]}
 NT_DTYPES = {"float32": "float", "bfloat16": "bfloat16"}
 
 
@@ -48,7 +51,7 @@ NT_DTYPES = {"float32": "float", "bfloat16": "bfloat16"}
 def run_nccl_tests(args, op, dtype, mode, minb, maxb, factor, iters):
     """{size in bytes: (out-of-place us, in-place us)} from one nccl-tests run."""
     exe = os.path.join(args.nccl_tests, f"{op}_perf")
-    extra = [a.format(graph=args.graph_launches) for a in MODES[mode]]
+    extra = [a.format(graph=args.graph_launches, agg=args.agg) for a in MODES[mode]]
     cmd = ["mpirun", "--allow-run-as-root", "-np", str(args.nprocs), "--bind-to", "none",
            "-x", "NCCL_NVLS_ENABLE=0", "-x", "LD_LIBRARY_PATH", exe, "-b", str(minb), "-e",
            str(maxb), "-f", str(factor), "-g", "1", "-d", NT_DTYPES[dtype], "-n", str(iters),
@@ -106,8 +109,9 @@ def call_of(pg, op, x, out):
     raise ValueError(op)
 
 
-def check(pg, torch, op, x, out):
-    """Elements of one call's result that differ from the exact answer (integer data)."""
+def check(pg, torch, op, x, out, coalesced):
+    """Elements of one call's result that differ from the exact answer (integer data); the
+    call made in a block of its own in coalesced mode."""
     r, n = pg.rank, pg.size
     gen = torch.Generator(device="cuda")
 
@@ -116,7 +120,8 @@ def check(pg, torch, op, x, out):
         return torch.randint(-4, 5, (count,), device="cuda", generator=gen).to(x.dtype)
 
     x.copy_(data(r, x.numel()))
-    call_of(pg, op, x, out)()
+    with pg.coalesced() if coalesced else contextlib.nullcontext():
+        call_of(pg, op, x, out)()
     torch.cuda.synchronize()
     if op == "all_reduce":
         want, got = sum(data(k, x.numel()).double() for k in range(n)), x
@@ -194,11 +199,20 @@ def time_plan(pg, torch, args, plan, rank, world):
         for nbytes in sizes:
             nx, nout = counts_for(op, nbytes, itemsize, world)
             x, out = bufs.get(op, nx, nout, rank, in_place)
-            wrong = check(pg, torch, op, x, out)
+            coalesced = mode == "coalesced"
+            wrong = check(pg, torch, op, x, out, coalesced)
             x.zero_()  # in-place sums stay finite
             f = call_of(pg, op, x, out)
+            per = args.agg if coalesced else 1
+            if coalesced:  # as nccl-tests -m: `agg` calls in each block, time per call
+                call = f
+
+                def f():
+                    with pg.coalesced():
+                        for _ in range(per):
+                            call()
             ts = [time_call(pg, torch, f, iters, args.warmup, mode.endswith("graph"),
-                            args.graph_launches) for _ in range(args.repeats)]
+                            args.graph_launches) / per for _ in range(args.repeats)]
             med = torch.tensor([statistics.median(ts)], device="cuda")
             pg.all_reduce(med, op="max")
             w = torch.tensor([wrong], device="cuda", dtype=torch.int64)
@@ -220,7 +234,7 @@ def main(argv=None):
     ap.add_argument("--nprocs", type=int, default=2)
     ap.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default="eager,symmetric,graph,sym+graph")
     ap.add_argument("--minbytes", type=parse_size, default=8)
     ap.add_argument("--maxbytes", type=parse_size, default=4 << 20)
     ap.add_argument("--factor", type=int, default=4)
@@ -228,6 +242,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--graph-launches", type=int, default=20, help="nccl-tests -G")
+    ap.add_argument("--agg", type=int, default=8, help="calls per block in coalesced mode "
+                                                         "(nccl-tests -m)")
     ap.add_argument("--big", action="store_true", help="64 MiB - 1 GiB busbw, eager")
     ap.add_argument("--stream", choices=("default", "side"), default="default",
                     help="meshcoll's calls on torch's default (legacy) stream or on a created "

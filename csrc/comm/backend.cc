@@ -140,11 +140,54 @@ Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const Cal
                                       " but this group's communicator uses device ", device()));
   check_options(what, o);
   Call c{what, d, o, {}};
-  // Point-to-point returns a Work even when synchronous: its owners ride with it too.
-  if (o.async || kind == CollKind::kSendRecv)
+  if (block_depth_ && kind != CollKind::kSendRecv) {  // Note [Coalesced blocks]
+    if (!block_used_) ++blocks_;
+    block_used_ = true;
+    c.desc.block = blocks_;
+  }
+  // Point-to-point returns a Work even when synchronous: its owners ride with it too. In a
+  // block the op may run after the call returns (NCCL): the owners ride with it until then.
+  if (o.async || kind == CollKind::kSendRecv || block_depth_)
     for (const ArrayView* a : arrays)
       if (a->owner) c.keep.push_back(a->owner);
   return c;
+}
+
+void Backend::begin_coalesced() {
+  if (destroyed_.load(std::memory_order_acquire))
+    throw Aborted(str_cat(who_, ": coalesced() on a destroyed group; make a new group to go on"));
+  if (block_depth_ == 0) {
+    do_begin_coalesced();
+    block_used_ = false;
+  }
+  ++block_depth_;
+}
+
+void Backend::end_coalesced(Millis timeout) {
+  if (block_depth_ == 0)
+    throw InvalidArgument(str_cat(who_, ": end_coalesced without an open coalesced block"));
+  if (--block_depth_ > 0) return;
+  Issue issue(*this, "end of a coalesced block");  // it issues the block's ops
+  try {
+    do_end_coalesced(timeout);
+    issue.check();
+  } catch (const InvalidArgument& e) {
+    // Its ops never ran here, and peers that ran theirs wait for them: tell them.
+    fail(str_cat(who_, ": its coalesced block could not run: ", e.what()));
+    throw;
+  }
+}
+
+void Backend::shutdown() {
+  if (block_depth_) {  // destroy() inside a block: the block's ops are issued, so run them
+    block_depth_ = 1;
+    try {
+      end_coalesced(Millis(-1));
+    } catch (...) {  // the group failed: do_shutdown reports it
+    }
+  }
+  destroyed_.store(true, std::memory_order_release);
+  do_shutdown();
 }
 
 WorkPtr Backend::all_reduce(const ArrayView& in, const ArrayView& out, RedOp op,
@@ -269,6 +312,11 @@ WorkPtr Backend::scatter(const ArrayView& in, const ArrayView& out,
 }
 
 WorkPtr Backend::barrier(const CallOptions& o) {
+  if (block_depth_ && !o.async)
+    throw InvalidArgument(str_cat(who_, ": barrier: a synchronous barrier waits for the ops "
+                                  "before it, and a coalesced block's ops run when the block "
+                                  "ends; call it after the block, or barrier(async_op=True) "
+                                  "inside it"));
   Call c = open(CollKind::kBarrier, make_desc(CollKind::kBarrier, DType::kUint8, 0), o,
                 "barrier", {});
   return issue(c, [&] { return do_barrier(c); });

@@ -144,16 +144,34 @@ class Backend {
   // o.wait let the backend finish the transfer itself.
   WorkPtr send(const ArrayView& buf, int peer, uint32_t tag, const CallOptions& o);
   WorkPtr recv(const ArrayView& buf, int peer, uint32_t tag, const CallOptions& o);
+  // Note [Coalesced blocks]
+  // ProcessGroup.coalesced(): the collectives issued between begin_coalesced() and the
+  // matching end_coalesced() form one block, which a backend may run as one launch (NCCL:
+  // one ncclGroupStart/End, so N small ops cost about one launch; Note [Coalesced blocks on
+  // NCCL] in nccl/nccl_ops.cc) or one op after another (CPU: each runs at its call, which
+  // keeps every promise a block makes). The promises, the same on every backend: a result
+  // is ready (on its stream, for a GPU group) once the block has ended; a Work of the block
+  // is waited on after it; and what waits for a result inside a block is refused
+  // (InvalidArgument): a synchronous barrier here, and in the ProcessGroup the _v calls,
+  // whose counts are exchanged first. Blocks nest; the outermost end runs them.
+  // Every rank must form the same blocks: NCCL sizes a group's kernels by all of its ops, so
+  // an op fused on one rank and alone on another hangs or mixes data. So each collective's
+  // description carries its block's number (blocks that issued an op, counted on the group;
+  // 0 outside one), and ranks whose blocks differ get MismatchError from the checks that
+  // compare descriptions (the agreement check on NCCL, the transport's on the CPU), as for any
+  // other difference. A block whose backend could not run it fails the group (fail(): the
+  // peers are told).
+  void begin_coalesced();
+  void end_coalesced(Millis timeout);
+  bool coalescing() const { return block_depth_ > 0; }
   // Fails the group as an operation's failure would, after the pending operations: every
   // member raises, with the type of `like` (PeerError when null). For operations composed
   // over several groups (the hierarchy).
   void fail(const std::string& message, std::exception_ptr like = nullptr);
-  // Lets issued work finish (each operation's deadline bounds it), then closes the group.
-  // Every later call, on any backend, raises AbortedError saying the group was destroyed.
-  void shutdown() {
-    destroyed_.store(true, std::memory_order_release);
-    do_shutdown();
-  }
+  // Lets issued work finish (each operation's deadline bounds it; an open block's ops run
+  // first), then closes the group. Every later call, on any backend, raises AbortedError
+  // saying the group was destroyed.
+  void shutdown();
 
  protected:
   // A checked, described call: what the do_* methods receive.
@@ -167,6 +185,10 @@ class Backend {
     std::vector<std::shared_ptr<void>> keep;
   };
   virtual void do_shutdown() = 0;
+  // Note [Coalesced blocks]: the outermost block begins / ends (default: nothing to do, each
+  // op ran at its call).
+  virtual void do_begin_coalesced() {}
+  virtual void do_end_coalesced(Millis /*timeout*/) {}
   // Backend-specific checks, called before anything is described or sent.
   virtual void check_reduction(DType dt, RedOp op) const = 0;
   virtual void check_options(const char* what, const CallOptions& o) const = 0;
@@ -217,6 +239,11 @@ class Backend {
   // Note [One issuing thread]. Threads are named by pthread_self(), which is Python's
   // threading.get_ident(): errors name them as the user knows them.
   std::atomic<bool> destroyed_{false};  // shutdown() was called: open() refuses calls
+  // Note [Coalesced blocks], kept by the issuing thread: open blocks, blocks that issued a
+  // collective (their numbers), and whether the open one has.
+  int block_depth_ = 0;
+  uint64_t blocks_ = 0;
+  bool block_used_ = false;
   std::atomic<uint64_t> issuing_{0};  // the thread issuing a call now, or 0
   std::atomic<const char*> issuing_what_{""};  // its operation, for the error only
   std::atomic<uint64_t> intruder_{0};  // a thread that found the mark taken, or 0

@@ -40,6 +40,7 @@ std::string describe_op(const transport::OpDesc& d) {
   static const char* const kAlgorithms[] = {"auto", "ring", "tree", "halving_doubling", "direct", "shm"};
   if (d.algo) s += str_cat(", ", d.algo < 6 ? kAlgorithms[d.algo] : "?");
   if (d.memory) s += str_cat(", symmetric buffers #", d.memory);
+  if (d.block) s += str_cat(", in coalesced block ", d.block);
   return s + ")";
 }
 

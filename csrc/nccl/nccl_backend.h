@@ -41,6 +41,8 @@ class NcclBackend final : public comm::Backend {
  protected:
   // Stops the agreement check (comparing what remains), then lets issued work finish.
   void do_shutdown() override;
+  void do_begin_coalesced() override { comm_->begin_block(); }
+  void do_end_coalesced(Millis timeout) override { comm_->end_block(timeout); }
   void check_reduction(DType dt, RedOp op) const override;
   void check_options(const char* what, const comm::CallOptions& o) const override;
   comm::WorkPtr do_all_reduce(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,

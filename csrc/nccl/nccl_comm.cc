@@ -508,7 +508,7 @@ void NcclComm::wait_ready_locked(ncclComm_t comm, const Deadline& d, const char*
 // old one complete; only that op's deadline check is lost (an op on a caller's stream holds
 // no arrays: keep is for the internal stream's).
 CUresult NcclComm::advance_completed_locked(uint64_t* at) {
-  auto query = [&](uint64_t k) { return cu_.event_query(slots_[k % kSlots].event); };
+  auto query = [&](uint64_t k) { return cu_.event_query(slots_[k % kSlots].done); };
   while (completed_ < issued_) {
     const CUstream stream = slots_[completed_ % kSlots].stream;
     uint64_t end = completed_ + 1;
@@ -559,7 +559,7 @@ void NcclComm::poll_locked() {
   const auto now = Clock::now();
   for (uint64_t k = completed_; k < issued_; ++k) {
     const Slot& s = slots_[k % kSlots];
-    if (now < s.deadline || cu_.event_query(s.event) == CUDA_SUCCESS) continue;
+    if (now < s.deadline || cu_.event_query(s.done) == CUDA_SUCCESS) continue;
     const std::string who = s.coll_seq && census_ ? census_(s.coll_seq) : "";
     fail_locked(std::make_exception_ptr(TimeoutError(str_cat(
         "NCCL ", s.what, s.coll_seq ? str_cat(" [seq ", s.coll_seq, "]") : std::string(),

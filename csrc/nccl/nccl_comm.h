@@ -230,11 +230,20 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // Small metadata exchange through device scratch on a private stream: every rank's
   // `bytes` bytes, concatenated in rank order. Blocks the host (bounded by `timeout`).
   std::vector<uint8_t> host_all_gather(const void* data, size_t bytes, Millis timeout);
+  // Note [Coalesced blocks on NCCL]: ops issued between begin_block() and end_block() are
+  // staged, and end_block() enqueues them in one ncclGroupStart/End.
+  void begin_block();
+  void end_block(Millis timeout);
+  // The most ops one block holds (half the ring: the ops before it keep their slots).
+  static constexpr size_t kMaxBlockOps = kSlots / 2;
 
  private:
   friend class NcclWork;
   struct Slot {
-    abi::CUevent event = nullptr;
+    abi::CUevent event = nullptr;  // this slot's own, reused
+    // The event that marks this op complete: `event`, or for an op of a coalesced block the
+    // block's one event (the last op's), recorded after the group's launch.
+    abi::CUevent done = nullptr;
     abi::CUstream stream = nullptr;  // the event's (Note [Completion by bisection])
     Clock::time_point deadline;
     int64_t timeout_ms = 0;
@@ -243,6 +252,12 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
     std::vector<std::shared_ptr<void>> keep;  // CallOpts::keep
   };
   struct Issue;  // one op's enqueue state (nccl_comm.cc)
+  // An op of the open block, waiting for end_block (Note [Coalesced blocks on NCCL]).
+  struct Staged {
+    std::function<void(abi::CUstream, const Deadline&)> launch;
+    abi::CUstream user;  // the caller's stream
+    bool async;          // runs on internal_, ordered after `user`
+  };
   friend class SymmetricBlock;
   struct Window {
     size_t bytes = 0;
@@ -274,16 +289,25 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
                                    abi::CUcontext ctx, const Deadline& deadline,
                                    const std::string& where);
 
-  // Runs `launch(stream)` under the lock with the op's bookkeeping around it.
+  // Runs `launch(stream)` under the lock with the op's bookkeeping around it; in an open
+  // block, stages it (a copy of `launch`: it captures by value).
   template <class Launch>
   WorkPtr run(const CallOpts& c, const char* what, bool host_blocking, Launch&& launch);
+  WorkPtr stage_locked(std::unique_lock<std::mutex>& lock, const CallOpts& c, const char* what,
+                       bool host_blocking, bool captured, Staged op);
+  // The caller's stream, or internal_ ordered after it for an async op.
+  abi::CUstream exec_stream_locked(abi::CUstream user, bool async);
+  // Clears the staged ops of a block that will not run.
+  void drop_block_locked();
   // Runs a call that may block inside NCCL, under the watchdog's deadline (Note [Stuck calls]).
   template <class Call>
   abi::ncclResult_t guarded_locked(const Deadline& d, const char* what, Call&& call);
   void check_nccl_locked(abi::ncclResult_t r, const char* what, const Deadline& d);
   void wait_ready_locked(abi::ncclComm_t comm, const Deadline& d, const char* what);
   void usable_locked() const;
-  void claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d);
+  // Waits (bounded by d) until the ring has a free slot after `staged` staged ones.
+  void claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d,
+                         size_t staged = 0);
   // The first op (a slot still in the ring) of collective `coll_seq` or later.
   uint64_t first_op_locked(uint64_t coll_seq) const;
   // Ops from index `voids_from` (or not completed yet, whichever is first) report `error`.
@@ -300,6 +324,8 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   bool op_done_locked(uint64_t seq, std::exception_ptr* error);
   void op_synchronize(uint64_t seq, Millis timeout);
   void op_stream_wait(uint64_t seq, abi::CUstream stream);
+  // Work.wait/synchronize on op `seq`, staged in the open block: InvalidArgument.
+  [[noreturn]] void staged_error(uint64_t seq) const;
   std::string where() const;  // "rank 1 of 4, CUDA device 1"
 
   const NcclApi& nc_;
@@ -318,6 +344,12 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   mutable std::mutex mu_;
   std::array<Slot, kSlots> slots_{};
   uint64_t issued_ = 0;     // ops with a slot so far
+  // Note [Coalesced blocks on NCCL]: the open block's staged ops; their slots follow
+  // issued_ and count as issued once end_block enqueued them. Written by the issuing thread
+  // under mu_; block_open_ is read by it alone.
+  bool block_open_ = false;
+  bool block_captured_ = false;  // the block's ops are captured into a CUDA graph
+  std::vector<Staged> staged_;
   uint64_t completed_ = 0;  // every op below this has completed
   bool failed_ = false;
   uint64_t failed_from_ = 0;  // ops at or above this failed with error_

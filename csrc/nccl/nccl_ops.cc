@@ -15,10 +15,26 @@ using detail::all_equal;
 using detail::backoff;
 using detail::CtxGuard;
 
+namespace {
+// ncclGroupStart/End around `body`; the group is closed even when body throws.
+template <class Check, class Body>
+void grouped(const NcclApi& nc, Check&& check, Body&& body) {
+  check(nc.group_start(), "ncclGroupStart");
+  try {
+    body();
+  } catch (...) {
+    nc.group_end();
+    throw;
+  }
+  check(nc.group_end(), "ncclGroupEnd");
+}
+}  // namespace
+
 // ---- the op path -------------------------------------------------------------------------
 
-void NcclComm::claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d) {
-  if (issued_ - completed_ < kSlots) return;
+void NcclComm::claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d,
+                                 size_t staged) {
+  if (issued_ + staged - completed_ < kSlots) return;
   // The ring is full: kSlots ops are in flight. Wait for the oldest (rare; bounded by d).
   struct Timed {  // the host timers count the wait apart (add_slot_wait)
     Clock::time_point t0 = Clock::now();
@@ -31,7 +47,7 @@ void NcclComm::claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadl
   for (;;) {
     poll_locked();
     usable_locked();
-    if (issued_ - completed_ < kSlots) return;
+    if (issued_ + staged - completed_ < kSlots) return;
     if (d.expired())
       throw TimeoutError(str_cat("NCCL: ", kSlots, " ops are in flight on ", where(),
                                  " and none completed within ", d.timeout().count(), " ms"));
@@ -46,8 +62,8 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
                                 Launch&& launch) {
   // Dropped symmetric blocks are freed here once they add up to kDrainBytes (an atomic load
   // unless so), but not while the stream is captured: the device synchronize would break
-  // the capture.
-  if (drain_due_.load(std::memory_order_acquire)) {
+  // the capture. Nor in a coalesced block, whose staged ops may read them.
+  if (drain_due_.load(std::memory_order_acquire) && !block_open_) {
     int capturing = CU_STREAM_CAPTURE_STATUS_NONE;
     CtxGuard guard(cu_, ctx_);
     if (cu_.stream_is_capturing(c.stream, &capturing) == CUDA_SUCCESS &&
@@ -66,17 +82,15 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
                                   " (a stream of another device, or destroyed?)"));
   const bool captured = capture != CU_STREAM_CAPTURE_STATUS_NONE;
   host_timers::mark(host_timers::kCaptured);
+  if (block_open_)
+    return stage_locked(lock, c, what, host_blocking, captured,
+                        Staged{std::forward<Launch>(launch), user, c.async});
   const bool async = c.async && !captured;
   const Millis t = c.timeout.count() < 0 ? timeout_ : c.timeout;
   // One clock reading per op: the enqueue's and the completion's deadline are the same.
   Deadline d(t, Clock::now());
   if (!captured) claim_slot_locked(lock, d);
-  CUstream exec = user;
-  if (async) {
-    cu_.check(cu_.event_record(order_event_, user), "cuEventRecord (caller's stream)");
-    cu_.check(cu_.stream_wait_event(internal_, order_event_, 0), "cuStreamWaitEvent");
-    exec = internal_;
-  }
+  const CUstream exec = exec_stream_locked(user, async);
   host_timers::mark(host_timers::kPrepared);
   guarded_locked(d, what, [&] {
     launch(exec, d);
@@ -91,6 +105,7 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   if (!s.event) cu_.check(cu_.event_create(&s.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
   cu_.check(cu_.event_record(s.event, exec), "cuEventRecord (op completion)");
   host_timers::mark(host_timers::kRecorded);
+  s.done = s.event;
   s.stream = exec;
   s.deadline = d.at();
   s.timeout_ms = t.count();
@@ -102,11 +117,144 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   return std::make_shared<NcclWork>(shared_from_this(), seq, user, async, false, host_blocking);
 }
 
+CUstream NcclComm::exec_stream_locked(CUstream user, bool async) {
+  if (!async) return user;
+  cu_.check(cu_.event_record(order_event_, user), "cuEventRecord (caller's stream)");
+  cu_.check(cu_.stream_wait_event(internal_, order_event_, 0), "cuStreamWaitEvent");
+  return internal_;
+}
+
+// Note [Coalesced blocks on NCCL]
+// ProcessGroup.coalesced() (Note [Coalesced blocks] in comm/backend.h) on NCCL: the ops
+// issued in the block are checked, described and agreed on at their call as any op, then
+// staged here (the launch, copied: it captures by value; a slot each, filled but not yet
+// issued), and end_block() enqueues them all in one ncclGroupStart/End under the lock:
+// NCCL fuses them into as few kernel launches as it can. Not ncclGroupStart at begin_block:
+// NCCL's group is per thread, so every NCCL call of the thread until the end would join it,
+// other groups' ops included (whose completion events would then be recorded before their
+// kernels were launched), and an abort from the watchdog or the agreement check while the
+// group is open would leave NCCL holding tasks of a freed communicator. Staged, nothing
+// reaches NCCL before end_block, whose group opens and closes inside one lock hold, as an
+// uneven all_gather's does.
+// After the launch, one event recorded on the last op's stream marks every op of the block
+// complete (NCCL orders all the block's streams after its kernels): the slots take it as
+// their `done` event and become issued together. Each op's deadline counts from the end of
+// the block, when it was enqueued. A staged op's arrays are held by its slot until it
+// completes, synchronous ones too: a tensor dropped inside the block could otherwise be
+// reused by the caching allocator, written by work enqueued before the block's kernels,
+// and read by them. Its Work cannot be waited on before the block ends (InvalidArgument:
+// the wait would never end). Ops captured into a CUDA graph and ops not captured cannot
+// share a block (NCCL would refuse the group).
+NcclComm::WorkPtr NcclComm::stage_locked(std::unique_lock<std::mutex>& lock, const CallOpts& c,
+                                         const char* what, bool host_blocking, bool captured,
+                                         Staged op) {
+  if (!staged_.empty() && captured != block_captured_)
+    throw InvalidArgument(str_cat(
+        what, " on ", where(), ": this op's stream is ", captured ? "" : "not ",
+        "being captured into a CUDA graph but the coalesced block's earlier ops' ", captured ?
+        "were not" : "were", "; begin or end the capture outside the block"));
+  if (staged_.size() >= kMaxBlockOps)
+    throw InvalidArgument(str_cat(what, " on ", where(), ": a coalesced block holds at most ",
+                                  kMaxBlockOps, " ops; end it and begin another"));
+  block_captured_ = captured;
+  uint64_t seq = 0;
+  if (!captured) {
+    const Millis t = c.timeout.count() < 0 ? timeout_ : c.timeout;
+    claim_slot_locked(lock, Deadline(t), staged_.size());  // the block's slots follow issued_
+    seq = issued_ + staged_.size();
+    Slot& s = slots_[seq % kSlots];
+    s.done = nullptr;  // set by end_block
+    s.stream = nullptr;
+    s.timeout_ms = t.count();
+    s.what = what;
+    s.coll_seq = c.coll_seq;
+    s.keep = c.keep;
+  }
+  staged_.push_back(std::move(op));
+  if (!c.want_work) return nullptr;
+  return std::make_shared<NcclWork>(shared_from_this(), seq, staged_.back().user,
+                                    c.async && !captured, captured, host_blocking);
+}
+
+void NcclComm::begin_block() {
+  std::lock_guard<std::mutex> lock(mu_);
+  usable_locked();
+  block_open_ = true;
+}
+
+void NcclComm::drop_block_locked() {
+  for (size_t i = 0; i < staged_.size() && !block_captured_; ++i)
+    slots_[(issued_ + i) % kSlots].keep.clear();
+  staged_.clear();
+  block_open_ = false;
+}
+
+void NcclComm::end_block(Millis timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!block_open_) return;
+  if (staged_.empty() || failed_ || !comm_) {
+    // A failed communicator runs nothing more: the staged ops (their Works too) report
+    // its failure, which usable_locked raises here.
+    drop_block_locked();
+    usable_locked();
+    return;
+  }
+  CtxGuard guard(cu_, ctx_);
+  const Millis t = timeout.count() < 0 ? timeout_ : timeout;
+  const Deadline d(t, Clock::now());
+  std::vector<CUstream> execs(staged_.size());
+  try {
+    for (const Staged& op : staged_) {  // a capture begun or ended inside the block
+      int capture = CU_STREAM_CAPTURE_STATUS_NONE;
+      cu_.check(cu_.stream_is_capturing(op.user, &capture), "cuStreamIsCapturing");
+      if ((capture != CU_STREAM_CAPTURE_STATUS_NONE) != block_captured_)
+        throw InvalidArgument(str_cat(
+            "the coalesced block on ", where(), ": a stream's CUDA graph capture began or "
+            "ended inside the block; its ops were not run. Begin or end captures outside "
+            "coalesced blocks"));
+    }
+    guarded_locked(d, "coalesced block", [&] {
+      auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
+      grouped(nc_, check, [&] {
+        for (size_t i = 0; i < staged_.size(); ++i) {
+          execs[i] = exec_stream_locked(staged_[i].user, staged_[i].async && !block_captured_);
+          staged_[i].launch(execs[i], d);
+        }
+      });
+      return ncclSuccess;
+    });
+  } catch (...) {
+    // The block did not run here, and peers that ran it wait for this rank: the
+    // communicator is failed, so the staged ops' Works report why (their slots were never
+    // issued: later ops will take them).
+    fail_locked(std::current_exception());
+    drop_block_locked();
+    throw;
+  }
+  if (!block_captured_) {
+    const size_t n = staged_.size();
+    Slot& last = slots_[(issued_ + n - 1) % kSlots];
+    if (!last.event)
+      cu_.check(cu_.event_create(&last.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    cu_.check(cu_.event_record(last.event, execs[n - 1]), "cuEventRecord (block completion)");
+    const auto now = Clock::now();
+    for (size_t i = 0; i < n; ++i) {
+      Slot& s = slots_[(issued_ + i) % kSlots];
+      s.done = last.event;
+      s.stream = execs[n - 1];
+      s.deadline = now + Millis(s.timeout_ms);
+    }
+    issued_ += n;
+  }
+  staged_.clear();
+  block_open_ = false;
+}
+
 NcclComm::WorkPtr NcclComm::all_reduce(const CallOpts& c, const void* in, void* out,
                                        size_t count, DType dt, RedOp op) {
   const auto ndt = nccl_dtype(dt, true, nc_);
   const auto nop = nccl_redop(op, dt, nc_);
-  return run(c, "all_reduce", false, [&](CUstream s, const Deadline& d) {
+  return run(c, "all_reduce", false, [=](CUstream s, const Deadline& d) {
     check_nccl_locked(nc_.all_reduce(in, out, count, ndt, nop, comm_, s), "ncclAllReduce", d);
   });
 }
@@ -115,7 +263,7 @@ NcclComm::WorkPtr NcclComm::reduce(const CallOpts& c, const void* in, void* out,
                                    DType dt, RedOp op, int root) {
   const auto ndt = nccl_dtype(dt, true, nc_);
   const auto nop = nccl_redop(op, dt, nc_);
-  return run(c, "reduce", false, [&](CUstream s, const Deadline& d) {
+  return run(c, "reduce", false, [=](CUstream s, const Deadline& d) {
     check_nccl_locked(nc_.reduce(in, out, count, ndt, nop, root, comm_, s), "ncclReduce", d);
   });
 }
@@ -123,38 +271,26 @@ NcclComm::WorkPtr NcclComm::reduce(const CallOpts& c, const void* in, void* out,
 NcclComm::WorkPtr NcclComm::broadcast(const CallOpts& c, void* buf, size_t count, DType dt,
                                       int root) {
   const auto ndt = nccl_dtype(dt, false, nc_);
-  return run(c, "broadcast", false, [&](CUstream s, const Deadline& d) {
+  return run(c, "broadcast", false, [=](CUstream s, const Deadline& d) {
     check_nccl_locked(nc_.broadcast(buf, buf, count, ndt, root, comm_, s), "ncclBroadcast", d);
   });
 }
 
-namespace {
-// ncclGroupStart/End around `body`; the group is closed even when body throws.
-template <class Check, class Body>
-void grouped(const NcclApi& nc, Check&& check, Body&& body) {
-  check(nc.group_start(), "ncclGroupStart");
-  try {
-    body();
-  } catch (...) {
-    nc.group_end();
-    throw;
-  }
-  check(nc.group_end(), "ncclGroupEnd");
-}
-}  // namespace
 
 NcclComm::WorkPtr NcclComm::all_gather(const CallOpts& c, const void* in, void* out,
                                        const std::vector<size_t>& counts, DType dt) {
   MC_CHECK_EQ(counts.size(), static_cast<size_t>(size_), "all_gather counts");
   const auto ndt = nccl_dtype(dt, false, nc_);
   const size_t es = dtype_size(dt);
-  return run(c, "all_gather", false, [&](CUstream s, const Deadline& d) {
+  if (all_equal(counts)) {  // captures the count, not the vector: no copy per call
+    const size_t n = counts[0];
+    return run(c, "all_gather", false, [=](CUstream s, const Deadline& d) {
+      check_nccl_locked(nc_.all_gather(in, out, n, ndt, comm_, s), "ncclAllGather", d);
+    });
+  }
+  // Uneven: rank r broadcasts its counts[r] elements into their place in every out.
+  return run(c, "all_gather", false, [=](CUstream s, const Deadline& d) {
     auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
-    if (all_equal(counts)) {
-      check(nc_.all_gather(in, out, counts[0], ndt, comm_, s), "ncclAllGather");
-      return;
-    }
-    // Uneven: rank r broadcasts its counts[r] elements into their place in every out.
     grouped(nc_, check, [&] {
       size_t off = 0;
       for (int r = 0; r < size_; ++r) {
@@ -175,13 +311,16 @@ NcclComm::WorkPtr NcclComm::reduce_scatter(const CallOpts& c, const void* in, vo
   const auto ndt = nccl_dtype(dt, true, nc_);
   const auto nop = nccl_redop(op, dt, nc_);
   const size_t es = dtype_size(dt);
-  return run(c, "reduce_scatter", false, [&](CUstream s, const Deadline& d) {
+  if (all_equal(counts)) {
+    const size_t n = counts[0];
+    return run(c, "reduce_scatter", false, [=](CUstream s, const Deadline& d) {
+      check_nccl_locked(nc_.reduce_scatter(in, out, n, ndt, nop, comm_, s), "ncclReduceScatter",
+                        d);
+    });
+  }
+  // Uneven: one reduce per block, rooted at the rank that keeps it.
+  return run(c, "reduce_scatter", false, [=](CUstream s, const Deadline& d) {
     auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
-    if (all_equal(counts)) {
-      check(nc_.reduce_scatter(in, out, counts[0], ndt, nop, comm_, s), "ncclReduceScatter");
-      return;
-    }
-    // Uneven: one reduce per block, rooted at the rank that keeps it.
     grouped(nc_, check, [&] {
       size_t off = 0;
       for (int r = 0; r < size_; ++r) {
@@ -202,7 +341,7 @@ NcclComm::WorkPtr NcclComm::all_to_all(const CallOpts& c, const void* in, void* 
   MC_CHECK_EQ(recv_counts.size(), static_cast<size_t>(size_), "all_to_all recv counts");
   const auto ndt = nccl_dtype(dt, false, nc_);
   const size_t es = dtype_size(dt);
-  return run(c, "all_to_all", false, [&](CUstream s, const Deadline& d) {
+  return run(c, "all_to_all", false, [=](CUstream s, const Deadline& d) {
     auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
     grouped(nc_, check, [&] {
       size_t soff = 0, roff = 0;
@@ -225,7 +364,7 @@ NcclComm::WorkPtr NcclComm::gather(const CallOpts& c, const void* in, void* out,
   MC_CHECK_EQ(counts.size(), static_cast<size_t>(size_), "gather counts");
   const auto ndt = nccl_dtype(dt, false, nc_);
   const size_t es = dtype_size(dt);
-  return run(c, "gather", false, [&](CUstream s, const Deadline& d) {
+  return run(c, "gather", false, [=](CUstream s, const Deadline& d) {
     auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
     grouped(nc_, check, [&] {
       if (counts[rank_]) check(nc_.send(in, counts[rank_], ndt, root, comm_, s), "ncclSend (gather)");
@@ -246,7 +385,7 @@ NcclComm::WorkPtr NcclComm::scatter(const CallOpts& c, const void* in, void* out
   MC_CHECK_EQ(counts.size(), static_cast<size_t>(size_), "scatter counts");
   const auto ndt = nccl_dtype(dt, false, nc_);
   const size_t es = dtype_size(dt);
-  return run(c, "scatter", false, [&](CUstream s, const Deadline& d) {
+  return run(c, "scatter", false, [=](CUstream s, const Deadline& d) {
     auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
     grouped(nc_, check, [&] {
       if (rank_ == root) {
@@ -266,20 +405,20 @@ NcclComm::WorkPtr NcclComm::scatter(const CallOpts& c, const void* in, void* out
 NcclComm::WorkPtr NcclComm::send(const CallOpts& c, const void* buf, size_t count, DType dt,
                                  int peer) {
   const auto ndt = nccl_dtype(dt, false, nc_);
-  return run(c, "send", false, [&](CUstream s, const Deadline& d) {
+  return run(c, "send", false, [=](CUstream s, const Deadline& d) {
     check_nccl_locked(nc_.send(buf, count, ndt, peer, comm_, s), "ncclSend", d);
   });
 }
 
 NcclComm::WorkPtr NcclComm::recv(const CallOpts& c, void* buf, size_t count, DType dt, int peer) {
   const auto ndt = nccl_dtype(dt, false, nc_);
-  return run(c, "recv", false, [&](CUstream s, const Deadline& d) {
+  return run(c, "recv", false, [=](CUstream s, const Deadline& d) {
     check_nccl_locked(nc_.recv(buf, count, ndt, peer, comm_, s), "ncclRecv", d);
   });
 }
 
 NcclComm::WorkPtr NcclComm::barrier(const CallOpts& c) {
-  return run(c, "barrier", true, [&](CUstream s, const Deadline& d) {
+  return run(c, "barrier", true, [=](CUstream s, const Deadline& d) {
     void* w = reinterpret_cast<void*>(static_cast<uintptr_t>(barrier_buf_));
     check_nccl_locked(nc_.all_reduce(w, w, 1, ncclFloat32, ncclSum, comm_, s),
                       "ncclAllReduce (barrier)", d);
@@ -295,6 +434,10 @@ void NcclComm::order_streams(CUstream producer, CUstream waiter) {
 }
 
 std::vector<uint8_t> NcclComm::host_all_gather(const void* data, size_t bytes, Millis timeout) {
+  if (block_open_)
+    throw InvalidArgument(str_cat("all_gather of a host (numpy) array on ", where(), " waits for "
+                                  "its result, and a coalesced block's ops run when the block "
+                                  "ends: call it outside the block"));
   std::vector<uint8_t> out(bytes * size_);
   if (bytes == 0) return out;
   CallOpts c;
@@ -302,7 +445,7 @@ std::vector<uint8_t> NcclComm::host_all_gather(const void* data, size_t bytes, M
   c.timeout = timeout;
   // meta_ carries nothing but these exchanges, each finished before the next: the pageable
   // copies below (which synchronize their stream) never wait on user work.
-  auto work = run(c, "host_all_gather", false, [&](CUstream s, const Deadline& d) {
+  auto work = run(c, "host_all_gather", false, [=](CUstream s, const Deadline& d) {
     const size_t need = bytes * (size_ + 1);
     if (scratch_bytes_ < need) {
       CUdeviceptr p = 0;
@@ -334,12 +477,19 @@ bool NcclComm::op_done_locked(uint64_t seq, std::exception_ptr* error) {
     return true;
   }
   if (seq < completed_ || shut_down_) return true;
-  CUresult q = cu_.event_query(slots_[seq % kSlots].event);
+  if (seq >= issued_) return false;  // staged in the open block
+  CUresult q = cu_.event_query(slots_[seq % kSlots].done);
   if (q == CUDA_SUCCESS) return true;
   if (q == CUDA_ERROR_NOT_READY) return false;
   *error = std::make_exception_ptr(
       Error(str_cat("CUDA error on NCCL op ", seq, " on ", where(), ": ", cu_.error_text(q))));
   return true;
+}
+
+void NcclComm::staged_error(uint64_t seq) const {
+  throw InvalidArgument(str_cat(slots_[seq % kSlots].what, " (op ", seq, ") on ", where(),
+                                " is in the coalesced block still open: it runs when the block "
+                                "ends, so wait for its Work after the block"));
 }
 
 // Note [Waiting off the lock]
@@ -360,7 +510,8 @@ void NcclComm::op_synchronize(uint64_t seq, Millis timeout) {
         if (e) std::rethrow_exception(e);
         return;
       }
-      event = slots_[seq % kSlots].event;
+      if (seq >= issued_) staged_error(seq);
+      event = slots_[seq % kSlots].done;
     }
     if (own.expired())
       throw TimeoutError(str_cat("NCCL op ", seq, " on ", where(), " did not complete within ",
@@ -373,8 +524,9 @@ void NcclComm::op_stream_wait(uint64_t seq, CUstream stream) {
   std::lock_guard<std::mutex> lock(mu_);
   if (failed_ && seq >= failed_from_) std::rethrow_exception(error_);
   if (seq < completed_ || shut_down_) return;
+  if (seq >= issued_) staged_error(seq);
   CtxGuard guard(cu_, ctx_);
-  cu_.check(cu_.stream_wait_event(stream, slots_[seq % kSlots].event, 0),
+  cu_.check(cu_.stream_wait_event(stream, slots_[seq % kSlots].done, 0),
             "cuStreamWaitEvent (Work.wait)");
 }
 

@@ -91,7 +91,9 @@ class CallReader {
     opts.timeout = timeout_arg(timeout);
     opts.async = async;
     want_.device = b.device_memory();
-    want_.keep = keep;
+    // In a coalesced block an op may run after the call returns: its arrays' owners ride
+    // with it (Note [Coalesced blocks] in csrc/comm/backend.h).
+    want_.keep = keep || b.coalescing();
     uintptr_t s = kLegacyStream;
     if (stream_arg(stream, &s)) {
       if (!want_.device)
@@ -449,6 +451,15 @@ void bind_backend(py::module_& m) {
         py::gil_scoped_release nogil;
         x.shutdown();
       })
+      .def("begin_coalesced", &Backend::begin_coalesced,
+           "Opens a coalesced block (Note [Coalesced blocks] in csrc/comm/backend.h).")
+      .def("end_coalesced", [](Backend& x, const py::handle& timeout) {
+             x.end_coalesced(timeout_arg(timeout));
+           }, py::arg("timeout") = py::none(),
+           "Ends the innermost block; the outermost runs its ops (NCCL: enqueues them, with "
+           "the GIL held, as every NCCL enqueue).")
+      .def_property_readonly("coalescing", &Backend::coalescing,
+                             "Whether a coalesced block is open.")
       .def("all_reduce", [](Backend& x, const py::handle& a, const py::handle& out,
                             const std::string& op, const py::handle& timeout,
                             const py::handle& stream, bool async, const std::string& algorithm,

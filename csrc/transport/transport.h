@@ -41,14 +41,18 @@ struct OpDesc {
   // symmetric windows and offsets of the call's buffers (Note [Symmetric memory]), which
   // must be the same on every rank.
   uint32_t memory = 0;
+  // The coalesced block the call was issued in (Note [Coalesced blocks] in comm/backend.h):
+  // the group's count of blocks so far, 0 outside one. Ranks must form the same blocks.
+  uint64_t block = 0;  // (64 bits: the shared-memory slot's payload stays 8-aligned)
   bool operator==(const OpDesc& o) const {
     return coll == o.coll && dtype == o.dtype && redop == o.redop && algo == o.algo &&
-           root == o.root && count == o.count && shape == o.shape && memory == o.memory;
+           root == o.root && count == o.count && shape == o.shape && memory == o.memory &&
+           block == o.block;
   }
   bool operator!=(const OpDesc& o) const { return !(*this == o); }
 };
 #pragma pack(pop)
-static_assert(sizeof(OpDesc) == 24, "OpDesc travels on the wire");
+static_assert(sizeof(OpDesc) == 32, "OpDesc travels on the wire");
 
 struct Envelope {
   Channel channel = Channel::kCollective;

@@ -38,7 +38,7 @@ _HOME = {
     **dict.fromkeys(("TCPStore", "get_rank", "get_world_size", "all_reduce", "reduce",
                      "broadcast", "all_gather", "all_gather_v", "reduce_scatter",
                      "reduce_scatter_v", "all_to_all", "all_to_all_v", "gather", "scatter",
-                     "send", "recv", "isend", "irecv", "barrier"), "api"),
+                     "send", "recv", "isend", "irecv", "barrier", "coalesced"), "api"),
 }
 
 # Submodules that were attributes of the package after a plain ``import meshcoll``.
@@ -49,8 +49,8 @@ if _typing.TYPE_CHECKING:  # what __getattr__ binds, as type checkers and IDEs s
     from ._C import (AbortedError, ConcurrentCallError, FileStore, MeshcollError,
                      MismatchError, PeerError, PrefixStore, Store, TimeoutError)
     from .api import (TCPStore, all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v,
-                      barrier, broadcast, gather, get_rank, get_world_size, irecv, isend, recv,
-                      reduce, reduce_scatter, reduce_scatter_v, scatter, send)
+                      barrier, broadcast, coalesced, gather, get_rank, get_world_size, irecv,
+                      isend, recv, reduce, reduce_scatter, reduce_scatter_v, scatter, send)
     from .ddp import DataParallel, LocalSGD
     from .device_mesh import DeviceMesh, MeshLayout, init_device_mesh
     from .monitor import monitored_barrier
@@ -85,5 +85,5 @@ __all__ = [
     "ConcurrentCallError",
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_v", "reduce_scatter",
     "reduce_scatter_v", "all_to_all", "all_to_all_v", "gather", "scatter", "send", "recv",
-    "isend", "irecv", "barrier",
+    "isend", "irecv", "barrier", "coalesced",
 ]

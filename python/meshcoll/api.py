@@ -9,7 +9,8 @@ module imports the C++ extension; ``meshcoll/__init__.py`` binds these names on 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
+from typing import (Any, Callable, ContextManager, List, Optional, Sequence, Tuple,
+                    TypeVar)
 
 from . import _C
 from .process_group import Array, ProcessGroup, Stream, Work
@@ -161,6 +162,12 @@ def irecv(x: Array, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
 def barrier(*, async_op: bool = False, timeout: Optional[float] = None, stream: Stream = None,
             group: Optional[ProcessGroup] = None) -> Optional[Work]:
     return _group(group).barrier(async_op=async_op, timeout=timeout, stream=stream)
+
+
+@_forwards
+def coalesced(*, timeout: Optional[float] = None,
+              group: Optional[ProcessGroup] = None) -> ContextManager[ProcessGroup]:
+    return _group(group).coalesced(timeout=timeout)
 
 
 # The module functions that mirror ProcessGroup methods (test_typing.py checks each).

@@ -547,6 +547,7 @@ class ProcessGroup:
                      stream: Stream = None) -> Tuple[Any, List[int]]:
         """Concatenate each rank's ``x`` along axis 0, where ranks may hold different numbers
         of rows (same trailing shape). Returns ``(concatenation, rows per rank)``. Blocks."""
+        self._refuse_in_block("all_gather_v")
         # Checked in full before the metadata exchange: a bad array must raise before
         # anything is sent (the backend would check it only after the exchange).
         v = self._view(x, "all_gather_v: x", stream=stream)
@@ -638,6 +639,7 @@ class ProcessGroup:
                      stream: Stream = None) -> Tuple[Any, List[int]]:
         """Rows ``send_counts[i]`` of ``x`` (in order) go to rank i. Returns ``(received rows
         concatenated in rank order, rows received from each rank)``. Blocks."""
+        self._refuse_in_block("all_to_all_v")
         # Checked in full before the metadata exchange: a bad array must raise before
         # anything is sent (the backend would check it only after the exchange).
         v = self._view(x, "all_to_all_v: x", stream=stream)
@@ -725,6 +727,39 @@ class ProcessGroup:
         """Every member arrives before any returns (on GPUs too: the host blocks). Returns
         None, or a Work."""
         return _result(self._backend.barrier(timeout, stream, async_op), None, async_op)
+
+    @contextlib.contextmanager
+    def coalesced(self, *, timeout: Optional[float] = None) -> Iterator["ProcessGroup"]:
+        """A block of collectives that run together: on an NCCL group, every collective
+        issued inside is enqueued at the block's end in one NCCL group launch, so N small
+        calls cost about one launch instead of N; on a CPU group each runs at its call.
+        Either way, a result is ready (on its stream, for GPU arrays) once the block ends,
+        and Works of the block are waited on after it::
+
+            with group.coalesced():
+                for g in small_grads:
+                    group.all_reduce(g)
+            # every g is reduced here
+
+        Every rank forms the same blocks (the same calls in each, in the same order): a
+        difference is a MismatchError, as for any other. Calls that wait for a result inside
+        the block are refused (ValueError): a synchronous barrier, all_gather_v, all_to_all_v,
+        and numpy metadata exchanges on NCCL groups. Blocks nest; the outermost runs them.
+        ``timeout`` bounds the enqueue at the end (default: the group's); each op's own
+        timeout counts from there. Arrays passed inside are held until their op completed, so
+        a temporary is safe."""
+        self._backend.begin_coalesced()
+        try:
+            yield self
+        finally:
+            self._backend.end_coalesced(timeout)
+
+    def _refuse_in_block(self, what: str) -> None:
+        """Calls that exchange counts before the data wait for a result: not in a block."""
+        if self._backend.coalescing:
+            raise ValueError(f"{what}: exchanges its counts and waits for them before the "
+                             f"data moves, and a coalesced block's ops run when the block "
+                             f"ends: call it outside the block")
 
     # ---- metadata of NCCL groups: host arrays through the communicator ---------------
     def _host_all_gather(self, x: np.ndarray, timeout: Optional[float]) -> np.ndarray:

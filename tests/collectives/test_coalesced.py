@@ -1,0 +1,144 @@
+"""ProcessGroup.coalesced() on the CPU backend (Note [Coalesced blocks] in
+csrc/comm/backend.h; the GPU tests run the same on NCCL, where the block is one launch).
+Every collective of a block gives numpy's answer on random data once the block ends; what
+waits for a result inside a block is refused on every rank with the group still right
+afterwards; and ranks that form different blocks get MismatchError on every rank, not a
+hang (the check compares descriptions, which carry the block's number)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import meshcoll
+from conftest import launch
+
+pytestmark = pytest.mark.timeout(120)
+CALL_TIMEOUT = 30.0  # a mismatch must be the check's own error, never this deadline
+
+
+def _data(seed, rank, n, dtype=np.float64):
+    return np.random.default_rng([seed, rank]).standard_normal(n).astype(dtype)
+
+
+def _block(pg):
+    n, size, rank = 10, pg.size, pg.rank
+    x = _data(1, rank, n)
+    m = _data(2, rank, n, np.float32)
+    g = np.empty((size, n))
+    rs = np.empty(n)
+    b = _data(4, rank, n)
+    r = _data(5, rank, n)
+    with pg.coalesced() as same:
+        assert same is pg
+        pg.all_reduce(x)
+        pg.all_reduce(m, op="max")
+        pg.all_gather(_data(3, rank, n), out=g)
+        pg.reduce_scatter(_data(6, rank, n * size), out=rs)
+        with pg.coalesced():  # nested: the outer end runs them
+            pg.broadcast(b, 1)
+            pg.reduce(r, 0)
+        w = pg.all_reduce(_data(7, rank, n), async_op=True)
+        rsv = pg.reduce_scatter_v(_data(8, rank, 3), [1, 2], timeout=CALL_TIMEOUT)
+    a = w.wait()
+    calls = pg.recent_calls(12)
+    after = _data(9, rank, n)
+    pg.all_reduce(after)  # outside a block again
+    return x, m, g, rs, b, r, a, rsv, calls, after, pg.recent_calls(1)[0]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_blocks_collectives_give_numpys_answer(transport):
+    world, n = 2, 10
+    total = lambda seed, m: sum(_data(seed, k, m) for k in range(world))
+    for rank, res in enumerate(launch(world, _block, transport=transport)):
+        x, m, g, rs, b, r, a, rsv, calls, after, last = res
+        np.testing.assert_allclose(x, total(1, n), rtol=1e-12)
+        np.testing.assert_array_equal(m, np.maximum(*[_data(2, k, n, np.float32)
+                                                      for k in range(world)]))
+        for k in range(world):
+            np.testing.assert_array_equal(g[k], _data(3, k, n))
+        np.testing.assert_allclose(rs, total(6, n * world)[rank * n:(rank + 1) * n], rtol=1e-12)
+        np.testing.assert_array_equal(b, _data(4, 1, n))
+        if rank == 0:
+            np.testing.assert_allclose(r, total(5, n), rtol=1e-12)
+        else:
+            np.testing.assert_array_equal(r, _data(5, rank, n))
+        np.testing.assert_allclose(a, total(7, n), rtol=1e-12)
+        np.testing.assert_allclose(rsv, total(8, 3)[[0] if rank == 0 else [1, 2]], rtol=1e-12)
+        np.testing.assert_allclose(after, total(9, n), rtol=1e-12)
+        # The ledger shows the block: its calls carry its number, the next call none.
+        assert sum("in coalesced block 1" in c for c in calls) == 8, calls
+        assert "coalesced" not in last, last
+
+
+def _refusals(pg):
+    seen = {}
+    x = _data(1, pg.rank, 4)
+    for label, call in (
+            ("barrier", lambda: pg.barrier()),
+            ("all_gather_v", lambda: pg.all_gather_v(x)),
+            ("all_to_all_v", lambda: pg.all_to_all_v(x, [2, 2]))):
+        try:
+            with pg.coalesced():
+                call()
+        except ValueError as e:
+            seen[label] = str(e)
+    # Inside a block, barrier(async_op=True) is allowed: its Work is waited on after.
+    with pg.coalesced():
+        w = pg.barrier(async_op=True)
+    w.wait()
+    try:  # an error raised inside the block ends it; the group goes on
+        with pg.coalesced():
+            raise KeyError("user error")
+    except KeyError:
+        pass
+    try:
+        pg._backend.end_coalesced()
+    except ValueError as e:
+        seen["end without begin"] = str(e)
+    y = _data(2, pg.rank, 4)
+    pg.all_reduce(y, timeout=CALL_TIMEOUT)
+    return seen, y, pg._backend.coalescing
+
+
+def test_what_waits_inside_a_block_is_refused_on_every_rank():
+    world = 2
+    for seen, y, open_after in launch(world, _refusals):
+        assert set(seen) == {"barrier", "all_gather_v", "all_to_all_v", "end without begin"}
+        assert "synchronous barrier" in seen["barrier"] and "after the block" in seen["barrier"]
+        for what in ("all_gather_v", "all_to_all_v"):
+            assert seen[what].startswith(what) and "outside the block" in seen[what]
+        assert "without an open coalesced block" in seen["end without begin"]
+        np.testing.assert_allclose(y, sum(_data(2, k, 4) for k in range(world)), rtol=1e-12)
+        assert open_after is False
+
+
+def _mismatched(pg, odd):
+    """Rank `odd` puts the second all_reduce in a block of its own; the others put both in
+    one block."""
+    g = pg.new_group(list(range(pg.size)))
+    x, y = _data(1, pg.rank, 6), _data(2, pg.rank, 6)
+    err = None
+    try:
+        if pg.rank == odd:
+            with g.coalesced():
+                g.all_reduce(x, timeout=CALL_TIMEOUT)
+            with g.coalesced():
+                g.all_reduce(y, timeout=CALL_TIMEOUT)
+        else:
+            with g.coalesced():
+                g.all_reduce(x, timeout=CALL_TIMEOUT)
+                g.all_reduce(y, timeout=CALL_TIMEOUT)
+    except meshcoll.MeshcollError as e:
+        err = e
+    return type(err).__name__ if err else None, str(err) if err else ""
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_ranks_that_form_different_blocks_get_a_mismatch_on_every_rank(transport):
+    world, odd = 3, 1
+    for rank, (kind, message) in enumerate(launch(world, _mismatched, transport=transport,
+                                                  odd=odd)):
+        assert kind == "MismatchError", (rank, kind, message)
+        assert "coalesced block" in message, message

@@ -1,0 +1,167 @@
+"""ProcessGroup.coalesced() on NCCL (Note [Coalesced blocks on NCCL] in csrc/nccl/nccl_ops.cc):
+a block's collectives are enqueued at its end in one NCCL group launch. Every op of a block
+gives numpy's answer on random data; a tensor dropped inside the block is held until its op
+ran (a canary allocated after it is not written); a Work cannot be waited on before its
+block ends; another group's calls inside the block run at once; a block captured into a CUDA
+graph replays right; and ranks that form different blocks get MismatchError on every rank."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import meshcoll
+from test_nccl import gpus, needs_torch, run_nccl, NGPU
+
+pytestmark = [needs_torch, pytest.mark.timeout(240)]
+WORLD = min(max(NGPU, 2), 4)
+
+
+def _data(seed, rank, n):
+    return np.random.default_rng([seed, rank]).standard_normal(n).astype(np.float32)
+
+
+def _block(pg):
+    import torch
+    cuda = lambda a: torch.from_numpy(a).cuda()
+    n, size, rank = 1000, pg.size, pg.rank
+    other = pg.new_group(list(range(size)))  # another communicator over the same ranks
+    x = cuda(_data(1, rank, n))
+    bf = cuda(_data(2, rank, n)).to(torch.bfloat16)
+    i64 = torch.from_numpy(np.random.default_rng([3, rank]).integers(-99, 99, n)).cuda()
+    g = torch.empty(size, n, device="cuda")
+    rs = torch.empty(n, device="cuda")
+    b = cuda(_data(5, rank, n))
+    r = cuda(_data(6, rank, n))
+    sent, got = cuda(_data(7, rank, n)), torch.empty(n, device="cuda")
+    z = cuda(_data(9, rank, n))
+    refused = {}
+    with pg.coalesced():
+        pg.all_reduce(x)
+        pg.all_reduce(bf)
+        pg.all_reduce(i64, op="max")
+        pg.all_gather(cuda(_data(4, rank, n)), out=g)  # a temporary: held until it ran
+        pg.reduce_scatter(cuda(_data(8, rank, n * size)), out=rs)
+        pg.broadcast(b, 1)
+        pg.reduce(r, 0)
+        # A ring of sends and receives: blocking one by one, fine in one group.
+        pg.send(sent, (rank + 1) % size)
+        pg.recv(got, (rank - 1) % size)
+        w = pg.all_reduce(cuda(_data(10, rank, n)), async_op=True)
+        pg.all_reduce(cuda(_data(11, rank, n)))  # a temporary the block's kernel writes
+        # The temporaries' memory is free for torch's allocator only after the block ran:
+        # canaries of their size made now must stay intact.
+        canary = [torch.full((n,), 7.0, device="cuda") for _ in range(3)]
+        try:
+            w.wait()
+        except ValueError as e:
+            refused["wait"] = str(e)
+        try:
+            pg.all_gather(np.arange(3))  # host metadata: waits for its result
+        except ValueError as e:
+            refused["host all_gather"] = str(e)
+        other.all_reduce(z)  # another group: runs now, not at the block's end
+        torch.cuda.synchronize()
+        z_inside = z.cpu().numpy().copy()
+        x_inside = x.cpu().numpy().copy()  # not reduced yet: the block has not run
+    a = w.wait()
+    torch.cuda.synchronize()
+    out = {k: v.float().cpu().numpy() for k, v in
+           dict(x=x, bf=bf, i64=i64, g=g, rs=rs, b=b, r=r, got=got, a=a,
+                canary=torch.stack(canary)).items()}
+    out["i64"] = i64.cpu().numpy()
+    return out, z_inside, x_inside, refused
+
+
+@gpus(2)
+def test_a_blocks_collectives_give_numpys_answer_and_hold_their_arrays():
+    n = 1000
+    total = lambda seed, m: sum(_data(seed, k, m) for k in range(WORLD))
+    for rank, (out, z_inside, x_inside, refused) in enumerate(run_nccl(WORLD, _block)):
+        np.testing.assert_allclose(out["x"], total(1, n), rtol=1e-5, atol=1e-5)
+        bf_want = sum(np.asarray(__import__("torch").from_numpy(_data(2, k, n))
+                                 .to(__import__("torch").bfloat16).float())
+                      for k in range(WORLD))
+        np.testing.assert_allclose(out["bf"], bf_want, rtol=5e-2, atol=5e-2)
+        i64_want = np.max([np.random.default_rng([3, k]).integers(-99, 99, n)
+                           for k in range(WORLD)], axis=0)
+        np.testing.assert_array_equal(out["i64"], i64_want)
+        for k in range(WORLD):
+            np.testing.assert_array_equal(out["g"][k], _data(4, k, n))
+        np.testing.assert_allclose(out["rs"], total(8, n * WORLD)[rank * n:(rank + 1) * n],
+                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(out["b"], _data(5, 1, n))
+        want_r = total(6, n) if rank == 0 else _data(6, rank, n)
+        np.testing.assert_allclose(out["r"], want_r, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(out["got"], _data(7, (rank - 1) % WORLD, n))
+        np.testing.assert_allclose(out["a"], total(10, n), rtol=1e-5, atol=1e-5)
+        assert (out["canary"] == 7.0).all(), "a dropped tensor's memory was written"
+        np.testing.assert_allclose(z_inside, total(9, n), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(x_inside, _data(1, rank, n))
+        assert "coalesced block still open" in refused["wait"], refused
+        assert "outside the block" in refused["host all_gather"], refused
+
+
+def _captured(pg):
+    import torch
+    xs = [torch.zeros(256, device="cuda") for _ in range(3)]
+    for x in xs:
+        pg.all_reduce(x)  # warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        with pg.coalesced():
+            for x in xs:
+                pg.all_reduce(x)
+    ok = []
+    for i in range(3):
+        for j, x in enumerate(xs):
+            x.fill_(pg.rank + i + j)
+        graph.replay()
+        torch.cuda.synchronize()
+        ok.append([bool((x == sum(k + i + j for k in range(pg.size))).all())
+                   for j, x in enumerate(xs)])
+    return ok
+
+
+@gpus(2)
+def test_a_block_captured_in_a_cuda_graph_replays_right():
+    for ok in run_nccl(2, _captured):
+        assert all(all(row) for row in ok), ok
+
+
+def _mismatched(pg):
+    """Rank 0 puts two all_reduces in one block; the others run them one by one."""
+    import torch
+    g = pg.new_group(list(range(pg.size)))
+    x, y = torch.ones(64, device="cuda"), torch.ones(64, device="cuda")
+    t0 = time.monotonic()
+    kind, msg = "no error", ""
+    try:
+        if g.rank == 0:
+            with g.coalesced():
+                g.all_reduce(x)
+                g.all_reduce(y)
+        else:
+            g.all_reduce(x)
+            g.all_reduce(y)
+        for _ in range(500):  # async check: a later call raises once it found it
+            g.all_reduce(x)
+            time.sleep(0.002)
+    except meshcoll.MeshcollError as e:
+        kind, msg = type(e).__name__, str(e)
+    try:
+        g.destroy()
+    except meshcoll.MeshcollError:
+        pass
+    return kind, msg[:400], time.monotonic() - t0
+
+
+@gpus(2)
+def test_ranks_that_form_different_blocks_get_a_mismatch_on_every_rank():
+    for rank, (kind, msg, took) in enumerate(run_nccl(WORLD, _mismatched)):
+        # The class is the witness: the group's deadline would be a TimeoutError.
+        assert kind == "MismatchError", (rank, kind, msg)
+        assert "coalesced block" in msg, msg
