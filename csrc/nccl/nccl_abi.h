@@ -163,6 +163,7 @@ inline constexpr unsigned int CU_STREAM_NON_BLOCKING = 0x1;
 inline constexpr unsigned int CU_EVENT_DISABLE_TIMING = 0x2;
 // CUstreamCaptureStatus / CUstreamCaptureMode
 inline constexpr int CU_STREAM_CAPTURE_STATUS_NONE = 0;
+inline constexpr int CU_STREAM_CAPTURE_STATUS_ACTIVE = 1;
 inline constexpr int CU_STREAM_CAPTURE_MODE_RELAXED = 2;
 
 using cuInit_t = CUresult (*)(unsigned int flags);

@@ -257,6 +257,8 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
     std::function<void(abi::CUstream, const Deadline&)> launch;
     abi::CUstream user;  // the caller's stream
     bool async;          // runs on internal_, ordered after `user`
+    // A synchronous (or captured) op's arrays, held until the block is enqueued.
+    std::vector<std::shared_ptr<void>> hold;
   };
   friend class SymmetricBlock;
   struct Window {
@@ -297,8 +299,9 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
                        bool host_blocking, bool captured, Staged op);
   // The caller's stream, or internal_ ordered after it for an async op.
   abi::CUstream exec_stream_locked(abi::CUstream user, bool async);
-  // Clears the staged ops of a block that will not run.
-  void drop_block_locked();
+  // Closes the block: its staged ops, for the caller to drop after releasing mu_ (their
+  // arrays may be the last references). Slots of ops that did not run let go of theirs.
+  std::vector<Staged> drop_block_locked();
   // Runs a call that may block inside NCCL, under the watchdog's deadline (Note [Stuck calls]).
   template <class Call>
   abi::ncclResult_t guarded_locked(const Deadline& d, const char* what, Call&& call);

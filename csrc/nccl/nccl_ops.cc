@@ -76,7 +76,10 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   CtxGuard guard(cu_, ctx_);
   CUstream user = c.stream;
   int capture = CU_STREAM_CAPTURE_STATUS_NONE;
-  if (CUresult cr = cu_.stream_is_capturing(user, &capture); cr != CUDA_SUCCESS)
+  // In a block, a stream's capture state is asked once (end_block checks it did not change).
+  if (block_open_ && !staged_.empty() && staged_.back().user == user)
+    capture = block_captured_ ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+  else if (CUresult cr = cu_.stream_is_capturing(user, &capture); cr != CUDA_SUCCESS)
     throw InvalidArgument(str_cat(what, " on ", where(), ": cuStreamIsCapturing failed on the "
                                   "caller's stream: ", cu_.error_text(cr),
                                   " (a stream of another device, or destroyed?)"));
@@ -139,12 +142,15 @@ CUstream NcclComm::exec_stream_locked(CUstream user, bool async) {
 // After the launch, one event recorded on the last op's stream marks every op of the block
 // complete (NCCL orders all the block's streams after its kernels): the slots take it as
 // their `done` event and become issued together. Each op's deadline counts from the end of
-// the block, when it was enqueued. A staged op's arrays are held by its slot until it
-// completes, synchronous ones too: a tensor dropped inside the block could otherwise be
+// the block, when it was enqueued. A staged op holds its arrays until the block is
+// enqueued, synchronous ones too: a tensor dropped inside the block could otherwise be
 // reused by the caching allocator, written by work enqueued before the block's kernels,
-// and read by them. Its Work cannot be waited on before the block ends (InvalidArgument:
-// the wait would never end). Ops captured into a CUDA graph and ops not captured cannot
-// share a block (NCCL would refuse the group).
+// and read or written by them. From there a synchronous op's stream orders any later use
+// of that memory, as after any synchronous call, and an async op's slot holds its arrays
+// until it completes. A staged op's Work cannot be waited on before the block ends
+// (InvalidArgument: the wait would never end). Ops captured into a CUDA graph and ops not
+// captured cannot share a block (NCCL would refuse the group); a stream's capture state is
+// asked at its first op in the block and checked again at the end.
 NcclComm::WorkPtr NcclComm::stage_locked(std::unique_lock<std::mutex>& lock, const CallOpts& c,
                                          const char* what, bool host_blocking, bool captured,
                                          Staged op) {
@@ -168,8 +174,11 @@ NcclComm::WorkPtr NcclComm::stage_locked(std::unique_lock<std::mutex>& lock, con
     s.timeout_ms = t.count();
     s.what = what;
     s.coll_seq = c.coll_seq;
-    s.keep = c.keep;
+    if (c.async) s.keep = c.keep;
   }
+  // A synchronous op's arrays are held until it is enqueued (then its stream orders any
+  // later use of their memory, as for any synchronous call); an async op's slot holds them.
+  if (!c.async || captured) op.hold = c.keep;
   staged_.push_back(std::move(op));
   if (!c.want_work) return nullptr;
   return std::make_shared<NcclWork>(shared_from_this(), seq, staged_.back().user,
@@ -182,20 +191,21 @@ void NcclComm::begin_block() {
   block_open_ = true;
 }
 
-void NcclComm::drop_block_locked() {
+std::vector<NcclComm::Staged> NcclComm::drop_block_locked() {
   for (size_t i = 0; i < staged_.size() && !block_captured_; ++i)
     slots_[(issued_ + i) % kSlots].keep.clear();
-  staged_.clear();
   block_open_ = false;
+  return std::move(staged_);  // the caller lets the arrays go once mu_ is released
 }
 
 void NcclComm::end_block(Millis timeout) {
+  std::vector<Staged> done;  // released after mu_ (declared first: destroyed last)
   std::unique_lock<std::mutex> lock(mu_);
   if (!block_open_) return;
   if (staged_.empty() || failed_ || !comm_) {
-    // A failed communicator runs nothing more: the staged ops (their Works too) report
-    // its failure, which usable_locked raises here.
-    drop_block_locked();
+    // A failed or destroyed communicator runs nothing more: the staged ops (their Works
+    // too) report its failure, which usable_locked raises here.
+    done = drop_block_locked();
     usable_locked();
     return;
   }
@@ -204,9 +214,10 @@ void NcclComm::end_block(Millis timeout) {
   const Deadline d(t, Clock::now());
   std::vector<CUstream> execs(staged_.size());
   try {
-    for (const Staged& op : staged_) {  // a capture begun or ended inside the block
+    for (size_t i = 0; i < staged_.size(); ++i) {  // a capture begun or ended in the block
+      if (i > 0 && staged_[i].user == staged_[i - 1].user) continue;
       int capture = CU_STREAM_CAPTURE_STATUS_NONE;
-      cu_.check(cu_.stream_is_capturing(op.user, &capture), "cuStreamIsCapturing");
+      cu_.check(cu_.stream_is_capturing(staged_[i].user, &capture), "cuStreamIsCapturing");
       if ((capture != CU_STREAM_CAPTURE_STATUS_NONE) != block_captured_)
         throw InvalidArgument(str_cat(
             "the coalesced block on ", where(), ": a stream's CUDA graph capture began or "
@@ -228,7 +239,7 @@ void NcclComm::end_block(Millis timeout) {
     // communicator is failed, so the staged ops' Works report why (their slots were never
     // issued: later ops will take them).
     fail_locked(std::current_exception());
-    drop_block_locked();
+    done = drop_block_locked();
     throw;
   }
   if (!block_captured_) {
@@ -246,8 +257,8 @@ void NcclComm::end_block(Millis timeout) {
     }
     issued_ += n;
   }
-  staged_.clear();
-  block_open_ = false;
+  done = drop_block_locked();
+  lock.unlock();
 }
 
 NcclComm::WorkPtr NcclComm::all_reduce(const CallOpts& c, const void* in, void* out,

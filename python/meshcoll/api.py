@@ -173,4 +173,4 @@ def coalesced(*, timeout: Optional[float] = None,
 # The module functions that mirror ProcessGroup methods (test_typing.py checks each).
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_v",
                "reduce_scatter", "reduce_scatter_v", "all_to_all", "all_to_all_v", "gather",
-               "scatter", "send", "recv", "isend", "irecv", "barrier")
+               "scatter", "send", "recv", "isend", "irecv", "barrier", "coalesced")
