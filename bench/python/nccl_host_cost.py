@@ -11,6 +11,9 @@ between pairs of ranks (rank 0 sends to rank 1, then receives from it). Such cal
 by the host: nccl-tests' C loop (`all_reduce_perf -b 8 -e 8`) is the other anchor. One
 process per GPU.
 
+--block N adds N all_reduces per ``group.coalesced()`` block (one NCCL group launch) against
+N CuPy calls between ncclGroupStart/End, time per call.
+
 --steps also prints where meshcoll's call spends its time, step by step (Note [Host timers]
 in csrc/common/host_timers.h: MESHCOLL_HOST_TIMERS=1, which adds its own few tenths of a
 microsecond to every call timed in that run).
@@ -100,10 +103,30 @@ def rank_main(rank, world, port, token, args, conn):
         else:
             idle = (lambda: None,) * 3
             cases["send+recv"] = idle
+        if args.block:
+            # --block N: N all_reduces per group.coalesced() block (one NCCL group launch),
+            # against N CuPy calls between ncclGroupStart/End; per call.
+            k = args.block
+
+            def block(call):
+                def f():
+                    with pg.coalesced():
+                        for _ in range(k):
+                            call()
+                return f
+
+            def cupy_block():
+                nccl.groupStart()
+                for _ in range(k):
+                    cc.allReduce(xp, xp, n, F32, SUM, sp)
+                nccl.groupEnd()
+            cases[f"all_reduce x{k} block"] = (
+                block(cases["all_reduce"][0]), block(cases["all_reduce"][1]), cupy_block)
         rows, steps = [], {}
         for name, fs in cases.items():
             _C.host_timers(reset=True)
-            times = [statistics.median(timed(f) for _ in range(args.repeats)) for f in fs]
+            per = args.block if name.endswith(" block") else 1  # time per call
+            times = [statistics.median(timed(f) for _ in range(args.repeats)) / per for f in fs]
             steps[name] = _C.host_timers(reset=True)  # [] unless --steps
             rows.append((name, *times))
         launch = statistics.median(timed(lambda: x.add_(0.0)) for _ in range(args.repeats))
@@ -119,6 +142,9 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", action="store_true", help="also time each step (host timers)")
+    ap.add_argument("--block", type=int, default=0,
+                    help="also N all_reduces per coalesced block, against CuPy's "
+                         "ncclGroupStart/End around N calls (time per call)")
     ap.add_argument("--stream", choices=("default", "side"), default="default",
                     help="torch's default (legacy) stream or a created one (nccl-tests' kind)")
     args = ap.parse_args(argv)
