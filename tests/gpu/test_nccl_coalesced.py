@@ -165,3 +165,39 @@ def test_ranks_that_form_different_blocks_get_a_mismatch_on_every_rank():
         # The class is the witness: the group's deadline would be a TimeoutError.
         assert kind == "MismatchError", (rank, kind, msg)
         assert "coalesced block" in msg, msg
+
+
+def _killed_in_block(pg):
+    """Rank 1 dies inside its block, before the block is enqueued: its peers' blocks wait for
+    it, and must end in an error naming it, not a hang."""
+    import os
+    import torch
+    x = torch.ones(256, device="cuda")
+    pg.all_reduce(x)
+    torch.cuda.synchronize()
+    kind, msg = "no error", ""
+    t0 = time.monotonic()
+    try:
+        with pg.coalesced():
+            pg.all_reduce(x)
+            if pg.rank == 1:
+                os._exit(3)  # dies without a word, its block never enqueued
+            pg.all_reduce(x)
+        for _ in range(200):  # a later call raises once the failure is known
+            pg.all_reduce(x)
+            torch.cuda.synchronize()
+            time.sleep(0.05)
+    except meshcoll.MeshcollError as e:
+        kind, msg = type(e).__name__, str(e)
+    return kind, msg[:400], time.monotonic() - t0
+
+
+@gpus(2)
+def test_a_rank_killed_inside_its_block_is_named_on_every_survivor():
+    for rank, r in enumerate(run_nccl(WORLD, _killed_in_block, may_die=(1,), deadline=120)):
+        if rank == 1:
+            assert r is None, r
+            continue
+        kind, msg, took = r
+        assert kind in ("PeerError", "TimeoutError"), r
+        assert "rank 1" in msg, msg
