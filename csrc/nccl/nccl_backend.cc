@@ -167,13 +167,32 @@ void NcclBackend::open(Call& c, const ArrayView* in, const ArrayView* out) {
     try {
       agreement_->note(c.seq, c.desc);
       // Symmetric kernels do not end at an abort: agree first (Note [Agreement before launch]).
-      if (c.desc.memory) agreement_->await(c.seq, c.opts.timeout);
+      // In a block nothing is launched before its end, which agrees once for all its calls.
+      if (c.desc.memory && coalescing())
+        block_await_ = c.seq;
+      else if (c.desc.memory)
+        agreement_->await(c.seq, c.opts.timeout);
     } catch (...) {
       comm_->mark_reported();  // raised by this call: destroy() need not raise it again
       throw;
     }
   }
   host_timers::mark(host_timers::kNoted);
+}
+
+void NcclBackend::do_end_coalesced(Millis timeout) {
+  const uint64_t seq = block_await_;
+  block_await_ = 0;
+  if (seq && agreement_) {
+    try {
+      agreement_->await(seq, timeout);  // every call up to seq agreed
+    } catch (...) {
+      comm_->mark_reported();
+      comm_->end_block(timeout, std::current_exception());  // runs none of it
+      throw;
+    }
+  }
+  comm_->end_block(timeout);
 }
 
 void NcclBackend::set_agreement(std::shared_ptr<comm::Backend> channel,

@@ -42,7 +42,8 @@ class NcclBackend final : public comm::Backend {
   // Stops the agreement check (comparing what remains), then lets issued work finish.
   void do_shutdown() override;
   void do_begin_coalesced() override { comm_->begin_block(); }
-  void do_end_coalesced(Millis timeout) override { comm_->end_block(timeout); }
+  // Agrees on the block's calls on symmetric memory (once, for all of them), then enqueues it.
+  void do_end_coalesced(Millis timeout) override;
   void check_reduction(DType dt, RedOp op) const override;
   void check_options(const char* what, const comm::CallOptions& o) const override;
   comm::WorkPtr do_all_reduce(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
@@ -73,6 +74,9 @@ class NcclBackend final : public comm::Backend {
   void open(Call& c, const comm::ArrayView* in = nullptr, const comm::ArrayView* out = nullptr);
   std::shared_ptr<NcclComm> comm_;
   std::shared_ptr<comm::Agreement> agreement_;
+  // The open block's last call on symmetric memory, agreed before the block is enqueued
+  // (Note [Agreement before launch] in comm/agreement.h); 0: none.
+  uint64_t block_await_ = 0;
 };
 
 }  // namespace meshcoll::nccl

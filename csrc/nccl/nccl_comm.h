@@ -233,7 +233,8 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // Note [Coalesced blocks on NCCL]: ops issued between begin_block() and end_block() are
   // staged, and end_block() enqueues them in one ncclGroupStart/End.
   void begin_block();
-  void end_block(Millis timeout);
+  // `cancel`: the block must not run (its agreement failed): the communicator fails with it.
+  void end_block(Millis timeout, std::exception_ptr cancel = nullptr);
   // The most ops one block holds (half the ring: the ops before it keep their slots).
   static constexpr size_t kMaxBlockOps = kSlots / 2;
 

@@ -198,10 +198,11 @@ std::vector<NcclComm::Staged> NcclComm::drop_block_locked() {
   return std::move(staged_);  // the caller lets the arrays go once mu_ is released
 }
 
-void NcclComm::end_block(Millis timeout) {
+void NcclComm::end_block(Millis timeout, std::exception_ptr cancel) {
   std::vector<Staged> done;  // released after mu_ (declared first: destroyed last)
   std::unique_lock<std::mutex> lock(mu_);
   if (!block_open_) return;
+  if (cancel && !failed_) fail_locked(cancel);  // no op of it may run: fail, as a mismatch does
   if (staged_.empty() || failed_ || !comm_) {
     // A failed or destroyed communicator runs nothing more: the staged ops (their Works
     // too) report its failure, which usable_locked raises here.

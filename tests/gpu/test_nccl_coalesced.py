@@ -201,3 +201,50 @@ def test_a_rank_killed_inside_its_block_is_named_on_every_survivor():
         kind, msg, took = r
         assert kind in ("PeerError", "TimeoutError"), r
         assert "rank 1" in msg, msg
+
+
+def _symmetric_block(pg, disagree):
+    """Four all_reduces on slices of one symmetric arena in one block: the block agrees on
+    them once, before it is enqueued (their kernels do not end at an abort). With `disagree`,
+    rank 0 passes another offset for the third: MismatchError on every rank, from the block's
+    end, and no rank's data touched."""
+    import torch
+    g = pg.new_group(list(range(pg.size)))
+    n = 1024
+    arena = g.zeros(8 * n, "float32", symmetric=True)
+    src = [torch.from_numpy(_data(20 + i, g.rank, n)).cuda() for i in range(4)]
+    for i in range(4):
+        arena[i * n:(i + 1) * n].copy_(src[i])
+    torch.cuda.synchronize()
+    kind, msg = "no error", ""
+    try:
+        with g.coalesced():
+            for i in range(4):
+                at = 5 if (disagree and i == 2 and g.rank == 0) else i
+                g.all_reduce(arena[at * n:(at + 1) * n])
+        torch.cuda.synchronize()
+    except meshcoll.MeshcollError as e:
+        kind, msg = type(e).__name__, str(e)
+    got = arena[:4 * n].cpu().numpy().reshape(4, n).copy()
+    try:
+        g.destroy()
+    except meshcoll.MeshcollError:
+        pass
+    return g.symmetric_memory(), kind, msg[:400], got
+
+
+@gpus(2)
+@pytest.mark.parametrize("disagree", [False, True], ids=["agree", "disagree"])
+def test_symmetric_calls_in_a_block_agree_once_before_launch(disagree):
+    n = 1024
+    for rank, (memory, kind, msg, got) in enumerate(run_nccl(WORLD, _symmetric_block,
+                                                             disagree=disagree)):
+        if disagree:
+            assert kind == "MismatchError", (rank, kind, msg)
+            for i in range(4):  # nothing ran: every slice as this rank wrote it
+                np.testing.assert_array_equal(got[i], _data(20 + i, rank, n))
+            continue
+        assert kind == "no error", (rank, kind, msg)
+        for i in range(4):
+            np.testing.assert_allclose(got[i], sum(_data(20 + i, k, n) for k in range(WORLD)),
+                                       rtol=1e-5, atol=1e-5)
