@@ -46,6 +46,8 @@ def rank_main(rank, world, port, token, args, conn):
         pg = meshcoll.init(backend="nccl", rank=rank, world_size=world, master_addr="127.0.0.1",
                            master_port=port, timeout=120, device=rank)
 
+        issue = []  # the host's time to issue the calls, before the closing synchronize
+
         def timed(f):
             for _ in range(10):
                 f()
@@ -54,6 +56,7 @@ def rank_main(rank, world, port, token, args, conn):
             t0 = time.perf_counter()
             for _ in range(args.calls):
                 f()
+            issue.append((time.perf_counter() - t0) / args.calls * 1e6)
             torch.cuda.synchronize()
             return (time.perf_counter() - t0) / args.calls * 1e6
 
@@ -126,7 +129,11 @@ def rank_main(rank, world, port, token, args, conn):
         for name, fs in cases.items():
             _C.host_timers(reset=True)
             per = args.block if name.endswith(" block") else 1  # time per call
-            times = [statistics.median(timed(f) for _ in range(args.repeats)) / per for f in fs]
+            times = []
+            for f in fs:
+                issue.clear()
+                times.append(statistics.median(timed(f) for _ in range(args.repeats)) / per)
+                times.append(statistics.median(issue) / per)
             steps[name] = _C.host_timers(reset=True)  # [] unless --steps
             rows.append((name, *times))
         launch = statistics.median(timed(lambda: x.add_(0.0)) for _ in range(args.repeats))
@@ -150,14 +157,19 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.steps:
         os.environ["MESHCOLL_HOST_TIMERS"] = "1"  # read by each rank's import of meshcoll._C
-    rows, launch, steps = run_ranks(rank_main, args.nprocs, args, timeout=300)[0]
+    results = run_ranks(rank_main, args.nprocs, args, timeout=300)
+    rows, launch, steps = results[0]
     import torch
     print(f"# host cost per 8-byte call, {args.nprocs} x {torch.cuda.get_device_name(0)}, "
           f"{args.calls} back-to-back calls on the {args.stream} stream, median of "
-          f"{args.repeats}, rank 0, us")
-    print(f"{'op':>16} {'meshcoll':>9} {'_C entry':>9} {'cupy nccl':>10} {'ratio':>6}")
-    for name, mesh, entry, bare in rows:
-        print(f"{name:>16} {mesh:9.2f} {entry:9.2f} {bare:10.2f} {mesh / bare:6.2f}")
+          f"{args.repeats}, rank 0, us; issue: the host's time to issue them (before the "
+          f"closing synchronize), rank 0 and the slowest rank")
+    print(f"{'op':>20} {'meshcoll':>9} {'_C entry':>9} {'cupy nccl':>10} {'ratio':>6}"
+          f" {'issue m':>8} {'max':>6} {'issue c':>8} {'max':>6}")
+    for i, (name, mesh, mesh_i, entry, _, bare, bare_i) in enumerate(rows):
+        worst = lambda k: max(r[0][i][k] for r in results)  # noqa: E731
+        print(f"{name:>20} {mesh:9.2f} {entry:9.2f} {bare:10.2f} {mesh / bare:6.2f}"
+              f" {mesh_i:8.2f} {worst(2):6.2f} {bare_i:8.2f} {worst(6):6.2f}")
     print(f"# one torch kernel launch (x.add_): {launch:.2f} us")
     for name, table in steps.items():
         if table:
