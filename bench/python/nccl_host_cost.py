@@ -127,6 +127,8 @@ def rank_main(rank, world, port, token, args, conn):
                 block(cases["all_reduce"][0]), block(cases["all_reduce"][1]), cupy_block)
         rows, steps = [], {}
         for name, fs in cases.items():
+            if args.ops and name.split(" ")[0] not in args.ops.split(","):
+                continue
             _C.host_timers(reset=True)
             per = args.block if name.endswith(" block") else 1  # time per call
             times = []
@@ -149,6 +151,7 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--steps", action="store_true", help="also time each step (host timers)")
+    ap.add_argument("--ops", default="", help="only these ops (comma-separated; default all)")
     ap.add_argument("--block", type=int, default=0,
                     help="also N all_reduces per coalesced block, against CuPy's "
                          "ncclGroupStart/End around N calls (time per call)")
