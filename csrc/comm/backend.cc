@@ -164,8 +164,10 @@ void Backend::begin_coalesced() {
 }
 
 void Backend::end_coalesced(Millis timeout) {
-  if (block_depth_ == 0)
+  if (block_depth_ == 0) {
+    if (destroyed_.load(std::memory_order_acquire)) return;  // shutdown() ran the block
     throw InvalidArgument(str_cat(who_, ": end_coalesced without an open coalesced block"));
+  }
   if (--block_depth_ > 0) return;
   Issue issue(*this, "end of a coalesced block");  // it issues the block's ops
   try {

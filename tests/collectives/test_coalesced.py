@@ -142,3 +142,62 @@ def test_ranks_that_form_different_blocks_get_a_mismatch_on_every_rank(transport
                                                   odd=odd)):
         assert kind == "MismatchError", (rank, kind, message)
         assert "coalesced block" in message, message
+
+
+def _killed_in_block(pg, victim):
+    """`victim` is killed (SIGKILL) inside its block, after its first call."""
+    import os
+    import signal
+    import time
+    x = _data(1, pg.rank, 1 << 12)
+    t0 = time.monotonic()
+    try:
+        with pg.coalesced():
+            pg.all_reduce(x, timeout=CALL_TIMEOUT)
+            if pg.rank == victim:
+                os.kill(os.getpid(), signal.SIGKILL)
+            pg.all_reduce(x, timeout=CALL_TIMEOUT)
+            pg.all_gather(x[:8], timeout=CALL_TIMEOUT)
+        for _ in range(100):
+            pg.all_reduce(x, timeout=CALL_TIMEOUT)
+    except (meshcoll.PeerError, meshcoll.TimeoutError) as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return "no error", "", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_rank_killed_inside_a_block_is_named_on_every_survivor(transport):
+    world, victim = 3, 1
+    res = launch(world, _killed_in_block, transport=transport, may_die=(victim,), victim=victim)
+    for rank, r in enumerate(res):
+        if rank == victim:
+            assert r is None, r
+            continue
+        kind, msg, took = r
+        # A PeerError naming the dead rank, well before the calls' 30 s deadline.
+        assert kind == "PeerError", (rank, r)
+        assert f"rank {victim}" in msg, msg
+        assert took < CALL_TIMEOUT, (rank, took)
+
+
+def _destroyed_in_block(pg):
+    """destroy() inside an open block: the block's calls were issued, so they run first; the
+    group is then destroyed cleanly and later calls say so."""
+    g = pg.new_group(list(range(pg.size)))
+    x = _data(1, pg.rank, 16)
+    with g.coalesced():
+        g.all_reduce(x, timeout=CALL_TIMEOUT)
+        g.destroy()
+    try:
+        g.all_reduce(x)
+        after = "no error"
+    except meshcoll.MeshcollError as e:
+        after = type(e).__name__
+    return x, after
+
+
+def test_destroy_inside_a_block_runs_its_calls_then_closes_the_group():
+    world = 2
+    for x, after in launch(world, _destroyed_in_block):
+        np.testing.assert_allclose(x, sum(_data(1, k, 16) for k in range(world)), rtol=1e-12)
+        assert after == "AbortedError", after

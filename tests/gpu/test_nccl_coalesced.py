@@ -230,7 +230,7 @@ def _symmetric_block(pg, disagree):
         g.destroy()
     except meshcoll.MeshcollError:
         pass
-    return g.symmetric_memory(), kind, msg[:400], got
+    return g.symmetric_memory, kind, msg[:400], got
 
 
 @gpus(2)
