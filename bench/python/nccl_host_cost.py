@@ -109,22 +109,31 @@ def rank_main(rank, world, port, token, args, conn):
         if args.block:
             # --block N: N all_reduces per group.coalesced() block (one NCCL group launch),
             # against N CuPy calls between ncclGroupStart/End; per call.
+            # Each call of a block on its own tensor: a block's calls may not use each
+            # other's results (Note [Calls of a block are independent]).
             k = args.block
+            xk = [torch.randn(n, device="cuda") for _ in range(k)]
+            pk = [t.data_ptr() for t in xk]
 
             def block(call):
                 def f():
                     with pg.coalesced():
-                        for _ in range(k):
-                            call()
+                        for t in xk:
+                            call(t)
                 return f
 
             def cupy_block():
                 nccl.groupStart()
-                for _ in range(k):
-                    cc.allReduce(xp, xp, n, F32, SUM, sp)
+                for p in pk:
+                    cc.allReduce(p, p, n, F32, SUM, sp)
                 nccl.groupEnd()
             cases[f"all_reduce x{k} block"] = (
-                block(cases["all_reduce"][0]), block(cases["all_reduce"][1]), cupy_block)
+                block(lambda t: pg.all_reduce(t)),
+                block(lambda t: be.all_reduce_sync(t, "sum", None, None, "auto",
+                                                   cfg.max_segment_bytes,
+                                                   cfg.tree_threshold_bytes,
+                                                   cfg.hd_threshold_bytes)),
+                cupy_block)
         rows, steps = [], {}
         for name, fs in cases.items():
             if args.ops and name.split(" ")[0] not in args.ops.split(","):

@@ -193,23 +193,30 @@ def time_plan(pg, torch, args, plan, rank, world):
         sym = mode in ("symmetric", "sym+graph")
         key = (dtype, sym)
         itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-        if key not in arenas:
-            arenas[key] = Buffers(pg, torch, dtype, args.maxbytes // itemsize + world, sym)
-        bufs = arenas[key]
+        coalesced = mode == "coalesced"
+        # A block's calls each on their own buffers: they may not use each other's results.
+        per = args.agg if coalesced else 1
+        for i in range(per):
+            if key + (i,) not in arenas:
+                arenas[key + (i,)] = Buffers(pg, torch, dtype, args.maxbytes // itemsize + world,
+                                             sym)
+        bufs = arenas[key + (0,)]
         for nbytes in sizes:
             nx, nout = counts_for(op, nbytes, itemsize, world)
             x, out = bufs.get(op, nx, nout, rank, in_place)
-            coalesced = mode == "coalesced"
             wrong = check(pg, torch, op, x, out, coalesced)
             x.zero_()  # in-place sums stay finite
             f = call_of(pg, op, x, out)
-            per = args.agg if coalesced else 1
             if coalesced:  # as nccl-tests -m: `agg` calls in each block, time per call
-                call = f
+                calls = [f]
+                for i in range(1, per):
+                    xi, oi = arenas[key + (i,)].get(op, nx, nout, rank, in_place)
+                    xi.zero_()
+                    calls.append(call_of(pg, op, xi, oi))
 
                 def f():
                     with pg.coalesced():
-                        for _ in range(per):
+                        for call in calls:
                             call()
             ts = [time_call(pg, torch, f, iters, args.warmup, mode.endswith("graph"),
                             args.graph_launches) / per for _ in range(args.repeats)]

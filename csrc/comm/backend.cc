@@ -128,8 +128,73 @@ void Backend::check_overlap(const char* what, const ArrayView& in, const ArrayVi
                                 in_place, "); pass separate arrays, or exactly that"));
 }
 
+namespace {
+using Spans = std::map<uintptr_t, BlockSpan>;
+
+// The span of `m` that overlaps [lo, hi), or m.end().
+Spans::const_iterator overlapping(const Spans& m, uintptr_t lo, uintptr_t hi) {
+  auto it = m.upper_bound(lo);
+  if (it != m.begin() && std::prev(it)->second.hi > lo) return std::prev(it);
+  if (it != m.end() && it->first < hi) return it;
+  return m.end();
+}
+
+// Adds [lo, hi) to `m`, merging the spans it overlaps (they keep the first call's name).
+void add_span(Spans& m, uintptr_t lo, uintptr_t hi, const char* what) {
+  for (auto it = overlapping(m, lo, hi); it != m.end(); it = overlapping(m, lo, hi)) {
+    if (it->first < lo) {
+      lo = it->first;
+      what = it->second.what;
+    }
+    hi = std::max(hi, it->second.hi);
+    m.erase(it);
+  }
+  m.emplace(lo, BlockSpan{hi, what});
+}
+}  // namespace
+
+// Note [Calls of a block are independent]
+// A coalesced block's calls run together: NCCL enqueues them in one group, whose kernels
+// may run them in any order or at once, so a call that reads what another call of the block
+// writes (or two that write the same memory) would give a result that depends on the
+// schedule: all_reduce(x) twice in one block does not sum twice. Every backend refuses such
+// a call (InvalidArgument), the CPU one too, though it runs each call at once: a program
+// must mean the same on every backend. A call's own input and output may overlap as its
+// in-place form allows (check_overlap); reads of the same memory by several calls are fine.
+// The check costs two map lookups per array, in blocks only.
+void Backend::check_block_memory(const char* what, std::initializer_list<const ArrayView*> arrays,
+                                 bool reads_only) {
+  struct Use {
+    uintptr_t lo, hi;
+    bool writes;
+  };
+  Use uses[2];
+  size_t n = 0;
+  for (const ArrayView* a : arrays) {
+    const bool writes = !reads_only && (arrays.size() == 1 || a == *(arrays.end() - 1));
+    const auto lo = reinterpret_cast<uintptr_t>(a->data);
+    if (a->bytes() && n < 2) uses[n++] = Use{lo, lo + a->bytes(), writes};
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const Use& u = uses[i];
+    auto w = overlapping(block_writes_, u.lo, u.hi);
+    const bool by_write = w != block_writes_.end();
+    auto r = by_write || !u.writes ? block_reads_.end() : overlapping(block_reads_, u.lo, u.hi);
+    if (!by_write && r == block_reads_.end()) continue;
+    const char* other = by_write ? w->second.what : r->second.what;
+    throw InvalidArgument(str_cat(
+        who_, ": ", what, " in a coalesced block ", u.writes ? "writes" : "reads",
+        " memory that an earlier ", other, " of the block ", by_write ? "writes" : "reads",
+        ": a block's calls run together, in no set order (NCCL enqueues them as one group), "
+        "so none may use another's result; end the block before this call"));
+  }
+  for (size_t i = 0; i < n; ++i)
+    add_span(uses[i].writes ? block_writes_ : block_reads_, uses[i].lo, uses[i].hi, what);
+}
+
 Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const CallOptions& o,
-                            const char* what, std::initializer_list<const ArrayView*> arrays) {
+                            const char* what, std::initializer_list<const ArrayView*> arrays,
+                            bool reads_only) {
   if (destroyed_.load(std::memory_order_acquire))
     throw Aborted(str_cat(who_, ": ", describe_op(d), " was called on a destroyed group; make "
                           "a new group to go on"));
@@ -139,17 +204,22 @@ Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const Cal
         throw InvalidArgument(str_cat(what, ": the array is on CUDA device ", a->device,
                                       " but this group's communicator uses device ", device()));
   check_options(what, o);
+  if (block_depth_) check_block_memory(what, arrays, reads_only);
   Call c{what, d, o, {}};
   if (block_depth_ && kind != CollKind::kSendRecv) {  // Note [Coalesced blocks]
     if (!block_used_) ++blocks_;
     block_used_ = true;
     c.desc.block = blocks_;
   }
-  // Point-to-point returns a Work even when synchronous: its owners ride with it too. In a
-  // block the op may run after the call returns (NCCL): the owners ride with it until then.
-  if (o.async || kind == CollKind::kSendRecv || block_depth_)
+  // Point-to-point returns a Work even when synchronous: its owners ride with it too.
+  if (o.async || kind == CollKind::kSendRecv)
     for (const ArrayView* a : arrays)
       if (a->owner) c.keep.push_back(a->owner);
+  // The block holds every array of its calls until it ends: a call may run only then (NCCL),
+  // and memory freed and reused within the block would look like one call using another's.
+  if (block_depth_)
+    for (const ArrayView* a : arrays)
+      if (a->owner) block_keep_.push_back(a->owner);
   return c;
 }
 
@@ -159,6 +229,9 @@ void Backend::begin_coalesced() {
   if (block_depth_ == 0) {
     do_begin_coalesced();
     block_used_ = false;
+    block_writes_.clear();
+    block_reads_.clear();
+    block_keep_.clear();
   }
   ++block_depth_;
 }
@@ -169,6 +242,9 @@ void Backend::end_coalesced(Millis timeout) {
     throw InvalidArgument(str_cat(who_, ": end_coalesced without an open coalesced block"));
   }
   if (--block_depth_ > 0) return;
+  // Enqueued (or failed), the block's calls are ordered by their streams, as any synchronous
+  // call's, or held by their Works: the block lets its arrays go on the way out.
+  std::vector<std::shared_ptr<void>> arrays = std::move(block_keep_);
   Issue issue(*this, "end of a coalesced block");  // it issues the block's ops
   try {
     do_end_coalesced(timeout);
@@ -337,7 +413,7 @@ void check_peer(int peer, int rank, int size, const char* what) {
 WorkPtr Backend::send(const ArrayView& buf, int peer, uint32_t tag, const CallOptions& o) {
   check_peer(peer, rank_, size_, "send");
   auto d = make_desc(CollKind::kSendRecv, buf.dtype, buf.count);
-  Call c = open(CollKind::kSendRecv, d, o, "send", {&buf});
+  Call c = open(CollKind::kSendRecv, d, o, "send", {&buf}, /*reads_only=*/true);
   ledger_.open_p2p(d, peer);
   return issue(c, [&] { return do_send(c, buf, peer, tag); });
 }

@@ -43,6 +43,7 @@
 #include <atomic>
 #include <exception>
 #include <initializer_list>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -78,6 +79,13 @@ struct CallOptions {
   // execution]); one that returns a Work leaves the wait to the caller.
   bool wait = false;
   AllReduceTuning tuning;    // all_reduce only
+};
+
+// Memory [lo, hi) used by calls of a coalesced block (Note [Calls of a block are independent]
+// in backend.cc): `hi` and the first call's name, kept by `lo`.
+struct BlockSpan {
+  uintptr_t hi;
+  const char* what;
 };
 
 class Backend {
@@ -216,8 +224,15 @@ class Backend {
   virtual void on_identity() {}
 
  private:
+  // `arrays`: the call's input then output ({in, out}), or its one buffer, which it writes
+  // unless `reads_only` (send).
   Call open(CollKind kind, const transport::OpDesc& d, const CallOptions& o, const char* what,
-            std::initializer_list<const ArrayView*> arrays);
+            std::initializer_list<const ArrayView*> arrays, bool reads_only = false);
+  // Note [Calls of a block are independent]: refuses a call of the open block whose memory
+  // another call of the block writes, or that writes memory another call uses; then notes
+  // the call's memory.
+  void check_block_memory(const char* what, std::initializer_list<const ArrayView*> arrays,
+                          bool reads_only);
   void check_root(int root, const char* what) const;
   void check_counts(const std::vector<size_t>& counts, const char* what) const;
   void check_arrays(const char* what, const ArrayView& in, const ArrayView& out) const;
@@ -244,6 +259,10 @@ class Backend {
   int block_depth_ = 0;
   uint64_t blocks_ = 0;
   bool block_used_ = false;
+  // The open block's memory, as disjoint [lo, hi) intervals by lo, each with the first call
+  // that used it: what its calls write, and what they only read (overlapping reads merged).
+  std::map<uintptr_t, BlockSpan> block_writes_, block_reads_;
+  std::vector<std::shared_ptr<void>> block_keep_;  // its arrays' owners, until it ends
   std::atomic<uint64_t> issuing_{0};  // the thread issuing a call now, or 0
   std::atomic<const char*> issuing_what_{""};  // its operation, for the error only
   std::atomic<uint64_t> intruder_{0};  // a thread that found the mark taken, or 0

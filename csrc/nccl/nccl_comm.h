@@ -258,8 +258,6 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
     std::function<void(abi::CUstream, const Deadline&)> launch;
     abi::CUstream user;  // the caller's stream
     bool async;          // runs on internal_, ordered after `user`
-    // A synchronous (or captured) op's arrays, held until the block is enqueued.
-    std::vector<std::shared_ptr<void>> hold;
   };
   friend class SymmetricBlock;
   struct Window {
@@ -300,8 +298,8 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
                        bool host_blocking, bool captured, Staged op);
   // The caller's stream, or internal_ ordered after it for an async op.
   abi::CUstream exec_stream_locked(abi::CUstream user, bool async);
-  // Closes the block: its staged ops, for the caller to drop after releasing mu_ (their
-  // arrays may be the last references). Slots of ops that did not run let go of theirs.
+  // Closes the block: its staged ops, for the caller to drop after releasing mu_. Slots of
+  // ops that did not run let go of their arrays.
   std::vector<Staged> drop_block_locked();
   // Runs a call that may block inside NCCL, under the watchdog's deadline (Note [Stuck calls]).
   template <class Call>

@@ -142,12 +142,13 @@ CUstream NcclComm::exec_stream_locked(CUstream user, bool async) {
 // After the launch, one event recorded on the last op's stream marks every op of the block
 // complete (NCCL orders all the block's streams after its kernels): the slots take it as
 // their `done` event and become issued together. Each op's deadline counts from the end of
-// the block, when it was enqueued. A staged op holds its arrays until the block is
-// enqueued, synchronous ones too: a tensor dropped inside the block could otherwise be
-// reused by the caching allocator, written by work enqueued before the block's kernels,
-// and read or written by them. From there a synchronous op's stream orders any later use
-// of that memory, as after any synchronous call, and an async op's slot holds its arrays
-// until it completes. A staged op's Work cannot be waited on before the block ends
+// the block, when it was enqueued. The block holds the arrays of its calls until it is
+// enqueued (comm::Backend's block_keep_), synchronous ones too: a tensor dropped inside the
+// block could otherwise be reused by the caching allocator, written by work enqueued before
+// the block's kernels, and read or written by them. From there a synchronous op's stream
+// orders any later use of that memory, as after any synchronous call, and an async op's
+// slot holds its arrays until it completes. A staged op's Work cannot be waited on before
+// the block ends
 // (InvalidArgument: the wait would never end). Ops captured into a CUDA graph and ops not
 // captured cannot share a block (NCCL would refuse the group); a stream's capture state is
 // asked at its first op in the block and checked again at the end.
@@ -174,11 +175,8 @@ NcclComm::WorkPtr NcclComm::stage_locked(std::unique_lock<std::mutex>& lock, con
     s.timeout_ms = t.count();
     s.what = what;
     s.coll_seq = c.coll_seq;
-    if (c.async) s.keep = c.keep;
+    if (c.async) s.keep = c.keep;  // to its completion; the block holds every array to its end
   }
-  // A synchronous op's arrays are held until it is enqueued (then its stream orders any
-  // later use of their memory, as for any synchronous call); an async op's slot holds them.
-  if (!c.async || captured) op.hold = c.keep;
   staged_.push_back(std::move(op));
   if (!c.want_work) return nullptr;
   return std::make_shared<NcclWork>(shared_from_this(), seq, staged_.back().user,
@@ -195,7 +193,7 @@ std::vector<NcclComm::Staged> NcclComm::drop_block_locked() {
   for (size_t i = 0; i < staged_.size() && !block_captured_; ++i)
     slots_[(issued_ + i) % kSlots].keep.clear();
   block_open_ = false;
-  return std::move(staged_);  // the caller lets the arrays go once mu_ is released
+  return std::move(staged_);  // the caller drops them (their launches) once mu_ is released
 }
 
 void NcclComm::end_block(Millis timeout, std::exception_ptr cancel) {

@@ -84,6 +84,25 @@ def _refusals(pg):
                 call()
         except ValueError as e:
             seen[label] = str(e)
+    # Calls of a block run together: one may not use another's result (read what another
+    # writes, or write what another reads or writes). Reads of the same array are fine.
+    for label, calls in (
+            ("all_reduce twice", lambda: (pg.all_reduce(x), pg.all_reduce(x))),
+            ("gather what was reduced", lambda: (pg.all_reduce(x),
+                                                 pg.all_gather(x[:2], out=np.empty((2, 2))))),
+            ("write what is read", lambda: (pg.all_gather(x[:2], out=np.empty((2, 2))),
+                                            pg.broadcast(x, 0)))):
+        try:
+            with pg.coalesced():
+                calls()
+        except ValueError as e:
+            seen[label] = str(e)
+    with pg.coalesced():  # allowed: reads of one array, and temporaries (held to the end)
+        g1, g2 = np.empty((pg.size, 4)), np.empty((pg.size, 4))
+        pg.all_gather(x, out=g1)
+        pg.all_gather(x, out=g2)
+        for _ in range(3):
+            pg.all_reduce(np.ones(4))
     # Inside a block, barrier(async_op=True) is allowed: its Work is waited on after.
     with pg.coalesced():
         w = pg.barrier(async_op=True)
@@ -99,13 +118,23 @@ def _refusals(pg):
         seen["end without begin"] = str(e)
     y = _data(2, pg.rank, 4)
     pg.all_reduce(y, timeout=CALL_TIMEOUT)
-    return seen, y, pg._backend.coalescing
+    return seen, y, pg._backend.coalescing, g1, g2
 
 
 def test_what_waits_inside_a_block_is_refused_on_every_rank():
     world = 2
-    for seen, y, open_after in launch(world, _refusals):
-        assert set(seen) == {"barrier", "all_gather_v", "all_to_all_v", "end without begin"}
+    for seen, y, open_after, g1, g2 in launch(world, _refusals):
+        assert set(seen) == {"barrier", "all_gather_v", "all_to_all_v", "end without begin",
+                             "all_reduce twice", "gather what was reduced",
+                             "write what is read"}, seen
+        assert "writes memory that an earlier all_reduce of the block writes" in \
+            seen["all_reduce twice"], seen["all_reduce twice"]
+        assert "all_gather in a coalesced block reads memory that an earlier all_reduce" in \
+            seen["gather what was reduced"], seen["gather what was reduced"]
+        assert "broadcast in a coalesced block writes memory that an earlier all_gather of " \
+            "the block reads" in seen["write what is read"], seen["write what is read"]
+        x = _data(1, 0, 4)  # what each rank's x held before the refused calls' blocks ran
+        np.testing.assert_array_equal(g1, g2)
         assert "synchronous barrier" in seen["barrier"] and "after the block" in seen["barrier"]
         for what in ("all_gather_v", "all_to_all_v"):
             assert seen[what].startswith(what) and "outside the block" in seen[what]
@@ -149,15 +178,15 @@ def _killed_in_block(pg, victim):
     import os
     import signal
     import time
-    x = _data(1, pg.rank, 1 << 12)
+    x, y = _data(1, pg.rank, 1 << 12), _data(2, pg.rank, 1 << 12)
     t0 = time.monotonic()
     try:
         with pg.coalesced():
             pg.all_reduce(x, timeout=CALL_TIMEOUT)
             if pg.rank == victim:
                 os.kill(os.getpid(), signal.SIGKILL)
-            pg.all_reduce(x, timeout=CALL_TIMEOUT)
-            pg.all_gather(x[:8], timeout=CALL_TIMEOUT)
+            pg.all_reduce(y, timeout=CALL_TIMEOUT)
+            pg.all_gather(y[:8], timeout=CALL_TIMEOUT)
         for _ in range(100):
             pg.all_reduce(x, timeout=CALL_TIMEOUT)
     except (meshcoll.PeerError, meshcoll.TimeoutError) as e:

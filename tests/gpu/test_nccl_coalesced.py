@@ -62,6 +62,10 @@ def _block(pg):
             pg.all_gather(np.arange(3))  # host metadata: waits for its result
         except ValueError as e:
             refused["host all_gather"] = str(e)
+        try:
+            pg.broadcast(x, 0)  # would use the block's all_reduce of x: refused, not staged
+        except ValueError as e:
+            refused["dependent"] = str(e)
         other.all_reduce(z)  # another group: runs now, not at the block's end
         torch.cuda.synchronize()
         z_inside = z.cpu().numpy().copy()
@@ -102,6 +106,8 @@ def test_a_blocks_collectives_give_numpys_answer_and_hold_their_arrays():
         np.testing.assert_array_equal(x_inside, _data(1, rank, n))
         assert "coalesced block still open" in refused["wait"], refused
         assert "outside the block" in refused["host all_gather"], refused
+        assert "broadcast in a coalesced block writes memory that an earlier all_reduce" in \
+            refused["dependent"], refused
 
 
 def _captured(pg):
@@ -172,7 +178,7 @@ def _killed_in_block(pg):
     it, and must end in an error naming it, not a hang."""
     import os
     import torch
-    x = torch.ones(256, device="cuda")
+    x, y = torch.ones(256, device="cuda"), torch.ones(256, device="cuda")
     pg.all_reduce(x)
     torch.cuda.synchronize()
     kind, msg = "no error", ""
@@ -182,7 +188,7 @@ def _killed_in_block(pg):
             pg.all_reduce(x)
             if pg.rank == 1:
                 os._exit(3)  # dies without a word, its block never enqueued
-            pg.all_reduce(x)
+            pg.all_reduce(y)
         for _ in range(200):  # a later call raises once the failure is known
             pg.all_reduce(x)
             torch.cuda.synchronize()
