@@ -741,10 +741,13 @@ class ProcessGroup:
                     group.all_reduce(g)
             # every g is reduced here
 
-        Every rank forms the same blocks (the same calls in each, in the same order): a
-        difference is a MismatchError, as for any other. Calls that wait for a result inside
-        the block are refused (ValueError): a synchronous barrier, all_gather_v, all_to_all_v,
-        and numpy metadata exchanges on NCCL groups. Blocks nest; the outermost runs them.
+        A block's calls are independent (NCCL runs them as one group, in no set order): a
+        call that reads what an earlier call of the block writes, or writes what one reads
+        or writes, raises ValueError. Every rank forms the same blocks (the same calls in
+        each, in the same order): a difference is a MismatchError, as for any other. Calls
+        that wait for a result inside the block are refused (ValueError): a synchronous
+        barrier, all_gather_v, all_to_all_v, and numpy metadata exchanges on NCCL groups.
+        Blocks nest; the outermost runs them.
         ``timeout`` bounds the enqueue at the end (default: the group's); each op's own
         timeout counts from there. Arrays passed inside are held until their op completed, so
         a temporary is safe."""
