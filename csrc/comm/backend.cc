@@ -173,7 +173,12 @@ void Backend::check_block_memory(const char* what, std::initializer_list<const A
   for (const ArrayView* a : arrays) {
     const bool writes = !reads_only && (arrays.size() == 1 || a == *(arrays.end() - 1));
     const auto lo = reinterpret_cast<uintptr_t>(a->data);
-    if (a->bytes() && n < 2) uses[n++] = Use{lo, lo + a->bytes(), writes};
+    if (!a->bytes() || n == 2) continue;
+    if (n == 1 && uses[0].lo == lo && uses[0].hi == lo + a->bytes()) {  // in place: one use
+      uses[0].writes = uses[0].writes || writes;
+      continue;
+    }
+    uses[n++] = Use{lo, lo + a->bytes(), writes};
   }
   for (size_t i = 0; i < n; ++i) {
     const Use& u = uses[i];
@@ -219,7 +224,8 @@ Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const Cal
   // and memory freed and reused within the block would look like one call using another's.
   if (block_depth_)
     for (const ArrayView* a : arrays)
-      if (a->owner) block_keep_.push_back(a->owner);
+      if (a->owner && (block_keep_.empty() || block_keep_.back() != a->owner))
+        block_keep_.push_back(a->owner);
   return c;
 }
 

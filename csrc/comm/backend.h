@@ -156,8 +156,11 @@ class Backend {
   // ProcessGroup.coalesced(): the collectives issued between begin_coalesced() and the
   // matching end_coalesced() form one block, which a backend may run as one launch (NCCL:
   // one ncclGroupStart/End, so N small ops cost about one launch; Note [Coalesced blocks on
-  // NCCL] in nccl/nccl_ops.cc) or one op after another (CPU: each runs at its call, which
-  // keeps every promise a block makes). The promises, the same on every backend: a result
+  // NCCL] in nccl/nccl_ops.cc) or in part at each call (CPU: small synchronous all_reduces
+  // fused at the end, Note [Fused all_reduces] in cpu/cpu_backend.cc, the rest at their
+  // call). The calls of a block must be independent (Note [Calls of a block are
+  // independent] in backend.cc), and the block holds their arrays until it ends. The
+  // promises, the same on every backend: a result
   // is ready (on its stream, for a GPU group) once the block has ended; a Work of the block
   // is waited on after it; and what waits for a result inside a block is refused
   // (InvalidArgument): a synchronous barrier here, and in the ProcessGroup the _v calls,

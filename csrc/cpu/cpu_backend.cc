@@ -1,6 +1,7 @@
 #include "cpu/cpu_backend.h"
 
 #include <algorithm>
+#include <cstring>
 
 #include "algo/collectives.h"
 #include "common/error.h"
@@ -51,13 +52,95 @@ void CpuBackend::check_options(const char* what, const comm::CallOptions& o) con
 
 template <class Op>
 WorkPtr CpuBackend::run(Call& c, Op&& op) {
+  flush_staged();
   if (c.opts.async)
     return comm_->enqueue(c.desc, c.opts.timeout, std::forward<Op>(op), std::move(c.keep));
   comm_->run_blocking(c.desc, c.opts.timeout, op);
   return nullptr;
 }
 
+// Note [Fused all_reduces]
+// In a coalesced block (Note [Coalesced blocks] in comm/backend.h) a synchronous all_reduce
+// of at most kFuseCallBytes with the automatic algorithm is staged, not run: its result is
+// due when the block ends. The staged calls run at the block's end, or before any other call
+// on the group, in order; consecutive ones of one dtype and op are fused into one
+// all_reduce of a buffer holding them end to end (copied in, reduced once, copied out), so N
+// small calls cost one round of messages instead of N: the CPU's counterpart of NCCL's group
+// launch. A block's calls are independent (Note [Calls of a block are independent]), so the
+// fused call computes exactly what the calls one by one would. The fused call's description
+// counts every element and hashes the calls' counts (its `shape`), so ranks whose calls
+// differ in any count, or in their order, get MismatchError; the ledger keeps the fused call
+// (its count is the sum). Its timeout is the shortest the calls gave. A failure is raised by
+// whatever ran it: the block's end, or the group's next call. Measured on the 2-core VM, 2
+// ranks, 8-byte calls: over TCP 10.2-11.3 us each one by one, 2.1-2.7 us in blocks of 8,
+// 1.1-1.2 us in blocks of 32; over shared memory, where one call costs 0.7-0.8 us, a block
+// gains nothing (0.8-1.1 us a call: the block's own checks cost about what a round does).
+void CpuBackend::flush_staged() {
+  if (staged_.empty()) return;
+  std::vector<Staged> staged;
+  staged.swap(staged_);
+  staged_bytes_ = 0;
+  for (size_t i = 0, j; i < staged.size(); i = j) {
+    const Staged& first = staged[i];
+    size_t total = 0;
+    Millis timeout = first.timeout;
+    comm::ShapeHash layout;
+    for (j = i; j < staged.size() && staged[j].in.dtype == first.in.dtype &&
+                staged[j].op == first.op;
+         ++j) {
+      total += staged[j].in.count;
+      layout.mix(staged[j].in.count);
+      if (staged[j].timeout.count() >= 0 &&
+          (timeout.count() < 0 || staged[j].timeout < timeout))
+        timeout = staged[j].timeout;
+    }
+    comm::CallOptions o;
+    o.timeout = timeout;
+    o.tuning = first.tuning;
+    Call fused{"all_reduce", comm::make_desc(comm::CollKind::kAllReduce, first.in.dtype, total,
+                                                first.op),
+               o};
+    fused.desc.block = first.block;
+    if (j == i + 1) {  // alone: as it was called
+      run_all_reduce(fused, first.in, first.out, first.op);
+      continue;
+    }
+    fused.desc.shape = layout.value();
+    const size_t es = dtype_size(first.in.dtype);
+    std::vector<uint8_t> buf(total * es);
+    ArrayView all;
+    all.data = buf.data();
+    all.count = total;
+    all.dtype = first.in.dtype;
+    size_t off = 0;
+    for (size_t k = i; k < j; ++k) {
+      std::memcpy(buf.data() + off, staged[k].in.data, staged[k].in.bytes());
+      off += staged[k].in.bytes();
+    }
+    run_all_reduce(fused, all, all, first.op);
+    off = 0;
+    for (size_t k = i; k < j; ++k) {
+      std::memcpy(staged[k].out.data, buf.data() + off, staged[k].out.bytes());
+      off += staged[k].out.bytes();
+    }
+  }
+}
+
 WorkPtr CpuBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
+  if (c.desc.block && !c.opts.async && in.bytes() <= kFuseCallBytes &&
+      c.opts.tuning.algorithm == static_cast<uint8_t>(algo::Algorithm::kAuto)) {
+    if (staged_bytes_ + in.bytes() > kFuseBytes) flush_staged();
+    staged_.push_back(Staged{unowned(in), unowned(out), op, c.opts.timeout, c.opts.tuning,
+                             c.desc.block});
+    staged_bytes_ += in.bytes();
+    return nullptr;  // Note [Fused all_reduces]: run by the block's end or the next call
+  }
+  flush_staged();
+  return run_all_reduce(c, in, out, op);
+}
+
+WorkPtr CpuBackend::run_all_reduce(Call& c, const ArrayView& in, const ArrayView& out,
+                                   RedOp op) {
   const auto& t = c.opts.tuning;
   if (hier_ && t.algorithm == static_cast<uint8_t>(algo::Algorithm::kAuto))
     return run(c, [h = hier_, in = unowned(in), out = unowned(out), op, t](comm::Comm& cm) {
@@ -136,6 +219,7 @@ WorkPtr CpuBackend::do_barrier(Call& c) {
 }
 
 WorkPtr CpuBackend::do_send(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
+  flush_staged();
   if (c.opts.wait) {
     comm_->run_p2p_blocking(true, peer, tag, buf.cbytes(), MutBytes(), c.desc, c.opts.timeout);
     return nullptr;
@@ -145,6 +229,7 @@ WorkPtr CpuBackend::do_send(Call& c, const ArrayView& buf, int peer, uint32_t ta
 }
 
 WorkPtr CpuBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
+  flush_staged();
   if (c.opts.wait) {
     comm_->run_p2p_blocking(false, peer, tag, ConstBytes(), buf.mbytes(), c.desc, c.opts.timeout);
     return nullptr;

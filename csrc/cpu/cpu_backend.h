@@ -32,6 +32,7 @@ class CpuBackend final : public comm::Backend {
 
  protected:
   void do_shutdown() override;
+  void do_end_coalesced(Millis /*timeout*/) override { flush_staged(); }
   void check_reduction(DType dt, RedOp op) const override;
   void check_options(const char* what, const comm::CallOptions& o) const override;
   comm::WorkPtr do_all_reduce(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
@@ -56,12 +57,29 @@ class CpuBackend final : public comm::Backend {
   void do_fail(const std::string& message, std::exception_ptr like) override;
 
  private:
-  // Runs `op` (a callable over the Comm holding its args by value) as call `c`.
+  // Runs `op` (a callable over the Comm holding its args by value) as call `c`, after the
+  // staged all_reduces (Note [Fused all_reduces]).
   template <class Op>
   comm::WorkPtr run(Call& c, Op&& op);
+  comm::WorkPtr run_all_reduce(Call& c, const comm::ArrayView& in, const comm::ArrayView& out,
+                               RedOp op);
+  // Note [Fused all_reduces]: runs the staged all_reduces, fused where they can be.
+  void flush_staged();
 
   std::unique_ptr<comm::Comm> comm_;
   std::shared_ptr<const Hierarchy> hier_;  // null: flat collectives
+  // Note [Fused all_reduces]: the open block's synchronous small all_reduces, not run yet.
+  struct Staged {
+    comm::ArrayView in, out;
+    RedOp op;
+    Millis timeout;
+    comm::AllReduceTuning tuning;
+    uint64_t block;
+  };
+  std::vector<Staged> staged_;
+  size_t staged_bytes_ = 0;
+  static constexpr size_t kFuseCallBytes = 64 << 10;  // larger calls run at their call
+  static constexpr size_t kFuseBytes = 1 << 20;       // a fused call at most this big
 };
 
 }  // namespace meshcoll::cpu

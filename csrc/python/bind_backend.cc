@@ -454,10 +454,16 @@ void bind_backend(py::module_& m) {
       .def("begin_coalesced", &Backend::begin_coalesced,
            "Opens a coalesced block (Note [Coalesced blocks] in csrc/comm/backend.h).")
       .def("end_coalesced", [](Backend& x, const py::handle& timeout) {
-             x.end_coalesced(timeout_arg(timeout));
+             const Millis t = timeout_arg(timeout);
+             if (x.device_memory()) return x.end_coalesced(t);  // an enqueue: GIL held
+             // A CPU block's end runs its staged all_reduces: the GIL goes, as for any
+             // blocking call, inside the Issue (Note [One issuing thread]).
+             Backend::Issue issue(x, "end of a coalesced block");
+             call_nogil([&] { x.end_coalesced(t); });
+             issue.check();
            }, py::arg("timeout") = py::none(),
            "Ends the innermost block; the outermost runs its ops (NCCL: enqueues them, with "
-           "the GIL held, as every NCCL enqueue).")
+           "the GIL held, as every NCCL enqueue; CPU: runs its staged all_reduces).")
       .def_property_readonly("coalescing", &Backend::coalescing,
                              "Whether a coalesced block is open.")
       .def("all_reduce", [](Backend& x, const py::handle& a, const py::handle& out,

@@ -732,7 +732,8 @@ class ProcessGroup:
     def coalesced(self, *, timeout: Optional[float] = None) -> ContextManager[ProcessGroup]:
         """A block of collectives that run together: on an NCCL group, every collective
         issued inside is enqueued at the block's end in one NCCL group launch, so N small
-        calls cost about one launch instead of N; on a CPU group each runs at its call.
+        calls cost about one launch instead of N; on a CPU group, small synchronous
+        all_reduces are fused into one call at the block's end, the rest run at their call.
         Either way, a result is ready (on its stream, for GPU arrays) once the block ends,
         and Works of the block are waited on after it::
 

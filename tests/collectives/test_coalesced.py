@@ -230,3 +230,69 @@ def test_destroy_inside_a_block_runs_its_calls_then_closes_the_group():
     for x, after in launch(world, _destroyed_in_block):
         np.testing.assert_allclose(x, sum(_data(1, k, 16) for k in range(world)), rtol=1e-12)
         assert after == "AbortedError", after
+
+
+def _fused(pg):
+    """Note [Fused all_reduces]: a block's small synchronous all_reduces run together at its
+    end (or before the group's next other call), consecutive ones of one dtype and op fused
+    into one call."""
+    sizes = [1, 7, 2, 300, 5, 64, 3, 1000, 9, 4]
+    xs = [_data(30 + i, pg.rank, n, np.float32) for i, n in enumerate(sizes)]
+    ms = [_data(50 + i, pg.rank, n) for i, n in enumerate((3, 11))]
+    b = _data(60, pg.rank, 5)
+    before = pg.recent_calls(64)
+    with pg.coalesced():
+        for x in xs[:6]:
+            pg.all_reduce(x)
+        early = xs[0].copy()  # staged, not run yet: still this rank's own values
+        for m in ms:
+            pg.all_reduce(m, op="max")
+        pg.broadcast(b, 0)  # runs the staged calls first, then itself
+        for x in xs[6:]:
+            pg.all_reduce(x)
+    calls = pg.recent_calls(64)[len(before):]
+    return xs, ms, b, early, calls
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_blocks_small_all_reduces_are_fused_and_give_numpys_answer(transport):
+    world = 2
+    sizes = [1, 7, 2, 300, 5, 64, 3, 1000, 9, 4]
+    for rank, (xs, ms, b, early, calls) in enumerate(launch(world, _fused, transport=transport)):
+        for i, (x, n) in enumerate(zip(xs, sizes)):
+            want = sum(_data(30 + i, k, n, np.float32) for k in range(world))
+            np.testing.assert_allclose(x, want, rtol=1e-6, err_msg=str(i))
+        for i, (m, n) in enumerate(zip(ms, (3, 11))):
+            np.testing.assert_array_equal(m, np.maximum(*[_data(50 + i, k, n)
+                                                          for k in range(world)]))
+        np.testing.assert_array_equal(b, _data(60, 0, 5))
+        np.testing.assert_array_equal(early, _data(30, rank, 1, np.float32))
+        # Twelve all_reduces and a broadcast made four calls: the six float32 sums, the two
+        # float64 maxes, the broadcast, the last four float32 sums.
+        assert len(calls) == 4, calls
+        assert calls[0].startswith(f"all_reduce(count={sum(sizes[:6])}, float32, sum"), calls
+        assert calls[1].startswith("all_reduce(count=14, float64, max"), calls
+        assert calls[2].startswith("broadcast("), calls
+        assert calls[3].startswith(f"all_reduce(count={sum(sizes[6:])}, float32, sum"), calls
+
+
+def _permuted(pg):
+    """The same total count, split differently: rank 0 reduces 2 then 3 elements, the others 3
+    then 2. Fused, the totals agree: the layout in the description must not."""
+    g = pg.new_group(list(range(pg.size)))
+    first, second = (2, 3) if g.rank == 0 else (3, 2)
+    a, b = _data(1, g.rank, first), _data(2, g.rank, second)
+    try:
+        with g.coalesced():
+            g.all_reduce(a, timeout=CALL_TIMEOUT)
+            g.all_reduce(b, timeout=CALL_TIMEOUT)
+    except meshcoll.MeshcollError as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_calls_fused_differently_across_ranks_are_a_mismatch_on_every_rank(transport):
+    for rank, (kind, msg) in enumerate(launch(3, _permuted, transport=transport)):
+        assert kind == "MismatchError", (rank, kind, msg)
+        assert "count=5" in msg, msg
