@@ -148,10 +148,9 @@ CUstream NcclComm::exec_stream_locked(CUstream user, bool async) {
 // the block's kernels, and read or written by them. From there a synchronous op's stream
 // orders any later use of that memory, as after any synchronous call, and an async op's
 // slot holds its arrays until it completes. A staged op's Work cannot be waited on before
-// the block ends
-// (InvalidArgument: the wait would never end). Ops captured into a CUDA graph and ops not
-// captured cannot share a block (NCCL would refuse the group); a stream's capture state is
-// asked at its first op in the block and checked again at the end.
+// the block ends (InvalidArgument: the wait would never end). Ops captured into a CUDA graph
+// and ops not captured cannot share a block (NCCL would refuse the group); a stream's
+// capture state is asked at its first op in the block and checked again at the end.
 NcclComm::WorkPtr NcclComm::stage_locked(std::unique_lock<std::mutex>& lock, const CallOpts& c,
                                          const char* what, bool host_blocking, bool captured,
                                          Staged op) {
@@ -233,28 +232,28 @@ void NcclComm::end_block(Millis timeout, std::exception_ptr cancel) {
       });
       return ncclSuccess;
     });
+    if (!block_captured_) {
+      const size_t n = staged_.size();
+      Slot& last = slots_[(issued_ + n - 1) % kSlots];
+      if (!last.event)
+        cu_.check(cu_.event_create(&last.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+      cu_.check(cu_.event_record(last.event, execs[n - 1]), "cuEventRecord (block completion)");
+      const auto now = Clock::now();
+      for (size_t i = 0; i < n; ++i) {
+        Slot& s = slots_[(issued_ + i) % kSlots];
+        s.done = last.event;
+        s.stream = execs[n - 1];
+        s.deadline = now + Millis(s.timeout_ms);
+      }
+      issued_ += n;
+    }
   } catch (...) {
-    // The block did not run here, and peers that ran it wait for this rank: the
-    // communicator is failed, so the staged ops' Works report why (their slots were never
-    // issued: later ops will take them).
+    // The block did not run here (or cannot be watched), and peers that ran it wait for
+    // this rank: the communicator is failed, so the staged ops' Works report why (slots
+    // never issued are taken by later ops).
     fail_locked(std::current_exception());
     done = drop_block_locked();
     throw;
-  }
-  if (!block_captured_) {
-    const size_t n = staged_.size();
-    Slot& last = slots_[(issued_ + n - 1) % kSlots];
-    if (!last.event)
-      cu_.check(cu_.event_create(&last.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-    cu_.check(cu_.event_record(last.event, execs[n - 1]), "cuEventRecord (block completion)");
-    const auto now = Clock::now();
-    for (size_t i = 0; i < n; ++i) {
-      Slot& s = slots_[(issued_ + i) % kSlots];
-      s.done = last.event;
-      s.stream = execs[n - 1];
-      s.deadline = now + Millis(s.timeout_ms);
-    }
-    issued_ += n;
   }
   done = drop_block_locked();
   lock.unlock();

@@ -749,9 +749,10 @@ class ProcessGroup:
         that wait for a result inside the block are refused (ValueError): a synchronous
         barrier, all_gather_v, all_to_all_v, and numpy metadata exchanges on NCCL groups.
         Blocks nest; the outermost runs them.
-        ``timeout`` bounds the enqueue at the end (default: the group's); each op's own
-        timeout counts from there. Arrays passed inside are held until their op completed, so
-        a temporary is safe."""
+        ``timeout`` bounds an NCCL block's enqueue at its end (default: the group's); each
+        op's own timeout counts from there (a CPU block's fused all_reduce takes the shortest
+        its calls gave). Arrays passed inside are held until the block ends (an async op's
+        until it completes), so a temporary is safe."""
         return _Block(self, timeout)
 
     def _refuse_in_block(self, what: str) -> None:
