@@ -233,3 +233,29 @@ def _shape_mismatch_body(pg):
 
 def test_hierarchical_all_gather_compares_shapes_across_hosts(run_ranks):
     assert run_ranks(4, _shape_mismatch_body) == ["MismatchError"] * 4
+
+
+def _coalesced_body(pg, hosts):
+    """A coalesced block on a hierarchical group: its small all_reduces are fused into one
+    hierarchical call (Note [Fused all_reduces]); values against numpy."""
+    _emulate_host(hosts[pg.rank])
+    g = pg.new_group(list(range(pg.size)))
+    assert g._hier is not None
+    counts = [1, 5, 300, 2]
+    xs = [_input(g.rank, np.dtype("float32"), "sum", n, 90 + k) for k, n in enumerate(counts)]
+    before = len(g.recent_calls(64))
+    with g.coalesced():
+        for x in xs:
+            g.all_reduce(x)
+    calls = g.recent_calls(64)[before:]
+    fails = [f"call {k}: {n} wrong" for k, x in enumerate(xs)
+             if (n := _wrong(x, _expected(g.size, np.dtype("float32"), "sum", len(x), 90 + k),
+                             "float32"))]
+    return fails, calls
+
+
+def test_a_coalesced_block_on_a_hierarchical_group_fuses_and_sums_right(run_ranks):
+    hosts = LAYOUTS["2+2"]
+    for r, (fails, calls) in enumerate(run_ranks(len(hosts), _coalesced_body, hosts=hosts)):
+        assert not fails, f"rank {r}: {fails}"
+        assert any(c.startswith("all_reduce(count=308, float32, sum") for c in calls), calls
