@@ -160,11 +160,11 @@ class Backend {
   // fused at the end, Note [Fused all_reduces] in cpu/cpu_backend.cc, the rest at their
   // call). The calls of a block must be independent (Note [Calls of a block are
   // independent] in backend.cc), and the block holds their arrays until it ends. The
-  // promises, the same on every backend: a result
-  // is ready (on its stream, for a GPU group) once the block has ended; a Work of the block
-  // is waited on after it; and what waits for a result inside a block is refused
-  // (InvalidArgument): a synchronous barrier here, and in the ProcessGroup the _v calls,
-  // whose counts are exchanged first. Blocks nest; the outermost end runs them.
+  // promises, the same on every backend: a result is ready (on its stream, for a GPU group)
+  // once the block has ended; a Work of the block is waited on after it; and what waits for
+  // a result inside a block is refused (InvalidArgument): a synchronous barrier here, and in
+  // the ProcessGroup the _v calls, whose counts are exchanged first. Blocks nest; the
+  // outermost end runs them.
   // Every rank must form the same blocks: NCCL sizes a group's kernels by all of its ops, so
   // an op fused on one rank and alone on another hangs or mixes data. So each collective's
   // description carries its block's number (blocks that issued an op, counted on the group;
