@@ -19,6 +19,10 @@ import traceback
 
 from spawn_ranks import run_ranks
 
+# One BLAS thread per rank, as meshcoll-run sets: idle BLAS threads spinning would take cores
+# from the ranks on a small host.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def rank_main(rank, world, port, token, args, conn):
     try:
