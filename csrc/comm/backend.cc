@@ -216,6 +216,20 @@ Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const Cal
     block_used_ = true;
     c.desc.block = blocks_;
   }
+  // Note [Steps carry their call]
+  // A hierarchical call runs as steps on other groups (local shared memory, then the hosts'
+  // leaders), each described by its own counts. What the call's own description adds (its
+  // coalesced block, and the layout of a CPU block's fused all_reduce, or an all_gather's
+  // shape, in `shape`) would otherwise be compared nowhere: ranks that split one total
+  // differently in a block would sum misaligned data without an error. So each step's
+  // description takes the call's block and mixes in its layout.
+  if (o.within && (o.within->block || o.within->shape)) {
+    c.desc.block = o.within->block;
+    ShapeHash h;
+    h.mix(c.desc.shape);
+    h.mix(o.within->shape);
+    c.desc.shape = h.value();
+  }
   // Point-to-point returns a Work even when synchronous: its owners ride with it too.
   if (o.async || kind == CollKind::kSendRecv)
     for (const ArrayView* a : arrays)

@@ -79,6 +79,10 @@ struct CallOptions {
   // execution]); one that returns a Work leaves the wait to the caller.
   bool wait = false;
   AllReduceTuning tuning;    // all_reduce only
+  // A step of a composed call (the hierarchy's): that call's description, whose coalesced
+  // block and layout (`shape`) the step's description carries, so the step is compared as
+  // the call it serves would be (Note [Steps carry their call] in backend.cc); else null.
+  const transport::OpDesc* within = nullptr;
 };
 
 // Memory [lo, hi) used by calls of a coalesced block (Note [Calls of a block are independent]

@@ -41,6 +41,9 @@ std::string describe_op(const transport::OpDesc& d) {
   if (d.algo) s += str_cat(", ", d.algo < 6 ? kAlgorithms[d.algo] : "?");
   if (d.memory) s += str_cat(", symmetric buffers #", d.memory);
   if (d.block) s += str_cat(", in coalesced block ", d.block);
+  // In a block, `shape` also holds the layout of fused calls (Note [Fused all_reduces]):
+  // shown, so ranks whose fused calls split one total differently see where they differ.
+  if (d.block && d.shape) s += str_cat(", layout #", d.shape);
   return s + ")";
 }
 

@@ -127,7 +127,7 @@ void CpuBackend::flush_staged() {
 }
 
 WorkPtr CpuBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
-  if (c.desc.block && !c.opts.async && in.bytes() <= kFuseCallBytes &&
+  if (coalescing() && !c.opts.async && in.bytes() <= kFuseCallBytes &&
       c.opts.tuning.algorithm == static_cast<uint8_t>(algo::Algorithm::kAuto)) {
     if (staged_bytes_ + in.bytes() > kFuseBytes) flush_staged();
     staged_.push_back(Staged{unowned(in), unowned(out), op, c.opts.timeout, c.opts.tuning,

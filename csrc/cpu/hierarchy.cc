@@ -68,6 +68,7 @@ CallOptions step(const comm::Comm& parent, const comm::AllReduceTuning& tuning =
   const int left = parent.deadline().poll_ms();
   o.timeout = Millis(left < 0 ? INT_MAX : std::max(left, 1));
   o.tuning = tuning;
+  o.within = &parent.current().op;  // Note [Steps carry their call] in comm/backend.cc
   return o;
 }
 

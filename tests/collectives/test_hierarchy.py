@@ -259,3 +259,28 @@ def test_a_coalesced_block_on_a_hierarchical_group_fuses_and_sums_right(run_rank
     for r, (fails, calls) in enumerate(run_ranks(len(hosts), _coalesced_body, hosts=hosts)):
         assert not fails, f"rank {r}: {fails}"
         assert any(c.startswith("all_reduce(count=308, float32, sum") for c in calls), calls
+
+
+def _permuted_body(pg, hosts):
+    """On a hierarchical group, ranks that split one total differently in a block (rank 0
+    reduces 2 then 3 elements, the others 3 then 2): the fused call's layout must be compared
+    by the steps that run it, as a flat group's transport compares it."""
+    _emulate_host(hosts[pg.rank])
+    g = pg.new_group(list(range(pg.size)))
+    assert g._hier is not None
+    first, second = (2, 3) if g.rank == 0 else (3, 2)
+    a = _input(g.rank, np.dtype("float32"), "sum", first, 1)
+    b = _input(g.rank, np.dtype("float32"), "sum", second, 2)
+    try:
+        with g.coalesced():
+            g.all_reduce(a, timeout=30)
+            g.all_reduce(b, timeout=30)
+    except meshcoll.MeshcollError as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def test_a_block_split_differently_on_a_hierarchical_group_is_a_mismatch(run_ranks):
+    hosts = LAYOUTS["2+2"]
+    for r, (kind, msg) in enumerate(run_ranks(len(hosts), _permuted_body, hosts=hosts)):
+        assert kind == "MismatchError", (r, kind, msg)
