@@ -298,9 +298,9 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
                        bool host_blocking, bool captured, Staged op);
   // The caller's stream, or internal_ ordered after it for an async op.
   abi::CUstream exec_stream_locked(abi::CUstream user, bool async);
-  // Closes the block: its staged ops, for the caller to drop after releasing mu_. Slots of
-  // ops that did not run let go of their arrays.
-  std::vector<Staged> drop_block_locked();
+  // Closes the block, dropping its staged ops; slots of ops that did not run let go of their
+  // arrays.
+  void drop_block_locked();
   // Runs a call that may block inside NCCL, under the watchdog's deadline (Note [Stuck calls]).
   template <class Call>
   abi::ncclResult_t guarded_locked(const Deadline& d, const char* what, Call&& call);

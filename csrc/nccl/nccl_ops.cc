@@ -188,22 +188,21 @@ void NcclComm::begin_block() {
   block_open_ = true;
 }
 
-std::vector<NcclComm::Staged> NcclComm::drop_block_locked() {
+void NcclComm::drop_block_locked() {
   for (size_t i = 0; i < staged_.size() && !block_captured_; ++i)
     slots_[(issued_ + i) % kSlots].keep.clear();
+  staged_.clear();
   block_open_ = false;
-  return std::move(staged_);  // the caller drops them (their launches) once mu_ is released
 }
 
 void NcclComm::end_block(Millis timeout, std::exception_ptr cancel) {
-  std::vector<Staged> done;  // released after mu_ (declared first: destroyed last)
   std::unique_lock<std::mutex> lock(mu_);
   if (!block_open_) return;
   if (cancel && !failed_) fail_locked(cancel);  // no op of it may run: fail, as a mismatch does
   if (staged_.empty() || failed_ || !comm_) {
     // A failed or destroyed communicator runs nothing more: the staged ops (their Works
     // too) report its failure, which usable_locked raises here.
-    done = drop_block_locked();
+    drop_block_locked();
     usable_locked();
     return;
   }
@@ -252,11 +251,10 @@ void NcclComm::end_block(Millis timeout, std::exception_ptr cancel) {
     // this rank: the communicator is failed, so the staged ops' Works report why (slots
     // never issued are taken by later ops).
     fail_locked(std::current_exception());
-    done = drop_block_locked();
+    drop_block_locked();
     throw;
   }
-  done = drop_block_locked();
-  lock.unlock();
+  drop_block_locked();
 }
 
 NcclComm::WorkPtr NcclComm::all_reduce(const CallOpts& c, const void* in, void* out,

@@ -121,9 +121,10 @@ def _refusals(pg):
     return seen, y, pg._backend.coalescing, g1, g2
 
 
-def test_what_waits_inside_a_block_is_refused_on_every_rank():
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_what_waits_inside_a_block_is_refused_on_every_rank(transport):
     world = 2
-    for seen, y, open_after, g1, g2 in launch(world, _refusals):
+    for seen, y, open_after, g1, g2 in launch(world, _refusals, transport=transport):
         assert set(seen) == {"barrier", "all_gather_v", "all_to_all_v", "end without begin",
                              "all_reduce twice", "gather what was reduced",
                              "write what is read"}, seen
