@@ -10,9 +10,10 @@
 //
 // When a field takes effect: host_id, cma and fault when a communicator sets up shared memory,
 // simd when the kernel table is first built (the first reduction), nccl_* when NCCL is
-// loaded or split, host_timers at once.
+// loaded or split (nccl_direct_bytes: when a group is made), host_timers at once.
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 namespace meshcoll {
@@ -24,6 +25,9 @@ struct Config {
   bool nccl_trace = false;   // MESHCOLL_NCCL_TRACE: print each NCCL / CUDA loading step to stderr
   std::string nccl_library;  // MESHCOLL_NCCL_LIBRARY: libnccl.so.2 to try first ("": none)
   bool nccl_split = true;    // MESHCOLL_NCCL_SPLIT: subgroups through ncclCommSplit where available
+  // MESHCOLL_NCCL_DIRECT_BYTES: the largest call meshcoll's direct kernels take on an NCCL
+  // group of one host (Note [Direct kernels] in nccl/direct.h); 0: never.
+  size_t nccl_direct_bytes = size_t{256} << 10;
   bool abort_on_error = false;  // MESHCOLL_ON_ERROR=abort: a failed group ends the process
   bool host_timers = false;  // MESHCOLL_HOST_TIMERS: time each fast-path call's steps (Note [Host timers])
   // MESHCOLL_FAULT, for fault-injection tests: "kill@<point>" makes this process SIGKILL

@@ -193,4 +193,49 @@ using cuCtxSynchronize_t = CUresult (*)();
 using cuMemsetD8Async_t = CUresult (*)(CUdeviceptr dst, unsigned char value, size_t n, CUstream s);
 using cuMemcpyDtoHAsync_t = CUresult (*)(void* dst, CUdeviceptr src, size_t bytes, CUstream s);
 
+// Direct kernels (Note [Direct kernels] in direct.h): modules, launches, IPC, mapped memory.
+typedef struct CUmod_st* CUmodule;
+typedef struct CUfunc_st* CUfunction;
+struct CUipcMemHandle {
+  char reserved[64];  // CU_IPC_HANDLE_SIZE
+};
+inline constexpr unsigned int CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1;
+inline constexpr unsigned int CU_MEMHOSTALLOC_PORTABLE = 0x1;
+inline constexpr unsigned int CU_MEMHOSTALLOC_DEVICEMAP = 0x2;
+inline constexpr int CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75;
+inline constexpr int CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76;
+using cuModuleLoadData_t = CUresult (*)(CUmodule* module, const void* image);
+using cuModuleUnload_t = CUresult (*)(CUmodule module);
+using cuModuleGetFunction_t = CUresult (*)(CUfunction* fn, CUmodule module, const char* name);
+using cuLaunchKernel_t = CUresult (*)(CUfunction f, unsigned int gx, unsigned int gy,
+                                      unsigned int gz, unsigned int bx, unsigned int by,
+                                      unsigned int bz, unsigned int shared_bytes, CUstream s,
+                                      void** params, void** extra);
+using cuIpcGetMemHandle_t = CUresult (*)(CUipcMemHandle* handle, CUdeviceptr dptr);
+using cuIpcOpenMemHandle_t = CUresult (*)(CUdeviceptr* dptr, CUipcMemHandle handle,
+                                          unsigned int flags);
+using cuIpcCloseMemHandle_t = CUresult (*)(CUdeviceptr dptr);
+using cuMemHostAlloc_t = CUresult (*)(void** p, size_t bytes, unsigned int flags);
+using cuMemFreeHost_t = CUresult (*)(void* p);
+using cuMemHostGetDevicePointer_t = CUresult (*)(CUdeviceptr* dptr, void* p, unsigned int flags);
+using cuDeviceGetAttribute_t = CUresult (*)(int* value, int attribute, CUdevice dev);
+using cuStreamSynchronize_t = CUresult (*)(CUstream stream);
+
+// ---- NVRTC (the run-time compiler of the direct kernels) -----------------------------------
+typedef struct _nvrtcProgram* nvrtcProgram;
+typedef int nvrtcResult;  // 0: NVRTC_SUCCESS
+using nvrtcVersion_t = nvrtcResult (*)(int* major, int* minor);
+using nvrtcCreateProgram_t = nvrtcResult (*)(nvrtcProgram* prog, const char* src,
+                                             const char* name, int num_headers,
+                                             const char* const* headers,
+                                             const char* const* include_names);
+using nvrtcDestroyProgram_t = nvrtcResult (*)(nvrtcProgram* prog);
+using nvrtcCompileProgram_t = nvrtcResult (*)(nvrtcProgram prog, int num_options,
+                                              const char* const* options);
+using nvrtcGetProgramLogSize_t = nvrtcResult (*)(nvrtcProgram prog, size_t* size);
+using nvrtcGetProgramLog_t = nvrtcResult (*)(nvrtcProgram prog, char* log);
+using nvrtcGetCUBINSize_t = nvrtcResult (*)(nvrtcProgram prog, size_t* size);
+using nvrtcGetCUBIN_t = nvrtcResult (*)(nvrtcProgram prog, char* cubin);
+using nvrtcGetErrorString_t = const char* (*)(nvrtcResult r);
+
 }  // namespace meshcoll::nccl::abi

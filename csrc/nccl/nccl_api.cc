@@ -27,6 +27,8 @@ struct Loader {
   std::unique_ptr<CudaApi> cuda;
   std::atomic<const NcclApi*> nccl_ready{nullptr};
   std::atomic<const CudaApi*> cuda_ready{nullptr};
+  std::vector<std::string> nvrtc_candidates;
+  std::unique_ptr<NvrtcApi> nvrtc;
 };
 
 Loader& loader() {
@@ -82,6 +84,18 @@ std::unique_ptr<CudaApi> load_cuda() {
   bind(lib, api->memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2");
   bind(lib, api->ctx_synchronize, "cuCtxSynchronize");
   bind(lib, api->memset_d8_async, "cuMemsetD8Async");
+  bind(lib, api->module_load_data, "cuModuleLoadData");
+  bind(lib, api->module_unload, "cuModuleUnload");
+  bind(lib, api->module_get_function, "cuModuleGetFunction");
+  bind(lib, api->launch_kernel, "cuLaunchKernel");
+  bind(lib, api->ipc_get_mem_handle, "cuIpcGetMemHandle");
+  bind(lib, api->ipc_open_mem_handle, "cuIpcOpenMemHandle_v2");
+  bind(lib, api->ipc_close_mem_handle, "cuIpcCloseMemHandle");
+  bind(lib, api->mem_host_alloc, "cuMemHostAlloc");
+  bind(lib, api->mem_free_host, "cuMemFreeHost");
+  bind(lib, api->mem_host_get_device_pointer, "cuMemHostGetDevicePointer_v2");
+  bind(lib, api->device_get_attribute, "cuDeviceGetAttribute");
+  bind(lib, api->stream_synchronize, "cuStreamSynchronize");
   trace("cuInit");
   abi::CUresult r = api->init(0);
   trace(str_cat("cuInit returned ", r));
@@ -182,6 +196,29 @@ void CudaApi::check(abi::CUresult r, const char* what) const {
   if (r != abi::CUDA_SUCCESS) throw Error(str_cat(what, ": ", error_text(r)));
 }
 
+static std::unique_ptr<NvrtcApi> load_nvrtc(const std::vector<std::string>& wheel_candidates) {
+  std::vector<std::string> candidates = wheel_candidates;
+  for (const char* c : {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"}) candidates.push_back(c);
+  for (const auto& c : candidates) trace("NVRTC candidate " + c);
+  auto lib = std::make_unique<DynamicLibrary>(DynamicLibrary::open("NVRTC (libnvrtc.so)", candidates));
+  auto api = std::make_unique<NvrtcApi>();
+  api->path = lib->path();
+  trace("loaded " + api->path);
+  bind(*lib, api->version, "nvrtcVersion");
+  bind(*lib, api->create_program, "nvrtcCreateProgram");
+  bind(*lib, api->destroy_program, "nvrtcDestroyProgram");
+  bind(*lib, api->compile_program, "nvrtcCompileProgram");
+  bind(*lib, api->get_program_log_size, "nvrtcGetProgramLogSize");
+  bind(*lib, api->get_program_log, "nvrtcGetProgramLog");
+  bind(*lib, api->get_cubin_size, "nvrtcGetCUBINSize");
+  bind(*lib, api->get_cubin, "nvrtcGetCUBIN");
+  bind(*lib, api->get_error_string, "nvrtcGetErrorString");
+  api->version(&api->major, &api->minor);
+  static std::vector<std::unique_ptr<DynamicLibrary>>* keep = new std::vector<std::unique_ptr<DynamicLibrary>>();
+  keep->push_back(std::move(lib));
+  return api;
+}
+
 void set_nccl_candidates(std::vector<std::string> paths) {
   auto& l = loader();
   std::lock_guard<std::mutex> lock(l.mu);
@@ -236,6 +273,19 @@ bool nccl_available(std::string* why) {
   }
   if (why) *why = text;
   return ok;
+}
+
+void set_nvrtc_candidates(std::vector<std::string> paths) {
+  auto& l = loader();
+  std::lock_guard<std::mutex> lock(l.mu);
+  l.nvrtc_candidates = std::move(paths);
+}
+
+const NvrtcApi& nvrtc() {
+  auto& l = loader();
+  std::lock_guard<std::mutex> lock(l.mu);
+  if (!l.nvrtc) l.nvrtc = load_nvrtc(l.nvrtc_candidates);
+  return *l.nvrtc;
 }
 
 }  // namespace meshcoll::nccl

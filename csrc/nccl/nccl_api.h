@@ -91,6 +91,19 @@ struct CudaApi {
   abi::cuMemcpyDtoHAsync_t memcpy_dtoh_async = nullptr;
   abi::cuCtxSynchronize_t ctx_synchronize = nullptr;
   abi::cuMemsetD8Async_t memset_d8_async = nullptr;
+  // Direct kernels (Note [Direct kernels] in direct.h).
+  abi::cuModuleLoadData_t module_load_data = nullptr;
+  abi::cuModuleUnload_t module_unload = nullptr;
+  abi::cuModuleGetFunction_t module_get_function = nullptr;
+  abi::cuLaunchKernel_t launch_kernel = nullptr;
+  abi::cuIpcGetMemHandle_t ipc_get_mem_handle = nullptr;
+  abi::cuIpcOpenMemHandle_t ipc_open_mem_handle = nullptr;
+  abi::cuIpcCloseMemHandle_t ipc_close_mem_handle = nullptr;
+  abi::cuMemHostAlloc_t mem_host_alloc = nullptr;
+  abi::cuMemFreeHost_t mem_free_host = nullptr;
+  abi::cuMemHostGetDevicePointer_t mem_host_get_device_pointer = nullptr;
+  abi::cuDeviceGetAttribute_t device_get_attribute = nullptr;
+  abi::cuStreamSynchronize_t stream_synchronize = nullptr;
 
   // "CUDA_ERROR_INVALID_VALUE (invalid argument)"
   std::string error_text(abi::CUresult r) const;
@@ -101,6 +114,26 @@ struct CudaApi {
 // Wheel locations to try after $MESHCOLL_NCCL_LIBRARY and before the system. Has an effect
 // only before the first successful load.
 void set_nccl_candidates(std::vector<std::string> paths);
+
+// NVRTC, the run-time compiler of the direct kernels (Note [Direct kernels] in direct.h).
+// Search order: the paths set by set_nvrtc_candidates (python/meshcoll/nccl.py passes the
+// nvidia-cuda-nvrtc wheels' libraries), then the system's libnvrtc.so.13, .12, libnvrtc.so.
+struct NvrtcApi {
+  std::string path;
+  int major = 0, minor = 0;
+  abi::nvrtcVersion_t version = nullptr;
+  abi::nvrtcCreateProgram_t create_program = nullptr;
+  abi::nvrtcDestroyProgram_t destroy_program = nullptr;
+  abi::nvrtcCompileProgram_t compile_program = nullptr;
+  abi::nvrtcGetProgramLogSize_t get_program_log_size = nullptr;
+  abi::nvrtcGetProgramLog_t get_program_log = nullptr;
+  abi::nvrtcGetCUBINSize_t get_cubin_size = nullptr;
+  abi::nvrtcGetCUBIN_t get_cubin = nullptr;
+  abi::nvrtcGetErrorString_t get_error_string = nullptr;
+};
+void set_nvrtc_candidates(std::vector<std::string> paths);
+// Loaded on first use (thread-safe); throws meshcoll::Error naming every path tried.
+const NvrtcApi& nvrtc();
 
 // Load on first use (thread-safe); throw meshcoll::Error saying which library was tried where.
 // A failed load is retried on the next call (the environment may have been fixed).

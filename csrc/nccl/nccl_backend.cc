@@ -37,6 +37,21 @@ CallOpts coll_opts(const comm::CallOptions& o, std::vector<std::shared_ptr<void>
   return c;
 }
 
+// A collective a direct kernel may run (Note [Direct kernels] in direct.h): its fingerprint,
+// which every rank that agrees on the call computes alike.
+CallOpts direct_opts(const comm::CallOptions& opts, std::vector<std::shared_ptr<void>>& keep,
+                     uint64_t seq, const transport::OpDesc& desc) {
+  CallOpts o = coll_opts(opts, keep, seq);
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the description and the sequence number
+  auto mix = [&h](const void* p, size_t n) {
+    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const uint8_t*>(p)[i]) * 1099511628211ull;
+  };
+  mix(&desc, sizeof(desc));
+  mix(&seq, sizeof(seq));
+  o.fingerprint = static_cast<uint32_t>(h ^ (h >> 32));
+  return o;
+}
+
 // A transfer's options. A waited-for one (send/recv, Note [Synchronous point-to-point] in
 // bind_backend.cc) is, like a synchronous collective, done once it is enqueued on the
 // caller's stream, which orders every later use of the buffer: it makes no Work. A posted
@@ -75,7 +90,7 @@ void NcclBackend::check_options(const char* what, const comm::CallOptions& o) co
 
 WorkPtr NcclBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
   open(c, &in, &out);
-  return comm_->all_reduce(coll_opts(c.opts, c.keep, c.seq),
+  return comm_->all_reduce(direct_opts(c.opts, c.keep, c.seq, c.desc),
                            in.data, out.data, in.count, in.dtype, op);
 }
 
@@ -95,14 +110,14 @@ WorkPtr NcclBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
 WorkPtr NcclBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                    const std::vector<size_t>& counts) {
   open(c, &in, &out);
-  return comm_->all_gather(coll_opts(c.opts, c.keep, c.seq),
+  return comm_->all_gather(direct_opts(c.opts, c.keep, c.seq, c.desc),
                            in.data, out.data, counts, in.dtype);
 }
 
 WorkPtr NcclBackend::do_reduce_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                        const std::vector<size_t>& counts, RedOp op) {
   open(c, &in, &out);
-  return comm_->reduce_scatter(coll_opts(c.opts, c.keep, c.seq),
+  return comm_->reduce_scatter(direct_opts(c.opts, c.keep, c.seq, c.desc),
                                in.data, out.data, counts, in.dtype, op);
 }
 

@@ -339,6 +339,7 @@ void NcclComm::shutdown() {
   if (shut_down_) return;
   shut_down_ = true;
   if (!comm_) {
+    close_direct_locked();
     close_windows_locked();
     if (failed_ && !reported_)
       raise_locked(str_cat("destroy() on ", where(), ": the group failed earlier, after the "
@@ -365,6 +366,8 @@ void NcclComm::shutdown() {
     backoff(round);
     lock.lock();
   }
+  check_direct_locked();
+  close_direct_locked();
   close_windows_locked();
   // ncclCommDestroy tears down connections; bound it too, and leave it behind if a peer
   // vanished meanwhile (the process is shutting the group down anyway).
@@ -425,6 +428,7 @@ void NcclComm::abort(const std::string& why) {
 }
 
 void NcclComm::abort_locked() {
+  if (direct_) direct_->abort();  // direct kernels waiting for a peer end too
   if (!comm_) return;
   nc_.comm_abort(comm_);
   comm_ = nullptr;
@@ -555,6 +559,8 @@ void NcclComm::poll_locked() {
         cu_.error_text(q), "; the communicator was aborted"))));
     return;
   }
+  check_direct_locked();  // ops just counted complete may be failed direct kernels
+  if (failed_) return;
   // Ops may sit on different streams and finish out of order: check every pending deadline.
   const auto now = Clock::now();
   for (uint64_t k = completed_; k < issued_; ++k) {

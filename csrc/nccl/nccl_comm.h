@@ -69,6 +69,7 @@
 #include "common/rank_names.h"
 #include "common/deadline.h"
 #include "common/dtype.h"
+#include "nccl/direct.h"
 #include "nccl/nccl_abi.h"
 #include "nccl/nccl_api.h"
 #include "store/store.h"
@@ -135,6 +136,9 @@ struct CallOpts {
   bool async = false;
   Millis timeout{-1};
   uint64_t coll_seq = 0;  // the call's collective sequence number (Note [Call ledger]); 0: p2p
+  // A hash of the call's description and coll_seq, equal on ranks that agree: a direct
+  // kernel's token carries it (Note [Direct kernels] in direct.h).
+  uint32_t fingerprint = 0;
   // The caller keeps a Work (async ops, point-to-point, a barrier); else the op returns
   // nullptr and costs no allocation (a synchronous collective: its stream orders its result).
   bool want_work = true;
@@ -212,6 +216,13 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
                   DType dt, int root);
   WorkPtr send(const CallOpts& c, const void* buf, size_t count, DType dt, int peer);
   WorkPtr recv(const CallOpts& c, void* buf, size_t count, DType dt, int peer);
+  // Collective, once, when the group is made (Note [Direct kernels] in direct.h): sets up
+  // meshcoll's direct kernels among the ranks where all of them can use them.
+  void setup_direct(Millis timeout);
+  // "" when direct kernels are on, else why not.
+  std::string direct_unavailable() const;
+  // The largest call they take (0: off).
+  size_t direct_bytes() const;
   // A one-element all_reduce; its Work's wait() blocks the host.
   WorkPtr barrier(const CallOpts& c);
   // Orders `waiter` after the work issued so far on `producer` (an event; no host block).
@@ -250,6 +261,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
     int64_t timeout_ms = 0;
     const char* what = "";
     uint64_t coll_seq = 0;  // CallOpts::coll_seq
+    uint32_t direct_epoch = 0;  // a direct kernel's epoch (Note [Direct kernels]); 0: NCCL's
     std::vector<std::shared_ptr<void>> keep;  // CallOpts::keep
   };
   struct Issue;  // one op's enqueue state (nccl_comm.cc)
@@ -307,6 +319,16 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void check_nccl_locked(abi::ncclResult_t r, const char* what, const Deadline& d);
   void wait_ready_locked(abi::ncclComm_t comm, const Deadline& d, const char* what);
   void usable_locked() const;
+  // Launches a direct kernel in place of NCCL's when the call qualifies and the op is eager
+  // (Note [Direct kernels]); false: NCCL's turn.
+  bool try_direct_locked(DirectPath::Kind kind, DType dt, RedOp op, const void* in, void* out,
+                         size_t count, uint32_t fingerprint, abi::CUstream s, const Deadline& d);
+  // A direct kernel's failure report becomes the communicator's failure (MismatchError,
+  // TimeoutError naming the peer). Read wherever an op's completion is observed.
+  void check_direct_locked();
+  // shutdown(): the last direct op meets the peers, then the staging buffer is freed.
+  void close_direct_locked();
+  static constexpr Millis kByeWait{5000};
   // Waits (bounded by d) until the ring has a free slot after `staged` staged ones.
   void claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d,
                          size_t staged = 0);
@@ -360,6 +382,13 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   bool shut_down_ = false;
   std::function<std::string(uint64_t)> census_;
   RankNames names_;
+
+  // Note [Direct kernels]: null until setup_direct turned them on.
+  std::unique_ptr<DirectPath> direct_;
+  std::string direct_why_ = "not set up (NcclBackend.setup_direct was not called)";
+  bool launch_eager_ = false;        // run() is launching an eager op (not captured, not staged)
+  uint32_t launched_direct_ = 0;     // the epoch of the direct kernel the launch just issued
+  abi::CUevent direct_last_done_ = nullptr;  // the last direct op's completion event
 
   // Note [Symmetric memory]. windows_ is read on every call (window_tag) and changed by
   // alloc_symmetric and by retire() from any thread: its own mutex, never held while taking

@@ -95,10 +95,13 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   if (!captured) claim_slot_locked(lock, d);
   const CUstream exec = exec_stream_locked(user, async);
   host_timers::mark(host_timers::kPrepared);
+  launch_eager_ = !captured;
+  launched_direct_ = 0;
   guarded_locked(d, what, [&] {
     launch(exec, d);
     return ncclSuccess;
   });
+  launch_eager_ = false;
   host_timers::mark(host_timers::kLaunched);
   if (captured)
     return c.want_work ? std::make_shared<NcclWork>(shared_from_this(), 0, user, false, true,
@@ -114,6 +117,8 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   s.timeout_ms = t.count();
   s.what = what;
   s.coll_seq = c.coll_seq;
+  s.direct_epoch = launched_direct_;
+  if (launched_direct_) direct_last_done_ = s.event;
   if (async) s.keep = c.keep;
   const uint64_t seq = issued_++;
   if (!c.want_work) return nullptr;
@@ -261,7 +266,9 @@ NcclComm::WorkPtr NcclComm::all_reduce(const CallOpts& c, const void* in, void* 
                                        size_t count, DType dt, RedOp op) {
   const auto ndt = nccl_dtype(dt, true, nc_);
   const auto nop = nccl_redop(op, dt, nc_);
+  const uint32_t fp = c.fingerprint;
   return run(c, "all_reduce", false, [=](CUstream s, const Deadline& d) {
+    if (try_direct_locked(DirectPath::Kind::kAllReduce, dt, op, in, out, count, fp, s, d)) return;
     check_nccl_locked(nc_.all_reduce(in, out, count, ndt, nop, comm_, s), "ncclAllReduce", d);
   });
 }
@@ -291,7 +298,10 @@ NcclComm::WorkPtr NcclComm::all_gather(const CallOpts& c, const void* in, void* 
   const size_t es = dtype_size(dt);
   if (all_equal(counts)) {  // captures the count, not the vector: no copy per call
     const size_t n = counts[0];
+    const uint32_t fp = c.fingerprint;
     return run(c, "all_gather", false, [=](CUstream s, const Deadline& d) {
+      if (try_direct_locked(DirectPath::Kind::kAllGather, dt, RedOp::kSum, in, out, n, fp, s, d))
+        return;
       check_nccl_locked(nc_.all_gather(in, out, n, ndt, comm_, s), "ncclAllGather", d);
     });
   }
@@ -320,7 +330,10 @@ NcclComm::WorkPtr NcclComm::reduce_scatter(const CallOpts& c, const void* in, vo
   const size_t es = dtype_size(dt);
   if (all_equal(counts)) {
     const size_t n = counts[0];
+    const uint32_t fp = c.fingerprint;
     return run(c, "reduce_scatter", false, [=](CUstream s, const Deadline& d) {
+      if (try_direct_locked(DirectPath::Kind::kReduceScatter, dt, op, in, out, n, fp, s, d))
+        return;
       check_nccl_locked(nc_.reduce_scatter(in, out, n, ndt, nop, comm_, s), "ncclReduceScatter",
                         d);
     });
@@ -486,7 +499,15 @@ bool NcclComm::op_done_locked(uint64_t seq, std::exception_ptr* error) {
   if (seq < completed_ || shut_down_) return true;
   if (seq >= issued_) return false;  // staged in the open block
   CUresult q = cu_.event_query(slots_[seq % kSlots].done);
-  if (q == CUDA_SUCCESS) return true;
+  if (q == CUDA_SUCCESS) {
+    // A direct kernel that completed may have failed (Note [Direct kernels]).
+    if (direct_) check_direct_locked();
+    if (failed_ && seq >= failed_from_) {
+      *error = error_;
+      reported_ = true;
+    }
+    return true;
+  }
   if (q == CUDA_ERROR_NOT_READY) return false;
   *error = std::make_exception_ptr(
       Error(str_cat("CUDA error on NCCL op ", seq, " on ", where(), ": ", cu_.error_text(q))));

@@ -31,6 +31,7 @@ Config from_python(py::handle c) {
   out.nccl_trace = c.attr("nccl_trace").cast<bool>();
   out.nccl_library = c.attr("nccl_library").cast<std::string>();
   out.nccl_split = c.attr("nccl_split").cast<bool>();
+  out.nccl_direct_bytes = c.attr("nccl_direct_bytes").cast<size_t>();
   out.abort_on_error = c.attr("abort_on_error").cast<bool>();
   out.host_timers = c.attr("host_timers").cast<bool>();
   out.fault = c.attr("fault").cast<std::string>();
@@ -63,6 +64,7 @@ void bind_config(py::module_& m) {
       .def_readwrite("nccl_trace", &Config::nccl_trace)
       .def_readwrite("nccl_library", &Config::nccl_library)
       .def_readwrite("nccl_split", &Config::nccl_split)
+      .def_readwrite("nccl_direct_bytes", &Config::nccl_direct_bytes)
       .def_readwrite("abort_on_error", &Config::abort_on_error)
       .def_readwrite("host_timers", &Config::host_timers)
       .def_readwrite("fault", &Config::fault)
@@ -70,7 +72,8 @@ void bind_config(py::module_& m) {
         auto b = [](bool v) { return v ? "True" : "False"; };
         return str_cat("Config(host_id='", c.host_id, "', cma=", b(c.cma), ", simd='", c.simd,
                        "', nccl_trace=", b(c.nccl_trace), ", nccl_library='", c.nccl_library,
-                       "', nccl_split=", b(c.nccl_split), ", abort_on_error=",
+                       "', nccl_split=", b(c.nccl_split), ", nccl_direct_bytes=",
+                       c.nccl_direct_bytes, ", abort_on_error=",
                        b(c.abort_on_error), ", host_timers=", b(c.host_timers), ", fault='",
                        c.fault, "')");
       });

@@ -42,6 +42,8 @@ void bind_nccl(py::module_& m) {
         return reinterpret_cast<uintptr_t>(s.block->data());
       });
 
+  m.def("nccl_set_nvrtc_candidates", &nccl::set_nvrtc_candidates, py::arg("paths"),
+        "NVRTC libraries (the direct kernels' compiler) to try before the system's.");
   m.def("nccl_set_library_candidates", &nccl::set_nccl_candidates, py::arg("paths"),
         "Wheel paths of libnccl.so.2 to try after $MESHCOLL_NCCL_LIBRARY, before the system.");
   m.def("nccl_available", [] {
@@ -100,6 +102,17 @@ void bind_nccl(py::module_& m) {
            py::arg("timeout") = py::none(),
            "Collective: an array's memory on every rank, registered as a symmetric window of "
            "this communicator where NCCL can (Note [Symmetric memory]).")
+      .def("setup_direct", [](nccl::NcclBackend& b, const py::handle& timeout) {
+             Millis t = timeout_arg(timeout);
+             py::gil_scoped_release nogil;
+             b.comm().setup_direct(t);
+           }, py::arg("timeout") = py::none(),
+           "Collective, once, when the group is made: sets up meshcoll's direct kernels "
+           "(Note [Direct kernels] in csrc/nccl/direct.h) where every rank can use them.")
+      .def("direct_unavailable", [](nccl::NcclBackend& b) { return b.comm().direct_unavailable(); },
+           "'' when direct kernels are on, else why not.")
+      .def("direct_bytes", [](nccl::NcclBackend& b) { return b.comm().direct_bytes(); },
+           "The largest call the direct kernels take (0: off).")
       .def("symmetric_unavailable", [](nccl::NcclBackend& b) {
              return b.comm().symmetric_unavailable();
            }, "'' when symmetric windows can be registered here, else why not.")

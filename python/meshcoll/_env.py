@@ -43,6 +43,7 @@ SIMD = "MESHCOLL_SIMD"
 NCCL_TRACE = "MESHCOLL_NCCL_TRACE"
 NCCL_LIBRARY = "MESHCOLL_NCCL_LIBRARY"
 NCCL_SPLIT = "MESHCOLL_NCCL_SPLIT"
+NCCL_DIRECT_BYTES = "MESHCOLL_NCCL_DIRECT_BYTES"
 ON_ERROR = "MESHCOLL_ON_ERROR"
 ON_ERROR_CHOICES = ("raise", "abort")
 HOST_TIMERS = "MESHCOLL_HOST_TIMERS"
@@ -561,6 +562,8 @@ class CoreConfig:
     nccl_trace: bool = False  # MESHCOLL_NCCL_TRACE: print each NCCL loading step
     nccl_library: str = ""    # MESHCOLL_NCCL_LIBRARY: libnccl.so.2 to try first
     nccl_split: bool = True   # MESHCOLL_NCCL_SPLIT: subgroups through ncclCommSplit
+    # MESHCOLL_NCCL_DIRECT_BYTES: the largest call for meshcoll's direct kernels (0: never)
+    nccl_direct_bytes: int = 256 << 10
     abort_on_error: bool = False  # MESHCOLL_ON_ERROR=abort: a failed group ends the process
     host_timers: bool = False  # MESHCOLL_HOST_TIMERS: time each fast-path call's steps
     fault: str = ""           # MESHCOLL_FAULT (tests): "kill@<point>" or "stop@<point>", see fault_point
@@ -580,7 +583,7 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreConfig:
     """The C++ core's settings from MESHCOLL_HOST_ID, _CMA, _SIMD, _NCCL_TRACE,
-    _NCCL_LIBRARY, _NCCL_SPLIT, _ON_ERROR, _HOST_TIMERS and _FAULT; ValueError naming the variable for a bad value. The
+    _NCCL_LIBRARY, _NCCL_SPLIT, _NCCL_DIRECT_BYTES, _ON_ERROR, _HOST_TIMERS and _FAULT; ValueError naming the variable for a bad value. The
     compiled module installs the result once, when it is imported (Note [Configuration])."""
     env = os.environ if environ is None else environ
     simd = _get(env, SIMD) or ""
@@ -592,6 +595,11 @@ def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreCon
         raise ValueError(f"meshcoll: {FAULT}={fault!r}: use kill@<point> or stop@<point> (fault "
                          f"injection, for tests; csrc/common/config.h lists the points), or "
                          f"unset it")
+    direct = _get(env, NCCL_DIRECT_BYTES)
+    direct_bytes = 256 << 10 if direct is None else _parse_int(direct, NCCL_DIRECT_BYTES)
+    if not 0 <= direct_bytes <= 64 << 20:
+        raise ValueError(f"meshcoll: {NCCL_DIRECT_BYTES}={direct!r}: use 0 (off) to 67108864 "
+                         f"bytes (or unset it: 262144)")
     return CoreConfig(
         host_id=_get(env, HOST_ID) or "",
         cma=_flag(env, CMA, True),
@@ -599,6 +607,7 @@ def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreCon
         nccl_trace=_flag(env, NCCL_TRACE, False),
         nccl_library=_get(env, NCCL_LIBRARY) or "",
         nccl_split=_flag(env, NCCL_SPLIT, True),
+        nccl_direct_bytes=direct_bytes,
         abort_on_error=_choice(env, ON_ERROR, ON_ERROR_CHOICES) == "abort",
         host_timers=_flag(env, HOST_TIMERS, False),
         fault=fault,

@@ -58,9 +58,11 @@ from .process_group import ProcessGroup
 __all__ = ["nccl_available", "make_world", "agree_on_backend"]
 
 
-def _wheel_library_candidates() -> List[str]:
-    """``nvidia/nccl/lib/libnccl.so.2`` of an installed nvidia-nccl-cu13 / -cu12 wheel, for
-    each location of the ``nvidia`` namespace package (then each sys.path entry)."""
+def _wheel_library_candidates(*names: str) -> List[str]:
+    """Each of ``names`` (a path under ``nvidia/``: ``nccl/lib/libnccl.so.2`` of the
+    nvidia-nccl-cu13 / -cu12 wheels by default) that exists, for each location of the
+    ``nvidia`` namespace package (then each sys.path entry)."""
+    names = names or ("nccl/lib/libnccl.so.2",)
     roots: List[str] = []
     try:
         spec = importlib.util.find_spec("nvidia")
@@ -70,12 +72,19 @@ def _wheel_library_candidates() -> List[str]:
         roots.extend(spec.submodule_search_locations)
     roots.extend(os.path.join(p, "nvidia") for p in sys.path if p)
     seen, out = set(), []
-    for root in roots:
-        path = os.path.join(root, "nccl", "lib", "libnccl.so.2")
-        if path not in seen and os.path.exists(path):
-            seen.add(path)
-            out.append(path)
+    for name in names:
+        for root in roots:
+            path = os.path.join(root, *name.split("/"))
+            if path not in seen and os.path.exists(path):
+                seen.add(path)
+                out.append(path)
     return out
+
+
+# NVRTC compiles the direct kernels (Note [Direct kernels] in csrc/nccl/direct.h): the CUDA 13
+# and CUDA 12 wheels' libraries (torch, CuPy and JAX depend on them), then the system's.
+_NVRTC_WHEEL_PATHS = ("cu13/lib/libnvrtc.so.13", "cuda_nvrtc/lib/libnvrtc.so.12",
+                      "cuda_nvrtc/lib/libnvrtc.so.13")
 
 
 class _Loader:
@@ -87,6 +96,7 @@ class _Loader:
     def ensure(cls) -> None:
         if not cls.done:
             _C.nccl_set_library_candidates(_wheel_library_candidates())
+            _C.nccl_set_nvrtc_candidates(_wheel_library_candidates(*_NVRTC_WHEEL_PATHS))
             cls.done = True
 
 

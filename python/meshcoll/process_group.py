@@ -245,6 +245,9 @@ class ProcessGroup:
         self._backend.set_identity(self._ranks, name)
         if channel is not None:
             self._nccl_backend().set_agreement(channel, opts.check == "strict")
+        if self._device is not None:
+            # Note [Direct kernels] (csrc/nccl/direct.h): collective, like the group itself.
+            self._nccl_backend().setup_direct(timeout)
         # Every member is done with the store for this group before anyone returns: rank 0
         # may otherwise exit (closing the store) while a peer still rendezvouses through it.
         with self._naming_setup():
@@ -363,6 +366,18 @@ class ProcessGroup:
                     "peers' memory through shared memory already")
         why = self._nccl_backend().symmetric_unavailable()
         return f"unavailable: {why}" if why else "nccl windows"
+
+    @property
+    def direct_kernels(self) -> str:
+        """Whether small all_reduce, all_gather and reduce_scatter calls of this group run
+        meshcoll's direct kernels instead of NCCL's: "on (calls up to N bytes)", or
+        "off: <why>" (Note [Direct kernels] in csrc/nccl/direct.h). MESHCOLL_NCCL_DIRECT_BYTES
+        sets the size limit (0: off)."""
+        if not self._arrays.device_memory:
+            return "off: direct kernels serve NCCL groups"
+        backend = self._nccl_backend()
+        why = backend.direct_unavailable()
+        return f"off: {why}" if why else f"on (calls up to {backend.direct_bytes()} bytes)"
 
     def is_symmetric(self, x: Array) -> bool:
         """Whether ``x`` lies in one symmetric window of this group (``empty(symmetric=True)``

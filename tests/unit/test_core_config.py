@@ -22,6 +22,8 @@ def test_unset_environment_is_the_defaults():
     ({"MESHCOLL_NCCL_LIBRARY": "/opt/nccl/libnccl.so.2"}, "nccl_library",
      "/opt/nccl/libnccl.so.2"),
     ({"MESHCOLL_NCCL_SPLIT": "0"}, "nccl_split", False),
+    ({"MESHCOLL_NCCL_DIRECT_BYTES": "0"}, "nccl_direct_bytes", 0),
+    ({"MESHCOLL_NCCL_DIRECT_BYTES": "1048576"}, "nccl_direct_bytes", 1 << 20),
     ({"MESHCOLL_FAULT": "kill@shm/created"}, "fault", "kill@shm/created"),
     ({"MESHCOLL_FAULT": "stop@settings"}, "fault", "stop@settings"),
 ])
@@ -32,6 +34,8 @@ def test_each_variable(env, field, value):
 @pytest.mark.parametrize("name, text", [
     ("MESHCOLL_SIMD", "sse9"), ("MESHCOLL_SIMD", "AVX2"), ("MESHCOLL_CMA", "yes"),
     ("MESHCOLL_NCCL_TRACE", "on"), ("MESHCOLL_NCCL_SPLIT", "2"), ("MESHCOLL_FAULT", "die"),
+    ("MESHCOLL_NCCL_DIRECT_BYTES", "-1"), ("MESHCOLL_NCCL_DIRECT_BYTES", "lots"),
+    ("MESHCOLL_NCCL_DIRECT_BYTES", "134217728"),
 ])
 def test_bad_value_names_the_variable(name, text):
     with pytest.raises(ValueError, match=f"{name}='{text}'"):

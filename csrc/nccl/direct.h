@@ -1,0 +1,129 @@
+// Direct kernels: meshcoll's own small all_reduce, all_gather and reduce_scatter among the
+// GPUs of one host, launched in place of NCCL's where NCCL's fixed host cost dominates.
+//
+// Note [Direct kernels]
+// Why: a small NCCL collective costs its host about 8-10 us to enqueue on 4 H100s (plan,
+// proxy and launch work inside ncclGroupEnd), more than its kernel takes; back to back, a
+// Python loop of 8-byte all_reduces runs at the host's pace. A direct kernel is one
+// cuLaunchKernel (2-3 us): every rank copies its input into a staging buffer that its peers
+// map through CUDA IPC, the ranks meet at a barrier of flags in the same buffers, and each
+// reads every peer's staging buffer over NVLink (or PCIe peer access) and reduces (the
+// one-shot algorithm; the kernel and its memory-ordering argument are in direct_kernels.cu).
+// When: NCCL groups whose ranks all sit on one host, 2 to 8 of them, whose GPUs can map each
+// other's memory, for calls whose staging bytes (all_reduce: the array; all_gather: this
+// rank's input; reduce_scatter: the whole input) are at most config().nccl_direct_bytes
+// (MESHCOLL_NCCL_DIRECT_BYTES, 0: never), eager (not captured into a CUDA graph, not in a
+// coalesced block), of a dtype and op the kernels have (not float8, not bitwise, avg on
+// floating types only) and equal counts. Everything else is NCCL's. The decision rests only
+// on what every agreeing rank passes alike (never on alignment or streams), so agreeing
+// ranks always pick the same path.
+// Setup (collective, when the communicator is made): each rank compiles a kernel with NVRTC
+// (found like NCCL: the nvidia wheels, then the system), allocates its staging buffer and
+// exports it; the ranks exchange the handles and what stops any of them (host_all_gather),
+// open each other's buffers and agree that all did. If any rank cannot, no rank uses direct
+// kernels, and direct_status() says why, naming the rank. The byte limit is the smallest
+// any rank set, so ranks with different environments still choose alike.
+// Kernels are compiled per (collective, dtype, op) on first use (0.2-0.5 s each, once per
+// process and device): compiling all 73 at setup took 8 s.
+// Trust: each op carries a token, its epoch (the count of direct ops on the communicator) and
+// a fingerprint of its description and collective sequence number. A rank that meets another
+// fingerprint at the barrier writes nothing and reports the peer in host-mapped memory; so
+// does one that waits past the op's timeout, or sees the host's abort flag (set when the
+// communicator fails: the watchdog's deadline, the agreement check, a peer's failure).
+// check_locked() turns a report into the communicator's failure (MismatchError or
+// TimeoutError naming the peer), read when an op's completion is observed, so no Work
+// reports success for an op that failed. So a disagreement is caught before any rank's data
+// changes, which NCCL's own kernels cannot do (Note [Agreement on a side channel]).
+// Ordering: direct ops of one communicator must run one after another on every rank (the
+// parity argument in direct_kernels.cu). On one stream they do; an op on another stream than
+// the last direct op first waits for that op's completion event.
+// Teardown: a staging buffer may be freed only once no peer maps it (cuMemFree before the
+// importers' cuIpcCloseMemHandle is undefined). shutdown() waits for this rank's direct ops,
+// closes its mappings of the peers' buffers, meets the peers (host_all_gather) and then frees
+// its own. A failed communicator cannot meet its peers: its buffer stays allocated until the
+// process exits (4 KiB plus twice the byte limit of device memory).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/rank_names.h"
+#include "nccl/nccl_abi.h"
+#include "nccl/nccl_api.h"
+
+namespace meshcoll::nccl {
+
+class DirectPath {
+ public:
+  enum class Kind : uint8_t { kAllReduce, kAllGather, kReduceScatter };
+  static constexpr int kMaxRanks = 8;     // MC_MAX_RANKS in direct_kernels.cu
+  static constexpr int kMaxBlocks = 32;   // the flags hold this many blocks per parity
+  static constexpr int kThreads = 512;    // MC_THREADS
+  // Exchanges rank records of this many bytes (host_all_gather's payload).
+  struct Record;
+
+  // This rank's half of setup: compiles a kernel, allocates and exports the staging buffer.
+  // Never throws: what went wrong is kept for record().
+  DirectPath(const CudaApi& cu, abi::CUcontext ctx, int device, int rank, int size, size_t limit);
+  ~DirectPath();
+  DirectPath(const DirectPath&) = delete;
+  DirectPath& operator=(const DirectPath&) = delete;
+
+  // Setup's exchanges (collective), given every rank's record in rank order: opens the
+  // peers' buffers. Returns "" when this rank can take part, else why not.
+  std::vector<uint8_t> record() const;
+  std::string open_peers(const std::vector<uint8_t>& all, size_t record_bytes,
+                         const RankNames& names);
+  // After the second exchange: on = every rank opened every peer.
+  void set_on(bool on, std::string why);
+  bool on() const { return on_; }
+  const std::string& why_off() const { return why_; }
+  size_t limit() const { return limit_; }
+
+  // Whether a call of these sizes goes direct (the same answer on every agreeing rank).
+  bool takes(Kind kind, DType dt, RedOp op, size_t count) const;
+  // Launches one op on `stream` (the communicator's lock held). `fingerprint`: the call's.
+  void launch(Kind kind, DType dt, RedOp op, const void* in, void* out, size_t count,
+              uint32_t fingerprint, int64_t timeout_ms, abi::CUstream stream,
+              abi::CUevent last_done);
+  // The epoch of the last op launched (0: none).
+  uint32_t epoch() const { return epoch_; }
+  // A kernel's failure report: 0 when none. code | peer << 8 | epoch << 32.
+  uint64_t status() const { return *static_cast<volatile uint64_t*>(status_); }
+  // Ends every waiting kernel (the communicator failed).
+  void abort() { *static_cast<volatile uint32_t*>(abort_) = 1; }
+  // Teardown, the first half: closes this rank's mappings of its peers' buffers.
+  void close_peers();
+  // The second half, once every peer closed its mappings: frees the staging buffer.
+  void free_buffer();
+
+  enum Code : uint8_t { kOk = 0, kMismatch = 1, kTimeout = 2, kAborted = 3 };
+
+ private:
+  abi::CUfunction kernel(Kind kind, DType dt, RedOp op);
+
+  const CudaApi& cu_;
+  abi::CUcontext ctx_;
+  int device_, rank_, size_;
+  size_t limit_;            // staging bytes per parity
+  std::string local_why_;   // this rank cannot take part ("": it can)
+  std::string arch_;        // "sm_90"
+  bool on_ = false;
+  std::string why_;
+  abi::CUdeviceptr mine_ = 0;  // flags, then two staging areas
+  abi::CUipcMemHandle handle_{};
+  std::array<abi::CUdeviceptr, kMaxRanks> bases_{};  // every rank's buffer (ours included)
+  std::array<bool, kMaxRanks> opened_{};
+  void* host_ = nullptr;       // host-mapped: status (8 bytes), abort flag (4 bytes)
+  void* status_ = nullptr;
+  void* abort_ = nullptr;
+  abi::CUdeviceptr host_dev_ = 0;
+  uint32_t epoch_ = 0;
+  abi::CUstream last_stream_ = nullptr;
+};
+
+}  // namespace meshcoll::nccl

@@ -1,0 +1,199 @@
+"""meshcoll's direct kernels (Note [Direct kernels] in csrc/nccl/direct.h): small all_reduce,
+all_gather and reduce_scatter on an NCCL group of one host run meshcoll's own one-shot kernels.
+Results match numpy on random data at every size around the kernels' part boundaries, for
+unaligned views, in place, across streams and back to back with NCCL's calls; the limit
+sends bigger calls to NCCL; MESHCOLL_NCCL_DIRECT_BYTES=0 turns them off; ranks that disagree
+get MismatchError on every rank and no rank's data changes; a rank that does not come is
+named in a TimeoutError. (test_nccl.py's every-dtype-and-op test runs through them too.)"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import meshcoll
+from test_nccl import needs_torch, run_nccl, NGPU
+
+pytestmark = [needs_torch, pytest.mark.timeout(300)]
+WORLD = min(max(NGPU, 2), 4)
+LIMIT = 256 << 10  # the default MESHCOLL_NCCL_DIRECT_BYTES
+
+
+def _data(seed, rank, n):
+    return np.random.default_rng([seed, rank]).standard_normal(n).astype(np.float32)
+
+
+def _sizes_and_layouts(pg):
+    import torch
+    r, w = pg.rank, pg.size
+    fails = []
+
+    def check(got, want, what):
+        got = got.float().cpu().numpy()
+        if got.shape != want.shape or not np.allclose(got, want, rtol=1e-5, atol=1e-5):
+            bad = np.flatnonzero(~np.isclose(got.ravel(), want.ravel(), rtol=1e-5, atol=1e-5))
+            fails.append(f"{what}: {bad.size} wrong of {want.size}, first at {bad[:1]}")
+
+    sizes = [1, 3, 4, 31, 32, 33, 1000, 2047, 2049, 8191, 65536 + 5, LIMIT // 4, LIMIT // 4 + 1]
+    for n in sizes:
+        ins = [_data(n, k, n) for k in range(w)]
+        x = torch.from_numpy(ins[r]).cuda()
+        pg.all_reduce(x)
+        check(x, np.sum(ins, 0), f"all_reduce n={n}")
+        # an unaligned view (4-byte aligned, not 16)
+        buf = torch.from_numpy(np.concatenate([[0], ins[r]]).astype(np.float32)).cuda()
+        g = pg.all_gather(buf[1:])
+        check(g, np.stack(ins), f"all_gather unaligned n={n}")
+        pg.all_reduce(buf[1:], op="max")
+        check(buf[1:], np.max(ins, 0), f"all_reduce max unaligned n={n}")
+        if n * w * 4 <= 4 * LIMIT:
+            # in place: this rank's row of out is the input
+            g2 = torch.empty(w, n, device="cuda")
+            g2[r] = x
+            pg.all_gather(g2[r], out=g2)
+            check(g2, np.stack([np.sum(ins, 0)] * w), f"all_gather in place n={n}")
+        big = [_data(n + 1, k, w * n) for k in range(w)]
+        got = pg.reduce_scatter(torch.from_numpy(big[r]).cuda().reshape(w, n))
+        check(got, np.sum(big, 0)[r * n:(r + 1) * n], f"reduce_scatter n={n}")
+        # in place: out is this rank's row of the input
+        inp = torch.from_numpy(big[r]).cuda().reshape(w, n)
+        pg.reduce_scatter(inp, out=inp[r], op="min")
+        check(inp[r], np.min(big, 0)[r * n:(r + 1) * n], f"reduce_scatter in place n={n}")
+    # bytes of one element: all_gather of uint8 at odd counts
+    for n in (1, 5, 129):
+        ins = [np.random.default_rng([n, k]).integers(0, 255, n).astype(np.uint8) for k in range(w)]
+        g = pg.all_gather(torch.from_numpy(ins[r]).cuda())
+        if not np.array_equal(g.cpu().numpy(), np.stack(ins)):
+            fails.append(f"all_gather uint8 n={n}")
+    torch.cuda.synchronize()
+    return fails, pg.direct_kernels
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+def test_every_size_and_layout_matches_numpy():
+    res = run_nccl(WORLD, _sizes_and_layouts, deadline=280)
+    for r, (fails, status) in enumerate(res):
+        assert status == f"on (calls up to {LIMIT} bytes)", (r, status)
+        assert not fails, (r, fails)
+
+
+def _streams_and_mixing(pg):
+    """Back to back: direct calls alternate parities, mix with NCCL's calls (a broadcast, a
+    call over the limit) and switch between the caller's stream, another stream and the
+    internal one (async_op), each result checked."""
+    import torch
+    r, w = pg.rank, pg.size
+    side = torch.cuda.Stream()
+    xs, wants, works = [], [], []
+    for i in range(60):
+        n = 7 + i * 13
+        ins = [_data(i, k, n) for k in range(w)]
+        x = torch.from_numpy(ins[r]).cuda()
+        if i % 3 == 0:
+            works.append(pg.all_reduce(x, async_op=True))
+        elif i % 3 == 1:
+            with torch.cuda.stream(side):
+                side.wait_stream(torch.cuda.current_stream())
+                pg.all_reduce(x)
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            pg.all_reduce(x)
+        xs.append(x)
+        wants.append(np.sum(ins, 0))
+        if i % 10 == 5:
+            b = torch.from_numpy(_data(100 + i, 0, 1000)).cuda()
+            pg.broadcast(b, 0)  # NCCL's
+            large = torch.ones(LIMIT // 4 + 1000, device="cuda") * (r + 1)
+            pg.all_reduce(large)  # over the limit: NCCL's
+            xs.append(large[:5])
+            wants.append(np.full(5, w * (w + 1) / 2, np.float32))
+    for wk in works:
+        wk.wait()
+    torch.cuda.synchronize()
+    return [i for i, (x, want) in enumerate(zip(xs, wants))
+            if not np.allclose(x.cpu().numpy(), want, rtol=1e-5, atol=1e-5)]
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+def test_back_to_back_across_streams_and_with_nccl_calls():
+    res = run_nccl(WORLD, _streams_and_mixing, deadline=200)
+    for r, bad in enumerate(res):
+        assert not bad, f"rank {r}: wrong results at calls {bad}"
+
+
+def _status_and_sum(pg):
+    import torch
+    x = torch.from_numpy(_data(1, pg.rank, 100)).cuda()
+    pg.all_reduce(x)
+    want = np.sum([_data(1, k, 100) for k in range(pg.size)], 0)
+    return pg.direct_kernels, bool(np.allclose(x.cpu().numpy(), want, rtol=1e-5))
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("env, want", [
+    ({"MESHCOLL_NCCL_DIRECT_BYTES": "0"}, "off: rank 0: MESHCOLL_NCCL_DIRECT_BYTES=0"),
+    ({"MESHCOLL_NCCL_DIRECT_BYTES": "4096"}, "on (calls up to 4096 bytes)"),
+])
+def test_the_limit_comes_from_the_environment(env, want):
+    res = run_nccl(2, _status_and_sum, env=env, deadline=120)
+    for r, (status, right) in enumerate(res):
+        assert status == want, (r, status)
+        assert right, r
+
+
+def _disagree(pg):
+    """Rank 0 reduces 8 elements, the others 16: every rank's direct kernel meets another
+    fingerprint at the barrier and writes nothing."""
+    import torch
+    n = 8 if pg.rank == 0 else 16
+    before = _data(3, pg.rank, n)
+    x = torch.from_numpy(before).cuda()
+    err = None
+    try:
+        pg.all_reduce(x)
+        torch.cuda.synchronize()
+        after = x.cpu().numpy()
+        pg.barrier()
+    except meshcoll.MeshcollError as e:
+        err = e
+        after = x.cpu().numpy()
+    return type(err).__name__, str(err), bool(np.array_equal(after, before))
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+def test_a_disagreement_is_an_error_on_every_rank_and_changes_no_data():
+    res = run_nccl(WORLD, _disagree, deadline=120)
+    for r, (kind, msg, unchanged) in enumerate(res):
+        assert kind == "MismatchError", (r, kind, msg)
+        assert unchanged, f"rank {r}: the disagreeing all_reduce changed its data"
+
+
+def _late(pg):
+    """Rank 1 comes 4 s late to an all_reduce with a 1.5 s timeout: rank 0's kernel gives up
+    and names it; rank 1 then hears of the failure."""
+    import torch
+    x = torch.ones(64, device="cuda")
+    pg.all_reduce(x)
+    torch.cuda.synchronize()
+    if pg.rank == 1:
+        time.sleep(4.0)
+    t0 = time.monotonic()
+    try:
+        pg.all_reduce(x, timeout=1.5)
+        torch.cuda.synchronize()
+        pg.barrier(timeout=1.5)
+        return "no error", "", time.monotonic() - t0
+    except meshcoll.MeshcollError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+def test_a_late_rank_is_named_and_nothing_hangs():
+    res = run_nccl(2, _late, deadline=120)
+    kind, msg, took = res[0]
+    assert kind == "TimeoutError", (kind, msg)
+    assert "rank 1" in msg, msg
+    assert took < 20, took
+    assert res[1][0] != "no error", res[1]
