@@ -31,10 +31,13 @@ def _sizes_and_layouts(pg):
     fails = []
 
     def check(got, want, what):
-        got = got.float().cpu().numpy()
-        if got.shape != want.shape or not np.allclose(got, want, rtol=1e-5, atol=1e-5):
-            bad = np.flatnonzero(~np.isclose(got.ravel(), want.ravel(), rtol=1e-5, atol=1e-5))
-            fails.append(f"{what}: {bad.size} wrong of {want.size}, first at {bad[:1]}")
+        got, want = got.float().cpu().numpy().ravel(), want.ravel()
+        if got.size != want.size:
+            fails.append(f"{what}: {got.size} elements, want {want.size}")
+        elif not np.allclose(got, want, rtol=1e-5, atol=1e-5):
+            bad = np.flatnonzero(~np.isclose(got, want, rtol=1e-5, atol=1e-5))
+            fails.append(f"{what}: {bad.size} wrong of {want.size}, first at {bad[:1]}: "
+                         f"got {got[bad[0]]}, want {want[bad[0]]}")
 
     sizes = [1, 3, 4, 31, 32, 33, 1000, 2047, 2049, 8191, 65536 + 5, LIMIT // 4, LIMIT // 4 + 1]
     for n in sizes:
@@ -59,7 +62,7 @@ def _sizes_and_layouts(pg):
         check(got, np.sum(big, 0)[r * n:(r + 1) * n], f"reduce_scatter n={n}")
         # in place: out is this rank's row of the input
         inp = torch.from_numpy(big[r]).cuda().reshape(w, n)
-        pg.reduce_scatter(inp, out=inp[r], op="min")
+        pg.reduce_scatter(inp, out=inp[r:r + 1], op="min")
         check(inp[r], np.min(big, 0)[r * n:(r + 1) * n], f"reduce_scatter in place n={n}")
     # bytes of one element: all_gather of uint8 at odd counts
     for n in (1, 5, 129):
