@@ -86,6 +86,9 @@ class DirectPath {
 
   // Whether a call of these sizes goes direct (the same answer on every agreeing rank).
   bool takes(Kind kind, DType dt, RedOp op, size_t count) const;
+  // Compiles (once per process) and loads the op's kernel; before the communicator's lock is
+  // taken, so a first call's compilation (0.2-0.5 s) never holds it.
+  void prepare(Kind kind, DType dt, RedOp op) { kernel(kind, dt, op); }
   // Launches one op on `stream` (the communicator's lock held). `fingerprint`: the call's.
   void launch(Kind kind, DType dt, RedOp op, const void* in, void* out, size_t count,
               uint32_t fingerprint, int64_t timeout_ms, abi::CUstream stream,

@@ -109,6 +109,7 @@ ncclResult_t NcclComm::guarded_locked(const Deadline& d, const char* what, Call&
           d.timeout().count(), " ms (a peer never made the matching call, or died); the "
           "communicator was aborted"))));
   }
+  reported_ = true;  // raised by this call: destroy() need not raise it again
   std::rethrow_exception(error_);
 }
 
