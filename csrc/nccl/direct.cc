@@ -364,7 +364,7 @@ bool NcclComm::try_direct_locked(DirectPath::Kind kind, DType dt, RedOp op, cons
   return true;
 }
 
-void NcclComm::check_direct_locked() {
+void NcclComm::check_direct_locked(bool no_grace) {
   if (!direct_ || failed_) return;
   const uint64_t st = direct_->status();
   if (st == 0) return;
@@ -382,6 +382,16 @@ void NcclComm::check_direct_locked() {
   const std::string call = str_cat(s.what, s.coll_seq ? str_cat(" [seq ", s.coll_seq, "]") : "",
                                    " (op ", op, ") on ", where());
   if (code == DirectPath::kMismatch) {
+    // The agreement check, when on, finds the same disagreement within a round or two and
+    // names both calls: it gets kMismatchGrace to do so. Meanwhile no op from this one on
+    // reports success (op_done_locked).
+    if (census_) {
+      if (direct_grace_op_ == UINT64_MAX) {
+        direct_grace_op_ = op;
+        direct_grace_until_ = Clock::now() + kMismatchGrace;
+      }
+      if (!no_grace && Clock::now() < direct_grace_until_) return;
+    }
     fail_locked(std::make_exception_ptr(MismatchError(str_cat(
         call, ": rank ", names_(peer), " issued a different call at this point (another "
         "collective, dtype, count or order); the direct kernel saw it at the ranks' barrier and "

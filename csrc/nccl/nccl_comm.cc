@@ -366,7 +366,16 @@ void NcclComm::shutdown() {
     backoff(round);
     lock.lock();
   }
-  check_direct_locked();
+  check_direct_locked(true);
+  if (failed_) {
+    abort_locked();
+    close_direct_locked();
+    close_windows_locked();
+    if (!reported_)
+      raise_locked(str_cat("destroy() on ", where(), ": the group failed earlier, after the "
+                           "last call that could raise it: "));
+    return;
+  }
   close_direct_locked();
   close_windows_locked();
   // ncclCommDestroy tears down connections; bound it too, and leave it behind if a peer

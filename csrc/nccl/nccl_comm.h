@@ -325,10 +325,12 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
                          size_t count, uint32_t fingerprint, abi::CUstream s, const Deadline& d);
   // A direct kernel's failure report becomes the communicator's failure (MismatchError,
   // TimeoutError naming the peer). Read wherever an op's completion is observed.
-  void check_direct_locked();
+  // no_grace: at shutdown, the agreement check has had its chance.
+  void check_direct_locked(bool no_grace = false);
   // shutdown(): the last direct op meets the peers, then the staging buffer is freed.
   void close_direct_locked();
   static constexpr Millis kByeWait{5000};
+  static constexpr Millis kMismatchGrace{2000};
   // Waits (bounded by d) until the ring has a free slot after `staged` staged ones.
   void claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d,
                          size_t staged = 0);
@@ -389,6 +391,10 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   bool launch_eager_ = false;        // run() is launching an eager op (not captured, not staged)
   uint32_t launched_direct_ = 0;     // the epoch of the direct kernel the launch just issued
   abi::CUevent direct_last_done_ = nullptr;  // the last direct op's completion event
+  // A direct kernel met another call: ops from this one wait for the agreement check's
+  // verdict until direct_grace_until_ (check_direct_locked).
+  uint64_t direct_grace_op_ = UINT64_MAX;
+  Clock::time_point direct_grace_until_{};
 
   // Note [Symmetric memory]. windows_ is read on every call (window_tag) and changed by
   // alloc_symmetric and by retire() from any thread: its own mutex, never held while taking

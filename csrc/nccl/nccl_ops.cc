@@ -71,6 +71,7 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
       drain_retired();
   }
   std::unique_lock<std::mutex> lock(mu_);
+  if (direct_ && direct_->status()) check_direct_locked();  // a direct kernel failed
   usable_locked();
   host_timers::mark(host_timers::kLocked);
   CtxGuard guard(cu_, ctx_);
@@ -500,6 +501,7 @@ bool NcclComm::op_done_locked(uint64_t seq, std::exception_ptr* error) {
     reported_ = true;
     return true;
   }
+  if (seq >= direct_grace_op_ && !shut_down_) return false;  // awaiting the agreement check
   if (seq < completed_ || shut_down_) return true;
   if (seq >= issued_) return false;  // staged in the open block
   CUresult q = cu_.event_query(slots_[seq % kSlots].done);
@@ -509,8 +511,9 @@ bool NcclComm::op_done_locked(uint64_t seq, std::exception_ptr* error) {
     if (failed_ && seq >= failed_from_) {
       *error = error_;
       reported_ = true;
+      return true;
     }
-    return true;
+    return seq < direct_grace_op_;  // else: awaiting the agreement check's verdict
   }
   if (q == CUDA_ERROR_NOT_READY) return false;
   *error = std::make_exception_ptr(
