@@ -238,6 +238,16 @@ bool DirectPath::takes(Kind kind, DType dt, RedOp op, size_t count) const {
 }
 
 CUfunction DirectPath::kernel(Kind kind, DType dt, RedOp op) {
+  if (kind == Kind::kAllGather) {
+    dt = DType::kInt8;
+    op = RedOp::kSum;
+  }
+  CUfunction& slot = fns_[static_cast<int>(kind)][static_cast<int>(dt)][static_cast<int>(op)];
+  if (!slot) slot = load_kernel(kind, dt, op);
+  return slot;
+}
+
+CUfunction DirectPath::load_kernel(Kind kind, DType dt, RedOp op) {
   const std::string entry = entry_of(kind, dt, op);
   std::lock_guard<std::mutex> lock(kernels_mu());
   auto key = std::make_pair(ctx_, entry);

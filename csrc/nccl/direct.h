@@ -108,6 +108,8 @@ class DirectPath {
 
  private:
   abi::CUfunction kernel(Kind kind, DType dt, RedOp op);
+  // The process-wide cache (by context and kernel), compiling on a miss.
+  abi::CUfunction load_kernel(Kind kind, DType dt, RedOp op);
 
   const CudaApi& cu_;
   abi::CUcontext ctx_;
@@ -127,6 +129,9 @@ class DirectPath {
   abi::CUdeviceptr host_dev_ = 0;
   uint32_t epoch_ = 0;
   abi::CUstream last_stream_ = nullptr;
+  // This communicator's kernels by kind, dtype and op (all_gather: [kAllGather][0][0]), so a
+  // call finds its kernel without the process-wide cache's lock and string key.
+  std::array<std::array<std::array<abi::CUfunction, kNumRedOps>, kNumDTypes>, 3> fns_{};
 };
 
 }  // namespace meshcoll::nccl

@@ -2,6 +2,7 @@
 
 #include "common/error.h"
 #include "common/host_timers.h"
+#include "nccl/nccl_internal.h"
 
 namespace meshcoll::nccl {
 
@@ -89,6 +90,7 @@ void NcclBackend::check_options(const char* what, const comm::CallOptions& o) co
 }
 
 WorkPtr NcclBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
+  comm_->prepare_direct(DirectPath::Kind::kAllReduce, in.dtype, op, in.count);
   open(c, &in, &out);
   return comm_->all_reduce(direct_opts(c.opts, c.keep, c.seq, c.desc),
                            in.data, out.data, in.count, in.dtype, op);
@@ -116,6 +118,8 @@ WorkPtr NcclBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView
 
 WorkPtr NcclBackend::do_reduce_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                        const std::vector<size_t>& counts, RedOp op) {
+  if (detail::all_equal(counts))
+    comm_->prepare_direct(DirectPath::Kind::kReduceScatter, in.dtype, op, counts[0]);
   open(c, &in, &out);
   return comm_->reduce_scatter(direct_opts(c.opts, c.keep, c.seq, c.desc),
                                in.data, out.data, counts, in.dtype, op);

@@ -223,6 +223,12 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   std::string direct_unavailable() const;
   // The largest call they take (0: off).
   size_t direct_bytes() const;
+  // Compiles the kernel a call of these sizes will run, if a direct one (once per process);
+  // before the call is noted to the agreement check, so that a first call's compilation
+  // (0.2-0.5 s) never sits between the note and the launch.
+  void prepare_direct(DirectPath::Kind kind, DType dt, RedOp op, size_t count) {
+    if (direct_ && direct_->takes(kind, dt, op, count)) direct_->prepare(kind, dt, op);
+  }
   // A one-element all_reduce; its Work's wait() blocks the host.
   WorkPtr barrier(const CallOpts& c);
   // Orders `waiter` after the work issued so far on `producer` (an event; no host block).

@@ -268,8 +268,6 @@ NcclComm::WorkPtr NcclComm::all_reduce(const CallOpts& c, const void* in, void* 
   const auto ndt = nccl_dtype(dt, true, nc_);
   const auto nop = nccl_redop(op, dt, nc_);
   const uint32_t fp = c.fingerprint;
-  if (direct_ && direct_->takes(DirectPath::Kind::kAllReduce, dt, op, count))
-    direct_->prepare(DirectPath::Kind::kAllReduce, dt, op);
   return run(c, "all_reduce", false, [=](CUstream s, const Deadline& d) {
     if (try_direct_locked(DirectPath::Kind::kAllReduce, dt, op, in, out, count, fp, s, d)) return;
     check_nccl_locked(nc_.all_reduce(in, out, count, ndt, nop, comm_, s), "ncclAllReduce", d);
@@ -334,8 +332,6 @@ NcclComm::WorkPtr NcclComm::reduce_scatter(const CallOpts& c, const void* in, vo
   if (all_equal(counts)) {
     const size_t n = counts[0];
     const uint32_t fp = c.fingerprint;
-    if (direct_ && direct_->takes(DirectPath::Kind::kReduceScatter, dt, op, n))
-      direct_->prepare(DirectPath::Kind::kReduceScatter, dt, op);
     return run(c, "reduce_scatter", false, [=](CUstream s, const Deadline& d) {
       if (try_direct_locked(DirectPath::Kind::kReduceScatter, dt, op, in, out, n, fp, s, d))
         return;
