@@ -237,6 +237,21 @@ bool DirectPath::takes(Kind kind, DType dt, RedOp op, size_t count) const {
   return staged <= limit_;
 }
 
+const char* DirectPath::source() { return kDirectKernelsSource; }
+
+std::vector<std::string> DirectPath::entries() {
+  std::vector<std::string> out{entry_of(Kind::kAllGather, DType::kUint8, RedOp::kSum)};
+  for (int t = 0; t < kNumDTypes; ++t)
+    for (int o = 0; o < kNumRedOps; ++o) {
+      const auto dt = static_cast<DType>(t);
+      const auto op = static_cast<RedOp>(o);
+      if (!type_name(dt) || !op_name(op, dt)) continue;
+      out.push_back(entry_of(Kind::kAllReduce, dt, op));
+      out.push_back(entry_of(Kind::kReduceScatter, dt, op));
+    }
+  return out;
+}
+
 CUfunction DirectPath::kernel(Kind kind, DType dt, RedOp op) {
   if (kind == Kind::kAllGather) {
     dt = DType::kInt8;
@@ -267,7 +282,7 @@ void DirectPath::launch(Kind kind, DType dt, RedOp op, const void* in, void* out
                         CUevent last_done) {
   CUfunction fn = kernel(kind, dt, op);
   // Direct ops run one after another (Note [Direct kernels]): across streams, by an event.
-  if (last_stream_ && stream != last_stream_ && last_done)
+  if (epoch_ != 0 && stream != last_stream_ && last_done)  // (nullptr: the legacy stream)
     cu_.check(cu_.stream_wait_event(stream, last_done, 0), "cuStreamWaitEvent (direct order)");
   // 0 is the flags' initial value; after a wrap the parity must still alternate.
   if (++epoch_ == 0) epoch_ = 2;

@@ -106,6 +106,12 @@ class DirectPath {
 
   enum Code : uint8_t { kOk = 0, kMismatch = 1, kTimeout = 2, kAborted = 3 };
 
+  // What NVRTC compiles: the kernels' source, and each kernel's entry point (one line that
+  // defines mc_kernel), for every kind, dtype and op the kernels have. For tests that
+  // compile them without a GPU.
+  static const char* source();
+  static std::vector<std::string> entries();
+
  private:
   abi::CUfunction kernel(Kind kind, DType dt, RedOp op);
   // The process-wide cache (by context and kernel), compiling on a miss.

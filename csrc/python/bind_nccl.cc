@@ -42,6 +42,10 @@ void bind_nccl(py::module_& m) {
         return reinterpret_cast<uintptr_t>(s.block->data());
       });
 
+  m.def("nccl_direct_kernels", [] {
+        return py::make_tuple(std::string(nccl::DirectPath::source()), nccl::DirectPath::entries());
+      }, "(source, entry points): what NVRTC compiles for the direct kernels (Note [Direct "
+         "kernels] in csrc/nccl/direct.h), for tests that compile them without a GPU.");
   m.def("nccl_set_nvrtc_candidates", &nccl::set_nvrtc_candidates, py::arg("paths"),
         "NVRTC libraries (the direct kernels' compiler) to try before the system's.");
   m.def("nccl_set_library_candidates", &nccl::set_nccl_candidates, py::arg("paths"),
