@@ -30,9 +30,11 @@
 // fingerprint at the barrier writes nothing and reports the peer in host-mapped memory; so
 // does one that waits past the op's timeout, or sees the host's abort flag (set when the
 // communicator fails: the watchdog's deadline, the agreement check, a peer's failure).
-// check_locked() turns a report into the communicator's failure (MismatchError or
-// TimeoutError naming the peer), read when an op's completion is observed, so no Work
-// reports success for an op that failed. So a disagreement is caught before any rank's data
+// NcclComm::check_direct_locked() turns a report into the communicator's failure
+// (MismatchError or TimeoutError naming the peer), read when an op's completion is observed
+// and before each call, so no Work reports success for an op that failed. A disagreement
+// first waits up to 2 s for the agreement check, which names both calls (the kernel knows
+// only that the fingerprints differ); ops from that one on report nothing meanwhile. So a disagreement is caught before any rank's data
 // changes, which NCCL's own kernels cannot do (Note [Agreement on a side channel]).
 // Ordering: direct ops of one communicator must run one after another on every rank (the
 // parity argument in direct_kernels.cu). On one stream they do; an op on another stream than
@@ -63,8 +65,6 @@ class DirectPath {
   static constexpr int kMaxRanks = 8;     // MC_MAX_RANKS in direct_kernels.cu
   static constexpr int kMaxBlocks = 32;   // the flags hold this many blocks per parity
   static constexpr int kThreads = 512;    // MC_THREADS
-  // Exchanges rank records of this many bytes (host_all_gather's payload).
-  struct Record;
 
   // This rank's half of setup: compiles a kernel, allocates and exports the staging buffer.
   // Never throws: what went wrong is kept for record().
@@ -73,9 +73,10 @@ class DirectPath {
   DirectPath(const DirectPath&) = delete;
   DirectPath& operator=(const DirectPath&) = delete;
 
-  // Setup's exchanges (collective), given every rank's record in rank order: opens the
-  // peers' buffers. Returns "" when this rank can take part, else why not.
+  // This rank's record for setup's first exchange (host_all_gather).
   std::vector<uint8_t> record() const;
+  // Given every rank's record in rank order: opens the peers' buffers. Returns "" when this
+  // rank can take part, else why not.
   std::string open_peers(const std::vector<uint8_t>& all, size_t record_bytes,
                          const RankNames& names);
   // After the second exchange: on = every rank opened every peer.

@@ -26,7 +26,9 @@
 // failure no call, wait or synchronize raised is raised by shutdown (destroy). As on the CPU
 // backend, a dead group must be rebuilt. A call stuck inside NCCL (a blocking connection
 // setup or split waiting for a peer) is aborted by the watchdog at its deadline too (Note
-// [Stuck calls] in nccl_comm.cc). A group is used by one thread at a time, as NCCL
+// [Stuck calls] in nccl_comm.cc). meshcoll's own direct kernels (Note [Direct kernels] in
+// direct.h) report failures through host memory and end at the same abort. A group is used by
+// one thread at a time, as NCCL
 // requires (the backend's entry points check it: Note [One issuing thread] in
 // comm/backend.h); one mutex (uncontended on the hot path) orders the caller and the watchdog.
 //
