@@ -13,6 +13,9 @@ per op, dtype and size, the time of one call and meshcoll's ratio to nccl-tests 
   sym+graph    symmetric, in a CUDA graph               vs nccl-tests -R 2 -G
   coalesced    ordinary, `--agg` calls per               vs nccl-tests -m AGG (its
                group.coalesced() block                      ncclGroupStart/End per AGG ops)
+  eager-nccl   eager, with MESHCOLL_NCCL_DIRECT_BYTES=0  vs nccl-tests (NCCL's kernels for
+               in meshcoll's processes                      every call: the direct kernels'
+                                                            baseline, in the same run)
 
 Timing follows nccl-tests: host wall time of `iters` back-to-back calls (or of
 `--graph-launches` replays of a graph of `iters` calls, on its capture stream) until the
@@ -42,7 +45,8 @@ from meshcoll.bench import BUS_FACTORS, format_size, parse_size, size_steps
 from spawn_ranks import run_ranks
 
 MODES = {"eager": [], "symmetric": ["-R", "2"], "graph": ["-G", "{graph}"],
-         "sym+graph": ["-R", "2", "-G", "{graph}"], "coalesced": ["-m", "{agg}"]}
+         "sym+graph": ["-R", "2", "-G", "{graph}"], "coalesced": ["-m", "{agg}"],
+         "eager-nccl": []}
 NT_DTYPES = {"float32": "float", "bfloat16": "bfloat16"}
 
 
@@ -180,8 +184,9 @@ def rank_main(rank, world, port, token, args, plan, conn):
         side = torch.cuda.Stream() if args.stream == "side" else None
         with torch.cuda.stream(side):
             rows = time_plan(pg, torch, args, plan, rank, world)
+        direct = pg.direct_kernels
         meshcoll.destroy()
-        conn.send(("ok", rows))
+        conn.send(("ok", (rows, direct)))
     except BaseException:  # noqa: BLE001 - reported to the parent
         conn.send(("error", traceback.format_exc()))
 
@@ -230,7 +235,26 @@ def time_plan(pg, torch, args, plan, rank, world):
 
 
 def run_meshcoll(args, plan):
-    return run_ranks(rank_main, args.nprocs, args, plan, timeout=args.timeout)[0]
+    """Rank 0's rows and its group's direct-kernel status; the plan's eager-nccl items run in
+    processes of their own, with the direct kernels off (Note [Direct kernels])."""
+    rows, status = [], []
+    for nccl_only in (False, True):
+        part = [p for p in plan if (p[2] == "eager-nccl") == nccl_only]
+        if not part:
+            continue
+        old = os.environ.get("MESHCOLL_NCCL_DIRECT_BYTES")
+        if nccl_only:
+            os.environ["MESHCOLL_NCCL_DIRECT_BYTES"] = "0"
+        try:
+            got, direct = run_ranks(rank_main, args.nprocs, args, part, timeout=args.timeout)[0]
+        finally:
+            if nccl_only:
+                os.environ.pop("MESHCOLL_NCCL_DIRECT_BYTES", None)
+                if old is not None:
+                    os.environ["MESHCOLL_NCCL_DIRECT_BYTES"] = old
+        rows += got
+        status.append(f"{'eager-nccl' if nccl_only else 'other modes'}: {direct}")
+    return rows, status
 
 
 # ---- the report ----------------------------------------------------------------------------
@@ -277,10 +301,11 @@ def main(argv=None):
                 for ip in places:
                     nt[(op, dtype, mode, ip)] = {s: t[1 if ip else 0] for s, t in rows.items()}
                     plan.append((op, dtype, mode, ip, sizes, args.iters))
-    rows = run_meshcoll(args, plan)
+    rows, status = run_meshcoll(args, plan)
     import torch
     print(f"# meshcoll vs nccl-tests, {n} x {torch.cuda.get_device_name(0)}, NCCL "
           f"{torch.cuda.nccl.version()} (torch's build; meshcoll loads the same wheel)")
+    print(f"# meshcoll's direct kernels: {'; '.join(status)}")
     print(f"# iters {args.iters}, warmup {args.warmup}, repeats {args.repeats} (median, slowest "
           "rank); time per call in us; ratio = meshcoll / nccl-tests")
     last = None
