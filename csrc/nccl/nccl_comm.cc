@@ -338,14 +338,7 @@ void NcclComm::shutdown() {
   std::unique_lock<std::mutex> lock(mu_);
   if (shut_down_) return;
   shut_down_ = true;
-  if (!comm_) {
-    close_direct_locked();
-    close_windows_locked();
-    if (failed_ && !reported_)
-      raise_locked(str_cat("destroy() on ", where(), ": the group failed earlier, after the "
-                           "last call that could raise it: "));
-    return;
-  }
+  if (!comm_) return close_failed_locked();
   CtxGuard guard(cu_, ctx_);
   // Let issued work finish (bounded by the group's timeout); work still running then is
   // aborted, which never waits for peers, and destroy() raises.
@@ -366,16 +359,8 @@ void NcclComm::shutdown() {
     backoff(round);
     lock.lock();
   }
-  check_direct_locked(true);
-  if (failed_) {
-    abort_locked();
-    close_direct_locked();
-    close_windows_locked();
-    if (!reported_)
-      raise_locked(str_cat("destroy() on ", where(), ": the group failed earlier, after the "
-                           "last call that could raise it: "));
-    return;
-  }
+  check_direct_locked(true);  // a direct kernel's failure not read yet
+  if (failed_) return close_failed_locked();
   close_direct_locked();
   close_windows_locked();
   // ncclCommDestroy tears down connections; bound it too, and leave it behind if a peer
@@ -434,6 +419,14 @@ void NcclComm::abort(const std::string& why) {
   CtxGuard guard(cu_, ctx_);
   fail_locked(std::make_exception_ptr(
       Aborted(str_cat("the NCCL communicator (", where(), ") was aborted: ", why))));
+}
+
+void NcclComm::close_failed_locked() {
+  close_direct_locked();
+  close_windows_locked();
+  if (failed_ && !reported_)
+    raise_locked(str_cat("destroy() on ", where(), ": the group failed earlier, after the last "
+                         "call that could raise it: "));
 }
 
 void NcclComm::abort_locked() {

@@ -349,6 +349,9 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // The failure, as the next call or wait raises it (and marks it reported).
   [[noreturn]] void raise_locked(const std::string& context) const;
   void abort_locked();
+  // shutdown() of an aborted communicator: releases what it can and raises a failure no
+  // call raised.
+  void close_failed_locked();
   void poll_locked();  // advances completed_, checks async errors and deadlines
   // Moves completed_ past the ops whose events completed (Note [Completion by bisection]).
   // Returns the first failed event query (its op in *at), or CUDA_SUCCESS.

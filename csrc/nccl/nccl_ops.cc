@@ -96,13 +96,19 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   if (!captured) claim_slot_locked(lock, d);
   const CUstream exec = exec_stream_locked(user, async);
   host_timers::mark(host_timers::kPrepared);
-  launch_eager_ = !captured;
-  launched_direct_ = 0;
-  guarded_locked(d, what, [&] {
-    launch(exec, d);
-    return ncclSuccess;
-  });
-  launch_eager_ = false;
+  {
+    // Only this launch may pick a direct kernel (not end_block's staged ones), even if it throws.
+    struct Eager {
+      bool& on;
+      ~Eager() { on = false; }
+    } eager{launch_eager_};
+    launch_eager_ = !captured;
+    launched_direct_ = 0;
+    guarded_locked(d, what, [&] {
+      launch(exec, d);
+      return ncclSuccess;
+    });
+  }
   host_timers::mark(host_timers::kLaunched);
   if (captured)
     return c.want_work ? std::make_shared<NcclWork>(shared_from_this(), 0, user, false, true,
