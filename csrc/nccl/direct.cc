@@ -123,7 +123,8 @@ std::map<std::pair<CUcontext, std::string>, CUfunction>& kernels() {
 }
 
 std::string entry_of(DirectPath::Kind kind, DType dt, RedOp op) {
-  const char* head = "extern \"C\" __global__ void __launch_bounds__(MC_THREADS) mc_kernel(Args a) { ";
+  const char* head =
+      "extern \"C\" __global__ void __launch_bounds__(MC_THREADS) mc_kernel(Args a) { ";
   switch (kind) {
     case DirectPath::Kind::kAllGather: return str_cat(head, "all_gather(a); }");
     case DirectPath::Kind::kAllReduce:
@@ -205,16 +206,19 @@ std::string DirectPath::open_peers(const std::vector<uint8_t>& all, size_t recor
   for (int r = 0; r < size_; ++r) std::memcpy(&rs[r], all.data() + r * record_bytes, record_bytes);
   for (int r = 0; r < size_; ++r) {
     if (rs[r].limit == 0) return str_cat("rank ", names(r), ": ", rs[r].why);
-    if (rs[r].host != rs[0].host) return str_cat("rank ", names(r), " is on another host than rank ", names(0));
+    if (rs[r].host != rs[0].host)
+      return str_cat("rank ", names(r), " is on another host than rank ", names(0));
     limit_ = std::min<size_t>(limit_, rs[r].limit);
   }
   CtxGuard guard(cu_, ctx_);
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
-    CUresult e = cu_.ipc_open_mem_handle(&bases_[r], rs[r].handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    CUresult e =
+        cu_.ipc_open_mem_handle(&bases_[r], rs[r].handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
     if (e != CUDA_SUCCESS)
-      return str_cat("rank ", names(rank_), " cannot map rank ", names(r), "'s memory (cuIpcOpenMemHandle: ",
-                     cu_.error_text(e), "; no peer access between the GPUs?)");
+      return str_cat("rank ", names(rank_), " cannot map rank ", names(r), "'s memory "
+                     "(cuIpcOpenMemHandle: ", cu_.error_text(e), "; no peer access between "
+                     "the GPUs?)");
     opened_[r] = true;
   }
   return "";

@@ -34,8 +34,9 @@
 // (MismatchError or TimeoutError naming the peer), read when an op's completion is observed
 // and before each call, so no Work reports success for an op that failed. A disagreement
 // first waits up to 2 s for the agreement check, which names both calls (the kernel knows
-// only that the fingerprints differ); ops from that one on report nothing meanwhile. So a disagreement is caught before any rank's data
-// changes, which NCCL's own kernels cannot do (Note [Agreement on a side channel]).
+// only that the fingerprints differ); ops from that one on report nothing meanwhile. So a
+// disagreement is caught before any rank's data changes, which NCCL's own kernels cannot do
+// (Note [Agreement on a side channel]).
 // Ordering: direct ops of one communicator must run one after another on every rank (the
 // parity argument in direct_kernels.cu). On one stream they do; an op on another stream than
 // the last direct op first waits for that op's completion event.

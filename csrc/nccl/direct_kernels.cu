@@ -212,11 +212,15 @@ template <> struct Elem<bf16> {
   }
 };
 
-struct Sum { template <class A> static __device__ __forceinline__ A f(A a, A b) { return a + b; } };
-struct Prod { template <class A> static __device__ __forceinline__ A f(A a, A b) { return a * b; } };
-struct Min { template <class A> static __device__ __forceinline__ A f(A a, A b) { return b < a ? b : a; } };
-struct Max { template <class A> static __device__ __forceinline__ A f(A a, A b) { return a < b ? b : a; } };
-struct Avg { template <class A> static __device__ __forceinline__ A f(A a, A b) { return a + b; } };
+#define MC_BINARY(name, expr)                                                      \
+  struct name {                                                                    \
+    template <class A> static __device__ __forceinline__ A f(A a, A b) { return expr; } \
+  };
+MC_BINARY(Sum, a + b)
+MC_BINARY(Prod, a * b)
+MC_BINARY(Min, b < a ? b : a)
+MC_BINARY(Max, a < b ? b : a)
+MC_BINARY(Avg, a + b)  // divided by the group size once, in finish()
 
 template <class Op, class A> __device__ __forceinline__ A finish(A a, int world) { return a; }
 template <> __device__ __forceinline__ float finish<Avg, float>(float a, int world) {
@@ -259,7 +263,8 @@ __device__ __forceinline__ void reduce_part(const Args& a, u64 base, u64 lo, u64
   for (u64 k = i + threadIdx.x; k < hi; k += blockDim.x) {
     // The tail: under 16 bytes.
     typename E::Acc acc = E::up(ld_cg((const T*)(a.bufs[0] + base + k * es)));
-    for (int r = 1; r < a.world; ++r) acc = Op::f(acc, E::up(ld_cg((const T*)(a.bufs[r] + base + k * es))));
+    for (int r = 1; r < a.world; ++r)
+      acc = Op::f(acc, E::up(ld_cg((const T*)(a.bufs[r] + base + k * es))));
     out[k] = E::down(finish<Op>(acc, a.world));
   }
 }
