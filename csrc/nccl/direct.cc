@@ -2,6 +2,7 @@
 #include "nccl/direct.h"
 
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 
@@ -48,12 +49,6 @@ struct SetupRecord {
   CUipcMemHandle handle{};
   char why[96] = {};   // why it cannot take part
 };
-
-uint64_t fnv1a(const void* p, size_t n, uint64_t h = 1469598103934665603ull) {
-  const auto* b = static_cast<const uint8_t*>(p);
-  for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
-  return h;
-}
 
 const char* type_name(DType dt) {  // the kernels' C type for a dtype; nullptr: none
   switch (dt) {
@@ -190,7 +185,7 @@ DirectPath::~DirectPath() {
 std::vector<uint8_t> DirectPath::record() const {
   SetupRecord r;
   const std::string id = transport::ShmGroup::host_identity();
-  r.host = fnv1a(id.data(), id.size());
+  r.host = std::hash<std::string>()(id);  // every rank runs one build: one hash function
   r.limit = local_why_.empty() ? limit_ : 0;
   r.handle = handle_;
   std::strncpy(r.why, local_why_.c_str(), sizeof(r.why) - 1);

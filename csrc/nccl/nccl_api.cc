@@ -45,6 +45,12 @@ void bind_optional(const DynamicLibrary& lib, F& slot, const char* name) {
   slot = reinterpret_cast<F>(lib.find(name));
 }
 
+// A loaded library's handle must outlive every call through it: kept for the process's life.
+void keep_for_process(std::unique_ptr<DynamicLibrary> lib) {
+  static auto* keep = new std::vector<std::unique_ptr<DynamicLibrary>>();
+  keep->push_back(std::move(lib));
+}
+
 std::string version_string(int code) {
   // 2.9 and later: X*10000 + Y*100 + Z; older: X*1000 + Y*100 + Z.
   if (code >= 20900) return str_cat(code / 10000, ".", (code / 100) % 100, ".", code % 100);
@@ -162,9 +168,7 @@ std::unique_ptr<NcclApi> load_nccl(const std::vector<std::string>& wheel_candida
   if (api->version < abi::nccl_version_code(2, 7, 0))
     throw Error(str_cat(api->describe(), " is too old: meshcoll needs NCCL 2.7 or later "
                                          "(point-to-point send/recv)"));
-  // The library handle must outlive every call: keep it for the life of the process.
-  static std::vector<std::unique_ptr<DynamicLibrary>>* keep = new std::vector<std::unique_ptr<DynamicLibrary>>();
-  keep->push_back(std::move(lib));
+  keep_for_process(std::move(lib));
   return api;
 }
 
@@ -214,8 +218,7 @@ static std::unique_ptr<NvrtcApi> load_nvrtc(const std::vector<std::string>& whee
   bind(*lib, api->get_cubin, "nvrtcGetCUBIN");
   bind(*lib, api->get_error_string, "nvrtcGetErrorString");
   api->version(&api->major, &api->minor);
-  static std::vector<std::unique_ptr<DynamicLibrary>>* keep = new std::vector<std::unique_ptr<DynamicLibrary>>();
-  keep->push_back(std::move(lib));
+  keep_for_process(std::move(lib));
   return api;
 }
 

@@ -1,5 +1,8 @@
 #include "nccl/nccl_backend.h"
 
+#include <cstring>
+
+#include "comm/array_view.h"
 #include "common/error.h"
 #include "common/host_timers.h"
 #include "nccl/nccl_internal.h"
@@ -43,13 +46,13 @@ CallOpts coll_opts(const comm::CallOptions& o, std::vector<std::shared_ptr<void>
 CallOpts direct_opts(const comm::CallOptions& opts, std::vector<std::shared_ptr<void>>& keep,
                      uint64_t seq, const transport::OpDesc& desc) {
   CallOpts o = coll_opts(opts, keep, seq);
-  uint64_t h = 1469598103934665603ull;  // FNV-1a over the description and the sequence number
-  auto mix = [&h](const void* p, size_t n) {
-    for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<const uint8_t*>(p)[i]) * 1099511628211ull;
-  };
-  mix(&desc, sizeof(desc));
-  mix(&seq, sizeof(seq));
-  o.fingerprint = static_cast<uint32_t>(h ^ (h >> 32));
+  uint64_t words[sizeof(desc) / 8];
+  static_assert(sizeof(desc) % 8 == 0, "the description hashes as whole words");
+  std::memcpy(words, &desc, sizeof(desc));
+  comm::ShapeHash h;  // the ledger's FNV-1a over whole words
+  for (uint64_t w : words) h.mix(w);
+  h.mix(seq);
+  o.fingerprint = h.value();
   return o;
 }
 
