@@ -29,9 +29,13 @@
 // later device synchronize). For those the backend calls await(), which runs rounds on the
 // caller's thread until the call is compared: a rank waits there for its peers to issue
 // the call (a host-side barrier; their kernels need them anyway), and on one host a round
-// is one shared-memory all_gather, a few microseconds. The checker's rounds and await()'s
-// take one mutex, so a rank's rounds never overlap; rounds pair across ranks by order
-// alone, so one rank's caller round may pair with a peer's checker round.
+// is one shared-memory all_gather, a few microseconds. A call on symmetric memory that
+// meshcoll's direct kernels run (NCCL, small eager calls: Note [Direct kernels] in
+// nccl/direct.h) needs none: those end at an abort and check the call's fingerprint at
+// their barrier, writing nothing on a disagreement, as they do for any call.
+// The checker's rounds and await()'s take one mutex, so a rank's rounds never overlap;
+// rounds pair across ranks by order alone, so one rank's caller round may pair with a
+// peer's checker round.
 // While a caller awaits, its checker starts no round, and the checker counts as progress
 // only what its own rounds compared. Before, the callers' progress reset the checker's pause,
 // so while symmetric calls streamed each checker ran idle rounds back to back: a core per

@@ -378,10 +378,28 @@ size_t NcclComm::direct_bytes() const {
   return direct_ ? direct_->limit() : 0;
 }
 
+bool NcclComm::direct_now(CUstream stream) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!direct_ || block_open_) return false;
+  }
+  CtxGuard guard(cu_, ctx_);
+  int capture = CU_STREAM_CAPTURE_STATUS_NONE;
+  return cu_.stream_is_capturing(stream, &capture) == CUDA_SUCCESS &&
+         capture == CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
 bool NcclComm::try_direct_locked(DirectPath::Kind kind, DType dt, RedOp op, const void* in,
-                                 void* out, size_t count, uint32_t fingerprint, CUstream s,
-                                 const Deadline& d) {
-  if (!direct_ || !launch_eager_ || !direct_->takes(kind, dt, op, count)) return false;
+                                 void* out, size_t count, uint32_t fingerprint, bool direct_only,
+                                 CUstream s, const Deadline& d) {
+  if (!direct_ || !launch_eager_ || !direct_->takes(kind, dt, op, count)) {
+    // Only another thread's capture begun on this stream in between can get here.
+    if (direct_only)
+      throw InvalidArgument(str_cat(
+          "a call on symmetric memory on ", where(), ": its stream began a CUDA graph capture "
+          "while the call was being issued; begin captures before issuing calls on the stream"));
+    return false;
+  }
   direct_->launch(kind, dt, op, in, out, count, fingerprint, d.timeout().count(), s,
                   direct_last_done_);
   launched_direct_ = direct_->epoch();

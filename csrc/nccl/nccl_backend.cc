@@ -44,8 +44,9 @@ CallOpts coll_opts(const comm::CallOptions& o, std::vector<std::shared_ptr<void>
 // A collective a direct kernel may run (Note [Direct kernels] in direct.h): its fingerprint,
 // which every rank that agrees on the call computes alike.
 CallOpts direct_opts(const comm::CallOptions& opts, std::vector<std::shared_ptr<void>>& keep,
-                     uint64_t seq, const transport::OpDesc& desc) {
+                     uint64_t seq, const transport::OpDesc& desc, bool direct_only) {
   CallOpts o = coll_opts(opts, keep, seq);
+  o.direct_only = direct_only;
   uint64_t words[sizeof(desc) / 8];
   static_assert(sizeof(desc) % 8 == 0, "the description hashes as whole words");
   std::memcpy(words, &desc, sizeof(desc));
@@ -93,9 +94,9 @@ void NcclBackend::check_options(const char* what, const comm::CallOptions& o) co
 }
 
 WorkPtr NcclBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
-  comm_->prepare_direct(DirectPath::Kind::kAllReduce, in.dtype, op, in.count);
-  open(c, &in, &out);
-  return comm_->all_reduce(direct_opts(c.opts, c.keep, c.seq, c.desc),
+  const bool only = open(
+      c, &in, &out, comm_->prepare_direct(DirectPath::Kind::kAllReduce, in.dtype, op, in.count));
+  return comm_->all_reduce(direct_opts(c.opts, c.keep, c.seq, c.desc, only),
                            in.data, out.data, in.count, in.dtype, op);
 }
 
@@ -114,17 +115,21 @@ WorkPtr NcclBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
 
 WorkPtr NcclBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                    const std::vector<size_t>& counts) {
-  open(c, &in, &out);
-  return comm_->all_gather(direct_opts(c.opts, c.keep, c.seq, c.desc),
+  const bool only = open(
+      c, &in, &out,
+      detail::all_equal(counts) &&
+          comm_->prepare_direct(DirectPath::Kind::kAllGather, in.dtype, RedOp::kSum, counts[0]));
+  return comm_->all_gather(direct_opts(c.opts, c.keep, c.seq, c.desc, only),
                            in.data, out.data, counts, in.dtype);
 }
 
 WorkPtr NcclBackend::do_reduce_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                        const std::vector<size_t>& counts, RedOp op) {
-  if (detail::all_equal(counts))
-    comm_->prepare_direct(DirectPath::Kind::kReduceScatter, in.dtype, op, counts[0]);
-  open(c, &in, &out);
-  return comm_->reduce_scatter(direct_opts(c.opts, c.keep, c.seq, c.desc),
+  const bool only = open(
+      c, &in, &out,
+      detail::all_equal(counts) &&
+          comm_->prepare_direct(DirectPath::Kind::kReduceScatter, in.dtype, op, counts[0]));
+  return comm_->reduce_scatter(direct_opts(c.opts, c.keep, c.seq, c.desc, only),
                                in.data, out.data, counts, in.dtype, op);
 }
 
@@ -178,20 +183,25 @@ void NcclBackend::do_fail(const std::string& message, std::exception_ptr /*like*
 // An NCCL group is used by one thread at a time (NCCL requires it; the entry points check it:
 // Note [One issuing thread]), so the order of these calls is the order the ops reach NCCL:
 // the record opens here (Note [Call ledger]).
-void NcclBackend::open(Call& c, const ArrayView* in, const ArrayView* out) {
+bool NcclBackend::open(Call& c, const ArrayView* in, const ArrayView* out, bool direct) {
   auto bytes = [](const ArrayView* v) { return v ? v->count * dtype_size(v->dtype) : 0; };
   const void* in_data = in ? in->data : nullptr;
   const void* out_data = out ? out->data : nullptr;
   const size_t in_bytes = bytes(in), out_bytes = bytes(out);
   c.desc.memory = comm_->window_tag(in_data, in_bytes, out_data, out_bytes);
   c.seq = ledger().open_collective(c.desc);
+  bool direct_only = false;
   if (agreement_) {
     try {
       agreement_->note(c.seq, c.desc);
       // Symmetric kernels do not end at an abort: agree first (Note [Agreement before launch]).
       // In a block nothing is launched before its end, which agrees once for all its calls.
+      // A direct kernel ends at an abort and checks the call itself: no need.
       if (c.desc.memory && coalescing())
         block_await_ = c.seq;
+      else if (c.desc.memory && direct &&
+               comm_->direct_now(reinterpret_cast<abi::CUstream>(c.opts.stream)))
+        direct_only = true;
       else if (c.desc.memory)
         agreement_->await(c.seq, c.opts.timeout);
     } catch (...) {
@@ -200,6 +210,7 @@ void NcclBackend::open(Call& c, const ArrayView* in, const ArrayView* out) {
     }
   }
   host_timers::mark(host_timers::kNoted);
+  return direct_only;
 }
 
 void NcclBackend::do_end_coalesced(Millis timeout) {

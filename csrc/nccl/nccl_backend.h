@@ -70,8 +70,11 @@ class NcclBackend final : public comm::Backend {
 
  private:
   // Opens the call's record (and notes it to the agreement check); `in`/`out`: its buffers,
-  // whose symmetric windows are part of its description.
-  void open(Call& c, const comm::ArrayView* in = nullptr, const comm::ArrayView* out = nullptr);
+  // whose symmetric windows are part of its description. `direct`: a direct kernel takes the
+  // call if it is eager (NcclComm::prepare_direct). True: the call skipped its agreement
+  // before launch, which only a direct kernel may (CallOpts::direct_only).
+  bool open(Call& c, const comm::ArrayView* in = nullptr, const comm::ArrayView* out = nullptr,
+            bool direct = false);
   std::shared_ptr<NcclComm> comm_;
   std::shared_ptr<comm::Agreement> agreement_;
   // The open block's last call on symmetric memory, agreed before the block is enqueued

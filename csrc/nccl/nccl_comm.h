@@ -141,6 +141,9 @@ struct CallOpts {
   // A hash of the call's description and coll_seq, equal on ranks that agree: a direct
   // kernel's token carries it (Note [Direct kernels] in direct.h).
   uint32_t fingerprint = 0;
+  // The call skipped its agreement before launch because a direct kernel runs it (Note
+  // [Agreement before launch] in comm/agreement.h): NCCL's symmetric kernels must not.
+  bool direct_only = false;
   // The caller keeps a Work (async ops, point-to-point, a barrier); else the op returns
   // nullptr and costs no allocation (a synchronous collective: its stream orders its result).
   bool want_work = true;
@@ -227,10 +230,16 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   size_t direct_bytes() const;
   // Compiles the kernel a call of these sizes will run, if a direct one (once per process);
   // before the call is noted to the agreement check, so that a first call's compilation
-  // (0.2-0.5 s) never sits between the note and the launch.
-  void prepare_direct(DirectPath::Kind kind, DType dt, RedOp op, size_t count) {
-    if (direct_ && direct_->takes(kind, dt, op, count)) direct_->prepare(kind, dt, op);
+  // (0.2-0.5 s) never sits between the note and the launch. True: a direct kernel takes
+  // such a call when it is eager (issued outside a block, on a stream not being captured).
+  bool prepare_direct(DirectPath::Kind kind, DType dt, RedOp op, size_t count) {
+    if (!direct_ || !direct_->takes(kind, dt, op, count)) return false;
+    direct_->prepare(kind, dt, op);
+    return true;
   }
+  // Whether a call that prepare_direct() took, issued now on `stream`, runs a direct kernel:
+  // no block is open and the stream is not being captured.
+  bool direct_now(abi::CUstream stream);
   // A one-element all_reduce; its Work's wait() blocks the host.
   WorkPtr barrier(const CallOpts& c);
   // Orders `waiter` after the work issued so far on `producer` (an event; no host block).
@@ -328,9 +337,11 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void wait_ready_locked(abi::ncclComm_t comm, const Deadline& d, const char* what);
   void usable_locked() const;
   // Launches a direct kernel in place of NCCL's when the call qualifies and the op is eager
-  // (Note [Direct kernels]); false: NCCL's turn.
+  // (Note [Direct kernels]); false: NCCL's turn. Raises when the call is `direct_only` yet
+  // cannot go direct (its stream began a capture since its agreement was skipped).
   bool try_direct_locked(DirectPath::Kind kind, DType dt, RedOp op, const void* in, void* out,
-                         size_t count, uint32_t fingerprint, abi::CUstream s, const Deadline& d);
+                         size_t count, uint32_t fingerprint, bool direct_only, abi::CUstream s,
+                         const Deadline& d);
   // A direct kernel's failure report becomes the communicator's failure (MismatchError,
   // TimeoutError naming the peer). Read wherever an op's completion is observed.
   // no_grace: at shutdown, the agreement check has had its chance.

@@ -274,8 +274,10 @@ NcclComm::WorkPtr NcclComm::all_reduce(const CallOpts& c, const void* in, void* 
   const auto ndt = nccl_dtype(dt, true, nc_);
   const auto nop = nccl_redop(op, dt, nc_);
   const uint32_t fp = c.fingerprint;
+  const bool only = c.direct_only;
   return run(c, "all_reduce", false, [=](CUstream s, const Deadline& d) {
-    if (try_direct_locked(DirectPath::Kind::kAllReduce, dt, op, in, out, count, fp, s, d)) return;
+    if (try_direct_locked(DirectPath::Kind::kAllReduce, dt, op, in, out, count, fp, only, s, d))
+      return;
     check_nccl_locked(nc_.all_reduce(in, out, count, ndt, nop, comm_, s), "ncclAllReduce", d);
   });
 }
@@ -306,8 +308,10 @@ NcclComm::WorkPtr NcclComm::all_gather(const CallOpts& c, const void* in, void* 
   if (all_equal(counts)) {  // captures the count, not the vector: no copy per call
     const size_t n = counts[0];
     const uint32_t fp = c.fingerprint;
+    const bool only = c.direct_only;
     return run(c, "all_gather", false, [=](CUstream s, const Deadline& d) {
-      if (try_direct_locked(DirectPath::Kind::kAllGather, dt, RedOp::kSum, in, out, n, fp, s, d))
+      if (try_direct_locked(DirectPath::Kind::kAllGather, dt, RedOp::kSum, in, out, n, fp, only,
+                            s, d))
         return;
       check_nccl_locked(nc_.all_gather(in, out, n, ndt, comm_, s), "ncclAllGather", d);
     });
@@ -338,8 +342,10 @@ NcclComm::WorkPtr NcclComm::reduce_scatter(const CallOpts& c, const void* in, vo
   if (all_equal(counts)) {
     const size_t n = counts[0];
     const uint32_t fp = c.fingerprint;
+    const bool only = c.direct_only;
     return run(c, "reduce_scatter", false, [=](CUstream s, const Deadline& d) {
-      if (try_direct_locked(DirectPath::Kind::kReduceScatter, dt, op, in, out, n, fp, s, d))
+      if (try_direct_locked(DirectPath::Kind::kReduceScatter, dt, op, in, out, n, fp, only, s,
+                            d))
         return;
       check_nccl_locked(nc_.reduce_scatter(in, out, n, ndt, nop, comm_, s), "ncclReduceScatter",
                         d);

@@ -200,3 +200,40 @@ def test_a_late_rank_is_named_and_nothing_hangs():
     assert "rank 1" in msg, msg
     assert took < 20, took
     assert res[1][0] != "no error", res[1]
+
+
+def _symmetric_without_agreement(pg):
+    """On symmetric memory a direct kernel runs without the agreement before launch that
+    NCCL's symmetric kernels need (Note [Agreement before launch]): with rank 1 issuing each
+    call 1.5 s late, rank 0's host returns from a small call at once (the kernel waits on
+    the device) but blocks in a call over the limit until rank 1 issued it."""
+    import torch
+    r, w = pg.rank, pg.size
+    out = {}
+    for name, n in (("direct", 1000), ("nccl", LIMIT // 4 + 1)):
+        ins = [_data(n, k, n) for k in range(w)]
+        x = pg.empty(n, "float32", symmetric=True)
+        x.copy_(torch.from_numpy(ins[r]).cuda())
+        pg.barrier()
+        if r == 1:
+            time.sleep(1.5)
+        t0 = time.monotonic()
+        pg.all_reduce(x)
+        host_s = time.monotonic() - t0
+        torch.cuda.synchronize()
+        ok = np.allclose(x.cpu().numpy(), np.sum(ins, 0), rtol=1e-5, atol=1e-5)
+        out[name] = (host_s, bool(ok), pg.is_symmetric(x))
+    return out, pg.symmetric_memory
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+def test_symmetric_calls_that_go_direct_skip_the_agreement_before_launch():
+    res = run_nccl(2, _symmetric_without_agreement, deadline=120)
+    out, memory = res[0]
+    for rank, (o, _) in enumerate(res):
+        for name, (_, ok, _) in o.items():
+            assert ok, (rank, name)
+    if not out["nccl"][2]:
+        pytest.skip(f"no symmetric windows here: {memory}")
+    assert out["direct"][0] < 0.5, out  # returned before rank 1 issued the call
+    assert out["nccl"][0] > 1.0, out  # awaited rank 1's call

@@ -108,16 +108,18 @@ def test_overlapping_buffers_raise_value_error_and_leave_the_group_working():
 def _disagree(pg, check):
     import torch
     out = {}
-    cases = {
-        "ordinary vs symmetric": lambda g, a: a[:1024] if g.rank == 0 else
-        torch.zeros(1024, device="cuda"),
-        "offsets": lambda g, a: a[:1024] if g.rank == 0 else a[256:1280],
-    }
+    # 1024 elements: meshcoll's direct kernels run the call, which see the disagreement at
+    # their barrier. 1 << 17 (512 KiB, over their limit): NCCL's symmetric kernels, which do
+    # not end at ncclCommAbort, so in either mode the call is agreed before launch (Note
+    # [Agreement before launch]).
+    cases = {}
+    for n in (1024, 1 << 17):
+        cases[f"ordinary vs symmetric, {n}"] = lambda g, a, n=n: a[:n] if g.rank == 0 else \
+            torch.zeros(n, device="cuda")
+        cases[f"offsets, {n}"] = lambda g, a, n=n: a[:n] if g.rank == 0 else a[256:256 + n]
     for name, pick in cases.items():
-        # NCCL's symmetric kernels do not end at ncclCommAbort, so in either mode a call on
-        # symmetric memory is agreed before launch (Note [Agreement before launch]).
         g = pg.new_group([0, 1], timeout=20, check=check)
-        arena = g.zeros(1 << 16, "float32", symmetric=True)
+        arena = g.zeros(1 << 18, "float32", symmetric=True)
         g.all_reduce(arena[:8])  # agreed: the group works
         kind, msg = "no error", ""
         try:
