@@ -35,11 +35,13 @@ def reference(accum, *, batch, steps, lr):
     return {n: p.detach().numpy().copy() for n, p in net.named_parameters()}
 
 
-def train(pg, accum, *, batch, steps, lr, device="cpu", **ddp_kw):
+def train(pg, accum, *, batch, steps, lr, device="cpu", set_to_none=True, **ddp_kw):
     """The same training over ``pg``: each rank takes its numpy.array_split shard of every
     microbatch, ``accum`` microbatches per step (all but the last under no_sync()). Every
     rank starts from other weights, so the construction broadcast must equalise them.
-    Returns (parameters as numpy, stats, bucket names)."""
+    ``set_to_none``: the optimizer's zero_grad drops the gradients (torch's default) or
+    zeroes them in place. Returns (parameters as numpy, stats, bucket names, whether every
+    p.grad lies in DataParallel's buckets at the end)."""
     import meshcoll.torch as mt
     net = mt.DistributedDataParallel(model(pg.rank).to(device), group=pg,
                                      bucket_cap_mb=1000 / 2**20, **ddp_kw)
@@ -47,7 +49,7 @@ def train(pg, accum, *, batch, steps, lr, device="cpu", **ddp_kw):
     x, y = x.to(device), y.to(device)
     opt = torch.optim.SGD(net.parameters(), lr=lr)
     for s in range(steps):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         idx = np.arange(s * batch * accum, (s + 1) * batch * accum)
         for m, micro in enumerate(np.array_split(idx, accum)):
             shard = torch.as_tensor(np.array_split(micro, pg.size)[pg.rank], device=device)
@@ -58,9 +60,16 @@ def train(pg, accum, *, batch, steps, lr, device="cpu", **ddp_kw):
                 (loss * pg.size / len(idx)).backward()
         opt.step()
     stats, buckets = net.stats(), net.ddp.bucket_names
+    in_buckets = all(_shares(p.grad, net.ddp.gradient_buffer(n))
+                     for n, p in net.module.named_parameters())
     net.close()
     return ({n: p.detach().cpu().numpy() for n, p in net.module.named_parameters()},
-            stats, buckets)
+            stats, buckets, in_buckets)
+
+
+def _shares(t, buf):
+    ptr = buf.data_ptr() if isinstance(buf, torch.Tensor) else buf.__array_interface__["data"][0]
+    return t.data_ptr() == ptr
 
 
 def max_rel(a, b):

@@ -53,6 +53,9 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--symmetric", choices=("on", "off"), default="off",
                    help="NCCL: gradient buckets in symmetric memory (DataParallel(symmetric=))")
+    p.add_argument("--views", choices=("on", "off"), default="off",
+                   help="gradients in DataParallel's own buffers (gradient_buffer: no copy "
+                        "into the buckets or out of them)")
     p.add_argument("--json", metavar="FILE", help="append one json record per row")
     return p.parse_args()
 
@@ -143,6 +146,11 @@ def main() -> None:
         grads = {k: torch.from_numpy(v).to(dev) for k, v in grads.items()}
     ddp = DataParallel(params, group=pg, bucket_cap_mb=args.bucket_cap_mb,
                        symmetric=args.symmetric == "on")
+    if args.views == "on":
+        for k in grads:
+            buf = ddp.gradient_buffer(k)
+            buf += grads[k]
+            grads[k] = buf
     bw = Backward(pg, args, grads)
 
     def overlapped():
@@ -162,7 +170,8 @@ def main() -> None:
                 else f"matmul x{bw.reps} (~{args.ms_per_layer:g} ms)")
         print(f"# meshcoll {meshcoll.__version__}  ddp overlap  backend={args.backend}  ranks={pg.size}  "
               f"layers={args.layers} x {args.layer_mb:g} MiB = {total_mb:g} MiB  "
-              f"buckets={len(ddp.bucket_names)}  symmetric={ddp.symmetric}  compute={what} per layer  "
+              f"buckets={len(ddp.bucket_names)}  symmetric={ddp.symmetric}  views={args.views}  "
+              f"compute={what} per layer  "
               f"repeats={args.repeats} warmup={args.warmup}")
         print(f"# {'phase':>16} {'time':>9} {'algbw':>8}")
         print(f"# {'':>16} {'(ms)':>9} {'(GB/s)':>8}")
@@ -187,6 +196,7 @@ def main() -> None:
                                         "layer_mb": args.layer_mb, "compute": args.compute,
                                         "ms_per_layer": args.ms_per_layer,
                                         "buckets": len(ddp.bucket_names),
+                                        "symmetric": ddp.symmetric, "views": args.views,
                                         "overlap_fraction": frac}) + "\n")
     ddp.close()
     meshcoll.destroy()

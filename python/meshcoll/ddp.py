@@ -25,6 +25,15 @@ time the worker spent on it, not its time queued behind our own previous bucket.
 that before ``wait()`` was called is "overlapped". The end stamp is taken when the completion
 thread gets the GIL back, so pure-Python compute on the main thread can delay it a little.
 
+Note [Gradient buffers]
+``gradient_buffer(name)`` hands out the gradient's place in its bucket, so a backward that
+writes or accumulates there (torch: ``p.grad`` set to it; the adapter's
+``gradient_as_bucket_view``) saves the two copies per gradient, into the bucket at
+``grad_ready`` and out of it at ``wait()``: on NCCL a copy costs 5-10 us of host time, as
+much as a small bucket's all-reduce. ``grad_ready`` knows such a gradient by its address
+(names never handed out cost nothing more), and holds it to be the value, or under
+``no_sync()`` the running sum: it is never copied or added to.
+
 Note [Arrays]
 On the CPU backend parameters and gradients are numpy arrays (or viewed as numpy through the
 buffer protocol / DLPack). On the NCCL backend they are the caller's GPU arrays, PyTorch
@@ -161,6 +170,18 @@ def _operand(group: ProcessGroup, x: Any, what: str, read: bool = True) -> Any:
     return view if group.backend_name == "cpu" else x
 
 
+def _address(x: Any) -> int:
+    """The address of an array's first element: PyTorch's ``data_ptr()``, CuPy's
+    ``data.ptr``, numpy's array interface."""
+    ptr = getattr(x, "data_ptr", None)
+    if callable(ptr):
+        return int(ptr())
+    mem = getattr(x, "data", None)
+    if hasattr(mem, "ptr"):
+        return int(mem.ptr)
+    return int(x.__array_interface__["data"][0])
+
+
 def _copier(like: Any) -> Callable[[Any, Any], None]:
     """``copy(dst, src)`` for arrays like ``like``, with their own operator: ``copy_`` where
     they have one (PyTorch: several times cheaper than ``dst[...] = src``, which parses an
@@ -240,6 +261,10 @@ class DataParallel:
         self._build_buckets(float(bucket_cap_mb) * _MB)
 
         self._given: Dict[str, np.ndarray] = {}   # this step's gradient arrays, for write-back
+        # The gradient buffers handed out, by name and by address (Note [Gradient buffers])
+        self._bound: set[str] = set()
+        self._bound_at: Dict[int, str] = {}
+        self._in_bucket: set[str] = set()          # this step's gradients given as their buffer
         self._accumulated: set[str] = set()        # names whose slot holds a no_sync sum
         self._next_launch = 0                      # buckets launch in index order only
         # GPU arrays: wait() orders the caller's stream instead of blocking (Note [Arrays]);
@@ -357,36 +382,42 @@ class DataParallel:
         if name not in self._slot:
             known = ", ".join(list(self._slot)[:8]) + (", ..." if len(self._slot) > 8 else "")
             raise KeyError(f"grad_ready: unknown parameter {name!r} (registered: {known})")
-        # The checks below against the parameter (which the backend read) are the whole
-        # validation of a GPU or numpy gradient: a second read costs the hot path microseconds.
-        g = _operand(self._group, grad, f"grad_ready({name!r})", read=False)
-        p = self._params[name]
-        if type(g) is not type(p) or getattr(g, "device", None) != getattr(p, "device", None):
-            raise TypeError(f"grad_ready({name!r}): the gradient is a {type(g).__name__} on "
-                            f"{getattr(g, 'device', 'the host')}; the parameter is a "
-                            f"{type(p).__name__} on {getattr(p, 'device', 'the host')}")
-        if tuple(g.shape) != tuple(p.shape) or _dtype_name(g) != _dtype_name(p):
-            raise ValueError(f"grad_ready({name!r}): gradient has shape {tuple(g.shape)} and "
-                             f"dtype {_dtype_name(g)}; the parameter has shape "
-                             f"{tuple(p.shape)} and dtype {_dtype_name(p)}")
+        idx, slot = self._slot[name]
+        if grad is slot and name in self._bound:
+            g = grad  # the very array gradient_buffer() handed out: nothing to check
+        else:
+            g = self._checked(name, grad)
         if isinstance(self._mode, LocalSGD):
             return  # gradients stay local: only validated
         if name in self._given:
             raise ValueError(f"grad_ready({name!r}): this gradient was already given in this "
                              "step; call wait() before handing over the next step's gradients")
-        idx, slot = self._slot[name]
+        # Given as its own buffer: already in the bucket, and the sum so far (Note [Gradient
+        # buffers]); never copied or added.
+        own = g is slot and name in self._bound
+        if self._bound_at and not own:
+            other = self._bound_at.get(_address(g))
+            if other is not None and other != name:
+                raise ValueError(f"grad_ready({name!r}): the gradient is the gradient_buffer "
+                                 f"of {other!r}; pass each parameter its own buffer")
+            own = other == name
         if self._no_sync:
             # Accumulate locally; no step bookkeeping, a name may come any number of times.
-            if name in self._accumulated:
+            if own:
+                self._accumulated.add(name)
+            elif name in self._accumulated:
                 slot += g
             else:
                 self._copy(slot, g)
                 self._accumulated.add(name)
             return
-        if isinstance(g, np.ndarray) and not g.flags.writeable:
+        if own:
+            self._accumulated.discard(name)
+            self._in_bucket.add(name)
+        elif isinstance(g, np.ndarray) and not g.flags.writeable:
             raise ValueError(f"grad_ready({name!r}): the gradient is read-only, but wait() "
                              "writes the averaged value into it")
-        if name in self._accumulated:
+        elif name in self._accumulated:
             slot += g  # the sync step carries the no_sync sum plus this gradient
             self._accumulated.discard(name)
         else:
@@ -402,6 +433,38 @@ class DataParallel:
             self._abort_step()
             raise
 
+    def _checked(self, name: str, grad: Any) -> Any:
+        # The checks against the parameter (which the backend read) are the whole validation
+        # of a GPU or numpy gradient: a second read costs the hot path microseconds.
+        g = _operand(self._group, grad, f"grad_ready({name!r})", read=False)
+        p = self._params[name]
+        if type(g) is not type(p) or getattr(g, "device", None) != getattr(p, "device", None):
+            raise TypeError(f"grad_ready({name!r}): the gradient is a {type(g).__name__} on "
+                            f"{getattr(g, 'device', 'the host')}; the parameter is a "
+                            f"{type(p).__name__} on {getattr(p, 'device', 'the host')}")
+        if tuple(g.shape) != tuple(p.shape) or _dtype_name(g) != _dtype_name(p):
+            raise ValueError(f"grad_ready({name!r}): gradient has shape {tuple(g.shape)} and "
+                             f"dtype {_dtype_name(g)}; the parameter has shape "
+                             f"{tuple(p.shape)} and dtype {_dtype_name(p)}")
+        return g
+
+    def gradient_buffer(self, name: str) -> Any:
+        """The place of ``name``'s gradient in its bucket: an array of the parameter's shape
+        and dtype, zeros at first (Note [Gradient buffers]). Compute or accumulate the
+        gradient there and hand that array to ``grad_ready``: nothing is copied into the
+        bucket, and ``wait()`` leaves the average there, copying nothing out (torch's DDP
+        calls this ``gradient_as_bucket_view``). As with any gradient, do not write it
+        between ``grad_ready`` and ``wait()``."""
+        if name not in self._slot:
+            raise KeyError(f"gradient_buffer: unknown parameter {name!r}")
+        slot = self._slot[name][1]
+        if name not in self._bound:
+            slot[...] = 0  # buckets come from an allocator: uninitialised memory
+            self._bound.add(name)
+            if _numel(slot):  # an empty slot may share its address with the next one
+                self._bound_at[_address(slot)] = name
+        return slot
+
     def _abort_step(self) -> None:
         # A launch failed (e.g. a hook raised): let the launched buckets finish, since their
         # buffers are in use, and drop the step so the object stays usable.
@@ -410,6 +473,7 @@ class DataParallel:
                 b.flight.done.wait()
             b.flight, b.missing = None, len(b.names)
         self._given.clear()
+        self._in_bucket.clear()
         self._next_launch = 0
 
     def _launch(self, b: _Bucket, op: Optional[str] = None) -> None:
@@ -495,9 +559,12 @@ class DataParallel:
             elif self._hook is not None and self._average and write_back:
                 b.buf /= n
             for name in b.names:
+                if write_back and name in self._in_bucket:
+                    continue  # the average is there already
                 dst = self._given[name] if write_back else self._params[name]
                 self._copy(dst, self._slot[name][1])
         self._given.clear()
+        self._in_bucket.clear()
         self._next_launch = 0
         if error is not None:
             raise error

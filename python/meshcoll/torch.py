@@ -49,6 +49,14 @@ def _operand(t: torch.Tensor, group: ProcessGroup, what: str) -> Any:
     return t.numpy()
 
 
+def _tensor_of(a: np.ndarray) -> torch.Tensor:
+    """A CPU tensor sharing the memory of DataParallel's numpy array (bfloat16 through its
+    bits, as _operand views it)."""
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Wrap ``module``: averages the gradients of its parameters (those with
     ``requires_grad``) over the group during backward. Keyword arguments go to
@@ -60,10 +68,17 @@ class DistributedDataParallel(torch.nn.Module):
     group's average (zero where no rank used it; torch would leave it None there).
 
     With ``mode=LocalSGD(k)`` gradients stay local: call ``step()`` after each optimizer
-    step, and every k-th call averages the parameters."""
+    step, and every k-th call averages the parameters.
+
+    ``gradient_as_bucket_view=True`` (torch's DDP has the same option) makes each ``p.grad``
+    a view of its place in DataParallel's buckets (``DataParallel.gradient_buffer``, Note
+    [Gradient buffers]): autograd accumulates there and the averages stay there, saving two
+    copies per gradient and step. A gradient autograd made anew (after
+    ``zero_grad(set_to_none=True)``, torch's default) is copied in once and ``p.grad``
+    pointed back at the view; ``zero_grad(set_to_none=False)`` keeps the views."""
 
     def __init__(self, module: torch.nn.Module, *, find_unused_parameters: bool = False,
-                 **kw: Any) -> None:
+                 gradient_as_bucket_view: bool = False, **kw: Any) -> None:
         super().__init__()
         self.module = module
         self._find_unused = bool(find_unused_parameters)
@@ -76,6 +91,16 @@ class DistributedDataParallel(torch.nn.Module):
         group = kw.get("group") or get_world_group()
         self.ddp = DataParallel({n: _operand(p.data, group, f"parameter {n!r}")
                                  for n, p in self._params.items()}, **kw)
+        # name -> (p.grad's view of the bucket, DataParallel's array of the same memory)
+        self._views: Dict[str, Any] = {}
+        if gradient_as_bucket_view and not isinstance(kw.get("mode"), LocalSGD):
+            for n, p in self._params.items():
+                own = self.ddp.gradient_buffer(n)
+                view = own if isinstance(own, torch.Tensor) else _tensor_of(own)
+                if p.grad is not None:
+                    view.copy_(p.grad)
+                p.grad = view
+                self._views[n] = (view, own)
         self._sync = True
         self._arrived: set[str] = set()  # names whose gradient this backward handed over
         self._local = isinstance(kw.get("mode"), LocalSGD)
@@ -98,7 +123,7 @@ class DistributedDataParallel(torch.nn.Module):
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             # The hook runs after autograd accumulated into p.grad: it is set.
             assert p.grad is not None
-            self.ddp.grad_ready(name, _operand(p.grad, self.ddp.group, f"gradient of {name!r}"))
+            self.ddp.grad_ready(name, self._gradient(name, p))
             self._arrived.add(name)
             if len(self._arrived) == len(self._params):
                 self.finish_gradient_sync()
@@ -111,8 +136,21 @@ class DistributedDataParallel(torch.nn.Module):
             if name not in self._arrived:
                 if p.grad is None:  # an earlier no_sync backward may have left a sum there
                     p.grad = torch.zeros_like(p)
-                self.ddp.grad_ready(name, _operand(p.grad, self.ddp.group, f"gradient of {name!r}"))
+                self.ddp.grad_ready(name, self._gradient(name, p))
         self.finish_gradient_sync()
+
+    def _gradient(self, name: str, p: torch.Tensor) -> Any:
+        """What grad_ready gets for ``p.grad``; with bucket views, the view, ``p.grad``
+        pointed back at it first if autograd made a new tensor."""
+        if name not in self._views:
+            return _operand(p.grad, self.ddp.group, f"gradient of {name!r}")
+        view, own = self._views[name]
+        g = p.grad
+        if g is not view:
+            if g.data_ptr() != view.data_ptr():
+                view.copy_(g)
+            p.grad = view
+        return own
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

@@ -17,10 +17,10 @@ pytestmark = pytest.mark.timeout(240)
 BATCH, STEPS, LR = 24, 3, 0.2
 
 
-def _train(pg, accum, compression=None):
+def _train(pg, accum, compression=None, **kw):
     import torch_ddp_common as common
     return common.train(pg, accum, batch=BATCH, steps=STEPS, lr=LR,
-                        device=f"cuda:{pg.device}", compression=compression)
+                        device=f"cuda:{pg.device}", compression=compression, **kw)
 
 
 def _cupy(pg):
@@ -93,6 +93,8 @@ def _no_host_block(pg):
 
 def _cases(pg):
     return {"plain": _train(pg, 1), "accum": _train(pg, 3), "fp16": _train(pg, 1, "fp16"),
+            "views": _train(pg, 3, set_to_none=False, gradient_as_bucket_view=True),
+            "views fp16": _train(pg, 1, "fp16", gradient_as_bucket_view=True),
             "cupy": _cupy(pg), "errors": _errors(pg), "no_host_block": _no_host_block(pg)}
 
 
@@ -107,8 +109,13 @@ def test_gpu_data_parallel_matches_one_process(world):
     ref_accum = common.reference(3, batch=BATCH, steps=STEPS, lr=LR)
     nbytes = sum(v.nbytes for v in ref.values())
     for r, res in enumerate(results):
-        params, stats, buckets = res["plain"]
+        params, stats, buckets, _ = res["plain"]
         assert len(buckets) >= 3, buckets
+        # p.grad as views of the buckets: the same arithmetic, so the same values.
+        for n in params:
+            np.testing.assert_array_equal(res["views"][0][n], res["accum"][0][n])
+            np.testing.assert_array_equal(res["views fp16"][0][n], res["fp16"][0][n])
+        assert res["views"][3] and res["views fp16"][3]
         # GPU and CPU float32 matmuls round differently: 1e-4 relative, not bit equality.
         assert common.max_rel(params, ref) < 1e-4, (r, common.max_rel(params, ref))
         assert common.max_rel(res["accum"][0], ref_accum) < 1e-4

@@ -47,20 +47,29 @@ def _reference(accum):
     return params
 
 
-def _train(pg, accum=1, **ddp_kw):
+def _train(pg, accum=1, views=False, **ddp_kw):
     """DataParallel training: every micro-batch is split over the ranks (26 = 9+9+8 on 3
     ranks, 7+7+6+6 on 4), each rank's loss scaled so the group average is the mean over the
-    whole step; with ``accum`` micro-batches the first ones run under no_sync()."""
+    whole step; with ``accum`` micro-batches the first ones run under no_sync(). ``views``:
+    gradients are accumulated in DataParallel's own buffers (gradient_buffer), zeroed at
+    each step as an optimizer's zero_grad would."""
     from meshcoll.ddp import DataParallel
     x, y = _data()
     params = init_params(SIZES, seed=pg.rank)  # differs per rank: construction broadcasts
     ddp = DataParallel(params, group=pg, bucket_cap_mb=CAP_MB, **ddp_kw)
     for idx in _global_batches(accum):
+        if views:
+            for n in params:
+                ddp.gradient_buffer(n)[...] = 0
         for m, micro in enumerate(np.array_split(idx, accum)):
             shard = np.array_split(micro, pg.size)[pg.rank]
             grads = {}
 
             def on_grad(name, g):
+                if views:
+                    buf = ddp.gradient_buffer(name)
+                    buf += g
+                    g = buf
                 grads[name] = g
                 ddp.grad_ready(name, g)
             last = m == accum - 1
@@ -88,6 +97,9 @@ def _training_cases(pg):
     out["fp16"] = _train(pg, compression="fp16")
     out["hook"] = _train(pg, compression=hook)
     out["hook_calls"] = calls
+    out["views"] = _train(pg, views=True)
+    out["views accum"] = _train(pg, accum=3, views=True)
+    out["views bf16"] = _train(pg, views=True, compression="bf16")
     return out
 
 
@@ -101,6 +113,11 @@ def test_training_matches_one_process(run_ranks, world):
         assert max_rel_diff(params, ref) < 1e-5, (rank, max_rel_diff(params, ref))
         assert max_rel_diff(r["accum"][0], ref_accum) < 1e-5, rank
         assert max_rel_diff(r["hook"][0], ref) < 1e-5, rank
+        # Gradients in DataParallel's own buffers: the same training, bit for bit.
+        for n in ref:
+            np.testing.assert_array_equal(r["views"][0][n], params[n])
+            np.testing.assert_array_equal(r["views accum"][0][n], r["accum"][0][n])
+            np.testing.assert_array_equal(r["views bf16"][0][n], r["bf16"][0][n])
         # Half precision: ~3 (bf16) / ~4 (fp16) significant digits per step.
         assert max_rel_diff(r["bf16"][0], ref) < 2e-2, (rank, max_rel_diff(r["bf16"][0], ref))
         assert max_rel_diff(r["fp16"][0], ref) < 5e-3, (rank, max_rel_diff(r["fp16"][0], ref))
@@ -233,6 +250,26 @@ def _errors(pg):
     ddp.sync_gradients(gs)
     assert all((v == mean).all() for v in gs.values()), gs
 
+    # Gradient buffers: another parameter's buffer is refused, a buffer of another shape too;
+    # a buffer, no_sync sums in it and a plain gradient on top of them: all averaged.
+    raises(KeyError, "unknown parameter 'zz'", ddp.gradient_buffer, "zz")
+    ba, bc = ddp.gradient_buffer("a"), ddp.gradient_buffer("c")
+    assert ba.shape == (2, 3) and not ba.any() and not bc.any()
+    raises(ValueError, "the gradient is the gradient_buffer of 'a'", ddp.grad_ready, "c",
+           ba.reshape(-1)[:4])
+    raises(ValueError, r"shape \(6,\)", ddp.grad_ready, "a", ba.reshape(-1))
+    with ddp.no_sync():
+        for _ in range(2):
+            ba += pg.rank + 1
+            ddp.grad_ready("a", ba)
+    bc += pg.rank + 1
+    g = {"a": ba, "b": np.full(5, pg.rank + 1, np.float64), "c": bc}
+    ddp.sync_gradients(g)
+    assert (ba == 2 * mean).all() and (bc == mean).all() and (g["b"] == mean).all(), g
+    ba[...] = 0
+    ddp.sync_gradients({"a": ba + pg.rank + 1, "b": g["b"], "c": bc})  # a copy, not the buffer
+    assert (ba == mean).all() and (bc == mean).all()
+
     # A hook must return a Work or None; a failed launch leaves the object usable.
     bad = DataParallel(params(), group=pg, compression=lambda group, b: b)
     raises(TypeError, "must return a Work", bad.sync_gradients,
@@ -255,4 +292,4 @@ def _errors(pg):
 
 def test_errors(run_ranks):
     results = run_ranks(2, _errors)
-    assert len(results[0]) == 19 and results[0] == results[1]
+    assert len(results[0]) == 22 and results[0] == results[1]

@@ -20,9 +20,9 @@ def _one_blas_thread(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited by the spawned ranks
 
 
-def _train(pg, accum):
+def _train(pg, accum, **kw):
     torch.set_num_threads(1)
-    return common.train(pg, accum, batch=BATCH, steps=STEPS, lr=LR)
+    return common.train(pg, accum, batch=BATCH, steps=STEPS, lr=LR, **kw)
 
 
 def _local_sgd(pg, period):
@@ -46,6 +46,12 @@ def _local_sgd(pg, period):
 
 def _cases(pg):
     out = {"plain": _train(pg, 1), "accum": _train(pg, 3), "local": _local_sgd(pg, 2)}
+    # p.grad as views of the buckets: kept when zero_grad zeroes in place, pointed back at
+    # them when it drops the gradients.
+    for accum in (1, 3):
+        for to_none in (False, True):
+            out[("views", accum, to_none)] = _train(pg, accum, set_to_none=to_none,
+                                                    gradient_as_bucket_view=True)
     # Missing gradients: a parameter outside the graph never fires its hook.
     import meshcoll.torch as mt
     net = torch.nn.ModuleDict({"used": torch.nn.Linear(2, 2), "unused": torch.nn.Linear(2, 2)})
@@ -101,10 +107,17 @@ def test_torch_ddp_matches_one_process(run_ranks, world):
     ref = common.reference(1, batch=BATCH, steps=STEPS, lr=LR)
     ref_accum = common.reference(3, batch=BATCH, steps=STEPS, lr=LR)
     for r in results:
-        params, stats, buckets = r["plain"]
+        params, stats, buckets, in_buckets = r["plain"]
         assert len(buckets) >= 3, buckets
         assert common.max_rel(params, ref) < 1e-5
         assert common.max_rel(r["accum"][0], ref_accum) < 1e-5
+        assert not in_buckets
+        for accum, to_none in ((1, False), (1, True), (3, False), (3, True)):
+            got = r[("views", accum, to_none)]
+            want = r["plain" if accum == 1 else "accum"][0]
+            for n in want:  # the same arithmetic: bit for bit
+                np.testing.assert_array_equal(got[0][n], want[n], err_msg=str((n, accum, to_none)))
+            assert got[3], (accum, to_none)  # p.grad is the bucket view at the end
         nbytes = sum(v.nbytes for v in ref.values())
         assert stats["calls"] == len(buckets) * STEPS and stats["bytes"] == nbytes * STEPS
         assert stats["comm_seconds"] > 0
