@@ -29,8 +29,9 @@ Note [Gradient buffers]
 ``gradient_buffer(name)`` hands out the gradient's place in its bucket, so a backward that
 writes or accumulates there (torch: ``p.grad`` set to it; the adapter's
 ``gradient_as_bucket_view``) saves the two copies per gradient, into the bucket at
-``grad_ready`` and out of it at ``wait()``: on NCCL a copy costs 5-10 us of host time, as
-much as a small bucket's all-reduce. ``grad_ready`` knows such a gradient by its address
+``grad_ready`` and out of it at ``wait()``. With small buckets on NCCL those copies were
+most of the host's work: on 2 x H100, 64 gradients of 256 KiB each in its own bucket took
+91 us per bucket to average, 41 us from their buffers (an all-reduce alone: 9-15 us). ``grad_ready`` knows such a gradient by its address
 (names never handed out cost nothing more), and holds it to be the value, or under
 ``no_sync()`` the running sum: it is never copied or added to.
 
@@ -215,11 +216,12 @@ class DataParallel:
     - ``symmetric``: on an NCCL group, True puts the buckets in symmetric memory (one
       ``group.empty(symmetric=True)`` arena per dtype, the buckets slices of it at the same
       offsets on every rank), so their all-reduces run NCCL's symmetric kernels where the
-      group has windows (``group.symmetric_memory``). A bucket's launch then waits on the
-      host until every rank reaches it (the agreement before launch), which is why it is not
-      the default: measured with ``bench/python/bench_ddp.py`` on 2 GPUs, a step of 64
-      buckets of 256 KiB took 13-16% longer with symmetric buckets and a step of 25 MiB
-      buckets the same time (README, DataParallel).
+      group has windows (``group.symmetric_memory``); buckets that meshcoll's direct kernels
+      take (256 KiB and less, on one host) run those, as ordinary ones do. A launch through
+      NCCL's symmetric kernels waits on the host until every rank reaches it (the agreement
+      before launch). Measured with ``bench/python/bench_ddp.py`` on 2 GPUs, neither 64
+      buckets of 256 KiB nor 25 MiB buckets showed a consistent difference (README,
+      DataParallel); so it is not the default.
     """
 
     def __init__(self, params: Mapping[str, object], *, group: Optional[ProcessGroup] = None,
@@ -378,7 +380,8 @@ class DataParallel:
     def grad_ready(self, name: str, grad: Any) -> None:
         """Hand over the gradient of ``name``; starts its bucket's all-reduce once the bucket
         is complete. ``grad`` receives the averaged value at ``wait()``. Under ``no_sync()``
-        it is added to this rank's running sum instead."""
+        it is added to this rank's running sum instead. A ``gradient_buffer(name)`` array is
+        the gradient (or the running sum) in place: nothing is copied or added."""
         if name not in self._slot:
             known = ", ".join(list(self._slot)[:8]) + (", ..." if len(self._slot) > 8 else "")
             raise KeyError(f"grad_ready: unknown parameter {name!r} (registered: {known})")
