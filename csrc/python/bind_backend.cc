@@ -14,6 +14,7 @@
 
 #include "algo/collectives.h"
 #include "comm/backend.h"
+#include "comm/stamps.h"
 #include "common/error.h"
 #include "common/host_timers.h"
 #include "python/array.h"
@@ -341,17 +342,21 @@ py::object p2p(Backend& b, bool is_send, const py::handle& a, int peer, uint32_t
   return py::none();
 }
 
-py::object work_exception(Work& w) {
-  auto e = w.exception();
+// The Python exception object of a failure (None for none), as raising it would make: the
+// failure is rethrown through a bound function, so every registered translator applies
+// (meshcoll's error classes; pybind11's detail::translate_exception knows only std's).
+py::object exception_object(const std::exception_ptr& e) {
   if (!e) return py::none();
+  py::cpp_function rethrow([e]() { std::rethrow_exception(e); });
   try {
-    std::rethrow_exception(e);
-  } catch (...) {
-    py::detail::translate_exception(std::current_exception());
-    py::error_already_set err;
+    rethrow();
+  } catch (py::error_already_set& err) {
     return err.value();
   }
+  return py::none();  // not reached: rethrow always raises
 }
+
+py::object work_exception(Work& w) { return exception_object(w.exception()); }
 }  // namespace
 
 void bind_backend(py::module_& m) {
@@ -371,6 +376,20 @@ void bind_backend(py::module_& m) {
       .def("is_completed", &Work::is_completed)
       .def_property_readonly("captured", &Work::captured)
       .def("exception", &work_exception);
+
+  using comm::CompletionStamps;
+  py::class_<CompletionStamps>(m, "CompletionStamps",
+                               "When each added Work completed, observed by a C++ thread that "
+                               "never takes the GIL (Note [Completion stamps] in comm/stamps.h).")
+      .def(py::init<>())
+      .def("add", &CompletionStamps::add, py::arg("work"),
+           "Queues a Work; returns its ticket.")
+      .def("take", [](CompletionStamps& s, uint64_t ticket) {
+             CompletionStamps::Stamp st = call_nogil([&] { return s.take(ticket); });
+             return py::make_tuple(st.end, exception_object(st.error));
+           }, py::arg("ticket"),
+           "Blocks until the ticket's Work completed; returns (its end in time.perf_counter "
+           "seconds, its failure or None), once per ticket.");
 
   py::class_<Array>(m, "Array", "An array as a backend read it: dtype, shape, device, stream.")
       .def_property_readonly("obj", [](const Array& a) { return a.obj; })

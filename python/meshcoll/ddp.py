@@ -18,12 +18,13 @@ backward produces gradients in another order must not reorder the all-reduces. T
 worker thread runs them while Python goes on computing the rest of backward.
 
 Note [Stats]
-Each queued all-reduce is handed to one completion thread per DataParallel, which waits on it
-and stamps the time it finished. Ops of one group complete in issue order, so a bucket's
-communication time is counted from max(its launch, the previous bucket's end) to its end: the
-time the worker spent on it, not its time queued behind our own previous bucket. The part of
-that before ``wait()`` was called is "overlapped". The end stamp is taken when the completion
-thread gets the GIL back, so pure-Python compute on the main thread can delay it a little.
+Each queued all-reduce is handed to a C++ thread (``_C.CompletionStamps``, Note [Completion
+stamps] in csrc/comm/stamps.h), which waits on it and stamps the time it finished without
+taking the GIL; what a compression hook returns that is not a meshcoll Work goes to a Python
+completion thread instead, whose stamp waits for the GIL. Ops of one group complete in issue
+order, so a bucket's communication time is counted from max(its launch, the previous bucket's
+end) to its end: the time the worker spent on it, not its time queued behind our own
+previous bucket. The part of that before ``wait()`` was called is "overlapped".
 
 Note [Gradient buffers]
 ``gradient_buffer(name)`` hands out the gradient's place in its bucket, so a backward that
@@ -44,11 +45,11 @@ tensors or CuPy arrays, one type for all, and DataParallel computes with their o
 into a bucket on the caller's current stream, the bucket's all-reduce is queued after that
 stream's work, and ``wait()`` makes the current stream wait for every all-reduce and queues
 the write-back of the averages there, without blocking the host: the next step's work can be
-queued while the last buckets are on the wire. The completion thread calls ``Work.synchronize()`` to stamp each
-bucket's end for Note [Stats]; those flights are settled (counted, and a failure raised) at the
-next ``wait()``, ``stats()`` or ``reset_stats()``, which block until the device got there. A
-compression hook's Work is waited for on the host, as on the CPU backend. Compression casts
-with the same operators.
+queued while the last buckets are on the wire. Each bucket's end is stamped for Note [Stats]
+by a thread that blocks until the device finished it; those flights are settled (counted,
+and a failure raised) at the next ``wait()``, ``stats()`` or ``reset_stats()``, which block
+until the device got there. A compression hook's Work is waited for on the host, as on the
+CPU backend. Compression casts with the same operators.
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping,
 
 import numpy as np
 
+from . import _C
 from .arrays import dtype_name
+from .process_group import Work
 
 if TYPE_CHECKING:
     from .process_group import ProcessGroup
@@ -109,9 +112,12 @@ class _Done:
 
 
 class _Flight:
-    """One queued all-reduce (or hook) of one bucket, as the completion thread sees it."""
+    """One queued all-reduce (or hook) of one bucket. Its end is stamped by the C++ thread of
+    a CompletionStamps (``ticket``: a meshcoll Work) or by the completion thread (``done``:
+    anything else a hook returns); see Note [Stats]."""
 
-    __slots__ = ("work", "t_launch", "t_end", "t_wait", "error", "done", "blocking", "nbytes")
+    __slots__ = ("work", "t_launch", "t_end", "t_wait", "error", "done", "ticket", "blocking",
+                 "nbytes")
 
     def __init__(self, work: Any, t_launch: float, nbytes: int, blocking: bool = False) -> None:
         # work: the group's Work, a hook's object with wait(), or None (done synchronously)
@@ -119,6 +125,15 @@ class _Flight:
         self.t_end = self.t_wait = t_launch
         self.error: Optional[BaseException] = None
         self.done = _Done()
+        self.ticket: Optional[int] = None
+
+    def finish(self, stamps: _C.CompletionStamps) -> None:
+        """Blocks until the operation completed; t_end and error are then set."""
+        if self.ticket is not None:
+            self.t_end, self.error = stamps.take(self.ticket)
+            self.ticket = None
+            self.done.set()
+        self.done.wait()
 
 
 def _complete(q: "queue.SimpleQueue[Optional[_Flight]]") -> None:
@@ -177,9 +192,9 @@ def _address(x: Any) -> int:
     ptr = getattr(x, "data_ptr", None)
     if callable(ptr):
         return int(ptr())
-    mem = getattr(x, "data", None)
-    if hasattr(mem, "ptr"):
-        return int(mem.ptr)
+    cupy_ptr = getattr(getattr(x, "data", None), "ptr", None)
+    if cupy_ptr is not None:
+        return int(cupy_ptr)
     return int(x.__array_interface__["data"][0])
 
 
@@ -281,6 +296,7 @@ class DataParallel:
         self._queue: "queue.SimpleQueue[Optional[_Flight]]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._finalizer = weakref.finalize(self, self._queue.put, None)
+        self._stamps = _C.CompletionStamps()  # the ends of the group's own Works
 
         if broadcast_from is not None:
             self._broadcast_parameters(int(broadcast_from))
@@ -473,7 +489,7 @@ class DataParallel:
         # buffers are in use, and drop the step so the object stays usable.
         for b in self._buckets:
             if b.flight is not None:
-                b.flight.done.wait()
+                b.flight.finish(self._stamps)
             b.flight, b.missing = None, len(b.names)
         self._given.clear()
         self._in_bucket.clear()
@@ -510,6 +526,10 @@ class DataParallel:
             fl = _Flight(self._group.all_reduce(b.buf, op="avg" if self._average else "sum",
                                                 async_op=True, **on), t0, b.buf.nbytes)
         b.flight = fl
+        work = fl.work
+        if type(work) is Work and work._finish is None:  # a meshcoll Work: stamped in C++
+            fl.ticket = self._stamps.add(work._work)
+            return
         if self._thread is None:
             self._thread = threading.Thread(target=_complete, args=(self._queue,),
                                             name="meshcoll-ddp-completion", daemon=True)
@@ -550,7 +570,7 @@ class DataParallel:
                     error = error or e
                 self._unsettled.append(fl)
             else:
-                fl.done.wait()
+                fl.finish(self._stamps)
                 self._count(fl)
                 error = error or fl.error
             if error is not None:
@@ -588,7 +608,7 @@ class DataParallel:
         flights, self._unsettled = self._unsettled, []
         error: Optional[BaseException] = None
         for fl in flights:
-            fl.done.wait()
+            fl.finish(self._stamps)
             self._count(fl)
             error = error or fl.error
         if error is not None:

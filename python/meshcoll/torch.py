@@ -142,10 +142,11 @@ class DistributedDataParallel(torch.nn.Module):
     def _gradient(self, name: str, p: torch.Tensor) -> Any:
         """What grad_ready gets for ``p.grad``; with bucket views, the view, ``p.grad``
         pointed back at it first if autograd made a new tensor."""
-        if name not in self._views:
-            return _operand(p.grad, self.ddp.group, f"gradient of {name!r}")
-        view, own = self._views[name]
         g = p.grad
+        assert g is not None  # set by autograd, or by _end_of_backward
+        if name not in self._views:
+            return _operand(g, self.ddp.group, f"gradient of {name!r}")
+        view, own = self._views[name]
         if g is not view:
             if g.data_ptr() != view.data_ptr():
                 view.copy_(g)

@@ -97,6 +97,15 @@ def _training_cases(pg):
     out["fp16"] = _train(pg, compression="fp16")
     out["hook"] = _train(pg, compression=hook)
     out["hook_calls"] = calls
+
+    class Wrapped:  # not a meshcoll Work: its end is stamped by the Python completion thread
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            self.work.wait()
+
+    out["hook wrapped"] = _train(pg, compression=lambda g, b: Wrapped(hook(g, b)))
     out["views"] = _train(pg, views=True)
     out["views accum"] = _train(pg, accum=3, views=True)
     out["views bf16"] = _train(pg, views=True, compression="bf16")
@@ -122,10 +131,12 @@ def test_training_matches_one_process(run_ranks, world):
         assert max_rel_diff(r["bf16"][0], ref) < 2e-2, (rank, max_rel_diff(r["bf16"][0], ref))
         assert max_rel_diff(r["fp16"][0], ref) < 5e-3, (rank, max_rel_diff(r["fp16"][0], ref))
         assert 0 < max_rel_diff(r["bf16"][0], ref), "bf16 compression sent fp32"
+        assert max_rel_diff(r["hook wrapped"][0], ref) < 1e-5, rank
         # The hook replaced each bucket's all-reduce: once per bucket per step.
-        assert r["hook_calls"] == [4 + 16 * 4 + 16, 16 * 16, 16 + 8 * 16] * STEPS
+        assert r["hook_calls"] == [4 + 16 * 4 + 16, 16 * 16, 16 + 8 * 16] * STEPS * 2
         # Stats: exact counts and bytes, positive consistent times.
         for case, per_step in (("plain", NBYTES), ("accum", NBYTES), ("hook", NBYTES),
+                               ("hook wrapped", NBYTES),
                                ("bf16", NBYTES // 2), ("fp16", NBYTES // 2)):
             s = r[case][1]
             assert s["calls"] == 3 * STEPS, (case, s)
@@ -293,3 +304,60 @@ def _errors(pg):
 def test_errors(run_ranks):
     results = run_ranks(2, _errors)
     assert len(results[0]) == 22 and results[0] == results[1]
+
+
+def _stamps(pg):
+    """CompletionStamps (Note [Completion stamps]): each Work's end, in order, after its
+    launch; a failed Work's error; a ticket taken twice or never handed out is refused."""
+    import time
+    import meshcoll
+    from meshcoll import _C
+    stamps = _C.CompletionStamps()
+    out = {"values": [], "ends": [], "launches": []}
+    xs = [np.random.default_rng([k, pg.rank]).standard_normal(1000 * (k + 1)) for k in range(6)]
+    tickets = []
+    for x in xs:
+        out["launches"].append(time.perf_counter())
+        tickets.append(stamps.add(pg.all_reduce(x, async_op=True)._work))
+    for t, x in zip(tickets, xs):
+        end, err = stamps.take(t)
+        out["ends"].append(end)
+        out["values"].append(x.copy())
+        assert err is None, err
+    out["after"] = time.perf_counter()
+    for t in (tickets[0], len(tickets)):
+        try:
+            stamps.take(t)
+            out.setdefault("refused", []).append("no error")
+        except ValueError as e:
+            out.setdefault("refused", []).append(str(e))
+    # A Work that fails: rank 1 never joins; rank 0's call times out.
+    g = pg.new_group([0, 1], timeout=10)
+    if pg.rank == 0:
+        work = g.all_reduce(np.ones(4), async_op=True, timeout=0.5)._work
+        end, err = stamps.take(stamps.add(work))
+        out["error"] = (type(err).__name__, isinstance(err, meshcoll.MeshcollError), str(err))
+        out["work.exception"] = type(work.exception()).__name__
+    pg.barrier()  # rank 1 leaves the group after rank 0's call timed out
+    try:
+        g.destroy()
+    except meshcoll.MeshcollError:
+        pass
+    return out
+
+
+def test_completion_stamps(run_ranks):
+    results = run_ranks(2, _stamps)
+    for r in results:
+        for k, got in enumerate(r["values"]):
+            want = sum(np.random.default_rng([k, q]).standard_normal(1000 * (k + 1))
+                       for q in range(2))
+            np.testing.assert_allclose(got, want, rtol=1e-12)
+        ends, launches = r["ends"], r["launches"]
+        assert ends == sorted(ends) and all(a <= e for a, e in zip(launches, ends))
+        assert ends[-1] <= r["after"]  # the clock of time.perf_counter
+        assert "taken already" in r["refused"][0] and "no such ticket" in r["refused"][1], r
+    kind, is_meshcoll, msg = results[0]["error"]
+    assert kind == "TimeoutError" and is_meshcoll and "rank(s) 1" in msg, msg
+    assert results[0]["work.exception"] == "TimeoutError"  # the class raising would give
+

@@ -1,0 +1,78 @@
+#include "comm/stamps.h"
+
+#include <time.h>
+
+namespace meshcoll::comm {
+
+namespace {
+double monotonic_seconds() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+}  // namespace
+
+CompletionStamps::CompletionStamps() : state_(std::make_shared<State>()) {}
+
+CompletionStamps::~CompletionStamps() {
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->stop = true;
+  }
+  state_->cv.notify_all();
+}
+
+uint64_t CompletionStamps::add(WorkPtr w) {
+  uint64_t t;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->queue.push_back(std::move(w));
+    t = state_->added++;
+  }
+  if (!started_) {
+    std::thread(run, state_).detach();  // holds the state, not this object
+    started_ = true;
+  }
+  state_->cv.notify_all();
+  return t;
+}
+
+CompletionStamps::Stamp CompletionStamps::take(uint64_t t) {
+  std::unique_lock<std::mutex> lock(state_->mu);
+  if (t >= state_->added) throw InvalidArgument("CompletionStamps.take: no such ticket");
+  state_->cv.wait(lock, [&] { return state_->finished > t; });
+  auto it = state_->done.find(t);
+  if (it == state_->done.end())
+    throw InvalidArgument("CompletionStamps.take: this ticket's stamp was taken already");
+  Stamp s = std::move(it->second);
+  state_->done.erase(it);
+  return s;
+}
+
+void CompletionStamps::run(std::shared_ptr<State> s) {
+  for (;;) {
+    WorkPtr w;
+    {
+      std::unique_lock<std::mutex> lock(s->mu);
+      s->cv.wait(lock, [&] { return s->stop || !s->queue.empty(); });
+      if (s->queue.empty()) return;  // stopped, nothing left
+      w = std::move(s->queue.front());
+      s->queue.pop_front();
+    }
+    Stamp stamp;
+    try {
+      w->synchronize(Millis(-1));  // its own deadline ends it
+    } catch (...) {
+      stamp.error = std::current_exception();
+    }
+    stamp.end = monotonic_seconds();
+    w.reset();  // the operation's arrays go with their last owner, outside the lock
+    {
+      std::lock_guard<std::mutex> lock(s->mu);
+      s->done.emplace(s->finished++, std::move(stamp));
+    }
+    s->cv.notify_all();
+  }
+}
+
+}  // namespace meshcoll::comm
