@@ -19,28 +19,35 @@ CompletionStamps::~CompletionStamps() {
     std::lock_guard<std::mutex> lock(state_->mu);
     state_->stop = true;
   }
-  state_->cv.notify_all();
+  state_->work_cv.notify_one();
 }
 
 uint64_t CompletionStamps::add(WorkPtr w) {
   uint64_t t;
+  bool wake;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
     state_->queue.push_back(std::move(w));
     t = state_->added++;
+    wake = state_->idle;
   }
   if (!started_) {
     std::thread(run, state_).detach();  // holds the state, not this object
     started_ = true;
+  } else if (wake) {
+    state_->work_cv.notify_one();
   }
-  state_->cv.notify_all();
   return t;
 }
 
 CompletionStamps::Stamp CompletionStamps::take(uint64_t t) {
   std::unique_lock<std::mutex> lock(state_->mu);
   if (t >= state_->added) throw InvalidArgument("CompletionStamps.take: no such ticket");
-  state_->cv.wait(lock, [&] { return state_->finished > t; });
+  if (state_->finished <= t) {
+    ++state_->takers;
+    state_->done_cv.wait(lock, [&] { return state_->finished > t; });
+    --state_->takers;
+  }
   auto it = state_->done.find(t);
   if (it == state_->done.end())
     throw InvalidArgument("CompletionStamps.take: this ticket's stamp was taken already");
@@ -54,7 +61,9 @@ void CompletionStamps::run(std::shared_ptr<State> s) {
     WorkPtr w;
     {
       std::unique_lock<std::mutex> lock(s->mu);
-      s->cv.wait(lock, [&] { return s->stop || !s->queue.empty(); });
+      s->idle = true;
+      s->work_cv.wait(lock, [&] { return s->stop || !s->queue.empty(); });
+      s->idle = false;
       if (s->queue.empty()) return;  // stopped, nothing left
       w = std::move(s->queue.front());
       s->queue.pop_front();
@@ -67,11 +76,13 @@ void CompletionStamps::run(std::shared_ptr<State> s) {
     }
     stamp.end = monotonic_seconds();
     w.reset();  // the operation's arrays go with their last owner, outside the lock
+    bool wake;
     {
       std::lock_guard<std::mutex> lock(s->mu);
       s->done.emplace(s->finished++, std::move(stamp));
+      wake = s->takers > 0;
     }
-    s->cv.notify_all();
+    if (wake) s->done_cv.notify_all();
   }
 }
 
