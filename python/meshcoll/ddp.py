@@ -124,7 +124,7 @@ class _Flight:
         self.work, self.t_launch, self.nbytes, self.blocking = work, t_launch, nbytes, blocking
         self.t_end = self.t_wait = t_launch
         self.error: Optional[BaseException] = None
-        self.done = _Done()
+        self.done: Optional[_Done] = None  # made only for the completion thread's flights
         self.ticket: Optional[int] = None
 
     def finish(self, stamps: _C.CompletionStamps) -> None:
@@ -132,8 +132,8 @@ class _Flight:
         if self.ticket is not None:
             self.t_end, self.error = stamps.take(self.ticket)
             self.ticket = None
-            self.done.set()
-        self.done.wait()
+        elif self.done is not None:
+            self.done.wait()
 
 
 def _complete(q: "queue.SimpleQueue[Optional[_Flight]]") -> None:
@@ -151,6 +151,7 @@ def _complete(q: "queue.SimpleQueue[Optional[_Flight]]") -> None:
         except BaseException as e:  # handed to the main thread, which re-raises it
             fl.error = e
         fl.t_end = time.perf_counter()
+        assert fl.done is not None  # made before the flight was queued
         fl.done.set()
 
 
@@ -402,18 +403,16 @@ class DataParallel:
             known = ", ".join(list(self._slot)[:8]) + (", ..." if len(self._slot) > 8 else "")
             raise KeyError(f"grad_ready: unknown parameter {name!r} (registered: {known})")
         idx, slot = self._slot[name]
-        if grad is slot and name in self._bound:
-            g = grad  # the very array gradient_buffer() handed out: nothing to check
-        else:
-            g = self._checked(name, grad)
+        # Given as its own buffer: already in the bucket, and the sum so far (Note [Gradient
+        # buffers]); never copied or added. The very array gradient_buffer() handed out
+        # needs no check; another view of it is known by its address below.
+        own = grad is slot and name in self._bound
+        g = grad if own else self._checked(name, grad)
         if isinstance(self._mode, LocalSGD):
             return  # gradients stay local: only validated
         if name in self._given:
             raise ValueError(f"grad_ready({name!r}): this gradient was already given in this "
                              "step; call wait() before handing over the next step's gradients")
-        # Given as its own buffer: already in the bucket, and the sum so far (Note [Gradient
-        # buffers]); never copied or added.
-        own = g is slot and name in self._bound
         if self._bound_at and not own:
             other = self._bound_at.get(_address(g))
             if other is not None and other != name:
@@ -508,8 +507,7 @@ class DataParallel:
             work = self._hook(self._group, b.buf)
             if work is None:  # the hook communicated synchronously: time it, never overlapped
                 b.flight = _Flight(None, t0, b.buf.nbytes, blocking=True)
-                b.flight.t_end = time.perf_counter()
-                b.flight.done.set()
+                b.flight.t_end = time.perf_counter()  # finished: nothing to wait for
                 return
             if not callable(getattr(work, "wait", None)):
                 raise TypeError(f"DataParallel: the compression hook returned "
@@ -534,6 +532,7 @@ class DataParallel:
             self._thread = threading.Thread(target=_complete, args=(self._queue,),
                                             name="meshcoll-ddp-completion", daemon=True)
             self._thread.start()
+        fl.done = _Done()
         self._queue.put(fl)
 
     def wait(self) -> None:
