@@ -85,6 +85,13 @@ struct CallOptions {
   const transport::OpDesc* within = nullptr;
 };
 
+// One copy of copy_spans(): `bytes` from `src` to `dst`.
+struct CopySpan {
+  const void* src;
+  void* dst;
+  size_t bytes;
+};
+
 // Memory [lo, hi) used by calls of a coalesced block (Note [Calls of a block are independent]
 // in backend.cc): `hi` and the first call's name, kept by `lo`.
 struct BlockSpan {
@@ -187,6 +194,11 @@ class Backend {
   // first), then closes the group. Every later call, on any backend, raises AbortedError
   // saying the group was destroyed.
   void shutdown();
+  // Copies every span within the memory this backend works in: host memory on the CPU
+  // backend (memcpy, on the calling thread), device memory on a GPU backend (queued on
+  // `stream`, as few launches as it can). The reducer's copies into and out of its buckets
+  // (Note [Reducer] in reducer/reducer.h). Spans must not overlap one another.
+  virtual void copy_spans(const std::vector<CopySpan>& spans, Stream stream);
 
  protected:
   // A checked, described call: what the do_* methods receive.

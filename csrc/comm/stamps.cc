@@ -4,13 +4,11 @@
 
 namespace meshcoll::comm {
 
-namespace {
 double monotonic_seconds() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
   return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
-}  // namespace
 
 CompletionStamps::CompletionStamps() : state_(std::make_shared<State>()) {}
 

@@ -16,6 +16,9 @@
 
 namespace meshcoll::comm {
 
+// Seconds on CLOCK_MONOTONIC: the clock of the stamps, and of Python's time.perf_counter.
+double monotonic_seconds();
+
 // Note [Completion stamps]
 // DataParallel stamps the time each bucket's all-reduce completed. A Python thread that
 // blocks on each Work in turn costs the issuing thread a GIL handoff per bucket: every time

@@ -75,37 +75,6 @@ const char* op_name(RedOp op, DType dt) {  // the kernels' reduction for an op; 
   }
 }
 
-// Compiles `entry` (one kernel's extern "C" wrapper) with the kernels' source for `arch`.
-std::vector<char> compile(const std::string& entry, const std::string& arch) {
-  const NvrtcApi& rt = nvrtc();
-  const std::string src = std::string(kDirectKernelsSource) + "\n" + entry + "\n";
-  nvrtcProgram prog = nullptr;
-  if (nvrtcResult r = rt.create_program(&prog, src.c_str(), "meshcoll_direct.cu", 0, nullptr,
-                                        nullptr); r != 0)
-    throw Error(str_cat("nvrtcCreateProgram: ", rt.get_error_string(r)));
-  struct Drop {
-    const NvrtcApi& rt;
-    nvrtcProgram* p;
-    ~Drop() { rt.destroy_program(p); }
-  } drop{rt, &prog};
-  const std::string gpu = "--gpu-architecture=" + arch;
-  const char* opts[] = {gpu.c_str(), "--std=c++14"};
-  const nvrtcResult r = rt.compile_program(prog, 2, opts);
-  if (r != 0) {
-    size_t n = 0;
-    rt.get_program_log_size(prog, &n);
-    std::string log(n, '\0');
-    if (n) rt.get_program_log(prog, log.data());
-    throw Error(str_cat("NVRTC ", rt.major, ".", rt.minor, " (", rt.path, ") could not compile "
-                        "the direct kernel for ", arch, ": ", rt.get_error_string(r), "\n", log));
-  }
-  size_t n = 0;
-  rt.get_cubin_size(prog, &n);
-  std::vector<char> cubin(n);
-  rt.get_cubin(prog, cubin.data());
-  return cubin;
-}
-
 // Loaded kernels, by context and entry: modules live as long as the process (a context's
 // modules go with it).
 std::mutex& kernels_mu() {
@@ -267,7 +236,8 @@ CUfunction DirectPath::load_kernel(Kind kind, DType dt, RedOp op) {
   auto key = std::make_pair(ctx_, entry);
   auto it = kernels().find(key);
   if (it != kernels().end()) return it->second;
-  const std::vector<char> cubin = compile(entry, arch_);
+  const std::vector<char> cubin = nvrtc_compile(
+      std::string(kDirectKernelsSource) + "\n" + entry + "\n", "meshcoll_direct.cu", arch_);
   CUmodule mod = nullptr;
   cu_.check(cu_.module_load_data(&mod, cubin.data()), "cuModuleLoadData (direct kernel)");
   CUfunction fn = nullptr;

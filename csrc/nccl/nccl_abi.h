@@ -189,6 +189,7 @@ using cuGetErrorName_t = CUresult (*)(CUresult error, const char** str);
 using cuMemAlloc_t = CUresult (*)(CUdeviceptr* dptr, size_t bytes);
 using cuMemFree_t = CUresult (*)(CUdeviceptr dptr);
 using cuMemcpyHtoDAsync_t = CUresult (*)(CUdeviceptr dst, const void* src, size_t bytes, CUstream s);
+using cuMemcpyDtoDAsync_t = CUresult (*)(CUdeviceptr dst, CUdeviceptr src, size_t bytes, CUstream s);
 using cuCtxSynchronize_t = CUresult (*)();
 using cuMemsetD8Async_t = CUresult (*)(CUdeviceptr dst, unsigned char value, size_t n, CUstream s);
 using cuMemcpyDtoHAsync_t = CUresult (*)(void* dst, CUdeviceptr src, size_t bytes, CUstream s);

@@ -88,6 +88,7 @@ std::unique_ptr<CudaApi> load_cuda() {
   bind(lib, api->mem_free, "cuMemFree_v2");
   bind(lib, api->memcpy_htod_async, "cuMemcpyHtoDAsync_v2");
   bind(lib, api->memcpy_dtoh_async, "cuMemcpyDtoHAsync_v2");
+  bind(lib, api->memcpy_dtod_async, "cuMemcpyDtoDAsync_v2");
   bind(lib, api->ctx_synchronize, "cuCtxSynchronize");
   bind(lib, api->memset_d8_async, "cuMemsetD8Async");
   bind(lib, api->module_load_data, "cuModuleLoadData");
@@ -289,6 +290,36 @@ const NvrtcApi& nvrtc() {
   std::lock_guard<std::mutex> lock(l.mu);
   if (!l.nvrtc) l.nvrtc = load_nvrtc(l.nvrtc_candidates);
   return *l.nvrtc;
+}
+
+std::vector<char> nvrtc_compile(const std::string& source, const char* name,
+                                const std::string& arch) {
+  const NvrtcApi& rt = nvrtc();
+  abi::nvrtcProgram prog = nullptr;
+  if (abi::nvrtcResult r = rt.create_program(&prog, source.c_str(), name, 0, nullptr, nullptr);
+      r != 0)
+    throw Error(str_cat("nvrtcCreateProgram: ", rt.get_error_string(r)));
+  struct Drop {
+    const NvrtcApi& rt;
+    abi::nvrtcProgram* p;
+    ~Drop() { rt.destroy_program(p); }
+  } drop{rt, &prog};
+  const std::string gpu = "--gpu-architecture=" + arch;
+  const char* opts[] = {gpu.c_str(), "--std=c++14"};
+  const abi::nvrtcResult r = rt.compile_program(prog, 2, opts);
+  if (r != 0) {
+    size_t n = 0;
+    rt.get_program_log_size(prog, &n);
+    std::string log(n, '\0');
+    if (n) rt.get_program_log(prog, log.data());
+    throw Error(str_cat("NVRTC ", rt.major, ".", rt.minor, " (", rt.path, ") could not compile ",
+                        name, " for ", arch, ": ", rt.get_error_string(r), "\n", log));
+  }
+  size_t n = 0;
+  rt.get_cubin_size(prog, &n);
+  std::vector<char> cubin(n);
+  rt.get_cubin(prog, cubin.data());
+  return cubin;
 }
 
 }  // namespace meshcoll::nccl

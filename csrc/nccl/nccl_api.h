@@ -89,6 +89,7 @@ struct CudaApi {
   abi::cuMemFree_t mem_free = nullptr;
   abi::cuMemcpyHtoDAsync_t memcpy_htod_async = nullptr;
   abi::cuMemcpyDtoHAsync_t memcpy_dtoh_async = nullptr;
+  abi::cuMemcpyDtoDAsync_t memcpy_dtod_async = nullptr;
   abi::cuCtxSynchronize_t ctx_synchronize = nullptr;
   abi::cuMemsetD8Async_t memset_d8_async = nullptr;
   // Direct kernels (Note [Direct kernels] in direct.h).
@@ -134,6 +135,10 @@ struct NvrtcApi {
 void set_nvrtc_candidates(std::vector<std::string> paths);
 // Loaded on first use (thread-safe); throws meshcoll::Error naming every path tried.
 const NvrtcApi& nvrtc();
+// Compiles CUDA C++ `source` (no #include: NVRTC finds no headers) to a cubin for `arch`
+// ("sm_90"); `name` is the file name its log shows. Throws meshcoll::Error with NVRTC's log.
+std::vector<char> nvrtc_compile(const std::string& source, const char* name,
+                                const std::string& arch);
 
 // Load on first use (thread-safe); throw meshcoll::Error saying which library was tried where.
 // A failed load is retried on the next call (the environment may have been fixed).

@@ -9,13 +9,15 @@
 #include "comm/agreement.h"
 #include "comm/backend.h"
 #include "nccl/nccl_comm.h"
+#include "nccl/span_copy.h"
 
 namespace meshcoll::nccl {
 
 class NcclBackend final : public comm::Backend {
  public:
   explicit NcclBackend(std::shared_ptr<NcclComm> comm)
-      : Backend(comm->rank(), comm->size(), true), comm_(std::move(comm)) {}
+      : Backend(comm->rank(), comm->size(), true), comm_(std::move(comm)),
+        copier_(cuda(), comm_->context(), comm_->device()) {}
   ~NcclBackend() override {
     if (agreement_) agreement_->stop(true);  // dropped without destroy(): nothing to compare
   }
@@ -37,6 +39,10 @@ class NcclBackend final : public comm::Backend {
   // ranks agree on the size first, in every check mode: a disagreement is a MismatchError
   // before NCCL is asked.
   std::shared_ptr<SymmetricBlock> alloc_symmetric(size_t bytes, bool zero, Millis timeout);
+  // Note [Span copies]: one kernel launch for many device copies, on `stream`.
+  void copy_spans(const std::vector<comm::CopySpan>& spans, comm::Stream stream) override {
+    copier_.copy(spans, static_cast<abi::CUstream>(stream));
+  }
 
  protected:
   // Stops the agreement check (comparing what remains), then lets issued work finish.
@@ -76,6 +82,7 @@ class NcclBackend final : public comm::Backend {
   bool open(Call& c, const comm::ArrayView* in = nullptr, const comm::ArrayView* out = nullptr,
             bool direct = false);
   std::shared_ptr<NcclComm> comm_;
+  SpanCopier copier_;
   std::shared_ptr<comm::Agreement> agreement_;
   // The open block's last call on symmetric memory, agreed before the block is enqueued
   // (Note [Agreement before launch] in comm/agreement.h); 0: none.

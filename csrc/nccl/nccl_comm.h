@@ -173,6 +173,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   int rank() const { return rank_; }
   int size() const { return size_; }
   int device() const { return device_; }
+  abi::CUcontext context() const { return ctx_; }
   Millis timeout() const { return timeout_; }
   // Lets issued work finish (each op's deadline bounds it), then frees the communicator.
   void shutdown();

@@ -11,11 +11,24 @@
 
 Note [Buckets]
 Gradients are packed into flat buckets in reverse registration order (the order backward
-produces them), cut before a bucket would exceed ``bucket_cap_mb`` or change dtype. A bucket's
-all-reduce is queued the moment its last gradient arrives, and buckets are queued strictly in
-index order: every rank must issue the same collectives in the same order, and a rank whose
-backward produces gradients in another order must not reorder the all-reduces. The group's
-worker thread runs them while Python goes on computing the rest of backward.
+produces them), cut before a bucket would exceed ``bucket_cap_mb`` or change dtype;
+``rebuild_buckets(order)`` lays them out again in the order a backward actually produced them
+(the torch adapter does so after its first step, as torch's DDP does, with a first bucket of
+1 MiB so communication starts early). The buckets, the slots and each step's bookkeeping
+live in C++ (``_C.Reducer``, Note [Reducer] in csrc/reducer/reducer.h): a bucket's
+all-reduce is queued the moment its last gradient arrives, strictly in bucket order (every
+rank must issue the same collectives in the same order, whatever order its backward produced
+gradients in), with its gradients copied in as one batch (one kernel on a GPU), and ``wait()``
+copies the averages out as one batch per bucket. Python runs only ``grad_ready``'s checks per
+gradient and nothing per bucket.
+
+Note [Agreed layout]
+Ranks whose DataParallel holds other parameters (other names, order, shapes or dtypes) would
+average gradients of different parameters together without any error: the bucket
+all-reduces have the same sizes. So the constructor, and every rebuild, compares a
+description of the layout across the group (an all_gather of its 64-bit digest, then the
+descriptions themselves where the digests differ) and raises MismatchError on every rank,
+naming the first difference and the ranks.
 
 Note [Stats]
 Each queued all-reduce is handed to a C++ thread (``_C.CompletionStamps``, Note [Completion
@@ -56,6 +69,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import hashlib
 import queue
 import threading
 import time
@@ -199,6 +213,59 @@ def _address(x: Any) -> int:
     return int(x.__array_interface__["data"][0])
 
 
+def _contiguous(x: Any) -> bool:
+    """C-contiguous: numpy's flag, PyTorch's is_contiguous(), CuPy's flag."""
+    flags = getattr(x, "flags", None)
+    if flags is not None and hasattr(flags, "c_contiguous"):
+        return bool(flags.c_contiguous)
+    is_contiguous = getattr(x, "is_contiguous", None)
+    return bool(is_contiguous()) if callable(is_contiguous) else True
+
+
+def stream_handle(s: Any) -> int:
+    """A stream as the reducer takes it, a raw CUstream int: PyTorch's raw handle (an int)
+    as is, ``.cuda_stream`` (torch.cuda.Stream), ``.ptr`` (CuPy); None: 0, the legacy default
+    stream (and the CPU backend's "no stream")."""
+    if s is None:
+        return 0
+    if isinstance(s, int):
+        return s
+    for attr in ("cuda_stream", "ptr"):
+        v = getattr(s, attr, None)
+        if isinstance(v, int):
+            return v
+    raise TypeError(f"not a CUDA stream: {s!r}")
+
+
+def agree_layout(group: ProcessGroup, lines: List[str], what: str) -> None:
+    """Note [Agreed layout]: every rank of ``group`` passes the same ``lines`` (one per
+    parameter), or every rank raises MismatchError naming the first line that differs and
+    the ranks. Collective; through the group's store, so host and GPU groups alike."""
+    if group.size == 1:
+        return
+    text = "\n".join(lines)
+    digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    n = group._next_agreement()
+    key = f"layout/{n}"
+    store = _C.PrefixStore(f"mc/{group.name}/{key}", group._store)
+    store.set(f"text/{group.rank}", text)
+    try:
+        _C.agree_on_settings(store, group.rank, group.size,
+                             [(f"{what} layout digest", f"{digest} ({len(lines)} parameters)")],
+                             group._setup_timeout(None), group._ranks)
+    except _C.MismatchError as e:
+        texts = [bytes(store.get(f"text/{r}", timeout=10.0)).decode() for r in range(group.size)]
+        other = next(r for r in range(group.size) if texts[r] != texts[0])
+        a, b = texts[0].split("\n"), texts[other].split("\n")
+        at = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+        say = lambda ls: repr(ls[at]) if at < len(ls) else f"nothing (it has {len(ls)})"
+        g0, go = group._ranks[0], group._ranks[other]
+        raise _C.MismatchError(
+            f"{what}: ranks hold different parameters (global rank {g0} and global rank {go} "
+            f"differ first at entry {at}: {say(a)} against {say(b)}); every rank must wrap the "
+            f"same model, with parameters in the same order, shapes and dtypes ({e})") from None
+
+
 def _copier(like: Any) -> Callable[[Any, Any], None]:
     """``copy(dst, src)`` for arrays like ``like``, with their own operator: ``copy_`` where
     they have one (PyTorch: several times cheaper than ``dst[...] = src``, which parses an
@@ -276,15 +343,19 @@ class DataParallel:
         self._half = self._compression_dtype(compression)
         self._hook: Optional[_Hook] = compression if callable(compression) else None
         self._symmetric = bool(symmetric) and self._group.backend_name == "nccl"
-        self._build_buckets(float(bucket_cap_mb) * _MB)
+        self._cap = float(bucket_cap_mb) * _MB
+        agree_layout(self._group, [f"{n} {tuple(p.shape)} {_dtype_name(p)}"
+                                   for n, p in self._params.items()], "DataParallel")
+        self._index = {n: i for i, n in enumerate(self._params)}
+        self._build_buckets(list(reversed(list(self._params))), self._cap)
 
-        self._given: Dict[str, np.ndarray] = {}   # this step's gradient arrays, for write-back
+        self._given: List[Any] = []                # this step's gradient arrays, kept alive
+        self._write_back: List[Tuple[Any, Any]] = []  # (gradient, slot) copied by Python
         # The gradient buffers handed out, by name and by address (Note [Gradient buffers])
         self._bound: set[str] = set()
         self._bound_at: Dict[int, str] = {}
-        self._in_bucket: set[str] = set()          # this step's gradients given as their buffer
         self._accumulated: set[str] = set()        # names whose slot holds a no_sync sum
-        self._next_launch = 0                      # buckets launch in index order only
+        self._launched = 0                         # hook mode: buckets handed to the hook
         # GPU arrays: wait() orders the caller's stream instead of blocking (Note [Arrays]);
         # its flights are counted once done on the device.
         self._stream_ordered = self._group.backend_name != "cpu"
@@ -293,11 +364,11 @@ class DataParallel:
         self._no_sync = False
         self._steps = 0
         self.reset_stats()
-        # The completion thread starts with the first all-reduce and ends with this object.
+        # The completion thread starts with the first hook flight and ends with this object.
         self._queue: "queue.SimpleQueue[Optional[_Flight]]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._finalizer = weakref.finalize(self, self._queue.put, None)
-        self._stamps = _C.CompletionStamps()  # the ends of the group's own Works
+        self._stamps = _C.CompletionStamps()  # the ends of the hooks' meshcoll Works
 
         if broadcast_from is not None:
             self._broadcast_parameters(int(broadcast_from))
@@ -312,14 +383,17 @@ class DataParallel:
         raise ValueError(f"DataParallel: compression must be None, 'bf16', 'fp16' or a callable "
                          f"hook(group, bucket) -> Work, got {compression!r}")
 
-    def _build_buckets(self, cap_bytes: float) -> None:
-        # Reverse registration order, cut before exceeding the cap or changing dtype; a
-        # parameter larger than the cap gets a bucket of its own (Note [Buckets]).
+    def _build_buckets(self, order: List[str], cap_bytes: float,
+                       first_cap_bytes: Optional[float] = None) -> None:
+        # In `order`, cut before exceeding the cap (the first bucket's own, if given) or
+        # changing dtype; a parameter larger than the cap gets a bucket of its own (Note
+        # [Buckets]). The reducer holds the buckets and each step's bookkeeping.
         groups: List[List[str]] = []
         size = 0.0
-        for n in reversed(list(self._params)):
+        for n in order:
             p = self._params[n]
-            if not groups or size + p.nbytes > cap_bytes or \
+            cap = first_cap_bytes if first_cap_bytes is not None and len(groups) == 1 else cap_bytes
+            if not groups or size + p.nbytes > cap or \
                     _dtype_name(self._params[groups[-1][0]]) != _dtype_name(p):
                 groups.append([])
                 size = 0.0
@@ -329,6 +403,7 @@ class DataParallel:
         self._slot: Dict[str, Tuple[int, Any]] = {}  # name -> (bucket index, view of its slot)
         totals = [sum(_numel(self._params[n]) for n in names) for names in groups]
         arenas = self._symmetric_arenas(groups, totals) if self._symmetric else {}
+        slots: List[Tuple[int, int, int]] = [(0, 0, 0)] * len(self._params)
         for i, names in enumerate(groups):
             first = self._params[names[0]]
             total = totals[i]
@@ -341,12 +416,51 @@ class DataParallel:
             for n in names:
                 p = self._params[n]
                 self._slot[n] = (i, buf[off:off + _numel(p)].reshape(p.shape))
+                slots[self._index[n]] = (i, off, _numel(p))
                 off += _numel(p)
             b = _Bucket(names, buf)
             # Compress only buckets wider than the wire type (a bf16 bucket is sent as is).
             if self._half is not None and _FLOAT_DTYPES[_dtype_name(first)] > 2:
                 b.half = self._group._empty(total, first, dtype=self._half)
             self._buckets.append(b)
+        hooked = self._hook is not None or self._half is not None
+        op = "avg" if self._average and not hooked else "sum"
+        names_in_order = list(self._params)
+        bufs = [b.buf for b in self._buckets]
+        self._reducer = _C.Reducer(self._group._backend, bufs, slots, names_in_order, op,
+                                   not hooked)
+        self._avg_reducer: Optional[_C.Reducer] = None  # LocalSGD's, made on first use
+        self._bucket_args = (bufs, slots, names_in_order)
+
+    def rebuild_buckets(self, order: List[str], first_bucket_cap_mb: Optional[float] = 1.0) -> None:
+        """Lay the buckets out again with the gradients in ``order`` (names, the order
+        backward produces them), the first bucket cut at ``first_bucket_cap_mb`` (or the
+        bucket cap, if smaller) so its
+        all-reduce starts early (torch's DDP rebuilds its buckets so after its first step).
+        Collective: every rank passes the same order (ranks that differ get MismatchError).
+        Gradient buffers handed out before no longer belong to a bucket: ask for them again."""
+        if self._given or self._accumulated:
+            raise RuntimeError("rebuild_buckets: a step is in progress (gradients were given "
+                               "without wait()); finish it first")
+        if sorted(order) != sorted(self._params):
+            raise ValueError("rebuild_buckets: order must name every parameter once")
+        agree_layout(self._group, list(order), "DataParallel.rebuild_buckets")
+        self._reducer.abandon()
+        for r in (self._reducer, self._avg_reducer):  # the totals go on
+            if r is not None:
+                for k, v in r.stats().items():
+                    self._stats[k] += v
+        self._bound.clear()
+        self._bound_at.clear()
+        first = None if first_bucket_cap_mb is None else \
+            min(float(first_bucket_cap_mb) * _MB, self._cap)
+        self._build_buckets(list(order), self._cap, first)
+
+    @property
+    def first_order(self) -> List[str]:
+        """The order gradients arrived in during the first finished step (empty before)."""
+        names = list(self._params)
+        return [names[i] for i in self._reducer.first_order]
 
     _ALIGN = 512  # bytes between bucket starts in an arena (NCCL's kernels like alignment)
 
@@ -378,6 +492,13 @@ class DataParallel:
             return {}
         return {"stream": self._group._current_stream(self._buckets[0].buf)}
 
+    def _stream(self) -> int:
+        """The caller's current stream as the reducer takes it: a raw CUstream (0: the
+        legacy default stream, and the CPU backend's "none")."""
+        if not self._stream_ordered:
+            return 0
+        return stream_handle(self._group._current_stream(self._buckets[0].buf))
+
     def _broadcast_parameters(self, src: int) -> None:
         # Through the buckets: a few large broadcasts instead of one round trip per parameter.
         works = []
@@ -402,7 +523,7 @@ class DataParallel:
         if name not in self._slot:
             known = ", ".join(list(self._slot)[:8]) + (", ..." if len(self._slot) > 8 else "")
             raise KeyError(f"grad_ready: unknown parameter {name!r} (registered: {known})")
-        idx, slot = self._slot[name]
+        slot = self._slot[name][1]
         # Given as its own buffer: already in the bucket, and the sum so far (Note [Gradient
         # buffers]); never copied or added. The very array gradient_buffer() handed out
         # needs no check; another view of it is known by its address below.
@@ -410,9 +531,6 @@ class DataParallel:
         g = grad if own else self._checked(name, grad)
         if isinstance(self._mode, LocalSGD):
             return  # gradients stay local: only validated
-        if name in self._given:
-            raise ValueError(f"grad_ready({name!r}): this gradient was already given in this "
-                             "step; call wait() before handing over the next step's gradients")
         if self._bound_at and not own:
             other = self._bound_at.get(_address(g))
             if other is not None and other != name:
@@ -429,27 +547,43 @@ class DataParallel:
                 self._copy(slot, g)
                 self._accumulated.add(name)
             return
+        at = _address(slot)
         if own:
-            self._accumulated.discard(name)
-            self._in_bucket.add(name)
+            src, out = at, 0
         elif isinstance(g, np.ndarray) and not g.flags.writeable:
             raise ValueError(f"grad_ready({name!r}): the gradient is read-only, but wait() "
                              "writes the averaged value into it")
+        elif not _contiguous(g) or (isinstance(g, np.ndarray) and not g.dtype.isnative):
+            # The reducer copies plain memory: a strided or byte-swapped gradient is copied
+            # here, and its average back after the step.
+            if name in self._accumulated:
+                slot += g
+            else:
+                self._copy(slot, g)
+            src, out = at, 0
+            self._write_back.append((g, slot))
         elif name in self._accumulated:
             slot += g  # the sync step carries the no_sync sum plus this gradient
-            self._accumulated.discard(name)
+            src, out = at, _address(g)
         else:
-            self._copy(slot, g)
-        self._given[name] = g
-        self._buckets[idx].missing -= 1
-        try:
-            while (self._next_launch < len(self._buckets)
-                   and self._buckets[self._next_launch].missing == 0):
-                self._launch(self._buckets[self._next_launch])
-                self._next_launch += 1
-        except BaseException:
-            self._abort_step()
-            raise
+            src = out = _address(g)
+        self._ready(self._index[name], src, out, g)
+        self._accumulated.discard(name)
+
+    def _ready(self, i: int, src: int, out: int, keep: Any) -> int:
+        """The reducer's ready(): gradient ``i``'s value at ``src``, its average to ``out``
+        (0: stays in the bucket); ``keep`` is held until the step ends. Returns how many
+        gradients are still to come. A hook's buckets are launched here, in Python."""
+        left: int = self._reducer.ready(i, src, out, self._stream())
+        self._given.append(keep)
+        if self._hook is not None or self._half is not None:
+            try:
+                for k in self._reducer.take_complete(self._stream()):
+                    self._launch(self._buckets[k])
+            except BaseException:
+                self._abort_step()
+                raise
+        return left
 
     def _checked(self, name: str, grad: Any) -> Any:
         # The checks against the parameter (which the backend read) are the whole validation
@@ -489,21 +623,20 @@ class DataParallel:
         for b in self._buckets:
             if b.flight is not None:
                 b.flight.finish(self._stamps)
-            b.flight, b.missing = None, len(b.names)
+            b.flight = None
+        self._reducer.abandon()
         self._given.clear()
-        self._in_bucket.clear()
-        self._next_launch = 0
+        self._write_back.clear()
+        self._launched = 0
 
-    def _launch(self, b: _Bucket, op: Optional[str] = None) -> None:
+    def _launch(self, b: _Bucket) -> None:
+        """A hook's bucket (compression or a user hook), its gradients in: run the hook."""
         if not self._finalizer.alive:
             raise RuntimeError("DataParallel: used after close()")
         n = self._group.size
         t0 = time.perf_counter()
         on = self._on_stream()
-        if op is not None:  # LocalSGD parameter averaging: plain, uncompressed
-            fl = _Flight(self._group.all_reduce(b.buf, op=op, async_op=True, **on), t0,
-                         b.buf.nbytes)
-        elif self._hook is not None:
+        if self._hook is not None:
             work = self._hook(self._group, b.buf)
             if work is None:  # the hook communicated synchronously: time it, never overlapped
                 b.flight = _Flight(None, t0, b.buf.nbytes, blocking=True)
@@ -520,9 +653,9 @@ class DataParallel:
             self._copy(b.half, b.buf)
             fl = _Flight(self._group.all_reduce(b.half, op="sum", async_op=True, **on), t0,
                          b.half.nbytes)
-        else:
-            fl = _Flight(self._group.all_reduce(b.buf, op="avg" if self._average else "sum",
-                                                async_op=True, **on), t0, b.buf.nbytes)
+        else:  # a bucket already in the wire type (bf16 parameters): sent as is
+            fl = _Flight(self._group.all_reduce(b.buf, op="sum", async_op=True, **on), t0,
+                         b.buf.nbytes)
         b.flight = fl
         work = fl.work
         if type(work) is Work and work._finish is None:  # a meshcoll Work: stamped in C++
@@ -541,26 +674,36 @@ class DataParallel:
         gradients stay this rank's own (LocalSGD's ``grad_ready`` only validates)."""
         if self._no_sync or isinstance(self._mode, LocalSGD):
             return
-        missing = [n for n in self._slot if n not in self._given]
-        if missing:
+        if self._reducer.remaining:
+            names = list(self._params)
+            missing = [names[i] for i in self._reducer.missing()]
             more = f", ... ({len(missing)} in all)" if len(missing) > 10 else ""
             raise RuntimeError(f"wait: no gradient was given for {', '.join(missing[:10])}{more}; "
                                "call grad_ready for every parameter before wait() (the step "
                                "stays open: give them and call wait() again)")
-        self._finish(time.perf_counter(), write_back=True)
+        if self._hook is not None or self._half is not None:
+            self._finish_hooks(time.perf_counter())
+        try:
+            self._reducer.finish(self._stream())
+            for g, slot in self._write_back:
+                self._copy(g, slot)
+        finally:
+            self._given.clear()
+            self._write_back.clear()
+            self._launched = 0
 
-    def _finish(self, t_wait: float, write_back: bool) -> None:
-        # Every bucket was launched (nothing is missing). Finish in launch order, writing
-        # bucket i back while bucket i+1 is still on the wire. GPU arrays: the current stream
-        # waits for each all-reduce and the host goes on (Note [Arrays]).
+    def _finish_hooks(self, t_wait: float) -> None:
+        # Every bucket was handed to the hook. Finish in order and leave each bucket's
+        # average in it, for the reducer to copy out. GPU arrays: the current stream waits
+        # for each all-reduce and the host goes on (Note [Arrays]).
         self._settle()
         n = self._group.size
         error: Optional[BaseException] = None
         on = self._on_stream()
         for b in self._buckets:
             fl = b.flight
-            assert fl is not None  # every bucket was launched
-            b.flight, b.missing = None, len(b.names)
+            assert fl is not None  # every bucket was handed over
+            b.flight = None
             fl.t_wait = t_wait
             if self._stream_ordered and fl.work is not None and self._hook is None:
                 try:
@@ -574,21 +717,16 @@ class DataParallel:
                 error = error or fl.error
             if error is not None:
                 continue  # still drain the other flights: their buffers are in use
-            if b.half is not None and self._hook is None and write_back:
+            if b.half is not None and self._hook is None:
                 self._copy(b.buf, b.half)
                 if self._half != "float16" and self._average:
                     b.buf /= n
-            elif self._hook is not None and self._average and write_back:
+            elif self._average:
                 b.buf /= n
-            for name in b.names:
-                if write_back and name in self._in_bucket:
-                    continue  # the average is there already
-                dst = self._given[name] if write_back else self._params[name]
-                self._copy(dst, self._slot[name][1])
-        self._given.clear()
-        self._in_bucket.clear()
-        self._next_launch = 0
         if error is not None:
+            self._reducer.abandon()
+            self._given.clear()
+            self._launched = 0
             raise error
 
     def _count(self, fl: _Flight) -> None:
@@ -602,8 +740,8 @@ class DataParallel:
             self._stats["overlapped_seconds"] += max(0.0, min(fl.t_end, fl.t_wait) - start)
 
     def _settle(self) -> None:
-        """Counts the flights whose wait() only ordered a stream, blocking until the device
-        finished them; raises the first failure among them."""
+        """Counts the hook flights whose wait() only ordered a stream, blocking until the
+        device finished them; raises the first failure among them."""
         flights, self._unsettled = self._unsettled, []
         error: Optional[BaseException] = None
         for fl in flights:
@@ -653,15 +791,20 @@ class DataParallel:
                 self.average_parameters()
 
     def average_parameters(self) -> None:
-        """Replace every parameter by its average over the group, through the buckets."""
+        """Replace every parameter by its average over the group, through the buckets (a
+        reducer of their own that averages: each parameter is its own gradient and result)."""
         if self._given:
             raise RuntimeError("average_parameters: gradients of an unfinished step are "
                                "in the buckets; call wait() first")
+        if self._avg_reducer is None:
+            bufs, slots, names = self._bucket_args
+            self._avg_reducer = _C.Reducer(self._group._backend, bufs, slots, names, "avg", True)
+        stream = self._stream()
         for b in self._buckets:  # copying bucket i+1 overlaps bucket i's all-reduce
             for n in b.names:
-                self._copy(self._slot[n][1], self._params[n])
-            self._launch(b, op="avg")
-        self._finish(time.perf_counter(), write_back=False)
+                at = _address(self._params[n])
+                self._avg_reducer.ready(self._index[n], at, at, stream)
+        self._avg_reducer.finish(stream)
 
     # ---- introspection --------------------------------------------------------------
     @property
@@ -681,7 +824,11 @@ class DataParallel:
         ``overlap_fraction`` and ``algbw_gbps`` (bytes / comm_seconds, in GB/s). With GPU
         arrays it first waits until the device finished the all-reduces so far."""
         self._settle()
-        s = dict(self._stats)
+        s: Dict[str, float] = dict(self._stats)
+        for r in (self._reducer, self._avg_reducer):
+            if r is not None:
+                for k, v in r.stats().items():
+                    s[k] += v
         t = s["comm_seconds"]
         s["overlap_fraction"] = s["overlapped_seconds"] / t if t > 0 else 0.0
         s["algbw_gbps"] = s["bytes"] / t / 1e9 if t > 0 else 0.0
@@ -690,6 +837,9 @@ class DataParallel:
     def reset_stats(self) -> None:
         if getattr(self, "_unsettled", None):
             self._settle()  # count nothing of before the reset later
+        for r in (getattr(self, "_reducer", None), getattr(self, "_avg_reducer", None)):
+            if r is not None:
+                r.reset_stats()
         self._stats = {"calls": 0, "bytes": 0, "comm_seconds": 0.0, "overlapped_seconds": 0.0}
 
     def close(self) -> None:

@@ -199,6 +199,7 @@ class ProcessGroup:
                  device: Optional[int] = None, color: int = 0,
                  options: Optional[_env.GroupOptions] = None) -> None:
         self._store = store
+        self._agreements = 0  # layout agreements so far (ddp.agree_layout)
         opts = self._options = options if options is not None else _env.GroupOptions()
         self._ranks = list(ranks)
         self._name = name
@@ -399,6 +400,12 @@ class ProcessGroup:
         """What every member must agree on before the group is set up (Note [Shared
         settings] in csrc/store/exchange.h): its members, then its backend's settings."""
         return [(_env.MEMBERS, repr(self._ranks)), *self._options.shared(backend).items()]
+
+    def _next_agreement(self) -> int:
+        """The number of this group's next layout agreement (``ddp.agree_layout``): every
+        rank counts its own alike, so one agreement meets under one store key."""
+        self._agreements += 1
+        return self._agreements
 
     def _current_stream(self, like: Array) -> Stream:
         """The stream the caller computes on for arrays like ``like`` (None on the CPU)."""

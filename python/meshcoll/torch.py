@@ -2,45 +2,82 @@
 
     import meshcoll, meshcoll.torch
     meshcoll.init()
-    model = meshcoll.torch.DistributedDataParallel(net, bucket_cap_mb=1)
+    model = meshcoll.torch.DistributedDataParallel(net)
     loss_fn(model(x), y).backward()      # gradients are averaged by the end of backward
     opt.step()
 
-meshcoll does not depend on torch: only importing this module imports it. CPU tensors (CPU
-backend) are handed to ``meshcoll.DataParallel`` as numpy views of their own memory
-(``Tensor.numpy()``, zero-copy); CUDA tensors (NCCL backend, ``meshcoll.init(backend="nccl")``)
-as the tensors themselves, detached. Either way the construction broadcast writes the module's
-parameters and ``wait()`` writes the averages into ``p.grad`` directly. A post-accumulate-grad
-hook on every parameter feeds ``grad_ready`` the moment autograd has its final gradient, so
-bucket all-reduces start during backward; the hook of the last parameter finishes the sync.
+meshcoll does not depend on torch: only importing this module imports it. The wrapper takes
+what torch's DDP takes and behaves as it does (Note [The adapter's step]); on the CPU backend
+tensors are CPU tensors, on the NCCL backend (``meshcoll.init(backend="nccl")``) CUDA tensors.
+
+Note [The adapter's step]
+Each parameter's post-accumulate-grad hook hands its gradient to the C++ reducer (Note
+[Reducer] in csrc/reducer/reducer.h) by index and address: one call of a few microseconds,
+the hook's only work. The reducer launches each bucket's all-reduce the moment it is complete,
+its gradients copied in by one kernel, and the last hook finishes the step: the stream waits
+for the all-reduces and one kernel per bucket copies the averages back into ``p.grad`` (none
+with ``gradient_as_bucket_view``, where ``p.grad`` is the bucket). No Python runs per bucket.
+As torch's DDP:
+- parameters in any dense layout (``channels_last``, permuted strides) are taken as their
+  memory: the buckets hold that memory's bytes, and a bucket view has the parameter's strides;
+- after the first step the buckets are laid out again in the order that step's gradients
+  arrived (rank 0's order, for every rank), the first of them 1 MiB so communication starts
+  early (``bucket_cap_mb`` 25 for the rest);
+- module buffers (BatchNorm's running statistics) are broadcast from rank 0 before each forward
+  with gradients enabled (``broadcast_buffers=True``), and parameters and buffers at
+  construction;
+- ranks whose models differ (names, order, shapes, strides, dtypes) get MismatchError at
+  construction, naming the first difference (Note [Agreed layout] in ddp.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from .ddp import DataParallel, LocalSGD
+from .ddp import DataParallel, LocalSGD, agree_layout
 
 if TYPE_CHECKING:
     from .process_group import ProcessGroup
 
+_MB = 1 << 20
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its elements fill ``numel`` consecutive places of memory in
+    some order (contiguous, channels_last, any permutation), so the memory is one span."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expect = 1
+    for st, sz in dims:
+        if st != expect:
+            return False
+        expect *= sz
+    return True
+
+
+def _memory(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of a dense tensor's memory, in memory order."""
+    return t if t.is_contiguous() and t.dim() == 1 else t.as_strided((t.numel(),), (1,))
+
 
 def _operand(t: torch.Tensor, group: ProcessGroup, what: str) -> Any:
-    """What DataParallel gets for ``t``: a numpy array sharing a CPU tensor's memory on the
-    CPU backend, the detached CUDA tensor itself on NCCL."""
+    """What DataParallel gets for ``t``: its memory (Note [The adapter's step]), as a numpy
+    array on the CPU backend, the detached CUDA tensor itself on NCCL."""
     want = "cuda" if group.backend_name == "nccl" else "cpu"
     if t.device.type != want:
         raise TypeError(f"meshcoll.torch: {what} is on {t.device}, but group {group.name!r} "
                         f"(backend {group.backend_name}) takes {want} tensors; move the module "
                         "(module.to(...)) or init the matching backend")
-    if not t.is_contiguous():
-        raise ValueError(f"meshcoll.torch: {what} is not contiguous; DataParallel would not "
-                         "write into the tensor's own memory")
-    t = t.detach()
+    if not _dense(t):
+        raise ValueError(f"meshcoll.torch: {what} overlaps itself or has gaps (strides "
+                         f"{t.stride()} for shape {tuple(t.shape)}); DataParallel averages a "
+                         "tensor's memory, so it must be dense (any order of dimensions)")
+    t = _memory(t.detach())
     if want == "cuda":
         return t
     if t.dtype == torch.bfloat16:  # numpy has no bf16: view the bits as ml_dtypes.bfloat16
@@ -49,120 +86,247 @@ def _operand(t: torch.Tensor, group: ProcessGroup, what: str) -> Any:
     return t.numpy()
 
 
-def _tensor_of(a: np.ndarray) -> torch.Tensor:
-    """A CPU tensor sharing the memory of DataParallel's numpy array (bfloat16 through its
-    bits, as _operand views it)."""
+def _tensor_of(a: Any) -> torch.Tensor:
+    """A tensor sharing the memory of DataParallel's array: a CUDA tensor as is, a numpy
+    array (bfloat16 through its bits, as _operand views it) as a CPU tensor."""
+    if isinstance(a, torch.Tensor):
+        return a
     if a.dtype.name == "bfloat16":
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 
 
+def _copy_all(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    """dst[k].copy_(src[k]) for every k: one launch where torch has _foreach_copy_ (2.2+)."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        foreach(dst, src)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+
+def fp16_compress_hook(state: Any, bucket: Any) -> Any:
+    """``register_comm_hook(None, fp16_compress_hook)``: buckets travel as float16 (divided
+    by the group size first, so the sum cannot overflow), as torch's hook of that name."""
+    raise RuntimeError("fp16_compress_hook is applied by register_comm_hook, not called")
+
+
+def bf16_compress_hook(state: Any, bucket: Any) -> Any:
+    """``register_comm_hook(None, bf16_compress_hook)``: buckets travel as bfloat16."""
+    raise RuntimeError("bf16_compress_hook is applied by register_comm_hook, not called")
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Wrap ``module``: averages the gradients of its parameters (those with
-    ``requires_grad``) over the group during backward. Keyword arguments go to
-    ``meshcoll.DataParallel`` (group, bucket_cap_mb, average, broadcast_from, compression,
-    mode). Every such parameter must get a gradient in each synchronised backward; if some
-    do not, call ``finish_gradient_sync()``, which names them. Or pass
-    ``find_unused_parameters=True`` (as torch's DDP takes it): at the end of each backward the
-    parameters this rank did not use count as zero gradients, so ``p.grad`` becomes the
-    group's average (zero where no rank used it; torch would leave it None there).
+    ``requires_grad``) over the group during backward (Note [The adapter's step]). Keyword
+    arguments go to ``meshcoll.DataParallel`` (group, bucket_cap_mb, average, compression,
+    mode, symmetric).
 
-    With ``mode=LocalSGD(k)`` gradients stay local: call ``step()`` after each optimizer
-    step, and every k-th call averages the parameters.
-
-    ``gradient_as_bucket_view=True`` (torch's DDP has the same option) makes each ``p.grad``
-    a view of its place in DataParallel's buckets (``DataParallel.gradient_buffer``, Note
-    [Gradient buffers]): autograd accumulates there and the averages stay there, saving two
-    copies per gradient and step. A gradient autograd made anew (after
-    ``zero_grad(set_to_none=True)``, torch's default) is copied in once and ``p.grad``
-    pointed back at the view; ``zero_grad(set_to_none=False)`` keeps the views."""
+    - ``find_unused_parameters``: at the end of each backward the parameters this rank did
+      not use count as zero gradients, so ``p.grad`` becomes the group's average (zero where
+      no rank used it; torch would leave it None there). Without it, every parameter must get
+      a gradient in each synchronised backward; if some do not, ``finish_gradient_sync()``
+      names them.
+    - ``gradient_as_bucket_view``: each ``p.grad`` is a view of its place in the buckets
+      (torch's option of that name): autograd accumulates there and the averages stay there,
+      saving the two copies per step. A gradient autograd made anew (after
+      ``zero_grad(set_to_none=True)``) is copied in once and ``p.grad`` pointed back.
+    - ``broadcast_buffers``: broadcast the module's buffers from rank 0 before each forward
+      (with gradients enabled), as torch's DDP does.
+    - ``static_graph``: accepted for torch's signature; every step already costs the same.
+    - ``mode=LocalSGD(k)``: gradients stay local; call ``step()`` after each optimizer step,
+      and every k-th call averages the parameters."""
 
     def __init__(self, module: torch.nn.Module, *, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False, **kw: Any) -> None:
+                 gradient_as_bucket_view: bool = False, broadcast_buffers: bool = True,
+                 static_graph: bool = False, **kw: Any) -> None:
         super().__init__()
         self.module = module
         self._find_unused = bool(find_unused_parameters)
+        self._as_views = bool(gradient_as_bucket_view)
+        self._static_graph = bool(static_graph)
         self._params: Dict[str, torch.nn.Parameter] = {
             n: p for n, p in module.named_parameters() if p.requires_grad}
         if not self._params:
             raise ValueError("meshcoll.torch.DistributedDataParallel: the module has no "
                              "parameter that requires grad")
         from .world import get_world_group
-        group = kw.get("group") or get_world_group()
-        self.ddp = DataParallel({n: _operand(p.data, group, f"parameter {n!r}")
-                                 for n, p in self._params.items()}, **kw)
-        # name -> (p.grad's view of the bucket, DataParallel's array of the same memory)
-        self._views: Dict[str, Any] = {}
-        if gradient_as_bucket_view and not isinstance(kw.get("mode"), LocalSGD):
-            for n, p in self._params.items():
-                own = self.ddp.gradient_buffer(n)
-                view = own if isinstance(own, torch.Tensor) else _tensor_of(own)
-                if p.grad is not None:
-                    view.copy_(p.grad)
-                p.grad = view
-                self._views[n] = (view, own)
-        self._sync = True
-        self._arrived: set[str] = set()  # names whose gradient this backward handed over
+        self._group: ProcessGroup = kw.get("group") or get_world_group()
+        self._kw = kw
         self._local = isinstance(kw.get("mode"), LocalSGD)
+        agree_layout(self._group,
+                     [f"{n} {tuple(t.shape)} {t.stride()} {t.dtype}" for n, t in
+                      [*self._params.items(), *module.named_buffers()]],
+                     "meshcoll.torch.DistributedDataParallel")
+        self.ddp = DataParallel({n: _operand(p.data, self._group, f"parameter {n!r}")
+                                 for n, p in self._params.items()}, **kw)
+        self._buffers_sync = [(n, b) for n, b in module.named_buffers()] \
+            if broadcast_buffers and self._group.size > 1 else []
+        self._buffer_flats: Optional[List[Tuple[Any, List[torch.Tensor], List[torch.Tensor]]]] = None
+        self._sync_buffers()  # torch's DDP syncs buffers with the parameters at construction
+        self._sync = True
+        self._fresh = True        # the next hook is the first of a backward
+        self._stream = 0          # the backward's stream (raw CUstream), read at its first hook
+        self._rebuilt = self._local  # buckets laid out in backward's order (after step 1)
+        self._rebuild_due = False
+        self._views: List[Optional[torch.Tensor]] = []
+        self._slots: List[int] = []
+        self._bind()
         # Each parameter's hook registration, through Any: torch 2.x leaves the method
         # unannotated, and this checks the same with torch's stubs or without torch.
-        registers: Dict[str, Any] = {n: p.register_post_accumulate_grad_hook
-                                     for n, p in self._params.items()}
-        self._handles: list[Any] = [] if self._local else [
-            register(self._hook(n)) for n, register in registers.items()]
+        registers: List[Any] = [p.register_post_accumulate_grad_hook
+                                for p in self._params.values()]
+        self._handles: List[Any] = [] if self._local else [
+            register(self._hook(i, p)) for i, (register, p) in
+            enumerate(zip(registers, self._params.values()))]
 
-    def _hook(self, name: str) -> Callable[[torch.Tensor], None]:
+    # ---- the step -------------------------------------------------------------------
+    def _bind(self) -> None:
+        """Reads the reducer's slots, and with bucket views points each ``p.grad`` at its
+        slot, shaped and strided as the parameter (after construction and each rebuild)."""
+        reducer = self.ddp._reducer
+        # A compression hook's buckets are launched by DataParallel (Python, per bucket).
+        self._hooked = self.ddp._hook is not None or self.ddp._half is not None
+        self._ready = (lambda i, src, out, stream: self.ddp._ready(i, src, out, None)) \
+            if self._hooked else reducer.ready
+        self._slots = [reducer.slot_address(i) for i in range(len(self._params))]
+        self._views = []
+        if not self._as_views or self._local:
+            return
+        for n, p in self._params.items():
+            flat = _tensor_of(self.ddp.gradient_buffer(n))
+            view = flat.as_strided(p.shape, p.stride())
+            if p.grad is not None:
+                view.copy_(p.grad)
+            p.grad = view
+            self._views.append(view)
+
+    def _hook(self, i: int, param: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        stride, dtype = param.stride(), param.dtype
+
         def on_grad(p: torch.Tensor) -> None:
             # Under no_sync() torch itself accumulates into p.grad; the next synchronised
-            # backward hands over that sum, so DataParallel must not accumulate again.
+            # backward hands over that sum.
             if not self._sync:
                 return
-            if not self._arrived and self._find_unused:
-                # Runs once autograd finished this backward, hooks included (torch's DDP
-                # marks unused parameters ready the same way).
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            # The hook runs after autograd accumulated into p.grad: it is set.
-            assert p.grad is not None
-            self.ddp.grad_ready(name, self._gradient(name, p))
-            self._arrived.add(name)
-            if len(self._arrived) == len(self._params):
-                self.finish_gradient_sync()
+            if self._fresh:
+                self._begin_backward(p)
+            g = p.grad
+            assert g is not None  # the hook runs after autograd accumulated into p.grad
+            if g.stride() != stride or g.dtype != dtype:
+                # Set by hand in another layout (autograd keeps the parameter's): copied
+                # once into one the reducer can read as memory.
+                g = p.grad = torch.empty_like(p).copy_(g)
+            if self._views:
+                view = self._views[i]
+                assert view is not None
+                if g.data_ptr() != self._slots[i]:
+                    view.copy_(g)
+                    p.grad = view
+                src, out = self._slots[i], 0
+            else:
+                src = out = g.data_ptr()
+            if self._ready(i, src, out, self._stream) == 0:
+                self._end_step()
         return on_grad
 
-    def _end_of_backward(self) -> None:
-        if not self._arrived:
-            return  # every parameter arrived: the last hook already finished the sync
-        for name, p in self._params.items():
-            if name not in self._arrived:
-                if p.grad is None:  # an earlier no_sync backward may have left a sum there
-                    p.grad = torch.zeros_like(p)
-                self.ddp.grad_ready(name, self._gradient(name, p))
-        self.finish_gradient_sync()
+    def _begin_backward(self, p: torch.Tensor) -> None:
+        self._fresh = False
+        self._stream = torch._C._cuda_getCurrentRawStream(p.get_device()) \
+            if p.is_cuda else 0
+        if self._find_unused:
+            # Runs once autograd finished this backward, hooks included (torch's DDP marks
+            # unused parameters ready the same way).
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _gradient(self, name: str, p: torch.Tensor) -> Any:
-        """What grad_ready gets for ``p.grad``; with bucket views, the view, ``p.grad``
-        pointed back at it first if autograd made a new tensor."""
-        g = p.grad
-        assert g is not None  # set by autograd, or by _end_of_backward
-        if name not in self._views:
-            return _operand(g, self.ddp.group, f"gradient of {name!r}")
-        view, own = self._views[name]
-        if g is not view:
-            if g.data_ptr() != view.data_ptr():
-                view.copy_(g)
-            p.grad = view
-        return own
+    def _end_of_backward(self) -> None:
+        if self._fresh:
+            return  # every parameter arrived: the last hook already finished the step
+        reducer = self.ddp._reducer
+        names = list(self._params)
+        for i in reducer.missing():
+            p = self._params[names[i]]
+            if p.grad is None:  # an earlier no_sync backward may have left a sum there
+                p.grad = self._views[i] if self._views else torch.zeros_like(p)
+                if self._views:
+                    p.grad.zero_()
+            g = p.grad
+            src, out = (self._slots[i], 0) if self._views else (g.data_ptr(), g.data_ptr())
+            self._ready(i, src, out, self._stream)
+        self._end_step()
+
+    def _end_step(self) -> None:
+        self._fresh = True
+        try:
+            if self._hooked:
+                self.ddp.wait()
+            else:
+                self.ddp._reducer.finish(self._stream)
+        finally:
+            if not self._rebuilt:
+                self._rebuild_due = True
+
+    def _rebuild(self) -> None:
+        """Buckets in the order the first step's gradients arrived (rank 0's, for all)."""
+        self._rebuilt, self._rebuild_due = True, False
+        order = list(self.ddp._reducer.first_order)
+        names = list(self._params)
+        if len(order) != len(names):
+            return  # the first step did not finish normally: keep the layout
+        arr: Any = np.array(order, np.int64)
+        if self._group.backend_name == "nccl":
+            arr = torch.as_tensor(arr, device=next(iter(self._params.values())).device)
+        self._group.broadcast(arr, 0)
+        order = [int(i) for i in (arr.tolist() if isinstance(arr, torch.Tensor) else arr)]
+        self.ddp.rebuild_buckets([names[i] for i in order], first_bucket_cap_mb=1.0)
+        for p in self._params.values():
+            if self._views:  # the old views belong to buckets that are gone
+                p.grad = None if p.grad is None else p.grad.clone()
+        self._bind()
+
+    def _sync_buffers(self) -> None:
+        """Rank 0's buffers to every rank: one broadcast per dtype, through a flat array."""
+        if not self._buffers_sync:
+            return
+        if self._buffer_flats is None:
+            by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+            for _, b in self._buffers_sync:
+                by_dtype.setdefault(b.dtype, []).append(b)
+            self._buffer_flats = []
+            for dt, bufs in by_dtype.items():
+                flat = torch.empty(sum(b.numel() for b in bufs), dtype=dt, device=bufs[0].device)
+                views, off = [], 0
+                for b in bufs:
+                    views.append(flat[off:off + b.numel()].view(b.shape))
+                    off += b.numel()
+                operand = flat if flat.is_cuda else (
+                    flat.view(torch.int16).numpy() if dt == torch.bfloat16 else flat.numpy())
+                self._buffer_flats.append((operand, bufs, views))
+        root = self._group.rank == 0
+        for operand, bufs, views in self._buffer_flats:
+            with torch.no_grad():
+                if root:
+                    _copy_all(views, bufs)
+                self._group.broadcast(operand, 0)
+                if not root:
+                    _copy_all(bufs, views)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            if self._rebuild_due:
+                self._rebuild()
+            self._sync_buffers()
         return self.module(*args, **kwargs)
 
     def finish_gradient_sync(self) -> None:
         """Wait for the bucket all-reduces and write the averages into ``p.grad``. Called by
         the last parameter's hook; call it yourself when some parameters got no gradient
         (it raises, naming them)."""
-        self._arrived = set()
+        self._fresh = True
         self.ddp.wait()
 
+    # ---- torch's DDP interface ------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward inside accumulates into ``p.grad`` without communication; the next
@@ -174,6 +338,31 @@ class DistributedDataParallel(torch.nn.Module):
             yield
         finally:
             self._sync = True
+
+    def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
+        """Replace each bucket's all-reduce: ``fp16_compress_hook`` / ``bf16_compress_hook``
+        (this module's: buckets travel in half precision), or ``hook(state, bucket)`` that
+        leaves the *sum* over the group in ``bucket`` once the Work it returns is waited for
+        (or returns None once it is there), e.g. through ``meshcoll.all_reduce(bucket,
+        async_op=True)``. Before the first backward, as torch's."""
+        if self._local:
+            raise RuntimeError("register_comm_hook: LocalSGD mode never communicates gradients")
+        if self.ddp._reducer.remaining != len(self._params):
+            raise RuntimeError("register_comm_hook: a step is in progress")
+        compression: Any
+        if hook is fp16_compress_hook:
+            compression = "fp16"
+        elif hook is bf16_compress_hook:
+            compression = "bf16"
+        else:
+            def compression(group: Any, bucket: Any) -> Any:
+                return hook(state, _tensor_of(bucket))
+        kw = dict(self._kw, compression=compression, broadcast_from=None)
+        self.ddp.close()
+        self.ddp = DataParallel({n: _operand(p.data, self._group, f"parameter {n!r}")
+                                 for n, p in self._params.items()}, **kw)
+        self._kw = kw
+        self._bind()
 
     def step(self) -> None:
         """Call after each optimizer step (LocalSGD averages parameters every k-th call)."""

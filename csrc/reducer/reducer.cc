@@ -1,0 +1,226 @@
+// Note [Reducer] in reducer.h.
+#include "reducer/reducer.h"
+
+#include <algorithm>
+
+#include "common/error.h"
+
+namespace meshcoll::reducer {
+
+Reducer::Reducer(std::shared_ptr<comm::Backend> backend, std::vector<comm::ArrayView> buckets,
+                 std::vector<Slot> slots, std::vector<std::string> names, RedOp op,
+                 bool launches)
+    : backend_(std::move(backend)), slots_(std::move(slots)), names_(std::move(names)),
+      op_(op), launches_(launches) {
+  if (names_.size() != slots_.size())
+    throw InvalidArgument(str_cat("Reducer: ", slots_.size(), " slots but ", names_.size(),
+                                  " names"));
+  buckets_.resize(buckets.size());
+  for (size_t b = 0; b < buckets.size(); ++b) buckets_[b].buf = std::move(buckets[b]);
+  elem_size_.resize(slots_.size());
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    const Slot& s = slots_[i];
+    if (s.bucket >= buckets_.size() || s.offset + s.count > buckets_[s.bucket].buf.count)
+      throw InvalidArgument(str_cat("Reducer: the slot of '", names_[i], "' (bucket ", s.bucket,
+                                    ", elements ", s.offset, "+", s.count,
+                                    ") lies outside its bucket"));
+    buckets_[s.bucket].members.push_back(i);
+    elem_size_[i] = dtype_size(buckets_[s.bucket].buf.dtype);
+  }
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    std::vector<size_t>& m = buckets_[b].members;  // in the bucket's layout order
+    std::sort(m.begin(), m.end(),
+              [&](size_t x, size_t y) { return slots_[x].offset < slots_[y].offset; });
+    if (buckets_[b].members.empty())
+      throw InvalidArgument(str_cat("Reducer: bucket ", b, " holds no gradient"));
+    buckets_[b].missing = buckets_[b].members.size();
+  }
+  src_.assign(slots_.size(), 0);
+  out_.assign(slots_.size(), 0);
+  given_.assign(slots_.size(), false);
+  remaining_ = slots_.size();
+}
+
+Reducer::~Reducer() {
+  try {
+    abandon();  // launched buckets' memory stays in use until their all-reduces end
+  } catch (...) {
+  }
+}
+
+uintptr_t Reducer::slot_address(size_t i) const {
+  const Slot& s = slots_.at(i);
+  return reinterpret_cast<uintptr_t>(buckets_[s.bucket].buf.data) + s.offset * elem_size_[i];
+}
+
+bool Reducer::mark(size_t i, uintptr_t src, uintptr_t out) {
+  if (i >= slots_.size())
+    throw InvalidArgument(str_cat("Reducer: gradient index ", i, " out of range (", slots_.size(),
+                                  " gradients)"));
+  if (given_[i])
+    throw InvalidArgument(str_cat("the gradient of '", names_[i], "' was already given in this "
+                                  "step; finish the step (wait()) before the next one's"));
+  given_[i] = true;
+  src_[i] = src;
+  out_[i] = out;
+  order_.push_back(i);
+  --remaining_;
+  Bucket& b = buckets_[slots_[i].bucket];
+  --b.missing;
+  return next_launch_ < buckets_.size() && buckets_[next_launch_].missing == 0 && launches_;
+}
+
+std::vector<size_t> Reducer::missing() const {
+  std::vector<size_t> out;
+  for (const Bucket& b : buckets_)
+    for (size_t i : b.members)
+      if (!given_[i]) out.push_back(i);
+  return out;
+}
+
+std::vector<comm::CopySpan> Reducer::spans_in(const Bucket& b) const {
+  std::vector<comm::CopySpan> spans;
+  for (size_t i : b.members) {
+    const uintptr_t slot = slot_address(i);
+    if (src_[i] != slot)
+      spans.push_back({reinterpret_cast<const void*>(src_[i]), reinterpret_cast<void*>(slot),
+                       slots_[i].count * elem_size_[i]});
+  }
+  return spans;
+}
+
+void Reducer::launch_ready(comm::Stream stream) {
+  if (!launches_) return;
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].missing == 0) {
+    Bucket& b = buckets_[next_launch_];
+    backend_->copy_spans(spans_in(b), stream);
+    comm::CallOptions o;
+    o.async = true;
+    o.stream = stream;
+    b.t_launch = comm::monotonic_seconds();
+    ++next_launch_;
+    b.work = backend_->all_reduce(b.buf, b.buf, op_, o);
+    b.ticket = stamps_.add(b.work);  // stamped when it completes (Note [Stats])
+  }
+}
+
+std::vector<size_t> Reducer::take_complete(comm::Stream stream) {
+  std::vector<size_t> taken;
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_].missing == 0) {
+    Bucket& b = buckets_[next_launch_];
+    backend_->copy_spans(spans_in(b), stream);
+    taken.push_back(next_launch_++);
+  }
+  return taken;
+}
+
+void Reducer::copy_out(size_t bi, comm::Stream stream) {
+  const Bucket& b = buckets_.at(bi);
+  std::vector<comm::CopySpan> spans;
+  for (size_t i : b.members) {
+    const uintptr_t slot = slot_address(i);
+    if (out_[i] != 0 && out_[i] != slot)
+      spans.push_back({reinterpret_cast<const void*>(slot), reinterpret_cast<void*>(out_[i]),
+                       slots_[i].count * elem_size_[i]});
+  }
+  backend_->copy_spans(spans, stream);
+}
+
+void Reducer::finish(comm::Stream stream) {
+  if (remaining_ != 0) {
+    std::string missing;
+    size_t shown = 0;
+    for (size_t i = 0; i < slots_.size() && shown < 10; ++i)
+      if (!given_[i]) missing += str_cat(shown++ ? ", " : "", names_[i]);
+    if (remaining_ > shown) missing += str_cat(", ... (", remaining_, " in all)");
+    throw InvalidArgument(str_cat("no gradient was given for ", missing, "; give every "
+                                  "gradient before finishing the step (the step stays open)"));
+  }
+  std::exception_ptr error;
+  try {
+    settle();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  const double t_wait = comm::monotonic_seconds();
+  const bool device = backend_->device_memory();
+  for (size_t bi = 0; bi < buckets_.size(); ++bi) {
+    Bucket& b = buckets_[bi];
+    if (b.work) {
+      const Flight f{b.ticket, b.t_launch, t_wait, b.buf.bytes()};
+      try {
+        if (device) {
+          b.work->wait(Millis(-1), true, stream);  // the stream waits, not the host
+          unsettled_.push_back(f);
+        } else {
+          comm::CompletionStamps::Stamp s = stamps_.take(f.ticket);
+          count(s, f);
+          if (s.error) std::rethrow_exception(s.error);
+        }
+      } catch (...) {
+        if (!error) error = std::current_exception();
+      }
+    }
+    if (!error) copy_out(bi, stream);
+  }
+  if (order_.size() == slots_.size() && first_order_.empty()) first_order_ = order_;
+  end_step();
+  if (error) std::rethrow_exception(error);
+}
+
+void Reducer::abandon() {
+  // The step is dropped: a failure of its all-reduces is the group's, which its next call
+  // raises. Taking the stamp waits for the all-reduce (its buffer is in use until then).
+  for (Bucket& b : buckets_)
+    if (b.work) stamps_.take(b.ticket);
+  end_step();
+}
+
+void Reducer::end_step() {
+  for (Bucket& b : buckets_) {
+    b.work.reset();
+    b.missing = b.members.size();
+  }
+  std::fill(given_.begin(), given_.end(), false);
+  std::fill(src_.begin(), src_.end(), 0);
+  std::fill(out_.begin(), out_.end(), 0);
+  order_.clear();
+  remaining_ = slots_.size();
+  next_launch_ = 0;
+}
+
+void Reducer::count(const comm::CompletionStamps::Stamp& s, const Flight& f) {
+  const double start = std::max(f.t_launch, prev_end_);
+  prev_end_ = s.end;
+  stats_.calls += 1;
+  stats_.bytes += f.bytes;
+  stats_.comm_seconds += s.end - start;
+  stats_.overlapped_seconds += std::max(0.0, std::min(s.end, f.t_wait) - start);
+}
+
+void Reducer::settle() {
+  std::vector<Flight> flights;
+  flights.swap(unsettled_);
+  std::exception_ptr error;
+  for (const Flight& f : flights) {
+    comm::CompletionStamps::Stamp s = stamps_.take(f.ticket);
+    count(s, f);
+    if (s.error && !error) error = s.error;
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+Reducer::Stats Reducer::stats() {
+  settle();
+  return stats_;
+}
+
+void Reducer::reset_stats() {
+  try {
+    settle();  // count nothing of before the reset later
+  } catch (...) {
+  }
+  stats_ = Stats{};
+}
+
+}  // namespace meshcoll::reducer

@@ -1,0 +1,142 @@
+// The reducer: gradient buckets averaged over a group while backward still runs, below both
+// data-parallel wrappers (python/meshcoll/ddp.py's DataParallel and the torch adapter).
+//
+// Note [Reducer]
+// A reducer holds flat buckets (arrays of the group's memory, one dtype each) and the place
+// of every gradient in them (its slot: a bucket, an offset and a count). In each step every
+// gradient is handed over once, by its index, as two addresses: where its value is now
+// (`src`) and where the average must go at the end (`out`). A `src` that is the slot itself
+// (a gradient computed in its bucket: torch's gradient_as_bucket_view) is not copied, and an
+// `out` that is the slot (or 0) is not copied back. A bucket whose last gradient arrived is
+// launched once every bucket before it has been: every rank must issue the same collectives
+// in the same order, whatever order its backward produced gradients in. A launch copies the
+// bucket's gradients in (Backend::copy_spans: one kernel for the whole bucket on a GPU, Note
+// [Span copies] in nccl/span_copy.h) and queues its all-reduce, asynchronously, on the
+// caller's stream. finish() orders the caller's stream after every all-reduce (GPU) or waits
+// for them (CPU) and copies the averages out, again one batch per bucket. Nothing runs in
+// Python per bucket: a torch training step calls ready() from each parameter's hook and
+// finish() from the last one (the torch adapter), and the host's work per gradient is a
+// few compares and stores.
+//
+// A compression hook (the wrappers' register_comm_hook and compression="bf16") replaces the
+// all-reduce of a bucket: then the reducer does not launch, and the wrapper takes each
+// complete bucket in order (take_complete(), which copies its gradients in), runs the hook,
+// and copies the result out (copy_out()) once the hook's work is done.
+//
+// The gradient arrays themselves are the caller's to keep alive until finish() (the
+// wrappers hold them); the buckets are held here (their ArrayView owners).
+//
+// Statistics follow Note [Stats] in python/meshcoll/ddp.py: each launched all-reduce is
+// stamped when it completes by a CompletionStamps thread (Note [Completion stamps]), and a
+// bucket's communication time runs from max(its launch, the previous bucket's end) to its
+// end; the part before finish() was called is "overlapped". Stream-ordered finishes (GPU)
+// are counted once the device got there: at the next finish(), stats() or reset.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/array_view.h"
+#include "comm/backend.h"
+#include "comm/stamps.h"
+
+namespace meshcoll::reducer {
+
+class Reducer {
+ public:
+  struct Slot {
+    size_t bucket;
+    size_t offset;  // elements into the bucket
+    size_t count;
+  };
+  struct Stats {
+    uint64_t calls = 0;
+    uint64_t bytes = 0;
+    double comm_seconds = 0;
+    double overlapped_seconds = 0;
+  };
+
+  // `launches`: the reducer queues each complete bucket's all-reduce with `op` itself
+  // (false: a hook does, through take_complete and copy_out). `names`: the gradients'
+  // names, for errors.
+  Reducer(std::shared_ptr<comm::Backend> backend, std::vector<comm::ArrayView> buckets,
+          std::vector<Slot> slots, std::vector<std::string> names, RedOp op, bool launches);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  size_t size() const { return slots_.size(); }
+  size_t num_buckets() const { return buckets_.size(); }
+  // The address of gradient i's slot.
+  uintptr_t slot_address(size_t i) const;
+  // Gradient i of this step: its value at `src`, its average to `out` (0: stays in the slot).
+  // Returns true when a bucket is now ready to launch (call launch_ready(), with the GIL let
+  // go). Raises InvalidArgument for an unknown index or a gradient given twice in one step.
+  bool mark(size_t i, uintptr_t src, uintptr_t out);
+  // Launches every complete bucket whose predecessors were launched, on `stream`.
+  void launch_ready(comm::Stream stream);
+  // Gradients still to come this step, and which (indices, in bucket order).
+  size_t remaining() const { return remaining_; }
+  std::vector<size_t> missing() const;
+  // A hook's turn: the complete buckets not handed out yet, in order, their gradients copied
+  // in (on `stream`).
+  std::vector<size_t> take_complete(comm::Stream stream);
+  // A hook's bucket `b` holds its result: copies it out to the `out` addresses (on `stream`).
+  void copy_out(size_t b, comm::Stream stream);
+  // Every gradient was given: waits for the all-reduces (stream-ordered on a GPU) and copies
+  // the averages out; the step ends. Raises the first failure after draining every bucket.
+  void finish(comm::Stream stream);
+  // Ends the step without results (a hook failed, or the caller gave up): waits for what
+  // was launched (its buffers are in use), forgets what was given.
+  void abandon();
+  // The order gradients arrived in during the first complete step (indices), for buckets
+  // rebuilt in the order backward produces them.
+  const std::vector<size_t>& first_order() const { return first_order_; }
+  // Settles stream-ordered flights (blocking until the device finished them) and returns
+  // the totals; raises the first failure among the flights settled.
+  Stats stats();
+  void reset_stats();
+
+ private:
+  struct Bucket {
+    comm::ArrayView buf;
+    std::vector<size_t> members;  // slot indices, in layout (offset) order
+    size_t missing = 0;           // gradients still to come this step
+    comm::WorkPtr work;           // its all-reduce, launched this step
+    uint64_t ticket = 0;          // the work's CompletionStamps ticket
+    double t_launch = 0;
+  };
+  struct Flight {
+    uint64_t ticket;
+    double t_launch;
+    double t_wait;
+    uint64_t bytes;
+  };
+  std::vector<comm::CopySpan> spans_in(const Bucket& b) const;
+  void count(const comm::CompletionStamps::Stamp& s, const Flight& f);
+  void settle();
+  void end_step();
+
+  std::shared_ptr<comm::Backend> backend_;
+  std::vector<Bucket> buckets_;
+  std::vector<Slot> slots_;
+  std::vector<std::string> names_;
+  RedOp op_;
+  bool launches_;
+  std::vector<size_t> elem_size_;  // per slot
+  std::vector<uintptr_t> src_, out_;  // this step's addresses, by slot
+  std::vector<char> given_;           // this step's gradient arrived, by slot
+  size_t remaining_ = 0;
+  size_t next_launch_ = 0;
+  std::vector<size_t> order_;       // arrival order of this step
+  std::vector<size_t> first_order_;
+  comm::CompletionStamps stamps_;
+  std::vector<Flight> unsettled_;
+  double prev_end_ = 0;
+  Stats stats_;
+};
+
+}  // namespace meshcoll::reducer
