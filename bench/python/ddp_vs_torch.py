@@ -35,9 +35,9 @@ both wrappers; ``both`` runs the two one after the other with fresh copies), one
 built from ``--seed`` and deep-copied twice before wrapping (same initial weights); each copy
 gets its own optimizer (``--optimizer sgd`` lr 0.01 or ``adamw``) and
 ``optimizer.zero_grad()`` (set_to_none=True, torch's default). ``--bucket-cap-mb`` goes to
-both wrappers. torch's wrapper gets ``broadcast_buffers=False`` (``forward_sync_buffers`` in
-torch >= 2.13; ``--broadcast-buffers`` turns it on) because meshcoll's does not send buffers
-(BatchNorm's running statistics) each step: both then do the same work. Steps
+both wrappers, and so does ``--broadcast-buffers on|off`` (torch's default, on: module
+buffers such as BatchNorm's running statistics are broadcast from rank 0 before each forward;
+torch >= 2.13 spells it ``forward_sync_buffers``). Steps
 alternate meshcoll, torch, meshcoll, ...: ``--warmup`` pairs, then ``--steps`` timed pairs.
 Each rank draws its own data (seeded by rank), and the two wrappers on one rank get the same
 batch at each step. A step (zero_grad, forward, loss, backward, optimizer step) is timed with
@@ -124,14 +124,16 @@ def parse_args(argv=None):
     p.add_argument("--views", choices=("off", "on", "both"), default="off",
                    help="gradient_as_bucket_view for both wrappers")
     p.add_argument("--bucket-cap-mb", type=float, default=25)
-    p.add_argument("--broadcast-buffers", action="store_true",
-                   help="torch's broadcast_buffers=True (meshcoll has no such step)")
+    p.add_argument("--broadcast-buffers", choices=("on", "off"), default="on",
+                   help="broadcast_buffers for both wrappers (torch's default: on)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per wrapper")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per wrapper first")
     p.add_argument("--seed", type=int, default=0, help="model seed (data: seed + 1000 + rank)")
     p.add_argument("--torch-port", type=int, default=None,
                    help="torch.distributed's MASTER_PORT (default: rank 0 picks a free one)")
     p.add_argument("--json", metavar="FILE", help="write one JSON record per row")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, count the Python calls of one meshcoll step")
     a = p.parse_args(argv)
     if a.backend is None:
         a.backend = "nccl" if torch.cuda.is_available() else "cpu"
@@ -294,6 +296,53 @@ class Runner:
             self.main.append(time.thread_time() - m0)
 
 
+def python_calls(fn: Callable[[], None]) -> Dict[Tuple[str, str], int]:
+    """Runs ``fn`` and counts the calls of meshcoll's Python functions and of the reducer's
+    ``ready``, in every thread (the autograd engine runs a GPU backward's hooks in a thread
+    of its own): sys.monitoring on Python 3.12+, else sys.setprofile on this thread (enough
+    on the CPU backend, whose backward runs on the calling thread)."""
+    counts: Dict[Tuple[str, str], int] = {}
+
+    def note(code: Any) -> None:
+        if "meshcoll" in code.co_filename:
+            key = (os.path.basename(code.co_filename), code.co_qualname
+                   if hasattr(code, "co_qualname") else code.co_name)
+            counts[key] = counts.get(key, 0) + 1
+
+    def note_c(fn_obj: Any) -> None:
+        if getattr(fn_obj, "__name__", "") in ("ready", "finish") and \
+                type(getattr(fn_obj, "__self__", None)).__name__ == "Reducer":
+            key = ("C++", f"Reducer.{fn_obj.__name__}")
+            counts[key] = counts.get(key, 0) + 1
+
+    mon = getattr(sys, "monitoring", None)
+    if mon is not None:
+        tool = mon.PROFILER_ID
+        mon.use_tool_id(tool, "ddp_vs_torch")
+        mon.register_callback(tool, mon.events.PY_START, lambda code, off: note(code))
+        mon.register_callback(tool, mon.events.CALL,
+                              lambda code, off, fn_obj, arg0: note_c(fn_obj))
+        mon.set_events(tool, mon.events.PY_START | mon.events.CALL)
+        try:
+            fn()
+        finally:
+            mon.set_events(tool, 0)
+            mon.free_tool_id(tool)
+        return counts
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            note(frame.f_code)
+        elif event == "c_call":
+            note_c(arg)
+    sys.setprofile(prof)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return counts
+
+
 def slowest(values: List[float], device: torch.device) -> List[float]:
     """Per step, the largest value over the ranks (torch.distributed, MAX)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
@@ -329,7 +378,8 @@ def run_config(kind: str, views: bool, args, pg, device: torch.device) -> Dict[s
     refused: Optional[str] = None
     try:
         mc_model = mct.DistributedDataParallel(mc_copy, bucket_cap_mb=args.bucket_cap_mb,
-                                               gradient_as_bucket_view=views)
+                                               gradient_as_bucket_view=views,
+                                               broadcast_buffers=args.broadcast_buffers == "on")
     except (ValueError, TypeError, NotImplementedError) as e:
         refused, mc_model = str(e), None
     kw: Dict[str, Any] = dict(device_ids=[device.index]) if gpu else {}
@@ -337,7 +387,7 @@ def run_config(kind: str, views: bool, args, pg, device: torch.device) -> Dict[s
     buffers = ("forward_sync_buffers" if "forward_sync_buffers" in
                inspect.signature(nn.parallel.DistributedDataParallel).parameters
                else "broadcast_buffers")
-    kw[buffers] = args.broadcast_buffers
+    kw[buffers] = args.broadcast_buffers == "on"
     torch_model = nn.parallel.DistributedDataParallel(
         torch_copy, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=views, **kw)
     runners = ([Runner("meshcoll", mc_model, args)] if mc_model is not None else []) + \
@@ -353,6 +403,18 @@ def run_config(kind: str, views: bool, args, pg, device: torch.device) -> Dict[s
         x, y = data.next()
         for r in runners:
             r.step(x, y, data, amp, sync, record=i >= args.warmup)
+    if args.profile and mc_model is not None:  # every rank steps; rank 0 reports
+        x, y = data.next()
+        counts = python_calls(lambda: runners[0].step(x, y, data, amp, sync, record=False))
+        for r in runners[1:]:  # the same step, so the parameters still compare
+            r.step(x, y, data, amp, sync, record=False)
+    if args.profile and mc_model is not None and pg.rank == 0:
+        n_buckets = len(mc_model.ddp.bucket_names)
+        n_params = sum(1 for p in mc_model.parameters() if p.requires_grad)
+        print(f"# profile of one meshcoll step ({n_params} parameters, {n_buckets} buckets): "
+              "calls into meshcoll's Python and the reducer")
+        for (where, name), n in sorted(counts.items(), key=lambda kv: -kv[1]):
+            print(f"#   {n:6d}  {name}  ({where})")
 
     for r in runners:
         wall = slowest(r.wall, device)
