@@ -10,6 +10,13 @@ Their output lines are prefixed with "[rank N] ". The first rank to fail
 becomes ours (128+signum for a signal), so shells and schedulers see the real
 reason rather than the SIGTERM we sent to the survivors.
 
+Note [Ranks die with the launcher]
+Each child asks the kernel for SIGKILL when the launcher's thread that started it
+dies (prctl PR_SET_PDEATHSIG, Linux), so a SIGKILL of meshcoll-run (which runs no
+handler) does not leave its ranks running forever as orphans. The rank's own
+children are not covered: they are the rank's to manage (and get our SIGTERM to
+their process group in every other case).
+
 This module uses only the standard library and meshcoll._env: it must work
 before, and without, the C++ extension.
 """
@@ -17,6 +24,7 @@ before, and without, the C++ extension.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import errno
 import os
 import secrets
@@ -26,13 +34,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import BinaryIO, List, Optional
+from typing import BinaryIO, Callable, List, Optional
 
 from meshcoll import __version__, _env
 
 # Survivors get SIGTERM, then this long to run their handlers, then SIGKILL.
 GRACE_S = 5.0
 _POLL_S = 0.05  # how often we look at the children; also bounds failure latency
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -169,6 +178,28 @@ def _signame(signum: int) -> str:
         return f"signal {signum}"
 
 
+def _die_with_launcher() -> Optional[Callable[[], None]]:
+    """A ``preexec_fn`` that makes the child die with us (Note [Ranks die with the
+    launcher]), or None where prctl does not exist (not Linux)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not after the fork
+    except (OSError, AttributeError):
+        return None
+    launcher, sigkill = os.getpid(), int(signal.SIGKILL)
+
+    def preexec() -> None:
+        # In the child, between fork and exec: one system call, nothing that could take a
+        # lock another thread of ours held at the fork. The signal comes when the thread that
+        # forked us ends, so children are started from the main thread, which lives as long
+        # as meshcoll-run does.
+        prctl(_PR_SET_PDEATHSIG, sigkill)
+        # If we died before the prctl, the signal never comes: the child was re-parented
+        # (to init or a subreaper) already. End as the signal would have ended it.
+        if os.getppid() != launcher:
+            os.kill(os.getpid(), sigkill)
+    return preexec
+
+
 class _Job:
     """The children of this node, their output pumps and the teardown."""
 
@@ -186,6 +217,7 @@ class _Job:
     def start(self) -> None:
         a = self.args
         cmd = [sys.executable] + (["-m", a.target] if a.module else [a.target]) + a.args
+        preexec = _die_with_launcher()
         for local_rank in range(a.nproc_per_node):
             if self.signals:
                 return  # told to stop while starting: start no more
@@ -207,7 +239,7 @@ class _Job:
             # A new session per child: our SIGTERM/SIGKILL then reaches the whole
             # process group, grandchildren included, with os.killpg(child.pid).
             proc = subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=preexec)
             self.procs.append(proc)
             self.ranks.append(rank)
             if pipe is not None:

@@ -424,3 +424,28 @@ def test_port_clash_after_start_is_named_in_the_summary(tmp_path):
     assert summary[1].startswith(f"meshcoll-run: port clash: 127.0.0.1:{port} (--master-port) "
                                  "is held by another process"), summary
     assert_all_dead(read_pids(b_dir))
+
+
+# ---- the launcher's own death (issue 34, item 10) -------------------------------------------
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    """SIGKILL runs no handler in meshcoll-run: its ranks must die anyway (parent-death
+    signal), not run on forever as orphans, busy or asleep."""
+    body = SYNC.replace("import os, sys, time, pathlib", "") + """
+if rank == 0:
+    time.sleep(1000)
+while True:
+    pass
+"""
+    proc = start_launcher(tmp_path, body, 2)
+    pids = read_pids(tmp_path)
+    try:
+        proc.kill()
+        proc.wait(timeout=10)
+        assert_all_dead(pids, within=5.0)
+    finally:
+        for pid in pids:  # leave nothing behind when the test fails
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
