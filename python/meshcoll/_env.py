@@ -52,6 +52,9 @@ CHECK_MODES = ("async", "strict", "off")
 # How the settings agreement names a group's members (Note [Shared settings]).
 MEMBERS = "the group's members (new_group's ranks, in order)"
 FAULT = "MESHCOLL_FAULT"
+# Set by meshcoll-run: a directory where each rank notes when it began to leave the job
+# (Note [The first rank to fail] in run.py).
+RUN_NOTES = "MESHCOLL_RUN_NOTES"
 
 TRANSPORTS = ("auto", "shm", "tcp")  # the values of MESHCOLL_TRANSPORT
 

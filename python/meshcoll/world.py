@@ -9,7 +9,7 @@ import secrets
 import warnings
 from typing import Any, Optional, Sequence, Union
 
-from . import _C, _env
+from . import _C, _env, run
 from .process_group import NonMemberGroup, ProcessGroup
 
 
@@ -65,6 +65,9 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
                            "meshcoll.destroy() first to re-initialise")
     if backend not in (None, "auto", "cpu", "nccl"):
         raise ValueError(f"meshcoll.init: unknown backend {backend!r}; use 'cpu', 'nccl' or 'auto'")
+    # Under meshcoll-run: tell it when this rank begins to leave, so that it names the rank
+    # that failed first, not a peer that failed because of it (Note [The first rank to fail]).
+    run.watch_exit()
     method = (_env.parse_init_method(init_method) if init_method is not None
               else _env.init_method_from_env())
     if method is not None and method.kind != "env" and store is not None:
@@ -168,6 +171,9 @@ def destroy() -> None:
     rank has closed it (destroyed or exited), at most the init timeout (Note [Store teardown]
     in csrc/store/tcp_store.h); a store passed to init is the caller's to close."""
     world, store, owns = _Default.world, _Default.store, _Default.owns_store
+    if world is not None:
+        # Before the peers can learn of it (`finally: meshcoll.destroy()` in a failing rank).
+        run.note_leaving(exiting=False)
     _Default.world, _Default.store, _Default.owns_store = None, None, False
     try:
         if world is not None:
