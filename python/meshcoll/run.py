@@ -281,6 +281,8 @@ class _Job:
         self.signals: List[int] = []  # signals we received, in order
         # Note [The first rank to fail]: where ranks note when they began to leave, and
         # when we saw each child exit or stop (time.monotonic_ns(), by index in procs).
+        # close() removes the directory; a launcher killed by SIGKILL leaves it (and its few
+        # tiny files) in the temporary directory.
         self.notes = tempfile.mkdtemp(prefix="meshcoll-run-")
         self.pidfds: List[Optional[int]] = []
         self.died_at: Dict[int, int] = {}

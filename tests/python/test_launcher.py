@@ -267,13 +267,13 @@ time.sleep(1000)
 """
 
 
-def start_launcher(tmp_path, body, n):
+def start_launcher(tmp_path, body, n, env=None):
     path = script(tmp_path, "import os, sys, time, pathlib\n"
                             "d = pathlib.Path(sys.argv[1]); rank = int(os.environ['MESHCOLL_RANK'])\n"
                             + body)
     with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err:
         proc = subprocess.Popen(LAUNCH + ["-n", str(n), str(path), str(tmp_path), str(n)],
-                                cwd=tmp_path, env=clean_env(), stdout=out, stderr=err)
+                                cwd=tmp_path, env=env or clean_env(), stdout=out, stderr=err)
     deadline = time.monotonic() + 30
     while len(list(tmp_path.glob("pid-?"))) < n:
         assert proc.poll() is None, (tmp_path / "err").read_text()
@@ -437,7 +437,8 @@ if rank == 0:
 while True:
     pass
 """
-    proc = start_launcher(tmp_path, body, 2)
+    # The killed launcher cannot remove its notes directory: let it leave it in tmp_path.
+    proc = start_launcher(tmp_path, body, 2, env=clean_env(TMPDIR=str(tmp_path)))
     pids = read_pids(tmp_path)
     try:
         proc.kill()
