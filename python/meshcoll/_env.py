@@ -52,6 +52,9 @@ CHECK_MODES = ("async", "strict", "off")
 # How the settings agreement names a group's members (Note [Shared settings]).
 MEMBERS = "the group's members (new_group's ranks, in order)"
 FAULT = "MESHCOLL_FAULT"
+# Set by meshcoll-run: a directory where each rank notes when it began to leave the job
+# (Note [The first rank to fail] in run.py).
+RUN_NOTES = "MESHCOLL_RUN_NOTES"
 
 TRANSPORTS = ("auto", "shm", "tcp")  # the values of MESHCOLL_TRANSPORT
 
@@ -478,15 +481,27 @@ def hierarchy_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
     return value == "1"
 
 
+# The largest MESHCOLL_SHM_BYTES: a segment (with its control block) must fit the C++ core's
+# size_t and off_t, or a value like 10**20 reached the core's constructor and failed there
+# with pybind11's list of signatures. 2**50, which no /dev/shm holds, still goes through:
+# a group then falls back to TCP saying there is no room (or fails, with shm forced).
+SHM_BYTES_MAX = 1 << 60
+
+
 def shm_bytes_from_env(environ: Optional[Mapping[str, str]] = None) -> int:
-    """``MESHCOLL_SHM_BYTES``: each rank's shared-memory data area (default 4 MiB)."""
+    """``MESHCOLL_SHM_BYTES``: each rank's shared-memory data area (default 4 MiB), a whole
+    number of bytes from 4096 to SHM_BYTES_MAX; ValueError naming the variable otherwise."""
     env = os.environ if environ is None else environ
     text = _get(env, SHM_BYTES)
     if text is None:
         return 4 << 20
-    value = _parse_int(text, SHM_BYTES)
-    if value < 4096:
-        raise ValueError(f"{SHM_BYTES}={value}: must be at least 4096 bytes")
+    try:
+        value = int(text, 10)
+    except ValueError:
+        value = -1
+    if not 4096 <= value <= SHM_BYTES_MAX:
+        raise ValueError(f"{SHM_BYTES}={text!r}: give a whole number of bytes from 4096 to "
+                         f"{SHM_BYTES_MAX} (2**60), e.g. 4194304 (4 MiB, the default)")
     return value
 
 

@@ -10,6 +10,29 @@ Their output lines are prefixed with "[rank N] ". The first rank to fail
 becomes ours (128+signum for a signal), so shells and schedulers see the real
 reason rather than the SIGTERM we sent to the survivors.
 
+Note [The first rank to fail]
+"First" is by time, never by rank index. Healthy ranks blocked in a collective
+with the failed one fail too, a few milliseconds later (a PeerError when it
+closes its connections) or at their timeout; the launcher must name the cause,
+not one of them. Two clocks decide:
+  - when a rank began to leave the job: ranks that called meshcoll.init note it
+    (note_leaving: meshcoll.destroy(), an uncaught exception, interpreter exit)
+    in a file under MESHCOLL_RUN_NOTES. This is needed because a rank that
+    raises closes its connections while its interpreter shuts down, and its
+    peers, told at once, often exit before it does (measured: 1 run in 3);
+  - otherwise when its exit was seen: every child has a pidfd, and we sleep in
+    poll() on them, so a death is seen within microseconds, not a poll period.
+A rank that is stopped (SIGSTOP, SIGTSTP) when the first failure is seen is a
+candidate from the moment its stop was seen: its peers then fail by timing out
+on it, and it would otherwise never be named.
+
+Note [Ranks die with the launcher]
+Each child asks the kernel for SIGKILL when the launcher's thread that started it
+dies (prctl PR_SET_PDEATHSIG, Linux), so a SIGKILL of meshcoll-run (which runs no
+handler) does not leave its ranks running forever as orphans. The rank's own
+children are not covered: they are the rank's to manage (and get our SIGTERM to
+their process group in every other case).
+
 This module uses only the standard library and meshcoll._env: it must work
 before, and without, the C++ extension.
 """
@@ -17,22 +40,28 @@ before, and without, the C++ extension.
 from __future__ import annotations
 
 import argparse
+import atexit
+import ctypes
 import errno
 import os
 import secrets
+import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from typing import BinaryIO, List, Optional
+from typing import BinaryIO, Callable, Collection, Dict, List, Optional, Set, Tuple
 
 from meshcoll import __version__, _env
 
 # Survivors get SIGTERM, then this long to run their handlers, then SIGKILL.
 GRACE_S = 5.0
-_POLL_S = 0.05  # how often we look at the children; also bounds failure latency
+_POLL_S = 0.05  # how often we look for stopped children and signals (exits wake us at once)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -169,6 +198,75 @@ def _signame(signum: int) -> str:
         return f"signal {signum}"
 
 
+def _die_with_launcher() -> Optional[Callable[[], None]]:
+    """A ``preexec_fn`` that makes the child die with us (Note [Ranks die with the
+    launcher]), or None where prctl does not exist (not Linux)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not after the fork
+    except (OSError, AttributeError):
+        return None
+    launcher, sigkill = os.getpid(), int(signal.SIGKILL)
+
+    def preexec() -> None:
+        # In the child, between fork and exec: one system call, nothing that could take a
+        # lock another thread of ours held at the fork. The signal comes when the thread that
+        # forked us ends, so children are started from the main thread, which lives as long
+        # as meshcoll-run does.
+        prctl(_PR_SET_PDEATHSIG, sigkill)
+        # If we died before the prctl, the signal never comes: the child was re-parented
+        # (to init or a subreaper) already. End as the signal would have ended it.
+        if os.getppid() != launcher:
+            os.kill(os.getpid(), sigkill)
+    return preexec
+
+
+# ---- the rank's side of Note [The first rank to fail] ---------------------------------------
+
+_watching_exit = False
+
+
+def note_leaving(exiting: bool) -> None:
+    """Note, once, the moment this rank began to leave the job, for the meshcoll-run that
+    started it: ``<pid>.left`` (meshcoll.destroy() too), and ``<pid>.exiting`` when the
+    process itself is ending (an uncaught exception, interpreter exit), which also tells the
+    launcher to let it finish with its own exit code rather than SIGTERM it. A no-op for
+    processes meshcoll-run did not start. Never raises: it runs on exit paths."""
+    notes = os.environ.get(_env.RUN_NOTES)
+    if not notes:
+        return
+    stamp = str(time.monotonic_ns()).encode()  # CLOCK_MONOTONIC: one clock for the host
+    for kind in ("left", "exiting") if exiting else ("left",):
+        try:
+            fd = os.open(os.path.join(notes, f"{os.getpid()}.{kind}"),
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            continue  # noted before (the first time is the one that counts), or no launcher
+        try:
+            os.write(fd, stamp)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def watch_exit() -> None:
+    """Called by meshcoll.init in each rank: note an uncaught exception (before the
+    traceback is printed and long before the interpreter's shutdown closes the group's
+    connections, which tells the peers) and the interpreter's exit (sys.exit(n) runs no
+    excepthook). Once per process, and only under meshcoll-run."""
+    global _watching_exit
+    if _watching_exit or not os.environ.get(_env.RUN_NOTES):
+        return
+    _watching_exit = True
+    previous = sys.excepthook
+
+    def excepthook(*exc: object) -> None:
+        note_leaving(exiting=True)
+        previous(*exc)  # type: ignore[arg-type]
+    sys.excepthook = excepthook
+    atexit.register(note_leaving, True)
+
+
 class _Job:
     """The children of this node, their output pumps and the teardown."""
 
@@ -181,11 +279,20 @@ class _Job:
         self.pumps: List[threading.Thread] = []
         self.lock = threading.Lock()
         self.signals: List[int] = []  # signals we received, in order
+        # Note [The first rank to fail]: where ranks note when they began to leave, and
+        # when we saw each child exit or stop (time.monotonic_ns(), by index in procs).
+        # close() removes the directory; a launcher killed by SIGKILL leaves it (and its few
+        # tiny files) in the temporary directory.
+        self.notes = tempfile.mkdtemp(prefix="meshcoll-run-")
+        self.pidfds: List[Optional[int]] = []
+        self.died_at: Dict[int, int] = {}
+        self.stopped: Dict[int, Tuple[int, int]] = {}  # index -> (seen at, stop signal)
 
     # -- start -------------------------------------------------------------
     def start(self) -> None:
         a = self.args
         cmd = [sys.executable] + (["-m", a.target] if a.module else [a.target]) + a.args
+        preexec = _die_with_launcher()
         for local_rank in range(a.nproc_per_node):
             if self.signals:
                 return  # told to stop while starting: start no more
@@ -196,6 +303,7 @@ class _Job:
                 local_rank=local_rank, local_world_size=a.nproc_per_node,
                 node_rank=a.node_rank, master_addr=a.master_addr,
                 master_port=self.master_port, token=a.token, timeout=a.timeout))
+            env[_env.RUN_NOTES] = self.notes
             # Without this, a child's print() sits in its buffer until exit, and
             # lines of a crashed rank would never reach us.
             env["PYTHONUNBUFFERED"] = "1"
@@ -207,9 +315,14 @@ class _Job:
             # A new session per child: our SIGTERM/SIGKILL then reaches the whole
             # process group, grandchildren included, with os.killpg(child.pid).
             proc = subprocess.Popen(cmd, env=env, stdout=pipe, stderr=pipe,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=preexec)
             self.procs.append(proc)
             self.ranks.append(rank)
+            try:
+                # Readable once the child exits: wait() sleeps on these (Linux >= 5.3).
+                self.pidfds.append(os.pidfd_open(proc.pid))
+            except (AttributeError, OSError):
+                self.pidfds.append(None)
             if pipe is not None:
                 prefix = f"[rank {rank}] ".encode()
                 for src, dst in ((proc.stdout, sys.stdout.buffer),
@@ -228,69 +341,149 @@ class _Job:
 
     def _signal_all(self, signum: int) -> None:
         for proc in self.procs:
+            self._signal_group(proc.pid, signum)
+
+    @staticmethod
+    def _signal_group(pgid: int, signum: int) -> None:
+        try:
+            os.killpg(pgid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone (ESRCH); EPERM cannot happen for our own children
+
+    # -- watch -------------------------------------------------------------
+    def _watch(self) -> None:
+        """Sleep until a child exits (its pidfd wakes us at once) or _POLL_S passes, then
+        note when each exit and each stop was seen (Note [The first rank to fail])."""
+        poller = select.poll()
+        for fd, proc in zip(self.pidfds, self.procs):
+            if fd is not None and proc.returncode is None:
+                poller.register(fd, select.POLLIN)
+        # Without pidfds (Linux < 5.3) a short period stands in for the wake-up.
+        poller.poll(_POLL_S * 1000 if None not in self.pidfds else 5)
+        now = time.monotonic_ns()
+        for i, proc in enumerate(self.procs):
+            if proc.returncode is not None:
+                continue
+            if proc.poll() is not None:
+                self.died_at[i] = now
+                continue
             try:
-                os.killpg(proc.pid, signum)
-            except (ProcessLookupError, PermissionError):
-                pass  # the group is gone (ESRCH); EPERM cannot happen for our own children
+                # Only looks (WNOWAIT): reports a stop while the child stays stopped.
+                st = os.waitid(os.P_PID, proc.pid, os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                st = None
+            if st is None or st.si_code != os.CLD_STOPPED:
+                self.stopped.pop(i, None)  # running, or continued since
+            elif i not in self.stopped:
+                self.stopped[i] = (now, st.si_status)
+
+    def _noted(self, i: int, kind: str) -> Optional[int]:
+        """When child i noted it began to leave (``kind`` "left" or "exiting"), or None."""
+        try:
+            with open(os.path.join(self.notes, f"{self.procs[i].pid}.{kind}")) as f:
+                return int(f.read())
+        except (OSError, ValueError):
+            return None
+
+    def _exiting(self, i: int) -> bool:
+        return os.path.exists(os.path.join(self.notes, f"{self.procs[i].pid}.exiting"))
 
     # -- wait and tear down ------------------------------------------------
     def wait(self) -> int:
         """Wait until all ranks succeed or one fails; return our exit code."""
-        failed: Optional[int] = None  # index of the first failing child
-        while failed is None and not self.signals:
-            codes = [p.poll() for p in self.procs]
-            failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
-            if failed is None and all(c == 0 for c in codes):
-                break
-            if failed is None:
-                time.sleep(_POLL_S)
+        while not self.signals:
+            self._watch()
+            codes = [p.returncode for p in self.procs]
+            if any(c not in (None, 0) for c in codes):
+                return self._failed()
+            if all(c == 0 for c in codes):
+                self.stop()
+                return 0
+        signum = self.signals[0]
+        self._log(f"got {_signame(signum)}; forwarded it to the ranks, waiting "
+                  f"up to {GRACE_S:g} s for them to exit")
+        # The children got the signal already; give them the grace period
+        # to act on it (a KeyboardInterrupt handler, a checkpoint) before SIGKILL.
+        self.stop(first=None)
+        return 128 + signum
 
-        running = sum(p.poll() is None for p in self.procs)
-        if self.signals:
-            signum = self.signals[0]
-            self._log(f"got {_signame(signum)}; forwarded it to the ranks, waiting "
-                      f"up to {GRACE_S:g} s for them to exit")
-            code = 128 + signum
-            # The children got the signal already; give them the grace period
-            # to act on it (a KeyboardInterrupt handler, a checkpoint) before SIGKILL.
-            self.stop(first=None)
-            return code
-        if failed is not None:
-            proc, rank = self.procs[failed], self.ranks[failed]
-            rc = proc.returncode
-            if rc < 0:
-                what, code = f"was killed by {_signame(-rc)}", 128 - rc
-            else:
-                what, code = f"failed with exit code {rc}", rc
-            stopped = f"; stopped the other {running} rank{'s' if running != 1 else ''}" \
-                if running else ""
-            self.stop()
-            # Node 0 hosts the store. Once every rank of ours is gone, a port still held is
-            # held by someone else: that, not the rank that happened to fail first, is the
-            # cause (a job that took the port after the check in main, or a picked port
-            # taken before rank 0 bound it).
-            addr = self.args.master_addr
-            self._log(f"rank {rank} (pid {proc.pid}) {what}{stopped}")
-            if self.args.node_rank == 0 and port_in_use(addr, self.master_port):
-                self._log(port_clash_message(addr, self.master_port, self.port_from))
-            return code
-        self.stop()
-        return 0
+    def _failed(self) -> int:
+        """A child failed: stop the others, then name the rank that failed first (Note [The
+        first rank to fail]) and return its exit code."""
+        seen = time.monotonic_ns()
+        stopped = dict(self.stopped)  # stopped when the failure was seen
+        running = {i for i, p in enumerate(self.procs) if p.returncode is None}
+        # Ranks that noted their own exit finish it unsignalled, keeping their exit code.
+        spare = {i for i in running if self._exiting(i) and i not in stopped}
+        self.stop(spare=spare)
+        signalled = running - spare
 
-    def stop(self, first: Optional[int] = signal.SIGTERM) -> None:
+        # Candidates: every child that failed on its own, from when it began to leave (its
+        # note) or else when its exit was seen; and every child stopped when the failure was
+        # seen, from when its stop was seen. Ranks we stopped are not candidates.
+        first: List[Tuple[int, int]] = []
+        for i, p in enumerate(self.procs):
+            if i in stopped:
+                first.append((stopped[i][0], i))
+            elif i not in signalled and p.returncode != 0:
+                times = [t for t in (self._noted(i, "left"), self.died_at.get(i)) if t is not None]
+                first.append((min(times, default=seen), i))
+        first.sort()
+        t0, i = first[0]
+        what, code = self._what(i, stopped, seen)
+        others = len(signalled - {i})
+        stopped_others = f"; stopped the other {others} rank{'s' if others != 1 else ''}" \
+            if others else ""
+        then = ", ".join(f"rank {self.ranks[j]} {self._what(j, stopped, seen)[0]} "
+                         f"(+{(t - t0) / 1e6:.0f} ms)" for t, j in first[1:])
+        self._log(f"rank {self.ranks[i]} (pid {self.procs[i].pid}) {what}{stopped_others}"
+                  + (f"; after it: {then}" if then else ""))
+        # Node 0 hosts the store. Once every rank of ours is gone, a port still held is
+        # held by someone else: that, not the rank that happened to fail first, is the
+        # cause (a job that took the port after the check in main, or a picked port
+        # taken before rank 0 bound it).
+        addr = self.args.master_addr
+        if self.args.node_rank == 0 and port_in_use(addr, self.master_port):
+            self._log(port_clash_message(addr, self.master_port, self.port_from))
+        return code
+
+    def _what(self, i: int, stopped: Dict[int, Tuple[int, int]], seen: int) -> Tuple[str, int]:
+        """What became of child i, for the log, and the exit code that says it."""
+        if i in stopped:
+            at, sig = stopped[i]
+            return (f"was stopped by {_signame(sig)} {(seen - at) / 1e9:.1f} s before the "
+                    f"first rank exited, so ranks waiting for it timed out (look for what "
+                    f"stopped it: a debugger, kill -STOP, a suspended job)", 128 + sig)
+        rc = self.procs[i].returncode
+        assert rc is not None
+        if rc < 0:
+            return f"was killed by {_signame(-rc)}", 128 - rc
+        return f"failed with exit code {rc}", rc
+
+    def stop(self, first: Optional[int] = signal.SIGTERM, spare: Collection[int] = ()) -> None:
         """Send `first` to every child's process group, SIGKILL what is left after GRACE_S.
+        A child in `spare` gets `first` only once it has exited (for its process group).
 
         Groups outlive their leader: a grandchild may still hold our pipes, so
         we signal groups, not pids, and also the groups of children that exited.
         """
-        if first is not None:
-            self._signal_all(first)
+        signalled: Set[int] = set()
         deadline = time.monotonic() + GRACE_S
-        while time.monotonic() < deadline:
+        while True:
             # Reap first: a zombie leader still counts as a group member.
-            for p in self.procs:
-                p.poll()
-            if not any(self._group_alive(p.pid) for p in self.procs):
+            now = time.monotonic_ns()
+            for i, p in enumerate(self.procs):
+                if p.returncode is None and p.poll() is not None:
+                    self.died_at.setdefault(i, now)
+            if first is not None:
+                for i, p in enumerate(self.procs):
+                    if i not in signalled and (i not in spare or p.returncode is not None):
+                        signalled.add(i)
+                        self._signal_group(p.pid, first)
+                        # A stopped rank would act on it only when continued.
+                        self._signal_group(p.pid, signal.SIGCONT)
+            if not any(self._group_alive(p.pid) for p in self.procs) \
+                    or time.monotonic() >= deadline:
                 break
             time.sleep(_POLL_S)
         left = [r for p, r in zip(self.procs, self.ranks) if self._group_alive(p.pid)]
@@ -304,6 +497,12 @@ class _Job:
         # process that left its group (setsid) while holding one.
         for t in self.pumps:
             t.join(timeout=GRACE_S)
+
+    def close(self) -> None:
+        for fd in self.pidfds:
+            if fd is not None:
+                os.close(fd)
+        shutil.rmtree(self.notes, ignore_errors=True)
 
     @staticmethod
     def _group_alive(pgid: int) -> bool:
@@ -350,6 +549,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+        job.close()
 
 
 if __name__ == "__main__":

@@ -5,11 +5,12 @@ group. Groups themselves are in process_group.py."""
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import warnings
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
-from . import _C, _env
+from . import _C, _env, run
 from .process_group import NonMemberGroup, ProcessGroup
 
 
@@ -65,6 +66,9 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
                            "meshcoll.destroy() first to re-initialise")
     if backend not in (None, "auto", "cpu", "nccl"):
         raise ValueError(f"meshcoll.init: unknown backend {backend!r}; use 'cpu', 'nccl' or 'auto'")
+    # Under meshcoll-run: tell it when this rank begins to leave, so that it names the rank
+    # that failed first, not a peer that failed because of it (Note [The first rank to fail]).
+    run.watch_exit()
     method = (_env.parse_init_method(init_method) if init_method is not None
               else _env.init_method_from_env())
     if method is not None and method.kind != "env" and store is not None:
@@ -85,6 +89,12 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
         _Default.logged_world_of_one = True
         logging.getLogger("meshcoll").info(WORLD_OF_ONE)
     timeout = float(timeout) if timeout is not None else _env.timeout_from_env()
+    # Every setting is read and checked here, before the store is contacted. A bad value is
+    # usually set on every rank alike; found later, it failed rank 0 once its store was up,
+    # and rank 0 then closed it, so the other ranks waited their whole timeout to reach a
+    # store that was gone and blamed the store (issue 34, item 11). Now each rank fails at
+    # once, naming the variable.
+    options, ifname_host = _settings(rv)
     # A job of one process has no one to share a token with: it makes its own.
     token = rv.token or (secrets.token_hex(16) if rv.world_size == 1 else "")
     if not token and rv.rank == 0 and not _Default.warned_no_token:
@@ -99,7 +109,8 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
                                     timeout=timeout, token=token)
     owns_store = owned is not None
     try:
-        world = _world(backend, store, rv, timeout, token, device)
+        world = _world(backend, store, rv, timeout, token, device, options,
+                       _bind_host(store, ifname_host))
     except Exception:
         # A failed rendezvous on rank 0 must not take the store from ranks still in it: each
         # of them then fails with its own error (Note [Store teardown]).
@@ -110,12 +121,28 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
     return world
 
 
+def _settings(rv: _env.Rendezvous) -> Tuple[_env.GroupOptions, Optional[str]]:
+    """The MESHCOLL_* group settings and the address of MESHCOLL_SOCKET_IFNAME's interface
+    (None when unset), checked; ValueError naming this rank, the variable and its value."""
+    try:
+        # For the world of either backend (its subgroups inherit them): an NCCL world once
+        # took the defaults, so MESHCOLL_CHECK=strict or off went unheard.
+        options = _env.group_options_from_env()
+        if options.algorithm not in _C.algorithm_names():
+            raise ValueError(f"{_env.ALGO}={options.algorithm!r}: use one of "
+                             f"{', '.join(_C.algorithm_names())} (or unset it)")
+        return options, _interface_address(_env.socket_ifname_from_env())
+    except ValueError as e:
+        # The readers' own prefixes ("meshcoll: ", "meshcoll.init: ") give way to the rank's.
+        why = re.sub(r"^meshcoll(\.init)?: ", "", str(e))
+        raise ValueError(f"meshcoll.init on rank {rv.rank} of {rv.world_size}: {why} (checked "
+                         f"before contacting the store: every rank with this environment "
+                         f"stops here at once)") from None
+
+
 def _world(backend: Optional[str], store: _C.Store, rv: _env.Rendezvous, timeout: float,
-           token: str, device: Any) -> ProcessGroup:
-    bind_host = _bind_host(store)
-    # The MESHCOLL_* group settings, for the world of either backend (its subgroups inherit
-    # them): an NCCL world once took the defaults, so MESHCOLL_CHECK=strict or off went unheard.
-    options = _env.group_options_from_env()
+           token: str, device: Any, options: _env.GroupOptions,
+           bind_host: str) -> ProcessGroup:
     if backend in ("nccl", "auto"):
         from . import nccl
         if backend == "auto":
@@ -127,22 +154,30 @@ def _world(backend: Optional[str], store: _C.Store, rv: _env.Rendezvous, timeout
                         bind_host=bind_host, token=token, options=options)
 
 
-def _bind_host(store: _C.Store) -> str:
-    ifname = _env.socket_ifname_from_env()
-    if ifname:
-        import fcntl
-        import socket
-        import struct
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))
-        except OSError as e:
-            raise ValueError(f"MESHCOLL_SOCKET_IFNAME={ifname}: no IPv4 address on that "
-                             f"interface ({e})") from None
-        finally:
-            s.close()
-        return socket.inet_ntoa(packed[20:24])
-    # The interface that reaches the master is the one peers can reach us on.
+def _interface_address(ifname: Optional[str]) -> Optional[str]:
+    """The IPv4 address of the interface ``ifname`` (MESHCOLL_SOCKET_IFNAME), or None."""
+    if not ifname:
+        return None
+    import fcntl
+    import socket
+    import struct
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                             struct.pack("256s", ifname[:15].encode()))
+    except OSError as e:
+        raise ValueError(f"{_env.SOCKET_IFNAME}={ifname!r}: no IPv4 address on that interface "
+                         f"({e}); name one that `ip -4 addr` lists, or unset it") from None
+    finally:
+        s.close()
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _bind_host(store: _C.Store, ifname_host: Optional[str]) -> str:
+    """Where this rank listens: MESHCOLL_SOCKET_IFNAME's address, else the interface that
+    reaches the master (the one peers can reach us on)."""
+    if ifname_host:
+        return ifname_host
     local = getattr(store, "local_host", None)
     return local if local else _outbound_address()
 
@@ -168,6 +203,9 @@ def destroy() -> None:
     rank has closed it (destroyed or exited), at most the init timeout (Note [Store teardown]
     in csrc/store/tcp_store.h); a store passed to init is the caller's to close."""
     world, store, owns = _Default.world, _Default.store, _Default.owns_store
+    if world is not None:
+        # Before the peers can learn of it (`finally: meshcoll.destroy()` in a failing rank).
+        run.note_leaving(exiting=False)
     _Default.world, _Default.store, _Default.owns_store = None, None, False
     try:
         if world is not None:

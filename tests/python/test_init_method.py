@@ -122,3 +122,45 @@ def test_bad_combinations_fail_before_rendezvous(tmp_path):
     with pytest.raises(Exception, match=str(tmp_path / "missing")):
         meshcoll.init(rank=0, world_size=2, timeout=5,
                       init_method=f"file://{tmp_path}/missing/dir/store")
+
+
+# Issue 34 item 11: a bad setting on every rank, ranks started by a launcher other than
+# meshcoll-run (torchrun's variables). It was found after the store: rank 0 failed at once
+# and closed its store, and the others waited their whole init timeout (300 s by default)
+# for it, then blamed the store. Each rank must now fail at once, naming the variable.
+@pytest.mark.parametrize("name,value", [
+    ("MESHCOLL_TRANSPORT", "udp"),
+    ("MESHCOLL_SHM_BYTES", "1e20"),
+    ("MESHCOLL_SHM_BYTES", str(10 ** 20)),  # was pybind11's list of constructor signatures
+    ("MESHCOLL_HIERARCHY", "2"),
+    ("MESHCOLL_CHECK", "sometimes"),
+    ("MESHCOLL_SOCKET_IFNAME", "mc-nosuch0"),
+    ("MESHCOLL_ALGO", "fastest"),
+])
+def test_a_bad_setting_fails_every_rank_at_once_naming_it(tmp_path, name, value):
+    import time
+    world, init_timeout, within = 3, 30, 10.0
+    script = tmp_path / "rank.py"
+    script.write_text("import meshcoll\nmeshcoll.init()\n")
+    env = {**_clean_env(), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "MESHCOLL_TIMEOUT": str(init_timeout), name: value}
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r)},
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    errs = []
+    try:
+        for r, p in enumerate(procs):
+            try:
+                errs.append(p.communicate(timeout=max(0.1, start + within - time.monotonic()))[1])
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {r} still running {within:g} s after the start (init "
+                            f"timeout {init_timeout} s): it waited for the store")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for r, (p, err) in enumerate(zip(procs, errs)):
+        last = err.strip().splitlines()[-1]
+        assert p.returncode != 0, err
+        assert last.startswith(f"ValueError: meshcoll.init on rank {r} of {world}: "
+                               f"{name}={value!r}"), err

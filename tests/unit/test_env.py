@@ -13,6 +13,7 @@ from meshcoll._env import (
     launcher_env,
     parse_init_method,
     rendezvous_from_env,
+    shm_bytes_from_env,
     socket_ifname_from_env,
     timeout_from_env,
 )
@@ -313,6 +314,22 @@ def test_timeout_default_and_value():
 def test_timeout_bad_values_name_variable(value):
     with pytest.raises(ValueError, match=rf"MESHCOLL_TIMEOUT='{value}'"):
         timeout_from_env(environ={"MESHCOLL_TIMEOUT": value})
+
+
+def test_shm_bytes_range():
+    assert shm_bytes_from_env(environ={}) == 4 << 20
+    assert shm_bytes_from_env(environ={"MESHCOLL_SHM_BYTES": "4096"}) == 4096
+    # More than any /dev/shm holds, yet accepted: the group falls back to TCP, saying why.
+    assert shm_bytes_from_env(environ={"MESHCOLL_SHM_BYTES": str(1 << 50)}) == 1 << 50
+
+
+@pytest.mark.parametrize("value", ["1e20", str(10 ** 20), str((1 << 60) + 1), "4095", "-1",
+                                   "4 MiB"])
+def test_shm_bytes_bad_values_name_variable(value):
+    # 10**20 once reached the C++ constructor and failed with pybind11's signature list.
+    with pytest.raises(ValueError, match=rf"^MESHCOLL_SHM_BYTES='{value}': give a whole "
+                                         r"number of bytes from 4096 to \d+"):
+        shm_bytes_from_env(environ={"MESHCOLL_SHM_BYTES": value})
 
 
 def test_socket_ifname():
