@@ -149,3 +149,61 @@ def test_gpu_data_parallel_matches_one_process(world):
                             + np.random.default_rng([k, 20, i]).standard_normal(s)
                             for k in range(world)], axis=0)
             np.testing.assert_allclose(grads[n], want, rtol=1e-12, atol=1e-12)
+
+
+def _peer_lost(pg, how):
+    """The torch adapter on GPUs, a peer killed (or stopped) after forward of step 2: the
+    survivors' step ends in an error naming it (raised by the reducer's next call or its
+    statistics, which wait for the device), within the group's timeout."""
+    import os
+    import signal
+    import time
+    import torch
+    import meshcoll
+    import meshcoll.torch as mt
+    pids = [int(p) for p in pg.all_gather(torch.tensor([os.getpid()], device="cuda")).cpu()]
+    g = pg.new_group(list(range(pg.size)), timeout=3.0)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]).cuda()
+    model = mt.DistributedDataParallel(net, group=g, bucket_cap_mb=0.5)
+    x = torch.randn(32, 256, device="cuda")
+    model(x).sum().backward()
+    torch.cuda.synchronize()
+    g.barrier()
+    victim = pg.size - 1
+    loss = model(x).sum()
+    if pg.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        for _ in range(5):  # the first step's all-reduces hang on the lost peer
+            loss.backward()
+            torch.cuda.synchronize()
+            model.stats()
+            loss = model(x).sum()
+        out = ("no error", "", time.monotonic() - t0)
+    except (meshcoll.PeerError, meshcoll.TimeoutError) as e:
+        out = (type(e).__name__, str(e), time.monotonic() - t0)
+    finally:
+        if pg.rank == 0 and how == "stop":
+            os.kill(pids[victim], signal.SIGKILL)
+    model.close()
+    try:
+        g.destroy()
+    except meshcoll.MeshcollError:
+        pass
+    return out
+
+
+@needs_torch
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_peer_lost_mid_step_is_named_on_every_gpu_rank(how):
+    world = min(NGPU, 3)
+    if world < 2:
+        pytest.skip(f"needs 2 GPUs, {NGPU} visible")
+    results = run_nccl(world, _peer_lost, how=how, may_die=(world - 1,), deadline=120)
+    for rank in range(world - 1):
+        kind, msg, took = results[rank]
+        assert kind in ("PeerError", "TimeoutError"), (rank, kind, msg)
+        assert f"rank {world - 1}" in msg, (rank, msg)
+        assert took < 30, (rank, took)  # the group's 3 s timeout, not a hang
