@@ -44,7 +44,7 @@ def train(pg, accum, *, batch, steps, lr, device="cpu", set_to_none=True, **ddp_
     p.grad lies in DataParallel's buckets at the end)."""
     import meshcoll.torch as mt
     net = mt.DistributedDataParallel(model(pg.rank).to(device), group=pg,
-                                     bucket_cap_mb=1000 / 2**20, **ddp_kw)
+                                     bucket_cap_mb=250 / 2**20, **ddp_kw)  # 3 buckets
     x, y = data(batch * steps * accum)
     x, y = x.to(device), y.to(device)
     opt = torch.optim.SGD(net.parameters(), lr=lr)

@@ -237,6 +237,30 @@ def stream_handle(s: Any) -> int:
     raise TypeError(f"not a CUDA stream: {s!r}")
 
 
+def assign_buckets(order: List[str], params: Mapping[str, Any],
+                   limits: List[float]) -> List[List[str]]:
+    """Buckets as torch's DDP forms them (``compute_bucket_assignment_by_size``), so the same
+    ``bucket_cap_mb`` gives the same all-reduces: gradients taken in ``order``, one open bucket
+    per dtype, each closed once it holds at least its limit in bytes (``limits[k]`` for the
+    k-th bucket of its dtype, the last limit for the rest); the buckets launch in the order of
+    their first gradient in ``order``, each laid out in that order."""
+    open_: Dict[str, Tuple[List[str], float, int]] = {}
+    done: List[List[str]] = []
+    for n in order:
+        key = _dtype_name(params[n])
+        names, size, k = open_.get(key, ([], 0.0, 0))
+        names.append(n)
+        size += params[n].nbytes
+        if size >= limits[min(k, len(limits) - 1)]:
+            done.append(names)
+            open_[key] = ([], 0.0, k + 1)
+        else:
+            open_[key] = (names, size, k)
+    done += [names for names, _, _ in open_.values() if names]
+    position = {n: i for i, n in enumerate(order)}
+    return sorted(done, key=lambda names: position[names[0]])
+
+
 def agree_layout(group: ProcessGroup, lines: List[str], what: str) -> None:
     """Note [Agreed layout]: every rank of ``group`` passes the same ``lines`` (one per
     parameter), or every rank raises MismatchError naming the first line that differs and
@@ -284,6 +308,8 @@ class DataParallel:
 
     - ``bucket_cap_mb``: bucket size limit in MiB (see Note [Buckets]); small caps mean more,
       earlier all-reduces.
+    - ``buckets``: the layout itself, the names of each bucket in launch order (default:
+      ``assign_buckets`` in reverse registration order with ``bucket_cap_mb``).
     - ``average``: divide the sum by the group size (else leave the sum).
     - ``broadcast_from``: group rank whose parameters every rank copies at construction
       (None: skip, the caller guarantees equal parameters).
@@ -312,7 +338,8 @@ class DataParallel:
                  broadcast_from: Optional[int] = 0,
                  compression: Union[None, str, _Hook] = None,
                  mode: Union[str, LocalSGD] = "sync",
-                 symmetric: bool = False) -> None:
+                 symmetric: bool = False,
+                 buckets: Optional[List[List[str]]] = None) -> None:
         from .world import get_world_group
         self._group = group if group is not None else get_world_group()
         if not isinstance(params, Mapping) or not params:
@@ -347,7 +374,15 @@ class DataParallel:
         agree_layout(self._group, [f"{n} {tuple(p.shape)} {_dtype_name(p)}"
                                    for n, p in self._params.items()], "DataParallel")
         self._index = {n: i for i, n in enumerate(self._params)}
-        self._build_buckets(list(reversed(list(self._params))), self._cap)
+        if buckets is None:
+            groups = assign_buckets(list(reversed(list(self._params))), self._params, [self._cap])
+        else:
+            groups = [[str(n) for n in names] for names in buckets]
+            if sorted(n for names in groups for n in names) != sorted(self._params) or \
+                    not all(groups):
+                raise ValueError("DataParallel: buckets must name every parameter once, each "
+                                 "bucket at least one")
+        self._build_buckets(groups)
 
         self._given: List[Any] = []                # this step's gradient arrays, kept alive
         self._write_back: List[Tuple[Any, Any]] = []  # (gradient, slot) copied by Python
@@ -383,22 +418,9 @@ class DataParallel:
         raise ValueError(f"DataParallel: compression must be None, 'bf16', 'fp16' or a callable "
                          f"hook(group, bucket) -> Work, got {compression!r}")
 
-    def _build_buckets(self, order: List[str], cap_bytes: float,
-                       first_cap_bytes: Optional[float] = None) -> None:
-        # In `order`, cut before exceeding the cap (the first bucket's own, if given) or
-        # changing dtype; a parameter larger than the cap gets a bucket of its own (Note
+    def _build_buckets(self, groups: List[List[str]]) -> None:
+        # `groups`: the names of each bucket, in launch order, each in layout order (Note
         # [Buckets]). The reducer holds the buckets and each step's bookkeeping.
-        groups: List[List[str]] = []
-        size = 0.0
-        for n in order:
-            p = self._params[n]
-            cap = first_cap_bytes if first_cap_bytes is not None and len(groups) == 1 else cap_bytes
-            if not groups or size + p.nbytes > cap or \
-                    _dtype_name(self._params[groups[-1][0]]) != _dtype_name(p):
-                groups.append([])
-                size = 0.0
-            groups[-1].append(n)
-            size += p.nbytes
         self._buckets: List[_Bucket] = []
         self._slot: Dict[str, Tuple[int, Any]] = {}  # name -> (bucket index, view of its slot)
         totals = [sum(_numel(self._params[n]) for n in names) for names in groups]
@@ -452,9 +474,9 @@ class DataParallel:
                     self._stats[k] += v
         self._bound.clear()
         self._bound_at.clear()
-        first = None if first_bucket_cap_mb is None else \
-            min(float(first_bucket_cap_mb) * _MB, self._cap)
-        self._build_buckets(list(order), self._cap, first)
+        limits = [self._cap] if first_bucket_cap_mb is None else \
+            [min(float(first_bucket_cap_mb) * _MB, self._cap), self._cap]
+        self._build_buckets(assign_buckets(list(order), self._params, limits))
 
     @property
     def first_order(self) -> List[str]:

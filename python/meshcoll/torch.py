@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional,
 import numpy as np
 import torch
 
-from .ddp import DataParallel, LocalSGD, agree_layout
+from .ddp import DataParallel, LocalSGD, agree_layout, assign_buckets
 
 if TYPE_CHECKING:
     from .process_group import ProcessGroup
@@ -159,8 +159,7 @@ class DistributedDataParallel(torch.nn.Module):
                      [f"{n} {tuple(t.shape)} {t.stride()} {t.dtype}" for n, t in
                       [*self._params.items(), *module.named_buffers()]],
                      "meshcoll.torch.DistributedDataParallel")
-        self.ddp = DataParallel({n: _operand(p.data, self._group, f"parameter {n!r}")
-                                 for n, p in self._params.items()}, **kw)
+        self.ddp = self._data_parallel(kw)
         self._buffers_sync = [(n, b) for n, b in module.named_buffers()] \
             if broadcast_buffers and self._group.size > 1 else []
         self._buffer_flats: Optional[List[Tuple[Any, List[torch.Tensor], List[torch.Tensor]]]] = None
@@ -180,6 +179,18 @@ class DistributedDataParallel(torch.nn.Module):
         self._handles: List[Any] = [] if self._local else [
             register(self._hook(i, p)) for i, (register, p) in
             enumerate(zip(registers, self._params.values()))]
+
+    def _data_parallel(self, kw: Dict[str, Any]) -> DataParallel:
+        """The DataParallel over the parameters' memory, its buckets laid out as torch's DDP
+        lays out its first ones: formed in registration order, the first (of the first
+        layers, so the last to launch) at most 1 MiB, launched last layer first."""
+        flat = {n: _operand(p.data, self._group, f"parameter {n!r}")
+                for n, p in self._params.items()}
+        cap = float(kw.get("bucket_cap_mb", 25)) * _MB
+        if "buckets" not in kw:
+            groups = assign_buckets(list(flat), flat, [min(_MB, cap), cap])
+            kw = dict(kw, buckets=groups[::-1])
+        return DataParallel(flat, **kw)
 
     # ---- the step -------------------------------------------------------------------
     def _bind(self) -> None:
@@ -359,8 +370,7 @@ class DistributedDataParallel(torch.nn.Module):
                 return hook(state, _tensor_of(bucket))
         kw = dict(self._kw, compression=compression, broadcast_from=None)
         self.ddp.close()
-        self.ddp = DataParallel({n: _operand(p.data, self._group, f"parameter {n!r}")
-                                 for n, p in self._params.items()}, **kw)
+        self.ddp = self._data_parallel(kw)
         self._kw = kw
         self._bind()
 
