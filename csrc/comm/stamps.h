@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <chrono>
 #include <unordered_map>
 
 #include "comm/work.h"
@@ -63,6 +64,14 @@ class CompletionStamps {
     bool stop = false;
   };
   static void run(std::shared_ptr<State> s);
+  // Note [Quiet stamps]
+  // Waits until `w` completed without hammering its backend. Work.synchronize on an NCCL op
+  // spins on cuEventQuery (thousands of calls a millisecond, for the lowest latency), and a
+  // driver call takes the context's locks, which the thread launching a training step's
+  // kernels needs too (on 4 H200s a DDP step's process used 70 ms of CPU per 45 ms step with
+  // a spinning stamper, against 41 for torch's DDP). Stamps need no such latency:
+  // is_completed() with a short spin, then every 100 us.
+  static void await_quietly(Work& w);
   std::shared_ptr<State> state_;
   bool started_ = false;
 };
