@@ -114,15 +114,18 @@ std::vector<size_t> Reducer::take_complete(comm::Stream stream) {
   return taken;
 }
 
-void Reducer::copy_out(size_t bi, comm::Stream stream) {
-  const Bucket& b = buckets_.at(bi);
-  std::vector<comm::CopySpan> spans;
-  for (size_t i : b.members) {
+void Reducer::spans_out(size_t bi, std::vector<comm::CopySpan>* spans) const {
+  for (size_t i : buckets_.at(bi).members) {
     const uintptr_t slot = slot_address(i);
     if (out_[i] != 0 && out_[i] != slot)
-      spans.push_back({reinterpret_cast<const void*>(slot), reinterpret_cast<void*>(out_[i]),
-                       slots_[i].count * elem_size_[i]});
+      spans->push_back({reinterpret_cast<const void*>(slot), reinterpret_cast<void*>(out_[i]),
+                        slots_[i].count * elem_size_[i]});
   }
+}
+
+void Reducer::copy_out(size_t bi, comm::Stream stream) {
+  std::vector<comm::CopySpan> spans;
+  spans_out(bi, &spans);
   backend_->copy_spans(spans, stream);
 }
 
@@ -144,6 +147,10 @@ void Reducer::finish(comm::Stream stream) {
   }
   const double t_wait = comm::monotonic_seconds();
   const bool device = backend_->device_memory();
+  // A GPU stream waits for every all-reduce, then one copy kernel writes every average out
+  // (a launch per bucket would cost the host more, and the copies run after the last
+  // all-reduce either way); on the CPU each bucket is copied as soon as it is waited for.
+  std::vector<comm::CopySpan> outs;
   for (size_t bi = 0; bi < buckets_.size(); ++bi) {
     Bucket& b = buckets_[bi];
     if (b.work) {
@@ -161,8 +168,13 @@ void Reducer::finish(comm::Stream stream) {
         if (!error) error = std::current_exception();
       }
     }
-    if (!error) copy_out(bi, stream);
+    if (error) continue;
+    if (device)
+      spans_out(bi, &outs);
+    else
+      copy_out(bi, stream);
   }
+  if (!error) backend_->copy_spans(outs, stream);
   if (order_.size() == slots_.size() && first_order_.empty()) first_order_ = order_;
   end_step();
   if (error) std::rethrow_exception(error);

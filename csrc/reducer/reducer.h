@@ -116,6 +116,7 @@ class Reducer {
     uint64_t bytes;
   };
   std::vector<comm::CopySpan> spans_in(const Bucket& b) const;
+  void spans_out(size_t b, std::vector<comm::CopySpan>* spans) const;
   void count(const comm::CompletionStamps::Stamp& s, const Flight& f);
   void settle();
   void end_step();

@@ -169,7 +169,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._stream = 0          # the backward's stream (raw CUstream), read at its first hook
         self._rebuilt = self._local  # buckets laid out in backward's order (after step 1)
         self._rebuild_due = False
-        self._views: List[Optional[torch.Tensor]] = []
+        self._views: List[torch.Tensor] = []
+        self._keep: List[torch.Tensor] = []  # this step's gradients copied in by the reducer
         self._slots: List[int] = []
         self._bind()
         # Each parameter's hook registration, through Any: torch 2.x leaves the method
@@ -230,12 +231,12 @@ class DistributedDataParallel(torch.nn.Module):
                 # once into one the reducer can read as memory.
                 g = p.grad = torch.empty_like(p).copy_(g)
             if self._views:
-                view = self._views[i]
-                assert view is not None
-                if g.data_ptr() != self._slots[i]:
-                    view.copy_(g)
-                    p.grad = view
-                src, out = self._slots[i], 0
+                src, out = g.data_ptr(), 0
+                if src != self._slots[i]:
+                    # Autograd made a new tensor (after zero_grad(set_to_none=True)): the
+                    # bucket's copy kernel takes its value in, so it lives until then.
+                    self._keep.append(g)
+                    p.grad = self._views[i]
             else:
                 src = out = g.data_ptr()
             if self._ready(i, src, out, self._stream) == 0:
@@ -275,6 +276,7 @@ class DistributedDataParallel(torch.nn.Module):
             else:
                 self.ddp._reducer.finish(self._stream)
         finally:
+            self._keep.clear()  # copied in: their copies are queued before any reuse
             if not self._rebuilt:
                 self._rebuild_due = True
 

@@ -162,7 +162,7 @@ def _peer_lost(pg, how):
     import meshcoll
     import meshcoll.torch as mt
     pids = [int(p) for p in pg.all_gather(torch.tensor([os.getpid()], device="cuda")).cpu()]
-    g = pg  # its timeout: MESHCOLL_TIMEOUT, 5 s
+    g = pg  # its timeout: 10 s
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(6)]).cuda()
     model = mt.DistributedDataParallel(net, group=g, bucket_cap_mb=0.5)
@@ -198,9 +198,9 @@ def test_a_peer_lost_mid_step_is_named_on_every_gpu_rank(how):
     if world < 2:
         pytest.skip(f"needs 2 GPUs, {NGPU} visible")
     results = run_nccl(world, _peer_lost, how=how, may_die=(world - 1,), deadline=120,
-                       env={"MESHCOLL_TIMEOUT": "5"})
+                       timeout=10.0)  # the group's timeout too
     for rank in range(world - 1):
         kind, msg, took = results[rank]
         assert kind in ("PeerError", "TimeoutError"), (rank, kind, msg)
         assert f"rank {world - 1}" in msg, (rank, msg)
-        assert took < 30, (rank, took)  # the group's 5 s timeout, not a hang
+        assert took < 40, (rank, took)  # the group's 10 s timeout, not a hang
