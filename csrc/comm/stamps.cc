@@ -11,9 +11,8 @@ double monotonic_seconds() {
 }
 
 void CompletionStamps::await_quietly(Work& w) {
-  // Note [Quiet stamps]: CPU work ends within microseconds of its last byte, so a short spin
-  // sees it at once; GPU work is then asked every 100 us. The end is stamped that late at
-  // most, against bucket all-reduces of milliseconds.
+  // Note [Quiet stamps]: a short spin, then every 100 us: the end is stamped that late at
+  // most, against GPU bucket all-reduces of milliseconds.
   for (int round = 0; !w.is_completed(); ++round) {
     if (round < 64)
       std::this_thread::yield();
@@ -32,12 +31,12 @@ CompletionStamps::~CompletionStamps() {
   state_->work_cv.notify_one();
 }
 
-uint64_t CompletionStamps::add(WorkPtr w) {
+uint64_t CompletionStamps::add(WorkPtr w, bool quiet) {
   uint64_t t;
   bool wake;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
-    state_->queue.push_back(std::move(w));
+    state_->queue.emplace_back(std::move(w), quiet);
     t = state_->added++;
     wake = state_->idle;
   }
@@ -69,18 +68,20 @@ CompletionStamps::Stamp CompletionStamps::take(uint64_t t) {
 void CompletionStamps::run(std::shared_ptr<State> s) {
   for (;;) {
     WorkPtr w;
+    bool quiet = false;
     {
       std::unique_lock<std::mutex> lock(s->mu);
       s->idle = true;
       s->work_cv.wait(lock, [&] { return s->stop || !s->queue.empty(); });
       s->idle = false;
       if (s->queue.empty()) return;  // stopped, nothing left
-      w = std::move(s->queue.front());
+      w = std::move(s->queue.front().first);
+      quiet = s->queue.front().second;
       s->queue.pop_front();
     }
     Stamp stamp;
     try {
-      await_quietly(*w);
+      if (quiet) await_quietly(*w);
       w->synchronize(Millis(-1));  // completed: raises its failure, if any
     } catch (...) {
       stamp.error = std::current_exception();

@@ -43,7 +43,8 @@ class CompletionStamps {
   CompletionStamps& operator=(const CompletionStamps&) = delete;
 
   // Queues `w`; returns its ticket (consecutive from 0).
-  uint64_t add(WorkPtr w);
+  // `quiet`: wait for it without hammering its backend (Note [Quiet stamps]): for GPU work.
+  uint64_t add(WorkPtr w, bool quiet = false);
   // Blocks until ticket `t`'s Work completed and hands over its stamp (once per ticket).
   Stamp take(uint64_t t);
 
@@ -55,7 +56,7 @@ class CompletionStamps {
     std::mutex mu;
     std::condition_variable work_cv;  // the thread waits for work
     std::condition_variable done_cv;  // take() waits for a stamp
-    std::deque<WorkPtr> queue;        // added, not yet waited on
+    std::deque<std::pair<WorkPtr, bool>> queue;  // added, not yet waited on; quiet
     uint64_t added = 0;               // tickets handed out
     std::unordered_map<uint64_t, Stamp> done;
     uint64_t finished = 0;            // tickets [0, finished) have their stamps
@@ -65,12 +66,13 @@ class CompletionStamps {
   };
   static void run(std::shared_ptr<State> s);
   // Note [Quiet stamps]
-  // Waits until `w` completed without hammering its backend. Work.synchronize on an NCCL op
+  // GPU work is waited for without hammering its backend. Work.synchronize on an NCCL op
   // spins on cuEventQuery (thousands of calls a millisecond, for the lowest latency), and a
   // driver call takes the context's locks, which the thread launching a training step's
   // kernels needs too (on 4 H200s a DDP step's process used 70 ms of CPU per 45 ms step with
   // a spinning stamper, against 41 for torch's DDP). Stamps need no such latency:
-  // is_completed() with a short spin, then every 100 us.
+  // is_completed() with a short spin, then every 100 us. CPU work is waited for with
+  // Work.synchronize, which sleeps on its condition variable and wakes at its end.
   static void await_quietly(Work& w);
   std::shared_ptr<State> state_;
   bool started_ = false;

@@ -382,8 +382,8 @@ void bind_backend(py::module_& m) {
                                "When each added Work completed, observed by a C++ thread that "
                                "never takes the GIL (Note [Completion stamps] in comm/stamps.h).")
       .def(py::init<>())
-      .def("add", &CompletionStamps::add, py::arg("work"),
-           "Queues a Work; returns its ticket.")
+      .def("add", &CompletionStamps::add, py::arg("work"), py::arg("quiet") = false,
+           "Queues a Work; returns its ticket. quiet: a GPU op, polled every 100 us.")
       .def("take", [](CompletionStamps& s, uint64_t ticket) {
              CompletionStamps::Stamp st = call_nogil([&] { return s.take(ticket); });
              return py::make_tuple(st.end, exception_object(st.error));

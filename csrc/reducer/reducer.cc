@@ -100,7 +100,8 @@ void Reducer::launch_ready(comm::Stream stream) {
     b.t_launch = comm::monotonic_seconds();
     ++next_launch_;
     b.work = backend_->all_reduce(b.buf, b.buf, op_, o);
-    b.ticket = stamps_.add(b.work);  // stamped when it completes (Note [Stats])
+    // Stamped when it completes (Note [Stats]); GPU work quietly (Note [Quiet stamps]).
+    b.ticket = stamps_.add(b.work, backend_->device_memory());
   }
 }
 

@@ -35,7 +35,7 @@ def _cupy(pg):
     # A non-blocking stream: wait() must order this stream, not the legacy default one.
     with cupy.cuda.Device(pg.device), cupy.cuda.Stream(non_blocking=True):
         params = {n: cupy.asarray(rng(i).standard_normal(s)) for i, (n, s) in enumerate(shapes.items())}
-        ddp = meshcoll.DataParallel(params, group=pg, bucket_cap_mb=40 * 8 / 2**20)
+        ddp = meshcoll.DataParallel(params, group=pg, bucket_cap_mb=200 / 2**20)  # [c b] [a]
         acc = {n: rng(10, i).standard_normal(s) for i, (n, s) in enumerate(shapes.items())}
         with ddp.no_sync():
             for n in reversed(list(shapes)):
