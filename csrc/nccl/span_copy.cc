@@ -28,6 +28,7 @@ struct SpanArgs {
   u64 bytes[MC_SPANS];
 };
 struct __align__(16) V16 { u32 x, y, z, w; };
+// 256 threads a block (the launch's): a whole chunk is 1024 16-byte words, four a thread.
 extern "C" __global__ void __launch_bounds__(256) mc_copy_spans(SpanArgs a) {
   const u64 c = blockIdx.x;
   int lo = 0, hi = (int)a.n - 1;  // the last span whose first chunk is at most c
@@ -41,10 +42,17 @@ extern "C" __global__ void __launch_bounds__(256) mc_copy_spans(SpanArgs a) {
   const u64 end = begin + MC_CHUNK < a.bytes[lo] ? begin + MC_CHUNK : a.bytes[lo];
   u64 i = begin;
   if ((((u64)src | (u64)dst) & 15) == 0) {  // chunks start at multiples of 16 bytes
-    const u64 vend = begin + ((end - begin) & ~15ull);
-    for (u64 j = begin + threadIdx.x * 16; j < vend; j += blockDim.x * 16)
-      *(V16*)(dst + j) = *(const V16*)(src + j);
-    i = vend;
+    const V16* s = (const V16*)(src + begin);
+    V16* d = (V16*)(dst + begin);
+    const u32 n16 = (u32)((end - begin) / 16);
+    const u32 t = threadIdx.x;
+    if (n16 == MC_CHUNK / 16) {  // a whole chunk: four loads in flight per thread
+      const V16 a0 = s[t], a1 = s[t + 256], a2 = s[t + 512], a3 = s[t + 768];
+      d[t] = a0; d[t + 256] = a1; d[t + 512] = a2; d[t + 768] = a3;
+    } else {
+      for (u32 k = t; k < n16; k += 256) d[k] = s[k];
+    }
+    i = begin + (u64)n16 * 16;
   } else if ((((u64)src | (u64)dst) & 3) == 0) {
     const u64 vend = begin + ((end - begin) & ~3ull);
     for (u64 j = begin + threadIdx.x * 4; j < vend; j += blockDim.x * 4)

@@ -204,3 +204,44 @@ def test_a_peer_lost_mid_step_is_named_on_every_gpu_rank(how):
         assert kind in ("PeerError", "TimeoutError"), (rank, kind, msg)
         assert f"rank {world - 1}" in msg, (rank, msg)
         assert took < 40, (rank, took)  # the group's 10 s timeout, not a hang
+
+
+def _odd_spans(pg):
+    """DataParallel over CUDA tensors whose slots start at odd byte offsets (float16 of odd
+    sizes: the span kernel's byte path), at 4-byte offsets (its word path) and whole
+    chunks (a 1 MiB gradient: 16-byte words, many blocks), copied in and out."""
+    import torch
+    import meshcoll
+    shapes = {"h1": (3,), "h2": (5, 7), "f1": (11,), "f2": (513, 511), "h3": (1 << 19,)}
+    dtypes = {"h": torch.float16, "f": torch.float32}
+    rng = np.random.default_rng([pg.rank, 7])
+    params = {n: torch.zeros(s, dtype=dtypes[n[0]], device="cuda") for n, s in shapes.items()}
+    ddp = meshcoll.DataParallel(params, group=pg, bucket_cap_mb=0.75)
+    got = {}
+    for step in range(2):
+        grads = {n: torch.as_tensor(np.random.default_rng([pg.rank, step, i]).standard_normal(s),
+                                    dtype=dtypes[n[0]], device="cuda")
+                 for i, (n, s) in enumerate(shapes.items())}
+        ddp.sync_gradients(grads)
+        got[step] = {n: g.float().cpu().numpy() for n, g in grads.items()}
+    ddp.close()
+    del rng
+    return got, ddp.bucket_names
+
+
+@needs_torch
+def test_gradients_at_any_offset_are_copied_exactly():
+    if NGPU < 2:
+        pytest.skip(f"needs 2 GPUs, {NGPU} visible")
+    res = run_nccl(2, _odd_spans)
+    shapes = {"h1": (3,), "h2": (5, 7), "f1": (11,), "f2": (513, 511), "h3": (1 << 19,)}
+    for got, buckets in res:
+        assert len(buckets) >= 2, buckets
+        for step in range(2):
+            for i, (n, s) in enumerate(shapes.items()):
+                dt = np.float16 if n[0] == "h" else np.float32
+                parts = [np.random.default_rng([r, step, i]).standard_normal(s).astype(dt)
+                         for r in range(2)]
+                want = ((parts[0].astype(np.float32) + parts[1].astype(np.float32)) / 2).astype(dt)
+                np.testing.assert_allclose(got[step][n], want.astype(np.float32),
+                                           rtol=2e-3 if n[0] == "h" else 1e-6, atol=1e-3)
