@@ -132,6 +132,9 @@ def parse_args(argv=None):
     p.add_argument("--torch-port", type=int, default=None,
                    help="torch.distributed's MASTER_PORT (default: rank 0 picks a free one)")
     p.add_argument("--json", metavar="FILE", help="write one JSON record per row")
+    p.add_argument("--torch-vs-torch", action="store_true",
+                   help="the meshcoll column is torch's DDP with 0.9x the bucket cap: the "
+                        "parameter difference that summation order alone makes")
     p.add_argument("--profile", action="store_true",
                    help="after the timed steps, count the Python calls of one meshcoll step")
     a = p.parse_args(argv)
@@ -390,6 +393,11 @@ def run_config(kind: str, views: bool, args, pg, device: torch.device) -> Dict[s
     kw[buffers] = args.broadcast_buffers == "on"
     torch_model = nn.parallel.DistributedDataParallel(
         torch_copy, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=views, **kw)
+    if args.torch_vs_torch:
+        # The floor of "parameters agree": torch's DDP against itself with other buckets,
+        # whose sums round in another order (in place of meshcoll's wrapper).
+        mc_model = nn.parallel.DistributedDataParallel(
+            mc_copy, bucket_cap_mb=args.bucket_cap_mb * 0.9, gradient_as_bucket_view=views, **kw)
     runners = ([Runner("meshcoll", mc_model, args)] if mc_model is not None else []) + \
         [Runner("torch", torch_model, args)]
 
@@ -398,17 +406,17 @@ def run_config(kind: str, views: bool, args, pg, device: torch.device) -> Dict[s
            else contextlib.nullcontext)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
     for i in range(args.warmup + args.steps):
-        if i == args.warmup and mc_model is not None:
+        if i == args.warmup and mc_model is not None and not args.torch_vs_torch:
             mc_model.ddp.reset_stats()  # overlap of the timed steps only
         x, y = data.next()
         for r in runners:
             r.step(x, y, data, amp, sync, record=i >= args.warmup)
-    if args.profile and mc_model is not None:  # every rank steps; rank 0 reports
+    if args.profile and mc_model is not None and not args.torch_vs_torch:  # rank 0 reports
         x, y = data.next()
         counts = python_calls(lambda: runners[0].step(x, y, data, amp, sync, record=False))
         for r in runners[1:]:  # the same step, so the parameters still compare
             r.step(x, y, data, amp, sync, record=False)
-    if args.profile and mc_model is not None and pg.rank == 0:
+    if args.profile and mc_model is not None and not args.torch_vs_torch and pg.rank == 0:
         n_buckets = len(mc_model.ddp.bucket_names)
         n_params = sum(1 for p in mc_model.parameters() if p.requires_grad)
         print(f"# profile of one meshcoll step ({n_params} parameters, {n_buckets} buckets): "
@@ -425,13 +433,17 @@ def run_config(kind: str, views: bool, args, pg, device: torch.device) -> Dict[s
         row[f"{r.name}_main_thread_ms"] = statistics.median(main) * 1e3
         row[f"{r.name}_times_ms"] = [t * 1e3 for t in wall]
     if mc_model is not None:
-        s = mc_model.stats()
-        row["overlap_fraction"] = s["overlap_fraction"]
-        row["meshcoll_comm_ms_per_step"] = s["comm_seconds"] / args.steps * 1e3
-        row["buckets"] = len(mc_model.ddp.bucket_names)
+        if args.torch_vs_torch:
+            row.update(overlap_fraction=0.0, meshcoll_comm_ms_per_step=0.0, buckets=0,
+                       torch_vs_torch=True)
+        else:
+            s = mc_model.stats()
+            row["overlap_fraction"] = s["overlap_fraction"]
+            row["meshcoll_comm_ms_per_step"] = s["comm_seconds"] / args.steps * 1e3
+            row["buckets"] = len(mc_model.ddp.bucket_names)
+            mc_model.close()
         row["ratio"] = row["meshcoll_ms"] / row["torch_ms"]
         row["max_param_rel_diff"], row["bitwise_equal"] = max_rel_diff(mc_copy, torch_copy)
-        mc_model.close()
     else:
         row["refused"] = refused
     del runners, mc_model, torch_model, mc_copy, torch_copy
