@@ -282,7 +282,8 @@ def agree_layout(group: ProcessGroup, lines: List[str], what: str) -> None:
         other = next(r for r in range(group.size) if texts[r] != texts[0])
         a, b = texts[0].split("\n"), texts[other].split("\n")
         at = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
-        say = lambda ls: repr(ls[at]) if at < len(ls) else f"nothing (it has {len(ls)})"
+        def say(ls: List[str]) -> str:
+            return repr(ls[at]) if at < len(ls) else f"nothing (it has {len(ls)} entries)"
         g0, go = group._ranks[0], group._ranks[other]
         raise _C.MismatchError(
             f"{what}: ranks hold different parameters (global rank {g0} and global rank {go} "
