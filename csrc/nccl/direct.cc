@@ -116,13 +116,7 @@ DirectPath::DirectPath(const CudaApi& cu, CUcontext ctx, int device, int rank, i
   }
   CtxGuard guard(cu_, ctx_);
   try {
-    CUdevice dev = 0;
-    cu_.check(cu_.device_get(&dev, device_), "cuDeviceGet");
-    int major = 0, minor = 0;
-    cu_.check(cu_.device_get_attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
-              "cuDeviceGetAttribute");
-    cu_.check(cu_.device_get_attribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
-              "cuDeviceGetAttribute");
+    const auto [major, minor] = compute_capability(cu_, device_);
     if (major < 7) {
       local_why_ = str_cat("compute capability ", major, ".", minor, " (the kernels need 7.0)");
       return;

@@ -292,6 +292,17 @@ const NvrtcApi& nvrtc() {
   return *l.nvrtc;
 }
 
+std::pair<int, int> compute_capability(const CudaApi& cu, int device) {
+  abi::CUdevice dev = 0;
+  cu.check(cu.device_get(&dev, device), "cuDeviceGet");
+  int major = 0, minor = 0;
+  cu.check(cu.device_get_attribute(&major, abi::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
+           "cuDeviceGetAttribute");
+  cu.check(cu.device_get_attribute(&minor, abi::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
+           "cuDeviceGetAttribute");
+  return {major, minor};
+}
+
 std::vector<char> nvrtc_compile(const std::string& source, const char* name,
                                 const std::string& arch) {
   const NvrtcApi& rt = nvrtc();

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "nccl/nccl_abi.h"
@@ -135,6 +136,8 @@ struct NvrtcApi {
 void set_nvrtc_candidates(std::vector<std::string> paths);
 // Loaded on first use (thread-safe); throws meshcoll::Error naming every path tried.
 const NvrtcApi& nvrtc();
+// The compute capability of CUDA device `device`: {major, minor}.
+std::pair<int, int> compute_capability(const CudaApi& cu, int device);
 // Compiles CUDA C++ `source` (no #include: NVRTC finds no headers) to a cubin for `arch`
 // ("sm_90"); `name` is the file name its log shows. Throws meshcoll::Error with NVRTC's log.
 std::vector<char> nvrtc_compile(const std::string& source, const char* name,

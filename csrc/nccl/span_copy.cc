@@ -94,13 +94,7 @@ CUfunction SpanCopier::kernel() {
     std::lock_guard<std::mutex> cache(span_kernels_mu());
     auto it = span_kernels().find(ctx_);
     if (it != span_kernels().end()) return fn_ = it->second;
-    CUdevice dev = 0;
-    cu_.check(cu_.device_get(&dev, device_), "cuDeviceGet");
-    int major = 0, minor = 0;
-    cu_.check(cu_.device_get_attribute(&major, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev),
-              "cuDeviceGetAttribute");
-    cu_.check(cu_.device_get_attribute(&minor, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev),
-              "cuDeviceGetAttribute");
+    const auto [major, minor] = compute_capability(cu_, device_);
     const std::vector<char> cubin =
         nvrtc_compile(kSpanCopySource, "meshcoll_span_copy.cu", str_cat("sm_", major, minor));
     CUmodule mod = nullptr;
