@@ -129,3 +129,84 @@ def test_torch_ddp_matches_one_process(run_ranks, world):
     assert not np.allclose(first[0], first[1])
     for s in second[1:]:
         np.testing.assert_allclose(s, second[0], rtol=1e-6)
+
+
+class _Mixed(torch.nn.Module):
+    """What torch's DDP takes: a channels_last conv with BatchNorm (buffers), an embedding tied
+    to the head, a frozen layer, and a float64 layer beside the float32 ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.emb = torch.nn.Embedding(10, 8)
+        self.head = torch.nn.Linear(8, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.wide = torch.nn.Linear(8, 8).double()
+
+    def forward(self, x, idx):
+        h = self.bn(self.conv(x)).mean((2, 3)) + self.emb(idx)
+        h = self.frozen(h)
+        return self.head(h + self.wide(h.double()).float())
+
+
+def _like_torch(pg, views):
+    """meshcoll's adapter and torch's DDP on Gloo, in the same processes, over copies of one
+    _Mixed model, the same data per rank: parameters and buffers after 4 steps."""
+    import copy
+    import torch.distributed as dist
+    import meshcoll.torch as mt
+    from meshcoll.run import pick_free_port
+    port = np.array([pick_free_port("127.0.0.1") if pg.rank == 0 else 0], np.int64)
+    pg.broadcast(port, 0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port[0])}",
+                           rank=pg.rank, world_size=pg.size)
+    torch.manual_seed(0)
+    base = _Mixed().to(memory_format=torch.channels_last)
+    assert not base.conv.weight.is_contiguous()  # really channels_last
+    mc = mt.DistributedDataParallel(copy.deepcopy(base), group=pg, gradient_as_bucket_view=views,
+                                    bucket_cap_mb=1e-3)
+    th = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base),
+                                                   gradient_as_bucket_view=views,
+                                                   bucket_cap_mb=1e-3)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (mc, th)]
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * step + pg.rank)
+        x = torch.randn(4, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)
+        idx = torch.randint(0, 10, (4,), generator=g)
+        for m, opt in zip((mc, th), opts):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(m(x, idx), idx).backward()
+            opt.step()
+    state = [{k: v.detach().numpy().copy() for k, v in m.module.state_dict().items()}
+             for m in (mc, th)]
+    mc.close()
+    dist.destroy_process_group()
+    return state
+
+
+@pytest.mark.parametrize("views", [False, True])
+def test_every_parameter_torch_ddp_takes_trains_as_torch_ddp(run_ranks, views):
+    for mc, th in run_ranks(2, _like_torch, views=views, timeout=110, init_timeout=90):
+        assert mc.keys() == th.keys()
+        for k in th:  # two ranks add in one order only: bit for bit
+            np.testing.assert_array_equal(mc[k], th[k], err_msg=k)
+
+
+def _different_models(pg):
+    import meshcoll
+    import meshcoll.torch as mt
+    width = 8 if pg.rank == 0 else 9
+    net = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 2))
+    try:
+        mt.DistributedDataParallel(net, group=pg)
+    except meshcoll.MismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_with_different_models_get_a_mismatch_naming_the_first_difference(run_ranks):
+    for msg in run_ranks(2, _different_models):
+        assert "different parameters" in msg and "'0.weight (8, 4)" in msg \
+            and "'0.weight (9, 4)" in msg, msg
