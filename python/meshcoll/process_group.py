@@ -308,7 +308,12 @@ class ProcessGroup:
                dtype: Optional[str] = None) -> Array:
         """A new array of ``shape`` where this backend works, like ``like`` (an array or the
         ``_C.Array`` of one): its dtype unless ``dtype`` is named, its framework and device."""
-        like = like.obj if isinstance(like, _C.Array) else like
+        if isinstance(like, _C.Array):
+            # A buffer-protocol object (bytearray, memoryview, array.array) has no dtype of its
+            # own: the backend's reading of it has (its format), and the result is numpy.
+            if dtype is None and not hasattr(like.obj, "dtype"):
+                dtype = like.dtype
+            like = like.obj
         return self._arrays.empty(shape, like, dtype)
 
     # ---- memory ---------------------------------------------------------------------

@@ -269,3 +269,60 @@ def _bad_v_array_then_retry(pg):
 def test_a_bad_v_array_raises_before_the_count_exchange(run_ranks, transport):
     res = run_ranks(2, _bad_v_array_then_retry, transport=transport)
     assert res == [["all_to_all_v: True", "all_gather_v: True"]] * 2, res
+
+
+def _buffer_outputs(pg):
+    """bytearray, memoryview and array.array inputs to the collectives that make their output:
+    the output is a numpy array of the buffer's format, with numpy's values."""
+    import array
+    n, r = pg.size, pg.rank
+    k = 2 * n
+    ref = [np.arange(k, dtype=np.int32) + 100 * q for q in range(n)]  # rank q's x
+    makers = {
+        "bytearray": lambda a: bytearray(a.astype(np.uint8).tobytes()),
+        "memoryview": lambda a: memoryview(bytearray(a.tobytes())).cast("i"),
+        "array.array": lambda a: array.array("i", a.tolist()),
+    }
+    wrong = []
+    for kind, make in makers.items():
+        dt = np.uint8 if kind == "bytearray" else np.int32
+        mine, refs = make(ref[r]), [a.astype(dt) for a in ref]
+        blk = k // n
+        total = sum(refs)
+        cases = [
+            ("all_gather", lambda: pg.all_gather(mine), np.stack(refs)),
+            ("all_gather async", lambda: pg.all_gather(mine, async_op=True).wait(),
+             np.stack(refs)),
+            ("all_gather_v", lambda: pg.all_gather_v(mine)[0], np.concatenate(refs)),
+            ("reduce_scatter", lambda: pg.reduce_scatter(mine), total[r * blk:(r + 1) * blk]),
+            ("reduce_scatter_v", lambda: pg.reduce_scatter_v(mine, [blk] * n),
+             total[r * blk:(r + 1) * blk]),
+            ("all_to_all", lambda: pg.all_to_all(mine),
+             np.concatenate([a[r * blk:(r + 1) * blk] for a in refs])),
+            ("all_to_all_v", lambda: pg.all_to_all_v(mine, [blk] * n)[0],
+             np.concatenate([a[r * blk:(r + 1) * blk] for a in refs])),
+            ("gather", lambda: pg.gather(mine, 0), np.stack(refs) if r == 0 else None),
+            # Every rank passes x of the full shape: a 1-d buffer's rows are 0-d blocks.
+            ("scatter", lambda: pg.scatter(make(ref[0][:n]), 0), refs[0][r]),
+        ]
+        for name, call, want in cases:
+            try:
+                got = call()
+            except Exception as e:  # noqa: BLE001 - report the class
+                wrong.append(f"{kind} {name}: {type(e).__name__}: {e}")
+                continue
+            if want is None:
+                ok = got is None
+            else:
+                ok = (type(got) is np.ndarray and got.dtype == dt
+                      and np.array_equal(got, want) and got.shape == np.shape(want))
+            if not ok:
+                wrong.append(f"{kind} {name}: got {got!r}, want {want!r}")
+    return wrong
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world,transport", [(2, "tcp"), (3, "shm")])
+def test_buffer_protocol_inputs_get_numpy_outputs(run_ranks, world, transport):
+    wrong = [w for r in run_ranks(world, _buffer_outputs, transport=transport) for w in r]
+    assert not wrong, f"{len(wrong)} problem(s):\n" + "\n".join(wrong)
