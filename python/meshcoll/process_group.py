@@ -428,9 +428,10 @@ class ProcessGroup:
                              self.size, settings,
                              self._setup_timeout(timeout), self._ranks)
 
-    def _setup_timeout(self, timeout: Optional[float]) -> float:
-        """A new group's setup deadline: new_group's or split's timeout=, else this group's."""
-        return self._timeout if timeout is None else float(timeout)
+    def _setup_timeout(self, timeout: Optional[float], call: str = "new_group") -> float:
+        """A new group's setup deadline: new_group's or split's timeout= (checked as every
+        call's is), else this group's."""
+        return self._timeout if timeout is None else _C.check_timeout(timeout, call)
 
     def _child_options(self, transport: Optional[str],
                        check: Optional[str]) -> _env.GroupOptions:
@@ -821,6 +822,7 @@ class ProcessGroup:
         if unknown:
             raise ValueError(f"new_group: ranks {unknown} are not members of the parent group "
                              f"(its global ranks: {self._ranks})")
+        self._setup_timeout(timeout, "new_group")  # a bad one raises before the call counts
         name = f"{self._name}.{self._next_child}"
         self._next_child += 1
         opts = self._child_options(transport, check)
@@ -844,6 +846,7 @@ class ProcessGroup:
         c = -1 if color is None else int(color)
         if c >= 2**31:
             raise ValueError(f"split: color {c} must be below 2**31")
+        self._setup_timeout(timeout, "split")  # a bad one raises before the call counts
         name = f"{self._name}.s{self._next_child}"
         self._next_child += 1
         child: Union[ProcessGroup, NonMemberGroup]
@@ -869,11 +872,8 @@ class ProcessGroup:
         step])."""
         me = self._ranks[self.rank]
         mine = f"{name}\t{call}"
-        t = self._setup_timeout(timeout)
-        try:  # within the call's own timeout, as the setup that follows (which refuses a bad
-            # one with the message every timeout= gets)
-            if t > 0:
-                self._store.set(f"mc/at/{me}", mine, timeout=t)
+        try:  # within the call's own timeout, as the setup that follows
+            self._store.set(f"mc/at/{me}", mine, timeout=self._setup_timeout(timeout, call))
         except (_C.TimeoutError, _C.PeerError) as e:
             raise type(e)(f"{e} (during setup of group {name!r}: {call} on global rank "
                           f"{me})") from None

@@ -165,7 +165,24 @@ def bad_calls(pg):
          ValueError, "timeout"),
         ("broadcast timeout=inf", lambda: pg.broadcast(np.zeros(4), 0, timeout=float("inf")),
          ValueError, "timeout"),
+        ("new_group timeout=-1", lambda: pg.new_group([0], timeout=-1), ValueError,
+         "new_group: timeout"),
     ]
+    # A timeout that is not a number: TypeError naming the call and the argument, the same
+    # check for calls and for new_group / split (which once took the str "5").
+    for what, call in [
+        ("all_reduce", lambda t: pg.all_reduce(np.zeros(4), timeout=t)),
+        ("all_reduce", lambda t: pg.all_reduce(np.zeros(4), timeout=t, async_op=True)),
+        ("broadcast", lambda t: pg.broadcast(np.zeros(4), 0, timeout=t)),
+        ("all_gather", lambda t: pg.all_gather(f, timeout=t)),
+        ("barrier", lambda t: pg.barrier(timeout=t)),
+        ("Work.wait", lambda t: pg.barrier(async_op=True).wait(timeout=t)),
+        ("new_group", lambda t: pg.new_group([0], timeout=t)),
+        ("split", lambda t: pg.split(0, timeout=t)),
+    ]:
+        for bad in ("5", [5], b"5"):
+            calls.append((f"{what} timeout={bad!r}", lambda call=call, bad=bad: call(bad),
+                          TypeError, f"{what}: timeout must be a number of seconds"))
     return calls
 
 
@@ -216,6 +233,15 @@ def test_bad_input(run_ranks, world, transport):
     wrong = [w for r in run_ranks(world, _bad_input_body, timeout=50,
                                   transport=transport) for w in r]
     assert not wrong, f"{len(wrong)} problem(s):\n" + "\n".join(wrong)
+
+
+def test_init_checks_its_timeout_as_every_call_does():
+    assert not meshcoll.is_initialized()
+    for bad, cls in (("5", TypeError), (-1, ValueError)):
+        with pytest.raises(cls, match=r"meshcoll.init: timeout must be a number of seconds"):
+            meshcoll.init(rank=0, world_size=1, master_addr="127.0.0.1", master_port=0,
+                          timeout=bad)
+        assert not meshcoll.is_initialized()
 
 
 def _shm_algorithm_on_tcp_body(pg):
