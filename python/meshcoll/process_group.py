@@ -643,7 +643,8 @@ class ProcessGroup:
     def all_to_all(self, x: Array, out: Optional[Array] = None, *, async_op: bool = False,
                    timeout: Optional[float] = None, stream: Stream = None) -> Any:
         """Block i of ``x``'s axis 0 goes to rank i; ``out``'s block j comes from rank j
-        (``out``: a new array of ``x``'s shape unless given; it may not alias ``x``).
+        (``out``: a new array of ``x``'s shape unless given; it may share no memory with
+        ``x``).
         Returns ``out``, or a Work. On an NCCL group, a numpy array (small metadata) is
         exchanged through the communicator and returned as numpy (blocking)."""
         if self._arrays.device_memory and isinstance(x, np.ndarray):
@@ -700,8 +701,9 @@ class ProcessGroup:
     def scatter(self, x: Optional[Array], src: int = 0, *, out: Optional[Array] = None,
                 timeout: Optional[float] = None, stream: Stream = None) -> Any:
         """Rank ``src`` passes ``x`` of shape ``(size, *s)``; every rank gets its block of
-        shape ``s`` (in ``out``, or a new array). Other ranks pass ``out`` (shape ``s``) and
-        ``x=None``, or an ``x`` of the full shape. Returns the block. Blocks."""
+        shape ``s`` (in ``out``, or a new array; on ``src``, ``out`` may be ``x[src]``, in
+        place). Other ranks pass ``out`` (shape ``s``) and ``x=None``, or an ``x`` of the full
+        shape. Returns the block. Blocks."""
         v = None
         if x is not None:
             # Read, not looked at: off the root x never reaches the backend, yet must be sound.
