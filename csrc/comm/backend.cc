@@ -111,12 +111,19 @@ void Backend::check_arrays(const char* what, const ArrayView& in, const ArrayVie
 }
 
 // Note [Overlapping buffers]
-// x and out either do not overlap, or overlap exactly as the call's in-place form: the same
-// array (all_reduce, reduce), x = out's block of this rank (all_gather), out = x's block of
-// this rank (reduce_scatter). Every backend runs those right (NCCL takes them as its own
-// in-place form and skips a copy). Any other overlap would read data the call already
-// overwrote: InvalidArgument, on the rank that passed it (its peers then time out or are
-// failed with it, as for any bad argument).
+// One rule for every collective that takes an x and an out: they do not overlap, or they
+// overlap exactly as the call's in-place form, if it has one: the same array (all_reduce,
+// reduce), x = out's block of this rank (all_gather, and gather on the root), out = x's
+// block of this rank (reduce_scatter, and scatter on the root). Every backend runs those
+// right (NCCL takes them as its own in-place form and skips a copy; a rank's own block is
+// the one it copies onto itself). all_to_all has none: every block of out is written while
+// x's blocks may still be read by the transfers to other ranks. Any other overlap would read
+// data the call already overwrote, here or (scatter, all_to_all) on the rank it is sent to:
+// InvalidArgument, before anything is sent. The check runs on each rank on its own arrays
+// (a rooted call's arrays that only the root uses, on the root), so a rank that refuses is
+// one that passed the overlap; its peers, which made the call, wait for it as for any rank
+// whose argument was refused (a bad dtype, say): they get its retry, the MismatchError of
+// its next call, or a TimeoutError naming it.
 void Backend::check_overlap(const char* what, const ArrayView& in, const ArrayView& out,
                             size_t in_place_offset, const char* in_place) const {
   const auto a = reinterpret_cast<uintptr_t>(in.data);
@@ -125,9 +132,16 @@ void Backend::check_overlap(const char* what, const ArrayView& in, const ArrayVi
   const size_t na = in.count * es, nb = out.count * es;
   const size_t off = in_place_offset * es;
   if (!na || !nb || a + na <= b || b + nb <= a) return;  // disjoint
-  if ((a == b + off && a + na <= b + nb) || (b == a + off && b + nb <= a + na)) return;
-  throw InvalidArgument(str_cat(what, ": x and out overlap but are not the in-place form (",
-                                in_place, "); pass separate arrays, or exactly that"));
+  if (in_place &&
+      ((a == b + off && a + na <= b + nb) || (b == a + off && b + nb <= a + na)))
+    return;
+  if (!in_place)
+    throw InvalidArgument(str_cat(who_, ": ", what, ": x and out overlap, and ", what,
+                                  " has no in-place form (each block of out is written while "
+                                  "x is still being sent); pass a separate out, sharing no "
+                                  "memory with x"));
+  throw InvalidArgument(str_cat(who_, ": ", what, ": x and out overlap but are not the in-place "
+                                "form (", in_place, "); pass separate arrays, or exactly that"));
 }
 
 namespace {
@@ -375,8 +389,7 @@ WorkPtr Backend::all_to_all(const ArrayView& in, const ArrayView& out,
     size_error(what, "x", in.count, total(send_counts), "the send counts add up to");
   if (out.count != total(recv_counts))
     size_error(what, "out", out.count, total(recv_counts), "the receive counts add up to");
-  if (in.count && in.data == out.data)
-    throw InvalidArgument(str_cat(what, ": out must be a separate array from x"));
+  check_overlap(what, in, out, 0, nullptr);
   const CollKind kind = uneven ? CollKind::kAllToAllV : CollKind::kAllToAll;
   // Uneven: per-rank totals differ, so the count is not compared; a row's shape is.
   auto d = make_desc(kind, in.dtype, uneven ? 0 : in.count);
@@ -394,6 +407,8 @@ WorkPtr Backend::gather(const ArrayView& in, const ArrayView& out,
   if (in.count != counts[rank_]) size_error(what, "x", in.count, counts[rank_], "its count is");
   if (rank_ == root && out.count != total(counts))
     size_error(what, "out", out.count, total(counts), "the counts add up to");
+  if (rank_ == root)
+    check_overlap(what, in, out, offset_of(counts, rank_), "x is out's block of this rank");
   auto d = make_desc(CollKind::kGather, in.dtype, in.count, RedOp::kSum, root);
   d.shape = in.shape_hash;  // the root stacks the blocks by shape, as all_gather does
   Call c = open(CollKind::kGather, d, o, what, {&in, &out});
@@ -409,6 +424,8 @@ WorkPtr Backend::scatter(const ArrayView& in, const ArrayView& out,
   if (out.count != counts[rank_]) size_error(what, "out", out.count, counts[rank_], "its count is");
   if (rank_ == root && in.count != total(counts))
     size_error(what, "x", in.count, total(counts), "the counts add up to");
+  if (rank_ == root)
+    check_overlap(what, in, out, offset_of(counts, rank_), "out is x's block of this rank");
   auto d = make_desc(CollKind::kScatter, out.dtype, out.count, RedOp::kSum, root);
   d.shape = out.shape_hash;  // each rank's block has the shape it expects: the same one
   Call c = open(CollKind::kScatter, d, o, what, {&in, &out});

@@ -6,8 +6,10 @@
 // Note [Guarantees above the backends]
 // The public entry points here are not virtual. Each one checks what every backend needs
 // checked (ranks, roots and peers in range, dtypes equal, each array exactly the size the
-// collective reads or writes, per-rank counts), describes the call (the OpDesc every rank
-// compares) and opens its ledger record, then hands the call to the backend's do_* method.
+// collective reads or writes, per-rank counts, x and out overlapping only as the call's
+// in-place form: Note [Overlapping buffers] in backend.cc), describes the call (the OpDesc
+// every rank compares) and opens its ledger record, then hands the call to the backend's
+// do_* method.
 // So a check added here holds on every backend and every transport, and no backend can
 // skip one. No call state lives in fields between calls: every entry point is re-entrant,
 // and calls on different groups may run on different threads at once.
@@ -256,7 +258,8 @@ class Backend {
   void check_counts(const std::vector<size_t>& counts, const char* what) const;
   void check_arrays(const char* what, const ArrayView& in, const ArrayView& out) const;
   // Note [Overlapping buffers]: in and out are disjoint or the in-place form, where one
-  // starts `in_place_offset` elements into the other (`in_place` says which, for the error).
+  // starts `in_place_offset` elements into the other (`in_place` says which, for the error;
+  // nullptr: the collective has no in-place form, and any overlap is refused).
   void check_overlap(const char* what, const ArrayView& in, const ArrayView& out,
                      size_t in_place_offset, const char* in_place) const;
   // Runs `issue_op` (the do_* call) in an Issue of `c`.

@@ -44,7 +44,8 @@ void set_config(const Config& c);
 // Fault injection (Config::fault): the points are the steps of a group's setup, named by
 // their store keys (store/exchange.h): "settings" (Note [Shared settings] in store/exchange.h),
 // then "shm/host", "shm/created", "shm/mapped", "shm/cma" (Note [Shared-memory lifetime]),
-// each reached right after this rank published its value for the step.
+// each reached right after this rank published its value for the step. A point added here
+// goes into FAULT_POINTS in python/meshcoll/_env.py, which refuses any other.
 void fault_point(const std::string& point);
 
 }  // namespace meshcoll

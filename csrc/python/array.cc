@@ -723,6 +723,13 @@ Read read_array(const py::handle& x, const Want& w, std::vector<int64_t>* dims) 
             label(w), ": JAX arrays are immutable, but this operation writes its result into "
             "this one; pass a writable copy (torch.from_dlpack(x).clone() or "
             "cupy.from_dlpack(x).copy()) and take the result back with jax.numpy.from_dlpack"));
+      // A deleted array (x.delete(), or donated to a jitted function) has no buffer left, and
+      // JAX's own __dlpack_device__ then fails with "NoneType has no len()".
+      if (py::hasattr(x, "is_deleted") && x.attr("is_deleted")().cast<bool>())
+        throw InvalidArgument(str_cat(
+            label(w), ": the JAX array was deleted (x.delete(), or donated to a jitted function "
+            "through donate_argnums), so it has no memory to read; pass a live array (use the "
+            "jitted function's result, or do not donate x)"));
       from_dlpack(r, x, w, dims);
       break;
     case Kind::kCAI: from_cai(r, x, w, dims); break;

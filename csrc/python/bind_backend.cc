@@ -89,7 +89,7 @@ class CallReader {
              const py::handle& stream, bool async, bool keep)
       : what_(what) {
     release_owners();
-    opts.timeout = timeout_arg(timeout);
+    opts.timeout = timeout_arg(timeout, what);
     opts.async = async;
     want_.device = b.device_memory();
     // In a coalesced block an op may run after the call returns: its arrays' owners ride
@@ -364,13 +364,13 @@ void bind_backend(py::module_& m) {
       .def("wait", [](Work& w, const py::handle& timeout, const py::handle& stream) {
              uintptr_t s = kLegacyStream;
              bool has = stream_arg(stream, &s);
-             Millis t = timeout_arg(timeout);
+             Millis t = timeout_arg(timeout, "Work.wait");
              call_nogil([&] { w.wait(t, has, to_cu_stream(s)); });
            }, py::arg("timeout") = py::none(), py::arg("stream") = py::none(),
            "Waits for the operation and raises its failure. GPU: orders `stream` (default: "
            "the stream the op was issued from) after the op, without blocking the host.")
       .def("synchronize", [](Work& w, const py::handle& timeout) {
-             Millis t = timeout_arg(timeout);
+             Millis t = timeout_arg(timeout, "Work.synchronize");
              call_nogil([&] { w.synchronize(t); });
            }, py::arg("timeout") = py::none(), "Blocks the host until the operation completed.")
       .def("is_completed", &Work::is_completed)
@@ -414,6 +414,13 @@ void bind_backend(py::module_& m) {
                        ", device=", a.read.view.device, ")");
       });
 
+  m.def("check_timeout", [](const py::handle& timeout, const char* op) {
+          const double s = seconds_of(timeout, "timeout", op);
+          seconds_arg(s, "timeout", false, op);  // the range every call's timeout= has
+          return s;
+        }, py::arg("timeout"), py::arg("op"),
+        "timeout= of `op` checked as every call's is (TypeError, ValueError naming it); returns "
+        "it in seconds. For the calls that take it in Python first (new_group, split, init).");
   m.def("_array_reader", &array_reader, py::arg("x"),
         "Which protocol reads x (csrc/python/array.h): for tests and diagnosis.");
   m.def("read_array", &make_array, py::arg("x"), py::arg("what"), py::arg("writable") = false,
@@ -473,7 +480,7 @@ void bind_backend(py::module_& m) {
       .def("begin_coalesced", &Backend::begin_coalesced,
            "Opens a coalesced block (Note [Coalesced blocks] in csrc/comm/backend.h).")
       .def("end_coalesced", [](Backend& x, const py::handle& timeout) {
-             const Millis t = timeout_arg(timeout);
+             const Millis t = timeout_arg(timeout, "coalesced");
              if (x.device_memory()) return x.end_coalesced(t);  // an enqueue: GIL held
              // A CPU block's end runs its staged all_reduces: the GIL goes, as for any
              // blocking call, inside the Issue (Note [One issuing thread]).

@@ -23,7 +23,7 @@ py::bytes from_bytes(const store::Bytes& b) {
 }
 Millis to_ms(const py::object& seconds, Millis dflt) {
   if (seconds.is_none()) return dflt;
-  return seconds_arg(seconds.cast<double>(), "timeout", true);  // 0: do not wait
+  return seconds_arg(seconds_of(seconds, "timeout"), "timeout", true);  // 0: do not wait
 }
 }  // namespace
 

@@ -9,18 +9,38 @@ namespace py = pybind11;
 
 namespace meshcoll::python {
 
-Millis seconds_arg(double s, const char* what, bool zero_ok) {
+namespace {
+std::string op_prefix(const char* op) { return op ? str_cat(op, ": ") : std::string(); }
+}  // namespace
+
+Millis seconds_arg(double s, const char* what, bool zero_ok, const char* op) {
   if (!(zero_ok ? s >= 0 : s > 0) || !(s <= kMaxTimeoutSeconds))
-    throw py::value_error(str_cat(what, " must be a number of seconds ", zero_ok ? ">= 0" : "> 0",
-                                  " and at most ", kMaxTimeoutSeconds, " (about 116 days), got ",
-                                  s, "; pass None for the group's default"));
+    throw py::value_error(str_cat(op_prefix(op), what, " must be a number of seconds ",
+                                  zero_ok ? ">= 0" : "> 0", " and at most ", kMaxTimeoutSeconds,
+                                  " (about 116 days), got ", s,
+                                  "; pass None for the group's default"));
   // Round up: 0.0004 s is a short deadline, not none at all.
   return Millis(static_cast<int64_t>(std::ceil(s * 1000.0)));
 }
 
-Millis timeout_arg(const py::handle& seconds) {
+double seconds_of(const py::handle& seconds, const char* what, const char* op) {
+  // A real number only (int, float, numpy scalar: __float__ or __index__). pybind11's
+  // cast<double> said just "Unable to cast" (a RuntimeError), and Python's float() would
+  // take the str "5".
+  const double s = PyFloat_AsDouble(seconds.ptr());
+  if (s == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    throw py::type_error(str_cat(op_prefix(op), what, " must be a number of seconds, got ",
+                                 Py_TYPE(seconds.ptr())->tp_name, " ",
+                                 py::repr(seconds).cast<std::string>(),
+                                 "; pass an int or a float, or None for the group's default"));
+  }
+  return s;
+}
+
+Millis timeout_arg(const py::handle& seconds, const char* op) {
   if (seconds.is_none()) return Millis(-1);
-  return seconds_arg(seconds.cast<double>(), "timeout");
+  return seconds_arg(seconds_of(seconds, "timeout", op), "timeout", false, op);
 }
 
 std::string str_arg(PyObject* o, const char* what, const char* name) {

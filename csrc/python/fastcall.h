@@ -24,10 +24,17 @@ namespace meshcoll::python {
 // kMaxTimeoutSeconds (a deadline past that would overflow the clock, and no job waits that
 // long on purpose) and > 0, or >= 0 where `zero_ok` (a store call that must not wait).
 // ValueError naming `what` otherwise: never an endless or an immediate deadline by accident.
+// `op`, where given, names the call in the error ("all_reduce: timeout must be ...").
 inline constexpr double kMaxTimeoutSeconds = 1e7;  // about 116 days
-Millis seconds_arg(double seconds, const char* what, bool zero_ok = false);
-// timeout= of a call (None: the group's default, returned as -1 ms).
-Millis timeout_arg(const pybind11::handle& seconds);
+Millis seconds_arg(double seconds, const char* what, bool zero_ok = false,
+                   const char* op = nullptr);
+// A Python number of seconds as a double: TypeError naming `what` (and `op`) for anything
+// that is not a real number (a str "5" included).
+double seconds_of(const pybind11::handle& seconds, const char* what, const char* op = nullptr);
+// timeout= of a call of `op` (None: the group's default, returned as -1 ms): seconds_of, then
+// seconds_arg. The one check of every timeout= (new_group, split and init reach it through
+// _C.check_timeout).
+Millis timeout_arg(const pybind11::handle& seconds, const char* op = nullptr);
 std::string str_arg(PyObject* o, const char* what, const char* name);
 size_t size_arg(PyObject* o, const char* what, const char* name);
 

@@ -585,6 +585,10 @@ class CoreConfig:
 
 
 SIMD_LEVELS = ("baseline", "avx2", "avx512")  # the values of MESHCOLL_SIMD
+# Where MESHCOLL_FAULT may strike: the fault_point() calls of the C++ core (the steps of a
+# group's setup, csrc/common/config.h). A point named nowhere would never fire, and a fault
+# test using it would pass without injecting anything.
+FAULT_POINTS = ("settings", "shm/host", "shm/created", "shm/mapped", "shm/cma")
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -606,10 +610,11 @@ def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreCon
         raise ValueError(f"meshcoll: {SIMD}={simd!r} is not a SIMD level; use "
                          f"{', '.join(SIMD_LEVELS)} (or unset it)")
     fault = _get(env, FAULT) or ""
-    if fault and not fault.startswith(("kill@", "stop@")):
+    action, _, point = fault.partition("@")
+    if fault and (action not in ("kill", "stop") or point not in FAULT_POINTS):
         raise ValueError(f"meshcoll: {FAULT}={fault!r}: use kill@<point> or stop@<point> (fault "
-                         f"injection, for tests; csrc/common/config.h lists the points), or "
-                         f"unset it")
+                         f"injection, for tests), where <point> is one of "
+                         f"{', '.join(FAULT_POINTS)}; or unset it")
     direct = _get(env, NCCL_DIRECT_BYTES)
     direct_bytes = 256 << 10 if direct is None else _parse_int(direct, NCCL_DIRECT_BYTES)
     if not 0 <= direct_bytes <= 64 << 20:

@@ -308,7 +308,12 @@ class ProcessGroup:
                dtype: Optional[str] = None) -> Array:
         """A new array of ``shape`` where this backend works, like ``like`` (an array or the
         ``_C.Array`` of one): its dtype unless ``dtype`` is named, its framework and device."""
-        like = like.obj if isinstance(like, _C.Array) else like
+        if isinstance(like, _C.Array):
+            # A buffer-protocol object (bytearray, memoryview, array.array) has no dtype of its
+            # own: the backend's reading of it has (its format), and the result is numpy.
+            if dtype is None and not hasattr(like.obj, "dtype"):
+                dtype = like.dtype
+            like = like.obj
         return self._arrays.empty(shape, like, dtype)
 
     # ---- memory ---------------------------------------------------------------------
@@ -423,9 +428,10 @@ class ProcessGroup:
                              self.size, settings,
                              self._setup_timeout(timeout), self._ranks)
 
-    def _setup_timeout(self, timeout: Optional[float]) -> float:
-        """A new group's setup deadline: new_group's or split's timeout=, else this group's."""
-        return self._timeout if timeout is None else float(timeout)
+    def _setup_timeout(self, timeout: Optional[float], call: str = "new_group") -> float:
+        """A new group's setup deadline: new_group's or split's timeout= (checked as every
+        call's is), else this group's."""
+        return self._timeout if timeout is None else _C.check_timeout(timeout, call)
 
     def _child_options(self, transport: Optional[str],
                        check: Optional[str]) -> _env.GroupOptions:
@@ -637,7 +643,8 @@ class ProcessGroup:
     def all_to_all(self, x: Array, out: Optional[Array] = None, *, async_op: bool = False,
                    timeout: Optional[float] = None, stream: Stream = None) -> Any:
         """Block i of ``x``'s axis 0 goes to rank i; ``out``'s block j comes from rank j
-        (``out``: a new array of ``x``'s shape unless given; it may not alias ``x``).
+        (``out``: a new array of ``x``'s shape unless given; it may share no memory with
+        ``x``).
         Returns ``out``, or a Work. On an NCCL group, a numpy array (small metadata) is
         exchanged through the communicator and returned as numpy (blocking)."""
         if self._arrays.device_memory and isinstance(x, np.ndarray):
@@ -694,8 +701,9 @@ class ProcessGroup:
     def scatter(self, x: Optional[Array], src: int = 0, *, out: Optional[Array] = None,
                 timeout: Optional[float] = None, stream: Stream = None) -> Any:
         """Rank ``src`` passes ``x`` of shape ``(size, *s)``; every rank gets its block of
-        shape ``s`` (in ``out``, or a new array). Other ranks pass ``out`` (shape ``s``) and
-        ``x=None``, or an ``x`` of the full shape. Returns the block. Blocks."""
+        shape ``s`` (in ``out``, or a new array; on ``src``, ``out`` may be ``x[src]``, in
+        place). Other ranks pass ``out`` (shape ``s``) and ``x=None``, or an ``x`` of the full
+        shape. Returns the block. Blocks."""
         v = None
         if x is not None:
             # Read, not looked at: off the root x never reaches the backend, yet must be sound.
@@ -816,6 +824,7 @@ class ProcessGroup:
         if unknown:
             raise ValueError(f"new_group: ranks {unknown} are not members of the parent group "
                              f"(its global ranks: {self._ranks})")
+        self._setup_timeout(timeout, "new_group")  # a bad one raises before the call counts
         name = f"{self._name}.{self._next_child}"
         self._next_child += 1
         opts = self._child_options(transport, check)
@@ -839,6 +848,7 @@ class ProcessGroup:
         c = -1 if color is None else int(color)
         if c >= 2**31:
             raise ValueError(f"split: color {c} must be below 2**31")
+        self._setup_timeout(timeout, "split")  # a bad one raises before the call counts
         name = f"{self._name}.s{self._next_child}"
         self._next_child += 1
         child: Union[ProcessGroup, NonMemberGroup]
@@ -864,11 +874,8 @@ class ProcessGroup:
         step])."""
         me = self._ranks[self.rank]
         mine = f"{name}\t{call}"
-        t = self._setup_timeout(timeout)
-        try:  # within the call's own timeout, as the setup that follows (which refuses a bad
-            # one with the message every timeout= gets)
-            if t > 0:
-                self._store.set(f"mc/at/{me}", mine, timeout=t)
+        try:  # within the call's own timeout, as the setup that follows
+            self._store.set(f"mc/at/{me}", mine, timeout=self._setup_timeout(timeout, call))
         except (_C.TimeoutError, _C.PeerError) as e:
             raise type(e)(f"{e} (during setup of group {name!r}: {call} on global rank "
                           f"{me})") from None

@@ -88,7 +88,8 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
     if rv.source == "default" and not _Default.logged_world_of_one:
         _Default.logged_world_of_one = True
         logging.getLogger("meshcoll").info(WORLD_OF_ONE)
-    timeout = float(timeout) if timeout is not None else _env.timeout_from_env()
+    timeout = (_C.check_timeout(timeout, "meshcoll.init") if timeout is not None
+               else _env.timeout_from_env())
     # Every setting is read and checked here, before the store is contacted. A bad value is
     # usually set on every rank alike; found later, it failed rank 0 once its store was up,
     # and rank 0 then closed it, so the other ranks waited their whole timeout to reach a

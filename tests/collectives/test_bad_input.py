@@ -165,7 +165,24 @@ def bad_calls(pg):
          ValueError, "timeout"),
         ("broadcast timeout=inf", lambda: pg.broadcast(np.zeros(4), 0, timeout=float("inf")),
          ValueError, "timeout"),
+        ("new_group timeout=-1", lambda: pg.new_group([0], timeout=-1), ValueError,
+         "new_group: timeout"),
     ]
+    # A timeout that is not a number: TypeError naming the call and the argument, the same
+    # check for calls and for new_group / split (which once took the str "5").
+    for what, call in [
+        ("all_reduce", lambda t: pg.all_reduce(np.zeros(4), timeout=t)),
+        ("all_reduce", lambda t: pg.all_reduce(np.zeros(4), timeout=t, async_op=True)),
+        ("broadcast", lambda t: pg.broadcast(np.zeros(4), 0, timeout=t)),
+        ("all_gather", lambda t: pg.all_gather(f, timeout=t)),
+        ("barrier", lambda t: pg.barrier(timeout=t)),
+        ("Work.wait", lambda t: pg.barrier(async_op=True).wait(timeout=t)),
+        ("new_group", lambda t: pg.new_group([0], timeout=t)),
+        ("split", lambda t: pg.split(0, timeout=t)),
+    ]:
+        for bad in ("5", [5], b"5"):
+            calls.append((f"{what} timeout={bad!r}", lambda call=call, bad=bad: call(bad),
+                          TypeError, f"{what}: timeout must be a number of seconds"))
     return calls
 
 
@@ -216,6 +233,15 @@ def test_bad_input(run_ranks, world, transport):
     wrong = [w for r in run_ranks(world, _bad_input_body, timeout=50,
                                   transport=transport) for w in r]
     assert not wrong, f"{len(wrong)} problem(s):\n" + "\n".join(wrong)
+
+
+def test_init_checks_its_timeout_as_every_call_does():
+    assert not meshcoll.is_initialized()
+    for bad, cls in (("5", TypeError), (-1, ValueError)):
+        with pytest.raises(cls, match=r"meshcoll.init: timeout must be a number of seconds"):
+            meshcoll.init(rank=0, world_size=1, master_addr="127.0.0.1", master_port=0,
+                          timeout=bad)
+        assert not meshcoll.is_initialized()
 
 
 def _shm_algorithm_on_tcp_body(pg):
@@ -269,3 +295,60 @@ def _bad_v_array_then_retry(pg):
 def test_a_bad_v_array_raises_before_the_count_exchange(run_ranks, transport):
     res = run_ranks(2, _bad_v_array_then_retry, transport=transport)
     assert res == [["all_to_all_v: True", "all_gather_v: True"]] * 2, res
+
+
+def _buffer_outputs(pg):
+    """bytearray, memoryview and array.array inputs to the collectives that make their output:
+    the output is a numpy array of the buffer's format, with numpy's values."""
+    import array
+    n, r = pg.size, pg.rank
+    k = 2 * n
+    ref = [np.arange(k, dtype=np.int32) + 100 * q for q in range(n)]  # rank q's x
+    makers = {
+        "bytearray": lambda a: bytearray(a.astype(np.uint8).tobytes()),
+        "memoryview": lambda a: memoryview(bytearray(a.tobytes())).cast("i"),
+        "array.array": lambda a: array.array("i", a.tolist()),
+    }
+    wrong = []
+    for kind, make in makers.items():
+        dt = np.uint8 if kind == "bytearray" else np.int32
+        mine, refs = make(ref[r]), [a.astype(dt) for a in ref]
+        blk = k // n
+        total = sum(refs)
+        cases = [
+            ("all_gather", lambda: pg.all_gather(mine), np.stack(refs)),
+            ("all_gather async", lambda: pg.all_gather(mine, async_op=True).wait(),
+             np.stack(refs)),
+            ("all_gather_v", lambda: pg.all_gather_v(mine)[0], np.concatenate(refs)),
+            ("reduce_scatter", lambda: pg.reduce_scatter(mine), total[r * blk:(r + 1) * blk]),
+            ("reduce_scatter_v", lambda: pg.reduce_scatter_v(mine, [blk] * n),
+             total[r * blk:(r + 1) * blk]),
+            ("all_to_all", lambda: pg.all_to_all(mine),
+             np.concatenate([a[r * blk:(r + 1) * blk] for a in refs])),
+            ("all_to_all_v", lambda: pg.all_to_all_v(mine, [blk] * n)[0],
+             np.concatenate([a[r * blk:(r + 1) * blk] for a in refs])),
+            ("gather", lambda: pg.gather(mine, 0), np.stack(refs) if r == 0 else None),
+            # Every rank passes x of the full shape: a 1-d buffer's rows are 0-d blocks.
+            ("scatter", lambda: pg.scatter(make(ref[0][:n]), 0), refs[0][r]),
+        ]
+        for name, call, want in cases:
+            try:
+                got = call()
+            except Exception as e:  # noqa: BLE001 - report the class
+                wrong.append(f"{kind} {name}: {type(e).__name__}: {e}")
+                continue
+            if want is None:
+                ok = got is None
+            else:
+                ok = (type(got) is np.ndarray and got.dtype == dt
+                      and np.array_equal(got, want) and got.shape == np.shape(want))
+            if not ok:
+                wrong.append(f"{kind} {name}: got {got!r}, want {want!r}")
+    return wrong
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world,transport", [(2, "tcp"), (3, "shm")])
+def test_buffer_protocol_inputs_get_numpy_outputs(run_ranks, world, transport):
+    wrong = [w for r in run_ranks(world, _buffer_outputs, transport=transport) for w in r]
+    assert not wrong, f"{len(wrong)} problem(s):\n" + "\n".join(wrong)

@@ -100,3 +100,43 @@ def test_jax_cpu_arrays(run_ranks, transport):
         assert said == {k: True for k in said}, (rank, said)
         assert res.pop("all_gather") == ("numpy", True)
         assert res == {k: True for k in res}, (rank, res)
+
+
+def _deleted(pg):
+    import jax
+    import jax.numpy as jnp
+    jax.config.update("jax_platforms", "cpu")
+    n = pg.size
+    gone = jnp.ones(4 * n, jnp.float32)
+    gone.delete()
+    donated = jnp.ones(4 * n, jnp.float32)
+    jax.jit(lambda a: a * 2, donate_argnums=0)(donated)
+    said = {}
+    for kind, x in (("deleted", gone), ("donated", donated)):
+        if not x.is_deleted():  # a JAX that keeps donated CPU buffers: nothing to test
+            continue
+        for name, call in (("all_gather", lambda: pg.all_gather(x)),
+                           ("all_gather_v", lambda: pg.all_gather_v(x)),
+                           ("reduce_scatter", lambda: pg.reduce_scatter(x)),
+                           ("all_to_all", lambda: pg.all_to_all(x)),
+                           ("gather", lambda: pg.gather(x, 0)),
+                           ("send", lambda: pg.send(x, (pg.rank + 1) % n))):
+            try:
+                call()
+                said[f"{kind} {name}"] = "no error"
+            except ValueError as e:
+                ok = f"{name}: x: the JAX array was deleted" in str(e)
+                said[f"{kind} {name}"] = True if ok else str(e)
+            except Exception as e:  # noqa: BLE001 - the class is what is checked
+                said[f"{kind} {name}"] = f"{type(e).__name__}: {e}"
+    z = np.full(3, pg.rank + 1.0)  # nothing was sent: the group works
+    pg.all_reduce(z)
+    said["after"] = z.tolist() == [n * (n + 1) / 2] * 3
+    return said
+
+
+def test_a_deleted_or_donated_jax_array_is_a_value_error_that_says_so(run_ranks):
+    for rank, said in enumerate(run_ranks(2, _deleted, transport="tcp",
+                                          env={"JAX_PLATFORMS": "cpu"})):
+        assert "deleted all_gather" in said, said
+        assert said == {k: True for k in said}, (rank, said)

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from conftest import free_port, spawn
+from meshcoll._env import FAULT_POINTS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -210,6 +211,31 @@ def test_kill9_during_shm_setup_leaves_nothing_and_names_the_dead_rank(step):
         assert kind == "PeerError", (rank, kind, msg)
         assert "rank 1" in msg, msg
     assert _segments() - before == set()
+
+
+def _killed_at(rank, port, token, point):
+    import meshcoll
+    env = {"MESHCOLL_FAULT": f"kill@{point}"} if rank == 1 else {}
+    try:
+        pg = _init(rank, 2, port, token, env, 10.0)
+        pg.all_reduce(np.ones(4))
+        return "no error"
+    except meshcoll.MeshcollError as e:
+        return type(e).__name__
+    finally:
+        meshcoll.destroy()
+
+
+@pytest.mark.parametrize("point", FAULT_POINTS)
+def test_every_fault_point_meshcoll_accepts_is_reached(point):
+    # MESHCOLL_FAULT refuses a point outside _env.FAULT_POINTS (issue 34 item 15): each of
+    # them must be one that a group's setup reaches, or a test naming it injects nothing.
+    import meshcoll
+    token = secrets.token_hex(8)
+    server = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=30, token=token)
+    res = spawn(2, _killed_at, server.port, token, point, timeout=60, may_die=(1,))
+    assert res[1] is None, f"rank 1 should have been killed at {point}: {res[1]}"
+    assert res[0] != "no error", res
 
 
 # ---- item 12: destroy() never breaks other ranks ---------------------------------------

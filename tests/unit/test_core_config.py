@@ -35,8 +35,16 @@ def test_each_variable(env, field, value):
     ("MESHCOLL_SIMD", "sse9"), ("MESHCOLL_SIMD", "AVX2"), ("MESHCOLL_CMA", "yes"),
     ("MESHCOLL_NCCL_TRACE", "on"), ("MESHCOLL_NCCL_SPLIT", "2"), ("MESHCOLL_FAULT", "die"),
     ("MESHCOLL_NCCL_DIRECT_BYTES", "-1"), ("MESHCOLL_NCCL_DIRECT_BYTES", "lots"),
-    ("MESHCOLL_NCCL_DIRECT_BYTES", "134217728"),
+    ("MESHCOLL_NCCL_DIRECT_BYTES", "134217728"), ("MESHCOLL_FAULT", "kill@nowhere"),
+    ("MESHCOLL_FAULT", "stop@"), ("MESHCOLL_FAULT", "kill@shm"),
+    ("MESHCOLL_FAULT", "hang@settings"),
 ])
 def test_bad_value_names_the_variable(name, text):
     with pytest.raises(ValueError, match=f"{name}='{text}'"):
         core_config_from_env({name: text})
+
+
+def test_an_unknown_fault_point_names_the_points():
+    # A point no setup step reaches would never fire: a fault test would inject nothing.
+    with pytest.raises(ValueError, match="settings, shm/host, shm/created, shm/mapped, shm/cma"):
+        core_config_from_env({"MESHCOLL_FAULT": "kill@nowhere"})
