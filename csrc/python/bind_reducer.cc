@@ -81,6 +81,7 @@ void bind_reducer(py::module_& m) {
              call_nogil([&] { x.finish(reinterpret_cast<comm::Stream>(stream)); });
            }, py::arg("stream"))
       .def("abandon", [](Reducer& x) { call_nogil([&] { x.abandon(); }); })
+      .def("done", [](Reducer& x) { return call_nogil([&] { return x.done(); }); })
       .def("stats", [](Reducer& x) {
              Reducer::Stats s = call_nogil([&] { return x.stats(); });
              py::dict d;

@@ -181,6 +181,12 @@ void Reducer::finish(comm::Stream stream) {
   if (error) std::rethrow_exception(error);
 }
 
+bool Reducer::done() {
+  for (Bucket& b : buckets_)
+    if (b.work && !b.work->is_completed()) return false;
+  return true;
+}
+
 void Reducer::abandon() {
   // The step is dropped: a failure of its all-reduces is the group's, which its next call
   // raises. Taking the stamp waits for the all-reduce (its buffer is in use until then).

@@ -89,6 +89,9 @@ class Reducer {
   // Every gradient was given: waits for the all-reduces (stream-ordered on a GPU) and copies
   // the averages out; the step ends. Raises the first failure after draining every bucket.
   void finish(comm::Stream stream);
+  // Whether every all-reduce launched this step has completed (never blocks): a step kept in
+  // flight by an asynchronous mode may then be finished without waiting.
+  bool done();
   // Ends the step without results (a hook failed, or the caller gave up): waits for what
   // was launched (its buffers are in use), forgets what was given.
   void abandon();

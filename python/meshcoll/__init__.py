@@ -24,7 +24,7 @@ import typing as _typing
 _HOME = {
     **dict.fromkeys(("AbortedError", "ConcurrentCallError", "FileStore", "MeshcollError",
                      "MismatchError", "PeerError", "PrefixStore", "Store", "TimeoutError"), "_C"),
-    **dict.fromkeys(("DataParallel", "LocalSGD"), "ddp"),
+    **dict.fromkeys(("DataParallel", "LocalSGD", "BoundedStaleness", "Asynchronous"), "ddp"),
     **dict.fromkeys(("DeviceMesh", "MeshLayout", "init_device_mesh"), "device_mesh"),
     "monitored_barrier": "monitor",
     "nccl_available": "nccl",
@@ -51,7 +51,7 @@ if _typing.TYPE_CHECKING:  # what __getattr__ binds, as type checkers and IDEs s
     from .api import (TCPStore, all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v,
                       barrier, broadcast, coalesced, gather, get_rank, get_world_size, irecv,
                       isend, recv, reduce, reduce_scatter, reduce_scatter_v, scatter, send)
-    from .ddp import DataParallel, LocalSGD
+    from .ddp import Asynchronous, BoundedStaleness, DataParallel, LocalSGD
     from .device_mesh import DeviceMesh, MeshLayout, init_device_mesh
     from .monitor import monitored_barrier
     from .nccl import nccl_available
@@ -79,7 +79,8 @@ def __dir__() -> "list[str]":
 __all__ = [
     "init", "destroy", "is_initialized", "get_rank", "get_world_size", "get_world_group",
     "new_group", "ProcessGroup", "NonMemberGroup", "Work", "CollectiveConfig", "TCPStore",
-    "FileStore", "PrefixStore", "Store", "DataParallel", "LocalSGD", "MeshLayout", "DeviceMesh", "init_device_mesh",
+    "FileStore", "PrefixStore", "Store", "DataParallel", "LocalSGD", "BoundedStaleness",
+    "Asynchronous", "MeshLayout", "DeviceMesh", "init_device_mesh",
     "monitored_barrier", "nccl_available", "ShardedArray", "partition_range", "reduce_scatter_dim", "shard",
     "MeshcollError", "TimeoutError", "PeerError", "MismatchError", "AbortedError",
     "ConcurrentCallError",

@@ -107,6 +107,55 @@ class LocalSGD:
         return f"LocalSGD(period={self.period})"
 
 
+class BoundedStaleness:
+    """``DataParallel(mode=BoundedStaleness(k))``: ``wait()`` at step t hands back the group
+    average of step t-k's gradients (zeros for the first k steps), so each step's
+    all-reduces have k steps of compute to hide behind. Deterministic: every rank applies the
+    same averages at the same step. It helps where communication takes longer than a step's
+    backward (slow links, many hosts) and the optimizer tolerates gradients k steps old
+    (SGD with a small learning rate, as in pipelined and asynchronous SGD)."""
+
+    def __init__(self, staleness: int) -> None:
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 1:
+            raise ValueError(f"BoundedStaleness: staleness must be an integer >= 1, got "
+                             f"{staleness!r}")
+        self.staleness = staleness
+
+    def __repr__(self) -> str:
+        return f"BoundedStaleness({self.staleness})"
+
+
+class Asynchronous:
+    """``DataParallel(mode=Asynchronous(max_staleness=k))``: ``wait()`` never waits for
+    stragglers: it hands back the newest group average that has arrived (each an exact average
+    of one earlier step; zeros while none has), and only when k steps are in flight does it
+    wait for the oldest. Ranks may apply different steps' averages; ``stats()`` reports the
+    staleness applied. It helps where a few ranks are often late (shared or preemptible
+    machines) and the training tolerates stale gradients."""
+
+    def __init__(self, max_staleness: int = 4) -> None:
+        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or \
+                max_staleness < 1:
+            raise ValueError(f"Asynchronous: max_staleness must be an integer >= 1, got "
+                             f"{max_staleness!r}")
+        self.max_staleness = max_staleness
+
+    def __repr__(self) -> str:
+        return f"Asynchronous(max_staleness={self.max_staleness})"
+
+
+_Mode = Union[str, LocalSGD, BoundedStaleness, Asynchronous]
+
+
+def _depth(mode: _Mode) -> int:
+    """How many steps' buckets a mode keeps: one, or one per step that may be in flight."""
+    if isinstance(mode, BoundedStaleness):
+        return mode.staleness + 1
+    if isinstance(mode, Asynchronous):
+        return mode.max_staleness + 1
+    return 1
+
+
 class _Done:
     """Set once (by the completion thread), waited for any number of times: a bare lock, held
     until set. threading.Event costs a Condition per bucket (2.4 us against 0.1 us)."""
@@ -338,7 +387,7 @@ class DataParallel:
                  bucket_cap_mb: float = 25, average: bool = True,
                  broadcast_from: Optional[int] = 0,
                  compression: Union[None, str, _Hook] = None,
-                 mode: Union[str, LocalSGD] = "sync",
+                 mode: _Mode = "sync",
                  symmetric: bool = False,
                  buckets: Optional[List[List[str]]] = None) -> None:
         from .world import get_world_group
@@ -347,11 +396,7 @@ class DataParallel:
             raise ValueError("DataParallel: params must be a non-empty dict name -> array")
         if not bucket_cap_mb > 0:
             raise ValueError(f"DataParallel: bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
-        if not (mode == "sync" or isinstance(mode, LocalSGD)):
-            raise ValueError(f"DataParallel: mode must be 'sync' or LocalSGD(period), got {mode!r}")
-        if isinstance(mode, LocalSGD) and compression is not None:
-            raise ValueError("DataParallel: compression applies to gradients, which LocalSGD "
-                             "mode never communicates (parameters are averaged in full precision)")
+        self._check_mode(mode, compression, symmetric)
         self._params = {str(n): _operand(self._group, p, f"DataParallel: parameter {n!r}")
                         for n, p in params.items()}
         for n, p in self._params.items():
@@ -387,6 +432,9 @@ class DataParallel:
 
         self._given: List[Any] = []                # this step's gradient arrays, kept alive
         self._write_back: List[Tuple[Any, Any]] = []  # (gradient, slot) copied by Python
+        self._stale_given: Dict[str, Any] = {}     # a stale mode's gradients of this step
+        self._staleness: List[int] = []             # applied steps' ages (stale modes)
+        self._step_no = 0
         # The gradient buffers handed out, by name and by address (Note [Gradient buffers])
         self._bound: set[str] = set()
         self._bound_at: Dict[int, str] = {}
@@ -410,6 +458,18 @@ class DataParallel:
             self._broadcast_parameters(int(broadcast_from))
 
     # ---- construction ---------------------------------------------------------------
+    @staticmethod
+    def _check_mode(mode: Any, compression: Any, symmetric: bool) -> None:
+        if not (mode == "sync" or isinstance(mode, (LocalSGD, BoundedStaleness, Asynchronous))):
+            raise ValueError(f"DataParallel: mode must be 'sync', LocalSGD(period), "
+                             f"BoundedStaleness(k) or Asynchronous(max_staleness), got {mode!r}")
+        if isinstance(mode, LocalSGD) and compression is not None:
+            raise ValueError("DataParallel: compression applies to gradients, which LocalSGD "
+                             "mode never communicates (parameters are averaged in full precision)")
+        if _depth(mode) > 1 and (compression is not None or symmetric):
+            raise ValueError(f"DataParallel: {mode!r} keeps a set of buckets per step in flight; "
+                             "it takes no compression and no symmetric buckets")
+
     @staticmethod
     def _compression_dtype(compression: Union[None, str, _Hook]) -> Optional[str]:
         if compression is None or callable(compression):
@@ -454,6 +514,19 @@ class DataParallel:
                                    not hooked)
         self._avg_reducer: Optional[_C.Reducer] = None  # LocalSGD's, made on first use
         self._bucket_args = (bufs, slots, names_in_order)
+        # The stale modes' ring: a reducer (buckets and all) per step that may be in flight;
+        # views[k][name] is the slot of ring member k.
+        self._ring = [self._reducer]
+        self._ring_views = [{n: v for n, (_, v) in self._slot.items()}]
+        for _ in range(_depth(self._mode) - 1):
+            more = [self._group._empty(total, self._params[names[0]])
+                    for names, total in zip(groups, totals)]
+            self._ring.append(_C.Reducer(self._group._backend, more, slots, names_in_order, op,
+                                         True))
+            self._ring_views.append({n: more[b][o:o + c].reshape(self._params[n].shape)
+                                     for n, (b, o, c) in zip(names_in_order, slots)})
+        self._turn = 0  # the ring member of the step in progress
+        self._inflight: List[Tuple[int, int]] = []  # (step, ring member), oldest first
 
     def rebuild_buckets(self, order: List[str], first_bucket_cap_mb: Optional[float] = 1.0) -> None:
         """Lay the buckets out again with the gradients in ``order`` (names, the order
@@ -468,8 +541,9 @@ class DataParallel:
         if sorted(order) != sorted(self._params):
             raise ValueError("rebuild_buckets: order must name every parameter once")
         agree_layout(self._group, list(order), "DataParallel.rebuild_buckets")
+        self._drain()
         self._reducer.abandon()
-        for r in (self._reducer, self._avg_reducer):  # the totals go on
+        for r in (*self._ring, self._avg_reducer):  # the totals go on
             if r is not None:
                 for k, v in r.stats().items():
                     self._stats[k] += v
@@ -546,7 +620,7 @@ class DataParallel:
         if name not in self._slot:
             known = ", ".join(list(self._slot)[:8]) + (", ..." if len(self._slot) > 8 else "")
             raise KeyError(f"grad_ready: unknown parameter {name!r} (registered: {known})")
-        slot = self._slot[name][1]
+        slot = self._ring_views[self._turn][name]
         # Given as its own buffer: already in the bucket, and the sum so far (Note [Gradient
         # buffers]); never copied or added. The very array gradient_buffer() handed out
         # needs no check; another view of it is known by its address below.
@@ -590,6 +664,9 @@ class DataParallel:
             src, out = at, _address(g)
         else:
             src = out = _address(g)
+        if len(self._ring) > 1:  # a stale mode: the average comes back at a later wait()
+            out = 0
+            self._stale_given[name] = g
         self._ready(self._index[name], src, out, g)
         self._accumulated.discard(name)
 
@@ -632,6 +709,9 @@ class DataParallel:
         between ``grad_ready`` and ``wait()``."""
         if name not in self._slot:
             raise KeyError(f"gradient_buffer: unknown parameter {name!r}")
+        if len(self._ring) > 1:
+            raise RuntimeError(f"gradient_buffer: {self._mode!r} keeps each step's gradients in "
+                               "buckets of its own until a later step; hand them over as arrays")
         slot = self._slot[name][1]
         if name not in self._bound:
             slot[...] = 0  # buckets come from an allocator: uninitialised memory
@@ -704,6 +784,8 @@ class DataParallel:
             raise RuntimeError(f"wait: no gradient was given for {', '.join(missing[:10])}{more}; "
                                "call grad_ready for every parameter before wait() (the step "
                                "stays open: give them and call wait() again)")
+        if len(self._ring) > 1:
+            return self._wait_stale()
         if self._hook is not None or self._half is not None:
             self._finish_hooks(time.perf_counter())
         try:
@@ -714,6 +796,84 @@ class DataParallel:
             self._given.clear()
             self._write_back.clear()
             self._launched = 0
+
+    def _wait_stale(self) -> None:
+        """BoundedStaleness / Asynchronous: this step's all-reduces stay in flight; the given
+        gradients receive an earlier step's average (or zeros), chosen by the mode."""
+        t, stream = self._step_no, self._stream()
+        self._inflight.append((t, self._turn))
+        if isinstance(self._mode, BoundedStaleness):
+            # Exactly k steps back, on every rank: finish() waits for it if it must.
+            n_finish = 1 if self._inflight[0][0] == t - self._mode.staleness else 0
+        else:
+            # Ops of one group complete in issue order: the finished steps are the oldest.
+            n_finish = 0
+            while n_finish < len(self._inflight) and \
+                    self._ring[self._inflight[n_finish][1]].done():
+                n_finish += 1
+            if len(self._inflight) == len(self._ring):  # the next step needs a free member
+                n_finish = max(n_finish, 1)
+        applied: Optional[Tuple[int, int]] = None
+        error: Optional[BaseException] = None
+        for step, k in self._inflight[:n_finish]:  # older ones are superseded and dropped
+            try:
+                self._ring[k].finish(stream)
+                applied = (step, k)
+            except BaseException as e:
+                error = error or e
+        del self._inflight[:n_finish]
+        given, self._stale_given = self._stale_given, {}
+        self._given.clear()
+        busy = {m for _, m in self._inflight}
+        self._turn = next(k for k in range(len(self._ring)) if k not in busy)
+        self._reducer = self._ring[self._turn]
+        self._step_no += 1
+        if error is not None:
+            raise error
+        for name, g in given.items():
+            if applied is None:
+                g[...] = 0
+            else:
+                self._copy(g, self._ring_views[applied[1]][name])
+        if applied is not None:
+            self._staleness.append(t - applied[0])
+
+    def set_sync_mode(self, mode: _Mode) -> None:
+        """Change the mode between steps (every rank at the same step). Steps still in flight
+        in a stale mode are finished and their averages dropped."""
+        self._check_mode(mode, self._hook or self._half, self._symmetric)
+        self._drain()
+        self._mode = mode
+        self._rebuild_same(list(self.bucket_names), self._cap)
+
+    def set_bucket_size(self, bucket_cap_mb: float) -> None:
+        """Change ``bucket_cap_mb`` between steps (every rank at the same step): the buckets
+        are formed again in their present order."""
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"set_bucket_size: bucket_cap_mb must be > 0, got {bucket_cap_mb!r}")
+        self._drain()
+        order = [n for names in self.bucket_names for n in names]
+        self._cap = float(bucket_cap_mb) * _MB
+        self._rebuild_same(assign_buckets(order, self._params, [self._cap]), self._cap)
+
+    def _drain(self) -> None:
+        if self._given or self._accumulated:
+            raise RuntimeError("a step is in progress (gradients were given without wait()); "
+                               "finish it first")
+        for _, k in self._inflight:
+            self._ring[k].abandon()
+        self._inflight.clear()
+
+    def _rebuild_same(self, groups: List[List[str]], cap: float) -> None:
+        agree_layout(self._group, [repr(self._mode), str(cap), *map(repr, groups)],
+                     "DataParallel: mode and buckets")
+        for r in (*self._ring, self._avg_reducer):  # the totals go on
+            if r is not None:
+                for key, v in r.stats().items():
+                    self._stats[key] += v
+        self._bound.clear()
+        self._bound_at.clear()
+        self._build_buckets(groups)
 
     def _finish_hooks(self, t_wait: float) -> None:
         # Every bucket was handed to the hook. Finish in order and leave each bucket's
@@ -795,6 +955,9 @@ class DataParallel:
         if isinstance(self._mode, LocalSGD):
             raise RuntimeError("no_sync: LocalSGD mode never communicates gradients; "
                                "accumulate them yourself")
+        if len(self._ring) > 1:
+            raise RuntimeError(f"no_sync: {self._mode!r} averages every step; accumulate "
+                               "gradients yourself before grad_ready")
         if self._given:
             raise RuntimeError("no_sync: a synchronised step is in progress (gradients were "
                                "given without wait()); finish it first")
@@ -844,14 +1007,21 @@ class DataParallel:
         construction or ``reset_stats()`` (see Note [Stats]): ``calls`` (bucket all-reduces),
         ``bytes`` (payload handed to them on this rank), ``comm_seconds``,
         ``overlapped_seconds`` (communication before ``wait()`` was called),
-        ``overlap_fraction`` and ``algbw_gbps`` (bytes / comm_seconds, in GB/s). With GPU
-        arrays it first waits until the device finished the all-reduces so far."""
+        ``overlap_fraction`` and ``algbw_gbps`` (bytes / comm_seconds, in GB/s); in the
+        stale modes ``steps_applied``, ``staleness_mean`` and ``staleness_max`` (how many steps
+        old the averages handed back were). With GPU arrays it first waits until the device
+        finished the all-reduces so far."""
         self._settle()
         s: Dict[str, float] = dict(self._stats)
-        for r in (self._reducer, self._avg_reducer):
+        for r in (*self._ring, self._avg_reducer):
             if r is not None:
                 for k, v in r.stats().items():
                     s[k] += v
+        if len(self._ring) > 1:
+            ages = self._staleness
+            s["steps_applied"] = len(ages)
+            s["staleness_mean"] = sum(ages) / len(ages) if ages else 0.0
+            s["staleness_max"] = max(ages) if ages else 0
         t = s["comm_seconds"]
         s["overlap_fraction"] = s["overlapped_seconds"] / t if t > 0 else 0.0
         s["algbw_gbps"] = s["bytes"] / t / 1e9 if t > 0 else 0.0
@@ -860,9 +1030,10 @@ class DataParallel:
     def reset_stats(self) -> None:
         if getattr(self, "_unsettled", None):
             self._settle()  # count nothing of before the reset later
-        for r in (getattr(self, "_reducer", None), getattr(self, "_avg_reducer", None)):
+        for r in (*getattr(self, "_ring", ()), getattr(self, "_avg_reducer", None)):
             if r is not None:
                 r.reset_stats()
+        self._staleness = []
         self._stats = {"calls": 0, "bytes": 0, "comm_seconds": 0.0, "overlapped_seconds": 0.0}
 
     def close(self) -> None:

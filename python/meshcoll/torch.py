@@ -136,7 +136,9 @@ class DistributedDataParallel(torch.nn.Module):
       (with gradients enabled), as torch's DDP does.
     - ``static_graph``: accepted for torch's signature; every step already costs the same.
     - ``mode=LocalSGD(k)``: gradients stay local; call ``step()`` after each optimizer step,
-      and every k-th call averages the parameters."""
+      and every k-th call averages the parameters. ``mode=BoundedStaleness(k)`` /
+      ``Asynchronous(max_staleness)``: ``p.grad`` after backward holds an earlier step's
+      average (``meshcoll.DataParallel``'s modes of those names)."""
 
     def __init__(self, module: torch.nn.Module, *, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False, broadcast_buffers: bool = True,
@@ -148,6 +150,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._static_graph = bool(static_graph)
         self._params: Dict[str, torch.nn.Parameter] = {
             n: p for n, p in module.named_parameters() if p.requires_grad}
+        self._names = list(self._params)
         if not self._params:
             raise ValueError("meshcoll.torch.DistributedDataParallel: the module has no "
                              "parameter that requires grad")
@@ -200,8 +203,15 @@ class DistributedDataParallel(torch.nn.Module):
         reducer = self.ddp._reducer
         # A compression hook's buckets are launched by DataParallel (Python, per bucket).
         self._hooked = self.ddp._hook is not None or self.ddp._half is not None
-        self._ready = (lambda i, src, out, stream: self.ddp._ready(i, src, out, None)) \
-            if self._hooked else reducer.ready
+        # A stale mode hands each gradient over as an array (grad_ready): its average comes
+        # back at a later step, into the gradient of that step.
+        self._stale = len(self.ddp._ring) > 1
+        if self._stale:
+            self._ready = self._stale_ready
+        elif self._hooked:
+            self._ready = lambda i, src, out, stream: self.ddp._ready(i, src, out, None)
+        else:
+            self._ready = reducer.ready
         self._slots = [reducer.slot_address(i) for i in range(len(self._params))]
         self._views = []
         if not self._as_views or self._local:
@@ -243,6 +253,13 @@ class DistributedDataParallel(torch.nn.Module):
                 self._end_step()
         return on_grad
 
+    def _stale_ready(self, i: int, src: int, out: int, stream: int) -> int:
+        name = self._names[i]
+        g = self._params[name].grad
+        assert g is not None
+        self.ddp.grad_ready(name, _operand(g, self._group, f"gradient of {name!r}"))
+        return int(self.ddp._reducer.remaining)
+
     def _begin_backward(self, p: torch.Tensor) -> None:
         self._fresh = False
         self._stream = torch._C._cuda_getCurrentRawStream(p.get_device()) \
@@ -271,7 +288,7 @@ class DistributedDataParallel(torch.nn.Module):
     def _end_step(self) -> None:
         self._fresh = True
         try:
-            if self._hooked:
+            if self._hooked or self._stale:
                 self.ddp.wait()
             else:
                 self.ddp._reducer.finish(self._stream)

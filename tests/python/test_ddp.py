@@ -362,3 +362,66 @@ def test_completion_stamps(run_ranks):
     assert kind == "TimeoutError" and is_meshcoll and "rank(s) 1" in msg, msg
     assert results[0]["work.exception"] == "TimeoutError"  # the class raising would give
 
+
+
+_STALE_SHAPES = {"a": (3, 4), "b": (5,), "c": (7,)}
+
+
+def _stale_grads(rank, t):
+    return {n: np.random.default_rng([rank, t, i]).standard_normal(s)
+            for i, (n, s) in enumerate(_STALE_SHAPES.items())}
+
+
+def _stale(pg, kind, k):
+    import time
+    from meshcoll.ddp import Asynchronous, BoundedStaleness, DataParallel
+    mode = BoundedStaleness(k) if kind == "bounded" else Asynchronous(k)
+    params = {n: np.zeros(s) for n, s in _STALE_SHAPES.items()}
+    ddp = DataParallel(params, group=pg, mode=mode, bucket_cap_mb=60 * 8 / 2**20)
+    out = []
+    for t in range(8):
+        if kind == "async" and pg.rank == 1 and t % 3 == 0:
+            time.sleep(0.05)  # a straggler: the others go on without it
+        grads = _stale_grads(pg.rank, t)
+        ddp.sync_gradients(grads)
+        out.append(grads)
+    stats = ddp.stats()
+    # Back to synchronous averaging, and another bucket size, between steps.
+    ddp.set_sync_mode("sync")
+    synced = ddp.sync_gradients(_stale_grads(pg.rank, 100))
+    ddp.set_bucket_size(40 / 2**20)
+    resized = ddp.sync_gradients(_stale_grads(pg.rank, 101))
+    buckets = ddp.bucket_names
+    ddp.close()
+    return out, stats, synced, resized, buckets
+
+
+@pytest.mark.parametrize("kind", ["bounded", "async"])
+def test_stale_modes_hand_back_exact_averages_of_earlier_steps(run_ranks, kind):
+    world, k = 3, 2
+    mean = lambda t: {n: sum(_stale_grads(r, t)[n] for r in range(world)) / world  # noqa: E731
+                      for n in _STALE_SHAPES}
+    for out, stats, synced, resized, buckets in run_ranks(world, _stale, kind=kind, k=k):
+        applied = []
+        for t, got in enumerate(out):
+            if all(not g.any() for g in got.values()):
+                assert kind == "async" or t < k, t  # nothing arrived yet
+                continue
+            # An exact average of one earlier step: exactly k back (bounded), at most k back
+            # and never older than the last one applied (async).
+            src = [s for s in range(max(0, t - k), t + 1)
+                   if all(np.allclose(got[n], mean(s)[n], rtol=1e-12, atol=1e-12)
+                          for n in _STALE_SHAPES)]
+            assert len(src) == 1, (t, src)
+            if kind == "bounded":
+                assert src[0] == t - k, (t, src)
+            assert not applied or src[0] >= applied[-1], (t, src, applied)
+            applied.append(src[0])
+        if kind == "bounded":
+            assert applied == list(range(len(out) - k))
+            assert stats["staleness_max"] == k and stats["staleness_mean"] == k
+        assert stats["steps_applied"] == len(applied) and stats["staleness_max"] <= k
+        for n in _STALE_SHAPES:
+            np.testing.assert_allclose(synced[n], mean(100)[n], rtol=1e-12)
+            np.testing.assert_allclose(resized[n], mean(101)[n], rtol=1e-12)
+        assert len(buckets) == 3, buckets  # a 40-byte cap: a bucket per gradient

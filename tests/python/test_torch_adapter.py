@@ -210,3 +210,32 @@ def test_ranks_with_different_models_get_a_mismatch_naming_the_first_difference(
     for msg in run_ranks(2, _different_models):
         assert "different parameters" in msg and "'0.weight (8, 4)" in msg \
             and "'0.weight (9, 4)" in msg, msg
+
+
+def _adapter_stale(pg):
+    import meshcoll.torch as mt
+    from meshcoll import BoundedStaleness
+    torch.manual_seed(0)
+    model = mt.DistributedDataParallel(torch.nn.Linear(4, 3), group=pg, mode=BoundedStaleness(1))
+    out = []
+    for t in range(3):
+        model.zero_grad()
+        x = torch.as_tensor(np.random.default_rng([t, pg.rank]).standard_normal((2, 4)),
+                            dtype=torch.float32)
+        model(x).sum().backward()
+        out.append({n: p.grad.numpy().copy() for n, p in model.module.named_parameters()})
+    model.close()
+    return out
+
+
+def test_bounded_staleness_through_the_adapter(run_ranks):
+    world = 2
+    def local(r, t):  # d/dW and d/db of Linear(4, 3)(x).sum()
+        x = np.random.default_rng([t, r]).standard_normal((2, 4)).astype(np.float32)
+        return {"weight": np.tile(x.sum(0), (3, 1)), "bias": np.full(3, 2.0, np.float32)}
+    for out in run_ranks(world, _adapter_stale):
+        assert not out[0]["weight"].any() and not out[0]["bias"].any()  # nothing a step old yet
+        for t in (1, 2):
+            for n in ("weight", "bias"):
+                want = sum(local(r, t - 1)[n] for r in range(world)) / world
+                np.testing.assert_allclose(out[t][n], want, rtol=1e-6)
