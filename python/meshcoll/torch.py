@@ -168,6 +168,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._buffer_flats: Optional[List[Tuple[Any, List[torch.Tensor], List[torch.Tensor]]]] = None
         self._sync_buffers()  # torch's DDP syncs buffers with the parameters at construction
         self._sync = True
+        self._joining = False     # inside join() (Note [Uneven inputs])
+        self._join_steps = 0      # this rank's steps inside it
         self._fresh = True        # the next hook is the first of a backward
         self._stream = 0          # the backward's stream (raw CUstream), read at its first hook
         self._rebuilt = self._local  # buckets laid out in backward's order (after step 1)
@@ -315,8 +317,9 @@ class DistributedDataParallel(torch.nn.Module):
                 p.grad = None if p.grad is None else p.grad.clone()
         self._bind()
 
-    def _sync_buffers(self) -> None:
-        """Rank 0's buffers to every rank: one broadcast per dtype, through a flat array."""
+    def _sync_buffers(self, root: int = 0) -> None:
+        """Rank ``root``'s buffers to every rank: one broadcast per dtype, through a flat
+        array."""
         if not self._buffers_sync:
             return
         if self._buffer_flats is None:
@@ -333,21 +336,79 @@ class DistributedDataParallel(torch.nn.Module):
                 operand = flat if flat.is_cuda else (
                     flat.view(torch.int16).numpy() if dt == torch.bfloat16 else flat.numpy())
                 self._buffer_flats.append((operand, bufs, views))
-        root = self._group.rank == 0
+        mine = self._group.rank == root
         for operand, bufs, views in self._buffer_flats:
             with torch.no_grad():
-                if root:
+                if mine:
                     _copy_all(views, bufs)
-                self._group.broadcast(operand, 0)
-                if not root:
+                self._group.broadcast(operand, root)
+                if not mine:
                     _copy_all(bufs, views)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
-            if self._rebuild_due:
-                self._rebuild()
-            self._sync_buffers()
+            if self._joining:
+                self._count_active(1)  # Note [Uneven inputs]: this rank steps
+                self._join_steps += 1
+            self._before_step()
         return self.module(*args, **kwargs)
+
+    def _before_step(self) -> None:
+        """The collectives before a training step's forward, in this order on every rank."""
+        if self._rebuild_due:
+            self._rebuild()
+        self._sync_buffers()
+
+    # Note [Uneven inputs]
+    # Ranks whose data runs out early stop calling the collectives of a step, and the others
+    # would wait for them until their timeout. Inside ``with model.join():`` (torch's DDP has
+    # the same context), every forward with gradients first all-reduces how many ranks still
+    # step. A rank that left the block stays in the group's calls: it answers 0 to that count
+    # and, while others still step, shadows their step (the rebuild and the buffer broadcast
+    # if due, and each bucket's all-reduce with zero gradients), so the averages are the sum
+    # of the stepping ranks' gradients divided by the whole group's size, as torch's default
+    # (divide_by_initial_world_size) does. Once the count is 0 every rank has left, and the
+    # rank that stepped most (the last to leave; the lowest such rank) sends its parameters
+    # and buffers to the others, so every rank ends with the model of the most steps.
+    def _count_active(self, me: int) -> int:
+        device = next(iter(self._params.values())).device
+        n = torch.tensor([me], dtype=torch.int64, device=device)
+        self._group.all_reduce(n if device.type == "cuda" else n.numpy())
+        return int(n.item())
+
+    @contextlib.contextmanager
+    def join(self) -> Iterator[None]:
+        """Train on uneven inputs: every rank runs its own number of steps inside, and those
+        that finish early shadow the others' steps until all have finished (Note [Uneven
+        inputs]). Every rank of the group must enter it."""
+        if self._local or self._stale or self._hooked:
+            raise RuntimeError("join: takes the synchronous mode without compression hooks")
+        self._joining = True
+        self._join_steps = 0
+        try:
+            yield
+        except BaseException:
+            self._joining = False
+            raise
+        self._joining = False
+        reducer = self.ddp._reducer
+        while self._count_active(0):
+            self._before_step()
+            reducer = self.ddp._reducer  # a rebuild makes a new one
+            for i in range(len(self._params)):
+                at = reducer.slot_address(i)
+                self.ddp._slot[self._names[i]][1][...] = 0
+                reducer.ready(i, at, 0, self._stream)
+            reducer.finish(self._stream)
+        steps = self._group.all_gather(np.array([self._join_steps], np.int64)) \
+            if self._group.backend_name != "nccl" else self._group.all_gather(
+                torch.tensor([self._join_steps], device=next(iter(self._params.values())).device))
+        counts = [int(c) for c in
+                  (steps.cpu().reshape(-1).tolist() if isinstance(steps, torch.Tensor)
+                   else np.asarray(steps).reshape(-1).tolist())]
+        last = counts.index(max(counts))
+        self.ddp._broadcast_parameters(last)
+        self._sync_buffers(root=last)
 
     def finish_gradient_sync(self) -> None:
         """Wait for the bucket all-reduces and write the averages into ``p.grad``. Called by

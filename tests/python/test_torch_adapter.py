@@ -239,3 +239,41 @@ def test_bounded_staleness_through_the_adapter(run_ranks):
             for n in ("weight", "bias"):
                 want = sum(local(r, t - 1)[n] for r in range(world)) / world
                 np.testing.assert_allclose(out[t][n], want, rtol=1e-6)
+
+
+def _uneven(pg, lr):
+    import meshcoll.torch as mt
+    torch.manual_seed(0)
+    model = mt.DistributedDataParallel(torch.nn.Linear(4, 3), group=pg)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    with model.join():
+        for s in range(2 + pg.rank):  # rank r has 2 + r batches
+            opt.zero_grad()
+            x = torch.as_tensor(np.random.default_rng([s, pg.rank]).standard_normal((2, 4)),
+                                dtype=torch.float32)
+            model(x).pow(2).sum().backward()
+            opt.step()
+    state = {n: p.detach().numpy().copy() for n, p in model.module.named_parameters()}
+    model.close()
+    return state
+
+
+def test_join_trains_on_uneven_inputs_as_torch_ddp_does(run_ranks):
+    world, lr = 3, 0.05
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)  # each step: the active ranks' gradients over the world size
+    for s in range(2 + world - 1):
+        grads = [torch.zeros_like(p) for p in ref.parameters()]
+        for r in range(world):
+            if s < 2 + r:
+                ref.zero_grad()
+                x = torch.as_tensor(np.random.default_rng([s, r]).standard_normal((2, 4)),
+                                    dtype=torch.float32)
+                ref(x).pow(2).sum().backward()
+                grads = [g + p.grad for g, p in zip(grads, ref.parameters())]
+        with torch.no_grad():
+            for p, g in zip(ref.parameters(), grads):
+                p -= lr * g / world
+    for state in run_ranks(world, _uneven, lr=lr):  # every rank ends with the last's model
+        for n, p in ref.named_parameters():
+            np.testing.assert_allclose(state[n], p.detach().numpy(), rtol=1e-5, atol=1e-6)
