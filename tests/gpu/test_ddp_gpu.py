@@ -245,3 +245,65 @@ def test_gradients_at_any_offset_are_copied_exactly():
                 want = ((parts[0].astype(np.float32) + parts[1].astype(np.float32)) / 2).astype(dt)
                 np.testing.assert_allclose(got[step][n], want.astype(np.float32),
                                            rtol=2e-3 if n[0] == "h" else 1e-6, atol=1e-3)
+
+
+def _uneven_gpu(pg, lr):
+    """join() and BoundedStaleness on GPUs: the CPU tests' semantics (test_torch_adapter.py)."""
+    import torch
+    import meshcoll.torch as mt
+    from meshcoll import BoundedStaleness
+    torch.manual_seed(0)
+    model = mt.DistributedDataParallel(torch.nn.Linear(4, 3).cuda(), group=pg)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    with model.join():
+        for s in range(2 + pg.rank):
+            opt.zero_grad()
+            x = torch.as_tensor(np.random.default_rng([s, pg.rank]).standard_normal((2, 4)),
+                                dtype=torch.float32, device="cuda")
+            model(x).pow(2).sum().backward()
+            opt.step()
+    joined = {n: p.detach().cpu().numpy() for n, p in model.module.named_parameters()}
+    model.close()
+    stale = mt.DistributedDataParallel(torch.nn.Linear(4, 3).cuda(), group=pg,
+                                       mode=BoundedStaleness(1))
+    grads = []
+    for t in range(3):
+        stale.zero_grad()
+        x = torch.as_tensor(np.random.default_rng([t, pg.rank]).standard_normal((2, 4)),
+                            dtype=torch.float32, device="cuda")
+        stale(x).sum().backward()
+        grads.append(stale.module.weight.grad.cpu().numpy().copy())
+    stale.close()
+    return joined, grads
+
+
+@needs_torch
+def test_join_and_bounded_staleness_on_gpus():
+    import torch
+    world, lr = min(NGPU, 3), 0.05
+    if world < 2:
+        pytest.skip(f"needs 2 GPUs, {NGPU} visible")
+    results = run_nccl(world, _uneven_gpu, lr=lr)
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    for s in range(2 + world - 1):
+        total = [torch.zeros_like(p) for p in ref.parameters()]
+        for r in range(world):
+            if s < 2 + r:
+                ref.zero_grad()
+                x = torch.as_tensor(np.random.default_rng([s, r]).standard_normal((2, 4)),
+                                    dtype=torch.float32)
+                ref(x).pow(2).sum().backward()
+                total = [g + p.grad for g, p in zip(total, ref.parameters())]
+        with torch.no_grad():
+            for p, g in zip(ref.parameters(), total):
+                p -= lr * g / world
+    for joined, grads in results:
+        for n, p in ref.named_parameters():
+            np.testing.assert_allclose(joined[n], p.detach().numpy(), rtol=1e-5, atol=1e-6)
+        assert not grads[0].any()
+        for t in (1, 2):
+            xs = [np.random.default_rng([t - 1, r]).standard_normal((2, 4)).astype(np.float32)
+                  for r in range(world)]
+            want = np.tile(sum(x.sum(0) for x in xs) / world, (3, 1))
+            np.testing.assert_allclose(grads[t], want, rtol=1e-5)
