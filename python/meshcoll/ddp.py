@@ -11,7 +11,8 @@
 
 Note [Buckets]
 Gradients are packed into flat buckets in reverse registration order (the order backward
-produces them), cut before a bucket would exceed ``bucket_cap_mb`` or change dtype;
+produces them) by torch's DDP's rule (``assign_buckets``: one open bucket per dtype, closed
+once it holds ``bucket_cap_mb``), so the same cap gives the same all-reduces as torch's;
 ``rebuild_buckets(order)`` lays them out again in the order a backward actually produced them
 (the torch adapter does so after its first step, as torch's DDP does, with a first bucket of
 1 MiB so communication starts early). The buckets, the slots and each step's bookkeeping
@@ -19,22 +20,24 @@ live in C++ (``_C.Reducer``, Note [Reducer] in csrc/reducer/reducer.h): a bucket
 all-reduce is queued the moment its last gradient arrives, strictly in bucket order (every
 rank must issue the same collectives in the same order, whatever order its backward produced
 gradients in), with its gradients copied in as one batch (one kernel on a GPU), and ``wait()``
-copies the averages out as one batch per bucket. Python runs only ``grad_ready``'s checks per
-gradient and nothing per bucket.
+copies the averages out (one kernel for all buckets on a GPU). Python runs only
+``grad_ready``'s checks per gradient and nothing per bucket; a compression hook's buckets
+are handed to the hook, in Python, as torch's Python comm hooks are.
 
 Note [Agreed layout]
 Ranks whose DataParallel holds other parameters (other names, order, shapes or dtypes) would
 average gradients of different parameters together without any error: the bucket
 all-reduces have the same sizes. So the constructor, and every rebuild, compares a
-description of the layout across the group (an all_gather of its 64-bit digest, then the
-descriptions themselves where the digests differ) and raises MismatchError on every rank,
-naming the first difference and the ranks.
+description of the layout across the group (its 64-bit digest through the group's store,
+then the descriptions themselves where the digests differ) and raises MismatchError on every
+rank, naming the first difference and the ranks.
 
 Note [Stats]
 Each queued all-reduce is handed to a C++ thread (``_C.CompletionStamps``, Note [Completion
-stamps] in csrc/comm/stamps.h), which waits on it and stamps the time it finished without
-taking the GIL; what a compression hook returns that is not a meshcoll Work goes to a Python
-completion thread instead, whose stamp waits for the GIL. Ops of one group complete in issue
+stamps] in csrc/comm/stamps.h; the reducer's own for its buckets), which waits on it and
+stamps the time it finished without taking the GIL (a GPU op is polled every 100 us, Note
+[Quiet stamps]); what a compression hook returns that is not a meshcoll Work goes to a
+Python completion thread instead, whose stamp waits for the GIL. Ops of one group complete in issue
 order, so a bucket's communication time is counted from max(its launch, the previous bucket's
 end) to its end: the time the worker spent on it, not its time queued behind our own
 previous bucket. The part of that before ``wait()`` was called is "overlapped".
@@ -43,10 +46,8 @@ Note [Gradient buffers]
 ``gradient_buffer(name)`` hands out the gradient's place in its bucket, so a backward that
 writes or accumulates there (torch: ``p.grad`` set to it; the adapter's
 ``gradient_as_bucket_view``) saves the two copies per gradient, into the bucket at
-``grad_ready`` and out of it at ``wait()``. With small buckets on NCCL those copies were
-most of the host's work: on 2 x H100, 64 gradients of 256 KiB each in its own bucket took
-91 us per bucket to average, 41 us from their buffers (an all-reduce alone: 9-15 us). ``grad_ready`` knows such a gradient by its address
-(names never handed out cost nothing more), and holds it to be the value, or under
+``grad_ready`` and out of it at ``wait()``. ``grad_ready`` knows such a gradient by its
+address (names never handed out cost nothing more), and holds it to be the value, or under
 ``no_sync()`` the running sum: it is never copied or added to.
 
 Note [Arrays]
@@ -54,8 +55,8 @@ On the CPU backend parameters and gradients are numpy arrays (or viewed as numpy
 buffer protocol / DLPack). On the NCCL backend they are the caller's GPU arrays, PyTorch
 tensors or CuPy arrays, one type for all, and DataParallel computes with their own operators
 (flat buckets from the group's allocator, slice views, ``copy_`` or ``[...] =``, ``+=``,
-``/=``), so it never imports a framework. Stream order, as torch's DDP: gradients are copied
-into a bucket on the caller's current stream, the bucket's all-reduce is queued after that
+``/=``; the reducer's copies are the backend's), so it never imports a framework. Stream
+order, as torch's DDP: gradients are copied into a bucket on the caller's current stream, the bucket's all-reduce is queued after that
 stream's work, and ``wait()`` makes the current stream wait for every all-reduce and queues
 the write-back of the averages there, without blocking the host: the next step's work can be
 queued while the last buckets are on the wire. Each bucket's end is stamped for Note [Stats]
@@ -219,12 +220,13 @@ def _complete(q: "queue.SimpleQueue[Optional[_Flight]]") -> None:
 
 
 class _Bucket:
-    __slots__ = ("names", "buf", "half", "missing", "flight")
+    """A bucket as Python sees it: its names and flat array (the reducer keeps the step's
+    bookkeeping), and for a hook's bucket its half-precision copy and flight."""
+    __slots__ = ("names", "buf", "half", "flight")
 
     def __init__(self, names: List[str], buf: Any) -> None:
         self.names, self.buf = names, buf  # buf: flat array of the parameters' dtype
         self.half: Any = None  # a bf16/fp16 copy sent instead of buf (compression)
-        self.missing = len(names)               # gradients still to come this step
         self.flight: Optional[_Flight] = None
 
 
@@ -439,7 +441,6 @@ class DataParallel:
         self._bound: set[str] = set()
         self._bound_at: Dict[int, str] = {}
         self._accumulated: set[str] = set()        # names whose slot holds a no_sync sum
-        self._launched = 0                         # hook mode: buckets handed to the hook
         # GPU arrays: wait() orders the caller's stream instead of blocking (Note [Arrays]);
         # its flights are counted once done on the device.
         self._stream_ordered = self._group.backend_name != "cpu"
@@ -730,7 +731,6 @@ class DataParallel:
         self._reducer.abandon()
         self._given.clear()
         self._write_back.clear()
-        self._launched = 0
 
     def _launch(self, b: _Bucket) -> None:
         """A hook's bucket (compression or a user hook), its gradients in: run the hook."""
@@ -795,7 +795,6 @@ class DataParallel:
         finally:
             self._given.clear()
             self._write_back.clear()
-            self._launched = 0
 
     def _wait_stale(self) -> None:
         """BoundedStaleness / Asynchronous: this step's all-reduces stay in flight; the given
@@ -909,7 +908,6 @@ class DataParallel:
         if error is not None:
             self._reducer.abandon()
             self._given.clear()
-            self._launched = 0
             raise error
 
     def _count(self, fl: _Flight) -> None:
