@@ -91,17 +91,24 @@ std::vector<comm::CopySpan> Reducer::spans_in(const Bucket& b) const {
 
 void Reducer::launch_ready(comm::Stream stream) {
   if (!launches_) return;
-  while (next_launch_ < buckets_.size() && buckets_[next_launch_].missing == 0) {
-    Bucket& b = buckets_[next_launch_];
-    backend_->copy_spans(spans_in(b), stream);
-    comm::CallOptions o;
-    o.async = true;
-    o.stream = stream;
-    b.t_launch = comm::monotonic_seconds();
-    ++next_launch_;
-    b.work = backend_->all_reduce(b.buf, b.buf, op_, o);
-    // Stamped when it completes (Note [Stats]); GPU work quietly (Note [Quiet stamps]).
-    b.ticket = stamps_.add(b.work, backend_->device_memory());
+  try {
+    while (next_launch_ < buckets_.size() && buckets_[next_launch_].missing == 0) {
+      Bucket& b = buckets_[next_launch_];
+      backend_->copy_spans(spans_in(b), stream);
+      comm::CallOptions o;
+      o.async = true;
+      o.stream = stream;
+      b.t_launch = comm::monotonic_seconds();
+      b.work = backend_->all_reduce(b.buf, b.buf, op_, o);
+      // Stamped when it completes (Note [Stats]); GPU work quietly (Note [Quiet stamps]).
+      b.ticket = stamps_.add(b.work, backend_->device_memory());
+      ++next_launch_;
+    }
+  } catch (...) {
+    // A bucket that could not be launched has no average: the step is dropped (its launched
+    // buckets waited for), so no later finish() could copy out data nobody reduced.
+    abandon();
+    throw;
   }
 }
 

@@ -76,7 +76,8 @@ class Reducer {
   // Returns true when a bucket is now ready to launch (call launch_ready(), with the GIL let
   // go). Raises InvalidArgument for an unknown index or a gradient given twice in one step.
   bool mark(size_t i, uintptr_t src, uintptr_t out);
-  // Launches every complete bucket whose predecessors were launched, on `stream`.
+  // Launches every complete bucket whose predecessors were launched, on `stream`. If a launch
+  // fails (the group failed), the step is dropped (abandon()) and the failure raised.
   void launch_ready(comm::Stream stream);
   // Gradients still to come this step, and which (indices, in bucket order).
   size_t remaining() const { return remaining_; }
