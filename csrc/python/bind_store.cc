@@ -89,14 +89,16 @@ void bind_store(py::module_& m) {
   py::class_<store::TcpStore, Store, std::shared_ptr<store::TcpStore>>(
       m, "TCPStore", "TCP key-value store; is_server=True also hosts the server (port 0 picks one).")
       .def(py::init([](const std::string& host, int port, bool is_server, const py::object& timeout,
-                       const py::object& token) {
+                       const py::object& token, uint32_t generation) {
              std::string tok = token.is_none() ? std::string() : token.cast<std::string>();
              Millis t = to_ms(timeout, Millis(300000));
              py::gil_scoped_release nogil;
-             return std::make_shared<store::TcpStore>(host, port, is_server, t, tok);
+             return std::make_shared<store::TcpStore>(host, port, is_server, t, tok, generation);
            }),
            py::arg("host"), py::arg("port"), py::kw_only(), py::arg("is_server") = false,
-           py::arg("timeout") = py::none(), py::arg("token") = py::none())
+           py::arg("timeout") = py::none(), py::arg("token") = py::none(),
+           py::arg("generation") = 0,
+           "generation: this process's meshcoll.init count, from 0 (Note [Generations]).")
       .def("close", [](store::TcpStore& s, const py::object& timeout) {
              Millis t = to_ms(timeout, s.timeout());
              py::gil_scoped_release nogil;

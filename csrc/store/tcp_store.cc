@@ -47,8 +47,9 @@ bool constant_time_equal(const std::string& a, const std::string& b) {
 // ---------------------------------------------------------------------------------------
 // Server
 
-TcpStoreServer::TcpStoreServer(const std::string& host, int port, std::string token)
-    : token_(std::move(token)) {
+TcpStoreServer::TcpStoreServer(const std::string& host, int port, std::string token,
+                               uint32_t generation)
+    : token_(std::move(token)), generation_(generation) {
   listen_fd_ = net::listen_on(host, port, 1024, &port_);
   if (pipe2(wake_pipe_, O_CLOEXEC) != 0) {
     net::close_fd(listen_fd_);
@@ -59,11 +60,18 @@ TcpStoreServer::TcpStoreServer(const std::string& host, int port, std::string to
 
 TcpStoreServer::~TcpStoreServer() { stop(); }
 
+void TcpStoreServer::stop_accepting() {
+  if (accepting_stopped_.exchange(true)) return;
+  char c = 0;
+  (void)!::write(wake_pipe_[1], &c, 1);  // the acceptor returns on the wake pipe
+  if (acceptor_.joinable()) acceptor_.join();
+  net::close_fd(listen_fd_);
+  listen_fd_ = -1;
+}
+
 void TcpStoreServer::stop() {
   if (stopping_.exchange(true)) return;
-  char c = 0;
-  (void)!::write(wake_pipe_[1], &c, 1);
-  if (acceptor_.joinable()) acceptor_.join();
+  stop_accepting();
   std::map<std::thread::id, std::thread> threads;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -197,6 +205,14 @@ void TcpStoreServer::serve(int fd) {
     } else if (!token_.empty() && !constant_time_equal(token, token_)) {
       status = wire::HelloStatus::kBadToken;
       reply_msg = "job token rejected by the store server; set MESHCOLL_TOKEN to the job's token";
+    } else if (hello.generation > generation_) {
+      // Note [Generations]: a later init's client; it connects again until its own store.
+      throw InvalidArgument("a client of a later generation");
+    } else if (hello.generation < generation_) {
+      status = wire::HelloStatus::kStale;
+      reply_msg = str_cat("this process is at its meshcoll.init number ", hello.generation + 1,
+                          ", the store's host at number ", generation_ + 1, ": every rank "
+                          "must call destroy() and init() as often as the others");
     }
     if (status == wire::HelloStatus::kOk) {
       // Before the answer: once the client reads "ok" it must not be pushed out any more
@@ -406,10 +422,11 @@ class TcpStore::Request {
 };
 
 TcpStore::TcpStore(const std::string& host, int port, bool is_server, Millis timeout,
-                   std::string token)
-    : host_(host), token_(std::move(token)), port_(port), timeout_(timeout) {
+                   std::string token, uint32_t generation)
+    : host_(host), generation_(generation), token_(std::move(token)), port_(port),
+      timeout_(timeout) {
   if (is_server) {
-    server_ = std::make_unique<TcpStoreServer>(host, port, token_);
+    server_ = std::make_unique<TcpStoreServer>(host, port, token_, generation);
     port_ = server_->port();
   }
   connect(Deadline(timeout_));
@@ -449,7 +466,8 @@ bool TcpStore::say_hello(const Deadline& d) {
   wire::HelloReply reply{};
   std::string msg;
   try {
-    wire::Hello hello{wire::kMagic, wire::kVersion, static_cast<uint16_t>(token_.size())};
+    wire::Hello hello{wire::kMagic, wire::kVersion, static_cast<uint16_t>(token_.size()),
+                      generation_};
     net::send_all(fd_, &hello, sizeof(hello), d, describe());
     net::send_all(fd_, token_.data(), token_.size(), d, describe());
     net::recv_all(fd_, &reply, sizeof(reply), d, describe());
@@ -477,6 +495,7 @@ bool TcpStore::close(Millis timeout) {
     reconnect_ = false;
   }
   if (!server_) return true;
+  server_->stop_accepting();
   bool unused = server_->wait_until_unused(timeout);
   server_->stop();
   return unused;

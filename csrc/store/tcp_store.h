@@ -20,11 +20,14 @@ namespace meshcoll::store {
 class TcpStoreServer {
  public:
   // Listens on host:port (0 = any free port). token may be empty (no check).
-  TcpStoreServer(const std::string& host, int port, std::string token);
+  TcpStoreServer(const std::string& host, int port, std::string token, uint32_t generation = 0);
   ~TcpStoreServer();
   int port() const { return port_; }
   // Waits until no authenticated client is connected, or `timeout` passes; true if none is.
   bool wait_until_unused(Millis timeout);
+  // Closes the listening socket and serves only the clients already connected (Note [Store
+  // teardown]): a connection made now is refused, and its client retries.
+  void stop_accepting();
   void stop();
 
  private:
@@ -37,10 +40,12 @@ class TcpStoreServer {
   void wait_ms(int ms);                 // sleeps, woken early by stop(); without mu_
 
   std::string token_;
+  uint32_t generation_;
   int listen_fd_ = -1;
   int port_ = 0;
   int wake_pipe_[2] = {-1, -1};
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> accepting_stopped_{false};
   std::thread acceptor_;
 
   std::mutex mu_;  // guards data_, client_fds_, unauthenticated_, client_threads_, done_
@@ -59,7 +64,16 @@ class TcpStoreServer {
 class TcpStore : public Store {
  public:
   // is_server: also start a server on host:port (port 0 = pick one) and connect to it.
-  TcpStore(const std::string& host, int port, bool is_server, Millis timeout, std::string token);
+  // Note [Generations]
+  // A rank that destroyed its world and calls init again (the recovery a MismatchError
+  // suggests) may reach rank 0's store of the world before, whose keys name listeners that
+  // are gone, while rank 0 is still in that world or on its way out. So each process counts
+  // its inits (`generation`, from 0), the hello carries it, and a server drops a client of a
+  // later generation without answering: the client connects again (Note [Connection flood]'s
+  // loop) until the store of its own generation listens. A client of an earlier generation
+  // is told so (PeerError): its process made fewer inits than the store's host.
+  TcpStore(const std::string& host, int port, bool is_server, Millis timeout, std::string token,
+           uint32_t generation = 0);
   ~TcpStore() override;
 
   using Store::check;
@@ -87,7 +101,10 @@ class TcpStore : public Store {
   // close, or exited), at most `timeout`, then stops. Returns false if clients were still
   // connected when the timeout passed. This cannot turn into a wait on a peer that waits for
   // us: destroy closes the groups' connections first (Comm::shutdown), so a peer still in a
-  // collective with this rank fails at once and leaves.
+  // collective with this rank fails at once and leaves. The server stops accepting
+  // connections first: a rank that destroyed and calls init again must not reach this
+  // store, whose keys name the old job's listeners, and so keep it serving; its connection is
+  // refused and it retries until rank 0's next store listens on the port.
   bool close(Millis timeout);
 
  private:
@@ -104,6 +121,7 @@ class TcpStore : public Store {
   std::string describe() const;
 
   std::string host_;
+  uint32_t generation_ = 0;
   std::string token_;
   int port_;
   Millis timeout_;

@@ -13,7 +13,7 @@
 namespace meshcoll::store::wire {
 
 inline constexpr uint32_t kMagic = 0x5453434d;  // "MCST"
-inline constexpr uint16_t kVersion = 1;
+inline constexpr uint16_t kVersion = 2;
 inline constexpr uint32_t kMaxKeyBytes = 64 * 1024;
 inline constexpr uint32_t kMaxValueBytes = 64u * 1024 * 1024;
 inline constexpr uint32_t kMaxTokenBytes = 1024;
@@ -24,6 +24,7 @@ struct Hello {
   uint32_t magic;
   uint16_t version;
   uint16_t token_len;
+  uint32_t generation;  // the client's meshcoll.init of this process, from 0 (Note [Generations])
 };
 struct HelloReply {
   uint8_t status;  // HelloStatus
@@ -31,7 +32,7 @@ struct HelloReply {
 };
 #pragma pack(pop)
 
-enum class HelloStatus : uint8_t { kOk = 0, kBadToken = 1, kBadVersion = 2 };
+enum class HelloStatus : uint8_t { kOk = 0, kBadToken = 1, kBadVersion = 2, kStale = 3 };
 
 enum class QueryType : uint8_t {
   kSet = 1,         // key, value                 -> -

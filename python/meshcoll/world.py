@@ -23,6 +23,7 @@ class _Default:
     warned_no_token = False
     logged_world_of_one = False
     owns_store = False  # init made the TCP store (rather than being given one)
+    stores_made = 0     # TCP stores init made: its generation (Note [Generations], tcp_store.h)
 
 
 NO_TOKEN_WARNING = (
@@ -106,8 +107,11 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
     if file_path is not None:
         store = _C.FileStore(file_path, timeout)
     elif store is None:
+        # Every rank counts its inits alike, so a rank that comes back from destroy() early
+        # never reads the store of the world before (Note [Generations] in tcp_store.h).
+        generation, _Default.stores_made = _Default.stores_made, _Default.stores_made + 1
         store = owned = _C.TCPStore(rv.master_addr, rv.master_port, is_server=rv.rank == 0,
-                                    timeout=timeout, token=token)
+                                    timeout=timeout, token=token, generation=generation)
     owns_store = owned is not None
     try:
         world = _world(backend, store, rv, timeout, token, device, options,

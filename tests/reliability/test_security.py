@@ -274,10 +274,11 @@ def _payload(rng):
     if rng.random() < 0.15:
         return rng.randbytes(rng.randrange(2048))
     tok = TOKEN.encode() if rng.random() < 0.7 else rng.randbytes(rng.choice([0, 10, 1025]))
-    version = 1 if rng.random() < 0.9 else rng.randrange(65536)
+    version = 2 if rng.random() < 0.9 else rng.randrange(65536)
     tlen = len(tok) if rng.random() < 0.9 else rng.randrange(65536)
     magic = MAGIC if rng.random() < 0.95 else rng.getrandbits(32)
-    b = struct.pack("<IHH", magic, version, tlen) + tok
+    generation = 0 if rng.random() < 0.9 else rng.getrandbits(32)
+    b = struct.pack("<IHHI", magic, version, tlen, generation) + tok
     for _ in range(rng.randrange(6)):
         b += _query(rng)
     if rng.random() < 0.1:
@@ -349,7 +350,7 @@ def test_store_closes_connections_it_rejects():
         for k in range(200):
             with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
                 s.sendall(b"GET / HTTP/1.0\r\n\r\n" if k % 2 else
-                          struct.pack("<IHH", MAGIC, 1, 5000))
+                          struct.pack("<IHHI", MAGIC, 2, 5000, 0))
         time.sleep(0.2)
         fds = _proc_status(p.pid)["fds"]
         try:
@@ -366,7 +367,7 @@ def test_store_closes_connections_it_rejects():
 def test_store_memory_is_bounded_after_many_connections():
     p, port = _start_server()
     try:
-        hello = struct.pack("<IHH", MAGIC, 1, len(TOKEN)) + TOKEN.encode()
+        hello = struct.pack("<IHHI", MAGIC, 2, len(TOKEN), 0) + TOKEN.encode()
         before = _proc_status(p.pid)
         for _ in range(500):
             with socket.create_connection(("127.0.0.1", port), timeout=5) as s:

@@ -402,3 +402,42 @@ def test_a_stopped_store_host_fails_calls_within_their_own_timeout():
     # Rank 0's own call, once resumed, is item 5's (a resumed peer must find the operation
     # closed): not judged here.
     assert _segments() - before == set()
+
+
+def _rebuild_after_mismatch(rank, world, port, token, late):
+    """A MismatchError, then destroy() and init() in the same process, as the error suggests;
+    rank ``late`` lingers in the old world while the others come back (Note [Generations] in
+    csrc/store/tcp_store.h). Returns the error type, the new world's sum and its set-up time."""
+    import meshcoll
+    os.environ["MESHCOLL_TOKEN"] = token
+    kw = dict(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, timeout=20)
+    pg = meshcoll.init(**kw)
+    try:
+        pg.all_reduce(np.ones(8), op="sum" if rank == 0 else "max")
+        caught = "no error"
+    except meshcoll.MismatchError:
+        caught = "MismatchError"
+    if rank == late:
+        time.sleep(1.0)
+    try:
+        meshcoll.destroy()
+    except meshcoll.MeshcollError:
+        pass  # the failed world's error again
+    t0 = time.monotonic()
+    pg = meshcoll.init(**kw)
+    took = time.monotonic() - t0
+    x = np.random.default_rng([5, rank]).standard_normal(64)
+    pg.all_reduce(x)
+    want = sum(np.random.default_rng([5, r]).standard_normal(64) for r in range(world))
+    meshcoll.destroy()
+    return caught, bool(np.allclose(x, want)), took
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("late", [0, 2])
+def test_destroy_then_init_after_a_mismatch_works_in_the_same_processes(late):
+    res = spawn(3, _rebuild_after_mismatch, 3, free_port(), secrets.token_hex(8), late,
+                timeout=80)
+    for rank, (caught, right, took) in enumerate(res):
+        assert caught == "MismatchError" and right, (rank, caught, right)
+        assert took < 10, (rank, took)  # seconds, not the init timeout

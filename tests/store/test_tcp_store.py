@@ -93,9 +93,9 @@ def test_prefix_store_namespaces(server):
 
 
 def test_server_survives_malformed_bytes(server):
-    for payload in [b"garbage" * 100, struct.pack("<IHH", 0x5453434D, 1, 6) + b"secret" + b"\xff" * 64,
-                    struct.pack("<IHH", 0x5453434D, 1, 6) + b"secret" + b"\x01" + struct.pack("<I", 2**31),
-                    struct.pack("<IHH", 0x5453434D, 99, 0), b""]:
+    for payload in [b"garbage" * 100, struct.pack("<IHHI", 0x5453434D, 2, 6, 0) + b"secret" + b"\xff" * 64,
+                    struct.pack("<IHHI", 0x5453434D, 2, 6, 0) + b"secret" + b"\x01" + struct.pack("<I", 2**31),
+                    struct.pack("<IHHI", 0x5453434D, 99, 0, 0), b""]:
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
             s.sendall(payload)
             time.sleep(0.05)
@@ -125,3 +125,23 @@ def test_unreachable_master_times_out():
     with pytest.raises(meshcoll.TimeoutError, match="could not connect"):
         meshcoll.TCPStore("127.0.0.1", port, timeout=0.5)
     assert time.monotonic() - t0 < 10
+
+
+def test_a_client_meets_only_the_store_of_its_own_generation():
+    # Note [Generations] in csrc/store/tcp_store.h: a process's n-th init talks only to a store
+    # made by the host's n-th init.
+    host = meshcoll.TCPStore("127.0.0.1", 0, is_server=True, timeout=5, generation=1)
+    try:
+        with pytest.raises(meshcoll.PeerError, match="meshcoll.init number 1, the store's host "
+                                                      "at number 2"):
+            meshcoll.TCPStore("127.0.0.1", host.port, timeout=2, generation=0)
+        t0 = time.monotonic()
+        with pytest.raises(meshcoll.PeerError, match="closed every connection"):
+            meshcoll.TCPStore("127.0.0.1", host.port, timeout=1, generation=2)
+        assert time.monotonic() - t0 >= 0.9  # it kept trying: the next store may come
+        same = meshcoll.TCPStore("127.0.0.1", host.port, timeout=2, generation=1)
+        same.set("k", b"v")
+        assert host.get("k") == b"v"
+        same.close()
+    finally:
+        host.close(timeout=1)
