@@ -35,13 +35,17 @@ def _group(group: Optional[ProcessGroup]) -> ProcessGroup:
 class TCPStore(_C.TCPStore):
     """TCP key-value store. ``is_server=True`` also hosts the server (port 0 picks a free
     one: read ``.port``). ``token`` defaults to ``$MESHCOLL_TOKEN``; a client whose token
-    differs from the server's is refused. ``timeout`` (seconds) bounds every call."""
+    differs from the server's is refused. ``timeout`` (seconds) bounds every call.
+    ``generation``: which ``meshcoll.init`` of its process this store serves (from 0; a
+    client meets only a store of its own, Note [Generations] in csrc/store/tcp_store.h)."""
 
     def __init__(self, host: str, port: int, *, is_server: bool = False,
-                 timeout: Optional[float] = None, token: Optional[str] = None) -> None:
+                 timeout: Optional[float] = None, token: Optional[str] = None,
+                 generation: int = 0) -> None:
         if token is None:
             token = os.environ.get("MESHCOLL_TOKEN") or None
-        super().__init__(host, port, is_server=is_server, timeout=timeout, token=token)
+        super().__init__(host, port, is_server=is_server, timeout=timeout, token=token,
+                         generation=generation)
 
 
 TCPStore.__module__ = "meshcoll"

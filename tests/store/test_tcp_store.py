@@ -136,7 +136,7 @@ def test_a_client_meets_only_the_store_of_its_own_generation():
                                                       "at number 2"):
             meshcoll.TCPStore("127.0.0.1", host.port, timeout=2, generation=0)
         t0 = time.monotonic()
-        with pytest.raises(meshcoll.PeerError, match="closed every connection"):
+        with pytest.raises((meshcoll.PeerError, meshcoll.TimeoutError)):
             meshcoll.TCPStore("127.0.0.1", host.port, timeout=1, generation=2)
         assert time.monotonic() - t0 >= 0.9  # it kept trying: the next store may come
         same = meshcoll.TCPStore("127.0.0.1", host.port, timeout=2, generation=1)
