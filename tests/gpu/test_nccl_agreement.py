@@ -299,3 +299,47 @@ def test_a_failed_group_is_failed_on_every_rank():
     # NCCL cannot tell peers that a rank failed its group; the side channel does.
     res = run_nccl(2, _relayed)
     assert res[0].endswith("True") and res[1] == "PeerError: True", res
+
+
+def _rebuild_nccl(rank, world, port, token, late):
+    """An NCCL world's MismatchError, then destroy() and init() in the same processes (issue 34
+    item 13; Note [Generations] in csrc/store/tcp_store.h)."""
+    os.environ.update(MESHCOLL_TOKEN=token, NCCL_NVLS_ENABLE="0")
+    import torch
+    torch.cuda.set_device(rank)
+    kw = dict(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port,
+              timeout=30, device=rank)
+    pg = meshcoll.init("nccl", **kw)
+    x = torch.ones(1 << 20, device="cuda")  # NCCL's path, not the direct kernels
+    try:
+        pg.all_reduce(x, op="sum" if rank == 0 else "max")
+        torch.cuda.synchronize()
+        pg.barrier()
+        caught = "no error"
+    except meshcoll.MismatchError:
+        caught = "MismatchError"
+    if rank == late:
+        time.sleep(1.0)
+    try:
+        meshcoll.destroy()
+    except meshcoll.MeshcollError:
+        pass  # the failed world's error again
+    t0 = time.monotonic()
+    pg = meshcoll.init("nccl", **kw)
+    took = time.monotonic() - t0
+    y = torch.full((1 << 20,), float(rank + 1), device="cuda")
+    pg.all_reduce(y)
+    right = bool((y.cpu() == world * (world + 1) / 2).all())
+    meshcoll.destroy()
+    return caught, right, took
+
+
+@gpus(2)
+def test_destroy_then_init_after_a_mismatch_on_nccl():
+    import secrets
+    from conftest import free_port, spawn
+    world = min(NGPU, 4)
+    res = spawn(world, _rebuild_nccl, world, free_port(), secrets.token_hex(8), 0, timeout=150)
+    for rank, (caught, right, took) in enumerate(res):
+        assert right, (rank, caught, took)
+        assert took < 20, (rank, took)  # NCCL's init, not a timeout
