@@ -132,6 +132,9 @@ def parse_args(argv=None):
     p.add_argument("--torch-port", type=int, default=None,
                    help="torch.distributed's MASTER_PORT (default: rank 0 picks a free one)")
     p.add_argument("--json", metavar="FILE", help="write one JSON record per row")
+    p.add_argument("--torch-avg", action="store_true",
+                   help="torch's DDP all-reduces with ReduceOp.AVG (a comm hook) as meshcoll "
+                        "does (NCCL only: Gloo has no AVG)")
     p.add_argument("--torch-vs-torch", action="store_true",
                    help="the meshcoll column is torch's DDP with 0.9x the bucket cap: the "
                         "parameter difference that summation order alone makes")
@@ -393,6 +396,13 @@ def run_config(kind: str, views: bool, args, pg, device: torch.device) -> Dict[s
     kw[buffers] = args.broadcast_buffers == "on"
     torch_model = nn.parallel.DistributedDataParallel(
         torch_copy, bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=views, **kw)
+    if args.torch_avg:
+        # torch's DDP with NCCL's average in place of its own pre-division and sum: the op
+        # meshcoll's buckets use (ncclAvg), to tell the two apart in the parameters.
+        def avg_hook(state, bucket):  # unannotated: torch checks a hook's annotations
+            work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.AVG, async_op=True)
+            return work.get_future().then(lambda f: f.value()[0])
+        torch_model.register_comm_hook(None, avg_hook)
     if args.torch_vs_torch:
         # The floor of "parameters agree": torch's DDP against itself with other buckets,
         # whose sums round in another order (in place of meshcoll's wrapper).
