@@ -93,6 +93,11 @@ void Comm::shutdown() {
   // (PeerError) instead of at its timeout; it then leaves too, which the store's host may be
   // waiting for (Note [Store teardown]).
   transport_.reset();
+  // Its shared memory and eventfd too: a destroyed group held by Python (a variable, a
+  // traceback) must not keep them until it is collected.
+  shm_.reset();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+  wake_fd_ = -1;
 }
 
 void Comm::check_open_locked(const transport::OpDesc& d) const {

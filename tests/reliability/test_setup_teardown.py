@@ -441,3 +441,32 @@ def test_destroy_then_init_after_a_mismatch_works_in_the_same_processes(late):
     for rank, (caught, right, took) in enumerate(res):
         assert caught == "MismatchError" and right, (rank, caught, right)
         assert took < 10, (rank, took)  # seconds, not the init timeout
+
+
+def _held_after_destroy(pg):
+    """A destroyed subgroup still referenced from Python holds no shared memory and no
+    descriptors (issue 34 item 12)."""
+    def resources():
+        with open("/proc/self/maps") as f:
+            shm = sum(1 for line in f if "/dev/shm/" in line)
+        return shm, len(os.listdir("/proc/self/fd"))
+    before = resources()
+    groups = [pg.new_group([0, 1]) for _ in range(3)]
+    for g in groups:
+        x = np.ones(16)
+        g.all_reduce(x)
+    during = resources()
+    for g in groups:
+        g.destroy()
+    after = resources()  # `groups` still holds every group object
+    return before, during, after
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_destroy_frees_a_groups_memory_and_descriptors_while_python_holds_it(run_ranks,
+                                                                              transport):
+    for before, during, after in run_ranks(2, _held_after_destroy, transport=transport):
+        assert during[1] > before[1], (before, during)  # the groups did open descriptors
+        if transport == "shm":
+            assert during[0] > before[0], (before, during)
+        assert after[0] <= before[0] and after[1] <= before[1] + 1, (before, during, after)
