@@ -97,6 +97,7 @@ def _every_rank_bad(pg):
     got = {}
     for label, call in [
         ("unmapped all_reduce", lambda: pg.all_reduce(unmapped(), timeout=CALL)),
+        ("unmapped small all_reduce", lambda: pg.all_reduce(unmapped()[:4], timeout=CALL)),
         ("PROT_NONE all_reduce", lambda: pg.all_reduce(x_none, timeout=CALL)),
         ("PROT_NONE send", lambda: pg.send(x_none, 1 - pg.rank, timeout=CALL)),
         ("read-only mapping all_reduce", lambda: pg.all_reduce(x_ro, timeout=CALL)),
@@ -137,6 +138,7 @@ def test_each_kind_of_unusable_memory_is_a_value_error(run_ranks):
         assert got.pop("received", 1.0) == 1.0
         assert "not mapped" in got["unmapped all_reduce"], got
         assert "all_reduce" in got["unmapped all_reduce"], got
+        assert "not mapped" in got["unmapped small all_reduce"], got  # the ends probe's path
         assert "not readable" in got["PROT_NONE all_reduce"], got
         assert "send" in got["PROT_NONE send"] and "not readable" in got["PROT_NONE send"], got
         assert "not writable" in got["read-only mapping all_reduce"], got
