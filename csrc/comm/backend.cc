@@ -457,7 +457,7 @@ WorkPtr Backend::send(const ArrayView& buf, int peer, uint32_t tag, const CallOp
   check_peer(peer, rank_, size_, "send");
   auto d = make_desc(CollKind::kSendRecv, buf.dtype, buf.count);
   Call c = open(CollKind::kSendRecv, d, o, "send", {&buf}, /*reads_only=*/true);
-  ledger_.open_p2p(d, peer);
+  c.p2p = ledger_.open_p2p(d, peer);
   return issue(c, [&] { return do_send(c, buf, peer, tag); });
 }
 
@@ -465,7 +465,7 @@ WorkPtr Backend::recv(const ArrayView& buf, int peer, uint32_t tag, const CallOp
   check_peer(peer, rank_, size_, "recv");
   auto d = make_desc(CollKind::kSendRecv, buf.dtype, buf.count);
   Call c = open(CollKind::kSendRecv, d, o, "recv", {&buf});
-  ledger_.open_p2p(d, peer);
+  c.p2p = ledger_.open_p2p(d, peer);
   return issue(c, [&] { return do_recv(c, buf, peer, tag); });
 }
 

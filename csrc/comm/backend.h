@@ -209,6 +209,7 @@ class Backend {
     transport::OpDesc desc;
     const CallOptions& opts;
     uint64_t seq = 0;  // the ledger's sequence number, once the backend opened the record
+    uint64_t p2p = 0;  // point-to-point: its number in the ledger (Ledger::open_p2p)
     // Owners of the arrays, held by the Work until the operation completed (async only:
     // a synchronous caller holds them itself).
     std::vector<std::shared_ptr<void>> keep;

@@ -170,7 +170,8 @@ std::shared_ptr<CpuWork> Comm::enqueue(const transport::OpDesc& desc, Millis tim
 
 std::shared_ptr<CpuWork> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag, ConstBytes src,
                                            MutBytes dst, const transport::OpDesc& desc,
-                                           Millis timeout, std::vector<std::shared_ptr<void>> keep) {
+                                           Millis timeout, uint64_t record,
+                                           std::vector<std::shared_ptr<void>> keep) {
   Item item;
   item.env = p2p_envelope(tag, desc);
   item.timeout = timeout.count() < 0 ? opts_.timeout : timeout;
@@ -178,6 +179,7 @@ std::shared_ptr<CpuWork> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag,
   item.is_send = is_send;
   item.src = src;
   item.dst = dst;
+  item.record = record;
   item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, reported_, spin_);
   for (auto& k : keep) item.work->keep(std::move(k));
   {
@@ -284,7 +286,7 @@ void Comm::progress_in_flight() {
 void Comm::reap_in_flight() {
   for (size_t i = 0; i < in_flight_.size();) {
     if (in_flight_[i].req->complete()) {
-      in_flight_[i].work->finish(nullptr);
+      end_p2p(in_flight_[i], nullptr);
       in_flight_[i] = std::move(in_flight_.back());
       in_flight_.pop_back();
     } else {
@@ -329,19 +331,20 @@ std::exception_ptr Comm::p2p_timeout(bool is_send, int peer, uint32_t tag, Milli
 }
 
 void Comm::run_p2p_blocking(bool is_send, int peer, uint32_t tag, ConstBytes src, MutBytes dst,
-                            const transport::OpDesc& desc, Millis timeout) {
+                            const transport::OpDesc& desc, Millis timeout, uint64_t record) {
   transport::Envelope env = p2p_envelope(tag, desc);
   const Millis t = timeout.count() < 0 ? opts_.timeout : timeout;
   uint64_t index = 0;
   if (!try_claim(env, &index, peer, is_send)) {
     // Not idle: behind the pending operations, as isend/irecv would be.
-    enqueue_p2p(is_send, peer, tag, src, dst, desc, timeout)->wait(Millis(-1));
+    enqueue_p2p(is_send, peer, tag, src, dst, desc, timeout, record)->wait(Millis(-1));
     return;
   }
   transport::Request req;
   auto post = [&](Comm&) {
     req = is_send ? transport_->isend(peer, env, src) : transport_->irecv(peer, env, dst);
   };
+  const InFlight f{nullptr, nullptr, Deadline(t), peer, tag, is_send, record, desc, Clock::now()};
   std::exception_ptr error = execute(env, t, index, OpRef(post), false);
   if (!error) {
     // Driven here as the worker would (progress_in_flight), in slices of kInterruptEvery so
@@ -361,6 +364,7 @@ void Comm::run_p2p_blocking(bool is_send, int peer, uint32_t tag, ConstBytes src
       error = about_p2p(p2p_what(is_send, peer, tag), e);
     }
   }
+  end_p2p(f, error);
   release_claim();
   if (error) {
     reported_->store(true);
@@ -371,11 +375,12 @@ void Comm::run_p2p_blocking(bool is_send, int peer, uint32_t tag, ConstBytes src
 void Comm::start_p2p(Item& item) {
   transport::Request req = item.is_send ? transport_->isend(item.peer, item.env, item.src)
                                         : transport_->irecv(item.peer, item.env, item.dst);
+  InFlight f{req, item.work, Deadline(item.timeout), item.peer, item.env.tag, item.is_send,
+             item.record, item.env.op, Clock::now()};
   if (req->complete()) {
-    item.work->finish(nullptr);
+    end_p2p(f, nullptr);
   } else {
-    in_flight_.push_back({req, item.work, Deadline(item.timeout), item.peer, item.env.tag,
-                          item.is_send});
+    in_flight_.push_back(std::move(f));
     sync_in_flight_count();
   }
 }
@@ -409,7 +414,7 @@ void Comm::fail_group(std::exception_ptr error) {
   // Any failure mid-operation leaves peers waiting on us: abort so they fail fast.
   transport_->abort(abort_kind_of(error), message_of(error));
   if (first) on_group_failure(error);
-  for (auto& f : in_flight_) f.work->finish(about_p2p(f.what(*this), error));
+  for (auto& f : in_flight_) end_p2p(f, about_p2p(f.what(*this), error));
   in_flight_.clear();
   sync_in_flight_count();
 }
@@ -479,16 +484,39 @@ std::string Comm::census(uint64_t seq) {
   }
 }
 
+namespace {
+uint64_t nanoseconds_since(Clock::time_point t0) {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+}
+}  // namespace
+
 void Comm::log_op(const transport::Envelope& env, Clock::time_point t0,
                   std::exception_ptr error) {
+  log_line(describe_op(env.op), env.seq, *algorithm_ ? algorithm_ : (shm_ ? "shm" : "tcp"),
+           env.op.count * dtype_size(static_cast<DType>(env.op.dtype)), t0, error);
+}
+
+void Comm::log_line(const std::string& what, uint64_t seq, const char* route, uint64_t bytes,
+                    Clock::time_point t0, std::exception_ptr error) {
   auto us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
   std::fprintf(stderr, "meshcoll[rank %d/%d] %s seq=%llu algo=%s bytes=%llu time=%lldus%s%s\n",
-               rank_, size_, describe_op(env.op).c_str(), static_cast<unsigned long long>(env.seq),
-               *algorithm_ ? algorithm_ : (shm_ ? "shm" : "tcp"),
-               static_cast<unsigned long long>(env.op.count *
-                                               dtype_size(static_cast<DType>(env.op.dtype))),
-               static_cast<long long>(us), error ? " FAILED: " : "",
-               error ? message_of(error).c_str() : "");
+               rank_, size_, what.c_str(), static_cast<unsigned long long>(seq), route,
+               static_cast<unsigned long long>(bytes), static_cast<long long>(us),
+               error ? " FAILED: " : "", error ? message_of(error).c_str() : "");
+}
+
+void Comm::end_p2p(const InFlight& f, std::exception_ptr error) {
+  ledger_->p2p_state(f.record, error ? CallState::kFailed : CallState::kDone);
+  if (!error) ledger_->add_totals(f.desc, nanoseconds_since(f.started));
+  if (opts_.debug) {
+    // "send to rank 1 (tag 0) on rank 0" (p2p_what ends in ": " for an error's text).
+    std::string what = p2p_what(f.is_send, f.peer, f.tag);
+    what.resize(what.size() - 2);
+    log_line(str_cat(what, " ", describe_op(f.desc)), f.record, "p2p",
+             f.desc.count * dtype_size(static_cast<DType>(f.desc.dtype)), f.started, error);
+  }
+  if (f.work) f.work->finish(error);
 }
 
 void Comm::run_item(Item& item) {
@@ -502,8 +530,11 @@ void Comm::run_item(Item& item) {
     start_p2p(item);
     posted = true;
   };
+  const auto t0 = Clock::now();
   std::exception_ptr error = execute(item.env, item.timeout, item.index, OpRef(post), false);
-  if (!posted) item.work->finish(error);
+  if (!posted)
+    end_p2p({nullptr, item.work, Deadline(item.timeout), item.peer, item.env.tag, item.is_send,
+             item.record, item.env.op, t0}, error);
 }
 
 std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout, uint64_t index,
@@ -524,7 +555,7 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
   }
   current_ = env;
   deadline_ = Deadline(timeout);
-  const auto t0 = opts_.debug ? Clock::now() : Clock::time_point();
+  const auto t0 = Clock::now();  // Note [Call totals]: every call is timed
   try {
     if (!collective) {
       run(*this);
@@ -543,6 +574,7 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     // and its waits poll the links: a syscall per call saved.
     if (size_ > 1 && (used_tcp_ || !in_flight_.empty())) transport_->poll_once();
     ledger_->set_state(env.seq, CallState::kDone, route());
+    ledger_->add_totals(env.op, nanoseconds_since(t0));
     if (opts_.debug) log_op(env, t0, nullptr);
     return nullptr;
   } catch (...) {

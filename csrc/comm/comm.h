@@ -118,14 +118,16 @@ class Comm {
   // Note [Point-to-point in flight]: the worker only *posts* it and moves on to the next
   // operation, so `irecv` then `isend` on both sides of a pair cannot deadlock; posted
   // transfers progress during every later wait and complete their Work when done.
+  // `record`: the transfer's number in the ledger (Ledger::open_p2p), closed when it ends.
   std::shared_ptr<CpuWork> enqueue_p2p(bool is_send, int peer, uint32_t tag, ConstBytes src,
                                        MutBytes dst, const transport::OpDesc& desc, Millis timeout,
+                                       uint64_t record,
                                        std::vector<std::shared_ptr<void>> keep = {});
   // A send or receive the caller waits for (send/recv, not isend/irecv). Note [Inline
   // execution] for point-to-point: when the group is idle the transfer is posted and driven on
   // the calling thread, with no Work; otherwise it is queued and waited for. Throws its failure.
   void run_p2p_blocking(bool is_send, int peer, uint32_t tag, ConstBytes src, MutBytes dst,
-                        const transport::OpDesc& desc, Millis timeout);
+                        const transport::OpDesc& desc, Millis timeout, uint64_t record);
   // Stops accepting work, finishes what is queued (each op is bounded by its deadline).
   void shutdown();
   // Fails the group as an operation's failure would (every peer gets an ABORT and raises at
@@ -173,6 +175,7 @@ class Comm {
     MutBytes dst;
     std::shared_ptr<CpuWork> work;
     uint64_t index = 0;  // position in issue order
+    uint64_t record = 0;  // point-to-point: its number in the ledger
   };
   std::shared_ptr<CpuWork> push(Item item);
   // Note [Inline execution]: if the group is idle, takes the next sequence number (a
@@ -196,11 +199,21 @@ class Comm {
     int peer;
     uint32_t tag;
     bool is_send;
+    uint64_t record;  // its number in the ledger
+    transport::OpDesc desc;
+    Clock::time_point started;
     std::string what(const Comm& c) const;  // for errors only
   };
+  // A point-to-point transfer ended (`error` null: completed): closes its ledger record, adds
+  // it to the totals (Note [Call totals]) and logs it (MESHCOLL_DEBUG), as execute() does
+  // for collectives; then finishes its Work, if it has one.
+  void end_p2p(const InFlight& f, std::exception_ptr error);
   void worker_loop();
   void run_item(Item& item);
   void log_op(const transport::Envelope& env, Clock::time_point t0, std::exception_ptr error);
+  // One MESHCOLL_DEBUG line: what ran, its sequence number, route, bytes and time.
+  void log_line(const std::string& what, uint64_t seq, const char* route, uint64_t bytes,
+                Clock::time_point t0, std::exception_ptr error);
   // How the running operation was carried, for the ledger: "shm", "tcp", "hierarchy", the
   // all_reduce algorithm it chose, or "local" (a group of one).
   const char* route() const;

@@ -94,9 +94,39 @@ uint64_t Ledger::open_collective(const transport::OpDesc& d) {
   return seq;
 }
 
-void Ledger::open_p2p(const transport::OpDesc& d, int peer) {
+uint64_t Ledger::open_p2p(const transport::OpDesc& d, int peer) {
   const uint64_t n = next_p2p_.fetch_add(1, std::memory_order_relaxed);
   write(p2p_[n % kKeep], n, d, peer);
+  return n;
+}
+
+void Ledger::p2p_state(uint64_t n, CallState s) {
+  Slot& r = p2p_[n % kKeep];
+  if (r.tag.load(std::memory_order_relaxed) != n) return;  // rewritten by a later transfer
+  r.state.store(static_cast<uint8_t>(s), std::memory_order_release);
+}
+
+void Ledger::add_totals(const transport::OpDesc& d, uint64_t ns) {
+  // Calls that move data only: not a relayed failure or a symmetric allocation.
+  if (d.coll == 0 || d.coll > static_cast<uint8_t>(CollKind::kSendRecv)) return;
+  Totals& t = totals_[d.coll];
+  t.calls.fetch_add(1, std::memory_order_relaxed);
+  t.bytes.fetch_add(d.count * dtype_size(static_cast<DType>(d.dtype)), std::memory_order_relaxed);
+  t.ns.fetch_add(ns, std::memory_order_relaxed);
+}
+
+std::vector<KindTotals> Ledger::totals() const {
+  std::vector<KindTotals> out;
+  for (size_t k = 0; k < kKinds; ++k) {
+    const Totals& t = totals_[k];
+    KindTotals r{static_cast<CollKind>(k)};
+    r.calls = t.calls.load(std::memory_order_relaxed);
+    if (!r.calls) continue;
+    r.bytes = t.bytes.load(std::memory_order_relaxed);
+    r.nanoseconds = t.ns.load(std::memory_order_relaxed);
+    out.push_back(r);
+  }
+  return out;
 }
 
 void Ledger::set_state(uint64_t seq, CallState s, const char* route) {

@@ -61,9 +61,22 @@ struct CallRecord {
   transport::OpDesc desc;
   CallState state = CallState::kIssued;
   const char* route = "";  // how it was carried ("shm", "tcp", "ring", ...): static text
-  // "all_reduce(count=4, float32, sum) [seq 3] done via ring" / "... pending". (No clock is read per
-  // call: a timeout's message says how long the call waited.)
+  // "all_reduce(count=4, float32, sum) [seq 3] done via ring" / "... pending".
   std::string describe() const;
+};
+
+// Note [Call totals]
+// Per collective kind (point-to-point as kSendRecv), the calls of this rank on the group that
+// completed without error: how many, their bytes (count x item size of the call's
+// description, which every rank agrees on: an all_gather counts the whole gathered result, a
+// send/recv its message) and the time this rank spent running them (from the moment the rank
+// began the call, after any wait in the queue, to its end; two clock reads per call), added
+// by the thread that saw each end. What ProcessGroup.stats() reports. The CPU backend times
+// every call; the NCCL backend's calls end on the GPU, where no host thread sees them end,
+// and are not counted.
+struct KindTotals {
+  CollKind kind;
+  uint64_t calls = 0, bytes = 0, nanoseconds = 0;
 };
 
 class Ledger {
@@ -74,11 +87,18 @@ class Ledger {
   // that orders the backend's calls (under the CPU Comm's queue lock; by the one thread an
   // NCCL group allows), so the numbers follow issue order.
   uint64_t open_collective(const transport::OpDesc& d);
-  // Records a point-to-point transfer (it takes no collective sequence number).
-  void open_p2p(const transport::OpDesc& d, int peer);
+  // Records a point-to-point transfer (it takes no collective sequence number) and returns
+  // its number, for p2p_state.
+  uint64_t open_p2p(const transport::OpDesc& d, int peer);
   // How collective `seq` ended (the CPU worker, or the calling thread when it ran inline),
   // and how it was carried (`route`: static text, or nullptr).
   void set_state(uint64_t seq, CallState s, const char* route = nullptr);
+  // How point-to-point transfer `n` (open_p2p's number) ended: the thread that saw it end.
+  void p2p_state(uint64_t n, CallState s);
+  // Note [Call totals]: a call described by `d` completed without error in `ns` nanoseconds.
+  void add_totals(const transport::OpDesc& d, uint64_t ns);
+  // The totals of every kind that completed a call, in CollKind order.
+  std::vector<KindTotals> totals() const;
   // The last `n` collectives and the last `n` point-to-point transfers, each oldest first.
   std::vector<CallRecord> recent(size_t n = kKeep) const;
   // The last `n` calls on one line, for error messages.
@@ -102,6 +122,13 @@ class Ledger {
   std::array<Slot, kKeep> p2p_{};
   std::atomic<uint64_t> next_seq_{1};  // written by the ordering thread only
   std::atomic<uint64_t> next_p2p_{1};
+  // Note [Call totals], indexed by CollKind (relaxed atomics: readers may see one call's
+  // count before its bytes; a report taken while calls run is approximate anyway).
+  struct Totals {
+    std::atomic<uint64_t> calls{0}, bytes{0}, ns{0};
+  };
+  static constexpr size_t kKinds = 16;
+  std::array<Totals, kKinds> totals_{};
 };
 
 }  // namespace meshcoll::comm

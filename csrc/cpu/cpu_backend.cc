@@ -221,21 +221,21 @@ WorkPtr CpuBackend::do_barrier(Call& c) {
 WorkPtr CpuBackend::do_send(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
   flush_staged();
   if (c.opts.wait) {
-    comm_->run_p2p_blocking(true, peer, tag, buf.cbytes(), MutBytes(), c.desc, c.opts.timeout);
+    comm_->run_p2p_blocking(true, peer, tag, buf.cbytes(), MutBytes(), c.desc, c.opts.timeout, c.p2p);
     return nullptr;
   }
   return comm_->enqueue_p2p(true, peer, tag, buf.cbytes(), MutBytes(), c.desc, c.opts.timeout,
-                            std::move(c.keep));
+                            c.p2p, std::move(c.keep));
 }
 
 WorkPtr CpuBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
   flush_staged();
   if (c.opts.wait) {
-    comm_->run_p2p_blocking(false, peer, tag, ConstBytes(), buf.mbytes(), c.desc, c.opts.timeout);
+    comm_->run_p2p_blocking(false, peer, tag, ConstBytes(), buf.mbytes(), c.desc, c.opts.timeout, c.p2p);
     return nullptr;
   }
   return comm_->enqueue_p2p(false, peer, tag, ConstBytes(), buf.mbytes(), c.desc, c.opts.timeout,
-                            std::move(c.keep));
+                            c.p2p, std::move(c.keep));
 }
 
 void CpuBackend::do_fail(const std::string& message, std::exception_ptr like) {

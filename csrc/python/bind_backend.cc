@@ -468,6 +468,14 @@ void bind_backend(py::module_& m) {
              for (const auto& r : x.ledger().recent(n)) out.push_back(r.describe());
              return out;
            }, py::arg("n") = comm::Ledger::kKeep, "The group's last calls, oldest first.")
+      .def("stats", [](Backend& x) {
+             // Note [Call totals] in comm/ledger.h: {kind: (calls, bytes, nanoseconds)}.
+             py::dict out;
+             for (const auto& t : x.ledger().totals())
+               out[comm::coll_name(t.kind)] = py::make_tuple(t.calls, t.bytes, t.nanoseconds);
+             return out;
+           }, "Per collective kind ('send/recv' for point-to-point), this rank's calls that "
+              "completed: (calls, bytes, nanoseconds).")
       .def("fail", [](Backend& x, const std::string& message) {
              py::gil_scoped_release nogil;
              x.fail(message);

@@ -30,7 +30,7 @@ _HOME = {
     "nccl_available": "nccl",
     **dict.fromkeys(("ShardedArray", "partition_range", "reduce_scatter_dim", "shard"),
                     "partition"),
-    **dict.fromkeys(("CollectiveConfig", "NonMemberGroup", "ProcessGroup", "Work"),
+    **dict.fromkeys(("CallStats", "CollectiveConfig", "NonMemberGroup", "ProcessGroup", "Work"),
                     "process_group"),
     **dict.fromkeys(("destroy", "get_world_group", "init", "is_initialized", "new_group"),
                     "world"),
@@ -56,7 +56,7 @@ if _typing.TYPE_CHECKING:  # what __getattr__ binds, as type checkers and IDEs s
     from .monitor import monitored_barrier
     from .nccl import nccl_available
     from .partition import ShardedArray, partition_range, reduce_scatter_dim, shard
-    from .process_group import CollectiveConfig, NonMemberGroup, ProcessGroup, Work
+    from .process_group import CallStats, CollectiveConfig, NonMemberGroup, ProcessGroup, Work
     from .world import destroy, get_world_group, init, is_initialized, new_group
 
 
@@ -78,7 +78,7 @@ def __dir__() -> "list[str]":
 
 __all__ = [
     "init", "destroy", "is_initialized", "get_rank", "get_world_size", "get_world_group",
-    "new_group", "ProcessGroup", "NonMemberGroup", "Work", "CollectiveConfig", "TCPStore",
+    "new_group", "ProcessGroup", "NonMemberGroup", "Work", "CollectiveConfig", "CallStats", "TCPStore",
     "FileStore", "PrefixStore", "Store", "DataParallel", "LocalSGD", "BoundedStaleness",
     "Asynchronous", "MeshLayout", "DeviceMesh", "init_device_mesh",
     "monitored_barrier", "nccl_available", "ShardedArray", "partition_range", "reduce_scatter_dim", "shard",

@@ -170,6 +170,19 @@ class HostArrays:
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class CallStats:
+    """One collective kind's totals in ``ProcessGroup.stats()``."""
+    calls: int
+    bytes: int
+    seconds: float  # time this rank spent running the calls
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second over the calls' time (0.0 if no time was measured)."""
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+
 class ProcessGroup:
     """A group of ranks that communicate together. Create with ``meshcoll.init`` (the world)
     and ``meshcoll.new_group`` / ``group.split``; every member calls every collective in the
@@ -494,6 +507,17 @@ class ProcessGroup:
     def recent_calls(self, n: int = 64) -> List[str]:
         """This rank's last ``n`` calls on this group, oldest first (the call ledger)."""
         return self._backend.recent_calls(n)
+
+    def stats(self) -> Dict[str, "CallStats"]:
+        """This rank's communication totals on this group, per collective kind (``"send/recv"``
+        for point-to-point), from the call ledger: the calls that completed without error,
+        their bytes (the call's count times its item size, as ranks agree on it: an all_gather
+        counts the whole gathered result) and the time this
+        rank spent running them. Kinds with no completed call are absent. On the CPU backend
+        only: NCCL calls end on the GPU, where no host thread times them (the dict is
+        empty)."""
+        return {kind: CallStats(calls, nbytes, ns / 1e9)
+                for kind, (calls, nbytes, ns) in self._backend.stats().items()}
 
     def __repr__(self) -> str:
         dev = f", device={self._device}" if self._device is not None else ""
