@@ -233,17 +233,25 @@ Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const Cal
     c.desc.block = blocks_;
   }
   // Note [Steps carry their call]
-  // A hierarchical call runs as steps on other groups (local shared memory, then the hosts'
-  // leaders), each described by its own counts. What the call's own description adds (its
-  // coalesced block, and the layout of a CPU block's fused all_reduce, or an all_gather's
-  // shape, in `shape`) would otherwise be compared nowhere: ranks that split one total
-  // differently in a block would sum misaligned data without an error. So each step's
-  // description takes the call's block and mixes in its layout.
-  if (o.within && (o.within->block || o.within->shape)) {
-    c.desc.block = o.within->block;
+  // A composed call (the hierarchy's) runs as steps on other groups (local shared memory,
+  // then the hosts' leaders), each described by its own arguments. Which steps a rank runs,
+  // and with which roots and counts, follows from the call's arguments and the rank's host,
+  // so ranks that disagree on the call may still run steps that agree: a rank on another
+  // host than the root that names another root on the root's host runs the same local
+  // broadcast as its host's peers and silently takes their data; a block's calls split one
+  // total differently sum misaligned data. So every step's description carries the whole
+  // call's: its coalesced block, and a fingerprint of everything else the ranks must agree
+  // on (kind, dtype, op, root, count, layout, block) mixed into `shape`. Steps then agree
+  // only where the calls they serve agree, and a disagreement is a MismatchError in the
+  // first step the disagreeing ranks share (run_steps in cpu/hierarchy.cc names the call).
+  if (o.within) {
+    const transport::OpDesc w = *o.within;  // a copy: the struct is packed
+    c.desc.block = w.block;
     ShapeHash h;
-    h.mix(c.desc.shape);
-    h.mix(o.within->shape);
+    for (uint64_t v : {uint64_t{c.desc.shape}, uint64_t{w.coll}, uint64_t{w.dtype},
+                       uint64_t{w.redop}, uint64_t{static_cast<uint32_t>(w.root)}, w.count,
+                       uint64_t{w.shape}, w.block})
+      h.mix(v);
     c.desc.shape = h.value();
   }
   // Point-to-point returns a Work even when synchronous: its owners ride with it too.
@@ -344,13 +352,15 @@ WorkPtr Backend::broadcast(const ArrayView& buf, int root, const CallOptions& o)
 
 WorkPtr Backend::all_gather(const ArrayView& in, const ArrayView& out,
                             const std::vector<size_t>& counts, bool uneven, const CallOptions& o) {
-  const char* what = uneven ? "all_gather_v" : "all_gather";
+  const CollKind kind = o.exchange != CollKind{} ? o.exchange
+                        : uneven                  ? CollKind::kAllGatherV
+                                                  : CollKind::kAllGather;
+  const char* what = coll_name(kind);
   check_arrays(what, in, out);
   check_counts(counts, what);
   if (in.count != counts[rank_]) size_error(what, "x", in.count, counts[rank_], "its count is");
   if (out.count != total(counts)) size_error(what, "out", out.count, total(counts), "the counts add up to");
   check_overlap(what, in, out, offset_of(counts, rank_), "x is out's block of this rank");
-  const CollKind kind = uneven ? CollKind::kAllGatherV : CollKind::kAllGather;
   auto d = make_desc(kind, in.dtype, total(counts));
   // The result is stacked by shape: (2, 3) on one rank and (3, 2) on another disagree even
   // with equal counts; the _v form concatenates rows, so only a row's shape must agree.
@@ -381,7 +391,10 @@ WorkPtr Backend::all_to_all(const ArrayView& in, const ArrayView& out,
                             const std::vector<size_t>& send_counts,
                             const std::vector<size_t>& recv_counts, bool uneven,
                             const CallOptions& o) {
-  const char* what = uneven ? "all_to_all_v" : "all_to_all";
+  const CollKind kind = o.exchange != CollKind{} ? o.exchange
+                        : uneven                  ? CollKind::kAllToAllV
+                                                  : CollKind::kAllToAll;
+  const char* what = coll_name(kind);
   check_arrays(what, in, out);
   check_counts(send_counts, what);
   check_counts(recv_counts, what);
@@ -390,7 +403,6 @@ WorkPtr Backend::all_to_all(const ArrayView& in, const ArrayView& out,
   if (out.count != total(recv_counts))
     size_error(what, "out", out.count, total(recv_counts), "the receive counts add up to");
   check_overlap(what, in, out, 0, nullptr);
-  const CollKind kind = uneven ? CollKind::kAllToAllV : CollKind::kAllToAll;
   // Uneven: per-rank totals differ, so the count is not compared; a row's shape is.
   auto d = make_desc(kind, in.dtype, uneven ? 0 : in.count);
   d.shape = in.row_hash;

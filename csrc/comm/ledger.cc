@@ -22,6 +22,9 @@ const char* coll_name(CollKind k) {
     case CollKind::kSendRecv: return "send/recv";
     case CollKind::kFail: return "relayed failure";
     case CollKind::kAllocSymmetric: return "empty(symmetric=True)";
+    case CollKind::kAllGatherVCounts: return "all_gather_v's count exchange";
+    case CollKind::kAllToAllVCounts: return "all_to_all_v's count exchange";
+    case CollKind::kSplitTable: return "split's exchange of colors";
   }
   return "unknown";
 }

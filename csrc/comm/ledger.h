@@ -44,6 +44,18 @@ enum class CollKind : uint8_t {
   kSendRecv,  // point-to-point
   kFail,      // Backend::fail: the group is failed on purpose (a relayed failure)
   kAllocSymmetric,  // NCCL: a symmetric window allocated together (count: bytes)
+  // Note [Internal exchanges]
+  // The metadata rounds of composed calls: all_gather_v's and split's all_gather of a small
+  // int64 array, all_to_all_v's all_to_all of its send counts. Described as a user's
+  // all_gather / all_to_all they would pair with one (the same count and dtype): a rank
+  // calling all_to_all_v against a rank calling all_to_all(np.array([7, 9])) would hand that
+  // rank its counts as data, with no error. Each has its own kind instead
+  // (CallOptions::exchange), so it pairs only with the same exchange of the same call, and
+  // anything else is a MismatchError naming both calls on every rank.
+  kAllGatherVCounts,
+  kAllToAllVCounts,
+  kSplitTable,
+  kLast = kSplitTable,
 };
 const char* coll_name(CollKind k);
 // "all_reduce(count=1024, float32, sum)": for error messages and logs.

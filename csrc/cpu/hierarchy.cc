@@ -92,6 +92,12 @@ void run_steps(comm::Comm& parent, const Hierarchy& h, const char* what, Steps&&
     try {
       std::rethrow_exception(error);
     } catch (const MismatchError&) {
+      // The steps' descriptions fingerprint the whole call (Note [Steps carry their call] in
+      // comm/backend.cc): steps that look alike yet differ served different calls.
+      error = same_type(error, str_cat(message_of(error), ". The steps of a hierarchical call "
+                                       "carry the whole call, so the ranks named made different "
+                                       "calls (another root, count, dtype, op, shape or "
+                                       "coalesced block) even where their steps look alike"));
       like = error;
     } catch (...) {
     }

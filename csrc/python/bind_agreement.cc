@@ -19,7 +19,7 @@ namespace {
 
 comm::CollKind kind_named(const std::string& name) {
   for (int k = static_cast<int>(comm::CollKind::kAllReduce);
-       k <= static_cast<int>(comm::CollKind::kAllocSymmetric); ++k)
+       k <= static_cast<int>(comm::CollKind::kLast); ++k)
     if (name == comm::coll_name(static_cast<comm::CollKind>(k)))
       return static_cast<comm::CollKind>(k);
   throw py::value_error(str_cat("unknown collective '", name, "'"));

@@ -536,6 +536,34 @@ void bind_backend(py::module_& m) {
              auto c = counts_arg(counts);
              return run(x, read.what(), read.blocks(), [&] { return x.all_gather(in, o, c, uneven, read.opts); });
            })
+      .def("exchange", [](Backend& x, const py::handle& a, const py::handle& out,
+                          const std::string& of, const py::handle& timeout) {
+             // Note [Internal exchanges] in comm/ledger.h: the metadata round of `of`, under
+             // its own kind, so it never pairs with a user's all_gather or all_to_all.
+             comm::CollKind kind;
+             if (of == "all_gather_v") kind = comm::CollKind::kAllGatherVCounts;
+             else if (of == "all_to_all_v") kind = comm::CollKind::kAllToAllVCounts;
+             else if (of == "split") kind = comm::CollKind::kSplitTable;
+             else throw py::value_error(str_cat("exchange: no internal exchange of '", of, "'"));
+             CallReader read(x, comm::coll_name(kind), timeout, py::none(), false);
+             auto in = read(a, "x", false);
+             auto o = read(out, "out", true);
+             read.opts.exchange = kind;
+             const size_t n = static_cast<size_t>(x.size());
+             if (kind == comm::CollKind::kAllToAllVCounts) {  // block r of x goes to rank r
+               const std::vector<size_t> blocks(n, in.count / n);
+               return run(x, read.what(), read.blocks(), [&] {
+                 return x.all_to_all(in, o, blocks, blocks, false, read.opts);
+               });
+             }
+             const std::vector<size_t> counts(n, in.count);  // every rank's x, in rank order
+             return run(x, read.what(), read.blocks(), [&] {
+               return x.all_gather(in, o, counts, false, read.opts);
+             });
+           }, py::arg("x"), py::arg("out"), py::arg("of"), py::arg("timeout") = py::none(),
+           "The internal metadata exchange of `of` (all_gather_v, all_to_all_v, split): an "
+           "all_gather (all_to_all for all_to_all_v) under its own kind, which pairs with no "
+           "user call (Note [Internal exchanges] in csrc/comm/ledger.h). Blocks.")
       .def("reduce_scatter", [](Backend& x, const py::handle& a, const py::handle& out,
                                 const py::handle& counts, const std::string& op, bool uneven,
                                 const py::handle& timeout, const py::handle& stream, bool async) {

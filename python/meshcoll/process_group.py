@@ -605,7 +605,7 @@ class ProcessGroup:
         v = self._view(x, "all_gather_v: x", stream=stream)
         n = rows(v, "all_gather_v")
         row_elems = math.prod(v.shape[1:])
-        meta = self.all_gather(np.array([n, row_elems], np.int64), timeout=timeout)
+        meta = self._exchange(np.array([n, row_elems], np.int64), "all_gather_v", timeout)
         counts = [int(c) for c in meta[:, 0]]
         if len(set(int(e) for e in meta[:, 1])) != 1:
             raise _C.MismatchError(
@@ -702,8 +702,8 @@ class ProcessGroup:
             raise ValueError(f"all_to_all_v: send_counts {send_counts} must have {self.size} "
                              f"non-negative entries summing to axis 0's length {n}")
         row_elems = math.prod(v.shape[1:])
-        recv_counts = [int(c) for c in self.all_to_all(np.array(send_counts, np.int64),
-                                                       timeout=timeout)]
+        recv_counts = [int(c) for c in self._exchange(np.array(send_counts, np.int64),
+                                                      "all_to_all_v", timeout)]
         out = self._empty((sum(recv_counts),) + tuple(v.shape[1:]), v)
         self._backend.all_to_all(v, out, [c * row_elems for c in send_counts],
                                  [c * row_elems for c in recv_counts], True, timeout, stream,
@@ -816,6 +816,18 @@ class ProcessGroup:
                              f"data moves, and a coalesced block's ops run when the block "
                              f"ends: call it outside the block")
 
+    def _exchange(self, x: np.ndarray, of: str, timeout: Optional[float]) -> np.ndarray:
+        """The metadata round of ``of`` ("all_gather_v", "all_to_all_v", "split"): every
+        rank's int64 ``x`` stacked (all_to_all_v: block i of ``x`` to rank i). On a CPU group
+        it is described as its own kind, which pairs with no user call (Note [Internal
+        exchanges] in csrc/comm/ledger.h)."""
+        if self._arrays.device_memory:  # NCCL: host arrays travel through the communicator
+            return (self._host_all_to_all(x, timeout) if of == "all_to_all_v"
+                    else self._host_all_gather(x, timeout))
+        out = np.empty(x.shape if of == "all_to_all_v" else (self.size,) + x.shape, x.dtype)
+        self._backend.exchange(x, out, of, timeout)
+        return out
+
     # ---- metadata of NCCL groups: host arrays through the communicator ---------------
     def _host_all_gather(self, x: np.ndarray, timeout: Optional[float]) -> np.ndarray:
         x = np.ascontiguousarray(x)
@@ -877,8 +889,8 @@ class ProcessGroup:
         self._next_child += 1
         child: Union[ProcessGroup, NonMemberGroup]
         with self._group_call(name, "split()", timeout):
-            table = self.all_gather(np.array([c, int(key), self._ranks[self.rank]], np.int64),
-                                    timeout=timeout)
+            table = self._exchange(np.array([c, int(key), self._ranks[self.rank]], np.int64),
+                                   "split", timeout)
             if c < 0:
                 child = NonMemberGroup([], name)
                 self._sit_out(timeout)

@@ -284,3 +284,96 @@ def test_a_block_split_differently_on_a_hierarchical_group_is_a_mismatch(run_ran
     hosts = LAYOUTS["2+2"]
     for r, (kind, msg) in enumerate(run_ranks(len(hosts), _permuted_body, hosts=hosts)):
         assert kind == "MismatchError", (r, kind, msg)
+
+
+def _root_mismatch_body(pg, hosts, kind, odd, roots):
+    """On a hierarchical group, rank `odd` passes root roots[1] to `kind`, every other rank
+    roots[0]. Returns what this rank's call raised, then what a barrier after it raised."""
+    _emulate_host(hosts[pg.rank])
+    g = pg.new_group(list(range(pg.size)))
+    assert g._hier is not None
+    pg.barrier(timeout=30)  # start together, on the parent (Note in test_mismatch.run_case)
+    root = roots[1] if g.rank == odd else roots[0]
+    x = np.full(8, float(g.rank + 1), np.float32)
+    calls = {
+        "broadcast": lambda: g.broadcast(x, root, timeout=30),
+        "reduce": lambda: g.reduce(x, root, timeout=30),
+        "gather": lambda: g.gather(x, root, timeout=30),
+        "scatter": lambda: g.scatter(np.ones((g.size, 8), np.float32), root,
+                                     out=np.empty(8, np.float32), timeout=30),
+    }
+    outcome = []
+    for call in (calls[kind], lambda: g.barrier(timeout=30)):
+        try:
+            call()
+            outcome.append((None, ""))
+        except meshcoll.MeshcollError as e:
+            outcome.append((type(e).__name__, str(e)))
+    return outcome
+
+
+# (layout, rank that disagrees, (others' root, its root)). On "AABB": rank 3 names a root on
+# the root's host (its steps alone looked like its host peers'), rank 2 names itself, rank 1
+# names itself on the root's host; "AAABBB": 6 ranks, a rank of the second host names rank 1.
+ROOT_CASES = [("AABB", 3, (0, 1)), ("AABB", 2, (0, 2)), ("AABB", 1, (0, 1)),
+              ("AAABBB", 4, (0, 1))]
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "reduce", "gather", "scatter"])
+@pytest.mark.parametrize("hosts,odd,roots", ROOT_CASES,
+                         ids=[f"{h}-rank{o}-root{r[1]}" for h, o, r in ROOT_CASES])
+def test_a_root_disagreement_on_a_hierarchical_group_is_a_mismatch_on_every_rank(
+        run_ranks, kind, hosts, odd, roots):
+    """Note [Steps carry their call] in comm/backend.cc: the steps of a hierarchical call
+    carry the whole call, root included. The rank that disagrees raises in its broadcast; a
+    rank whose part was done before any step disagreed (a host whose steps all agreed) learns
+    it at its next call, as a flat group's send-only roles do (reduce, gather and scatter run
+    flat over TCP, where a send-only role may learn it only then: issue 34 item 8)."""
+    results = run_ranks(len(hosts), _root_mismatch_body, hosts=hosts, kind=kind, odd=odd,
+                        roots=roots)
+    if kind == "broadcast":  # hierarchical; the others run flat, over TCP
+        (call_error, call_message), _ = results[odd]
+        assert call_error == "MismatchError", (odd, call_error, call_message)
+        assert "carry the whole call" in call_message or "root=" in call_message, call_message
+    for r, ((error, message), (after, after_message)) in enumerate(results):
+        if error is None:
+            assert after in ("MismatchError", "AbortedError") and "mismatch" in after_message, \
+                (r, after, after_message)
+        else:
+            assert error == "MismatchError", (r, error, message)
+
+
+def _exchange_body(pg, hosts):
+    """On a hierarchical group: split and all_gather_v work (their exchanges run as
+    hierarchical all_gathers); then rank 3 calls all_gather of three int64 while the others
+    split, whose exchange of colors looks the same but is its own kind (Note [Internal
+    exchanges] in csrc/comm/ledger.h)."""
+    _emulate_host(hosts[pg.rank])
+    g = pg.new_group(list(range(pg.size)))
+    assert g._hier is not None
+    child = g.split(g.rank % 2, key=g.rank, timeout=30)
+    rows, counts = g.all_gather_v(np.full((g.rank + 1, 2), g.rank, np.float32), timeout=30)
+    works = (child.size, child.rank, counts, rows[:, 0].tolist())
+    pg.barrier(timeout=30)  # every rank done with those before any disagrees
+    outcome = []
+    for call in (lambda: (g.all_gather(np.array([7, 9, 11], np.int64), timeout=30)
+                          if g.rank == 3 else g.split(0, timeout=30)),
+                 lambda: g.barrier(timeout=30)):
+        try:
+            call()
+            outcome.append((None, ""))
+        except meshcoll.MeshcollError as e:
+            outcome.append((type(e).__name__, str(e)))
+    return works, outcome
+
+
+def test_a_split_against_a_user_all_gather_on_a_hierarchical_group_is_a_mismatch(run_ranks):
+    hosts = LAYOUTS["2+2"]
+    for r, (works, ((error, message), (after, after_message))) in enumerate(
+            run_ranks(len(hosts), _exchange_body, hosts=hosts)):
+        assert works == (2, r // 2, [1, 2, 3, 4], [0, 1, 1, 2, 2, 2, 3, 3, 3, 3]), (r, works)
+        if error is None:
+            assert after in ("MismatchError", "AbortedError") and "mismatch" in after_message, \
+                (r, after, after_message)
+        else:
+            assert error == "MismatchError", (r, error, message)
