@@ -77,3 +77,24 @@ def _shares(t, buf):
 
 def max_rel(a, b):
     return max(float(np.abs(a[n] - b[n]).max() / np.abs(b[n]).max()) for n in b)
+
+
+def join_reference(world, lr):
+    """What join() trains (Note [Uneven inputs]): rank r has 2 + r batches of
+    Linear(4, 3)(x).pow(2).sum(); each step applies the stepping ranks' gradients summed over
+    the whole group's size. Returns the model."""
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    for s in range(2 + world - 1):
+        total = [torch.zeros_like(p) for p in ref.parameters()]
+        for r in range(world):
+            if s < 2 + r:
+                ref.zero_grad()
+                x = torch.as_tensor(np.random.default_rng([s, r]).standard_normal((2, 4)),
+                                    dtype=torch.float32)
+                ref(x).pow(2).sum().backward()
+                total = [g + p.grad for g, p in zip(total, ref.parameters())]
+        with torch.no_grad():
+            for p, g in zip(ref.parameters(), total):
+                p -= lr * g / world
+    return ref

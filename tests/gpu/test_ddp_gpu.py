@@ -279,25 +279,12 @@ def _uneven_gpu(pg, lr):
 
 @needs_torch
 def test_join_and_bounded_staleness_on_gpus():
-    import torch
     world, lr = min(NGPU, 3), 0.05
     if world < 2:
         pytest.skip(f"needs 2 GPUs, {NGPU} visible")
     results = run_nccl(world, _uneven_gpu, lr=lr)
-    torch.manual_seed(0)
-    ref = torch.nn.Linear(4, 3)
-    for s in range(2 + world - 1):
-        total = [torch.zeros_like(p) for p in ref.parameters()]
-        for r in range(world):
-            if s < 2 + r:
-                ref.zero_grad()
-                x = torch.as_tensor(np.random.default_rng([s, r]).standard_normal((2, 4)),
-                                    dtype=torch.float32)
-                ref(x).pow(2).sum().backward()
-                total = [g + p.grad for g, p in zip(total, ref.parameters())]
-        with torch.no_grad():
-            for p, g in zip(ref.parameters(), total):
-                p -= lr * g / world
+    import torch_ddp_common as common
+    ref = common.join_reference(world, lr)
     for joined, grads in results:
         for n, p in ref.named_parameters():
             np.testing.assert_allclose(joined[n], p.detach().numpy(), rtol=1e-5, atol=1e-6)

@@ -260,20 +260,7 @@ def _uneven(pg, lr):
 
 def test_join_trains_on_uneven_inputs_as_torch_ddp_does(run_ranks):
     world, lr = 3, 0.05
-    torch.manual_seed(0)
-    ref = torch.nn.Linear(4, 3)  # each step: the active ranks' gradients over the world size
-    for s in range(2 + world - 1):
-        grads = [torch.zeros_like(p) for p in ref.parameters()]
-        for r in range(world):
-            if s < 2 + r:
-                ref.zero_grad()
-                x = torch.as_tensor(np.random.default_rng([s, r]).standard_normal((2, 4)),
-                                    dtype=torch.float32)
-                ref(x).pow(2).sum().backward()
-                grads = [g + p.grad for g, p in zip(grads, ref.parameters())]
-        with torch.no_grad():
-            for p, g in zip(ref.parameters(), grads):
-                p -= lr * g / world
+    ref = common.join_reference(world, lr)
     for state in run_ranks(world, _uneven, lr=lr):  # every rank ends with the last's model
         for n, p in ref.named_parameters():
             np.testing.assert_allclose(state[n], p.detach().numpy(), rtol=1e-5, atol=1e-6)
