@@ -209,6 +209,7 @@ class DistributedDataParallel(torch.nn.Module):
         # back at a later step, into the gradient of that step.
         self._stale = len(self.ddp._ring) > 1
         if self._stale:
+            self._rebuilt = True  # its steps stay in flight across steps: no rebuild between
             self._ready = self._stale_ready
         elif self._hooked:
             self._ready = lambda i, src, out, stream: self.ddp._ready(i, src, out, None)
