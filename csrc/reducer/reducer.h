@@ -13,7 +13,8 @@
 // bucket's gradients in (Backend::copy_spans: one kernel for the whole bucket on a GPU, Note
 // [Span copies] in nccl/span_copy.h) and queues its all-reduce, asynchronously, on the
 // caller's stream. finish() orders the caller's stream after every all-reduce (GPU) or waits
-// for them (CPU) and copies the averages out, again one batch per bucket. Nothing runs in
+// for them (CPU) and copies the averages out (one kernel for every bucket on a GPU; each
+// bucket as soon as it is waited for on the CPU). Nothing runs in
 // Python per bucket: a torch training step calls ready() from each parameter's hook and
 // finish() from the last one (the torch adapter), and the host's work per gradient is a
 // few compares and stores.
@@ -21,7 +22,7 @@
 // A compression hook (the wrappers' register_comm_hook and compression="bf16") replaces the
 // all-reduce of a bucket: then the reducer does not launch, and the wrapper takes each
 // complete bucket in order (take_complete(), which copies its gradients in), runs the hook,
-// and copies the result out (copy_out()) once the hook's work is done.
+// waits for the hook's work and leaves the result in the bucket; finish() then copies it out.
 //
 // The gradient arrays themselves are the caller's to keep alive until finish() (the
 // wrappers hold them); the buckets are held here (their ArrayView owners).
@@ -60,8 +61,8 @@ class Reducer {
   };
 
   // `launches`: the reducer queues each complete bucket's all-reduce with `op` itself
-  // (false: a hook does, through take_complete and copy_out). `names`: the gradients'
-  // names, for errors.
+  // (false: a hook does, after take_complete, and leaves the sum in the bucket for finish()).
+  // `names`: the gradients' names, for errors.
   Reducer(std::shared_ptr<comm::Backend> backend, std::vector<comm::ArrayView> buckets,
           std::vector<Slot> slots, std::vector<std::string> names, RedOp op, bool launches);
   ~Reducer();
@@ -85,8 +86,6 @@ class Reducer {
   // A hook's turn: the complete buckets not handed out yet, in order, their gradients copied
   // in (on `stream`).
   std::vector<size_t> take_complete(comm::Stream stream);
-  // A hook's bucket `b` holds its result: copies it out to the `out` addresses (on `stream`).
-  void copy_out(size_t b, comm::Stream stream);
   // Every gradient was given: waits for the all-reduces (stream-ordered on a GPU) and copies
   // the averages out; the step ends. Raises the first failure after draining every bucket.
   void finish(comm::Stream stream);
@@ -121,6 +120,8 @@ class Reducer {
   };
   std::vector<comm::CopySpan> spans_in(const Bucket& b) const;
   void spans_out(size_t b, std::vector<comm::CopySpan>* spans) const;
+  // Bucket `b`'s averages out to the `out` addresses (on `stream`).
+  void copy_out(size_t b, comm::Stream stream);
   void count(const comm::CompletionStamps::Stamp& s, const Flight& f);
   void settle();
   void end_step();
