@@ -381,7 +381,9 @@ class DistributedDataParallel(torch.nn.Module):
     def join(self) -> Iterator[None]:
         """Train on uneven inputs: every rank runs its own number of steps inside, and those
         that finish early shadow the others' steps until all have finished (Note [Uneven
-        inputs]). Every rank of the group must enter it."""
+        inputs]). Every rank of the group must enter it, and inside it make no collective
+        call on the group besides the model's own (a rank that finished would pair it with
+        its shadow steps; torch's Join asks the same)."""
         if self._local or self._stale or self._hooked:
             raise RuntimeError("join: takes the synchronous mode without compression hooks")
         self._joining = True
