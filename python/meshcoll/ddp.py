@@ -541,18 +541,11 @@ class DataParallel:
                                "without wait()); finish it first")
         if sorted(order) != sorted(self._params):
             raise ValueError("rebuild_buckets: order must name every parameter once")
-        agree_layout(self._group, list(order), "DataParallel.rebuild_buckets")
-        self._drain()
-        self._reducer.abandon()
-        for r in (*self._ring, self._avg_reducer):  # the totals go on
-            if r is not None:
-                for k, v in r.stats().items():
-                    self._stats[k] += v
-        self._bound.clear()
-        self._bound_at.clear()
         limits = [self._cap] if first_bucket_cap_mb is None else \
             [min(float(first_bucket_cap_mb) * _MB, self._cap), self._cap]
-        self._build_buckets(assign_buckets(list(order), self._params, limits))
+        self._drain()
+        self._relayout(assign_buckets(list(order), self._params, limits),
+                       "DataParallel.rebuild_buckets")
 
     @property
     def first_order(self) -> List[str]:
@@ -675,11 +668,12 @@ class DataParallel:
         """The reducer's ready(): gradient ``i``'s value at ``src``, its average to ``out``
         (0: stays in the bucket); ``keep`` is held until the step ends. Returns how many
         gradients are still to come. A hook's buckets are launched here, in Python."""
-        left: int = self._reducer.ready(i, src, out, self._stream())
+        stream = self._stream()
+        left: int = self._reducer.ready(i, src, out, stream)
         self._given.append(keep)
         if self._hook is not None or self._half is not None:
             try:
-                for k in self._reducer.take_complete(self._stream()):
+                for k in self._reducer.take_complete(stream):
                     self._launch(self._buckets[k])
             except BaseException:
                 self._abort_step()
@@ -843,7 +837,7 @@ class DataParallel:
         self._check_mode(mode, self._hook or self._half, self._symmetric)
         self._drain()
         self._mode = mode
-        self._rebuild_same(list(self.bucket_names), self._cap)
+        self._relayout(list(self.bucket_names), "DataParallel.set_sync_mode")
 
     def set_bucket_size(self, bucket_cap_mb: float) -> None:
         """Change ``bucket_cap_mb`` between steps (every rank at the same step): the buckets
@@ -853,7 +847,8 @@ class DataParallel:
         self._drain()
         order = [n for names in self.bucket_names for n in names]
         self._cap = float(bucket_cap_mb) * _MB
-        self._rebuild_same(assign_buckets(order, self._params, [self._cap]), self._cap)
+        self._relayout(assign_buckets(order, self._params, [self._cap]),
+                       "DataParallel.set_bucket_size")
 
     def _drain(self) -> None:
         if self._given or self._accumulated:
@@ -863,9 +858,10 @@ class DataParallel:
             self._ring[k].abandon()
         self._inflight.clear()
 
-    def _rebuild_same(self, groups: List[List[str]], cap: float) -> None:
-        agree_layout(self._group, [repr(self._mode), str(cap), *map(repr, groups)],
-                     "DataParallel: mode and buckets")
+    def _relayout(self, groups: List[List[str]], what: str) -> None:
+        """New buckets (and reducers) for ``groups``, between steps, once every rank agrees
+        on them and on the mode; the statistics so far carry over."""
+        agree_layout(self._group, [repr(self._mode), *map(repr, groups)], what)
         for r in (*self._ring, self._avg_reducer):  # the totals go on
             if r is not None:
                 for key, v in r.stats().items():
