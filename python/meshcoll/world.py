@@ -104,17 +104,23 @@ def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
         _Default.warned_no_token = True
         warnings.warn(NO_TOKEN_WARNING, UserWarning, stacklevel=2)
     owned: Optional[_C.TCPStore] = None  # the store init makes, and closes on failure
+    # Every rank counts the stores its inits made alike, so a rank that comes back from
+    # destroy() early never reads the world before's keys (Note [Generations] in
+    # tcp_store.h): a TCP store of another generation does not answer it, and in a shared
+    # file, which outlives a generation while any rank holds it, its keys live apart.
+    generation = _Default.stores_made
     if file_path is not None:
+        _Default.stores_made += 1
         store = _C.FileStore(file_path, timeout)
     elif store is None:
-        # Every rank counts its inits alike, so a rank that comes back from destroy() early
-        # never reads the store of the world before (Note [Generations] in tcp_store.h).
-        generation, _Default.stores_made = _Default.stores_made, _Default.stores_made + 1
+        _Default.stores_made += 1
         store = owned = _C.TCPStore(rv.master_addr, rv.master_port, is_server=rv.rank == 0,
                                     timeout=timeout, token=token, generation=generation)
     owns_store = owned is not None
+    keys = _C.PrefixStore(f"g{generation}", store) \
+        if generation and (file_path is not None or owns_store) else store
     try:
-        world = _world(backend, store, rv, timeout, token, device, options,
+        world = _world(backend, keys, rv, timeout, token, device, options,
                        _bind_host(store, ifname_host))
     except Exception:
         # A failed rendezvous on rank 0 must not take the store from ranks still in it: each

@@ -404,13 +404,15 @@ def test_a_stopped_store_host_fails_calls_within_their_own_timeout():
     assert _segments() - before == set()
 
 
-def _rebuild_after_mismatch(rank, world, port, token, late):
+def _rebuild_after_mismatch(rank, world, port, token, late, file_path=None):
     """A MismatchError, then destroy() and init() in the same process, as the error suggests;
     rank ``late`` lingers in the old world while the others come back (Note [Generations] in
     csrc/store/tcp_store.h). Returns the error type, the new world's sum and its set-up time."""
     import meshcoll
     os.environ["MESHCOLL_TOKEN"] = token
-    kw = dict(rank=rank, world_size=world, master_addr="127.0.0.1", master_port=port, timeout=20)
+    kw = dict(rank=rank, world_size=world, timeout=20)
+    kw.update(dict(init_method=f"file://{file_path}") if file_path else
+              dict(master_addr="127.0.0.1", master_port=port))
     pg = meshcoll.init(**kw)
     try:
         pg.all_reduce(np.ones(8), op="sum" if rank == 0 else "max")
@@ -434,9 +436,11 @@ def _rebuild_after_mismatch(rank, world, port, token, late):
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("store", ["tcp", "file"])
 @pytest.mark.parametrize("late", [0, 2])
-def test_destroy_then_init_after_a_mismatch_works_in_the_same_processes(late):
-    res = spawn(3, _rebuild_after_mismatch, 3, free_port(), secrets.token_hex(8), late,
+def test_destroy_then_init_after_a_mismatch_works_in_the_same_processes(late, store, tmp_path):
+    path = str(tmp_path / "store") if store == "file" else None
+    res = spawn(3, _rebuild_after_mismatch, 3, free_port(), secrets.token_hex(8), late, path,
                 timeout=80)
     for rank, (caught, right, took) in enumerate(res):
         assert caught == "MismatchError" and right, (rank, caught, right)
