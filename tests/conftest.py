@@ -87,7 +87,7 @@ def spawn(n, target, *args, timeout=60.0, may_die=()):
 
 def _rank_main(rank, fn, world, port, token, init_timeout, env, kwargs, backend):
     os.environ["MESHCOLL_TOKEN"] = token
-    os.environ.update(env)
+    os.environ.update({k: v.replace("{rank}", str(rank)) for k, v in env.items()})
     import meshcoll
     meshcoll._C.reload_config()  # the module may be imported already (the test's own import)
     store = meshcoll.TCPStore("127.0.0.1", port, timeout=init_timeout)
@@ -110,7 +110,8 @@ def launch(world, fn, *, timeout=60.0, init_timeout=30.0, transport="auto", env=
     Raises RankFailure listing every rank that failed or did not finish by ``timeout``.
     Ranks in ``may_die`` (fault tests kill them) get the result None if they die.
     ``transport`` ("auto", "tcp" or "shm") is what every group of the job runs over; ``env``
-    is any other variable the ranks need. ``backend="nccl"`` puts rank r on GPU r
+    is any other variable the ranks need ("{rank}" in a value becomes the rank's number).
+    ``backend="nccl"`` puts rank r on GPU r
     (tests/gpu)."""
     import meshcoll
     from meshcoll import _env

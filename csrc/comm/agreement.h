@@ -108,6 +108,10 @@ class Agreement : public std::enable_shared_from_this<Agreement> {
   // (Note [Agreement before launch]). Raises the check's failure, or TimeoutError naming
   // the ranks that never issued it after `timeout` (< 0: the group's).
   void await(uint64_t seq, Millis timeout);
+  // Whether call `seq` and every earlier one agreed (no wait).
+  bool agreed(uint64_t seq) const {
+    return size_ == 1 || checked_.load(std::memory_order_acquire) >= seq;
+  }
   // "; rank(s) 1 never issued it (last issued: seq 41, all_reduce(...))" for a call `seq`
   // that timed out, from the last round; "" when every rank had issued it.
   std::string census(uint64_t seq) const;

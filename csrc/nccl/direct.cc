@@ -391,7 +391,7 @@ void NcclComm::check_direct_locked(bool no_grace) {
     // The agreement check, when on, finds the same disagreement within a round or two and
     // names both calls: it gets kMismatchGrace to do so. Meanwhile no op from this one on
     // reports success (op_done_locked).
-    if (census_) {
+    if (check_.census) {
       if (direct_grace_op_ == UINT64_MAX) {
         direct_grace_op_ = op;
         direct_grace_until_ = Clock::now() + kMismatchGrace;
@@ -405,7 +405,7 @@ void NcclComm::check_direct_locked(bool no_grace) {
         "communicator was aborted"))), op);
     return;
   }
-  const std::string who = s.coll_seq && census_ ? census_(s.coll_seq) : "";
+  const std::string who = s.coll_seq && check_.census ? check_.census(s.coll_seq) : "";
   fail_locked(std::make_exception_ptr(TimeoutError(str_cat(
       call, ": rank ", names_(peer), " did not reach it within ", s.timeout_ms, " ms (direct "
       "kernel); the communicator was aborted", who, "; rebuild the group"))), op);

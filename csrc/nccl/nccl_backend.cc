@@ -238,10 +238,19 @@ void NcclBackend::set_agreement(std::shared_ptr<comm::Backend> channel,
       },
       names());
   std::weak_ptr<comm::Agreement> a = agreement_;
-  comm_->set_census([a](uint64_t seq) {
+  NcclComm::CheckHooks hooks;
+  hooks.census = [a](uint64_t seq) {
     auto p = a.lock();
     return p ? p->census(seq) : std::string();
-  });
+  };
+  hooks.agreed = [a](uint64_t seq) {
+    auto p = a.lock();
+    return !p || p->agreed(seq);
+  };
+  hooks.settle = [a](uint64_t seq, Millis timeout) {
+    if (auto p = a.lock()) p->await(seq, timeout);
+  };
+  comm_->set_check(std::move(hooks));
 }
 
 std::shared_ptr<SymmetricBlock> NcclBackend::alloc_symmetric(size_t bytes, bool zero,
@@ -260,6 +269,29 @@ std::shared_ptr<SymmetricBlock> NcclBackend::alloc_symmetric(size_t bytes, bool 
   auto block = comm_->alloc_symmetric(bytes, zero, timeout);
   ledger().set_state(seq, comm::CallState::kDone);
   return block;
+}
+
+std::vector<uint8_t> NcclBackend::host_all_gather(const void* data, size_t bytes,
+                                                  const transport::OpDesc& d, Millis timeout) {
+  const uint64_t seq = ledger().open_collective(d);
+  if (agreement_) {
+    try {
+      agreement_->note(seq, d);
+    } catch (...) {
+      comm_->mark_reported();
+      throw;
+    }
+  }
+  try {
+    // Its Work's synchronize waits for this call's agreement (Note [Results at host
+    // synchronization points] in nccl_ops.cc): the bytes returned agree.
+    auto out = comm_->host_all_gather(data, bytes, timeout, seq);
+    ledger().set_state(seq, comm::CallState::kDone);
+    return out;
+  } catch (...) {
+    ledger().set_state(seq, comm::CallState::kFailed);
+    throw;
+  }
 }
 
 void NcclBackend::do_shutdown() {

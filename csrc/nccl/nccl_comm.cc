@@ -568,7 +568,7 @@ void NcclComm::poll_locked() {
   for (uint64_t k = completed_; k < issued_; ++k) {
     const Slot& s = slots_[k % kSlots];
     if (now < s.deadline || cu_.event_query(s.done) == CUDA_SUCCESS) continue;
-    const std::string who = s.coll_seq && census_ ? census_(s.coll_seq) : "";
+    const std::string who = s.coll_seq && check_.census ? check_.census(s.coll_seq) : "";
     fail_locked(std::make_exception_ptr(TimeoutError(str_cat(
         "NCCL ", s.what, s.coll_seq ? str_cat(" [seq ", s.coll_seq, "]") : std::string(),
         " (op ", k, ") on ", where(), " did not complete within ", s.timeout_ms,

@@ -110,10 +110,12 @@ class SymmetricBlock {
 // Handle on one enqueued op (the backend contract's Work).
 class NcclWork final : public comm::Work {
  public:
-  NcclWork(std::shared_ptr<NcclComm> comm, uint64_t seq, abi::CUstream issue_stream,
-           bool async, bool captured, bool host_blocking)
-      : comm_(std::move(comm)), seq_(seq), issue_stream_(issue_stream), async_(async),
-        captured_(captured), host_blocking_(host_blocking) {}
+  // `coll_seq`: the group's last collective issued with or before this op, whose agreement
+  // (and every earlier one's) a host synchronization waits for.
+  NcclWork(std::shared_ptr<NcclComm> comm, uint64_t seq, uint64_t coll_seq,
+           abi::CUstream issue_stream, bool async, bool captured, bool host_blocking)
+      : comm_(std::move(comm)), seq_(seq), coll_seq_(coll_seq), issue_stream_(issue_stream),
+        async_(async), captured_(captured), host_blocking_(host_blocking) {}
   // Orders `stream` (has_stream=false: the stream the op was issued from) after the op:
   // no host block, except for a barrier, which blocks the host (timeout < 0: the op's own
   // deadline). Raises the op's failure if it is known to have failed.
@@ -127,7 +129,7 @@ class NcclWork final : public comm::Work {
 
  private:
   std::shared_ptr<NcclComm> comm_;
-  uint64_t seq_;
+  uint64_t seq_, coll_seq_;
   abi::CUstream issue_stream_;
   bool async_, captured_, host_blocking_;
 };
@@ -191,11 +193,18 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // collective `coll_seq` and every later one report it, even if they completed (their data
   // is void); so do new calls. coll_seq 0: the ops not completed yet.
   void fail(std::exception_ptr error, uint64_t coll_seq);
-  // Appended to a timeout's message: who never reached collective `coll_seq` (the backend's
-  // agreement check knows). Set once, before the first op.
-  void set_census(std::function<std::string(uint64_t coll_seq)> census) {
-    census_ = std::move(census);
-  }
+  // What the backend's agreement check (Note [Agreement on a side channel]) lends the ops;
+  // set once, before the first op (unset: no check, every call counts as agreed).
+  struct CheckHooks {
+    // Appended to a timeout's message: who never reached collective `coll_seq`.
+    std::function<std::string(uint64_t coll_seq)> census;
+    // Whether every collective up to `coll_seq` is known to agree (no wait).
+    std::function<bool(uint64_t coll_seq)> agreed;
+    // Blocks until every collective up to `coll_seq` agreed, or raises the check's failure
+    // (Note [Results at host synchronization points]).
+    std::function<void(uint64_t coll_seq, Millis timeout)> settle;
+  };
+  void set_check(CheckHooks hooks) { check_ = std::move(hooks); }
   // How messages name ranks (global numbers). Set once, before the first op.
   void set_rank_names(RankNames names) { names_ = std::move(names); }
 
@@ -258,7 +267,9 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   bool in_window(const void* p, size_t bytes) const;
   // Small metadata exchange through device scratch on a private stream: every rank's
   // `bytes` bytes, concatenated in rank order. Blocks the host (bounded by `timeout`).
-  std::vector<uint8_t> host_all_gather(const void* data, size_t bytes, Millis timeout);
+  // `coll_seq`: the ledger's number of the call it serves (0: setup of the communicator).
+  std::vector<uint8_t> host_all_gather(const void* data, size_t bytes, Millis timeout,
+                                       uint64_t coll_seq = 0);
   // Note [Coalesced blocks on NCCL]: ops issued between begin_block() and end_block() are
   // staged, and end_block() enqueues them in one ncclGroupStart/End.
   void begin_block();
@@ -373,6 +384,9 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   bool op_done_locked(uint64_t seq, std::exception_ptr* error);
   void op_synchronize(uint64_t seq, Millis timeout);
   void op_stream_wait(uint64_t seq, abi::CUstream stream);
+  // Waits for the agreement of every collective up to `coll_seq` (Note [Results at host
+  // synchronization points] in nccl_ops.cc); raises the check's failure.
+  void settle(uint64_t coll_seq, Millis timeout);
   // Work.wait/synchronize on op `seq`, staged in the open block: InvalidArgument.
   [[noreturn]] void staged_error(uint64_t seq) const;
   std::string where() const;  // "rank 1 of 4, CUDA device 1"
@@ -393,6 +407,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   mutable std::mutex mu_;
   std::array<Slot, kSlots> slots_{};
   uint64_t issued_ = 0;     // ops with a slot so far
+  uint64_t last_coll_seq_ = 0;  // the last collective issued (CallOpts::coll_seq)
   // Note [Coalesced blocks on NCCL]: the open block's staged ops; their slots follow
   // issued_ and count as issued once end_block enqueued them. Written by the issuing thread
   // under mu_; block_open_ is read by it alone.
@@ -405,7 +420,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   std::exception_ptr error_;
   mutable bool reported_ = false;  // error_ reached the user (a call, wait or synchronize)
   bool shut_down_ = false;
-  std::function<std::string(uint64_t)> census_;
+  CheckHooks check_;
   RankNames names_;
 
   // Note [Direct kernels]: null until setup_direct turned them on.

@@ -73,6 +73,7 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   std::unique_lock<std::mutex> lock(mu_);
   if (direct_ && direct_->status()) check_direct_locked();  // a direct kernel failed
   usable_locked();
+  if (c.coll_seq) last_coll_seq_ = c.coll_seq;
   host_timers::mark(host_timers::kLocked);
   CtxGuard guard(cu_, ctx_);
   CUstream user = c.stream;
@@ -111,8 +112,8 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   }
   host_timers::mark(host_timers::kLaunched);
   if (captured)
-    return c.want_work ? std::make_shared<NcclWork>(shared_from_this(), 0, user, false, true,
-                                                    host_blocking)
+    return c.want_work ? std::make_shared<NcclWork>(shared_from_this(), 0, 0, user, false,
+                                                    true, host_blocking)
                        : nullptr;
   Slot& s = slots_[issued_ % kSlots];
   if (!s.event) cu_.check(cu_.event_create(&s.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
@@ -129,7 +130,8 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   if (async) s.keep = c.keep;
   const uint64_t seq = issued_++;
   if (!c.want_work) return nullptr;
-  return std::make_shared<NcclWork>(shared_from_this(), seq, user, async, false, host_blocking);
+  return std::make_shared<NcclWork>(shared_from_this(), seq, last_coll_seq_, user, async, false,
+                                    host_blocking);
 }
 
 CUstream NcclComm::exec_stream_locked(CUstream user, bool async) {
@@ -190,7 +192,7 @@ NcclComm::WorkPtr NcclComm::stage_locked(std::unique_lock<std::mutex>& lock, con
   }
   staged_.push_back(std::move(op));
   if (!c.want_work) return nullptr;
-  return std::make_shared<NcclWork>(shared_from_this(), seq, staged_.back().user,
+  return std::make_shared<NcclWork>(shared_from_this(), seq, last_coll_seq_, staged_.back().user,
                                     c.async && !captured, captured, host_blocking);
 }
 
@@ -466,7 +468,8 @@ void NcclComm::order_streams(CUstream producer, CUstream waiter) {
   cu_.check(cu_.stream_wait_event(waiter, order_event_, 0), "cuStreamWaitEvent (stream=)");
 }
 
-std::vector<uint8_t> NcclComm::host_all_gather(const void* data, size_t bytes, Millis timeout) {
+std::vector<uint8_t> NcclComm::host_all_gather(const void* data, size_t bytes, Millis timeout,
+                                               uint64_t coll_seq) {
   if (block_open_)
     throw InvalidArgument(str_cat("all_gather of a host (numpy) array on ", where(), " waits for "
                                   "its result, and a coalesced block's ops run when the block "
@@ -476,6 +479,7 @@ std::vector<uint8_t> NcclComm::host_all_gather(const void* data, size_t bytes, M
   CallOpts c;
   c.stream = meta_;
   c.timeout = timeout;
+  c.coll_seq = coll_seq;
   // meta_ carries nothing but these exchanges, each finished before the next: the pageable
   // copies below (which synchronize their stream) never wait on user work.
   auto work = run(c, "host_all_gather", false, [=](CUstream s, const Deadline& d) {
@@ -563,6 +567,29 @@ void NcclComm::op_synchronize(uint64_t seq, Millis timeout) {
   }
 }
 
+// Note [Results at host synchronization points]
+// In async mode (Note [Agreement on a side channel]) a call is compared after its launch, and
+// NCCL completes calls that disagree on anything but their sizes (sum on one rank, max on
+// another): their results are void, and the check's verdict may come after the ranks have
+// read them. So every point where meshcoll hands the host a finished result waits for the
+// verdict on every call issued before it: Work.synchronize(), a wait() that blocks the host
+// (a barrier's, a call on host arrays), a blocking barrier(), and is_completed() (false
+// until then). A rank's peers have issued those calls (they completed), so the wait is one
+// round on the side channel, run on this thread: a few microseconds on one host. A disagreement
+// raises its MismatchError there, on every rank. Work.wait() on a stream blocks nothing, so
+// it waits for nothing: a result read after torch.cuda.synchronize() alone may be void
+// until the next synchronization point of the group raises.
+void NcclComm::settle(uint64_t coll_seq, Millis timeout) {
+  if (coll_seq == 0 || !check_.settle) return;
+  if (check_.agreed(coll_seq)) return;
+  try {
+    check_.settle(coll_seq, timeout);
+  } catch (...) {
+    mark_reported();  // raised to the caller here: destroy() need not raise it again
+    throw;
+  }
+}
+
 void NcclComm::op_stream_wait(uint64_t seq, CUstream stream) {
   std::lock_guard<std::mutex> lock(mu_);
   if (failed_ && seq >= failed_from_) std::rethrow_exception(error_);
@@ -582,7 +609,7 @@ void NcclWork::wait(Millis timeout, bool has_stream, comm::Stream raw) {
     return;
   }
   if (host_blocking_) {
-    comm_->op_synchronize(seq_, timeout);
+    synchronize(timeout);
     return;
   }
   CUstream target = has_stream ? stream : issue_stream_;
@@ -599,16 +626,24 @@ void NcclWork::synchronize(Millis timeout) {
   if (captured_)
     throw InvalidArgument("Work.synchronize: this op was captured into a CUDA graph; it runs "
                           "when the graph is replayed: synchronize the replay's stream");
+  const Deadline d(timeout);
   comm_->op_synchronize(seq_, timeout);
+  comm_->settle(coll_seq_, d.never() ? timeout : Millis(d.poll_ms()));
 }
 
 bool NcclWork::is_completed() {
   if (captured_)
     throw InvalidArgument("Work.is_completed: this op was captured into a CUDA graph; it runs "
                           "when the graph is replayed");
-  std::lock_guard<std::mutex> lock(comm_->mu_);
-  std::exception_ptr e;
-  return comm_->op_done_locked(seq_, &e);
+  {
+    std::lock_guard<std::mutex> lock(comm_->mu_);
+    std::exception_ptr e;
+    if (!comm_->op_done_locked(seq_, &e)) return false;
+    if (e) return true;
+  }
+  // Complete once its call and every earlier one agreed too (Note [Results at host
+  // synchronization points]); the checker's next round says so.
+  return coll_seq_ == 0 || !comm_->check_.agreed || comm_->check_.agreed(coll_seq_);
 }
 
 std::exception_ptr NcclWork::exception() {

@@ -128,17 +128,41 @@ void bind_nccl(py::module_& m) {
         py::gil_scoped_release nogil;
         b.comm().abort(why);
       }, py::arg("why"))
-      .def("host_all_gather", [](nccl::NcclBackend& b, const py::bytes& data, const py::handle& timeout) {
+      .def("host_all_gather", [](nccl::NcclBackend& b, const py::bytes& data,
+                                 const std::string& dtype, const std::vector<size_t>& shape,
+                                 const std::string& of, const py::handle& timeout) {
+             // Described as any call (Note [Internal exchanges] in comm/ledger.h): a user's
+             // all_gather or all_to_all of a host array, or a composed call's exchange.
+             comm::CollKind kind;
+             if (of == "all_gather") kind = comm::CollKind::kAllGather;
+             else if (of == "all_to_all") kind = comm::CollKind::kAllToAll;
+             else if (of == "all_gather_v") kind = comm::CollKind::kAllGatherVCounts;
+             else if (of == "all_to_all_v") kind = comm::CollKind::kAllToAllVCounts;
+             else if (of == "split") kind = comm::CollKind::kSplitTable;
+             else throw py::value_error(str_cat("host_all_gather: no exchange of '", of, "'"));
+             DType dt;
+             if (!dtype_from_name(dtype, &dt))
+               throw py::value_error(str_cat("host_all_gather: unsupported dtype ", dtype));
              std::string s = data;
+             comm::ShapeHash h;
+             size_t count = 1;
+             for (size_t n : shape) {
+               h.mix(n);
+               count *= n;
+             }
+             auto d = comm::make_desc(kind, dt, count * static_cast<size_t>(b.size()));
+             d.shape = h.value();
              Millis t = timeout_arg(timeout);
              std::vector<uint8_t> out;
              {
                py::gil_scoped_release nogil;
-               out = b.comm().host_all_gather(s.data(), s.size(), t);
+               out = b.host_all_gather(s.data(), s.size(), d, t);
              }
              return py::bytes(reinterpret_cast<const char*>(out.data()), out.size());
-           }, py::arg("data"), py::arg("timeout") = py::none(),
-           "Every rank's bytes (all the same length), concatenated in rank order. Blocks.");
+           }, py::arg("data"), py::arg("dtype"), py::arg("shape"), py::arg("of"),
+           py::arg("timeout") = py::none(),
+           "Every rank's bytes (all the same length), concatenated in rank order, as the "
+           "call `of` describes them (agreed before it returns). Blocks.");
 }
 
 }  // namespace meshcoll::python

@@ -822,24 +822,29 @@ class ProcessGroup:
         it is described as its own kind, which pairs with no user call (Note [Internal
         exchanges] in csrc/comm/ledger.h)."""
         if self._arrays.device_memory:  # NCCL: host arrays travel through the communicator
-            return (self._host_all_to_all(x, timeout) if of == "all_to_all_v"
-                    else self._host_all_gather(x, timeout))
+            return (self._host_all_to_all(x, timeout, of) if of == "all_to_all_v"
+                    else self._host_all_gather(x, timeout, of))
         out = np.empty(x.shape if of == "all_to_all_v" else (self.size,) + x.shape, x.dtype)
         self._backend.exchange(x, out, of, timeout)
         return out
 
     # ---- metadata of NCCL groups: host arrays through the communicator ---------------
-    def _host_all_gather(self, x: np.ndarray, timeout: Optional[float]) -> np.ndarray:
+    def _host_all_gather(self, x: np.ndarray, timeout: Optional[float],
+                         of: str = "all_gather") -> np.ndarray:
+        """``of``: the call it serves, as agreement describes it (a user's all_gather or
+        all_to_all, or an internal exchange: Note [Internal exchanges] in csrc/comm/ledger.h)."""
         x = np.ascontiguousarray(x)
-        raw = self._nccl_backend().host_all_gather(x.tobytes(), timeout)
+        raw = self._nccl_backend().host_all_gather(x.tobytes(), dtype_name(x.dtype),
+                                                   list(x.shape), of, timeout)
         return np.frombuffer(raw, x.dtype).reshape((self.size,) + x.shape).copy()
 
-    def _host_all_to_all(self, x: np.ndarray, timeout: Optional[float]) -> np.ndarray:
+    def _host_all_to_all(self, x: np.ndarray, timeout: Optional[float],
+                         of: str = "all_to_all") -> np.ndarray:
         x = np.ascontiguousarray(x)
         if x.ndim == 0 or x.shape[0] % self.size:
             raise ValueError(f"all_to_all: axis 0 must divide by the group size {self.size}")
         blk = x.shape[0] // self.size
-        table = self._host_all_gather(x, timeout)  # (size, size*blk, ...)
+        table = self._host_all_gather(x, timeout, of)  # (size, size*blk, ...)
         return np.ascontiguousarray(table[:, self.rank * blk:(self.rank + 1) * blk]
                                     .reshape(x.shape))
 
