@@ -84,8 +84,8 @@ struct CallRecord {
 // send/recv its message) and the time this rank spent running them (from the moment the rank
 // began the call, after any wait in the queue, to its end; two clock reads per call), added
 // by the thread that saw each end. What ProcessGroup.stats() reports. The CPU backend times
-// every call; the NCCL backend's calls end on the GPU, where no host thread sees them end,
-// and are not counted.
+// every call; the NCCL backend's calls end on the GPU, where no host thread times them: they
+// add their count and bytes when the communicator sees them complete, and no time.
 struct KindTotals {
   CollKind kind;
   uint64_t calls = 0, bytes = 0, nanoseconds = 0;

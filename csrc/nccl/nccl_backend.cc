@@ -13,15 +13,18 @@ using comm::ArrayView;
 using comm::WorkPtr;
 
 namespace {
-CallOpts opts_of(const comm::CallOptions& o, std::vector<std::shared_ptr<void>>& keep,
-                 uint64_t coll_seq) {
-  CallOpts c;  // (the entry point ordered o.stream after o.wait_for: check_options)
-  c.stream = reinterpret_cast<abi::CUstream>(o.stream);
-  c.async = o.async;
-  c.timeout = o.timeout;
-  c.coll_seq = coll_seq;
-  c.keep = std::move(keep);
-  return c;
+// The options of call `c` (a comm::Backend::Call: deduced, as the type is the contract's own).
+template <class Call>
+CallOpts opts_of(Call& c) {
+  CallOpts o;  // (the entry point ordered c.opts.stream after c.opts.wait_for: check_options)
+  o.stream = reinterpret_cast<abi::CUstream>(c.opts.stream);
+  o.async = c.opts.async;
+  o.timeout = c.opts.timeout;
+  o.coll_seq = c.seq;
+  o.p2p = c.p2p;
+  o.desc = c.desc;
+  o.keep = std::move(c.keep);
+  return o;
 }
 
 void check_no_tag(const char* what, uint32_t tag) {
@@ -34,25 +37,25 @@ void check_no_tag(const char* what, uint32_t tag) {
 // A collective's options: the contract returns no Work for a synchronous call (it is
 // enqueued on the caller's stream, which orders every later use of the result), so none is
 // made.
-CallOpts coll_opts(const comm::CallOptions& o, std::vector<std::shared_ptr<void>>& keep,
-                   uint64_t coll_seq) {
-  CallOpts c = opts_of(o, keep, coll_seq);
-  c.want_work = o.async;
-  return c;
+template <class Call>
+CallOpts coll_opts(Call& c) {
+  CallOpts o = opts_of(c);
+  o.want_work = c.opts.async;
+  return o;
 }
 
 // A collective a direct kernel may run (Note [Direct kernels] in direct.h): its fingerprint,
 // which every rank that agrees on the call computes alike.
-CallOpts direct_opts(const comm::CallOptions& opts, std::vector<std::shared_ptr<void>>& keep,
-                     uint64_t seq, const transport::OpDesc& desc, bool direct_only) {
-  CallOpts o = coll_opts(opts, keep, seq);
+template <class Call>
+CallOpts direct_opts(Call& c, bool direct_only) {
+  CallOpts o = coll_opts(c);
   o.direct_only = direct_only;
-  uint64_t words[sizeof(desc) / 8];
-  static_assert(sizeof(desc) % 8 == 0, "the description hashes as whole words");
-  std::memcpy(words, &desc, sizeof(desc));
+  uint64_t words[sizeof(c.desc) / 8];
+  static_assert(sizeof(c.desc) % 8 == 0, "the description hashes as whole words");
+  std::memcpy(words, &c.desc, sizeof(c.desc));
   comm::ShapeHash h;  // the ledger's FNV-1a over whole words
   for (uint64_t w : words) h.mix(w);
-  h.mix(seq);
+  h.mix(c.seq);
   o.fingerprint = h.value();
   return o;
 }
@@ -61,12 +64,25 @@ CallOpts direct_opts(const comm::CallOptions& opts, std::vector<std::shared_ptr<
 // bind_backend.cc) is, like a synchronous collective, done once it is enqueued on the
 // caller's stream, which orders every later use of the buffer: it makes no Work. A posted
 // one (isend/irecv) returns the Work the caller waits on.
-CallOpts p2p_opts(const comm::CallOptions& o, std::vector<std::shared_ptr<void>>& keep) {
-  CallOpts c = opts_of(o, keep, 0);
-  c.want_work = !o.wait;
-  return c;
+template <class Call>
+CallOpts p2p_opts(Call& c) {
+  CallOpts o = opts_of(c);
+  o.want_work = !c.opts.wait;
+  return o;
 }
 }  // namespace
+
+NcclBackend::NcclBackend(std::shared_ptr<NcclComm> comm)
+    : Backend(comm->rank(), comm->size(), true), comm_(std::move(comm)),
+      copier_(cuda(), comm_->context(), comm_->device()) {
+  // Note [Call totals]: an op's record ends when the communicator sees it complete. No host
+  // thread times a GPU op, so NCCL calls add their count and bytes, not time.
+  comm_->set_on_done([this](uint64_t coll_seq, uint64_t p2p, const transport::OpDesc& d) {
+    if (coll_seq) ledger().set_state(coll_seq, comm::CallState::kDone);
+    if (p2p) ledger().p2p_state(p2p, comm::CallState::kDone);
+    if (coll_seq || p2p) ledger().add_totals(d, 0);
+  });
+}
 
 std::shared_ptr<NcclBackend> NcclBackend::create(std::shared_ptr<store::Store> store, int rank,
                                                  int size, int device, Millis timeout) {
@@ -96,20 +112,20 @@ void NcclBackend::check_options(const char* what, const comm::CallOptions& o) co
 WorkPtr NcclBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
   const bool only = open(
       c, &in, &out, comm_->prepare_direct(DirectPath::Kind::kAllReduce, in.dtype, op, in.count));
-  return comm_->all_reduce(direct_opts(c.opts, c.keep, c.seq, c.desc, only),
+  return comm_->all_reduce(direct_opts(c, only),
                            in.data, out.data, in.count, in.dtype, op);
 }
 
 WorkPtr NcclBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op,
                                int root) {
   open(c, &in, &out);
-  return comm_->reduce(coll_opts(c.opts, c.keep, c.seq),
+  return comm_->reduce(coll_opts(c),
                        in.data, out.data, in.count, in.dtype, op, root);
 }
 
 WorkPtr NcclBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
   open(c, &buf, &buf);
-  return comm_->broadcast(coll_opts(c.opts, c.keep, c.seq),
+  return comm_->broadcast(coll_opts(c),
                           buf.data, buf.count, buf.dtype, root);
 }
 
@@ -119,7 +135,7 @@ WorkPtr NcclBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView
       c, &in, &out,
       detail::all_equal(counts) &&
           comm_->prepare_direct(DirectPath::Kind::kAllGather, in.dtype, RedOp::kSum, counts[0]));
-  return comm_->all_gather(direct_opts(c.opts, c.keep, c.seq, c.desc, only),
+  return comm_->all_gather(direct_opts(c, only),
                            in.data, out.data, counts, in.dtype);
 }
 
@@ -129,7 +145,7 @@ WorkPtr NcclBackend::do_reduce_scatter(Call& c, const ArrayView& in, const Array
       c, &in, &out,
       detail::all_equal(counts) &&
           comm_->prepare_direct(DirectPath::Kind::kReduceScatter, in.dtype, op, counts[0]));
-  return comm_->reduce_scatter(direct_opts(c.opts, c.keep, c.seq, c.desc, only),
+  return comm_->reduce_scatter(direct_opts(c, only),
                                in.data, out.data, counts, in.dtype, op);
 }
 
@@ -137,27 +153,27 @@ WorkPtr NcclBackend::do_all_to_all(Call& c, const ArrayView& in, const ArrayView
                                    const std::vector<size_t>& send_counts,
                                    const std::vector<size_t>& recv_counts) {
   open(c);
-  return comm_->all_to_all(coll_opts(c.opts, c.keep, c.seq),
+  return comm_->all_to_all(coll_opts(c),
                            in.data, out.data, send_counts, recv_counts, in.dtype);
 }
 
 WorkPtr NcclBackend::do_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                const std::vector<size_t>& counts, int root) {
   open(c);
-  return comm_->gather(coll_opts(c.opts, c.keep, c.seq),
+  return comm_->gather(coll_opts(c),
                        in.data, out.data, counts, in.dtype, root);
 }
 
 WorkPtr NcclBackend::do_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                 const std::vector<size_t>& counts, int root) {
   open(c);
-  return comm_->scatter(coll_opts(c.opts, c.keep, c.seq),
+  return comm_->scatter(coll_opts(c),
                         in.data, out.data, counts, out.dtype, root);
 }
 
 WorkPtr NcclBackend::do_barrier(Call& c) {
   open(c);
-  auto w = comm_->barrier(opts_of(c.opts, c.keep, c.seq));
+  auto w = comm_->barrier(opts_of(c));
   if (c.opts.async) return w;
   w->wait(c.opts.timeout, false, nullptr);  // a barrier's wait blocks the host
   return nullptr;
@@ -165,12 +181,12 @@ WorkPtr NcclBackend::do_barrier(Call& c) {
 
 WorkPtr NcclBackend::do_send(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
   check_no_tag("send", tag);
-  return comm_->send(p2p_opts(c.opts, c.keep), buf.data, buf.count, buf.dtype, peer);
+  return comm_->send(p2p_opts(c), buf.data, buf.count, buf.dtype, peer);
 }
 
 WorkPtr NcclBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
   check_no_tag("recv", tag);
-  return comm_->recv(p2p_opts(c.opts, c.keep), buf.data, buf.count, buf.dtype, peer);
+  return comm_->recv(p2p_opts(c), buf.data, buf.count, buf.dtype, peer);
 }
 
 // NCCL has no way to tell the peers: the side channel does (their groups fail with `message`).

@@ -15,10 +15,9 @@ namespace meshcoll::nccl {
 
 class NcclBackend final : public comm::Backend {
  public:
-  explicit NcclBackend(std::shared_ptr<NcclComm> comm)
-      : Backend(comm->rank(), comm->size(), true), comm_(std::move(comm)),
-        copier_(cuda(), comm_->context(), comm_->device()) {}
+  explicit NcclBackend(std::shared_ptr<NcclComm> comm);
   ~NcclBackend() override {
+    comm_->set_on_done(nullptr);  // the communicator may outlive this (held by a Work)
     if (agreement_) agreement_->stop(true);  // dropped without destroy(): nothing to compare
   }
   // Collective over the group `store` is namespaced for.

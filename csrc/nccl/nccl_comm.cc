@@ -515,6 +515,15 @@ void NcclComm::wait_ready_locked(ncclComm_t comm, const Deadline& d, const char*
 // no arrays: keep is for the internal stream's).
 CUresult NcclComm::advance_completed_locked(uint64_t* at) {
   auto query = [&](uint64_t k) { return cu_.event_query(slots_[k % kSlots].done); };
+  // The arrays of ops completed below `end` may be freed now; their records end (not after
+  // a failure, which voids them: its abort completes every pending event).
+  auto complete_to = [&](uint64_t end) {
+    for (; completed_ < end; ++completed_) {
+      Slot& s = slots_[completed_ % kSlots];
+      s.keep.clear();
+      if (on_done_ && !failed_) on_done_(s.coll_seq, s.p2p, s.desc);
+    }
+  };
   while (completed_ < issued_) {
     const CUstream stream = slots_[completed_ % kSlots].stream;
     uint64_t end = completed_ + 1;
@@ -532,12 +541,11 @@ CUresult NcclComm::advance_completed_locked(uint64_t* at) {
         hi = k;
       } else {
         *at = k;
-        for (; completed_ < lo; ++completed_) slots_[completed_ % kSlots].keep.clear();
+        complete_to(lo);
         return q;
       }
     }
-    // The arrays of completed ops may be freed now.
-    for (; completed_ < lo; ++completed_) slots_[completed_ % kSlots].keep.clear();
+    complete_to(lo);
     if (lo < end) break;
   }
   return CUDA_SUCCESS;

@@ -125,6 +125,8 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   s.timeout_ms = t.count();
   s.what = what;
   s.coll_seq = c.coll_seq;
+  s.p2p = c.p2p;
+  s.desc = c.desc;
   s.direct_epoch = launched_direct_;
   if (launched_direct_) direct_last_done_ = s.event;
   if (async) s.keep = c.keep;
@@ -188,6 +190,8 @@ NcclComm::WorkPtr NcclComm::stage_locked(std::unique_lock<std::mutex>& lock, con
     s.timeout_ms = t.count();
     s.what = what;
     s.coll_seq = c.coll_seq;
+    s.p2p = c.p2p;
+    s.desc = c.desc;
     if (c.async) s.keep = c.keep;  // to its completion; the block holds every array to its end
   }
   staged_.push_back(std::move(op));

@@ -513,9 +513,10 @@ class ProcessGroup:
         for point-to-point), from the call ledger: the calls that completed without error,
         their bytes (the call's count times its item size, as ranks agree on it: an all_gather
         counts the whole gathered result) and the time this
-        rank spent running them. Kinds with no completed call are absent. On the CPU backend
-        only: NCCL calls end on the GPU, where no host thread times them (the dict is
-        empty)."""
+        rank spent running them. Kinds with no completed call are absent. On an NCCL group the
+        calls and bytes are counted once the GPU completed them (as the group next looks:
+        its watchdog does every few milliseconds), and no time (``seconds`` 0: kernels end on
+        the GPU, where no host thread times them)."""
         return {kind: CallStats(calls, nbytes, ns / 1e9)
                 for kind, (calls, nbytes, ns) in self._backend.stats().items()}
 

@@ -1,7 +1,8 @@
-"""Issue 34, items 0 and 3 on NCCL: in the default (async) agreement mode, no host
+"""Issue 34, items 0, 3 and 14 on NCCL: in the default (async) agreement mode, no host
 synchronization point of meshcoll returns success while an earlier call of the group is
-unagreed (Note [Results at host synchronization points] in csrc/nccl/nccl_ops.cc), and the
-internal exchanges of composed calls never pair with a user's call.
+unagreed (Note [Results at host synchronization points] in csrc/nccl/nccl_ops.cc); the
+internal exchanges of composed calls never pair with a user's call; completed calls show as
+done in the ledger and count in group.stats().
 
 Ranks disagree on a call NCCL completes (rank 0 sums, the others take the max), so only
 the side channel can tell: before, barrier(), Work.synchronize() and a read of the data all
@@ -121,3 +122,35 @@ def _exchange_against_user_call(pg):
 @gpus(2)
 def test_internal_exchanges_never_pair_with_a_users_host_all_gather():
     assert run_nccl(2, _exchange_against_user_call) == [True, True]
+
+
+def _stats(pg):
+    import time
+    import torch
+    g = pg.new_group(list(range(pg.size)))
+    for _ in range(3):
+        g.all_reduce(torch.ones(100, device="cuda"))  # 400 bytes each
+    g.all_gather(torch.ones(7, device="cuda", dtype=torch.float64))  # 2 x 7 float64: 112
+    buf = torch.arange(5, device="cuda", dtype=torch.float32)  # 20 bytes a message
+    if g.rank == 0:
+        g.send(buf, 1)
+        g.isend(buf, 1).wait()
+    else:
+        g.recv(buf, 0)
+        g.irecv(buf, 0).wait()
+    g.barrier()
+    torch.cuda.synchronize()
+    time.sleep(0.2)  # the watchdog sees them complete within a few milliseconds
+    stats = {k: (s.calls, s.bytes, s.seconds) for k, s in g.stats().items()}
+    pending = [c for c in g.recent_calls() if "pending" in c]
+    g.destroy()
+    return stats, pending
+
+
+@gpus(2)
+def test_completed_nccl_calls_are_done_in_the_ledger_and_counted_in_stats():
+    for stats, pending in run_nccl(2, _stats):
+        assert pending == [], pending
+        assert stats["all_reduce"] == (3, 1200, 0.0), stats
+        assert stats["all_gather"] == (1, 112, 0.0), stats
+        assert stats["send/recv"] == (2, 40, 0.0), stats
