@@ -1,5 +1,5 @@
 // The few NCCL and CUDA driver types and signatures meshcoll calls, declared here so that
-// building needs neither the CUDA toolkit nor NCCL's headers (STYLE.md §7). Both libraries
+// building needs neither the CUDA toolkit nor NCCL's headers. Both libraries
 // are loaded at run time (nccl_api.cc); nothing here is linked.
 //
 // Every value below is part of a stable C ABI: enum values and struct layouts are the ones

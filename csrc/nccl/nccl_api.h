@@ -1,5 +1,5 @@
 // Typed function tables for NCCL and the CUDA driver, filled by dlopen at first use
-// (STYLE.md §7). This is the only place that knows library names, search order and
+// (the wheel builds without CUDA). This is the only place that knows library names, search order and
 // version differences; nccl_comm.cc asks the tables, never dlsym.
 //
 // Search order for libnccl.so.2:

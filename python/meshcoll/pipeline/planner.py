@@ -141,7 +141,7 @@ def _fmt_cost(values: Tuple[float, ...]) -> str:
 
 def format_table(entries: Sequence[PlanEntry], num_stages: int, num_microbatches: int,
                  costs: Mapping[str, Cost], memory_limit: Optional[float] = None) -> str:
-    """The ranking as a table in the benchmarks' style (STYLE.md section 11)."""
+    """The ranking as a table in the benchmarks' style."""
     c = _per_rank(costs, num_stages)
     head = "  ".join(f"{k}={_fmt_cost(c[k])}" for k in COST_KEYS)
     limit = "none" if memory_limit is None else f"{memory_limit:g}"
