@@ -1,6 +1,6 @@
-// Typed function tables for NCCL and the CUDA driver, filled by dlopen at first use
-// (the wheel builds without CUDA). This is the only place that knows library names, search order and
-// version differences; nccl_comm.cc asks the tables, never dlsym.
+// Typed function tables for NCCL and the CUDA driver, filled by dlopen at first use (the
+// wheel builds without CUDA). This is the only place that knows library names, search order
+// and version differences; nccl_comm.cc asks the tables, never dlsym.
 //
 // Search order for libnccl.so.2:
 //   1. $MESHCOLL_NCCL_LIBRARY (a path; config().nccl_library, Note [Configuration]);
