@@ -382,7 +382,8 @@ def describe(plan) -> str:
         more = f", threads {plan['threads']}"
     elif "ddp" in plan:
         more = f", parameters {plan['ddp']}"
-    return (f"{label(plan)}({extra}) of rank {f['victim']} at step {f['step']} ({f['call']}); "
+    who = "every rank" if f["kind"] == "threads" else f"rank {f['victim']}"
+    return (f"{label(plan)}({extra}) of {who} at step {f['step']} ({f['call']}); "
             f"world {plan['world']}, {where}"
             f"{'' if plan['cma'] == '1' else ' (no CMA)'}, store on {plan['store']}, "
             f"{plan['steps']} steps{'' if plan.get('closing', True) else ' (no closing call)'}"
@@ -1161,7 +1162,7 @@ def judge(rec) -> dict:
         if err is None and kind == "mismatch" and rep["completed"]:
             if not raised_at_destroy:  # it returned from the call on which ranks disagreed
                 problems.append(("silent", f"rank {r}: returned normally from step {f['step']} "
-                                           f"({f['call']}), on which rank {v} disagreed "
+                                           f"({f.get('call')}), on which rank {v} disagreed "
                                            f"({f.get('what')}), and ended the episode without "
                                            f"an error"))
             continue
