@@ -83,9 +83,10 @@ sequence number, or never) counts as a MISBLAME (issue 16 item 14).
 
 The driver prints a table per (fault, transport; hier:kill is a kill in a hier episode):
 episodes, episodes fully right, episodes with a wrong error, wrong results (late writes
-included), silent ranks, errors that do not name the victim (misnamed), misblames, hangs,
-leftovers, setup failures (init did not complete), median and max time to the expected error; then the
-problems of every failing episode with the exact messages. The exit code is 1 if any episode failed.
+included), episodes with a silent rank, with an error that does not name the victim
+(misnamed) and with a misblame, hangs, leftovers, setup failures (init did not complete),
+median and max time to the expected error; then the problems of every failing episode with
+the exact messages (the first 12). The exit code is 1 if any episode failed.
 ``--json`` writes one record per episode. Failing episodes keep their directory (plan, reports,
 each rank's stderr) under ``--keep``.
 """
