@@ -4,6 +4,7 @@ fault, checked for the right error on every rank and zero wrong results.
     python bench/python/fault_soak.py --minutes 10 --max-ranks 4
     python bench/python/fault_soak.py --minutes 2 --transport tcp --faults kill,stop --seed 7
     python bench/python/fault_soak.py --seed 7 --episodes 12 --only 11   # replay one episode
+    python bench/python/fault_soak.py --minutes 2 --faults hier,coalesced,ddp --max-ranks 4
 
 The driver runs one episode at a time. Episode i draws, from a generator seeded with
 (seed, i): the world size (2 to ``--max-ranks``), the transport (MESHCOLL_TRANSPORT=shm or
@@ -25,8 +26,33 @@ on a random rank (the victim):
               op, counts that do not sum, negative tag or timeout), then either retries the
               call correctly ("retry": the job must go on as if nothing happened) or exits
               ("exit")
+    overlap   as badarg, the bad argument an out= that overlaps x partly (all_gather,
+              reduce_scatter, all_to_all, the root of scatter), never as the in-place form
+    unmapped  as badarg, the bad argument an array over memory unmapped (munmap) under it,
+              from its first byte or from a page boundary inside it
 
-After the steps every rank makes one closing all_reduce. A rank stops at its first error,
+and episodes of other kinds (``--faults`` names them too):
+
+    hier      ranks on two emulated hosts (MESHCOLL_HOST_ID per rank, at least 3 ranks, the
+              transport left to meshcoll), so the world group is hierarchical; the fault
+              (kill, stop, late, mismatch or badarg) hits a hierarchical call (all_reduce,
+              broadcast, all_gather)
+    coalesced the fault's step is a ``with group.coalesced():`` block of 2-6 small
+              all_reduces; the fault is kill, stop, late or mismatch: the victim forms
+              another block (one element moved from a call to the next, one more element,
+              another dtype or op in one call, or its last call made after the block)
+    threads   no fault: at one step two threads on every rank each make 50-200 async
+              all_reduces on the world group, each waited on before the next
+    ddp       meshcoll.DataParallel over numpy arrays (2-6 parameters, about three
+              buckets) on a group with the call timeout: every step hands over each gradient
+              and waits for the averages; the fault is kill, stop (in a step) or mismatch
+              (the victim's DataParallel has a parameter of another shape, name or dtype)
+
+A mismatch episode ends at the disagreeing call in half of the draws (no later step, no
+closing call), as a job whose last call disagreed would.
+
+After the steps every rank makes one closing all_reduce (unless the episode ends at a
+disagreement). A rank stops at its first error,
 keeps the arrays of the failed call, and reports (a JSON file per rank) every check, every
 wrong result and its error (class, message, step, time in the call). Once every rank has
 reported or died, the driver tells them to compare the kept arrays with their copies taken at
@@ -38,10 +64,15 @@ Expected outcome (a WRONG ERROR otherwise), with each error raised within the ca
     kill, stop, late  every other rank: PeerError or TimeoutError naming the victim (global
                       rank); a resumed or late victim: any meshcoll error
     mismatch          every rank: MismatchError, or (a rank that learns of it at a later
-                      call) AbortedError / PeerError that says "mismatch"
-    badarg            the victim: ValueError or TypeError; then, retry: no error anywhere and
-                      every result right; exit: every other rank PeerError, TimeoutError or
-                      AbortedError naming the victim
+                      call) AbortedError / PeerError that says "mismatch"; a rank that
+                      returned normally from the disagreeing call and ended the episode with
+                      no error is SILENT (Note [Late raise points] lists the other raise
+                      points the README allows)
+    badarg            the victim: ValueError or TypeError (overlap, unmapped: ValueError);
+                      then, retry: no error anywhere and every result right; exit: every
+                      other rank PeerError, TimeoutError or AbortedError naming the victim
+    threads           every rank: ConcurrentCallError, or PeerError / AbortedError with its
+                      message ("another thread"); or no error and every result right
 and on every episode: no error raised before the fault (wall clock: the victim notes the time
 it injects the fault; ranks drift apart by a call or two, so a peer may rightly fail in an
 earlier step than the victim's), no wrong result, destroy() clean, no process alive after the
@@ -50,10 +81,12 @@ left in /dev/shm, no stray process. A timeout whose diagnosis says a healthy ran
 reached a call that the healthy rank had finished (it raised later, in a call with a higher
 sequence number, or never) counts as a MISBLAME (issue 16 item 14).
 
-The driver prints a table per (fault, transport): episodes, episodes fully right, episodes
-with a wrong error, wrong results (late writes included), misblames, hangs, leftovers, setup
-failures (init did not complete), median and max time to the expected error; then the
-problems of every failing episode with the exact messages. The exit code is 1 if any episode failed.
+The driver prints a table per (fault, transport; hier:kill is a kill in a hier episode):
+episodes, episodes fully right, episodes with a wrong error, wrong results (late writes
+included), episodes with a silent rank, with an error that does not name the victim
+(misnamed) and with a misblame, hangs, leftovers, setup failures (init did not complete),
+median and max time to the expected error; then the problems of every failing episode with
+the exact messages (the first 12). The exit code is 1 if any episode failed.
 ``--json`` writes one record per episode. Failing episodes keep their directory (plan, reports,
 each rank's stderr) under ``--keep``.
 """
@@ -81,9 +114,29 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import soak  # noqa: E402  (the random steps and their numpy references)
 
 FAULTS = ("kill", "stop", "late", "mismatch", "badarg")
+# Episode kinds beyond a plain episode with one of FAULTS (the docstring says what each does);
+# hier, coalesced and ddp draw their fault from SUB_FAULTS.
+EPISODES = ("hier", "coalesced", "threads", "ddp", "overlap", "unmapped")
+KINDS = FAULTS + EPISODES
+SUB_FAULTS = {"hier": ("kill", "stop", "late", "mismatch", "badarg"),
+              "coalesced": ("kill", "stop", "late", "mismatch"),
+              "ddp": ("kill", "stop", "mismatch")}
+BADARGS = ("badarg", "overlap", "unmapped")  # a refused argument, then a retry or an exit
+HIERARCHICAL = ("all_reduce", "all_reduce_async", "broadcast", "all_gather")
+# Collectives whose out= a rank passes itself (overlap episodes put it over x).
+WITH_OUT = ("all_gather", "reduce_scatter", "all_to_all", "scatter")
+BLOCK_MISMATCH = ("split", "count", "dtype", "op", "outside")
+# Note [Late raise points]: where the README lets a rank that returned normally from a call
+# on which ranks disagreed raise instead. "next call": its next call on the group raises the
+# failure (README, Errors: "The first call or wait() to hear of a failure raises it").
+# "destroy" is not documented for CPU groups today (only NCCL's destroy() raises a pending
+# MismatchError): when the README says it for CPU groups, add it here, and a rank whose
+# destroy() raised the disagreement after a clean episode is then right, not silent.
+LATE_RAISE_POINTS = ("next call",)
 TRANSPORTS = ("shm", "tcp")
 INIT_TIMEOUT = 30.0
 SLACK = 2.0  # an error must come within the call's timeout plus this
+SHOWN = 12  # problems printed per failing episode
 REDUCING = {"all_reduce", "all_reduce_async", "reduce", "reduce_scatter", "reduce_scatter_v"}
 BITWISE = {"band", "bor", "bxor"}
 
@@ -132,8 +185,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--max-ranks", type=int, default=4, help="largest world (2-8, default 4)")
     p.add_argument("--transport", choices=("both",) + TRANSPORTS, default="both")
-    p.add_argument("--faults", default=",".join(FAULTS),
-                   help=f"comma-separated subset of {','.join(FAULTS)}")
+    p.add_argument("--faults", default=",".join(KINDS),
+                   help=f"comma-separated subset of {','.join(KINDS)} (default: all)")
     p.add_argument("--timeout", type=float, default=2.5, help="per-call timeout, seconds")
     p.add_argument("--max-bytes", default="256K", help="largest input of a step (default 256K)")
     p.add_argument("--json", default=None, help="append one record per episode to this file")
@@ -141,9 +194,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true", help="no line per episode")
     args = p.parse_args(argv)
     args.faults = [f for f in args.faults.split(",") if f]
-    bad = [f for f in args.faults if f not in FAULTS]
+    bad = [f for f in args.faults if f not in KINDS]
     if bad or not args.faults:
-        p.error(f"--faults: unknown {bad}; use a subset of {','.join(FAULTS)}")
+        p.error(f"--faults: unknown {bad}; use a subset of {','.join(KINDS)}")
     if not 2 <= args.max_ranks <= 8:
         p.error("--max-ranks must be 2-8")
     return args
@@ -155,6 +208,10 @@ def steps_of(plan) -> List[soak.Step]:
     """The episode's steps, the same on every rank and in the driver (group None there)."""
     world = [("world", None, list(range(plan["world"])))]
     return [soak.Step(plan["seed"], s, world, plan["max_bytes"]) for s in range(plan["steps"])]
+
+
+def dtype_named(name: str) -> np.dtype:
+    return next(d for d in soak.DTYPES if d.name == name)
 
 
 def other_dtype(rng, dt: np.dtype, op: Optional[str]) -> str:
@@ -175,14 +232,41 @@ def make_plan(args, index: int) -> dict:
     world = int(rng.integers(2, args.max_ranks + 1))
     transport = (args.transport if args.transport != "both"
                  else TRANSPORTS[int(rng.integers(2))])
-    kind = args.faults[int(rng.integers(len(args.faults)))]
+    drawn = args.faults[int(rng.integers(len(args.faults)))]
+    episode, kind = "plain", drawn
+    if drawn in SUB_FAULTS:
+        episode, kind = drawn, SUB_FAULTS[drawn][int(rng.integers(len(SUB_FAULTS[drawn])))]
+    elif drawn == "threads":
+        episode = "threads"
+    if episode == "hier":
+        # Two emulated hosts, one with two ranks or more, and the transport left to meshcoll:
+        # the world group is hierarchical (3 ranks even where --max-ranks is 2).
+        world, transport = max(world, 3), "hier"
     plan = {"index": index, "world": world, "transport": transport,
             "store": "rank0" if rng.random() < 0.5 else "driver",
             "seed": int(rng.integers(1 << 31)), "steps": int(rng.integers(3, 9)),
-            "timeout": args.timeout, "max_bytes": soak.parse_size(args.max_bytes)}
-    at = int(rng.integers(plan["steps"]))
+            "timeout": args.timeout, "max_bytes": soak.parse_size(args.max_bytes),
+            "episode": episode}
+    # The collectives the fault's step may be, where it matters.
+    fits = {"hier": HIERARCHICAL, "overlap": WITH_OUT,
+            # (an empty x has no memory to be missing: not the _v collectives)
+            "unmapped": [k for k in soak.KINDS if k != "barrier" and not k.endswith("_v")]}.get(
+        "hier" if episode == "hier" else kind)
+    if fits is None:
+        at = int(rng.integers(plan["steps"]))
+    else:
+        while True:  # another schedule until one of its steps fits
+            ok = [i for i, st in enumerate(steps_of(plan)) if st.kind in fits]
+            if ok:
+                at = ok[int(rng.integers(len(ok)))]
+                break
+            plan["seed"] = int(rng.integers(1 << 31))
+    if episode == "ddp" and kind == "mismatch":
+        at = 0  # the layouts are compared when DataParallel is made, in step 0
     st = steps_of(plan)[at]
-    fault = {"kind": kind, "step": at, "victim": int(rng.integers(world)), "call": st.kind}
+    call = {"coalesced": "coalesced block", "ddp": "DataParallel",
+            "threads": "async all_reduce from 2 threads"}.get(episode, st.kind)
+    fault = {"kind": kind, "step": at, "victim": int(rng.integers(world)), "call": call}
     if kind == "kill":
         fault["when"] = "before" if rng.random() < 0.4 else "during"
         fault["delay"] = round(float(rng.uniform(0, 0.01)), 4)
@@ -192,6 +276,22 @@ def make_plan(args, index: int) -> dict:
         fault["then"] = "cont" if rng.random() < 0.7 else "kill"
     elif kind == "late":
         fault["hold"] = args.timeout + 1.0
+    elif kind == "mismatch" and episode == "coalesced":
+        plan["block"] = draw_block(rng)
+        fault["what"] = BLOCK_MISMATCH[int(rng.integers(len(BLOCK_MISMATCH)))]
+        calls = plan["block"]
+        i = int(rng.integers(len(calls)))
+        if fault["what"] == "split" and not any(c[0] > 1 for c in calls):
+            fault["what"] = "count"
+        if fault["what"] == "split":  # the same total: one element moved to the next call
+            i = next(j for j in range(len(calls)) if calls[j][0] > 1)
+        fault["call_index"] = i
+        if fault["what"] == "dtype":
+            fault["dtype"] = other_dtype(rng, dtype_named(calls[i][1]), calls[i][2])
+        elif fault["what"] == "op":
+            fault["op"] = other_op(rng, dtype_named(calls[i][1]), calls[i][2])
+    elif kind == "mismatch" and episode == "ddp":
+        fault["what"] = ("shape", "name", "dtype")[int(rng.integers(3))]
     elif kind == "mismatch":
         choices = list(MISMATCH[st.kind])
         if st.kind == "reduce_scatter_v" and sum(st.rows) == 0:
@@ -209,24 +309,86 @@ def make_plan(args, index: int) -> dict:
             rows[i] -= 1
             rows[(i + 1) % world] += 1
             fault["rows"] = rows
-    else:
+    elif kind == "badarg":
         choices = BADARG[st.kind]
         fault["what"] = choices[int(rng.integers(len(choices)))]
         fault["then"] = "retry" if rng.random() < 0.5 else "exit"
+    elif kind in ("overlap", "unmapped"):
+        fault["what"] = kind
+        fault["then"] = "retry" if rng.random() < 0.5 else "exit"
+        if kind == "overlap":
+            # Where out= starts over x (or x over out=), as a fraction of the larger array.
+            fault["at"] = round(float(rng.uniform(0, 1)), 4)
+            if st.kind == "scatter":
+                fault["victim"] = st.root  # off the root x is never read
+        else:  # unmapped from x's first byte, or from a page boundary inside x
+            fault["how"] = "whole" if rng.random() < 0.5 else "tail"
     plan["fault"] = fault
     # Shared memory without cross-memory attach takes the copy-through-segments paths.
-    plan["cma"] = "0" if transport == "shm" and rng.random() < 0.3 else "1"
+    plan["cma"] = "0" if transport in ("shm", "hier") and rng.random() < 0.3 else "1"
+    if episode == "hier":
+        while True:  # every rank on host a or b, both hosts used
+            hosts = ["ab"[int(b)] for b in rng.integers(0, 2, world)]
+            if len(set(hosts)) == 2:
+                break
+        plan["hosts"] = hosts
+    elif episode == "coalesced" and "block" not in plan:
+        plan["block"] = draw_block(rng)
+    elif episode == "threads":
+        plan["threads"] = {"iters": int(rng.integers(50, 201)),
+                           "count": int(rng.integers(1, 4097)),
+                           "dtype": ("int32", "int64", "float32")[int(rng.integers(3))]}
+    elif episode == "ddp":
+        plan["ddp"] = [int(v) for v in rng.integers(1, 3000, int(rng.integers(2, 7)))]
+    if kind == "mismatch" and rng.random() < 0.5:
+        # No call after the disagreeing one: a rank that returned from it without an error
+        # ends the episode cleanly ("silent"), as a job whose last call disagreed would.
+        plan["steps"], plan["closing"] = at + 1, False
     return plan
+
+
+def draw_block(rng) -> list:
+    """A coalesced block: 2-6 small all_reduces, [count, dtype, op] each, mostly of one dtype
+    and op (fused) with now and then a call of its own."""
+    def one():
+        dt = soak.DTYPES[int(rng.integers(len(soak.DTYPES)))]
+        op = soak.OPS[int(rng.integers(len(soak.OPS)))]
+        if (op in BITWISE and soak.is_float(dt)) or (op == "avg" and dt == np.bool_):
+            op = "max"
+        return dt.name, op
+    dt, op = one()
+    calls = []
+    for _ in range(int(rng.integers(2, 7))):
+        cdt, cop = one() if rng.random() < 0.2 else (dt, op)
+        calls.append([int(rng.integers(1, 2049)), cdt, cop])
+    return calls
+
+
+def label(plan) -> str:
+    """The episode's kind as the table shows it: the fault, after its episode's name where
+    the episode draws its fault (hier:kill)."""
+    ep, kind = plan.get("episode", "plain"), plan["fault"]["kind"]
+    return f"{ep}:{kind}" if ep in SUB_FAULTS else kind
 
 
 def describe(plan) -> str:
     f = plan["fault"]
     extra = ", ".join(f"{k}={v}" for k, v in f.items()
                       if k not in ("kind", "step", "victim", "call"))
-    return (f"{f['kind']}({extra}) of rank {f['victim']} at step {f['step']} ({f['call']}); "
-            f"world {plan['world']}, {plan['transport']}"
+    where = plan["transport"] if "hosts" not in plan else f"hosts {''.join(plan['hosts'])}"
+    more = ""
+    if "block" in plan:
+        more = f", block {plan['block']}"
+    elif "threads" in plan:
+        more = f", threads {plan['threads']}"
+    elif "ddp" in plan:
+        more = f", parameters {plan['ddp']}"
+    who = "every rank" if f["kind"] == "threads" else f"rank {f['victim']}"
+    return (f"{label(plan)}({extra}) of {who} at step {f['step']} ({f['call']}); "
+            f"world {plan['world']}, {where}"
             f"{'' if plan['cma'] == '1' else ' (no CMA)'}, store on {plan['store']}, "
-            f"{plan['steps']} steps, timeout {plan['timeout']} s")
+            f"{plan['steps']} steps{'' if plan.get('closing', True) else ' (no closing call)'}"
+            f", timeout {plan['timeout']} s{more}")
 
 
 # ---- a rank ---------------------------------------------------------------------------
@@ -247,6 +409,47 @@ def spoil(x: np.ndarray, what: str):
     return x.astype(np.complex64), "unsupported_dtype"
 
 
+def overlapping(big_shape, small_shape, m: dict, in_place: Optional[int], dt, keep: list):
+    """(big, small): two arrays over one buffer, ``small`` starting inside ``big`` at the
+    element offset ``m["at"]`` points to, never ``in_place`` (the offset of the call's
+    in-place form; None where it has none), so they overlap at least partly."""
+    nb, ns = int(np.prod(big_shape)), int(np.prod(small_shape))
+    at = min(int(m["at"] * nb), nb - 1)
+    if at == in_place:
+        at = at + 1 if at + 1 < nb else at - 1
+    buf = np.zeros(nb + ns, dt)
+    keep.append(buf)
+    m["applied"] = f"overlap at element {at} of {nb}"
+    return buf[:nb].reshape(big_shape), buf[at:at + ns].reshape(small_shape)
+
+
+def unmapped_like(a: np.ndarray, how: str) -> np.ndarray:
+    """An array of ``a``'s dtype and shape over memory unmapped (munmap) under it: from its
+    first byte ("whole"), or from a page boundary in its middle ("tail"; "whole" where it
+    holds one element)."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page = mmap.PAGESIZE
+    size = (a.nbytes // page + 2) * page
+    addr = libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value), "mmap failed"
+    if how == "tail" and a.size > 1:
+        # The array's first half in the mapped pages, the rest in the last page, unmapped.
+        start = addr + size - page - a.itemsize * (a.size // 2)
+        assert libc.munmap(addr + size - page, page) == 0
+    else:
+        start = addr
+        assert libc.munmap(addr, size) == 0
+    buf = (ctypes.c_char * a.nbytes).from_address(start)
+    return np.frombuffer(buf, a.dtype).reshape(a.shape)
+
+
 def call_step(g, st, timeout: float, mod: Optional[dict], keep: list) -> List[str]:
     """This rank's part of step ``st``, with ``mod`` (the victim's disagreement or bad
     argument) applied; returns what was wrong with the results (a modified call's results are
@@ -254,7 +457,7 @@ def call_step(g, st, timeout: float, mod: Optional[dict], keep: list) -> List[st
     n, r = g.size, g.rank
     m = mod or {}
     mismatch = m.get("kind") == "mismatch"
-    bad = m.get("what") if m.get("kind") == "badarg" else None
+    bad = m.get("what") if m.get("kind") in BADARGS else None
     what = m.get("what") if mismatch else None
     kind, dt, op, root, tag = st.kind, st.dtype, st.op, st.root, st.root
     count, cols, rows = st.count, st.cols, list(st.rows)
@@ -289,6 +492,9 @@ def call_step(g, st, timeout: float, mod: Optional[dict], keep: list) -> List[st
     def mine(a):
         """This rank's copy of its input, spoiled if that is the bad argument."""
         a = a.copy()
+        if bad == "unmapped":  # not kept: reading it would end this process
+            a, m["applied"] = unmapped_like(a, m["how"]), f"unmapped ({m['how']})"
+            return a
         if bad in ARRAY_SPOILS + ("read_only",):
             a, m["applied"] = spoil(a, bad)
         keep.append(a)
@@ -313,7 +519,8 @@ def call_step(g, st, timeout: float, mod: Optional[dict], keep: list) -> List[st
         for b in range(batch):
             xs = [inp(i, (max(1, count >> b),), salt=2 * b) for i in range(n)]
             x = mine(xs[r]) if b == 0 else xs[r].copy()
-            keep.append(x)
+            if not (b == 0 and bad == "unmapped"):
+                keep.append(x)
             want = (lambda xs=xs: soak.reference(xs, op, dt))
             if kind == "all_reduce":
                 g.all_reduce(x, op, algorithm=algo, timeout=timeout)
@@ -336,8 +543,12 @@ def call_step(g, st, timeout: float, mod: Optional[dict], keep: list) -> List[st
         check(f"broadcast {dt.name} root={root}", x, lambda: xs[root])
     elif kind == "all_gather":
         xs = [inp(i, (cols, 2), None) for i in range(n)]
-        out = out_array((n, cols, 2)) if bad == "out" else None
-        got = g.all_gather(mine(xs[r]), out, timeout=timeout)
+        if bad == "overlap":  # x over out, not as out's block r (the in-place form)
+            out, x = overlapping((n, cols, 2), (cols, 2), m, r * cols * 2, dt, keep)
+            x[...] = xs[r]
+        else:
+            out, x = out_array((n, cols, 2)) if bad == "out" else None, mine(xs[r])
+        got = g.all_gather(x, out, timeout=timeout)
         check(f"all_gather {dt.name}", got, lambda: np.stack(xs))
     elif kind == "all_gather_v":
         xs = [inp(i, (st.rows[i], cols), None) for i in range(n)]
@@ -347,8 +558,12 @@ def call_step(g, st, timeout: float, mod: Optional[dict], keep: list) -> List[st
             problems.append(f"step {st.index} all_gather_v counts {counts}, expected {st.rows}")
     elif kind == "reduce_scatter":
         xs = [inp(i, (2 * n, cols)) for i in range(n)]
-        out = out_array((2, cols)) if bad == "out" else None
-        got = g.reduce_scatter(mine(xs[r]), out, op=op, timeout=timeout)
+        if bad == "overlap":  # out over x, not as x's block r (the in-place form)
+            x, out = overlapping((2 * n, cols), (2, cols), m, 2 * r * cols, dt, keep)
+            x[...] = xs[r]
+        else:
+            out, x = out_array((2, cols)) if bad == "out" else None, mine(xs[r])
+        got = g.reduce_scatter(x, out, op=op, timeout=timeout)
         check(f"reduce_scatter {op} {dt.name}", got,
               lambda: soak.reference(xs, op, dt)[2 * r:2 * r + 2], op)
     elif kind == "reduce_scatter_v":
@@ -361,8 +576,12 @@ def call_step(g, st, timeout: float, mod: Optional[dict], keep: list) -> List[st
               lambda: soak.reference(xs, op, dt)[off:off + st.rows[r]], op)
     elif kind == "all_to_all":
         xs = [inp(i, (2 * n, cols), None) for i in range(n)]
-        out = out_array((2 * n, cols)) if bad == "out" else None
-        got = g.all_to_all(mine(xs[r]), out, timeout=timeout)
+        if bad == "overlap":  # all_to_all has no in-place form: any overlap
+            x, out = overlapping((2 * n, cols), (2 * n, cols), m, None, dt, keep)
+            x[...] = xs[r]
+        else:
+            out, x = out_array((2 * n, cols)) if bad == "out" else None, mine(xs[r])
+        got = g.all_to_all(x, out, timeout=timeout)
         check(f"all_to_all {dt.name}", got,
               lambda: np.concatenate([xs[i][2 * r:2 * r + 2] for i in range(n)]))
     elif kind == "all_to_all_v":
@@ -385,11 +604,18 @@ def call_step(g, st, timeout: float, mod: Optional[dict], keep: list) -> List[st
             problems.append(f"step {st.index} gather returned data on a non-root rank")
     elif kind == "scatter":
         full = inp(st.root, (n, cols), None)
-        if r == root or bad == "out":  # x given: an out= of another size is a bad argument
+        if bad == "overlap":  # the root's out over x, not as x[root] (the in-place form)
+            x, out = overlapping((n, cols), (cols,), m, root * cols, dt, keep)
+            x[...] = full
+            got = g.scatter(x, root, out=out, timeout=timeout)
+        elif r == root or bad == "out":  # x given: an out= of another size is a bad argument
             out = out_array((cols,)) if bad == "out" else None
             got = g.scatter(mine(full), root, out=out, timeout=timeout)
         else:
-            o = out_array((cols,))
+            if bad == "unmapped":
+                o, m["applied"] = unmapped_like(np.empty(cols, dt), m["how"]), "unmapped out"
+            else:
+                o = out_array((cols,))
             if bad in ARRAY_SPOILS:
                 o, m["applied"] = spoil(o, bad)
                 keep.append(o)
@@ -404,7 +630,8 @@ def call_step(g, st, timeout: float, mod: Optional[dict], keep: list) -> List[st
         keep.append(buf)
         peer = n if bad == "peer" else (r + 1) % n
         src = xs[r].copy() if bad in (None, "read_only", "non_contiguous") else mine(xs[r])
-        keep.append(src)
+        if bad != "unmapped":
+            keep.append(src)
         # The call with the bad argument comes first, so that nothing is under way when it
         # raises (a retry repeats both).
         if bad in ("read_only", "non_contiguous"):
@@ -421,6 +648,137 @@ def call_step(g, st, timeout: float, mod: Optional[dict], keep: list) -> List[st
     else:
         raise AssertionError(kind)
     return problems
+
+
+def call_block(g, plan, st, timeout: float, mod: Optional[dict], keep: list) -> List[str]:
+    """Step ``st`` as a coalesced block of small all_reduces (plan["block"]); the victim's
+    mismatch forms another block: one element moved from a call to the next ("split"), one
+    more element, another dtype or op in one call, or the last call made after the block."""
+    n, r = g.size, g.rank
+    calls = [list(c) for c in plan["block"]]
+    what = mod.get("what") if mod else None
+    if what is not None:
+        i = mod["call_index"]
+        if what == "split":
+            calls[i][0] -= 1
+            calls[(i + 1) % len(calls)][0] += 1
+        elif what == "count":
+            calls[i][0] += 1
+        elif what == "dtype":
+            calls[i][1] = mod["dtype"]
+        elif what == "op":
+            calls[i][2] = mod["op"]
+    todo = []
+    for j, (count, name, op) in enumerate(calls):
+        dt = dtype_named(name)
+        xs = [soak.member_input(np.resize(st.base[j:], count), i, dt, op, (count,))
+              for i in range(n)]
+        x = xs[r].copy()
+        keep.append(x)
+        todo.append((x, op, xs, dt))
+    with g.coalesced(timeout=timeout):
+        for x, op, _, _ in (todo[:-1] if what == "outside" else todo):
+            g.all_reduce(x, op, timeout=timeout)
+    if what == "outside":
+        g.all_reduce(todo[-1][0], todo[-1][1], timeout=timeout)
+    problems = []
+    for j, (x, op, xs, dt) in enumerate(todo if mod is None else ()):
+        msg = soak.same(x, soak.reference(xs, op, dt), op)
+        if msg:
+            problems.append(f"step {st.index} block call {j} {op} {dt.name}: {msg}")
+    return problems
+
+
+def call_threads(g, plan, st, timeout: float) -> List[str]:
+    """Step ``st``: two threads each make plan["threads"]["iters"] async all_reduces on the
+    group, each waited on before the next, checked against numpy. Calls from two threads
+    pair across ranks in whatever order each rank issued them: the README promises a
+    ConcurrentCallError on every rank (or results that are right). A thread stops at its
+    first error; the first error raised on this rank is the step's."""
+    n, r = g.size, g.rank
+    spec = plan["threads"]
+    dt, count = np.dtype(spec["dtype"]), spec["count"]
+    problems: List[str] = []
+    errors: list = []
+
+    def loop(t):
+        for i in range(spec["iters"]):
+            if errors:
+                return
+            xs = [np.random.default_rng([plan["seed"], t, i, q]).integers(-8, 9, count)
+                  .astype(dt) for q in range(n)]
+            x = xs[r].copy()
+            try:
+                g.all_reduce(x, "sum", async_op=True, timeout=timeout).wait()
+            except Exception as e:  # noqa: BLE001
+                errors.append((time.monotonic(), e))
+                return
+            msg = soak.same(x, soak.reference(xs, "sum", dt), "sum")
+            if msg:
+                problems.append(f"step {st.index} thread {t} call {i}: {msg}")
+
+    threads = [threading.Thread(target=loop, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise min(errors, key=lambda e: e[0])[1]
+    return problems
+
+
+def call_ddp(state: dict, plan, s: int, timeout: float, mod: Optional[dict],
+             keep: list) -> List[str]:
+    """Step ``s`` of a DataParallel episode: in step 0 DataParallel is made over the group
+    (the victim's mismatch: a parameter of another shape, name or dtype); then every step
+    hands over each gradient in backward order and waits for the averages (against numpy)."""
+    from meshcoll import DataParallel
+    g, n, r = state["group"], state["group"].size, state["group"].rank
+    sizes = plan["ddp"]
+    names = [f"w{i}" for i in range(len(sizes))]
+    if s == 0:
+        params = {nm: np.zeros(sz) for nm, sz in zip(names, sizes)}
+        what = mod.get("what") if mod else None
+        if what == "shape":
+            params[names[-1]] = np.zeros(sizes[-1] + 1)
+        elif what == "name":
+            params["v" + names[-1]] = params.pop(names[-1])
+        elif what == "dtype":
+            params[names[-1]] = np.zeros(sizes[-1], np.float32)
+        cap = max(1, sum(sizes) * 8 // 3) / 2**20  # about three buckets
+        state["ddp"] = DataParallel(params, group=g, bucket_cap_mb=cap)
+    ddp = state["ddp"]
+
+    def grad(q, i):
+        return np.random.default_rng([plan["seed"], s, q, i]).standard_normal(sizes[i])
+
+    grads = {}
+    for i in reversed(range(len(names))):
+        grads[i] = grad(r, i)
+        keep.append(grads[i])
+        ddp.grad_ready(names[i], grads[i])
+    ddp.wait()
+    problems = []
+    for i in range(len(names)):
+        want = sum(grad(q, i) for q in range(n)) / n
+        if not np.allclose(grads[i], want, rtol=1e-12, atol=1e-12):
+            bad = int((~np.isclose(grads[i], want, rtol=1e-12, atol=1e-12)).sum())
+            problems.append(f"step {s} DataParallel {names[i]}: {bad} of {sizes[i]} elements "
+                            f"differ from the average")
+    return problems
+
+
+def run_step(g, plan, st, timeout: float, mod: Optional[dict], keep: list,
+             state: dict) -> List[str]:
+    """This rank's part of step ``st``, as the episode makes it."""
+    episode = plan.get("episode", "plain")
+    if episode == "coalesced" and st.index == plan["fault"]["step"]:
+        return call_block(g, plan, st, timeout, mod, keep)
+    if episode == "threads" and st.index == plan["fault"]["step"]:
+        return call_threads(g, plan, st, timeout)
+    if episode == "ddp":
+        return call_ddp(state, plan, st.index, timeout, mod, keep)
+    return call_step(g, st, timeout, mod, keep)
 
 
 def write_json(path: str, obj) -> None:
@@ -444,7 +802,8 @@ def worker(epdir: str, rank: int) -> int:
     with open(os.path.join(epdir, "plan.json")) as f:
         plan = json.load(f)
     n, fault, timeout = plan["world"], plan["fault"], plan["timeout"]
-    victim = rank == fault["victim"]
+    episode = plan.get("episode", "plain")
+    victim = rank == fault["victim"] or episode == "threads"  # there every rank is one
     rep = {"rank": rank, "steps_done": 0, "wrong": [], "arg_error": None, "error": None,
            "completed": False, "late_writes": [], "destroy_error": None, "applied": None,
            "pid": os.getpid()}
@@ -463,6 +822,11 @@ def worker(epdir: str, rank: int) -> int:
         else:
             pg = meshcoll.init(rank=rank, world_size=n, master_addr="127.0.0.1",
                                master_port=plan["port"], timeout=INIT_TIMEOUT)
+        if "hosts" in plan and pg._hier is None:
+            raise RuntimeError(f"not hierarchical on hosts {plan['hosts']} ({pg.transport})")
+        state = {}
+        if episode == "ddp":  # its calls take the group's timeout: a group of its own
+            state["group"] = pg.new_group(list(range(n)), timeout=timeout)
     except Exception as e:  # noqa: BLE001 - every failure is reported
         rep["error"] = failure(e, -1, time.monotonic())
         write_json(out_path, rep)
@@ -473,11 +837,12 @@ def worker(epdir: str, rank: int) -> int:
         st.index = i
     pending = None  # a kill timer or stop helper that has not fired yet
     keep: list = []
-    for s in range(plan["steps"] + 1):
+    closing = plan.get("closing", True)
+    for s in range(plan["steps"] + closing):
         at(f"step {s}")
         mod = None
         if victim and s == fault["step"]:
-            write_json(os.path.join(epdir, "fault_at.json"), time.time())
+            write_json(os.path.join(epdir, f"fault_at.{rank}.json"), time.time())
             k = fault["kind"]
             if k == "kill" and fault["when"] == "before":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -495,7 +860,7 @@ def worker(epdir: str, rank: int) -> int:
                 threading.Timer(fault["delay"], os.kill, (os.getpid(), signal.SIGSTOP)).start()
             elif k == "late":
                 time.sleep(fault["hold"])
-            else:
+            elif k != "threads":
                 mod = dict(fault)
         if s == plan["steps"] and pending is not None:
             # The fault has not landed yet: let it land before the closing call, so that it
@@ -507,14 +872,14 @@ def worker(epdir: str, rank: int) -> int:
         t0 = time.monotonic()
         try:
             if s < plan["steps"]:
-                problems = call_step(pg, steps[s], timeout, mod, keep)
+                problems = run_step(pg, plan, steps[s], timeout, mod, keep, state)
             else:  # the closing call: needs every rank
                 x = np.full(3, rank, np.int64)
                 keep.append(x)
                 pg.all_reduce(x, timeout=timeout)
                 problems = [] if np.all(x == n * (n - 1) // 2) else [f"closing all_reduce: {x}"]
         except (ValueError, TypeError) as e:
-            if mod is None or mod["kind"] != "badarg":
+            if mod is None or mod["kind"] not in BADARGS:
                 rep["error"] = failure(e, s, t0)
                 break
             rep["arg_error"] = failure(e, s, t0)
@@ -525,14 +890,14 @@ def worker(epdir: str, rank: int) -> int:
             keep = []
             t0 = time.monotonic()
             try:
-                problems = call_step(pg, steps[s], timeout, None, keep)
+                problems = run_step(pg, plan, steps[s], timeout, None, keep, state)
             except Exception as e2:  # noqa: BLE001
                 rep["error"] = failure(e2, s, t0)
                 break
         except Exception as e:  # noqa: BLE001 - meshcoll errors and anything unexpected
             rep["error"] = failure(e, s, t0)
             break
-        if mod is not None and mod["kind"] == "badarg":
+        if mod is not None and mod["kind"] in BADARGS:
             rep["applied"] = mod.get("applied", mod["what"])
         rep["steps_done"] += 1
         rep["wrong"] += problems
@@ -605,8 +970,14 @@ def run_episode(plan, workdir: str, hard_limit: float) -> dict:
     write_json(os.path.join(epdir, "plan.json"), plan)
     env = dict(os.environ, MESHCOLL_TRANSPORT=plan["transport"], MESHCOLL_TOKEN=token,
                MESHCOLL_CMA=plan["cma"])
+    for var in ("MESHCOLL_HOST_ID", "MESHCOLL_HIERARCHY"):
+        env.pop(var, None)
+    if "hosts" in plan:  # emulated hosts; the transport is meshcoll's choice (hierarchical)
+        del env["MESHCOLL_TRANSPORT"]
     procs = []
     for r in range(plan["world"]):
+        if "hosts" in plan:
+            env["MESHCOLL_HOST_ID"] = f"host-{plan['hosts'][r]}"
         with open(os.path.join(epdir, f"rank{r}.err"), "w") as err:
             procs.append(subprocess.Popen(
                 [sys.executable, os.path.abspath(__file__), "--worker", epdir, str(r)],
@@ -656,8 +1027,11 @@ def run_episode(plan, workdir: str, hard_limit: float) -> dict:
         if os.path.exists(path):
             with open(path) as f:
                 reports[r] = json.load(f)
-    fault_at = os.path.join(epdir, "fault_at.json")
-    fault_at = json.load(open(fault_at)) if os.path.exists(fault_at) else None
+    # When the fault was injected: the earliest of the victims' notes (every rank is a victim
+    # in a threads episode).
+    noted = [json.load(open(os.path.join(epdir, f))) for f in os.listdir(epdir)
+             if f.startswith("fault_at.") and f.endswith(".json")]
+    fault_at = min(noted) if noted else None
     pid0 = reports[0]["pid"] if 0 in reports else procs[0].pid
     leftovers = shm_left(pid0)
     for name in leftovers:  # counted; now removed so that the soak does not fill /dev/shm
@@ -737,33 +1111,61 @@ def judge(rec) -> dict:
         for w in rep["late_writes"]:
             late_writes += 1
             problems.append(("wrong result", f"rank {r}: {w}"))
-        if rep["destroy_error"]:
-            problems.append(("wrong error", f"rank {r}: destroy() raised {rep['destroy_error']}"))
         err = rep["error"]
+        # Note [Late raise points]: a clean episode whose destroy() raised the disagreement.
+        raised_at_destroy = (kind == "mismatch" and err is None and rep["completed"]
+                             and "destroy" in LATE_RAISE_POINTS
+                             and "mismatch" in (rep["destroy_error"] or "").lower())
+        if rep["destroy_error"] and not raised_at_destroy:
+            problems.append(("wrong error", f"rank {r}: destroy() raised {rep['destroy_error']}"))
         shown = f"{err['cls']} after {err['elapsed']:.2f} s at step {err['step']}: " \
                 f"{err['msg']}" if err else "no error"
         if err and (rec["fault_at"] is None or err["t"] < rec["fault_at"]):
             problems.append(("wrong error", f"rank {r}: before the fault: {shown}"))
             continue
-        if kind == "badarg" and r == v:
+        if kind in BADARGS and r == v:
             a = rep["arg_error"]
-            if a is None or a["cls"] not in ("ValueError", "TypeError"):
+            # An overlap or unmapped memory is a ValueError (README, API and Errors).
+            classes = ("ValueError", "TypeError") if kind == "badarg" else ("ValueError",)
+            if a is None or a["cls"] not in classes:
                 got = f"{a['cls']}: {a['msg']}" if a else shown
                 problems.append(("wrong error", f"rank {r}: bad argument "
-                                                f"{rep.get('applied')}: expected ValueError or "
-                                                f"TypeError, got {got}"))
+                                                f"{rep.get('applied')}: expected "
+                                                f"{' or '.join(classes)}, got {got}"))
                 continue
-        expect_none = kind == "badarg" and f["then"] == "retry"
+        if kind == "threads":
+            # README, Threads: ConcurrentCallError on the rank that saw it, PeerError (or
+            # AbortedError at a later call) with the same message on the others; or no error
+            # and every result right (checked above).
+            if err is not None and not (err["cls"] == "ConcurrentCallError" or (
+                    err["cls"] in ("PeerError", "AbortedError")
+                    and "another thread" in err["msg"])):
+                problems.append(("wrong error", f"rank {r}: expected ConcurrentCallError: "
+                                                f"{shown}"))
+            elif err is not None and err["elapsed"] <= limit:
+                times.append(err["elapsed"])
+            elif err is not None:
+                problems.append(("wrong error", f"rank {r}: took {err['elapsed']:.2f} s > "
+                                                f"timeout + {SLACK:g} s: {shown}"))
+            continue
+        expect_none = kind in BADARGS and f["then"] == "retry"
         if expect_none:
             if err or not rep["completed"]:
                 problems.append(("wrong error", f"rank {r}: after a bad argument and a retry "
                                                 f"the job should go on: {shown}"))
             continue
-        if kind == "badarg" and r == v:
+        if kind in BADARGS and r == v:
             continue  # it exited
         if err is None and kind == "stop" and r == v and rep["completed"]:
             # Resumed, it found its peers' data in place and finished with right results
             # (checked above): a result that is right is allowed; its peers raised.
+            continue
+        if err is None and kind == "mismatch" and rep["completed"]:
+            if not raised_at_destroy:  # it returned from the call on which ranks disagreed
+                problems.append(("silent", f"rank {r}: returned normally from step {f['step']} "
+                                           f"({f.get('call')}), on which rank {v} disagreed "
+                                           f"({f.get('what')}), and ended the episode without "
+                                           f"an error"))
             continue
         if err is None:
             problems.append(("wrong error", f"rank {r}: no error"))
@@ -779,14 +1181,14 @@ def judge(rec) -> dict:
                 problems.append(("wrong error", f"rank {r} (victim): {shown}"))
             continue
         else:
-            classes = ("PeerError", "TimeoutError") + (("AbortedError",) if kind == "badarg"
+            classes = ("PeerError", "TimeoutError") + (("AbortedError",) if kind in BADARGS
                                                        else ())
             if err["cls"] not in classes:
                 problems.append(("wrong error", f"rank {r}: expected {' or '.join(classes)}: "
                                                 f"{shown}"))
                 continue
             if v not in ranks_named(err["msg"]):
-                problems.append(("wrong error", f"rank {r}: does not name rank {v}: {shown}"))
+                problems.append(("misnamed", f"rank {r}: does not name rank {v}: {shown}"))
                 continue
             healthy = misblamed(err["msg"], reports, v)
             if healthy:  # the error is right; its diagnosis is not (issue 16 item 14)
@@ -807,7 +1209,7 @@ def summarize(records, elapsed: float, args) -> int:
     rows: Dict[tuple, dict] = defaultdict(lambda: defaultdict(int))
     times: Dict[tuple, list] = defaultdict(list)
     for rec in records:
-        key = (rec["plan"]["fault"]["kind"], rec["plan"]["transport"])
+        key = (label(rec["plan"]), rec["plan"]["transport"])
         row = rows[key]
         kinds = {k for k, _ in rec["problems"]}
         row["episodes"] += 1
@@ -817,20 +1219,22 @@ def summarize(records, elapsed: float, args) -> int:
         row["hangs"] += rec["hang"]
         row["leftover"] += "leftover" in kinds
         row["misblame"] += "misblame" in kinds
+        row["misnamed"] += "misnamed" in kinds
+        row["silent"] += "silent" in kinds
         row["setup"] += rec["setup"]
         times[key] += rec["times"]
     print(f"# meshcoll fault soak  seed={args.seed}  max-ranks={args.max_ranks}  "
           f"transport={args.transport}  timeout={args.timeout} s  episodes={len(records)}  "
           f"minutes={elapsed / 60:.1f}")
-    cols = ("episodes", "right", "wrong_err", "wrong_res", "misblame", "hangs", "leftover",
-            "setup")
+    cols = ("episodes", "right", "wrong_err", "wrong_res", "silent", "misnamed", "misblame",
+            "hangs", "leftover", "setup")
 
     def line(first, second, row, t=()):
         cells = "".join(f" {row[c]:>{len(c)}}" for c in cols)
         med, mx = (f"{np.median(t):.2f}", f"{max(t):.2f}") if t else ("-", "-")
-        return f"  {first:>9} {second:>9}{cells} {med:>6} {mx:>6}"
+        return f"  {first:>18} {second:>9}{cells} {med:>6} {mx:>6}"
 
-    print(f"# {'fault':>9} {'transport':>9} " + " ".join(cols) + f" {'t_med':>6} {'t_max':>6}")
+    print(f"# {'fault':>18} {'transport':>9} " + " ".join(cols) + f" {'t_med':>6} {'t_max':>6}")
     total = defaultdict(int)
     for key in sorted(rows):
         print(line(*key, rows[key], times[key]))
@@ -841,8 +1245,10 @@ def summarize(records, elapsed: float, args) -> int:
     for rec in failed:
         print(f"\n## episode {rec['plan']['index']}: {describe(rec['plan'])}"
               + (f"  [kept in {rec['kept']}]" if rec.get("kept") else ""))
-        for k, text in rec["problems"]:
+        for k, text in rec["problems"][:SHOWN]:
             print(f"   {k}: {text[:600]}")
+        if len(rec["problems"]) > SHOWN:
+            print(f"   ... and {len(rec['problems']) - SHOWN} more problems")
     return 1 if failed else 0
 
 
