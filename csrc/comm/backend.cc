@@ -248,9 +248,8 @@ Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const Cal
     const transport::OpDesc w = *o.within;  // a copy: the struct is packed
     c.desc.block = w.block;
     ShapeHash h;
-    for (uint64_t v : {uint64_t{c.desc.shape}, uint64_t{w.coll}, uint64_t{w.dtype},
-                       uint64_t{w.redop}, uint64_t{static_cast<uint32_t>(w.root)}, w.count,
-                       uint64_t{w.shape}, w.block})
+    for (uint64_t v : {c.desc.shape, uint64_t{w.coll}, uint64_t{w.dtype}, uint64_t{w.redop},
+                       uint64_t{static_cast<uint32_t>(w.root)}, w.count, w.shape, w.block})
       h.mix(v);
     c.desc.shape = h.value();
   }

@@ -1,5 +1,7 @@
 #include "comm/ledger.h"
 
+#include <cstdio>
+
 #include "common/dtype.h"
 #include "common/error.h"
 
@@ -46,7 +48,11 @@ std::string describe_op(const transport::OpDesc& d) {
   if (d.block) s += str_cat(", in coalesced block ", d.block);
   // In a block, `shape` also holds the layout of fused calls (Note [Fused all_reduces]):
   // shown, so ranks whose fused calls split one total differently see where they differ.
-  if (d.block && d.shape) s += str_cat(", layout #", d.shape);
+  if (d.block && d.shape) {
+    char hex[17];
+    std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(d.shape));
+    s += str_cat(", layout #", hex);
+  }
   return s + ")";
 }
 

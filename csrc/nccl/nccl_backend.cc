@@ -53,10 +53,14 @@ CallOpts direct_opts(Call& c, bool direct_only) {
   uint64_t words[sizeof(c.desc) / 8];
   static_assert(sizeof(c.desc) % 8 == 0, "the description hashes as whole words");
   std::memcpy(words, &c.desc, sizeof(c.desc));
-  comm::ShapeHash h;  // the ledger's FNV-1a over whole words
+  comm::ShapeHash h;  // Note [Fingerprints] in comm/array_view.h
   for (uint64_t w : words) h.mix(w);
   h.mix(c.seq);
-  o.fingerprint = h.value();
+  // The kernels' token holds 32 bits of fingerprint beside the epoch (direct.cc), so fold the
+  // 64 to 32 (never 0). A chance collision there lets a disagreement run, but the agreement
+  // check still compares the whole descriptions (Note [Agreement on a side channel]).
+  const uint64_t v = h.value();
+  o.fingerprint = static_cast<uint32_t>(v ^ (v >> 32)) | 1u;
   return o;
 }
 

@@ -36,14 +36,19 @@ struct OpDesc {
                       // another algorithm is a mismatch, not a hang
   int32_t root = -1;
   uint64_t count = 0;  // elements (per rank, as the collective defines it)
-  uint32_t shape = 0;  // hash of the array's shape where the result depends on it (all_gather)
+  // A fingerprint of what else the result depends on (Note [Fingerprints] in
+  // comm/array_view.h): the array's shape (all_gather), a split's counts, a fused block's
+  // calls, a composed call's description; 0 where nothing else.
+  uint64_t shape = 0;
+  // The coalesced block the call was issued in (Note [Coalesced blocks] in comm/backend.h):
+  // the group's count of blocks so far, 0 outside one. Ranks must form the same blocks.
+  uint64_t block = 0;
   // Where the buffers lie when the kernels depend on it, else 0: on NCCL, a tag of the
   // symmetric windows and offsets of the call's buffers (Note [Symmetric memory]), which
   // must be the same on every rank.
   uint32_t memory = 0;
-  // The coalesced block the call was issued in (Note [Coalesced blocks] in comm/backend.h):
-  // the group's count of blocks so far, 0 outside one. Ranks must form the same blocks.
-  uint64_t block = 0;  // (64 bits: the shared-memory slot's payload stays 8-aligned)
+  uint32_t reserved = 0;  // always 0: whole 8-byte words keep the shared-memory slot's
+                          // payload 8-aligned, and NCCL hashes the struct word by word
   bool operator==(const OpDesc& o) const {
     return coll == o.coll && dtype == o.dtype && redop == o.redop && algo == o.algo &&
            root == o.root && count == o.count && shape == o.shape && memory == o.memory &&
@@ -52,7 +57,7 @@ struct OpDesc {
   bool operator!=(const OpDesc& o) const { return !(*this == o); }
 };
 #pragma pack(pop)
-static_assert(sizeof(OpDesc) == 32, "OpDesc travels on the wire");
+static_assert(sizeof(OpDesc) == 40, "OpDesc travels on the wire");
 
 struct Envelope {
   Channel channel = Channel::kCollective;

@@ -82,7 +82,7 @@ def test_store_binds_only_to_the_given_address():
 
 # ---- one job: listeners of a real job, and stray clients at its transport ------------------
 
-def _handshake(token, rank, size, comm_id, magic=0x5348434D, version=2, token_len=None,
+def _handshake(token, rank, size, comm_id, magic=0x5348434D, version=3, token_len=None,
                global_rank=None):
     """A transport handshake (csrc/transport/tcp/tcp_connect.cc); `global_rank` defaults to
     the group rank, as in a world group."""
@@ -138,7 +138,7 @@ def _job(pg):
             "lower rank": _handshake(token, 0, 2, cid),
             "rank out of range": _handshake(token, 9, 2, cid),
             "huge token_len": _handshake(token, 1, 2, cid, token_len=60000),
-            "bad version": _handshake(token, 1, 2, cid, version=1),
+            "bad version": _handshake(token, 1, 2, cid, version=2),
             # Everything right but who it is: global rank 2 claims the place of rank 1.
             "stand-in": _handshake(token, 1, 2, cid, global_rank=2),
         }

@@ -108,11 +108,11 @@ def test_mismatch_detected_across_all_reduce_paths(run_ranks):
             assert "mismatch" in msg and f"count={base}" in msg, msg
 
 
-# Byte sizes around every switch of shm_all_reduce: the slot payload (984 bytes), the
+# Byte sizes around every switch of shm_all_reduce: the slot payload (968 bytes), the
 # single-copy threshold (16 KiB), and, with MESHCOLL_CMA=0, the fold-all limit (64 KiB read
 # per rank) and several data-area rounds (4 MiB area: 2 MiB halves). 5 MiB + 8 also takes
 # several single-copy pieces, the last one short.
-PATH_BYTES = [0, 4, 976, 984, 992, 8 << 10, (16 << 10) - 8, 16 << 10, 32 << 10, 96 << 10,
+PATH_BYTES = [0, 4, 960, 968, 976, 8 << 10, (16 << 10) - 8, 16 << 10, 32 << 10, 96 << 10,
               (2 << 20) + 8, (5 << 20) + 8]
 
 

@@ -22,7 +22,9 @@ namespace meshcoll::transport {
 namespace {
 
 constexpr uint32_t kHandshakeMagic = 0x5348434d;  // "MCHS"
-constexpr uint16_t kHandshakeVersion = 2;  // 2: the connecting rank's global rank
+// 2: the connecting rank's global rank; 3: 40-byte OpDesc (64-bit fingerprints), so frame
+// headers of 72 bytes
+constexpr uint16_t kHandshakeVersion = 3;
 // What a handshake refused for another group most often means, and what to do.
 constexpr const char* kOtherGroup =
     "every member of a group must call new_group with the same ranks (or split with matching "

@@ -32,7 +32,7 @@ struct FrameHeader {
   OpDesc op;
 };
 #pragma pack(pop)
-static_assert(sizeof(FrameHeader) == 64, "FrameHeader travels on the wire");
+static_assert(sizeof(FrameHeader) == 72, "FrameHeader travels on the wire");
 
 struct TcpOptions {
   std::string bind_host;  // address to listen on and advertise (the interface reaching the master)
