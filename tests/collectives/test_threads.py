@@ -143,6 +143,64 @@ def test_intruder_holder_and_peer_all_raise(run_ranks, transport):
     assert RULE in r1.get("error", ""), r1
 
 
+def _caught_while_pending(pg):
+    """Rank 0's thread X issues an async all_reduce, which stays pending (rank 1 has not
+    called yet); then rank 0's main thread calls on the same group: it raises at once, X's
+    wait raises instead of returning once rank 1's call pairs with X, and rank 1, whose first
+    call was legitimate for all it could see, raises at that call or its next one."""
+    g = pg.new_group(list(range(pg.size)))
+    x = np.random.default_rng(pg.rank).standard_normal(COUNT)
+    want = np.random.default_rng(0).standard_normal(COUNT) + np.random.default_rng(1).standard_normal(COUNT)
+    out = {}
+    if pg.rank == 1:
+        pg.barrier()  # rank 0's main thread has been caught
+        try:
+            g.all_reduce(x, timeout=30)
+            out["right"] = bool(np.allclose(x, want))
+            g.all_reduce(x, timeout=30)
+        except meshcoll.MeshcollError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        return out
+
+    issued, caught = threading.Event(), threading.Event()
+
+    def holder():
+        w = g.all_reduce(x, async_op=True, timeout=30)
+        issued.set()
+        caught.wait(60)
+        try:
+            w.wait()
+            out["holder"] = "returned"
+        except meshcoll.MeshcollError as e:
+            out["holder"] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=holder)
+    t.start()
+    issued.wait(60)
+    try:
+        g.all_reduce(np.ones(COUNT), timeout=5)  # before the fix: queued behind X, a hang
+    except meshcoll.MeshcollError as e:
+        out["intruder"] = f"{type(e).__name__}: {e}"
+    caught.set()
+    pg.barrier()
+    t.join(60)
+    out["ids"] = (t.ident, threading.get_ident())
+    return out
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_call_while_another_threads_async_call_is_pending_raises(run_ranks, transport):
+    r0, r1 = run_ranks(2, _caught_while_pending, transport=transport)
+    holder_id, main_id = r0["ids"]
+    assert r0.get("intruder", "").startswith("ConcurrentCallError: rank 0 (global) of group"), r0
+    assert (f"another thread (id {holder_id}) issued all_reduce on this group and it had not "
+            "completed") in r0["intruder"], r0
+    assert r0["holder"].startswith("ConcurrentCallError"), r0
+    assert f"another thread (id {main_id}) issued all_reduce" in r0["holder"], r0
+    assert r1.get("right", True), "rank 1's call paired with rank 0's only issued one: right"
+    assert RULE in r1.get("error", ""), r1
+
+
 def _pool(pg, iters):
     """Calls made one after another from the workers of a pool (each waited for before the
     next is submitted), and async Works waited for on another worker: all legitimate."""
