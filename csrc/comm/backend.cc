@@ -26,6 +26,7 @@ Backend::Issue::Issue(Backend& b, const char* what) : b_(b), what_(what) {
   if (!outer_) return;
   uint64_t holder = 0;
   if (b.issuing_.compare_exchange_strong(holder, self, std::memory_order_acquire)) {
+    if (b.owner_ != self) b.take_over(self, what);
     b.issuing_what_.store(what, std::memory_order_relaxed);
     return;
   }
@@ -47,6 +48,26 @@ void Backend::Issue::check() const {
         what_, other, b_.intruder_what_.load(std::memory_order_relaxed)));
 }
 
+void Backend::take_over(uint64_t self, const char* what) {
+  PendingWorks& pending = ledger_.pending();
+  if (!pending.none()) {
+    const char* owner_what = issuing_what_.load(std::memory_order_relaxed);
+    const std::string msg = message_of_concurrent(what, owner_, owner_what,
+                                                  "and it had not completed");
+    // What the owner's pending Works raise: the owner's side of the same error.
+    auto theirs = std::make_exception_ptr(ConcurrentCall(message_of_concurrent(
+        owner_what, self, what, "before this thread's calls on it had completed")));
+    if (pending.intrude(theirs)) {
+      intruder_what_.store(what, std::memory_order_relaxed);  // the owner's next calls raise
+      intruder_.store(self, std::memory_order_release);
+      issuing_.store(0, std::memory_order_release);  // the Issue throws: no destructor
+      fail(msg);  // behind the pending calls: then every rank fails
+      throw ConcurrentCall(msg);
+    }
+  }
+  owner_ = self;
+}
+
 template <class F>
 WorkPtr Backend::issue(const Call& c, F&& issue_op) {
   Issue issue(*this, c.what);
@@ -57,11 +78,12 @@ WorkPtr Backend::issue(const Call& c, F&& issue_op) {
 }
 
 std::string Backend::message_of_concurrent(const char* what, uint64_t other,
-                                           const char* other_what) const {
+                                           const char* other_what, const char* when) const {
   return str_cat(who_, ": ", what, ": another thread (id ", other, ") issued ", other_what,
-                 " on this group at the same time; calls on one group must be made by one thread "
-                 "at a time, in the same order on every rank: use one group per thread "
-                 "(new_group). The group is failed on every rank: destroy it");
+                 " on this group ", when, "; calls on one group must be made by one thread "
+                 "at a time (an async call's until its Work completed), in the same order on "
+                 "every rank: use one group per thread (new_group). The group is failed on "
+                 "every rank: destroy it");
 }
 
 namespace {

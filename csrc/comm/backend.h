@@ -26,6 +26,24 @@
 // group (fail(): the peers raise too), and the holder raises the same error at the end of
 // its issue instead of returning a result that may be crossed (the attempt is remembered:
 // every later call that would return raises it too).
+// An asynchronous call is still being made after its enqueue: until its Work completes it
+// can pair with whatever call a peer makes at its place, so a second thread that issues
+// meanwhile is as unsafe as one that issues during the enqueue (two threads looping
+// all_reduce(x, async_op=True).wait(): their issues never overlap, each thread waits with the
+// GIL let go while the other issues; 22-50% of results came back crossed, with no error). So
+// the group also remembers the thread that issued its last call (the owner), and the Works
+// not yet ended (the ledger's PendingWorks, counted in when queued and out when they end,
+// before a waiter can return). A thread that takes the mark after another thread's call
+// (the owner's is not this thread: one plain load per call) finds the owner's Works ended,
+// and becomes the owner, or finds one pending: it raises ConcurrentCall and fails the group,
+// and the pending Works raise the same error when they end instead of their result (the
+// count and the intrusion share one atomic word, so each Work ends either before the
+// intrusion, with its result, or after it, with the error). Calls that follow one another
+// (a pool's, each waited for before the next thread issues) stay allowed. Only Works that
+// end on the host are counted: the CPU backend's (the hierarchy's composed calls are one
+// operation of the group's own, and so counted). An NCCL call ends on the GPU, where no host
+// thread sees it end, and a host check could not tell a crossing from a call handed to
+// another thread in program order: NCCL calls are seen only while they enqueue.
 // Python threads take turns on the GIL, so two of them looping on one group would
 // alternate, each call slotting in while the other thread runs Python, and never be seen
 // at once by marks that last only while the GIL is let go. The binding therefore opens the
@@ -34,12 +52,16 @@
 // holds the GIL again, so any other thread that issues meanwhile is seen. Calls that
 // follow one another in the program (each returned to Python before the next is made) are
 // never seen as overlapping. What no rank can see is not caught: threads that take turns
-// without ever issuing at once (one computes with the GIL let go, in numpy say, while the
-// other calls; or a rank's first calls, before its second thread has come) look like one
-// thread's calls on every rank and pair in whatever order each rank made them, until they
-// first overlap on some rank, which then fails the group: every rank raises at its next
-// call. And NCCL enqueues from Python hold the GIL throughout, so two Python threads'
-// NCCL calls never overlap and are not seen (a synchronous barrier, which waits, is).
+// without ever overlapping on a rank (one computes with the GIL let go, in numpy say, while
+// the other calls; an async call that completed before the other thread issued; or a rank's
+// first calls, before its second thread has come) look like one thread's calls on every rank
+// and pair in whatever order each rank made them, until they first overlap on some rank,
+// which then fails the group: every rank raises at its next call. Crossing needs no local
+// overlap: rank 1 issues B's call then A's while rank 0 issues A's, which pairs with B's and
+// completes, before B's; rank 1 sees B's pending when A issues and fails the group, but rank
+// 0's first call has already returned a crossed result, and rank 0 raises only at its next
+// call. And NCCL enqueues from Python hold the GIL throughout, so two Python threads' NCCL
+// calls never overlap and are not seen (a synchronous barrier, which waits, is).
 #pragma once
 
 #include <atomic>
@@ -271,8 +293,13 @@ class Backend {
   // Runs `issue_op` (the do_* call) in an Issue of `c`.
   template <class F>
   WorkPtr issue(const Call& c, F&& issue_op);
-  std::string message_of_concurrent(const char* what, uint64_t other,
-                                    const char* other_what) const;
+  // `when`: how the calls met ("at the same time", ...).
+  std::string message_of_concurrent(const char* what, uint64_t other, const char* other_what,
+                                    const char* when = "at the same time") const;
+  // Note [One issuing thread]: thread `self`, holding the mark, issues `what` after another
+  // thread's calls; throws ConcurrentCall (the mark let go, the group failed) if one of them
+  // is still pending.
+  void take_over(uint64_t self, const char* what);
 
   int rank_, size_;
   bool device_memory_;
@@ -292,7 +319,11 @@ class Backend {
   std::map<uintptr_t, BlockSpan> block_writes_, block_reads_;
   std::vector<std::shared_ptr<void>> block_keep_;  // its arrays' owners, until it ends
   std::atomic<uint64_t> issuing_{0};  // the thread issuing a call now, or 0
-  std::atomic<const char*> issuing_what_{""};  // its operation, for the error only
+  // Its operation, for the error only; once it is done, the last operation issued.
+  std::atomic<const char*> issuing_what_{""};
+  // The thread that issued the last call, whose Works may be pending (ledger_.pending()):
+  // read and written under the mark (issuing_).
+  uint64_t owner_ = 0;
   std::atomic<uint64_t> intruder_{0};  // a thread that found the mark taken, or 0
   std::atomic<const char*> intruder_what_{""};
 };

@@ -109,6 +109,7 @@ void Comm::check_open_locked(const transport::OpDesc& d) const {
 std::shared_ptr<CpuWork> Comm::push(Item item) {
   std::unique_lock<std::mutex> lock(mu_);
   check_open_locked(item.env.op);
+  ledger_->pending().issued();  // Note [One issuing thread]: every item has a Work
   if (item.env.channel == transport::Channel::kCollective)
     item.env.seq = ledger_->open_collective(item.env.op);
   item.index = next_index_++;
@@ -163,7 +164,8 @@ std::shared_ptr<CpuWork> Comm::enqueue(const transport::OpDesc& desc, Millis tim
   item.env.op = desc;
   item.timeout = timeout.count() < 0 ? opts_.timeout : timeout;
   item.run = std::move(run);
-  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, reported_, spin_);
+  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, reported_, spin_,
+                                        &ledger_->pending());
   for (auto& k : keep) item.work->keep(std::move(k));
   return push(std::move(item));
 }
@@ -180,7 +182,8 @@ std::shared_ptr<CpuWork> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag,
   item.src = src;
   item.dst = dst;
   item.record = record;
-  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, reported_, spin_);
+  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, reported_, spin_,
+                                        &ledger_->pending());
   for (auto& k : keep) item.work->keep(std::move(k));
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/deadline.h"
+#include "comm/work.h"
 #include "common/dtype.h"
 #include "transport/transport.h"
 
@@ -115,6 +116,8 @@ class Ledger {
   std::vector<CallRecord> recent(size_t n = kKeep) const;
   // The last `n` calls on one line, for error messages.
   std::string summary(size_t n) const;
+  // Note [One issuing thread] in backend.h: the group's Works that have not ended.
+  PendingWorks& pending() { return pending_; }
 
  private:
   // Note [Ledger without locks on the hot path]: a call costs one slot write and one atomic
@@ -141,6 +144,7 @@ class Ledger {
   };
   static constexpr size_t kKinds = 16;
   std::array<Totals, kKinds> totals_{};
+  PendingWorks pending_;
 };
 
 }  // namespace meshcoll::comm

@@ -61,6 +61,9 @@ std::exception_ptr CpuWork::exception() {
 }
 
 void CpuWork::finish(std::exception_ptr error) {
+  // Counted out before a waiter can return: a thread that issues once this Work's wait has
+  // returned (a pool's next task) must find it ended.
+  if (std::exception_ptr intrusion = pending_->ended(); intrusion && !error) error = intrusion;
   std::vector<std::shared_ptr<void>> owners;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -36,6 +36,38 @@ class Work {
 };
 using WorkPtr = std::shared_ptr<Work>;
 
+// Note [One issuing thread] (comm/backend.h): a group's Works that have not ended, and
+// whether a thread issued on the group while another thread's were pending (an intrusion).
+// One atomic word holds both, so each Work's end is ordered with the intrusion: a Work that
+// ends after it raises it instead of returning a result that may be crossed. A backend
+// whose Works end on the host counts them (the CPU one); the others count none.
+class PendingWorks {
+ public:
+  // A Work was issued: before it can end.
+  void issued() { state_.fetch_add(1, std::memory_order_relaxed); }
+  // It ended: the intrusion's error, to raise instead of its result, if one came before.
+  std::exception_ptr ended() {
+    return state_.fetch_sub(1, std::memory_order_acq_rel) & kIntruded ? error_ : nullptr;
+  }
+  bool none() const { return (state_.load(std::memory_order_acquire) & ~kIntruded) == 0; }
+  // By the thread that holds the group's Issue mark (one at a time): if a Work is pending,
+  // marks the intrusion, whose error those Works raise (`error`), and returns true.
+  bool intrude(const std::exception_ptr& error) {
+    uint64_t v = state_.load(std::memory_order_acquire);
+    do {
+      if ((v & ~kIntruded) == 0) return false;
+      if (v & kIntruded) return true;
+      error_ = error;  // read only by Works that see kIntruded, set below
+    } while (!state_.compare_exchange_weak(v, v | kIntruded, std::memory_order_acq_rel));
+    return true;
+  }
+
+ private:
+  static constexpr uint64_t kIntruded = uint64_t{1} << 63;
+  std::atomic<uint64_t> state_{0};
+  std::exception_ptr error_;
+};
+
 // The CPU backend's Work: finished by the thread that ran the operation. It holds the
 // owners of the operation's arrays until then (Note [Owners] in python/array.cc).
 class CpuWork : public Work {
@@ -44,10 +76,11 @@ class CpuWork : public Work {
   // `reported`: the group's flag that its failure reached the caller (Note [Failure types]
   // in comm/comm.h); set when this Work raises or hands out its failure.
   // `spin`: wait() spins briefly before it sleeps (Note [Brief spin] in work.cc).
+  // `pending`: the group's count, which counted this Work in (issued()) and outlives its end.
   CpuWork(int rank, const transport::OpDesc& op, std::shared_ptr<StopRequest> stop,
-          std::shared_ptr<std::atomic<bool>> reported, bool spin)
+          std::shared_ptr<std::atomic<bool>> reported, bool spin, PendingWorks* pending)
       : rank_(rank), op_(op), stop_(std::move(stop)), reported_(std::move(reported)),
-        spin_(spin) {}
+        spin_(spin), pending_(pending) {}
   // TimeoutError if `timeout` passes first; the operation itself goes on and fails by its
   // own deadline if it is stuck.
   void wait(Millis timeout, bool has_stream = false, Stream stream = nullptr) override;
@@ -69,6 +102,7 @@ class CpuWork : public Work {
   std::shared_ptr<StopRequest> stop_;  // the group's: an interrupted wait stops the operation
   std::shared_ptr<std::atomic<bool>> reported_;
   const bool spin_;
+  PendingWorks* pending_;
   std::vector<std::shared_ptr<void>> keep_;
 };
 

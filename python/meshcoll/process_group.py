@@ -192,10 +192,11 @@ class ProcessGroup:
     their order alone). Any thread may make them, one after another (a thread pool whose
     calls follow one another is fine; ``Work.wait`` may run on any thread); for concurrent
     streams of calls, use one group per thread (``new_group``). A call made while another
-    thread is issuing one on the same group raises ``ConcurrentCallError``, naming both
-    threads (``threading.get_ident()``), and fails the group on every rank. Threads that
-    take turns without ever calling at the same time cannot be told apart from one thread
-    calling in some order: their calls pair in whatever order each rank made them.
+    thread is issuing one on the same group, or on a CPU group while another thread's async
+    call has not completed, raises ``ConcurrentCallError``, naming both threads
+    (``threading.get_ident()``), and fails the group on every rank. Threads that take turns
+    without ever overlapping cannot be told apart from one thread calling in some order:
+    their calls pair in whatever order each rank made them.
 
     A group holds one backend (``meshcoll._C.CpuBackend`` or ``NcclBackend``, the one C++
     contract of csrc/comm/backend.h): every collective below goes straight to it, whatever the

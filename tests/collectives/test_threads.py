@@ -3,8 +3,10 @@ group are made by one thread at a time. Two threads that issue on one group at o
 pair one thread's call on one rank with the other thread's on another rank (each rank orders
 them as they come): the thread that finds the group taken raises ConcurrentCallError and
 fails the group, so every rank raises, and the thread that held it raises too instead of
-returning a result that may be crossed. Serialised calls made from different threads (a
-thread pool) and waits from other threads stay legitimate.
+returning a result that may be crossed. An async call is being made until its Work
+completes: another thread's call meanwhile is caught the same way, and the pending Work's
+wait raises. Serialised calls made from different threads (a thread pool) and waits from
+other threads stay legitimate.
 
 What no rank can see is not caught: threads that take turns without ever issuing at the same
 time on a rank (one computes, with the GIL let go, while the other calls) look, on every
@@ -141,6 +143,64 @@ def test_intruder_holder_and_peer_all_raise(run_ranks, transport):
     assert RULE in r1.get("error", ""), r1
 
 
+def _caught_while_pending(pg):
+    """Rank 0's thread X issues an async all_reduce, which stays pending (rank 1 has not
+    called yet); then rank 0's main thread calls on the same group: it raises at once, X's
+    wait raises instead of returning once rank 1's call pairs with X, and rank 1, whose first
+    call was legitimate for all it could see, raises at that call or its next one."""
+    g = pg.new_group(list(range(pg.size)))
+    x = np.random.default_rng(pg.rank).standard_normal(COUNT)
+    want = np.random.default_rng(0).standard_normal(COUNT) + np.random.default_rng(1).standard_normal(COUNT)
+    out = {}
+    if pg.rank == 1:
+        pg.barrier()  # rank 0's main thread has been caught
+        try:
+            g.all_reduce(x, timeout=30)
+            out["right"] = bool(np.allclose(x, want))
+            g.all_reduce(x, timeout=30)
+        except meshcoll.MeshcollError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        return out
+
+    issued, caught = threading.Event(), threading.Event()
+
+    def holder():
+        w = g.all_reduce(x, async_op=True, timeout=30)
+        issued.set()
+        caught.wait(60)
+        try:
+            w.wait()
+            out["holder"] = "returned"
+        except meshcoll.MeshcollError as e:
+            out["holder"] = f"{type(e).__name__}: {e}"
+
+    t = threading.Thread(target=holder)
+    t.start()
+    issued.wait(60)
+    try:
+        g.all_reduce(np.ones(COUNT), timeout=5)  # before the fix: queued behind X, a hang
+    except meshcoll.MeshcollError as e:
+        out["intruder"] = f"{type(e).__name__}: {e}"
+    caught.set()
+    pg.barrier()
+    t.join(60)
+    out["ids"] = (t.ident, threading.get_ident())
+    return out
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_call_while_another_threads_async_call_is_pending_raises(run_ranks, transport):
+    r0, r1 = run_ranks(2, _caught_while_pending, transport=transport)
+    holder_id, main_id = r0["ids"]
+    assert r0.get("intruder", "").startswith("ConcurrentCallError: rank 0 (global) of group"), r0
+    assert (f"another thread (id {holder_id}) issued all_reduce on this group and it had not "
+            "completed") in r0["intruder"], r0
+    assert r0["holder"].startswith("ConcurrentCallError"), r0
+    assert f"another thread (id {main_id}) issued all_reduce" in r0["holder"], r0
+    assert r1.get("right", True), "rank 1's call paired with rank 0's only issued one: right"
+    assert RULE in r1.get("error", ""), r1
+
+
 def _pool(pg, iters):
     """Calls made one after another from the workers of a pool (each waited for before the
     next is submitted), and async Works waited for on another worker: all legitimate."""
@@ -190,3 +250,47 @@ def test_meshcolls_threads_are_named_for_top_and_debuggers(run_ranks):
     client = meshcoll.TCPStore("127.0.0.1", server.port, timeout=10)
     client.set("k", b"v")
     assert {"mc-store-accept", "mc-store-serve"} <= meshcoll_threads()
+
+
+def _two_threads_async(pg, iters):
+    """Two threads each loop all_reduce(x, async_op=True).wait() on random data on one group
+    (the attack that gave 22-50% wrong results and no error): each thread's outcome."""
+    g = pg.new_group(list(range(pg.size)))
+    outcome = {}
+    start = threading.Barrier(2)
+
+    def loop(t):
+        done, crossed, error = 0, 0, None
+        data = _data(t, pg.rank, pg.size)
+        start.wait()
+        try:
+            for _ in range(iters):
+                x, want = next(data)
+                g.all_reduce(x, async_op=True, timeout=30).wait()
+                done += 1
+                crossed += not np.allclose(x, want)
+        except meshcoll.MeshcollError as e:
+            error = f"{type(e).__name__}: {e}"
+        outcome[t] = (done, crossed, error)
+
+    threads = [threading.Thread(target=loop, args=(t,)) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return outcome
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_two_threads_async_on_one_group_raise_on_every_rank(run_ranks, transport):
+    # An async call is outstanding until its Work completes: the other thread's issue
+    # meanwhile is caught (Note [One issuing thread]), though the two issues never overlap.
+    # A result crossed on a rank that saw no overlap is followed by an error in that thread:
+    # no thread on any rank goes on as if nothing happened.
+    for rank, outcome in enumerate(run_ranks(2, _two_threads_async, transport=transport,
+                                             iters=1000)):
+        for t, (done, crossed, error) in outcome.items():
+            assert error is not None, (f"rank {rank} thread {t}: {done} calls ({crossed} "
+                                       "crossed) and no error")
+            assert RULE in error, f"rank {rank} thread {t}: {error}"
+            assert error.split(":")[0] in ("ConcurrentCallError", "PeerError", "AbortedError"), error

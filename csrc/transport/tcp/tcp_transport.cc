@@ -47,6 +47,7 @@ static TcpOp& as_tcp(const Request& r) { return static_cast<TcpOp&>(*r); }
 
 Request TcpTransport::isend(int peer, const Envelope& env, ConstBytes src) {
   if (failed_) rethrow();
+  if (later_seq_) check_later_mismatch(env.channel == Channel::kP2P ? kRunning : env.seq);
   auto op = std::make_shared<TcpOp>();
   op->is_send = true;
   op->peer = peer;
@@ -74,6 +75,7 @@ Request TcpTransport::isend(int peer, const Envelope& env, ConstBytes src) {
 
 Request TcpTransport::irecv(int peer, const Envelope& env, MutBytes dst) {
   if (failed_) rethrow();
+  if (later_seq_) check_later_mismatch(env.channel == Channel::kP2P ? kRunning : env.seq);
   auto op = std::make_shared<TcpOp>();
   op->peer = peer;
   op->env = env;
@@ -145,7 +147,7 @@ void TcpTransport::check_agreement(int peer, const FrameHeader& h, const Envelop
                   " bytes (different algorithm settings on different ranks?)");
   }
   (void)theirs_env;
-  fail(AbortKind::kMismatch, msg);
+  fail(AbortKind::kMismatch, msg, p2p ? 0 : mine.seq);
 }
 
 void TcpTransport::progress_send(int peer) {
@@ -292,7 +294,17 @@ void TcpTransport::on_payload_done(int peer) {
   p.in_payload = false;
   if (p.reading_abort) {
     p.reading_abort = false;
-    fail(static_cast<AbortKind>(p.rhdr.abort_kind), p.abort_msg);
+    const auto kind = static_cast<AbortKind>(p.rhdr.abort_kind);
+    // Note [A later call's mismatch]
+    const uint64_t mine = in_collective_ ? current_.seq : 0;
+    if (kind == AbortKind::kMismatch && p.rhdr.seq > mine) {
+      if (!later_seq_ || p.rhdr.seq < later_seq_) {
+        later_seq_ = p.rhdr.seq;
+        later_msg_ = p.abort_msg;
+      }
+      return;
+    }
+    fail(kind, p.abort_msg);
   }
   if (p.rtarget) {
     as_tcp(p.rtarget).mark_complete();
@@ -365,7 +377,30 @@ void TcpTransport::begin_collective(const Envelope& current) {
   recent_[current_.seq % 16] = current_;
   current_ = current;
   in_collective_ = true;
+  if (later_seq_) check_later_mismatch(current.seq);
   check_unexpected();
+}
+
+// Note [A later call's mismatch]
+// Ranks do not finish a collective together: the last message of a barrier may still be on
+// its way to one rank while the others, done, have made their next call and found that they
+// disagree on it. The rank that finds it aborts the group, and its ABORT frame reached the
+// late rank inside the earlier call, which raised the later call's MismatchError from a call
+// that every rank had made alike: meshcoll.init() raised the MismatchError of the first user
+// call (issue 34, item 9). So an ABORT carries the sequence number of the collective it is
+// about (0: none, a point-to-point failure), and a MismatchError about a collective later
+// than the one this rank runs waits, held here, until this rank reaches that collective
+// (begin_collective), or starts or waits for a point-to-point transfer, and is raised there;
+// the call before it runs on. That call can finish: the rank that aborted finished every
+// collective before the one it names (a rank runs its collectives in order, and a
+// collective's sends complete before it returns), so its messages of this call have all
+// arrived before its ABORT, on the same link; every other rank either finishes this call too
+// or fails in it, and such a failure names this call and is raised at once. Only mismatches
+// wait: a timeout or a dead peer is raised at once wherever it lands, since the timeout
+// census needs every rank now and a dead peer may be the one this call waits for.
+void TcpTransport::check_later_mismatch(uint64_t seq) {
+  if (later_seq_ && (seq == kRunning || seq >= later_seq_))
+    fail(AbortKind::kMismatch, later_msg_);
 }
 
 void TcpTransport::check_unexpected() {
@@ -384,17 +419,24 @@ void TcpTransport::check_against_current(int peer, const FrameHeader& h) {
   } else if (h.seq < current_.seq) {
     const Envelope& past = recent_[h.seq % 16];
     if (past.seq == h.seq && past.op != h.op) check_agreement(peer, h, past, h.nbytes);
+    // About that earlier collective, where the sender is still (Note [A later call's
+    // mismatch]).
     fail(AbortKind::kMismatch,
          str_cat("collective mismatch: rank ", global_(peer), " sent data for ", describe_(h.op),
                  " [seq ", h.seq, "] after rank ", global_(rank_), " had finished its collective of that "
                  "sequence number; the ranks ran different collectives or algorithms (compare "
-                 "MESHCOLL_ALGO, algorithm= and the call order on every rank)"));
+                 "MESHCOLL_ALGO, algorithm= and the call order on every rank)"),
+         h.seq);
   }
 }
 
 void TcpTransport::check_pending_peers(const std::vector<Request>& reqs) {
   for (const auto& r : reqs) {
     const TcpOp& op = as_tcp(r);
+    // A transfer waits on no collective: a held mismatch is raised (Note [A later call's
+    // mismatch]).
+    if (later_seq_ && !r->complete() && op.env.channel == Channel::kP2P)
+      check_later_mismatch(kRunning);
     if (!r->complete() && peers_[op.peer]->closed)
       fail(AbortKind::kPeer, str_cat("rank ", global_(rank_), ": the connection to rank ", global_(op.peer),
                                      " closed while a ", op.is_send ? "send to" : "receive from",
@@ -498,6 +540,10 @@ void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d)
 }
 
 void TcpTransport::abort(AbortKind kind, const std::string& why) {
+  abort_at(kind, why, in_collective_ ? current_.seq : 0);
+}
+
+void TcpTransport::abort_at(AbortKind kind, const std::string& why, uint64_t seq) {
   if (failed_) return;
   failed_ = true;
   fail_kind_ = kind;
@@ -531,6 +577,7 @@ void TcpTransport::abort(AbortKind kind, const std::string& why) {
       h.magic = kFrameMagic;
       h.type = kFrameAbort;
       h.abort_kind = static_cast<uint8_t>(kind);
+      h.seq = seq;  // Note [A later call's mismatch]
       h.nbytes = msg.size();
       std::string frame(reinterpret_cast<const char*>(&h), sizeof(h));
       frame += msg;
@@ -545,8 +592,8 @@ void TcpTransport::abort(AbortKind kind, const std::string& why) {
   }
 }
 
-void TcpTransport::fail(AbortKind kind, const std::string& why) {
-  abort(kind, why);
+void TcpTransport::fail(AbortKind kind, const std::string& why, uint64_t seq) {
+  abort_at(kind, why, seq != kRunning ? seq : in_collective_ ? current_.seq : 0);
   rethrow();
 }
 

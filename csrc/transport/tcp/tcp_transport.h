@@ -82,8 +82,16 @@ class TcpTransport : public Transport {
   void complete_from_unexpected(Unexpected& u, const Request& op);
   void check_agreement(int peer, const FrameHeader& h, const Envelope& mine, size_t my_bytes);
   void check_against_current(int peer, const FrameHeader& h);
-  [[noreturn]] void fail(AbortKind kind, const std::string& why);
+  // `seq`: the collective the failure is about, which the ABORT frame carries (Note [A later
+  // call's mismatch]); by default the running one (0 outside collectives).
+  [[noreturn]] void fail(AbortKind kind, const std::string& why, uint64_t seq = kRunning);
+  void abort_at(AbortKind kind, const std::string& why, uint64_t seq);
   [[noreturn]] void rethrow() const;
+  // Note [A later call's mismatch]: fails now with a peer's MismatchError that waited for this
+  // rank to reach its call, if one did and `seq` (a collective's; kRunning: any other
+  // operation) reaches it.
+  void check_later_mismatch(uint64_t seq);
+  static constexpr uint64_t kRunning = ~uint64_t{0};
 
   int rank_;
   int size_;
@@ -94,6 +102,10 @@ class TcpTransport : public Transport {
   bool failed_ = false;
   AbortKind fail_kind_ = AbortKind::kGeneric;
   std::string fail_msg_;
+  // Note [A later call's mismatch]: a peer's MismatchError about collective later_seq_ (0:
+  // none), held until this rank reaches that collective.
+  uint64_t later_seq_ = 0;
+  std::string later_msg_;
   bool spin_ = false;      // busy-poll before blocking (ranks <= cores)
   Envelope current_;       // the collective running now (begin_collective)
   Envelope recent_[16];    // the last collectives, by seq % 16, to name a late frame's pair
