@@ -156,8 +156,6 @@ def test_an_episode_of_each_other_kind_ends_right(kind, only, capsys):
     assert out.splitlines()[-1].split()[:3] == ["total", "1", "1"], out
 
 
-@pytest.mark.xfail(strict=False, reason="issue 34 item 2: async calls from two threads on one "
-                                        "group cross silently (wrong results, no error)")
 def test_a_threads_episode_ends_in_concurrent_call_errors_or_right_results(capsys):
     rc = fault_soak.main(["--episodes", "12", "--only", "8", "--seed", "9", "--max-ranks", "3",
                           "--faults", "threads", "--quiet"])
