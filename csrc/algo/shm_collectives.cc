@@ -56,7 +56,7 @@ void check_agreement(ShmGroup& g, int peer, uint64_t round) {
       "collective mismatch: rank ", g.global_rank(peer), " called ", comm::describe_op(theirs.desc),
       " [seq ", theirs.seq, "] but rank ", g.global_rank(g.rank()), " called ",
       comm::describe_op(mine.desc),
-      " [seq ", mine.seq, "]", theirs.desc.shape != mine.desc.shape ? " (array shapes differ)" : "",
+      " [seq ", mine.seq, "]", theirs.desc.shape != mine.desc.shape ? " (their shapes, splits or block layouts differ)" : "",
       "; every rank of a group must call the same collectives, with the same count, dtype, op "
       "and root, in the same order"));
 }

@@ -149,7 +149,7 @@ bool Agreement::round(bool leaving, Millis deadline) {
                "collective mismatch (found by the agreement check): rank ", names_(0), " called ",
                describe_op(all[0].descs[i]), " [seq ", seq, "] but rank ", names_(p), " called ",
                describe_op(all[p].descs[i]), " [seq ", seq, "]",
-               all[0].descs[i].shape != all[p].descs[i].shape ? " (array shapes differ)" : "",
+               all[0].descs[i].shape != all[p].descs[i].shape ? " (their shapes, splits or block layouts differ)" : "",
                "; every rank of a group must call the same collectives, with the same count, "
                "dtype, op and root, in the same order. Results of this call and later ones "
                "are void (MESHCOLL_CHECK=strict checks before each call is launched)"))),

@@ -137,7 +137,7 @@ void TcpTransport::check_agreement(int peer, const FrameHeader& h, const Envelop
   } else if (h.op != mine.op) {
     msg = str_cat("collective mismatch at sequence number ", mine.seq, ": rank ", global_(peer),
                   " called ", describe_(h.op), " but rank ", global_(rank_), " called ",
-                  describe_(mine.op), h.op.shape != mine.op.shape ? " (array shapes differ)" : "",
+                  describe_(mine.op), h.op.shape != mine.op.shape ? " (their shapes, splits or block layouts differ)" : "",
                   "; every rank of a group must call the same collectives, with the same "
                   "count, dtype, op and root, in the same order");
   } else {
