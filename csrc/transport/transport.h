@@ -94,7 +94,8 @@ class Transport {
   // One non-blocking pass over every peer: reads what has arrived, so an ABORT frame or a
   // dead peer is noticed even by a rank whose operation only sent (and so never waited).
   virtual void poll_once() = 0;
-  // True once the peer's connection has closed (it exited or died).
+  // True once the peer's connection has closed (it exited or died) or it destroyed the group
+  // (its farewell came: Note [Farewell]).
   virtual bool peer_closed(int peer) const = 0;
   // The collective this rank runs now. Frames of the same sequence number with another
   // OpDesc, or frames of an earlier sequence number (the peer ran a different algorithm or
@@ -103,6 +104,13 @@ class Transport {
   // Re-checks buffered frames against the current collective (after its OpDesc changed, e.g.
   // once the algorithm is chosen; and while waiting in shared memory).
   virtual void check_unexpected() = 0;
+  // Note [Farewell]: destroy()'s closing exchange. Tells every peer how many collectives this
+  // rank ran and how many messages it sent to and posted receives from that peer, then waits
+  // (until `d`) for each peer's own farewell or its close. Throws MismatchError naming the
+  // ranks when calls were left unmatched (a frame no call here consumed, different numbers of
+  // collectives, sends never received), or the disagreement a peer's pending ABORT carries.
+  // A transport that failed earlier does nothing: its failure was raised already.
+  virtual void farewell(const Deadline& d) = 0;
   // Fail every pending request and tell every peer (best effort), then close.
   virtual void abort(AbortKind kind, const std::string& why) = 0;
   virtual bool aborted() const = 0;
