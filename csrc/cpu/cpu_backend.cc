@@ -39,7 +39,7 @@ CpuBackend::~CpuBackend() {
 // destroy() says farewell to the peers (Note [Farewell]); a group dropped without it does not
 // wait for them: groups are collected in any order, and two ranks waiting in different ones
 // would hold each other to the timeout.
-void CpuBackend::do_shutdown() { comm_->shutdown(!dropped_); }
+void CpuBackend::do_shutdown() { comm_->shutdown(farewell_ && !dropped_); }
 
 void CpuBackend::set_hierarchy(std::shared_ptr<const Hierarchy> h) {
   for (comm::Backend* child : {h->local.get(), h->leaders.get()})
