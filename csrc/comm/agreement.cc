@@ -32,7 +32,9 @@ Agreement::Agreement(std::shared_ptr<Backend> channel, Mode mode, Millis timeout
     : channel_(std::move(channel)), mode_(mode), timeout_(timeout), ledger_(ledger),
       sink_(std::move(sink)), rank_(channel_->rank()), size_(channel_->size()),
       names_(std::move(names)), all_(size_), counts_(size_, sizeof(Record)),
-      peer_issued_(size_, 0), last_round_(Clock::now()) {}
+      peer_issued_(size_, 0), last_round_(Clock::now()) {
+  channel_->skip_farewell();
+}
 
 std::shared_ptr<Agreement> Agreement::create(std::shared_ptr<Backend> channel, Mode mode,
                                              Millis timeout, const Ledger& ledger, Sink sink,

@@ -223,6 +223,10 @@ class Backend {
   // first), then closes the group. Every later call, on any backend, raises AbortedError
   // saying the group was destroyed.
   void shutdown();
+  // This group carries another's traffic (the NCCL agreement check's side channel): its
+  // destroy() skips the farewell (Note [Farewell] in transport/transport.h), whose failures
+  // would be the carried group's to raise, and whose wait its own shutdown bounds otherwise.
+  void skip_farewell() { farewell_ = false; }
   // Copies every span within the memory this backend works in: host memory on the CPU
   // backend (memcpy, on the calling thread), device memory on a GPU backend (queued on
   // `stream`, as few launches as it can). The reducer's copies into and out of its buckets
@@ -230,6 +234,7 @@ class Backend {
   virtual void copy_spans(const std::vector<CopySpan>& spans, Stream stream);
 
  protected:
+  bool farewell_ = true;  // skip_farewell() not called
   // A checked, described call: what the do_* methods receive.
   struct Call {
     const char* what;  // the operation's name, static text

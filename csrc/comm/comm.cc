@@ -80,7 +80,7 @@ void Comm::fail(const std::string& message, std::exception_ptr like) {
   });
 }
 
-void Comm::shutdown() {
+void Comm::shutdown(bool farewell) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_ && !worker_.joinable()) return;
@@ -88,6 +88,18 @@ void Comm::shutdown() {
   }
   cv_.notify_all();
   if (worker_.joinable()) worker_.join();
+  // Note [Farewell]: a call whose part here only sent may have returned before its peers
+  // disagreed; destroy() is the last place to hear of it. Not after a failure: it was raised.
+  // Not in a group that serves another's steps: their failures are that group's, which
+  // its ranks abort and whose own farewell reads.
+  std::exception_ptr unmatched;
+  if (farewell && size_ > 1 && transport_ && !first_error_ && !serves_steps_) {
+    try {
+      transport_->farewell(Deadline(opts_.timeout));
+    } catch (...) {
+      unmatched = std::current_exception();
+    }
+  }
   // Nothing runs on the group any more: close its connections now, not when the last Python
   // reference goes, so a peer still waiting for this rank on this group fails at once
   // (PeerError) instead of at its timeout; it then leaves too, which the store's host may be
@@ -98,6 +110,7 @@ void Comm::shutdown() {
   shm_.reset();
   if (wake_fd_ >= 0) ::close(wake_fd_);
   wake_fd_ = -1;
+  if (unmatched) std::rethrow_exception(unmatched);
 }
 
 void Comm::check_open_locked(const transport::OpDesc& d) const {
@@ -430,15 +443,29 @@ void Comm::fail_group(std::exception_ptr error) {
 // rank reports the sequence number of the operation it was in: ranks may be at different
 // ones (an algorithm lets some finish a collective while others still wait in it, and those
 // go on to the next call), so a rank that reported from a later operation had passed this
-// one, and one that reported from an earlier operation was still there.
+// one, and one that reported from an earlier operation was still there. A composed operation
+// (the hierarchy's) takes it in its own group, over every rank of every host, not in the
+// groups that run its steps (Comm::set_serves_steps): there a host's healthy leader, failed
+// by the rank it waited for on its host, would be the rank the other hosts never heard from.
 //
 // It has its own deadlines, store calls included (Note [Store deadlines]): a stopped store host
 // must not hold the timeout's error for the store's own timeout. The census waits 1.5 s for
 // the others; a store call, answered in microseconds by a working store, gets 0.5 s (not
 // less: a client-side timeout costs the connection, reopened at the next call).
+//
+// Note [Falling behind]: a rank stopped (SIGSTOP, a debugger, a starved VM) past the timeout
+// comes back to peers that gave up on it: their ABORTs, or the next call finding them gone.
+// Its own view would blame them (they are "at an earlier operation", or sent it nothing). So
+// it looks first: if every other rank had reported in before it, and either its own deadline
+// had passed a good while before it noticed (it was stopped inside the call) or every other
+// rank had given up on it (failed in an earlier operation, which it then completed from what
+// they had already written to shared memory; or in this one after waiting about the timeout
+// while it had hardly waited: it was stopped before the call), the census says that this
+// rank fell behind, and blames no peer.
 std::string Comm::census(uint64_t seq) {
   const Deadline until(Millis(1500));
   const Millis call(500);
+  constexpr Millis kFellBehind(1000);  // well past a poll's nap: this rank was not running
   try {
     const std::string base = "census/";
     // "seq:ms": the operation this rank was in and how long it had waited there. A rank that
@@ -448,6 +475,14 @@ std::string Comm::census(uint64_t seq) {
     const int left = deadline_.poll_ms();
     const int64_t waited = left < 0 ? 0 : std::max<int64_t>(0, span - left);
     const std::string mine = str_cat(seq, ":", waited);
+    // Note [Falling behind]: before reporting, look whether every other rank reported first.
+    std::vector<std::string> others;
+    for (int r = 0; r < size_; ++r)
+      if (r != rank_) others.push_back(base + std::to_string(r));
+    const bool others_first = store_->check(others, call);
+    const int64_t overdue =
+        deadline_.never() ? 0
+                          : std::chrono::duration_cast<Millis>(Clock::now() - deadline_.at()).count();
     store_->set(base + std::to_string(rank_), store::Bytes(mine.begin(), mine.end()), call);
     std::vector<int> silent;
     for (;;) {
@@ -458,6 +493,7 @@ std::string Comm::census(uint64_t seq) {
       std::this_thread::sleep_for(Millis(20));
     }
     std::string never, behind, late;
+    bool all_ahead = true;  // every other rank had given up on this rank (below)
     for (int r : silent) never += str_cat(never.empty() ? "" : ", ", global_rank(r));
     for (int r = 0; r < size_; ++r) {
       if (std::find(silent.begin(), silent.end(), r) != silent.end()) continue;
@@ -466,12 +502,25 @@ std::string Comm::census(uint64_t seq) {
       const size_t colon = v.find(':');
       uint64_t theirs = std::stoull(v.substr(0, colon));
       const int64_t their_wait = colon == std::string::npos ? 0 : std::stoll(v.substr(colon + 1));
+      // Ahead of this rank: failed in an earlier operation, or in this one after waiting
+      // for it while this rank had not waited.
+      if (r != rank_ && !(theirs < seq || (theirs == seq && their_wait >= span / 2 &&
+                                           waited < span / 2)))
+        all_ahead = false;
       if (theirs < seq)
         behind += str_cat(behind.empty() ? "" : ", ", global_rank(r), " (at seq ", theirs, ")");
       else if (theirs == seq && r != rank_ && waited >= span / 2 && their_wait < span / 2)
         late += str_cat(late.empty() ? "" : ", ", global_rank(r), " (it had waited ",
                         their_wait, " ms)");
     }
+    const int me = global_rank(rank_);
+    if (others_first && (overdue >= kFellBehind.count() || all_ahead))
+      return str_cat("; every other rank had reported its failure of this group before rank ", me,
+                     " did", overdue > 0 ? str_cat(", and rank ", me, "'s deadline had passed ",
+                                                   overdue, " ms before it noticed") : "",
+                     ": rank ", me, " fell behind (it was stopped, starved or busy in other code "
+                     "past the timeout) and its peers timed out waiting for it; they are not at "
+                     "fault");
     std::string out;
     if (!never.empty())
       out += str_cat("; rank(s) ", never, " never reported in: they never reached this "
@@ -583,7 +632,7 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
   } catch (...) {
     std::exception_ptr error =
         same_type(std::current_exception(), ctx() + message_of(std::current_exception()));
-    if (abort_kind_of(error) == transport::AbortKind::kTimeout && !composed_) {
+    if (abort_kind_of(error) == transport::AbortKind::kTimeout && !serves_steps_) {
       // Tell the peers first (they then join the census at once), then take it.
       transport_->abort(transport::AbortKind::kTimeout, message_of(error));
       error = same_type(error, str_cat(message_of(error), census(env.seq), ". Rank ", global_rank(rank_),

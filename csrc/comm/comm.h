@@ -129,7 +129,9 @@ class Comm {
   void run_p2p_blocking(bool is_send, int peer, uint32_t tag, ConstBytes src, MutBytes dst,
                         const transport::OpDesc& desc, Millis timeout, uint64_t record);
   // Stops accepting work, finishes what is queued (each op is bounded by its deadline).
-  void shutdown();
+  // `farewell` (destroy(), not a destructor): then says goodbye to the peers and throws what
+  // was left unmatched (Note [Farewell] in transport/transport.h), bounded by the timeout.
+  void shutdown(bool farewell = false);
   // Fails the group as an operation's failure would (every peer gets an ABORT and raises at
   // once), queued behind the pending operations. For operations composed over several
   // groups (Note [Hierarchy] in hierarchy.py): a failure in one group must reach the ranks
@@ -152,10 +154,13 @@ class Comm {
   // names the algorithm in MESHCOLL_DEBUG=1 logs.
   void set_algorithm(const char* name, uint8_t code);
   // An operation whose steps run on other groups (Note [Hierarchy]) says so before running
-  // them: a step's timeout was diagnosed in the step's group (its census, its ledger), so a
-  // census here would name ranks that did reach the operation but were failed from another
-  // group as never having reached it. Its failure only fails this group.
+  // them (its route is "hierarchy").
   void set_composed() { composed_ = true; }
+  // This group only runs the steps of another group's composed operations (the hierarchy's
+  // local and leaders groups). Its timeouts take no census: the composed operation's group
+  // takes it over all its ranks, so a stopped rank on one host is named on every host,
+  // not the healthy leader that stopped answering for it (Note [Timeout census]).
+  void set_serves_steps() { serves_steps_ = true; }
   // For waits in shared memory: polls the TCP links, fails on a dead peer or an ABORT.
   const transport::ShmGroup::Check& shm_check() const { return shm_check_; }
   const transport::Envelope& current() const { return current_; }
@@ -268,6 +273,7 @@ class Comm {
   const char* algorithm_ = "";
   bool used_tcp_ = false;  // the running operation sent or received over TCP
   bool composed_ = false;  // the running operation called set_composed()
+  bool serves_steps_ = false;  // set_serves_steps(): set once, before any operation
   std::vector<InFlight> in_flight_;
 };
 

@@ -31,9 +31,21 @@ CpuBackend::CpuBackend(std::shared_ptr<store::Store> store, int rank, int size,
     : Backend(rank, size, false),
       comm_(std::make_unique<comm::Comm>(std::move(store), rank, size, opts, comm_id, &ledger())) {}
 
-CpuBackend::~CpuBackend() { shutdown(); }
+CpuBackend::~CpuBackend() {
+  dropped_ = true;
+  shutdown();
+}
 
-void CpuBackend::do_shutdown() { comm_->shutdown(); }
+// destroy() says farewell to the peers (Note [Farewell]); a group dropped without it does not
+// wait for them: groups are collected in any order, and two ranks waiting in different ones
+// would hold each other to the timeout.
+void CpuBackend::do_shutdown() { comm_->shutdown(farewell_ && !dropped_); }
+
+void CpuBackend::set_hierarchy(std::shared_ptr<const Hierarchy> h) {
+  for (comm::Backend* child : {h->local.get(), h->leaders.get()})
+    if (auto* cpu = dynamic_cast<CpuBackend*>(child)) cpu->comm().set_serves_steps();
+  hier_ = std::move(h);
+}
 
 void CpuBackend::check_reduction(DType dt, RedOp op) const {
   reduce::lookup(dt, op);  // throws TypeMismatch naming both when unsupported

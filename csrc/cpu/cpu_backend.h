@@ -28,7 +28,8 @@ class CpuBackend final : public comm::Backend {
   // (Note [Hierarchy] in python/meshcoll/hierarchy.py): each call becomes one operation on
   // this group's Comm whose body runs the steps on `h`'s children. Set once, at
   // construction, before the group's first collective.
-  void set_hierarchy(std::shared_ptr<const Hierarchy> h) { hier_ = std::move(h); }
+  // The children then serve only its steps (Comm::set_serves_steps).
+  void set_hierarchy(std::shared_ptr<const Hierarchy> h);
 
  protected:
   void do_shutdown() override;
@@ -67,6 +68,7 @@ class CpuBackend final : public comm::Backend {
   void flush_staged();
 
   std::unique_ptr<comm::Comm> comm_;
+  bool dropped_ = false;  // shut down by the destructor, not destroy(): no farewell
   std::shared_ptr<const Hierarchy> hier_;  // null: flat collectives
   // Note [Fused all_reduces]: the open block's synchronous small all_reduces, not run yet.
   struct Staged {

@@ -86,11 +86,15 @@ void run_steps(comm::Comm& parent, const Hierarchy& h, const char* what, Steps&&
     const std::string why = str_cat("rank ", parent.global_rank(parent.rank()), " of a group of ",
                                     parent.size(),
                                     ": hierarchical ", what, " failed: ", message_of(error));
-    // A disagreement stays a MismatchError on the ranks of the other child (a timeout or a
-    // death reaches them as the PeerError that names it: their own census would misread it).
+    // A disagreement stays a MismatchError on the ranks of the other child, and a timeout a
+    // TimeoutError: each rank it reaches then joins the parent's census, taken over the whole
+    // group (the children take none: Comm::set_serves_steps), which names the rank that never
+    // came whichever host it is on. A death reaches them as the PeerError that names it.
     std::exception_ptr like;
     try {
       std::rethrow_exception(error);
+    } catch (const TimeoutError&) {
+      like = error;
     } catch (const MismatchError&) {
       // The steps' descriptions fingerprint the whole call (Note [Steps carry their call] in
       // comm/backend.cc): steps that look alike yet differ served different calls.

@@ -10,6 +10,27 @@
 // different arguments). The receiver then raises MismatchError naming both ranks and both
 // calls, and aborts the communicator, which sends an ABORT frame carrying that message to
 // every peer so that all ranks raise it within one round trip instead of hanging.
+//
+// Note [Farewell]
+// Over TCP a call may end on a rank before its peers looked at what it sent: a rank whose part
+// only sends (a broadcast or scatter root, a reduce or gather leaf, a p2p sender) returns once
+// its frames are in the kernel's buffers. If the peers disagree it hears of it at its next call
+// (their ABORT, or its own check of a stray frame); if none follows, only at destroy(). Learning
+// it before returning would cost every such call a round trip, so destroy() ends with one
+// exchange instead: each rank sends every peer a farewell frame (the collectives it ran, the
+// messages it sent that peer, the receives it posted from it) and waits for each peer's
+// farewell or close, until the group's timeout. TCP keeps order, so once a peer's farewell is
+// read so is every frame it sent before: one still buffered was consumed by no call (a
+// collective this rank ran with another description, or never ran; a message no recv took),
+// and the counts tell the sender whether its sends were all received and the two ranks ran as
+// many collectives. An ABORT read meanwhile carries a disagreement that this rank's calls
+// returned before hearing of, and is raised too (a timeout or a death was raised by the peers
+// that saw it). Each rank of a pair checks from its side, so whichever comes later sees the
+// other's farewell: a job whose last call disagreed does not end cleanly on every rank. A peer
+// that left without destroy() is no error by itself (what it sent is still checked); one that
+// neither says farewell nor closes (stopped) holds destroy() to the timeout, no longer. A peer
+// still waiting for this rank in a call reads the farewell as this rank leaving and fails at
+// once (PeerError) instead of at its timeout.
 #pragma once
 
 #include <cstdint>
@@ -99,7 +120,8 @@ class Transport {
   // One non-blocking pass over every peer: reads what has arrived, so an ABORT frame or a
   // dead peer is noticed even by a rank whose operation only sent (and so never waited).
   virtual void poll_once() = 0;
-  // True once the peer's connection has closed (it exited or died).
+  // True once the peer's connection has closed (it exited or died) or it destroyed the group
+  // (its farewell came: Note [Farewell]).
   virtual bool peer_closed(int peer) const = 0;
   // The collective this rank runs now. Frames of the same sequence number with another
   // OpDesc, or frames of an earlier sequence number (the peer ran a different algorithm or
@@ -108,6 +130,12 @@ class Transport {
   // Re-checks buffered frames against the current collective (after its OpDesc changed, e.g.
   // once the algorithm is chosen; and while waiting in shared memory).
   virtual void check_unexpected() = 0;
+  // destroy()'s closing exchange (Note [Farewell]), waiting for the peers until `d`. Throws
+  // MismatchError naming the ranks when calls were left unmatched (a frame no call here
+  // consumed, different numbers of collectives, sends never received), or the disagreement a
+  // peer's pending ABORT carries. A transport that failed earlier does nothing: its failure
+  // was raised already.
+  virtual void farewell(const Deadline& d) = 0;
   // Fail every pending request and tell every peer (best effort), then close.
   virtual void abort(AbortKind kind, const std::string& why) = 0;
   virtual bool aborted() const = 0;

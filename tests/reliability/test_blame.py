@@ -232,3 +232,67 @@ def test_census_names_a_late_rank(transport):
                           r"it failed|never reported in)", msg)
         assert named, f"rank {rank}: {msg}"
         assert _never_reported(msg) in (None, [2]), f"rank {rank}: {msg}"
+
+
+def _resumed_after_stop(pg, victim, where, hosts=None):
+    """The victim is stopped (SIGSTOP) past a 2 s timeout, ``where`` "before" its call or
+    "inside" it, and resumed (SIGCONT) once the others failed; every rank returns its error.
+    The others wait for the victim's error before leaving, so it finds them failed, not gone.
+    ``hosts``: emulated hosts, one letter per rank (a hierarchical group)."""
+    if hosts:
+        os.environ["MESHCOLL_HOST_ID"] = hosts[pg.rank]
+        meshcoll._C.reload_config()
+    g = pg.new_group(list(range(pg.size)))
+    assert (g._hier is not None) == bool(hosts)
+    pids = pg.all_gather(np.array([os.getpid()], np.int64)).ravel()
+    rng = np.random.default_rng(pg.rank)
+    x = rng.standard_normal(1000).astype(np.float32)
+    want = sum(np.random.default_rng(r).standard_normal(1000).astype(np.float32)
+               for r in range(pg.size))
+    g.all_reduce(x, timeout=10)  # every rank meets once, the result checked
+    if not np.allclose(x, want, rtol=1e-5, atol=1e-5):
+        return "wrong all_reduce result"
+    pg.barrier(timeout=10)
+    if where == "before" and pg.rank == victim:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if where == "inside" and pg.rank == 0:
+        threading.Timer(0.3, os.kill, (int(pids[victim]), signal.SIGSTOP)).start()
+    try:
+        for _ in range(100_000):
+            g.all_reduce(x, timeout=2.0)
+        out = "no error"
+    except meshcoll.TimeoutError as e:
+        out = str(e)
+    if pg.rank == 0:
+        time.sleep(0.5)
+        os.kill(int(pids[victim]), signal.SIGCONT)
+    if pg.rank == victim:
+        pg._store.set("victim/done", b"1")
+    else:
+        pg._store.wait(["victim/done"], timeout=30)
+    return out
+
+
+@pytest.mark.parametrize("where", ["before", "inside"])
+def test_a_rank_resumed_after_a_stop_says_it_fell_behind(where):
+    """Note [Falling behind] in csrc/comm/comm.cc: the resumed rank blames no healthy peer."""
+    victim = 2
+    results = launch(3, _resumed_after_stop, transport="tcp", victim=victim, where=where,
+                     timeout=50)
+    for rank in (0, 1):
+        assert _never_reported(results[rank]) == [victim], f"rank {rank}: {results[rank]}"
+    msg = results[victim]
+    assert f"rank {victim} fell behind" in msg, msg
+    assert _never_reported(msg) is None and "came late" not in msg, msg
+    assert "still in an earlier operation" not in msg, msg
+
+
+def test_a_stopped_rank_is_named_on_every_host_of_a_hierarchical_group():
+    """Hosts A A B B; rank 3 (host B, not its leader) is stopped: the census is the whole
+    group's (Comm::set_serves_steps), so host A names rank 3, not host B's leader (rank 2) or
+    its own leader (rank 0), and rank 3, resumed, says it fell behind."""
+    results = launch(4, _resumed_after_stop, victim=3, where="before", hosts="AABB", timeout=50)
+    for rank in (0, 1, 2):
+        assert _never_reported(results[rank]) == [3], f"rank {rank}: {results[rank]}"
+    assert "rank 3 fell behind" in results[3], results[3]
+    assert _never_reported(results[3]) is None, results[3]

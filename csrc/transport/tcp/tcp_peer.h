@@ -52,6 +52,13 @@ struct TcpTransport::Peer {
   // rank may legitimately exit while others still finish their last step with third ranks.
   bool closed = false;
   size_t unexpected_bytes = 0;  // Note [Unexpected-message cap]
+  // Note [Farewell]: point-to-point messages sent to this peer and receives posted from it;
+  // its farewell, once read: its collectives and its own two counts, seen from its side.
+  uint64_t p2p_sent = 0;
+  uint64_t p2p_posted = 0;
+  bool reading_bye = false;
+  bool said_bye = false;
+  uint64_t bye[3] = {0, 0, 0};  // collectives, messages it sent us, receives it posted from us
 };
 
 }  // namespace meshcoll::transport

@@ -33,6 +33,10 @@ constexpr uint8_t kFrameAbort = 1;
 constexpr uint8_t kFrameProbe = 2;
 constexpr auto kProbeAfter = std::chrono::milliseconds(500);
 constexpr size_t kMaxAbortMessage = 64 * 1024;
+// Note [Farewell] (transport.h says what it does): destroy()'s closing frame. Its payload:
+// this rank's collectives, the messages it sent the peer, the receives it posted from it.
+constexpr uint8_t kFrameBye = 3;
+constexpr size_t kByeBytes = 3 * sizeof(uint64_t);
 // Note [Unexpected-message cap]
 // Frames that arrive before their receive is posted are buffered. A sender that only sends
 // (a broadcast root, a p2p producer) could otherwise run arbitrarily far ahead and grow a
@@ -62,6 +66,7 @@ Request TcpTransport::isend(int peer, const Envelope& env, ConstBytes src) {
   h.nbytes = src.size;
   h.op = env.op;
   Peer& p = *peers_[peer];
+  if (env.channel == Channel::kP2P) ++p.p2p_sent;
   p.sendq.push_back(op);
   if (p.sendq.size() == 1) {
     try {
@@ -80,6 +85,7 @@ Request TcpTransport::irecv(int peer, const Envelope& env, MutBytes dst) {
   op->peer = peer;
   op->env = env;
   op->dst = dst;
+  if (env.channel == Channel::kP2P) ++peers_[peer]->p2p_posted;
   match_posted(peer, op);
   return op;
 }
@@ -250,6 +256,13 @@ void TcpTransport::on_header(int peer) {
       if (current_.op.algo == 0) theirs.algo = 0;  // this rank has not chosen its algorithm
       if (theirs != current_.op) check_agreement(peer, h, current_, 0);
     }
+  } else if (h.type == kFrameBye) {
+    if (h.nbytes != kByeBytes)
+      fail(AbortKind::kGeneric, str_cat("rank ", global_(rank_), ": corrupt farewell frame from rank ",
+                                        global_(peer), " (", h.nbytes, " bytes)"));
+    p.reading_bye = true;
+    p.rdst = reinterpret_cast<uint8_t*>(p.bye);
+    p.rleft = kByeBytes;
   } else if (h.type == kFrameAbort) {
     p.reading_abort = true;
     p.abort_msg.assign(std::min<uint64_t>(h.nbytes, kMaxAbortMessage), '\0');
@@ -306,6 +319,11 @@ void TcpTransport::on_payload_done(int peer) {
     }
     fail(kind, p.abort_msg);
   }
+  if (p.reading_bye) {
+    p.reading_bye = false;
+    p.said_bye = true;
+    return;
+  }
   if (p.rtarget) {
     as_tcp(p.rtarget).mark_complete();
     p.rtarget.reset();
@@ -331,7 +349,8 @@ TcpTransport::PollResult TcpTransport::poll_and_progress(int timeout_ms, int wak
   for (int j = 0; j < size_; ++j) {
     if (j == rank_ || peers_[j]->fd < 0 || peers_[j]->closed) continue;
     const Peer& p = *peers_[j];
-    short ev = p.unexpected_bytes < kMaxUnexpectedBytes || !p.posted.empty() || p.in_payload
+    short ev = p.unexpected_bytes < kMaxUnexpectedBytes || !p.posted.empty() || p.in_payload ||
+                       closing_  // the farewell must be read behind whatever is buffered
                    ? POLLIN
                    : 0;
     if (!p.sendq.empty()) ev |= POLLOUT;
@@ -371,7 +390,9 @@ void TcpTransport::poll_once() {
   poll_and_progress(0);
 }
 
-bool TcpTransport::peer_closed(int peer) const { return peers_[peer]->closed; }
+bool TcpTransport::peer_closed(int peer) const {
+  return peers_[peer]->closed || peers_[peer]->said_bye;
+}
 
 void TcpTransport::begin_collective(const Envelope& current) {
   recent_[current_.seq % 16] = current_;
@@ -437,6 +458,11 @@ void TcpTransport::check_pending_peers(const std::vector<Request>& reqs) {
     // mismatch]).
     if (later_seq_ && !r->complete() && op.env.channel == Channel::kP2P)
       check_later_mismatch(kRunning);
+    if (!r->complete() && peers_[op.peer]->said_bye)  // Note [Farewell]: nothing follows it
+      fail(AbortKind::kPeer, str_cat("rank ", global_(rank_), ": rank ", global_(op.peer),
+                                     " destroyed the group while a ",
+                                     op.is_send ? "send to" : "receive from", " it was pending: rank ",
+                                     global_(op.peer), " never made this call, or left it early"));
     if (!r->complete() && peers_[op.peer]->closed)
       fail(AbortKind::kPeer, str_cat("rank ", global_(rank_), ": the connection to rank ", global_(op.peer),
                                      " closed while a ", op.is_send ? "send to" : "receive from",
@@ -537,6 +563,118 @@ void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d)
                    "; that rank is slow, stuck in other code, or called a different collective"));
     }
   }
+}
+
+void TcpTransport::farewell(const Deadline& d) {
+  if (failed_) return;
+  closing_ = true;
+  for (int j = 0; j < size_; ++j) {
+    Peer& p = *peers_[j];
+    // Every transfer of this rank has ended (destroy() drained them), so nothing is queued.
+    if (j == rank_ || p.fd < 0 || p.closed || !p.sendq.empty()) continue;
+    FrameHeader h{};
+    h.magic = kFrameMagic;
+    h.type = kFrameBye;
+    h.nbytes = kByeBytes;
+    const uint64_t body[3] = {current_.seq, p.p2p_sent, p.p2p_posted};
+    std::string frame(reinterpret_cast<const char*>(&h), sizeof(h));
+    frame.append(reinterpret_cast<const char*>(body), kByeBytes);
+    try {
+      net::send_all(p.fd, frame.data(), frame.size(), d, "farewell");
+    } catch (const Error&) {  // it left: its frames are read below all the same
+    }
+  }
+  const auto since = Clock::now();
+  try {
+    for (;;) {
+      bool waiting = false;
+      for (int j = 0; j < size_; ++j) {
+        const Peer& p = *peers_[j];
+        if (j != rank_ && p.fd >= 0 && !p.closed && !p.said_bye) waiting = true;
+      }
+      if (!waiting || d.expired()) break;
+      check_interrupt(global_(rank_), since);
+      int ms = d.poll_ms();
+      if (ms < 0 || ms > kInterruptEvery.count()) ms = static_cast<int>(kInterruptEvery.count());
+      poll_and_progress(ms);
+    }
+  } catch (const Error&) {
+    if (!failed_) throw;
+  }
+  // A peer's mismatch held for a call this rank never reached (Note [A later call's
+  // mismatch]): this rank left before it, so it is raised here, as any pending disagreement.
+  if (!failed_ && later_seq_) {
+    try {
+      check_later_mismatch(kRunning);
+    } catch (const Error&) {
+    }
+  }
+  if (failed_) {
+    // A peer's ABORT. A disagreement (or a peer's bad argument) that this rank's calls returned
+    // before hearing of is raised here; a timeout or a death was raised by the peers that saw
+    // it, and a peer failed by this rank's own leaving (a call it never made) says so itself.
+    if (fail_kind_ != AbortKind::kMismatch && fail_kind_ != AbortKind::kGeneric) return;
+    fail_msg_ = str_cat("rank ", global_(rank_), ": destroy() read an error from a peer that this "
+                        "rank's calls had returned before hearing of: ", fail_msg_);
+    rethrow();
+  }
+  std::string problems;
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_) continue;
+    std::string s = unmatched_at_farewell(j);
+    if (!s.empty()) problems += (problems.empty() ? "" : "; ") + s;
+  }
+  if (!problems.empty())
+    throw MismatchError(str_cat("rank ", global_(rank_), ": destroy() found calls left unmatched "
+                                "on this group: ", problems, ". Every send must meet a recv, and "
+                                "every rank must make the same collective calls"));
+}
+
+// Note [Farewell]: what the frames still buffered from `peer` and its farewell's counts say
+// was never matched; empty when all was.
+std::string TcpTransport::unmatched_at_farewell(int peer) {
+  const Peer& p = *peers_[peer];
+  const int me = global_(rank_), them = global_(peer);
+  std::string out;
+  auto add = [&out](const std::string& s) { out += (out.empty() ? "" : "; ") + s; };
+  bool collective_said = false;
+  uint64_t stray = 0;
+  std::string tags;
+  for (const auto& u : p.unexpected) {
+    if (u->claimed) continue;
+    const FrameHeader& h = u->hdr;
+    if (h.channel == static_cast<uint8_t>(Channel::kP2P)) {
+      ++stray;
+      const std::string tag = str_cat(h.tag);
+      if (tags.find(tag) == std::string::npos) tags += (tags.empty() ? "" : ", ") + tag;
+      continue;
+    }
+    if (collective_said) continue;
+    collective_said = true;
+    const Envelope& past = recent_[h.seq % 16];
+    const Envelope* mine = h.seq == current_.seq ? &current_ : past.seq == h.seq ? &past : nullptr;
+    if (h.seq > current_.seq)
+      add(str_cat("rank ", them, " sent data for ", describe_(h.op), " [seq ", h.seq, "], a call rank ",
+                  me, " never made (it made ", current_.seq, " collective calls)"));
+    else if (mine && mine->op != h.op)
+      add(str_cat("collective mismatch at sequence number ", h.seq, ": rank ", them, " called ",
+                  describe_(h.op), " but rank ", me, " called ", describe_(mine->op)));
+    else
+      add(str_cat("rank ", them, " sent data for ", describe_(h.op), " [seq ", h.seq, "] that rank ",
+                  me, "'s call of it never read (different algorithm settings?)"));
+  }
+  if (stray)
+    add(str_cat("rank ", them, " sent ", stray, " message(s) (tag ", tags, ") to rank ", me,
+                " that no recv on rank ", me, " took"));
+  if (!p.said_bye) return out;  // it left without destroy(): its frames are all we know
+  if (p.bye[0] != current_.seq && !collective_said)
+    add(str_cat("rank ", me, " made ", current_.seq, " collective calls on this group but rank ",
+                them, " made ", p.bye[0], " (rank ", me, "'s last: ", describe_(current_.op), ")"));
+  if (p.p2p_sent > p.bye[2])
+    add(str_cat("rank ", me, " sent ", p.p2p_sent, " message(s) to rank ", them, " but rank ",
+                them, " posted only ", p.bye[2], " recv(s) from it: the last ",
+                p.p2p_sent - p.bye[2], " were never received"));
+  return out;
 }
 
 void TcpTransport::abort(AbortKind kind, const std::string& why) {

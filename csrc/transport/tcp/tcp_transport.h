@@ -60,6 +60,7 @@ class TcpTransport : public Transport {
   bool peer_closed(int peer) const override;
   void begin_collective(const Envelope& current) override;
   void check_unexpected() override;
+  void farewell(const Deadline& d) override;
   void abort(AbortKind kind, const std::string& why) override;
   bool aborted() const override { return failed_; }
 
@@ -82,6 +83,7 @@ class TcpTransport : public Transport {
   void complete_from_unexpected(Unexpected& u, const Request& op);
   void check_agreement(int peer, const FrameHeader& h, const Envelope& mine, size_t my_bytes);
   void check_against_current(int peer, const FrameHeader& h);
+  std::string unmatched_at_farewell(int peer);
   // `seq`: the collective the failure is about, which the ABORT frame carries (Note [A later
   // call's mismatch]); by default the running one (0 outside collectives).
   [[noreturn]] void fail(AbortKind kind, const std::string& why, uint64_t seq = kRunning);
@@ -110,6 +112,7 @@ class TcpTransport : public Transport {
   Envelope current_;       // the collective running now (begin_collective)
   Envelope recent_[16];    // the last collectives, by seq % 16, to name a late frame's pair
   bool in_collective_ = false;
+  bool closing_ = false;   // in farewell(): read every peer, past the unexpected-message cap
   std::vector<struct pollfd> pfds_;  // reused by every poll
   std::vector<int> pfd_peer_;
 };
