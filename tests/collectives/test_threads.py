@@ -41,9 +41,10 @@ def _data(thread, rank, size):
         yield mine.standard_normal(COUNT), sum(p.standard_normal(COUNT) for p in peers)
 
 
-def _two_threads_one_group(pg, iters):
+def _two_threads_one_group(pg, iters, async_op=False):
     """Two threads each all_reduce random data `iters` times on one group (the attack that
-    crossed 300 of 300 pairs): each thread's results and how it ended."""
+    crossed 300 of 300 pairs; with `async_op`, all_reduce(x, async_op=True).wait(), the one
+    that gave 22-50% wrong results and no error): each thread's results and how it ended."""
     g = pg.new_group(list(range(pg.size)))
     outcome = {}
     start = threading.Barrier(2)
@@ -55,7 +56,10 @@ def _two_threads_one_group(pg, iters):
         try:
             for _ in range(iters):
                 x, want = next(data)
-                g.all_reduce(x, timeout=30)
+                if async_op:
+                    g.all_reduce(x, async_op=True, timeout=30).wait()
+                else:
+                    g.all_reduce(x, timeout=30)
                 done += 1
                 crossed += not np.allclose(x, want)
         except meshcoll.MeshcollError as e:
@@ -252,43 +256,14 @@ def test_meshcolls_threads_are_named_for_top_and_debuggers(run_ranks):
     assert {"mc-store-accept", "mc-store-serve"} <= meshcoll_threads()
 
 
-def _two_threads_async(pg, iters):
-    """Two threads each loop all_reduce(x, async_op=True).wait() on random data on one group
-    (the attack that gave 22-50% wrong results and no error): each thread's outcome."""
-    g = pg.new_group(list(range(pg.size)))
-    outcome = {}
-    start = threading.Barrier(2)
-
-    def loop(t):
-        done, crossed, error = 0, 0, None
-        data = _data(t, pg.rank, pg.size)
-        start.wait()
-        try:
-            for _ in range(iters):
-                x, want = next(data)
-                g.all_reduce(x, async_op=True, timeout=30).wait()
-                done += 1
-                crossed += not np.allclose(x, want)
-        except meshcoll.MeshcollError as e:
-            error = f"{type(e).__name__}: {e}"
-        outcome[t] = (done, crossed, error)
-
-    threads = [threading.Thread(target=loop, args=(t,)) for t in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return outcome
-
-
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_two_threads_async_on_one_group_raise_on_every_rank(run_ranks, transport):
     # An async call is outstanding until its Work completes: the other thread's issue
     # meanwhile is caught (Note [One issuing thread]), though the two issues never overlap.
     # A result crossed on a rank that saw no overlap is followed by an error in that thread:
     # no thread on any rank goes on as if nothing happened.
-    for rank, outcome in enumerate(run_ranks(2, _two_threads_async, transport=transport,
-                                             iters=1000)):
+    for rank, outcome in enumerate(run_ranks(2, _two_threads_one_group, transport=transport,
+                                             iters=1000, async_op=True)):
         for t, (done, crossed, error) in outcome.items():
             assert error is not None, (f"rank {rank} thread {t}: {done} calls ({crossed} "
                                        "crossed) and no error")

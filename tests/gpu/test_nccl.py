@@ -51,6 +51,15 @@ def run_nccl(world, fn, *, deadline=180.0, timeout=60.0, env=None, may_die=(), *
                   backend="nccl", **kwargs)
 
 
+def destroy_failed(g):
+    """Destroys group ``g`` after a test made it fail: destroy() may raise that failure again
+    (a rank that never saw it)."""
+    try:
+        g.destroy()
+    except meshcoll.MeshcollError:
+        pass
+
+
 # ---- reference data --------------------------------------------------------------------
 
 DTYPES = ["int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64"]

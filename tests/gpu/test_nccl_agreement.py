@@ -15,7 +15,7 @@ import pytest
 
 import meshcoll
 from conftest import meshcoll_threads
-from test_nccl import gpus, needs_torch, run_nccl, NGPU
+from test_nccl import destroy_failed, gpus, needs_torch, run_nccl, NGPU
 
 pytestmark = [needs_torch, pytest.mark.timeout(240)]
 
@@ -58,10 +58,7 @@ def _disagree(pg, strict):
         except meshcoll.MeshcollError as e:
             kind, msg = type(e).__name__, str(e)
         out[name] = (kind, where, time.monotonic() - t0, text in msg, msg[:300])
-        try:
-            g.destroy()
-        except meshcoll.MeshcollError:
-            pass
+        destroy_failed(g)
     return out
 
 

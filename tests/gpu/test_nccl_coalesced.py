@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import meshcoll
-from test_nccl import gpus, needs_torch, run_nccl, NGPU
+from test_nccl import destroy_failed, gpus, needs_torch, run_nccl, NGPU
 
 pytestmark = [needs_torch, pytest.mark.timeout(240)]
 WORLD = min(max(NGPU, 2), 4)
@@ -158,10 +158,7 @@ def _mismatched(pg):
             time.sleep(0.002)
     except meshcoll.MeshcollError as e:
         kind, msg = type(e).__name__, str(e)
-    try:
-        g.destroy()
-    except meshcoll.MeshcollError:
-        pass
+    destroy_failed(g)
     return kind, msg[:400], time.monotonic() - t0
 
 
@@ -232,10 +229,7 @@ def _symmetric_block(pg, disagree):
     except meshcoll.MeshcollError as e:
         kind, msg = type(e).__name__, str(e)
     got = arena[:4 * n].cpu().numpy().reshape(4, n).copy()
-    try:
-        g.destroy()
-    except meshcoll.MeshcollError:
-        pass
+    destroy_failed(g)
     return g.symmetric_memory, kind, msg[:400], got
 
 

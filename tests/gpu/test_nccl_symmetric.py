@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import meshcoll
-from test_nccl import gpus, needs_torch, run_nccl
+from test_nccl import destroy_failed, gpus, needs_torch, run_nccl
 
 pytestmark = [needs_torch, pytest.mark.timeout(240)]
 
@@ -130,10 +130,7 @@ def _disagree(pg, check):
         except meshcoll.MeshcollError as e:
             kind, msg = type(e).__name__, str(e)
         out[name] = (kind, "symmetric buffers" in msg, msg[:300])
-        try:
-            g.destroy()
-        except meshcoll.MeshcollError:
-            pass
+        destroy_failed(g)
     # Sizes that differ: raised by empty() itself, before NCCL is asked.
     g = pg.new_group([0, 1], timeout=20)
     try:
@@ -141,10 +138,7 @@ def _disagree(pg, check):
         out["sizes"] = ("no error", False, "")
     except meshcoll.MeshcollError as e:
         out["sizes"] = (type(e).__name__, "symmetric=True" in str(e), str(e)[:300])
-    try:
-        g.destroy()
-    except meshcoll.MeshcollError:
-        pass
+    destroy_failed(g)
     return out
 
 
@@ -174,10 +168,7 @@ def _killed_in_symmetric_kernels(pg):
         kind, msg = type(e).__name__, str(e)
     del x  # its memory is kept, not freed under a stuck kernel
     t0 = time.monotonic()
-    try:
-        pg.destroy()
-    except meshcoll.MeshcollError:
-        pass
+    destroy_failed(pg)
     return kind, msg[:400], time.monotonic() - t0
 
 

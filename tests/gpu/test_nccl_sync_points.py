@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import meshcoll
-from test_nccl import gpus, needs_torch, run_nccl, NGPU
+from test_nccl import destroy_failed, gpus, needs_torch, run_nccl, NGPU
 
 pytestmark = [needs_torch, pytest.mark.timeout(240)]
 
@@ -61,10 +61,7 @@ def _disagree_then_sync(pg, n):
             out[point] = ("no error", float(x[0].item()))
         except meshcoll.MeshcollError as e:
             out[point] = (type(e).__name__, str(e)[:300])
-        try:
-            g.destroy()
-        except meshcoll.MeshcollError:
-            pass
+        destroy_failed(g)
     return out
 
 
