@@ -129,10 +129,11 @@ BLOCK_MISMATCH = ("split", "count", "dtype", "op", "outside")
 # Note [Late raise points]: where the README lets a rank that returned normally from a call
 # on which ranks disagreed raise instead. "next call": its next call on the group raises the
 # failure (README, Errors: "The first call or wait() to hear of a failure raises it").
-# "destroy" is not documented for CPU groups today (only NCCL's destroy() raises a pending
-# MismatchError): when the README says it for CPU groups, add it here, and a rank whose
-# destroy() raised the disagreement after a clean episode is then right, not silent.
-LATE_RAISE_POINTS = ("next call",)
+# "destroy": over TCP a rank whose part of the call only sends learns of the disagreement at
+# its next call or, when none follows, at destroy() (README, Errors, MismatchError; Note
+# [Farewell] in csrc/transport/transport.h): a rank whose destroy() raised it after a clean
+# episode is right, not silent.
+LATE_RAISE_POINTS = ("next call", "destroy")
 TRANSPORTS = ("shm", "tcp")
 INIT_TIMEOUT = 30.0
 SLACK = 2.0  # an error must come within the call's timeout plus this
