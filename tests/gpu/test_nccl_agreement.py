@@ -94,8 +94,10 @@ def _world_check(pg, disagree):
     """The world group's check, as MESHCOLL_CHECK set it: whether a call (of sizes that
     differ across ranks if `disagree`) raised, whether its data was then left alone, and
     whether a checker thread runs (Note [Agreement on a side channel]: async mode's checker
-    is the thread named mc-agreement)."""
+    is the thread named mc-agreement). The threads are read first: once a peer has returned
+    and destroyed the group, this rank's checker ends too (it leaves with its peers)."""
     import torch
+    checker = "mc-agreement" in meshcoll_threads()
     x = torch.full((1000 + 24 * pg.rank * disagree,), float(pg.rank + 1), device="cuda")
     try:
         pg.all_reduce(x)
@@ -104,7 +106,7 @@ def _world_check(pg, disagree):
     except meshcoll.MismatchError:
         raised = "MismatchError"
     untouched = bool((x == float(pg.rank + 1)).all().item()) if raised != "no error" else None
-    return raised, untouched, "mc-agreement" in meshcoll_threads()
+    return raised, untouched, checker
 
 
 @gpus(2)
