@@ -7,6 +7,14 @@
 
 namespace meshcoll::comm {
 
+bool exchange_kind(const std::string& of, CollKind* kind) {
+  if (of == "all_gather_v") *kind = CollKind::kAllGatherVCounts;
+  else if (of == "all_to_all_v") *kind = CollKind::kAllToAllVCounts;
+  else if (of == "split") *kind = CollKind::kSplitTable;
+  else return false;
+  return true;
+}
+
 const char* coll_name(CollKind k) {
   switch (k) {
     case CollKind::kAllReduce: return "all_reduce";

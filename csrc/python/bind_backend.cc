@@ -541,10 +541,8 @@ void bind_backend(py::module_& m) {
              // Note [Internal exchanges] in comm/ledger.h: the metadata round of `of`, under
              // its own kind, so it never pairs with a user's all_gather or all_to_all.
              comm::CollKind kind;
-             if (of == "all_gather_v") kind = comm::CollKind::kAllGatherVCounts;
-             else if (of == "all_to_all_v") kind = comm::CollKind::kAllToAllVCounts;
-             else if (of == "split") kind = comm::CollKind::kSplitTable;
-             else throw py::value_error(str_cat("exchange: no internal exchange of '", of, "'"));
+             if (!comm::exchange_kind(of, &kind))
+               throw py::value_error(str_cat("exchange: no internal exchange of '", of, "'"));
              CallReader read(x, comm::coll_name(kind), timeout, py::none(), false);
              auto in = read(a, "x", false);
              auto o = read(out, "out", true);

@@ -136,10 +136,8 @@ void bind_nccl(py::module_& m) {
              comm::CollKind kind;
              if (of == "all_gather") kind = comm::CollKind::kAllGather;
              else if (of == "all_to_all") kind = comm::CollKind::kAllToAll;
-             else if (of == "all_gather_v") kind = comm::CollKind::kAllGatherVCounts;
-             else if (of == "all_to_all_v") kind = comm::CollKind::kAllToAllVCounts;
-             else if (of == "split") kind = comm::CollKind::kSplitTable;
-             else throw py::value_error(str_cat("host_all_gather: no exchange of '", of, "'"));
+             else if (!comm::exchange_kind(of, &kind))
+               throw py::value_error(str_cat("host_all_gather: no exchange of '", of, "'"));
              DType dt;
              if (!dtype_from_name(dtype, &dt))
                throw py::value_error(str_cat("host_all_gather: unsupported dtype ", dtype));

@@ -94,6 +94,20 @@ def test_two_threads_on_one_group_raise_on_every_rank(run_ranks, transport):
             assert RULE in error, f"rank {rank} thread {t}: {error}"
 
 
+def _peer_of_the_caught(pg, g, x, want, out):
+    """Rank 1's side of the two scenes below: once rank 0's main thread has been caught, its
+    first call (legitimate for all it could see) returns a right result or raises, and its
+    next one raises."""
+    pg.barrier()  # rank 0's main thread has been caught
+    try:
+        g.all_reduce(x, timeout=30)
+        out["right"] = bool(np.allclose(x, want))
+        g.all_reduce(x, timeout=30)
+    except meshcoll.MeshcollError as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def _caught_in_the_act(pg):
     """Rank 0's thread X waits in an all_reduce for rank 1 (which has not called yet) when
     rank 0's main thread calls on the same group: the main thread raises at once, X raises
@@ -105,14 +119,7 @@ def _caught_in_the_act(pg):
     want = np.random.default_rng(0).standard_normal(COUNT) + np.random.default_rng(1).standard_normal(COUNT)
     out = {}
     if pg.rank == 1:
-        pg.barrier()  # rank 0's main thread has been caught
-        try:
-            g.all_reduce(x, timeout=30)
-            out["right"] = bool(np.allclose(x, want))
-            g.all_reduce(x, timeout=30)
-        except meshcoll.MeshcollError as e:
-            out["error"] = f"{type(e).__name__}: {e}"
-        return out
+        return _peer_of_the_caught(pg, g, x, want, out)
 
     def holder():
         try:
@@ -157,14 +164,7 @@ def _caught_while_pending(pg):
     want = np.random.default_rng(0).standard_normal(COUNT) + np.random.default_rng(1).standard_normal(COUNT)
     out = {}
     if pg.rank == 1:
-        pg.barrier()  # rank 0's main thread has been caught
-        try:
-            g.all_reduce(x, timeout=30)
-            out["right"] = bool(np.allclose(x, want))
-            g.all_reduce(x, timeout=30)
-        except meshcoll.MeshcollError as e:
-            out["error"] = f"{type(e).__name__}: {e}"
-        return out
+        return _peer_of_the_caught(pg, g, x, want, out)
 
     issued, caught = threading.Event(), threading.Event()
 
