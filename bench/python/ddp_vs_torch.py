@@ -138,6 +138,13 @@ def parse_args(argv=None):
     p.add_argument("--torch-vs-torch", action="store_true",
                    help="the meshcoll column is torch's DDP with 0.9x the bucket cap: the "
                         "parameter difference that summation order alone makes")
+    p.add_argument("--bare", action="store_true",
+                   help="also time a third copy with no wrapper and no communication: the "
+                        "floor each wrapper adds to (column bare ms)")
+    p.add_argument("--trace", metavar="PREFIX",
+                   help="after the timed steps, one more step per wrapper under torch.profiler "
+                        "(CPU and CUDA); rank 0 writes PREFIX_<model>_<views>_<wrapper>.json "
+                        "(chrome trace)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed steps, count the Python calls of one meshcoll step")
     a = p.parse_args(argv)
@@ -284,6 +291,7 @@ class Runner:
         self.opt = (torch.optim.SGD(params, lr=args.lr) if args.optimizer == "sgd"
                     else torch.optim.AdamW(params, lr=args.lr))
         self.wall: List[float] = []
+        self.issue: List[float] = []  # until the host had issued the whole step
         self.cpu: List[float] = []   # the process: every thread
         self.main: List[float] = []  # the thread running the step
 
@@ -295,8 +303,10 @@ class Runner:
             loss = data.loss(self.model(x), y)
         loss.backward()
         self.opt.step()
+        t1 = time.perf_counter()
         sync()
         if record:
+            self.issue.append(t1 - t0)
             self.wall.append(time.perf_counter() - t0)
             self.cpu.append(time.process_time() - c0)
             self.main.append(time.thread_time() - m0)
@@ -373,6 +383,7 @@ def run_config(kind: str, views: bool, args, pg, device: torch.device) -> Dict[s
     base, name = build(kind, args)
     nparams = sum(p.numel() for p in base.parameters())
     mc_copy, torch_copy = copy.deepcopy(base), copy.deepcopy(base)
+    bare = copy.deepcopy(base).to(device) if args.bare else None
     del base
     mc_copy.to(device)
     torch_copy.to(device)
@@ -409,7 +420,8 @@ def run_config(kind: str, views: bool, args, pg, device: torch.device) -> Dict[s
         mc_model = nn.parallel.DistributedDataParallel(
             mc_copy, bucket_cap_mb=args.bucket_cap_mb * 0.9, gradient_as_bucket_view=views, **kw)
     runners = ([Runner("meshcoll", mc_model, args)] if mc_model is not None else []) + \
-        [Runner("torch", torch_model, args)]
+        [Runner("torch", torch_model, args)] + \
+        ([Runner("bare", bare, args)] if bare is not None else [])
 
     data = Data(kind, args, pg.rank, device)
     amp = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if gpu
@@ -421,6 +433,18 @@ def run_config(kind: str, views: bool, args, pg, device: torch.device) -> Dict[s
         x, y = data.next()
         for r in runners:
             r.step(x, y, data, amp, sync, record=i >= args.warmup)
+    if args.trace:
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+        x, y = data.next()
+        for r in runners:
+            if pg.rank != 0:
+                r.step(x, y, data, amp, sync, record=False)
+                continue
+            with profile(activities=acts) as prof:
+                r.step(x, y, data, amp, sync, record=False)
+            prof.export_chrome_trace(
+                f"{args.trace}_{kind}_{'views' if views else 'copies'}_{r.name}.json")
     if args.profile and mc_model is not None and not args.torch_vs_torch:  # rank 0 reports
         x, y = data.next()
         counts = python_calls(lambda: runners[0].step(x, y, data, amp, sync, record=False))
@@ -441,6 +465,7 @@ def run_config(kind: str, views: bool, args, pg, device: torch.device) -> Dict[s
         row[f"{r.name}_ms"] = statistics.median(wall) * 1e3
         row[f"{r.name}_host_ms"] = statistics.median(cpu) * 1e3
         row[f"{r.name}_main_thread_ms"] = statistics.median(main) * 1e3
+        row[f"{r.name}_issue_ms"] = statistics.median(slowest(r.issue, device)) * 1e3
         row[f"{r.name}_times_ms"] = [t * 1e3 for t in wall]
     if mc_model is not None:
         if args.torch_vs_torch:
@@ -456,7 +481,7 @@ def run_config(kind: str, views: bool, args, pg, device: torch.device) -> Dict[s
         row["max_param_rel_diff"], row["bitwise_equal"] = max_rel_diff(mc_copy, torch_copy)
     else:
         row["refused"] = refused
-    del runners, mc_model, torch_model, mc_copy, torch_copy
+    del runners, mc_model, torch_model, mc_copy, torch_copy, bare
     if gpu:
         torch.cuda.empty_cache()
     dist.barrier()
@@ -563,7 +588,13 @@ def main(argv=None) -> int:
                       f"{r['buckets']} meshcoll buckets, meshcoll comm "
                       f"{r['meshcoll_comm_ms_per_step']:.2f} ms/step (rank 0); main thread "
                       f"CPU ms/step {r['meshcoll_main_thread_ms']:.1f}/"
-                      f"{r['torch_main_thread_ms']:.1f} (mc/torch)")
+                      f"{r['torch_main_thread_ms']:.1f} (mc/torch); issued in "
+                      f"{r['meshcoll_issue_ms']:.1f}/{r['torch_issue_ms']:.1f} ms")
+                if "bare_ms" in r:
+                    print(f"# {r['model_name']} views={r['views']}: no wrapper (bare) "
+                          f"{r['bare_ms']:.2f} ms, issued in {r['bare_issue_ms']:.1f} ms: "
+                          f"meshcoll adds {r['meshcoll_ms'] - r['bare_ms']:+.2f} ms, torch "
+                          f"{r['torch_ms'] - r['bare_ms']:+.2f} ms")
         if args.json:
             with open(args.json, "w") as f:
                 for r in rows:
