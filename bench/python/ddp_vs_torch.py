@@ -38,7 +38,9 @@ gets its own optimizer (``--optimizer sgd`` lr 0.01 or ``adamw``) and
 both wrappers, and so does ``--broadcast-buffers on|off`` (torch's default, on: module
 buffers such as BatchNorm's running statistics are broadcast from rank 0 before each forward;
 torch >= 2.13 spells it ``forward_sync_buffers``). Steps
-alternate meshcoll, torch, meshcoll, ...: ``--warmup`` pairs, then ``--steps`` timed pairs.
+alternate meshcoll, torch, meshcoll, ...: ``--warmup`` pairs, then ``--steps`` timed pairs,
+each step after an untimed barrier (``--align on``) so every wrapper starts with the ranks
+together (``--bare`` adds a third, unwrapped copy to each round: the floor).
 Each rank draws its own data (seeded by rank), and the two wrappers on one rank get the same
 batch at each step. A step (zero_grad, forward, loss, backward, optimizer step) is timed with
 ``time.perf_counter`` and ended with ``torch.cuda.synchronize()`` on GPUs; its time is the
@@ -141,10 +143,16 @@ def parse_args(argv=None):
     p.add_argument("--bare", action="store_true",
                    help="also time a third copy with no wrapper and no communication: the "
                         "floor each wrapper adds to (column bare ms)")
+    p.add_argument("--align", choices=("on", "off"), default="on",
+                   help="a barrier (untimed) before every step, so each starts with the ranks "
+                        "together (default on)")
     p.add_argument("--trace", metavar="PREFIX",
                    help="after the timed steps, one more step per wrapper under torch.profiler "
                         "(CPU and CUDA); rank 0 writes PREFIX_<model>_<views>_<wrapper>.json "
                         "(chrome trace)")
+    p.add_argument("--trace-steps", type=int, default=1, help="steps per wrapper under --trace")
+    p.add_argument("--trace-gpu-only", action="store_true",
+                   help="--trace records GPU activity only (the host runs at nearly full speed)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed steps, count the Python calls of one meshcoll step")
     a = p.parse_args(argv)
@@ -292,21 +300,33 @@ class Runner:
                     else torch.optim.AdamW(params, lr=args.lr))
         self.wall: List[float] = []
         self.issue: List[float] = []  # until the host had issued the whole step
+        self.host_bw: List[float] = []  # until backward returned, on the host
+        self.gpu_bw: List[float] = []   # until the device got there (GPU events)
         self.cpu: List[float] = []   # the process: every thread
         self.main: List[float] = []  # the thread running the step
 
     def step(self, x, y, data: Data, amp: Callable[[], Any], sync: Callable[[], None],
              record: bool) -> None:
         t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
+        gpu = x.is_cuda
+        if gpu:
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            marks[0].record()
         self.opt.zero_grad()  # set_to_none=True
         with amp():
             loss = data.loss(self.model(x), y)
         loss.backward()
+        tb = time.perf_counter()
+        if gpu:
+            marks[1].record()
         self.opt.step()
         t1 = time.perf_counter()
         sync()
         if record:
             self.issue.append(t1 - t0)
+            self.host_bw.append(tb - t0)
+            if gpu:
+                self.gpu_bw.append(marks[0].elapsed_time(marks[1]) / 1e3)
             self.wall.append(time.perf_counter() - t0)
             self.cpu.append(time.process_time() - c0)
             self.main.append(time.thread_time() - m0)
@@ -427,22 +447,33 @@ def run_config(kind: str, views: bool, args, pg, device: torch.device) -> Dict[s
     amp = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if gpu
            else contextlib.nullcontext)
     sync = torch.cuda.synchronize if gpu else (lambda: None)
+
+    def align() -> None:
+        """Every rank starts the next step together (untimed). Without it a wrapper whose
+        step ties the ranks together pays for the drift the step before it left (ranks
+        leave a step when their own device is done, and a step without communication, such
+        as --bare's, lets them drift by milliseconds)."""
+        dist.barrier(**({"device_ids": [device.index]} if gpu else {}))
+        sync()
     for i in range(args.warmup + args.steps):
         if i == args.warmup and mc_model is not None and not args.torch_vs_torch:
             mc_model.ddp.reset_stats()  # overlap of the timed steps only
         x, y = data.next()
         for r in runners:
+            if args.align == "on":
+                align()
             r.step(x, y, data, amp, sync, record=i >= args.warmup)
     if args.trace:
         from torch.profiler import ProfilerActivity, profile
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-        x, y = data.next()
+        acts = ([] if args.trace_gpu_only and gpu else [ProfilerActivity.CPU]) + \
+            ([ProfilerActivity.CUDA] if gpu else [])
+        batches = [data.next() for _ in range(args.trace_steps)]
         for r in runners:
+            with profile(activities=acts) if pg.rank == 0 else contextlib.nullcontext() as prof:
+                for x, y in batches:
+                    r.step(x, y, data, amp, sync, record=False)
             if pg.rank != 0:
-                r.step(x, y, data, amp, sync, record=False)
                 continue
-            with profile(activities=acts) as prof:
-                r.step(x, y, data, amp, sync, record=False)
             prof.export_chrome_trace(
                 f"{args.trace}_{kind}_{'views' if views else 'copies'}_{r.name}.json")
     if args.profile and mc_model is not None and not args.torch_vs_torch:  # rank 0 reports
@@ -466,6 +497,9 @@ def run_config(kind: str, views: bool, args, pg, device: torch.device) -> Dict[s
         row[f"{r.name}_host_ms"] = statistics.median(cpu) * 1e3
         row[f"{r.name}_main_thread_ms"] = statistics.median(main) * 1e3
         row[f"{r.name}_issue_ms"] = statistics.median(slowest(r.issue, device)) * 1e3
+        row[f"{r.name}_host_backward_ms"] = statistics.median(slowest(r.host_bw, device)) * 1e3
+        if r.gpu_bw:
+            row[f"{r.name}_gpu_backward_ms"] = statistics.median(slowest(r.gpu_bw, device)) * 1e3
         row[f"{r.name}_times_ms"] = [t * 1e3 for t in wall]
     if mc_model is not None:
         if args.torch_vs_torch:
@@ -590,6 +624,11 @@ def main(argv=None) -> int:
                       f"CPU ms/step {r['meshcoll_main_thread_ms']:.1f}/"
                       f"{r['torch_main_thread_ms']:.1f} (mc/torch); issued in "
                       f"{r['meshcoll_issue_ms']:.1f}/{r['torch_issue_ms']:.1f} ms")
+                if "meshcoll_gpu_backward_ms" in r:
+                    print(f"# {r['model_name']} views={r['views']}: backward ended on the host / "
+                          "on the device (ms), " + ", ".join(
+                              f"{w} {r[w + '_host_backward_ms']:.1f}/{r[w + '_gpu_backward_ms']:.1f}"
+                              for w in ("meshcoll", "torch", "bare") if w + "_gpu_backward_ms" in r))
                 if "bare_ms" in r:
                     print(f"# {r['model_name']} views={r['views']}: no wrapper (bare) "
                           f"{r['bare_ms']:.2f} ms, issued in {r['bare_issue_ms']:.1f} ms: "
