@@ -256,7 +256,8 @@ def test_all_reduce_large(run_ranks, world, transport):
 
 
 def _exact_small_ints_body(pg, count, algos):
-    # STYLE section 10's pattern: small integers are exact in any order, for float types too.
+    # Small integers sum exactly in any order, for float types too: every algorithm must match
+    # the reference bit for bit.
     n, rank = pg.size, pg.rank
     pg.config.max_segment_bytes = 64
     out = {}
