@@ -319,6 +319,12 @@ const char* Comm::route() const {
   return used_tcp_ ? "tcp" : "shm";
 }
 
+void Comm::set_composed() {
+  composed_ = true;
+  current_.op.algo = kComposedAlgo;
+  transport_->begin_collective(current_);  // frames of another call that came first disagree
+}
+
 void Comm::set_algorithm(const char* name, uint8_t code) {
   algorithm_ = name;
   current_.op.algo = code;
