@@ -126,13 +126,18 @@ void run_steps(comm::Comm& parent, const Hierarchy& h, const char* what, Body&& 
       // as not, and it came first, before the census that named the late rank (fault soak,
       // issue 34). So a step's timeout says only which step timed out and leaves blame to
       // the parent's census, which follows it. A peer's timeout relayed on the parent's
-      // links (from_group) was written the same way.
-      if (!from_group)
+      // links (from_group) was written the same way. The step's own message is kept for
+      // the one case where the census names nobody (Comm::execute): a rank that came late
+      // to a step the others had already left reports from the group's next call, and the
+      // step's wait is then all that names it.
+      if (!from_group) {
+        parent.set_step_timeout(message_of(error));
         error = same_type(error, str_cat("rank ", me, ": hierarchical ", what, " timed out after ",
                                          parent.deadline().timeout().count(), " ms in its ",
                                          steps.at(), " step (a step waits on ranks that may "
                                          "wait in turn: the group's census says who never "
                                          "came)"));
+      }
       like = error;
     } catch (const MismatchError&) {
       // The steps' descriptions fingerprint the whole call (Note [Steps carry their call] in
