@@ -96,9 +96,9 @@ template <class Body>
 void run_steps(comm::Comm& parent, const Hierarchy& h, const char* what, Body&& body) {
   Steps steps(parent);
   std::exception_ptr from_group;  // a failure found on the parent's own links
-  auto on_parent = [&](void (comm::Comm::*what)()) {
+  auto on_parent = [&](void (comm::Comm::*fn)()) {
     try {
-      (parent.*what)();
+      (parent.*fn)();
     } catch (...) {
       from_group = std::current_exception();
       throw;
