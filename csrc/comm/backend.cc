@@ -263,15 +263,19 @@ Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const Cal
   // broadcast as its host's peers and silently takes their data; a block's calls split one
   // total differently sum misaligned data. So every step's description carries the whole
   // call's: its coalesced block, and a fingerprint of everything else the ranks must agree
-  // on (kind, dtype, op, root, count, layout, block) mixed into `shape`. Steps then agree
+  // on (kind, dtype, op, root, count, layout, block) mixed into `shape`, with the call's
+  // sequence number in the group: a rank whose part of a flat call only sent (a reduce
+  // leaf) goes on to the group's next call, and were that one hierarchical its steps would
+  // otherwise pair with the steps of the call the others still run. Steps then agree
   // only where the calls they serve agree, and a disagreement is a MismatchError in the
   // first step the disagreeing ranks share (run_steps in cpu/hierarchy.cc names the call).
   if (o.within) {
-    const transport::OpDesc w = *o.within;  // a copy: the struct is packed
+    const transport::OpDesc w = o.within->op;  // a copy: the struct is packed
     c.desc.block = w.block;
     ShapeHash h;
     for (uint64_t v : {c.desc.shape, uint64_t{w.coll}, uint64_t{w.dtype}, uint64_t{w.redop},
-                       uint64_t{static_cast<uint32_t>(w.root)}, w.count, w.shape, w.block})
+                       uint64_t{static_cast<uint32_t>(w.root)}, w.count, w.shape, w.block,
+                       o.within->seq})
       h.mix(v);
     c.desc.shape = h.value();
   }

@@ -103,11 +103,11 @@ struct CallOptions {
   // execution]); one that returns a Work leaves the wait to the caller.
   bool wait = false;
   AllReduceTuning tuning;    // all_reduce only
-  // A step of a composed call (the hierarchy's): that call's description, which the step's
-  // description carries whole (its block, and a fingerprint of the rest in `shape`), so the
-  // steps of calls that differ never agree (Note [Steps carry their call] in backend.cc);
-  // else null.
-  const transport::OpDesc* within = nullptr;
+  // A step of a composed call (the hierarchy's): that call's envelope, whose description and
+  // sequence number the step's description carries whole (its block, and a fingerprint of
+  // the rest in `shape`), so the steps of calls that differ, or of different calls of the
+  // group, never agree (Note [Steps carry their call] in backend.cc); else null.
+  const transport::Envelope* within = nullptr;
   // An internal exchange of a composed call (all_gather_v's or all_to_all_v's counts,
   // split's colors): the kind it is described as (Note [Internal exchanges] in ledger.h), in
   // place of all_gather's or all_to_all's; {}: a user's call.

@@ -319,6 +319,12 @@ const char* Comm::route() const {
   return used_tcp_ ? "tcp" : "shm";
 }
 
+void Comm::set_composed() {
+  composed_ = true;
+  current_.op.algo = kComposedAlgo;
+  transport_->begin_collective(current_);  // frames of another call that came first disagree
+}
+
 void Comm::set_algorithm(const char* name, uint8_t code) {
   algorithm_ = name;
   current_.op.algo = code;
@@ -616,6 +622,7 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     algorithm_ = "";
     used_tcp_ = false;
     composed_ = false;
+    step_timeout_.clear();
     // A relayed failure (fail()) is not compared with the peers' calls: it fails the group
     // with its own message, whatever they run at its sequence number.
     if (env.op.coll != static_cast<uint8_t>(CollKind::kFail)) transport_->begin_collective(current_);
@@ -635,7 +642,13 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     if (abort_kind_of(error) == transport::AbortKind::kTimeout && !serves_steps_) {
       // Tell the peers first (they then join the census at once), then take it.
       transport_->abort(transport::AbortKind::kTimeout, message_of(error));
-      error = same_type(error, str_cat(message_of(error), census(env.seq), ". Rank ", global_rank(rank_),
+      std::string named = census(env.seq);
+      // Note [Blame in a composed call's timeout]: the step's own wait, where the census
+      // named nobody (every rank reported, none behind: a rank came late to a step but
+      // finished the call) or could not be taken.
+      if (!step_timeout_.empty() && (named.empty() || named.rfind("; no census", 0) == 0))
+        named += str_cat("; the census named no rank; in the step, ", step_timeout_);
+      error = same_type(error, str_cat(message_of(error), named, ". Rank ", global_rank(rank_),
                                        "'s last calls on this group: ", ledger_->summary(4)));
     }
     if (collective) ledger_->set_state(env.seq, CallState::kFailed);

@@ -154,8 +154,17 @@ class Comm {
   // names the algorithm in MESHCOLL_DEBUG=1 logs.
   void set_algorithm(const char* name, uint8_t code);
   // An operation whose steps run on other groups (Note [Hierarchy]) says so before running
-  // them (its route is "hierarchy").
-  void set_composed() { composed_ = true; }
+  // them (its route is "hierarchy"). Its description takes the composed call's algorithm
+  // code (kComposedAlgo), so a rank running the call flat, or another call, at its sequence
+  // number disagrees with it in the agreement check.
+  void set_composed();
+  // Note [Steps watch their call's group] (common/interrupt.h): reads this group's links
+  // while the running composed operation's steps wait on other groups; throws what it finds
+  // (a frame or probe of another call: MismatchError; a peer's ABORT: its failure).
+  void watch() { transport_->poll_once(); }
+  // Note [Blame in a composed call's timeout] (cpu/hierarchy.cc): the timed-out step's own
+  // message, which the operation's timeout shows only where the census names no rank.
+  void set_step_timeout(std::string message) { step_timeout_ = std::move(message); }
   // This group only runs the steps of another group's composed operations (the hierarchy's
   // local and leaders groups). Its timeouts take no census: the composed operation's group
   // takes it over all its ranks, so a stopped rank on one host is named on every host,
@@ -273,6 +282,7 @@ class Comm {
   const char* algorithm_ = "";
   bool used_tcp_ = false;  // the running operation sent or received over TCP
   bool composed_ = false;  // the running operation called set_composed()
+  std::string step_timeout_;  // set_step_timeout(), for the running operation
   bool serves_steps_ = false;  // set_serves_steps(): set once, before any operation
   std::vector<InFlight> in_flight_;
 };

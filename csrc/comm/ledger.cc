@@ -49,9 +49,11 @@ std::string describe_op(const transport::OpDesc& d) {
       kind == CollKind::kReduceScatter || kind == CollKind::kReduceScatterV)
     s += str_cat(", ", redop_name(static_cast<RedOp>(d.redop)));
   if (d.root >= 0) s += str_cat(", root=", d.root);
-  // Codes of algo::Algorithm (the layer above cannot be included here).
-  static const char* const kAlgorithms[] = {"auto", "ring", "tree", "halving_doubling", "direct", "shm"};
-  if (d.algo) s += str_cat(", ", d.algo < 6 ? kAlgorithms[d.algo] : "?");
+  // Codes of algo::Algorithm (the layer above cannot be included here), then kComposedAlgo.
+  static const char* const kAlgorithms[] = {"auto",   "ring", "tree",     "halving_doubling",
+                                            "direct", "shm",  "hierarchy"};
+  static_assert(sizeof(kAlgorithms) / sizeof(kAlgorithms[0]) == kComposedAlgo + 1);
+  if (d.algo) s += str_cat(", ", d.algo <= kComposedAlgo ? kAlgorithms[d.algo] : "?");
   if (d.memory) s += str_cat(", symmetric buffers #", d.memory);
   if (d.block) s += str_cat(", in coalesced block ", d.block);
   // In a block, `shape` also holds the layout of fused calls (Note [Fused all_reduces]):

@@ -62,6 +62,10 @@ const char* coll_name(CollKind k);
 // The kind of the internal exchange of the call named `of` ("all_gather_v", "all_to_all_v",
 // "split"; Note [Internal exchanges]); false when that call has none.
 bool exchange_kind(const std::string& of, CollKind* kind);
+// OpDesc.algo of a composed call (the hierarchy's: Comm::set_composed), past the codes of
+// algo::Algorithm, which a user may name: a rank that runs the call flat, with any
+// algorithm, disagrees with the ranks that run it composed.
+constexpr uint8_t kComposedAlgo = 6;
 // "all_reduce(count=1024, float32, sum)": for error messages and logs.
 std::string describe_op(const transport::OpDesc& d);
 transport::OpDesc make_desc(CollKind k, DType dt, size_t count, RedOp op = RedOp::kSum,

@@ -19,6 +19,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <mutex>
 #include <string>
 
@@ -63,7 +64,38 @@ void set_interrupt_hook(InterruptHook hook);
 
 // Runs the hook when the wait began at least kInterruptEvery ago and this thread last ran it
 // at least that long ago; throws Interrupted ("rank <rank> was interrupted (<exception>)")
-// when a signal handler raised.
+// when a signal handler raised. Runs this thread's WaitWatch too.
 void check_interrupt(int rank, Clock::time_point waiting_since);
+
+// Note [Steps watch their call's group]
+// A composed call (the hierarchy's, Note [Hierarchy] in python/meshcoll/hierarchy.py) is one
+// operation of its group whose steps run, and wait, on other groups' links. A rank that made
+// another call at that sequence number, one that runs flat on the group's own links, sends
+// its frames and its probes (Note [Probes] in tcp_transport.cc) where nobody reads while the
+// steps wait: the two calls never met, and every rank waited to its timeout (fault soak,
+// issue 34). So while a thread runs a composed call's steps it installs a WaitWatch, and
+// every wait of that thread (check_interrupt) also runs it, at most every kWatchEvery once
+// the wait has lasted that long: it reads the group's own links, where a frame or probe of
+// another call at the call's sequence number is a MismatchError naming both calls, and a
+// peer's ABORT is that peer's failure, at once. Thread-local because the watched links
+// belong to the thread that runs the composed call (the only one whose waits run it). Only
+// waits need it: a composed call cannot complete while a rank runs another call, since its
+// steps need every rank (a rank whose part only sends may finish, and meets the stray frames
+// at its next call, as on a flat group).
+inline constexpr Millis kWatchEvery{10};
+
+class WaitWatch {
+ public:
+  // For this thread's waits until destroyed (nested watches: the innermost runs).
+  explicit WaitWatch(std::function<void()> check);
+  ~WaitWatch();
+  WaitWatch(const WaitWatch&) = delete;
+  WaitWatch& operator=(const WaitWatch&) = delete;
+
+ private:
+  friend void check_interrupt(int, Clock::time_point);
+  std::function<void()> check_;
+  WaitWatch* outer_;
+};
 
 }  // namespace meshcoll

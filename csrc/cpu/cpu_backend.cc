@@ -41,6 +41,9 @@ CpuBackend::~CpuBackend() {
 // would hold each other to the timeout.
 void CpuBackend::do_shutdown() { comm_->shutdown(farewell_ && !dropped_); }
 
+static_assert(comm::kComposedAlgo == static_cast<uint8_t>(algo::Algorithm::kShm) + 1,
+              "a composed call's algorithm code is none a user may name");
+
 void CpuBackend::set_hierarchy(std::shared_ptr<const Hierarchy> h) {
   for (comm::Backend* child : {h->local.get(), h->leaders.get()})
     if (auto* cpu = dynamic_cast<CpuBackend*>(child)) cpu->comm().set_serves_steps();

@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "common/error.h"
+#include "common/interrupt.h"
 #include "reduce/kernels.h"
 
 namespace meshcoll::cpu {
@@ -61,31 +62,55 @@ std::shared_ptr<const Hierarchy> Hierarchy::make(std::shared_ptr<comm::Backend> 
 
 namespace {
 
-// Each step gets what is left of the parent operation's deadline (at least 1 ms, so a step
-// that starts late still fails with its own timeout rather than running unbounded).
-CallOptions step(const comm::Comm& parent, const comm::AllReduceTuning& tuning = {}) {
-  CallOptions o;
-  const int left = parent.deadline().poll_ms();
-  o.timeout = Millis(left < 0 ? INT_MAX : std::max(left, 1));
-  o.tuning = tuning;
-  o.within = &parent.current().op;  // Note [Steps carry their call] in comm/backend.cc
-  return o;
-}
+// The steps of one composed call: each gets what is left of the parent operation's deadline
+// (at least 1 ms, so a step that starts late still fails with its own timeout rather than
+// running unbounded) and carries the parent's call (Note [Steps carry their call] in
+// comm/backend.cc); the name of the running one is kept for a timeout's message.
+class Steps {
+ public:
+  explicit Steps(const comm::Comm& parent) : parent_(parent) {}
+  // The options of step `name` ("local all_reduce"); `tuning`: the parent call's.
+  CallOptions operator()(const char* name, const comm::AllReduceTuning& tuning = {}) {
+    at_ = name;
+    CallOptions o;
+    const int left = parent_.deadline().poll_ms();
+    o.timeout = Millis(left < 0 ? INT_MAX : std::max(left, 1));
+    o.tuning = tuning;
+    o.within = &parent_.current();
+    return o;
+  }
+  const char* at() const { return at_; }
 
-// Runs `steps`; on an error, fails both children before rethrowing it (the parent's execute
-// then fails the parent). The failed step's group told its own ranks; the ranks waiting in
-// the other child learn it from this at once, instead of at their timeout (Note [Hierarchy],
-// Failures). A child that already failed runs the extra failure as a no-op.
-template <class Steps>
-void run_steps(comm::Comm& parent, const Hierarchy& h, const char* what, Steps&& steps) {
-  parent.set_composed();
+ private:
+  const comm::Comm& parent_;
+  const char* at_ = "first";
+};
+
+// Runs `body` (the steps); on an error, fails both children before rethrowing it (the
+// parent's execute then fails the parent). The failed step's group told its own ranks; the
+// ranks waiting in the other child learn it from this at once, instead of at their timeout
+// (Note [Hierarchy], Failures). A child that already failed runs the extra failure as a
+// no-op. While the steps wait they watch the parent's own links (Note [Steps watch their
+// call's group] in common/interrupt.h); a failure found there is the parent's, raised as is.
+template <class Body>
+void run_steps(comm::Comm& parent, const Hierarchy& h, const char* what, Body&& body) {
+  Steps steps(parent);
+  std::exception_ptr from_group;  // a failure found on the parent's own links
+  auto on_parent = [&](void (comm::Comm::*fn)()) {
+    try {
+      (parent.*fn)();
+    } catch (...) {
+      from_group = std::current_exception();
+      throw;
+    }
+  };
   try {
-    steps();
+    on_parent(&comm::Comm::set_composed);  // a stray frame of another call may be there already
+    WaitWatch watch([&] { on_parent(&comm::Comm::watch); });
+    body(steps);
   } catch (...) {
-    std::exception_ptr error = std::current_exception();
-    const std::string why = str_cat("rank ", parent.global_rank(parent.rank()), " of a group of ",
-                                    parent.size(),
-                                    ": hierarchical ", what, " failed: ", message_of(error));
+    std::exception_ptr error = from_group ? from_group : std::current_exception();
+    const int me = parent.global_rank(parent.rank());
     // A disagreement stays a MismatchError on the ranks of the other child, and a timeout a
     // TimeoutError: each rank it reaches then joins the parent's census, taken over the whole
     // group (the children take none: Comm::set_serves_steps), which names the rank that never
@@ -94,17 +119,40 @@ void run_steps(comm::Comm& parent, const Hierarchy& h, const char* what, Steps&&
     try {
       std::rethrow_exception(error);
     } catch (const TimeoutError&) {
+      // Note [Blame in a composed call's timeout]
+      // A step waits for the ranks of its host or for the other hosts' leaders, which may
+      // themselves be waiting for the rank that never came: the step's own message ("rank 0
+      // had not arrived", "waiting for: receive from rank 2") names a healthy leader as often
+      // as not, and it came first, before the census that named the late rank (fault soak,
+      // issue 34). So a step's timeout says only which step timed out and leaves blame to
+      // the parent's census, which follows it. A peer's timeout relayed on the parent's
+      // links (from_group) was written the same way. The step's own message is kept for
+      // the one case where the census names nobody (Comm::execute): a rank that came late
+      // to a step the others had already left reports from the group's next call, and the
+      // step's wait is then all that names it.
+      if (!from_group) {
+        parent.set_step_timeout(message_of(error));
+        error = same_type(error, str_cat("rank ", me, ": hierarchical ", what, " timed out after ",
+                                         parent.deadline().timeout().count(), " ms in its ",
+                                         steps.at(), " step (a step waits on ranks that may "
+                                         "wait in turn: the group's census says who never "
+                                         "came)"));
+      }
       like = error;
     } catch (const MismatchError&) {
       // The steps' descriptions fingerprint the whole call (Note [Steps carry their call] in
       // comm/backend.cc): steps that look alike yet differ served different calls.
-      error = same_type(error, str_cat(message_of(error), ". The steps of a hierarchical call "
-                                       "carry the whole call, so the ranks named made different "
-                                       "calls (another root, count, dtype, op, shape or "
-                                       "coalesced block) even where their steps look alike"));
+      if (!from_group)
+        error = same_type(error, str_cat(message_of(error), ". The steps of a hierarchical call "
+                                         "carry the whole call, so the ranks named made different "
+                                         "calls (another root, count, dtype, op, shape or "
+                                         "coalesced block) or were at different calls of the "
+                                         "group, even where their steps look alike"));
       like = error;
     } catch (...) {
     }
+    const std::string why = str_cat("rank ", me, " of a group of ", parent.size(),
+                                    ": hierarchical ", what, " failed: ", message_of(error));
     for (comm::Backend* child : {h.local.get(), h.leaders.get()}) {
       if (!child) continue;
       try {
@@ -124,11 +172,11 @@ void run_steps(comm::Comm& parent, const Hierarchy& h, const char* what, Steps&&
 // bitwise equal. avg reduces with sum and divides at the end, as a flat avg does.
 void hier_all_reduce(comm::Comm& parent, const Hierarchy& h, const ArrayView& in,
                      const ArrayView& out, RedOp op, const comm::AllReduceTuning& tuning) {
-  run_steps(parent, h, "all_reduce", [&] {
+  run_steps(parent, h, "all_reduce", [&](Steps& step) {
     const RedOp red = op == RedOp::kAvg ? RedOp::kSum : op;
-    h.local->all_reduce(in, out, red, step(parent, tuning));
-    if (h.leaders) h.leaders->all_reduce(out, out, red, step(parent, tuning));
-    h.local->broadcast(out, 0, step(parent));
+    h.local->all_reduce(in, out, red, step("local all_reduce", tuning));
+    if (h.leaders) h.leaders->all_reduce(out, out, red, step("leaders' all_reduce", tuning));
+    h.local->broadcast(out, 0, step("local broadcast"));
     if (op == RedOp::kAvg) reduce::divide_by(out.dtype, out.data, out.count, parent.size());
   });
 }
@@ -137,14 +185,14 @@ void hier_all_reduce(comm::Comm& parent, const Hierarchy& h, const ArrayView& in
 // then every leader (leaders broadcast from the root's host), then every other host's ranks
 // (local broadcast from their leader).
 void hier_broadcast(comm::Comm& parent, const Hierarchy& h, const ArrayView& buf, int root) {
-  run_steps(parent, h, "broadcast", [&] {
+  run_steps(parent, h, "broadcast", [&](Steps& step) {
     const int root_host = h.host[root];
     if (h.host[parent.rank()] == root_host) {
-      h.local->broadcast(buf, h.local_rank[root], step(parent));
-      if (h.leaders) h.leaders->broadcast(buf, root_host, step(parent));
+      h.local->broadcast(buf, h.local_rank[root], step("local broadcast from the root"));
+      if (h.leaders) h.leaders->broadcast(buf, root_host, step("leaders' broadcast"));
     } else {
-      if (h.leaders) h.leaders->broadcast(buf, root_host, step(parent));
-      h.local->broadcast(buf, 0, step(parent));
+      if (h.leaders) h.leaders->broadcast(buf, root_host, step("leaders' broadcast"));
+      h.local->broadcast(buf, 0, step("local broadcast"));
     }
   });
 }
@@ -156,7 +204,7 @@ void hier_broadcast(comm::Comm& parent, const Hierarchy& h, const ArrayView& buf
 // to scratch memory and the leader puts the rows in group-rank order.
 void hier_all_gather(comm::Comm& parent, const Hierarchy& h, const ArrayView& in,
                      const ArrayView& out) {
-  run_steps(parent, h, "all_gather", [&] {
+  run_steps(parent, h, "all_gather", [&](Steps& step) {
     const size_t n = in.count, row = in.bytes();
     const int me = parent.rank(), mine = h.host[me];
     ArrayView rows = out;  // the host-block layout
@@ -166,17 +214,18 @@ void hier_all_gather(comm::Comm& parent, const Hierarchy& h, const ArrayView& in
     block.count = h.leaders ? h.host_size[mine] * n : 0;
     block.data = static_cast<uint8_t*>(rows.data) + h.block_offset[mine] * row;
     block.row_hash = in.shape_hash;  // leaders compare the blocks' shape (all_gather_v's rows)
-    h.local->gather(in, block, std::vector<size_t>(h.host_size[mine], n), 0, step(parent));
+    h.local->gather(in, block, std::vector<size_t>(h.host_size[mine], n), 0,
+                    step("local gather"));
     if (h.leaders) {
       std::vector<size_t> counts(h.host_size.size());
       for (size_t k = 0; k < counts.size(); ++k) counts[k] = h.host_size[k] * n;
-      h.leaders->all_gather(block, rows, counts, true, step(parent));
+      h.leaders->all_gather(block, rows, counts, true, step("leaders' all_gather"));
       if (!h.in_place && row)
         for (size_t i = 0; i < h.by_host.size(); ++i)
           std::memcpy(static_cast<uint8_t*>(out.data) + h.by_host[i] * row,
                       static_cast<uint8_t*>(rows.data) + i * row, row);
     }
-    h.local->broadcast(out, 0, step(parent));
+    h.local->broadcast(out, 0, step("local broadcast"));
   });
 }
 

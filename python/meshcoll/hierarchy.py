@@ -33,8 +33,12 @@ Failures. Each step gets what is left of the operation's deadline; an error in a
 the operation's error. The failed step's group tells its own ranks (as any collective does),
 and before the error leaves the operation the rank fails both children (``Backend.fail``),
 so the ranks waiting in the other child raise PeerError at once instead of at their
-timeout. The group itself fails as after any failed operation. A step's timeout takes its
-census in the step's group only (``Comm::set_composed``).
+timeout. The group itself fails as after any failed operation. A step's timeout takes no
+census of its own: the group's census, over every host, names the rank that never came, and
+the step's message leaves blame to it (Note [Blame in a composed call's timeout] in
+hierarchy.cc). While the steps wait they also read the group's own links, where a rank that
+made a flat call instead sends its frames (Note [Steps watch their call's group] in
+csrc/common/interrupt.h): a MismatchError at once, not a timeout on every rank.
 """
 
 from __future__ import annotations

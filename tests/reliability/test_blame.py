@@ -296,3 +296,87 @@ def test_a_stopped_rank_is_named_on_every_host_of_a_hierarchical_group():
         assert _never_reported(results[rank]) == [3], f"rank {rank}: {results[rank]}"
     assert "rank 3 fell behind" in results[3], results[3]
     assert _never_reported(results[3]) is None, results[3]
+
+
+def _shm_mapped():
+    """The shared-memory files this process maps."""
+    with open("/proc/self/maps") as f:
+        return {line.split(None, 5)[5].strip().removesuffix(" (deleted)")
+                for line in f if "/dev/shm/" in line}
+
+
+def _late_in_hierarchical_all_reduce(pg, victim, hosts, how):
+    """On emulated hosts, the victim (not its host's leader) is stopped (SIGSTOP from rank 0,
+    0.3 s into a stream of hierarchical all_reduces with a 2 s timeout) and resumed once the
+    others failed, or comes late (sleeps 3.5 s before its calls). Every rank returns its
+    error and how long it took, then destroys the group and returns the shared memory it
+    still maps or that is still in /dev/shm."""
+    os.environ["MESHCOLL_HOST_ID"] = hosts[pg.rank]
+    meshcoll._C.reload_config()
+    before = _shm_mapped()
+    g = pg.new_group(list(range(pg.size)))
+    assert g._hier is not None
+    segments = _shm_mapped() - before
+    pids = pg.all_gather(np.array([os.getpid()], np.int64)).ravel()
+    x = np.random.default_rng(pg.rank).standard_normal(1000).astype(np.float32)
+    want = sum(np.random.default_rng(r).standard_normal(1000).astype(np.float32)
+               for r in range(pg.size))
+    g.all_reduce(x, timeout=10)  # every rank meets once, the result checked
+    assert np.allclose(x, want, rtol=1e-5, atol=1e-5)
+    pg.barrier(timeout=10)
+    if how == "stop" and pg.rank == 0:
+        threading.Timer(0.3, os.kill, (int(pids[victim]), signal.SIGSTOP)).start()
+    if how == "late" and pg.rank == victim:
+        time.sleep(3.5)
+    t0 = time.monotonic()
+    try:
+        for _ in range(100_000):
+            g.all_reduce(x, timeout=2.0)
+        out = ("no error", "")
+    except meshcoll.MeshcollError as e:
+        out = (type(e).__name__, str(e))
+    took = time.monotonic() - t0
+    if how == "stop" and pg.rank == 0:
+        time.sleep(0.5)
+        os.kill(int(pids[victim]), signal.SIGCONT)
+    if pg.rank == victim:
+        pg._store.set("victim/done", b"1")
+    else:
+        pg._store.wait(["victim/done"], timeout=30)
+    g.destroy()
+    left = sorted(s for s in segments if os.path.exists(s)) + sorted(_shm_mapped() - before)
+    return out, took, left
+
+
+def _blamed(msg):
+    """The ranks a message blames, in the order it names them: ranks that never came, never
+    reported in or came late, that a wait was waiting for, or that died."""
+    found = []
+    for m in re.finditer(r"rank\(s\) ([\d, ]+) (?:had not arrived|never reported in|never "
+                         r"reached|\(it had waited \d+ ms\) reached this operation only as)|"
+                         r"waiting for: (?:receive from|send to) rank (\d+)|"
+                         r"rank (\d+) (?:exited|closed|died)", msg):
+        for r in re.findall(r"\d+", next(g for g in m.groups() if g)):
+            found.append(int(r))
+    return found
+
+
+@pytest.mark.parametrize("how,victim", [("stop", 3), ("late", 1)])
+def test_a_late_rank_of_a_hierarchical_group_is_blamed_first_not_its_leader(how, victim):
+    """Hosts A A B B (leaders 0 and 2). The step that times out first waits for the healthy
+    leader on many ranks (host A's non-leader for its leader, a leader for the other host's
+    leader); its message blamed that leader before the group's census named the victim (fault
+    soak seed 35 episode 207). The step's timeout leaves blame to the census: the first rank
+    every other rank's error blames is the victim, and no healthy rank is blamed. Nothing of
+    the group is left behind on any rank."""
+    results = launch(4, _late_in_hierarchical_all_reduce, victim=victim, hosts="AABB", how=how,
+                     timeout=60)
+    for rank, ((error, msg), took, left) in enumerate(results):
+        assert left == [], (rank, left)
+        if rank == victim:
+            assert error != "no error", msg
+            continue
+        assert error == "TimeoutError", (rank, error, msg)
+        assert took < 7, (rank, took, msg)
+        blamed = _blamed(msg)
+        assert blamed and blamed[0] == victim and set(blamed) == {victim}, (rank, blamed, msg)

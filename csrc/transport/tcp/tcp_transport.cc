@@ -28,8 +28,9 @@ constexpr uint8_t kFrameAbort = 1;
 // Note [Probes]: the agreement check rides on data frames, so two ranks that both wait to
 // *receive* first (say a tree all_reduce against a broadcast) would never compare their
 // calls. A rank that has waited this long for a collective's data sends each silent peer a
-// header-only probe with its OpDesc; a peer running another call at that sequence number
-// raises MismatchError (and aborts, so both learn), one running the same call ignores it.
+// header-only probe with its OpDesc; a peer running another call at that sequence number,
+// or that ran one there (its part only sent), raises MismatchError (and aborts, so both
+// learn); one running or having run the same call ignores it.
 constexpr uint8_t kFrameProbe = 2;
 constexpr auto kProbeAfter = std::chrono::milliseconds(500);
 constexpr size_t kMaxAbortMessage = 64 * 1024;
@@ -255,6 +256,13 @@ void TcpTransport::on_header(int peer) {
       OpDesc theirs = h.op;
       if (current_.op.algo == 0) theirs.algo = 0;  // this rank has not chosen its algorithm
       if (theirs != current_.op) check_agreement(peer, h, current_, 0);
+    } else if (in_collective_ && h.channel == static_cast<uint8_t>(Channel::kCollective) &&
+               h.seq < current_.seq) {
+      // About a call this rank finished, its part only sending (a hierarchical broadcast's
+      // root, whose steps never met the prober's flat call): a call of another description
+      // there is a disagreement the prober would otherwise wait out to its timeout.
+      const Envelope& past = recent_[h.seq % 16];
+      if (past.seq == h.seq && past.op != h.op) check_agreement(peer, h, past, 0);
     }
   } else if (h.type == kFrameBye) {
     if (h.nbytes != kByeBytes)
