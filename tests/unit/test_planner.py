@@ -1,15 +1,20 @@
-"""Tier 1: the schedule planner (meshcoll.pipeline.plan) and its command line, no processes.
+"""Tier 1: the schedule planner (meshcoll.pipeline.plan) and its command line (meshcoll-plan,
+meshcoll.pipeline.planner_cli), no processes.
 
 The planner plays each schedule through `timeline` with per-action costs; the
 references here are `simulate` (uniform costs, its own code path) and closed forms."""
 
+import importlib
 import os
+import pkgutil
 
 import pytest
 
+import meshcoll
+import meshcoll.pipeline
 from meshcoll.pipeline import make_schedule, plan, simulate
-from meshcoll.pipeline.plan import main
 from meshcoll.pipeline.planner import ascii_timeline
+from meshcoll.pipeline.planner_cli import main
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,6 +87,26 @@ def test_ascii_timeline_is_exact():
     (e,) = [x for x in plan(2, 2, _costs(1.0, 1.0, 1.0)) if x.name == "1f1b"]
     assert e.makespan == 9.0
     assert ascii_timeline(e, width=9).splitlines()[1:] == ["rank0   FF..BB.BB", "rank1   .FBBFBB.."]
+
+
+def test_plan_stays_the_function_when_the_command_line_is_imported():
+    # Importing a submodule for the first time binds its name on the package: a lazily
+    # imported submodule named like one of the package's functions (the command line was
+    # `plan`) replaced the function, and `plan(...)` raised "'module' object is not callable".
+    pkg = meshcoll.pipeline
+    names = {n: v for n, v in vars(pkg).items() if n in pkg.__all__}
+    for m in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{pkg.__name__}.{m.name}")
+    assert {n: getattr(pkg, n) for n in names} == names
+    from meshcoll.pipeline import plan as fn
+    assert fn is plan and fn(2, 2, _costs())[0].makespan > 0
+
+
+def test_cli_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"meshcoll-plan {meshcoll.__version__}"
 
 
 def test_cli_table(capsys):

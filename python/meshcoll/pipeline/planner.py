@@ -5,7 +5,7 @@
                          "send": 0.05}, memory_limit=4):
         print(e.name, e.virtual_stages, e.makespan, e.bubble, e.peak_memory, e.over_limit)
 
-The command line (``python -m meshcoll.pipeline.plan --help``) prints the same
+The command line (``meshcoll-plan --help``, planner_cli.py) prints the same
 ranking as a table and draws every schedule's timeline.
 
 Units. Here ``num_stages`` is the depth of the pipeline, the number of ranks
