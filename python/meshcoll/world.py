@@ -8,9 +8,10 @@ import logging
 import re
 import secrets
 import warnings
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Literal, Optional, Sequence, Tuple, Union
 
 from . import _C, _env, run
+from ._types import BackendName
 from .process_group import NonMemberGroup, ProcessGroup
 
 
@@ -41,7 +42,7 @@ WORLD_OF_ONE = (
     "another launcher) for more ranks")
 
 
-def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
+def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *, rank: Optional[int] = None,
          world_size: Optional[int] = None, master_addr: Optional[str] = None,
          master_port: Optional[int] = None, timeout: Optional[float] = None,
          device: Any = None, store: Optional[_C.Store] = None,
