@@ -119,7 +119,8 @@ def test_mypy_catches_a_misused_api(tmp_path):
     assert 'Unexpected keyword argument "async_opp" for "all_reduce"' in r.stdout, r.stdout
     assert 'Module has no attribute "all_reduse"' in r.stdout, r.stdout
     assert 'Argument "timeout" to "barrier" has incompatible type "str"' in r.stdout, r.stdout
-    for line, arg, call in ((7, '"op"', '"all_reduce"'), (8, '"op"', '"reduce_scatter" of "ProcessGroup"'),
+    for line, arg, call in ((7, '"op"', '"all_reduce"'),
+                            (8, '"op"', '"reduce_scatter" of "ProcessGroup"'),
                             (9, '"algorithm"', '"all_reduce"'), (10, '"backend"', '"init"')):
         assert re.search(rf"bad\.py:{line}: error: Argument {arg} to {call} has incompatible "
                          rf"type \"Literal\[", r.stdout), (line, r.stdout)

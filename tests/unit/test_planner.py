@@ -86,8 +86,8 @@ def test_cost_errors_name_the_key():
 def test_ascii_timeline_is_exact():
     (e,) = [x for x in plan(2, 2, _costs(1.0, 1.0, 1.0)) if x.name == "1f1b"]
     assert e.makespan == 9.0
-    assert ascii_timeline(e, width=9).splitlines()[1:] == ["# F forward, B backward, . idle",
-                                                            "rank0   FF..BB.BB", "rank1   .FBBFBB.."]
+    assert ascii_timeline(e, width=9).splitlines()[1:] == [
+        "# F forward, B backward, . idle", "rank0   FF..BB.BB", "rank1   .FBBFBB.."]
     (zbv,) = [x for x in plan(2, 4, _costs()) if x.name == "zero_bubble_v"]
     assert ascii_timeline(zbv).splitlines()[1] == (
         "# F forward, I backward (input gradient), W backward (weight gradient), . idle, "
@@ -98,9 +98,10 @@ def test_results_print_short():
     # print(simulate(s)) once dumped every event (kilobytes); a result prints a summary.
     s = make_schedule("zero_bubble_v", 8, 16, virtual_stages=2)
     r = simulate(s, t_w=1.0)
-    assert repr(r) == str(r) == (f"SimResult(makespan={r.makespan:g}, bubble={r.bubble:.4f}, ranks=4, "
-                                 f"max(peak_activations)={max(r.peak_activations)}, "
-                                 f"<{sum(map(len, r.timeline))} events in timeline>)")
+    assert repr(r) == str(r) == (
+        f"SimResult(makespan={r.makespan:g}, bubble={r.bubble:.4f}, ranks=4, "
+        f"max(peak_activations)={max(r.peak_activations)}, "
+        f"<{sum(map(len, r.timeline))} events in timeline>)")
     assert repr(s).startswith("Schedule('zero_bubble_v', num_ranks=4, virtual_stages=2, ")
     (e,) = [x for x in plan(4, 16, _costs()) if x.name == "zero_bubble_v"]
     assert repr(e) == (f"PlanEntry('zero_bubble_v', virtual_stages=2, makespan={e.makespan:g}, "

@@ -26,6 +26,7 @@ SENTINEL = 100  # written into outputs before a check; no expected value reaches
 
 BITWISE = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 
+
 def _b(i: np.ndarray) -> np.ndarray:
     return (3 * i + 1) % 5
 
