@@ -1,7 +1,12 @@
 """Shared fixtures: ``run_ranks`` (``launch``) spawns real processes that rendezvous on a
 loopback TCPStore and run a test body over the transport the test names, with a deadline,
 every rank's traceback reported, and stragglers killed. ``spawn`` is the same without a
-group, for the layers below it (stores)."""
+group, for the layers below it (stores).
+
+Test tiers, as pytest markers (registered in pyproject.toml; ``pytest -m tier1``), given
+by folder: tier1 is tests/unit (pure Python: no compiled module, no processes), tier3
+tests/gpu (GPUs), tier2 every other folder (the compiled module, real processes on one
+machine)."""
 
 from __future__ import annotations
 
@@ -11,9 +16,27 @@ import secrets
 import signal
 import time
 import traceback
+from pathlib import Path
 
 import numpy as np
 import pytest
+
+_TIER_OF_FOLDER = {"unit": "tier1", "gpu": "tier3"}
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    for item in items:
+        folder = Path(str(item.fspath)).relative_to(here).parts[0]
+        item.add_marker(_TIER_OF_FOLDER.get(folder, "tier2"))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # The skips (GPU tests without GPUs, optional packages not installed) are counted on
+    # the last line; their reasons, about a hundred lines, only on request.
+    skipped = len(terminalreporter.stats.get("skipped", ()))
+    if skipped and not set(config.getoption("reportchars")) & set("saA"):
+        terminalreporter.write_line(f"{skipped} skipped: pytest -rs lists why")
 
 
 def free_port() -> int:

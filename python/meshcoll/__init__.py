@@ -27,6 +27,7 @@ _HOME = {
     **dict.fromkeys(("DataParallel", "LocalSGD", "BoundedStaleness", "Asynchronous"), "ddp"),
     **dict.fromkeys(("DeviceMesh", "MeshLayout", "init_device_mesh"), "device_mesh"),
     "monitored_barrier": "monitor",
+    **dict.fromkeys(("AlgorithmName", "BackendName", "ReduceOpName"), "_types"),
     "nccl_available": "nccl",
     **dict.fromkeys(("ShardedArray", "partition_range", "reduce_scatter_dim", "shard"),
                     "partition"),
@@ -48,6 +49,7 @@ _SUBMODULES = ("_C", "_env", "api", "arrays", "ddp", "device_mesh", "hierarchy",
 if _typing.TYPE_CHECKING:  # what __getattr__ binds, as type checkers and IDEs see it
     from ._C import (AbortedError, ConcurrentCallError, FileStore, MeshcollError,
                      MismatchError, PeerError, PrefixStore, Store, TimeoutError)
+    from ._types import AlgorithmName, BackendName, ReduceOpName
     from .api import (TCPStore, all_gather, all_gather_v, all_reduce, all_to_all, all_to_all_v,
                       barrier, broadcast, coalesced, gather, get_rank, get_world_size, irecv,
                       isend, recv, reduce, reduce_scatter, reduce_scatter_v, scatter, send)
@@ -87,4 +89,5 @@ __all__ = [
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_v", "reduce_scatter",
     "reduce_scatter_v", "all_to_all", "all_to_all_v", "gather", "scatter", "send", "recv",
     "isend", "irecv", "barrier", "coalesced",
+    "ReduceOpName", "AlgorithmName", "BackendName",
 ]

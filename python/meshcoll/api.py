@@ -13,6 +13,7 @@ from typing import (Any, Callable, ContextManager, List, Optional, Sequence, Tup
                     TypeVar)
 
 from . import _C
+from ._types import AlgorithmName, ReduceOpName
 from .process_group import Array, ProcessGroup, Stream, Work
 from .world import get_world_group
 
@@ -62,15 +63,15 @@ def get_world_size() -> int:
 
 
 @_forwards
-def all_reduce(x: Array, op: str = "sum", *, async_op: bool = False,
-               timeout: Optional[float] = None, algorithm: Optional[str] = None,
+def all_reduce(x: Array, op: ReduceOpName = "sum", *, async_op: bool = False,
+               timeout: Optional[float] = None, algorithm: Optional[AlgorithmName] = None,
                stream: Stream = None, group: Optional[ProcessGroup] = None) -> Any:
     return _group(group).all_reduce(x, op, async_op=async_op, timeout=timeout,
                                     algorithm=algorithm, stream=stream)
 
 
 @_forwards
-def reduce(x: Array, dst: int = 0, op: str = "sum", *, async_op: bool = False,
+def reduce(x: Array, dst: int = 0, op: ReduceOpName = "sum", *, async_op: bool = False,
            timeout: Optional[float] = None, stream: Stream = None,
            group: Optional[ProcessGroup] = None) -> Any:
     return _group(group).reduce(x, dst, op, async_op=async_op, timeout=timeout, stream=stream)
@@ -97,7 +98,7 @@ def all_gather_v(x: Array, *, timeout: Optional[float] = None, stream: Stream = 
 
 
 @_forwards
-def reduce_scatter(x: Array, out: Optional[Array] = None, op: str = "sum", *,
+def reduce_scatter(x: Array, out: Optional[Array] = None, op: ReduceOpName = "sum", *,
                    async_op: bool = False, timeout: Optional[float] = None,
                    stream: Stream = None, group: Optional[ProcessGroup] = None) -> Any:
     return _group(group).reduce_scatter(x, out, op, async_op=async_op, timeout=timeout,
@@ -105,7 +106,7 @@ def reduce_scatter(x: Array, out: Optional[Array] = None, op: str = "sum", *,
 
 
 @_forwards
-def reduce_scatter_v(x: Array, counts: Sequence[int], op: str = "sum", *,
+def reduce_scatter_v(x: Array, counts: Sequence[int], op: ReduceOpName = "sum", *,
                      timeout: Optional[float] = None, stream: Stream = None,
                      group: Optional[ProcessGroup] = None) -> Any:
     return _group(group).reduce_scatter_v(x, counts, op, timeout=timeout, stream=stream)

@@ -350,18 +350,22 @@ class DeviceMesh:
 
     @property
     def layout(self) -> MeshLayout:
+        """The rank math of this mesh (shape, dim names, coordinates), without groups."""
         return self._layout
 
     @property
     def shape(self) -> Tuple[int, ...]:
+        """Ranks along each dim, e.g. ``(2, 4)`` for dims ``("dp", "tp")``."""
         return self._layout.shape
 
     @property
     def dim_names(self) -> Tuple[str, ...]:
+        """The dims' names, in mesh order (the last dim varies fastest over ranks)."""
         return self._layout.dim_names
 
     @property
     def ndim(self) -> int:
+        """The number of dims."""
         return self._layout.ndim
 
     @property
@@ -369,16 +373,24 @@ class DeviceMesh:
         """Global ranks of this mesh, shaped like ``shape`` (a copy)."""
         return self._ranks.copy()
 
-    def size(self, dim: Optional[Dims] = None) -> int:
-        return self._layout.size(dim)
+    @property
+    def size(self) -> int:
+        """Ranks in this mesh, as ``ProcessGroup.size``; along some dims:
+        ``mesh["tp"].size``, ``mesh["dp", "tp"].size``."""
+        return self._layout.world_size
 
     def get_coordinate(self) -> Tuple[int, ...]:
+        """This rank's coordinate in the mesh, one index per dim in mesh order."""
         return self._coord
 
     def get_local_rank(self, dim: str) -> int:
+        """This rank's index along ``dim``: its rank in ``get_group(dim)``."""
         return self._coord[self._layout.index(dim)]
 
     def get_group(self, dim: Optional[str] = None) -> ProcessGroup:
+        """The process group of the ranks that share this rank's coordinates on every dim
+        but ``dim`` (a mesh dim or a flattened one); ``dim`` may be left out on a 1-D mesh.
+        No communication: the groups were made when the mesh was."""
         if dim is None:
             if self.ndim != 1:
                 raise ValueError(f"mesh {self._layout!r} has {self.ndim} dims; name one")
@@ -454,7 +466,7 @@ class DeviceMesh:
         for d in devs:
             ranks_by_kind[d.kind] = ranks_by_kind.get(d.kind, 0) + 1
         return {
-            "world_size": self.size(),
+            "world_size": self.size,
             "shape": dict(zip(self.dim_names, self.shape)),
             "hosts": len({d.host for d in devs}),
             "devices_by_kind": by_kind,
@@ -465,6 +477,8 @@ class DeviceMesh:
         }
 
     def describe(self) -> str:
+        """A table for people: a line of totals (``stats()``), then one line per rank with
+        its coordinates, host, device and memory. No communication: any rank may call it."""
         st = self.stats()
         mem = st["total_memory"]
         lines = [f"DeviceMesh {self._layout!r}: {st['world_size']} ranks on "

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Union
 
 import numpy as np
 
+from ._types import ReduceOpName
+
 if TYPE_CHECKING:
     from .process_group import NonMemberGroup, ProcessGroup
 
@@ -128,7 +130,7 @@ def shard(x: Any, dim: int, group: _Group = None) -> ShardedArray:
                         group.size, group.rank, group)
 
 
-def reduce_scatter_dim(x: Any, dim: int, op: str = "sum",
+def reduce_scatter_dim(x: Any, dim: int, op: ReduceOpName = "sum",
                        group: _Group = None) -> ShardedArray:
     """Collective: reduce ``x`` (same shape on every rank) with ``op`` over the group and
     return this rank's part of the result along ``dim``, split as ``shard`` splits it."""

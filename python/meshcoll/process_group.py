@@ -15,11 +15,12 @@ import inspect
 import math
 import time
 from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Dict, Iterator, List,
-                    Literal, Optional, Sequence, Tuple, Type, TypeVar, Union)
+                    Literal, Optional, Sequence, Tuple, Type, TypeVar, Union, cast)
 
 import numpy as np
 
 from . import _C, _env
+from ._types import AlgorithmName, BackendName, ReduceOpName
 from .arrays import dtype_name, host_view, numpy_dtype, rows
 from .hierarchy import Hierarchy, host_of_each_rank
 
@@ -78,7 +79,7 @@ class CollectiveConfig:
     power-of-two worlds, ring above (thresholds measured with
     bench/python/bench_algorithms.py; see README). ``MESHCOLL_ALGO`` overrides auto."""
 
-    def __init__(self, algorithm: str = "auto", *, tree_threshold_bytes: int = 256 * 1024,
+    def __init__(self, algorithm: AlgorithmName = "auto", *, tree_threshold_bytes: int = 256 * 1024,
                  hd_threshold_bytes: int = 8 << 20, max_segment_bytes: int = 512 * 1024,
                  tree_arity: int = 2) -> None:
         self.algorithm = algorithm
@@ -209,7 +210,7 @@ class ProcessGroup:
 
     def __init__(self, store: _C.Store, ranks: Sequence[int], rank: int, name: str, *,
                  timeout: float, bind_host: str, token: str,
-                 parent: Optional["ProcessGroup"] = None, backend: str = "cpu",
+                 parent: Optional["ProcessGroup"] = None, backend: BackendName = "cpu",
                  device: Optional[int] = None, color: int = 0,
                  options: Optional[_env.GroupOptions] = None) -> None:
         self._store = store
@@ -256,7 +257,8 @@ class ProcessGroup:
                                               bind_host, token, _comm_id(name, token),
                                               opts.transport, opts.shm_bytes, opts.debug,
                                               self._ranks, self._shared("cpu"))
-            self.config = CollectiveConfig(opts.algorithm)
+            # MESHCOLL_ALGO's text; CollectiveConfig checks it against the core's names.
+            self.config = CollectiveConfig(cast(AlgorithmName, opts.algorithm))
         self._backend.set_identity(self._ranks, name)
         if channel is not None:
             self._nccl_backend().set_agreement(channel, opts.check == "strict")
@@ -528,8 +530,8 @@ class ProcessGroup:
 
     # ---- collectives ----------------------------------------------------------------
     @_collective
-    def all_reduce(self, x: Array, op: str = "sum", *, async_op: bool = False,
-                   timeout: Optional[float] = None, algorithm: Optional[str] = None,
+    def all_reduce(self, x: Array, op: ReduceOpName = "sum", *, async_op: bool = False,
+                   timeout: Optional[float] = None, algorithm: Optional[AlgorithmName] = None,
                    stream: Stream = None) -> Any:
         """Reduce ``x`` across the group, in place: every rank ends with ``op`` over every
         rank's ``x`` (same shape and dtype on every rank). Returns ``x``, or a Work.
@@ -549,7 +551,7 @@ class ProcessGroup:
         return _result(w, x, True)
 
     @_collective
-    def reduce(self, x: Array, dst: int = 0, op: str = "sum", *, async_op: bool = False,
+    def reduce(self, x: Array, dst: int = 0, op: ReduceOpName = "sum", *, async_op: bool = False,
                timeout: Optional[float] = None, stream: Stream = None) -> Any:
         """Reduce ``x`` onto group rank ``dst``, in place there; other ranks' ``x`` is
         unchanged. Returns ``x``, or a Work."""
@@ -619,7 +621,7 @@ class ProcessGroup:
         return out, counts
 
     @_collective
-    def reduce_scatter(self, x: Array, out: Optional[Array] = None, op: str = "sum", *,
+    def reduce_scatter(self, x: Array, out: Optional[Array] = None, op: ReduceOpName = "sum", *,
                        async_op: bool = False, timeout: Optional[float] = None,
                        stream: Stream = None) -> Any:
         """Reduce ``x`` across ranks and keep this rank's slice of axis 0 (which must divide
@@ -648,7 +650,7 @@ class ProcessGroup:
         return _result(w, out, async_op)
 
     @_collective
-    def reduce_scatter_v(self, x: Array, counts: Sequence[int], op: str = "sum", *,
+    def reduce_scatter_v(self, x: Array, counts: Sequence[int], op: ReduceOpName = "sum", *,
                          timeout: Optional[float] = None, stream: Stream = None) -> Any:
         """Reduce ``x`` across ranks and keep rows ``[sum(counts[:rank]), +counts[rank])``.
         ``counts`` (rows per rank) must be the same on every rank: ranks that pass different

@@ -8,9 +8,10 @@ import logging
 import re
 import secrets
 import warnings
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Literal, Optional, Sequence, Tuple, Union
 
 from . import _C, _env, run
+from ._types import BackendName
 from .process_group import NonMemberGroup, ProcessGroup
 
 
@@ -41,11 +42,11 @@ WORLD_OF_ONE = (
     "another launcher) for more ranks")
 
 
-def init(backend: Optional[str] = None, *, rank: Optional[int] = None,
-         world_size: Optional[int] = None, master_addr: Optional[str] = None,
-         master_port: Optional[int] = None, timeout: Optional[float] = None,
-         device: Any = None, store: Optional[_C.Store] = None,
-         init_method: Optional[str] = None) -> ProcessGroup:
+def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
+         rank: Optional[int] = None, world_size: Optional[int] = None,
+         master_addr: Optional[str] = None, master_port: Optional[int] = None,
+         timeout: Optional[float] = None, device: Any = None,
+         store: Optional[_C.Store] = None, init_method: Optional[str] = None) -> ProcessGroup:
     """Join the job: rendezvous through rank 0's TCP store, connect to every rank, return
     the world group. With no arguments it reads meshcoll-run's, torchrun's, Slurm's or
     Open MPI's environment variables; when none is set (``python script.py``) the process

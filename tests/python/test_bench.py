@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+import meshcoll
 from meshcoll import bench
 
 # ---- tier 1: sizes, factors and patterns ---------------------------------------------
@@ -51,7 +52,8 @@ def _simulate(op, inputs, redop, root):
     n = len(inputs)
     st = np.stack(inputs)
     red = {"sum": st.sum(0), "prod": st.prod(0), "min": st.min(0), "max": st.max(0),
-           "avg": st.sum(0) // n}[redop]
+           "avg": st.sum(0) // n, "band": np.bitwise_and.reduce(st, 0),
+           "bor": np.bitwise_or.reduce(st, 0), "bxor": np.bitwise_xor.reduce(st, 0)}[redop]
     blk = len(inputs[0]) // n
     if op == "all_reduce":
         return [red] * n
@@ -69,8 +71,9 @@ def _simulate(op, inputs, redop, root):
 
 @pytest.mark.parametrize("op", bench.OPS)
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
-@pytest.mark.parametrize("redop", bench.REDOPS)
-@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("redop,dtype", [(r, d) for r in bench.REDOPS
+                                         for d in ("float32", "float16", "int8")
+                                         if d == "int8" or r not in bench.BITWISE])
 def test_pattern_matches_simulation(op, n, redop, dtype):
     dt = np.dtype(dtype)
     count = bench.element_counts(op, 37 * dt.itemsize, dt.itemsize, n)
@@ -81,9 +84,14 @@ def test_pattern_matches_simulation(op, n, redop, dtype):
     want = _simulate(op, inputs, redop, root)
     for r, c in enumerate(cases):
         np.testing.assert_array_equal(c.expected().astype(np.int64), want[r])
-    if op not in bench.REDUCING and n > 1:
-        # movement patterns differ between ranks, so misplaced blocks are caught
+    if n > 1 and (op not in bench.REDUCING or redop in bench.BITWISE):
+        # movement and bitwise patterns differ between ranks, so misplaced blocks or a
+        # rank's missing bits are caught
         assert not np.array_equal(inputs[0], inputs[1])
+
+
+def test_redops_are_the_apis():
+    assert bench.REDOPS == ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor")
 
 
 # ---- tier 2: the command line, 2 ranks ------------------------------------------------
@@ -262,7 +270,9 @@ class _NumpyArrays:
 def _device_cases(pg, counts, dtypes):
     arrays, fails = _NumpyArrays(), []
     for op in bench.OPS:
-        for redop in bench.REDOPS if op in bench.REDUCING else ["sum"]:
+        # NCCL has no bitwise reductions (parse_args refuses them with --backend nccl).
+        nccl_redops = [r for r in bench.REDOPS if r not in bench.BITWISE]
+        for redop in nccl_redops if op in bench.REDUCING else ["sum"]:
             for name in dtypes:
                 dt = bench.device_dtype(name)
                 for nbytes in counts:
@@ -329,6 +339,46 @@ def test_nccl_backend_rejects_cpu_options():
         bench.parse_args(["--backend", "nccl", "--transport", "tcp"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--array", "torch"])  # cpu backend
+
+
+def test_options_as_the_other_commands_spell_them(capsys):
+    """--version as meshcoll-run's; hyphens (nccl-tests' --warmup_iters still works);
+    band, bor and bxor for integers on the CPU backend."""
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"meshcoll-bench {meshcoll.__version__}"
+    assert bench.parse_args([]).warmup_iters == 5
+    assert bench.parse_args(["--warmup-iters", "2"]).warmup_iters == 2
+    assert bench.parse_args(["--warmup_iters", "3"]).warmup_iters == 3
+    assert bench.parse_args(["-w", "4"]).warmup_iters == 4
+    assert "--warmup_iters" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--help"])
+    usage = capsys.readouterr().out
+    assert "--warmup-iters" in usage and "--warmup_iters" not in usage
+    assert bench.parse_args(["--redop", "bxor", "-d", "int32"]).redop == "bxor"
+    for argv, why in ((["--redop", "band"], "--redop band takes an integer --dtype (int8, uint8, "
+                                            "int32, int64), got float32"),
+                      (["--redop", "bor", "-d", "int8", "--backend", "nccl"],
+                       "--redop bor: NCCL has no bitwise reductions")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert why in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_bench_bitwise_reductions_verify(tmp_path):
+    p = _bench(tmp_path, "-N", 3, "--op", "all_reduce,reduce_scatter,reduce", "--redop", "bxor",
+               "-d", "uint8", "--algo", "all", "-b", 3, "-e", "3K", "-f", 32, "-n", 1, "-w", 0,
+               "--repeats", 1)
+    assert p.returncode == 0, p.stdout + p.stderr
+    series = [l for l in p.stdout.splitlines() if l.startswith("# meshcoll ")]
+    rows = [m.groups() for m in map(_ROW.match, p.stdout.splitlines()) if m]
+    assert len(series) >= 2 + 4 and len(rows) == 3 * len(series)  # 3 sizes; every algorithm
+    for r in rows:
+        assert (r[2], r[3]) == ("uint8", "bxor") and "0" in (r[7], r[11]), r
+        assert {r[7], r[11]} <= {"0", "N/A"}, r
 
 
 # ---- bench/python/spawn_ranks.py: the GPU benchmarks' process launcher ---------------------

@@ -35,7 +35,7 @@ def _check_mesh_groups(mesh, layout, me):
         group = mesh.get_group(dim)
         assert group is mesh[dim].get_group()
         assert mesh.get_local_rank(dim) == coord[i] == group.rank
-        assert mesh.size(dim) == group.size == layout.shape[i]
+        assert mesh[dim].size == group.size == layout.shape[i]
         _check_sum(group, members)
 
 
@@ -47,7 +47,7 @@ def _check_devices(mesh, world, group_count):
         assert (d.kind, d.index, d.host) == ("cpu", 0, host)
         assert d.name and (d.memory is None or d.memory > 0)
     st = mesh.stats()
-    assert st["world_size"] == world
+    assert st["world_size"] == mesh.size == world
     assert st["hosts"] == 1
     assert st["devices_by_kind"] == {"cpu": 1}  # one host's CPU, however many ranks
     assert st["ranks_by_kind"] == {"cpu": world}
@@ -75,7 +75,7 @@ def _mesh_3d(pg):
 
     # A 2-D slice through this rank shares the parent's group objects.
     sub = mesh["dp", "tp"]
-    assert sub.shape == (2, 2) and sub.dim_names == ("dp", "tp")
+    assert sub.shape == (2, 2) and sub.dim_names == ("dp", "tp") and sub.size == 4
     assert sub.get_group("dp") is mesh.get_group("dp")
     assert sub.get_group("tp") is mesh.get_group("tp")
     c = layout.coordinate(me)
@@ -86,7 +86,7 @@ def _mesh_3d(pg):
 
     # Flattening is collective; the flattened group sums exactly its four ranks.
     flat = mesh.flatten("dp", "tp")
-    assert flat.dim_names == ("dp_tp",) and flat.shape == (4,)
+    assert flat.dim_names == ("dp_tp",) and flat.shape == (4,) and mesh["dp_tp"].size == 4
     _check_sum(flat.get_group(), layout.group_of(me, ("dp", "tp")))
     assert flat.get_local_rank("dp_tp") == layout.group_of(me, ("dp", "tp")).index(me)
     assert mesh.get_group("dp_tp") is flat.get_group()

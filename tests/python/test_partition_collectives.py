@@ -181,3 +181,26 @@ def _torch_arrays(pg):
 def test_non_numpy_arrays_go_through_the_group_hooks(run_ranks):
     pytest.importorskip("torch")
     assert run_ranks(1, _torch_arrays) == [True]  # one rank: torch imports are slow
+
+
+def test_tensor_parallel_reference_backward_is_the_gradient():
+    """The example checks its sharded run against ``reference``; check that reference's
+    backward by central differences of L = sum(O * dO). No processes, but the example
+    imports the compiled module, so it is not tier 1."""
+    tp = tensor_parallel
+    p = tp.make_problem(batch=3, hidden=4, ffn=5, dtype="float64", seed=1)
+    grads = tp.reference(p)
+
+    def loss(q):
+        return float(np.sum(tp.reference(q)["O"] * q["dO"]))
+
+    eps = 1e-6
+    for name in ("X", "A", "B"):
+        numeric = np.zeros_like(p[name])
+        for i in np.ndindex(p[name].shape):
+            q = {k: v.copy() for k, v in p.items()}
+            q[name][i] += eps
+            up = loss(q)
+            q[name][i] -= 2 * eps
+            numeric[i] = (up - loss(q)) / (2 * eps)
+        np.testing.assert_allclose(grads["d" + name], numeric, rtol=1e-6, atol=1e-8)

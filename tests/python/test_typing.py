@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import meshcoll
@@ -91,20 +92,52 @@ def test_mypy_strict_on_the_package_the_examples_and_the_readme(tmp_path):
 
 
 def test_mypy_catches_a_misused_api(tmp_path):
-    """The check above can fail: a wrong call or a misspelt name in a script is an error."""
+    """The check above can fail: a wrong call, a misspelt name or a misspelt op, algorithm
+    or backend name in a script is an error; the right names are not."""
     _need_source_tree()
     bad = tmp_path / "bad.py"
     bad.write_text("import numpy as np\nimport meshcoll\n"
                    "x = np.zeros(4)\n"
                    "meshcoll.all_reduce(x, async_opp=True)\n"
                    "meshcoll.all_reduse(x)\n"
-                   "meshcoll.barrier(timeout='soon')\n")
+                   "meshcoll.barrier(timeout='soon')\n"
+                   "meshcoll.all_reduce(x, op='summ')\n"
+                   "meshcoll.get_world_group().reduce_scatter(x, op='add')\n"
+                   "meshcoll.all_reduce(x, algorithm='rign')\n"
+                   "meshcoll.init(backend='gpu')\n")
+    good = tmp_path / "good.py"
+    good.write_text("import numpy as np\nimport meshcoll\n"
+                    "x = np.zeros(4, np.int32)\n"
+                    "meshcoll.init(backend='auto')\n"
+                    "meshcoll.all_reduce(x, op='sum')\n"
+                    "meshcoll.all_reduce(x, 'bxor', algorithm='ring')\n"
+                    "op: meshcoll.ReduceOpName = 'max'\n"
+                    "meshcoll.reduce(x, 0, op)\n")
     r = _mypy("--config-file", str(ROOT / "pyproject.toml"), "--strict",
-              "--cache-dir", str(tmp_path / "cache"), str(bad), cwd=ROOT)
+              "--cache-dir", str(tmp_path / "cache"), str(bad), str(good), cwd=ROOT)
     assert r.returncode == 1
     assert 'Unexpected keyword argument "async_opp" for "all_reduce"' in r.stdout, r.stdout
     assert 'Module has no attribute "all_reduse"' in r.stdout, r.stdout
     assert 'Argument "timeout" to "barrier" has incompatible type "str"' in r.stdout, r.stdout
+    for line, arg, call in ((7, '"op"', '"all_reduce"'),
+                            (8, '"op"', '"reduce_scatter" of "ProcessGroup"'),
+                            (9, '"algorithm"', '"all_reduce"'), (10, '"backend"', '"init"')):
+        assert re.search(rf"bad\.py:{line}: error: Argument {arg} to {call} has incompatible "
+                         rf"type \"Literal\[", r.stdout), (line, r.stdout)
+    assert "good.py" not in r.stdout, r.stdout
+
+
+def test_the_literal_names_are_the_cores():
+    # meshcoll/_types.py spells the names for type checkers; the core is what accepts them.
+    from typing import get_args
+
+    from meshcoll import _C
+    assert get_args(meshcoll.AlgorithmName) == tuple(_C.algorithm_names())
+    for op in get_args(meshcoll.ReduceOpName):
+        a, b = np.array([6, 5], np.int32), np.array([3, 9], np.int32)
+        _C._reduce_into(a, b, "int32", op)
+    with pytest.raises(ValueError, match="unknown reduction op 'summ'"):
+        _C._reduce_into(a, b, "int32", "summ")
 
 
 def test_stubs_cover_everything_the_extension_binds(tmp_path):

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from meshcoll.device_mesh import MeshLayout
+from meshcoll.device_mesh import DeviceMesh, MeshLayout
 
 SHAPES = [
     ((1,), ("a",)),
@@ -228,3 +228,12 @@ def test_sub_layout_keeps_mesh_order():
     layout = MeshLayout((2, 3, 4), ("dp", "pp", "tp"))
     assert layout.sub_layout(("dp", "tp")) == MeshLayout((2, 4), ("dp", "tp"))
     assert repr(layout.sub_layout("pp")) == "(pp=3)"
+
+
+def test_device_mesh_is_documented_and_sized_like_a_process_group():
+    # mesh.size is a property, as ProcessGroup.size (print(mesh.size) printed a bound method);
+    # a dim's size is mesh[dim].size (tests/python/test_device_mesh.py).
+    assert isinstance(vars(DeviceMesh)["size"], property)
+    undocumented = [n for n, v in vars(DeviceMesh).items()
+                    if not n.startswith("_") and not (getattr(v, "__doc__", None) or "").strip()]
+    assert not undocumented, undocumented

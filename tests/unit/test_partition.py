@@ -73,26 +73,3 @@ def test_sharded_array_normalizes_dim_and_checks_its_range():
         ShardedArray(local, x.shape, 3, 3, 5, 3, 1)
     with pytest.raises(ValueError, match="0-d array"):
         ShardedArray(np.float64(1.0), (), 0, 0, 1, 1, 0)
-
-
-def test_tensor_parallel_reference_backward_is_the_gradient():
-    """The example checks its sharded run against ``reference``; check that reference's
-    backward by central differences of L = sum(O * dO)."""
-    from meshcoll.examples import tensor_parallel as tp
-
-    p = tp.make_problem(batch=3, hidden=4, ffn=5, dtype="float64", seed=1)
-    grads = tp.reference(p)
-
-    def loss(q):
-        return float(np.sum(tp.reference(q)["O"] * q["dO"]))
-
-    eps = 1e-6
-    for name in ("X", "A", "B"):
-        numeric = np.zeros_like(p[name])
-        for i in np.ndindex(p[name].shape):
-            q = {k: v.copy() for k, v in p.items()}
-            q[name][i] += eps
-            up = loss(q)
-            q[name][i] -= 2 * eps
-            numeric[i] = (up - loss(q)) / (2 * eps)
-        np.testing.assert_allclose(grads["d" + name], numeric, rtol=1e-6, atol=1e-8)

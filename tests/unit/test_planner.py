@@ -1,15 +1,20 @@
-"""Tier 1: the schedule planner (meshcoll.pipeline.plan) and its command line, no processes.
+"""Tier 1: the schedule planner (meshcoll.pipeline.plan) and its command line (meshcoll-plan,
+meshcoll.pipeline.planner_cli), no processes.
 
 The planner plays each schedule through `timeline` with per-action costs; the
 references here are `simulate` (uniform costs, its own code path) and closed forms."""
 
+import importlib
 import os
+import pkgutil
 
 import pytest
 
+import meshcoll
+import meshcoll.pipeline
 from meshcoll.pipeline import make_schedule, plan, simulate
-from meshcoll.pipeline.plan import main
 from meshcoll.pipeline.planner import ascii_timeline
+from meshcoll.pipeline.planner_cli import main
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,7 +86,47 @@ def test_cost_errors_name_the_key():
 def test_ascii_timeline_is_exact():
     (e,) = [x for x in plan(2, 2, _costs(1.0, 1.0, 1.0)) if x.name == "1f1b"]
     assert e.makespan == 9.0
-    assert ascii_timeline(e, width=9).splitlines()[1:] == ["rank0   FF..BB.BB", "rank1   .FBBFBB.."]
+    assert ascii_timeline(e, width=9).splitlines()[1:] == [
+        "# F forward, B backward, . idle", "rank0   FF..BB.BB", "rank1   .FBBFBB.."]
+    (zbv,) = [x for x in plan(2, 4, _costs()) if x.name == "zero_bubble_v"]
+    assert ascii_timeline(zbv).splitlines()[1] == (
+        "# F forward, I backward (input gradient), W backward (weight gradient), . idle, "
+        "lower case: the rank's later chunks")
+
+
+def test_results_print_short():
+    # print(simulate(s)) once dumped every event (kilobytes); a result prints a summary.
+    s = make_schedule("zero_bubble_v", 8, 16, virtual_stages=2)
+    r = simulate(s, t_w=1.0)
+    assert repr(r) == str(r) == (
+        f"SimResult(makespan={r.makespan:g}, bubble={r.bubble:.4f}, ranks=4, "
+        f"max(peak_activations)={max(r.peak_activations)}, "
+        f"<{sum(map(len, r.timeline))} events in timeline>)")
+    assert repr(s).startswith("Schedule('zero_bubble_v', num_ranks=4, virtual_stages=2, ")
+    (e,) = [x for x in plan(4, 16, _costs()) if x.name == "zero_bubble_v"]
+    assert repr(e) == (f"PlanEntry('zero_bubble_v', virtual_stages=2, makespan={e.makespan:g}, "
+                       f"bubble={e.bubble:.4f}, peak_memory={e.peak_memory:g}, over_limit=False)")
+    assert max(len(repr(x)) for x in (r, s, e)) < 200
+
+
+def test_plan_stays_the_function_when_the_command_line_is_imported():
+    # Importing a submodule for the first time binds its name on the package: a lazily
+    # imported submodule named like one of the package's functions (the command line was
+    # `plan`) replaced the function, and `plan(...)` raised "'module' object is not callable".
+    pkg = meshcoll.pipeline
+    names = {n: v for n, v in vars(pkg).items() if n in pkg.__all__}
+    for m in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"{pkg.__name__}.{m.name}")
+    assert {n: getattr(pkg, n) for n in names} == names
+    from meshcoll.pipeline import plan as fn
+    assert fn is plan and fn(2, 2, _costs())[0].makespan > 0
+
+
+def test_cli_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"meshcoll-plan {meshcoll.__version__}"
 
 
 def test_cli_table(capsys):

@@ -1,11 +1,13 @@
 """Tier 1 stays pure: the schedule, mesh, partition and env modules import and compute with
-no compiled extension anywhere in the package (Note [Lazy package] in meshcoll/__init__.py).
+no compiled extension anywhere in the package (Note [Lazy package] in meshcoll/__init__.py),
+and so do the tier-1 test files themselves.
 
 The package is copied without any ``*.so``, so an eager ``import _C`` put back into
 ``meshcoll/__init__.py`` or into one of these modules fails here, even on a machine where
 the extension is built."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -49,11 +51,30 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def test_pure_modules_import_without_the_extension(tmp_path):
+def _copy_without_extension(tmp_path):
+    """The environment of a child that imports a copy of meshcoll with no compiled module."""
     src = os.path.dirname(os.path.abspath(meshcoll.__file__))
     shutil.copytree(src, tmp_path / "meshcoll",
                     ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__"))
-    env = dict(os.environ, PYTHONPATH=str(tmp_path), PYTHONDONTWRITEBYTECODE="1")
+    return dict(os.environ, PYTHONPATH=str(tmp_path), PYTHONDONTWRITEBYTECODE="1")
+
+
+def test_pure_modules_import_without_the_extension(tmp_path):
+    env = _copy_without_extension(tmp_path)
     run = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=50)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+
+
+def test_tier1_test_files_import_without_the_extension(tmp_path):
+    # Tier 1 (this folder) runs where nothing is compiled: a test file that imports _C,
+    # or an example (they import it), belongs to tests/python. Collecting is enough to
+    # catch an import at the top of a file, and takes seconds. `-m tier1` must select
+    # every test here (tests/conftest.py marks the tiers).
+    env = _copy_without_extension(tmp_path)
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "tier1",
+                          "-p", "no:cacheprovider", here], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=50)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert re.search(r"^\d+ tests collected", run.stdout, re.M), run.stdout[-3000:]

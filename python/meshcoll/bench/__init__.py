@@ -8,8 +8,8 @@ Run from a shell (no launcher variables set), it starts itself under ``meshcoll-
 ``-N/--nproc`` ranks (default 4). Under a launcher (meshcoll-run, torchrun, mpirun, srun)
 it joins that job instead. Options follow nccl-tests: ``-b/-e`` the smallest and largest
 size (K, M, G suffixes are powers of 1024), ``-f`` the step factor (or ``-i`` a fixed
-step when ``-f 1``), ``-n`` timed iterations, ``-w`` warm-up iterations, ``-c`` check.
-``-n`` is the iteration count as in nccl-tests, so the rank count is ``-N``.
+step when ``-f 1``), ``-n`` timed iterations, ``-w/--warmup-iters`` warm-up iterations,
+``-c`` check. ``-n`` is the iteration count as in nccl-tests, so the rank count is ``-N``.
 
 What the columns mean (the nccl-tests definitions):
 
@@ -70,5 +70,5 @@ from .cases import (ALGORITHMS, BUS_FACTORS, OPS, P2P_ALGORITHMS, PLACEMENTS, RE
 from .cli import BACKENDS, main, nccl_preflight, parse_args, resolve_algorithms
 from .report import (check_plot_dependencies, footer, format_row, header, plot_records,
                      print_tables, table_rows, write_csv, write_json)
-from .verify import (CHUNK, count_wrong, move_input, rank_values, reduce_expected, reduce_input,
-                     reference_reduce)
+from .verify import (BITWISE, CHUNK, count_wrong, move_input, rank_values, reduce_expected,
+                     reduce_input, reference_reduce)

@@ -9,11 +9,12 @@ import statistics
 import time
 from dataclasses import dataclass
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence,
-                    Tuple, Union)
+                    Tuple, Union, get_args)
 
 import numpy as np
 
 from meshcoll import _C, __version__
+from meshcoll._types import AlgorithmName, ReduceOpName
 
 from .buffers import INTS, TYPE_NAMES, DeviceDType
 from .verify import (CHUNK, SENTINEL, count_wrong, move_input, rank_values, reduce_expected,
@@ -39,11 +40,12 @@ BUS_FACTORS: Dict[str, Callable[[int], float]] = {
 OPS = tuple(BUS_FACTORS)
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
 SPLIT = ("all_gather", "reduce_scatter", "all_to_all")  # count must divide by ranks
-# The all_reduce algorithms --algo can name, from the core's own list. "shm" needs a
-# shared-memory group; the others run over point-to-point links (TCP) on any group.
-ALGORITHMS = tuple(a for a in _C.algorithm_names() if a != "auto")
+# The all_reduce algorithms --algo can name (the API's names, which tests/python/test_typing.py
+# checks against the core's). "shm" needs a shared-memory group; the others run over
+# point-to-point links (TCP) on any group.
+ALGORITHMS: Tuple[AlgorithmName, ...] = tuple(a for a in get_args(AlgorithmName) if a != "auto")
 P2P_ALGORITHMS = tuple(a for a in ALGORITHMS if a != "shm")
-REDOPS = ("sum", "prod", "min", "max", "avg")
+REDOPS: Tuple[ReduceOpName, ...] = get_args(ReduceOpName)  # band, bor, bxor: integers, CPU
 # Where each op's result goes, as nccl-tests' two column groups: out-of-place (a buffer of
 # its own) and in-place (nccl-tests' aliasing: all_gather's input is this rank's block of
 # the output, reduce_scatter's output this rank's block of the input). all_reduce,
@@ -55,7 +57,7 @@ PLACEMENTS: Dict[str, Tuple[bool, ...]] = {  # in_place values, out-of-place fir
 }
 
 
-def algorithms_for(transport: str) -> Tuple[str, ...]:
+def algorithms_for(transport: str) -> Tuple[AlgorithmName, ...]:
     """The all_reduce algorithms a group over ``transport`` ("shm" or "tcp") can run: "shm"
     needs shared memory; the others run over point-to-point links on any group."""
     return ALGORITHMS if transport == "shm" else P2P_ALGORITHMS
@@ -92,7 +94,7 @@ def size_steps(minbytes: int, maxbytes: int, factor: int, stepbytes: int) -> Lis
 @dataclass
 class Series:
     op: str
-    algo: Optional[str]  # all_reduce only
+    algo: Optional[AlgorithmName]  # all_reduce only
 
     @property
     def label(self) -> str:
@@ -112,7 +114,7 @@ class Case:
     not (``PLACEMENTS``)."""
 
     def __init__(self, pg: ProcessGroup, series: Series, count: int, dtype: BenchDType,
-                 redop: str, root: int, in_place: Optional[bool] = None):
+                 redop: ReduceOpName, root: int, in_place: Optional[bool] = None):
         self.pg, self.series, self.count, self.dtype = pg, series, count, dtype
         self.redop, self.root = redop, root
         self.in_place = PLACEMENTS[series.op][0] if in_place is None else in_place
@@ -204,7 +206,7 @@ class DeviceCase(Case):
     ``chunk`` elements at a time (the same on every rank)."""
 
     def __init__(self, pg: ProcessGroup, series: Series, count: int, dtype: BenchDType,
-                 redop: str, root: int, arrays: Any, seed: int, chunk: int = CHUNK,
+                 redop: ReduceOpName, root: int, arrays: Any, seed: int, chunk: int = CHUNK,
                  in_place: Optional[bool] = None):
         self.pg, self.series, self.count, self.dtype = pg, series, count, dtype
         self.redop, self.root, self.arrays, self.seed = redop, root, arrays, seed

@@ -6,16 +6,18 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, cast
 
 import meshcoll
 from meshcoll import _C, __version__, _env
+from meshcoll._types import AlgorithmName
 
-from .buffers import ARRAY_LIBS, array_library, device_dtype, make_arrays, numpy_dtype
+from .buffers import ARRAY_LIBS, INTS, array_library, device_dtype, make_arrays, numpy_dtype
 from .cases import (ALGORITHMS, OPS, REDOPS, BenchDType, DeviceRunner, Series, algorithms_for,
                     measure, parse_size, size_steps, transport_name)
 from .report import (check_plot_dependencies, format_row, header, plot_records, print_tables,
                      write_csv, write_json)
+from .verify import BITWISE
 
 BACKENDS = ("cpu", "nccl")
 
@@ -35,6 +37,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         prog="meshcoll-bench",
         description="Time meshcoll collectives; print nccl-tests-style tables.",
         epilog="Without launcher variables it runs itself under meshcoll-run with -N ranks.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("-N", "--nproc", type=int, default=None,
                    help="ranks to start when not already under a launcher (default 4)")
     p.add_argument("--op", default="all_reduce",
@@ -49,15 +52,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("-i", "--stepbytes", type=parse_size, default=parse_size("1M"),
                    help="bytes added each step when -f is 1 (default 1M)")
     p.add_argument("-n", "--iters", type=int, default=20, help="timed calls (default 20)")
-    p.add_argument("-w", "--warmup_iters", type=int, default=5,
+    p.add_argument("-w", "--warmup-iters", type=int, default=5,
                    help="untimed calls before timing (default 5)")
+    # nccl-tests' spelling, still understood.
+    p.add_argument("--warmup_iters", dest="warmup_iters", type=int, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)
     p.add_argument("-c", "--check", type=int, default=1,
                    help="1: verify each size's result against a known pattern (default 1)")
     p.add_argument("-d", "--dtype", default="float32",
                    help="float32 (default), float64, float16, bfloat16, int8, uint8, "
                         "int32, int64")
     p.add_argument("--redop", default="sum", choices=REDOPS,
-                   help="reduction of all_reduce, reduce_scatter, reduce (default sum)")
+                   help="reduction of all_reduce, reduce_scatter, reduce (default sum; band, "
+                        "bor, bxor: integer --dtype, CPU backend)")
     p.add_argument("--algo", default="auto",
                    type=lambda s: ["all"] if s == "all" else
                    _list_arg(s, ("auto",) + ALGORITHMS, "--algo"),
@@ -98,6 +105,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         p.error("-f must be >= 1, and -i >= 1 when -f is 1")
     if a.iters < 1 or a.warmup_iters < 0 or a.repeats < 1:
         p.error("need -n >= 1, -w >= 0 and --repeats >= 1")
+    if a.redop in BITWISE and a.dtype not in INTS:
+        p.error(f"--redop {a.redop} takes an integer --dtype ({', '.join(INTS)}), "
+                f"got {a.dtype}")
     if a.algo != ["auto"] and "all_reduce" not in a.op:
         p.error("--algo chooses the all_reduce algorithm; add all_reduce to --op")
     if a.backend == "nccl":
@@ -105,6 +115,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             p.error("--algo is a CPU-backend choice; NCCL picks its own (set NCCL_ALGO)")
         if a.transport is not None or a.max_segment_bytes is not None:
             p.error("--transport and --max-segment-bytes are CPU-backend options")
+        if a.redop in BITWISE:
+            p.error(f"--redop {a.redop}: NCCL has no bitwise reductions (the CPU backend has)")
     elif a.array != "auto":
         p.error("--array applies to --backend nccl only")
     if a.transport == "tcp" and "shm" in a.algo:
@@ -113,7 +125,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return a
 
 
-def resolve_algorithms(requested: Sequence[str], transport: str) -> List[str]:
+def resolve_algorithms(requested: Sequence[str], transport: str) -> List[AlgorithmName]:
     """``--algo`` against the group's transport: 'all' is every algorithm it has; a named
     one it lacks (shm when shared memory was not usable) is a SystemExit saying so."""
     have = algorithms_for(transport)
@@ -123,7 +135,7 @@ def resolve_algorithms(requested: Sequence[str], transport: str) -> List[str]:
     if lacking:
         raise SystemExit(f"meshcoll-bench: --algo {', '.join(lacking)}: not available on this "
                          f"group's transport ({transport}); it has {', '.join(have)}")
-    return list(requested)
+    return cast(List[AlgorithmName], list(requested))  # auto, or one of `have`
 
 
 # ---- entry point ---------------------------------------------------------------------

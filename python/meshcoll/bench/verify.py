@@ -5,6 +5,7 @@ random inputs that any rank can regenerate, reduced again on the host."""
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -19,7 +20,12 @@ SENTINEL = 100  # written into outputs before a check; no expected value reaches
 # v_r(i) = b(i) + n*[i mod n == r]: the sum n*b + n, the average b + 1, the max b + n,
 # the min b (n > 1) are all exact, and every rank's contribution shows. prod uses a 2 on
 # one rank per element (1 elsewhere), so it cannot overflow. Data movement uses
-# m_r(i) = (i + 7r) mod 13, different for every rank and position.
+# m_r(i) = (i + 7r) mod 13, different for every rank and position. The bitwise reductions
+# (integer dtypes only) use one bit per rank and element, 1 << ((i + r) mod 7) (below 128:
+# every integer dtype holds it), cleared out of 127 for band, so every rank's bit shows.
+
+BITWISE = {"band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+
 
 def _b(i: np.ndarray) -> np.ndarray:
     return (3 * i + 1) % 5
@@ -28,12 +34,18 @@ def _b(i: np.ndarray) -> np.ndarray:
 def reduce_input(rank: int, n: int, i: np.ndarray, redop: str) -> np.ndarray:
     if redop == "prod":
         return np.where(i % (n + 1) == rank, 2, 1)
+    if redop in BITWISE:
+        bit = np.left_shift(1, (i + rank) % 7)
+        return np.asarray(127 ^ bit if redop == "band" else bit)
     return np.asarray(_b(i) + n * (i % n == rank))
 
 
 def reduce_expected(n: int, i: np.ndarray, redop: str) -> np.ndarray:
     if redop == "prod":
         return np.where(i % (n + 1) < n, 2, 1)
+    if redop in BITWISE:
+        return np.asarray(functools.reduce(BITWISE[redop],
+                                           (reduce_input(r, n, i, redop) for r in range(n))))
     b = _b(i)
     return {"sum": n * b + n, "avg": b + 1, "max": b + n, "min": b + (n if n == 1 else 0)}[redop]
 

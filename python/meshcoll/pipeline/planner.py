@@ -5,7 +5,7 @@
                          "send": 0.05}, memory_limit=4):
         print(e.name, e.virtual_stages, e.makespan, e.bubble, e.peak_memory, e.over_limit)
 
-The command line (``python -m meshcoll.pipeline.plan --help``) prints the same
+The command line (``meshcoll-plan --help``, planner_cli.py) prints the same
 ranking as a table and draws every schedule's timeline.
 
 Units. Here ``num_stages`` is the depth of the pipeline, the number of ranks
@@ -59,6 +59,12 @@ class PlanEntry:
     over_limit: bool
     schedule: Schedule
     events: Tuple[Tuple[Event, ...], ...]
+
+    def __repr__(self) -> str:
+        # Without the events, which run to tens of kilobytes.
+        return (f"PlanEntry({self.name!r}, virtual_stages={self.virtual_stages}, "
+                f"makespan={self.makespan:.6g}, bubble={self.bubble:.4f}, "
+                f"peak_memory={self.peak_memory:.4g}, over_limit={self.over_limit})")
 
 
 def _per_rank(costs: Mapping[str, Cost], p: int) -> Dict[str, Tuple[float, ...]]:
@@ -156,12 +162,22 @@ def format_table(entries: Sequence[PlanEntry], num_stages: int, num_microbatches
     return "\n".join(lines)
 
 
+_PASS_NAMES = {Kind.F: "forward", Kind.B: "backward", Kind.I: "backward (input gradient)",
+               Kind.W: "backward (weight gradient)"}
+
+
 def ascii_timeline(entry: PlanEntry, width: int = 100) -> str:
-    """Per rank one line of `width` characters: F/B/I/W for the passes of chunk 0 (upper
-    case) and later chunks (lower case), '.' idle. Text for terminals without matplotlib."""
+    """A header, a legend, then per rank one line of `width` characters: F/B/I/W for the
+    passes of chunk 0 (upper case) and later chunks (lower case), '.' idle. Text for
+    terminals without matplotlib."""
     span = entry.makespan or 1.0
+    kinds = {a.kind for line in entry.events for _, _, a in line if a.kind.is_compute}
+    legend = [f"{k.value} {_PASS_NAMES[k]}" for k in _PASS_NAMES if k in kinds] + [". idle"]
+    if entry.virtual_stages > 1:
+        legend.append("lower case: the rank's later chunks")
     out = [f"# {entry.name} v={entry.virtual_stages}  makespan={entry.makespan:.3f}  "
-           f"bubble={entry.bubble:.3f}  (one character = {span / width:.3g})"]
+           f"bubble={entry.bubble:.3f}  (one character = {span / width:.3g})",
+           "# " + ", ".join(legend)]
     for r, line in enumerate(entry.events):
         row = ["."] * width
         for start, end, a in line:

@@ -127,6 +127,13 @@ class Schedule:
     def stages_of(self, rank: int) -> List[int]:
         return [s for s in range(self.num_stages) if self.stage_rank(s) == rank]
 
+    def __repr__(self) -> str:
+        # Short: the action lists run to thousands of characters (``per_rank`` holds them).
+        actions = sum(len(acts) for acts in self.per_rank)
+        return (f"Schedule({self.name!r}, num_ranks={self.num_ranks}, "
+                f"virtual_stages={self.virtual_stages}, num_microbatches={self.num_microbatches}, "
+                f"placement={self.placement!r}, <{actions} actions in per_rank>)")
+
     def describe_placement(self) -> str:
         """How stages map to ranks, in words, for error messages."""
         if self.placement == "v":

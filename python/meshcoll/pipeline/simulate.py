@@ -52,6 +52,15 @@ class SimResult:
         """Mean bubble fraction over the ranks."""
         return sum(self.bubble_fraction) / len(self.bubble_fraction)
 
+    def __repr__(self) -> str:
+        # A summary of constant size: the per-rank fields grow with the ranks and the
+        # timeline (every event of every rank) runs to kilobytes; the fields hold them all.
+        events = sum(len(line) for line in self.timeline)
+        peak = max(self.peak_activations, default=0)
+        return (f"SimResult(makespan={self.makespan:.6g}, bubble={self.bubble:.4f}, "
+                f"ranks={len(self.busy)}, max(peak_activations)={peak}, "
+                f"<{events} events in timeline>)")
+
 
 def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0,
              t_comm: float = 0.0, serial_p2p: bool = False) -> SimResult:

@@ -2,7 +2,8 @@
 csrc/nccl/direct.h) compiles, with every entry point the NCCL backend may ask NVRTC for. The
 source and the entry points are the ones embedded in the compiled module; nvcc stands in for
 NVRTC (the same front end), so a broken kernel fails here on a machine without a GPU, not at
-a user's first call. Skipped where nvcc is absent; the GPU tests compile through NVRTC."""
+a user's first call. Skipped where nvcc is absent; the GPU tests compile through NVRTC.
+Tier 2 (no processes, but the compiled module)."""
 
 import shutil
 import subprocess

@@ -1,6 +1,6 @@
 """Rank the pipeline schedules for a model's costs, and draw their timelines.
 
-    python -m meshcoll.pipeline.plan --stages 4 --microbatches 8 \\
+    meshcoll-plan --stages 4 --microbatches 8 \\
         --forward 1 --backward-input 1 --backward-weight 1 --send 0.05 \\
         [--memory-limit 4] [--draw DIR] [--ascii]
 
@@ -10,8 +10,11 @@ limit are explained in meshcoll/pipeline/planner.py. ``--draw DIR`` writes one
 PNG per schedule (needs matplotlib, checked before anything runs); ``--ascii``
 prints the timelines as text.
 
-This file is only the command line: the function is ``meshcoll.pipeline.plan``
-(defined in planner.py, so that running this module does not import it twice).
+This file is only the command line (``meshcoll-plan``, or ``python -m
+meshcoll.pipeline.planner_cli``); the function is ``meshcoll.pipeline.plan``, defined in
+planner.py. No submodule of meshcoll.pipeline is named like one of its functions: importing
+a submodule binds its name on the package, which would replace the function for every
+later ``from meshcoll.pipeline import plan`` (tests/unit/test_planner.py checks).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import sys
 from typing import List, Optional, Sequence, Union
 
+from .. import __version__
 from .planner import COST_KEYS, ascii_timeline, candidates, draw, format_table, plan
 
 
@@ -33,8 +37,8 @@ def _cost(text: str) -> Union[float, List[float]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m meshcoll.pipeline.plan",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="meshcoll-plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--stages", type=int, required=True, help="pipeline ranks (the model's split)")
     parser.add_argument("--microbatches", type=int, required=True)
     for key in COST_KEYS:
