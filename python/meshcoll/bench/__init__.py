@@ -41,8 +41,8 @@ only on shared memory). Each row has nccl-tests' two column groups, out-of-place
 place, as nccl-tests aliases them: the input is this rank's block of the output, or the
 output of the input); all_to_all only out of place. ``--json FILE`` writes one ``json.dumps``
 record per measured form (``in_place`` says which), ``--csv FILE`` the same records as CSV;
-``--plot FILE.png`` draws busbw against size per series (needs ``meshcoll[plot]``, checked
-before anything runs).
+``--plot FILE.png`` draws busbw against size per series (needs the ``[plot]`` extra,
+``pip install ".[plot]"`` in a clone; checked before anything runs).
 
 ``--backend nccl`` runs the same tables on GPUs (``-N`` defaults to the visible GPUs; rank r
 uses GPU LOCAL_RANK, as ``meshcoll.init(backend="nccl")`` picks it). Buffers are PyTorch

@@ -114,7 +114,8 @@ def check_plot_dependencies() -> None:
         import matplotlib  # noqa: F401  (imported, not looked up: a broken install fails here too)
     except ImportError as e:
         raise SystemExit(f"meshcoll-bench: --plot needs matplotlib, which does not import "
-                         f"({e}): pip install 'meshcoll[plot]'; nothing was run") from None
+                         f"({e}): pip install \".[plot]\" in a clone of meshcoll; nothing "
+                         "was run") from None
 
 
 def plot_records(records: Sequence[Record], path: str, *, title: Optional[str] = None,
@@ -124,7 +125,7 @@ def plot_records(records: Sequence[Record], path: str, *, title: Optional[str] =
         import matplotlib
     except ImportError:
         raise SystemExit("meshcoll-bench: --plot needs matplotlib "
-                         "(pip install 'meshcoll[plot]')") from None
+                         "(pip install \".[plot]\" in a clone of meshcoll)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
