@@ -9,6 +9,7 @@
 //   5. build_table<Isa>(): the only switch on dtype and op, filling function pointers.
 #include "reduce/kernels.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -19,6 +20,10 @@
 #include "common/config.h"
 #include "common/error.h"
 #include "reduce/half.h"
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 namespace meshcoll::reduce {
 namespace {
@@ -277,9 +282,9 @@ MC_ALWAYS_INLINE void divide_loop(void* buf, size_t count, size_t n) {
 // on x86-64 and NEON on aarch64: that is Baseline. The same loops are compiled again inside
 // functions carrying __attribute__((target(...))); because the loops are always_inline, their
 // bodies take on the wrapper's target and GCC vectorises them with ymm/zmm registers. Which
-// table is used is decided once, at the first lookup, from __builtin_cpu_supports (which also
-// checks that the OS saves the wider registers). MESHCOLL_SIMD=baseline|avx2|avx512 caps the
-// choice, so tests can run every path on one machine; simd_level() reports what was picked.
+// table is used is decided once, at the first lookup, from cpuid and xgetbv (Note [CPU
+// features]). MESHCOLL_SIMD=baseline|avx2|avx512 caps the choice, so tests can run every path
+// on one machine; simd_level() reports what was picked.
 //
 // Measured on a Xeon (GCC 13, one pinned core, 32 KiB buffers, GB/s of dst, baseline/avx2/
 // avx512): f32 max 14/37/48, f64 min 19/28/50, int64 prod 19/31/46, f16 sum 0.7/27/29,
@@ -381,21 +386,47 @@ int simd_cap() {
   return 2;
 }
 
-Table select_table() {
-  const int cap = simd_cap();
+// Note [CPU features]
+// The CPU is asked directly (cpuid, and xgetbv for what the OS saves) rather than through
+// __builtin_cpu_supports: that builtin reads a table which the compiler's runtime (libgcc,
+// compiler-rt) fills at load time, and zig's runtime (the release wheels' compiler,
+// tools/build_wheels.sh) leaves it empty: it answered "no" to everything, and the wheel ran
+// the baseline kernels on AVX-512 machines.
+// A feature is usable only if the CPU has it and the OS saves its registers on a context
+// switch: XCR0 bits 1-2 (SSE and AVX state) for AVX2, and bits 5-7 (opmask, the upper halves
+// of zmm0-15, zmm16-31) for AVX-512. xgetbv may only run when cpuid says OSXSAVE.
+// tests/reduce/test_kernels.py checks the level against /proc/cpuinfo's flags.
 #if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (cap >= 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma")) {
-    return build_table<Avx512>();
-  }
-  if (cap >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
-      __builtin_cpu_supports("fma")) {
-    return build_table<Avx2>();
-  }
+// 0 baseline, 1 avx2 (with fma and f16c), 2 avx512 (f, bw, vl, dq, on top of level 1).
+int cpu_level() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(1, 0, &a, &b, &c, &d)) return 0;
+  const bool fma = c & (1u << 12), osxsave = c & (1u << 27), avx = c & (1u << 28),
+             f16c = c & (1u << 29);
+  if (!(fma && osxsave && avx && f16c)) return 0;
+  unsigned xcr0_lo = 0, xcr0_hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  const uint64_t xcr0 = (static_cast<uint64_t>(xcr0_hi) << 32) | xcr0_lo;
+  constexpr uint64_t kAvxState = (1u << 1) | (1u << 2);
+  constexpr uint64_t kAvx512State = kAvxState | (1u << 5) | (1u << 6) | (1u << 7);
+  if ((xcr0 & kAvxState) != kAvxState) return 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+  if (!(b & (1u << 5))) return 0;  // avx2
+  const unsigned avx512 = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31);  // f, dq, bw, vl
+  if ((b & avx512) == avx512 && (xcr0 & kAvx512State) == kAvx512State) return 2;
+  return 1;
+}
 #else
-  (void)cap;
+int cpu_level() { return 0; }  // no x86 kernels on other architectures
+#endif
+
+Table select_table() {
+  const int level = std::min(cpu_level(), simd_cap());
+#if defined(__x86_64__)
+  if (level >= 2) return build_table<Avx512>();
+  if (level >= 1) return build_table<Avx2>();
+#else
+  (void)level;
 #endif
   return build_table<Baseline>();
 }

@@ -6,6 +6,7 @@ AVX-512 machine too.
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -282,13 +283,43 @@ def test_avg_is_sum_then_divide(dtype):
     assert_same(acc, want)
 
 
-def test_simd_level():
+LEVELS = ["baseline", "avx2", "avx512"]
+# The CPU features each level's kernels use, as /proc/cpuinfo spells them (Note [CPU features]
+# in csrc/reduce/kernels.cc).
+LEVEL_FLAGS = {"avx2": {"avx2", "fma", "f16c"},
+               "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}}
+
+
+def cpu_level():
+    """The best level this machine can run, from /proc/cpuinfo's flags (Linux lists an AVX
+    flag only when the OS also saves its registers); None where there is no /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        return None
+    line = re.search(r"^flags\s*:(.*)$", text, re.M)  # x86 only: other CPUs run baseline
+    flags = set(line.group(1).split()) if line else set()
+    return max((lvl for lvl, need in LEVEL_FLAGS.items() if need <= flags), key=LEVELS.index,
+               default="baseline")
+
+
+def test_simd_level_is_the_best_the_cpu_has():
+    """A module that detects less than the CPU has runs the slow kernels without a word: the
+    wheel built with zig's clang once reported baseline on an AVX-512 machine. So this fails
+    (never skips) when /proc/cpuinfo lists the features of a level the module does not use."""
     level = _C.simd_level()
-    assert level in ("baseline", "avx2", "avx512")
+    assert level in LEVELS
+    want = cpu_level()
+    if want is None:
+        pytest.skip("no /proc/cpuinfo to compare the detected level with")
     cap = os.environ.get("MESHCOLL_SIMD")
     if cap:
-        order = ["baseline", "avx2", "avx512"]
-        assert order.index(level) <= order.index(cap)
+        want = min(want, cap, key=LEVELS.index)
+    assert level == want, (
+        f"{_C.__file__} runs the {level} kernels, but this CPU can run {want} "
+        f"(/proc/cpuinfo lists {sorted(LEVEL_FLAGS.get(want, ()))}; MESHCOLL_SIMD={cap!r}): its "
+        "CPU feature detection is broken (Note [CPU features] in csrc/reduce/kernels.cc)")
 
 
 @pytest.mark.timeout(120)
@@ -298,6 +329,8 @@ def test_other_simd_levels(level):
     """Reruns this file with the kernels capped at `level`, so each compiled path is checked."""
     if level == _C.simd_level():
         pytest.skip(f"{level} is this process's level: the other tests already ran it")
+    if LEVELS.index(level) > LEVELS.index(cpu_level() or "baseline"):
+        pytest.skip(f"this CPU has no {level} (/proc/cpuinfo)")
     # The children must import the same meshcoll as this process.
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(_C.__file__)))
     path = os.pathsep.join(p for p in [pkg_root, os.environ.get("PYTHONPATH")] if p)
@@ -307,8 +340,7 @@ def test_other_simd_levels(level):
         env=env, capture_output=True, text=True, timeout=60,
     )
     assert probe.returncode == 0, probe.stderr
-    if probe.stdout.strip() != level:
-        pytest.skip(f"this machine cannot run the {level} kernels (got {probe.stdout.strip()})")
+    assert probe.stdout.strip() == level, f"MESHCOLL_SIMD={level} gave {probe.stdout.strip()}"
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
         env=env, capture_output=True, text=True, timeout=110,
