@@ -234,6 +234,18 @@ def test_census_names_a_late_rank(transport):
         assert _never_reported(msg) in (None, [2]), f"rank {rank}: {msg}"
 
 
+def _release(pg, pids, victim, resume):
+    """Rank 0 resumes the stopped victim (``resume``); the others wait until it is past its
+    call, so no rank destroys the group under it."""
+    if resume and pg.rank == 0:
+        time.sleep(0.5)
+        os.kill(int(pids[victim]), signal.SIGCONT)
+    if pg.rank == victim:
+        pg._store.set("victim/done", b"1")
+    else:
+        pg._store.wait(["victim/done"], timeout=30)
+
+
 def _resumed_after_stop(pg, victim, where, hosts=None):
     """The victim is stopped (SIGSTOP) past a 2 s timeout, ``where`` "before" its call or
     "inside" it, and resumed (SIGCONT) once the others failed; every rank returns its error.
@@ -263,13 +275,7 @@ def _resumed_after_stop(pg, victim, where, hosts=None):
         out = "no error"
     except meshcoll.TimeoutError as e:
         out = str(e)
-    if pg.rank == 0:
-        time.sleep(0.5)
-        os.kill(int(pids[victim]), signal.SIGCONT)
-    if pg.rank == victim:
-        pg._store.set("victim/done", b"1")
-    else:
-        pg._store.wait(["victim/done"], timeout=30)
+    _release(pg, pids, victim, resume=True)
     return out
 
 
@@ -336,13 +342,7 @@ def _late_in_hierarchical_all_reduce(pg, victim, hosts, how):
     except meshcoll.MeshcollError as e:
         out = (type(e).__name__, str(e))
     took = time.monotonic() - t0
-    if how == "stop" and pg.rank == 0:
-        time.sleep(0.5)
-        os.kill(int(pids[victim]), signal.SIGCONT)
-    if pg.rank == victim:
-        pg._store.set("victim/done", b"1")
-    else:
-        pg._store.wait(["victim/done"], timeout=30)
+    _release(pg, pids, victim, resume=how == "stop")
     g.destroy()
     left = sorted(s for s in segments if os.path.exists(s)) + sorted(_shm_mapped() - before)
     return out, took, left
