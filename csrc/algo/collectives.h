@@ -20,8 +20,8 @@ const char* algorithm_name(Algorithm a);
 bool algorithm_from_name(const std::string& name, Algorithm* out);
 
 // Thresholds for Algorithm::kAuto over TCP (on one host, shared memory wins at every size).
-// Measured with bench/python/bench_algorithms.py on loopback, 2-8 ranks, float32 sum (table
-// in README): direct/tree win up to 256-512 KiB at every world size, halving-doubling beats
+// Measured with bench/python/bench_algorithms.py on loopback, 2-8 ranks, float32 sum (tables
+// in docs/performance.md): direct/tree win up to 256-512 KiB at every world size, halving-doubling beats
 // ring by 7-40% from 1 to 8 MiB at 8 ranks, ring wins above.
 struct SelectConfig {
   size_t direct_threshold_bytes = 64 * 1024;  // at or below (<= 8 ranks): direct, one round trip

@@ -1,6 +1,6 @@
 // The NCCL backend's constructor, subgroups and metadata exchange, and whether NCCL loads
 // here. Its collectives are the contract's, bound once in bind_backend.cc; its arrays are
-// read by array.cc (Note [Device arrays] there). Nothing here imports a framework.
+// read by array.cc (its DLPack and __cuda_array_interface__ readers). Nothing here imports a framework.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

@@ -381,8 +381,8 @@ class DataParallel:
       take (256 KiB and less, on one host) run those, as ordinary ones do. A launch through
       NCCL's symmetric kernels waits on the host until every rank reaches it (the agreement
       before launch). Measured with ``bench/python/bench_ddp.py`` on 2 GPUs, neither 64
-      buckets of 256 KiB nor 25 MiB buckets showed a consistent difference (README,
-      DataParallel); so it is not the default.
+      buckets of 256 KiB nor 25 MiB buckets showed a consistent difference
+      (docs/performance.md); so it is not the default.
     """
 
     def __init__(self, params: Mapping[str, object], *, group: Optional[ProcessGroup] = None,

@@ -15,7 +15,7 @@ import inspect
 import math
 import time
 from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Dict, Iterator, List,
-                    Literal, Optional, Sequence, Tuple, Type, TypeVar, Union, cast)
+                    Literal, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union, cast)
 
 import numpy as np
 
@@ -77,7 +77,7 @@ class CollectiveConfig:
     on one host, shared memory; over TCP, direct up to 64 KiB (<= 8 ranks), tree at or below
     ``tree_threshold_bytes``, recursive halving-doubling at or below ``hd_threshold_bytes`` on
     power-of-two worlds, ring above (thresholds measured with
-    bench/python/bench_algorithms.py; see README). ``MESHCOLL_ALGO`` overrides auto."""
+    bench/python/bench_algorithms.py; docs/performance.md). ``MESHCOLL_ALGO`` overrides auto."""
 
     def __init__(self, algorithm: AlgorithmName = "auto", *, tree_threshold_bytes: int = 256 * 1024,
                  hd_threshold_bytes: int = 8 << 20, max_segment_bytes: int = 512 * 1024,
@@ -103,8 +103,34 @@ class CollectiveConfig:
         return self
 
     def select_all_reduce(self, nbytes: int, world_size: int) -> str:
+        """The algorithm an all_reduce of ``nbytes`` on ``world_size`` ranks over TCP runs:
+        the configured one, or with ``"auto"`` the choice by size described above."""
+        if self.algorithm != "auto":
+            return self.algorithm
         return _C.select_all_reduce(nbytes, world_size, self.tree_threshold_bytes,
                                     self.hd_threshold_bytes)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The settings as plain values (``from_dict`` makes the same config back)."""
+        return {name: getattr(self, name) for name in _CONFIG_FIELDS}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CollectiveConfig":
+        """A config from ``to_dict``'s keys (all optional); an unknown key is a ValueError."""
+        unknown = sorted(set(d) - set(_CONFIG_FIELDS))
+        if unknown:
+            raise ValueError(f"CollectiveConfig.from_dict: unknown keys {unknown}; "
+                             f"known: {', '.join(_CONFIG_FIELDS)}")
+        kw = dict(d)
+        return cls(kw.pop("algorithm", "auto"), **kw)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items())
+        return f"CollectiveConfig({fields})"
+
+
+_CONFIG_FIELDS = ("algorithm", "tree_threshold_bytes", "hd_threshold_bytes", "max_segment_bytes",
+                  "tree_arity")
 
 
 class Work:

@@ -352,3 +352,25 @@ def _buffer_outputs(pg):
 def test_buffer_protocol_inputs_get_numpy_outputs(run_ranks, world, transport):
     wrong = [w for r in run_ranks(world, _buffer_outputs, transport=transport) for w in r]
     assert not wrong, f"{len(wrong)} problem(s):\n" + "\n".join(wrong)
+
+
+def test_collective_config_selects_what_it_was_given_and_round_trips():
+    """An explicit algorithm is the selection at every size (it once answered 'direct' for a
+    ring config at 100 bytes); auto picks by size; to_dict/from_dict give the same config."""
+    for algo in ("ring", "tree", "direct", "halving_doubling"):
+        if algo not in meshcoll._C.algorithm_names():
+            continue
+        cfg = meshcoll.CollectiveConfig(algo)
+        assert [cfg.select_all_reduce(n, 4) for n in (100, 1 << 20, 64 << 20)] == [algo] * 3
+    auto = meshcoll.CollectiveConfig()
+    assert auto.select_all_reduce(100, 4) != auto.select_all_reduce(64 << 20, 4)
+    cfg = meshcoll.CollectiveConfig("ring", tree_threshold_bytes=1024, max_segment_bytes=4096)
+    again = meshcoll.CollectiveConfig.from_dict(cfg.to_dict())
+    assert again.to_dict() == cfg.to_dict() == {
+        "algorithm": "ring", "tree_threshold_bytes": 1024, "hd_threshold_bytes": 8 << 20,
+        "max_segment_bytes": 4096, "tree_arity": 2}
+    assert "algorithm='ring'" in repr(again)
+    with pytest.raises(ValueError, match="unknown keys"):
+        meshcoll.CollectiveConfig.from_dict({"algorithm": "ring", "arity": 3})
+    with pytest.raises(ValueError, match="algorithm"):
+        meshcoll.CollectiveConfig.from_dict({"algorithm": "rign"})
