@@ -446,9 +446,21 @@ class DeviceMesh:
 
     # -- devices and reports ---------------------------------------------------------
 
-    def devices(self) -> List[DeviceInfo]:
-        """Device of every rank of this mesh, in row-major mesh order (no communication)."""
-        return [self._device(int(r)) for r in self._ranks.flat]
+    def devices(self, kind: Optional[str] = None) -> List[DeviceInfo]:
+        """Device of every rank of this mesh, in row-major mesh order (no communication);
+        with ``kind`` ("cpu", "cuda"), only the ranks on devices of that kind."""
+        devs = [self._device(int(r)) for r in self._ranks.flat]
+        return devs if kind is None else [d for d in devs if d.kind == kind]
+
+    def reshape(self, shape: Sequence[int], dim_names: Sequence[str]) -> "DeviceMesh":
+        """Collective: a new mesh of ``shape`` over the same ranks, in the same row-major
+        order (``mesh.ranks.flat``), with its own groups. Only a whole mesh (not a slice or a
+        flattening of one) can be reshaped: its ranks are the parent group's."""
+        if self._ranks.size != self._state.global_ranks.size or \
+                not np.array_equal(self._ranks.reshape(-1), self._state.global_ranks):
+            raise ValueError(f"reshape: {self!r} is a slice or flattening of a larger mesh; "
+                             "reshape the whole mesh it came from")
+        return DeviceMesh(MeshLayout(shape, dim_names), group=self._state.parent)
 
     def _device(self, global_rank: int) -> DeviceInfo:
         pos = int(np.nonzero(self._state.global_ranks == global_rank)[0][0])
@@ -517,7 +529,27 @@ def _fmt_bytes(n: Optional[int]) -> str:
     return "?" if n is None else f"{n / 2**30:.1f} GiB"
 
 
-def init_device_mesh(shape: Sequence[int], dim_names: Sequence[str], *,
+def grid_shape(n: int) -> Tuple[int, int]:
+    """The most nearly square 2-D grid of ``n`` ranks, rows <= columns: (2, 4) for 8, (3, 4)
+    for 12, (1, 7) for 7."""
+    if n < 1:
+        raise ValueError(f"grid_shape: need at least one rank, got {n}")
+    rows = max(d for d in range(1, math.isqrt(n) + 1) if n % d == 0)
+    return rows, n // rows
+
+
+def init_device_mesh(shape: Optional[Sequence[int]] = None,
+                     dim_names: Optional[Sequence[str]] = None, *,
                      group: Optional[Union[ProcessGroup, NonMemberGroup]] = None) -> DeviceMesh:
-    """Collective over ``group`` (default world): build a mesh and all its groups."""
+    """Collective over ``group`` (default world): build a mesh and all its groups. Without a
+    ``shape``, a 2-D grid of the group's ranks (``grid_shape``) named ``("dp", "tp")`` unless
+    ``dim_names`` says otherwise; ``tp`` is the longer dim, its groups consecutive ranks."""
+    if shape is None:
+        from . import world
+
+        parent = world.get_world_group() if group is None else group
+        shape = grid_shape(parent.size if parent.is_member else 1)  # a non-member: refused below
+        dim_names = ("dp", "tp") if dim_names is None else dim_names
+    if dim_names is None:
+        raise ValueError("init_device_mesh: a shape needs its dim_names")
     return DeviceMesh(MeshLayout(shape, dim_names), group=group)

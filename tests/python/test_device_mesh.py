@@ -129,6 +129,28 @@ def _mesh_from_order(pg):
         _check_sum(mesh.get_group(dim), mine)
 
 
+def _mesh_default_grid_and_reshape(pg):
+    # No shape: the most nearly square grid, tp (the longer dim) over consecutive ranks.
+    mesh = init_device_mesh()
+    layout = MeshLayout((2, 3), ("dp", "tp"))
+    assert mesh.shape == (2, 3) and mesh.dim_names == ("dp", "tp")
+    _check_mesh_groups(mesh, layout, pg.rank)
+    assert len(mesh.devices(kind="cpu")) == 6 and mesh.devices(kind="cuda") == []
+    # The same ranks in another shape, with groups of its own.
+    again = mesh.reshape((3, 2), ("pp", "dp"))
+    _check_mesh_groups(again, MeshLayout((3, 2), ("pp", "dp")), pg.rank)
+    assert mesh.stats()["group_count"] == 5 and again.stats()["group_count"] == 5
+    with pytest.raises(ValueError, match="slice or flattening"):
+        mesh["tp"].reshape((3,), ("x",))
+    with pytest.raises(ValueError, match="needs 4 ranks, got 6"):
+        mesh.reshape((2, 2), ("a", "b"))
+
+
+@pytest.mark.timeout(120)
+def test_mesh_default_grid_and_reshape(run_ranks):
+    run_ranks(6, _mesh_default_grid_and_reshape)
+
+
 @pytest.mark.timeout(120)
 def test_mesh_3d(run_ranks):
     run_ranks(8, _mesh_3d)

@@ -237,3 +237,11 @@ def test_device_mesh_is_documented_and_sized_like_a_process_group():
     undocumented = [n for n, v in vars(DeviceMesh).items()
                     if not n.startswith("_") and not (getattr(v, "__doc__", None) or "").strip()]
     assert not undocumented, undocumented
+
+
+def test_grid_shape_is_the_most_nearly_square_grid():
+    from meshcoll.device_mesh import grid_shape
+    assert [grid_shape(n) for n in (1, 2, 4, 6, 7, 8, 12, 16, 64)] == [
+        (1, 1), (1, 2), (2, 2), (2, 3), (1, 7), (2, 4), (3, 4), (4, 4), (8, 8)]
+    with pytest.raises(ValueError, match="at least one rank"):
+        grid_shape(0)
