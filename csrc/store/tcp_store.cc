@@ -223,6 +223,7 @@ void TcpStoreServer::serve(int fd) {
       ++clients_;
       counted = true;
     }
+    reply_msg.resize(std::min<size_t>(reply_msg.size(), wire::kMaxHelloMessageBytes));
     wire::HelloReply reply{static_cast<uint8_t>(status), static_cast<uint16_t>(reply_msg.size())};
     net::send_all(fd, &reply, sizeof(reply), hello_deadline, "store");
     net::send_all(fd, reply_msg.data(), reply_msg.size(), hello_deadline, "store");
@@ -462,6 +463,21 @@ void TcpStore::connect(const Deadline& d) {
   }
 }
 
+// The bytes at the port answer no hello of ours: another program listens there. Said at
+// once; waiting for the message length those bytes claim would only end at the timeout.
+[[noreturn]] void TcpStore::throw_foreign(const wire::HelloReply& reply) const {
+  const auto* b = reinterpret_cast<const unsigned char*>(&reply);
+  std::string seen;
+  for (size_t i = 0; i < sizeof(reply); ++i)
+    seen += (b[i] >= 32 && b[i] < 127) ? std::string(1, static_cast<char>(b[i]))
+                                       : str_cat("\\x", "0123456789abcdef"[b[i] >> 4],
+                                                 "0123456789abcdef"[b[i] & 15]);
+  throw PeerError(str_cat(describe(), " is not a meshcoll store: it answered the hello with '",
+                          seen, "...', so another program listens on this port (the master "
+                          "port is taken); set another master port (MESHCOLL_MASTER_PORT, "
+                          "master_port=, or meshcoll-run --master-port) on every rank"));
+}
+
 bool TcpStore::say_hello(const Deadline& d) {
   wire::HelloReply reply{};
   std::string msg;
@@ -471,10 +487,16 @@ bool TcpStore::say_hello(const Deadline& d) {
     net::send_all(fd_, &hello, sizeof(hello), d, describe());
     net::send_all(fd_, token_.data(), token_.size(), d, describe());
     net::recv_all(fd_, &reply, sizeof(reply), d, describe());
+  } catch (const PeerError&) {
+    return false;  // closed or reset before the answer
+  }
+  if (reply.status > wire::kLastHelloStatus || reply.message_len > wire::kMaxHelloMessageBytes)
+    throw_foreign(reply);
+  try {
     msg.resize(reply.message_len);
     if (reply.message_len) net::recv_all(fd_, msg.data(), msg.size(), d, describe());
   } catch (const PeerError&) {
-    return false;  // closed or reset before the answer
+    return false;
   }
   if (reply.status != static_cast<uint8_t>(wire::HelloStatus::kOk))
     throw PeerError(str_cat(describe(), ": ", msg));

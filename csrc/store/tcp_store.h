@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "store/store.h"
+#include "store/wire.h"
 
 namespace meshcoll::store {
 
@@ -114,6 +115,7 @@ class TcpStore : public Store {
   void connect(const Deadline& d);
   // Sends the hello; false when the server closed the connection before answering.
   bool say_hello(const Deadline& d);
+  [[noreturn]] void throw_foreign(const wire::HelloReply& reply) const;
   void send_request(const Request& req, const Deadline& d);
   void recv_status(const char* what, const std::string& key, const Deadline& d, Millis waited);
   void recv_exact(void* buf, size_t n, const Deadline& d);

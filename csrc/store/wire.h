@@ -17,6 +17,9 @@ inline constexpr uint16_t kVersion = 2;
 inline constexpr uint32_t kMaxKeyBytes = 64 * 1024;
 inline constexpr uint32_t kMaxValueBytes = 64u * 1024 * 1024;
 inline constexpr uint32_t kMaxTokenBytes = 1024;
+// A hello reply's message (an error sentence) is at most this long: a longer length, or a
+// status no server sends, means the peer is not a meshcoll store.
+inline constexpr uint16_t kMaxHelloMessageBytes = 4096;
 inline constexpr uint32_t kMaxWaitKeys = 1 << 16;
 
 #pragma pack(push, 1)
@@ -33,6 +36,7 @@ struct HelloReply {
 #pragma pack(pop)
 
 enum class HelloStatus : uint8_t { kOk = 0, kBadToken = 1, kBadVersion = 2, kStale = 3 };
+inline constexpr uint8_t kLastHelloStatus = 3;
 
 enum class QueryType : uint8_t {
   kSet = 1,         // key, value                 -> -

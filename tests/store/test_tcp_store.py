@@ -145,3 +145,26 @@ def test_a_client_meets_only_the_store_of_its_own_generation():
         same.close()
     finally:
         host.close(timeout=1)
+
+
+@pytest.mark.parametrize("answer", [b"HTTP/1.0 200 OK\r\n\r\nhello", b"\x00\xff\xff"])
+def test_a_foreign_server_on_the_port_is_a_clear_error_at_once(answer):
+    # Another program holds the master port (a web server, a stale job of another tool):
+    # its answer to our hello is no store reply, and the client says so at once instead of
+    # waiting its whole timeout for bytes that will never come.
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(4)
+
+    def serve():
+        conn, _ = lsock.accept()
+        conn.sendall(answer)
+        time.sleep(30)  # keeps the connection open, as a live program would
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(meshcoll.PeerError, match=r"not a meshcoll store.*another program"):
+        meshcoll.TCPStore("127.0.0.1", lsock.getsockname()[1], timeout=20)
+    assert time.monotonic() - t0 < 5
+    lsock.close()
