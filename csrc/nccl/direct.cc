@@ -23,7 +23,7 @@ using detail::CtxGuard;
 namespace {
 
 constexpr size_t kFlagsBytes = size_t{DirectPath::kMaxBlocks} * DirectPath::kMaxRanks * 8;
-constexpr size_t kDataOffset = 4096;  // two parities of flags, then the staging areas
+constexpr size_t kDataOffset = 8192;  // two parities of flags, then the staging areas
 static_assert(2 * kFlagsBytes <= kDataOffset, "flags overflow");
 
 // Args in direct_kernels.cu, field for field.
@@ -40,6 +40,10 @@ struct DirectArgs {
   uint64_t abort_flag;
   int32_t rank;
   int32_t world;
+  uint64_t res[DirectPath::kMaxRanks];
+  uint64_t flags2[DirectPath::kMaxRanks];
+  uint64_t token2;
+  uint64_t report_epoch;
 };
 
 // One rank's half of setup, as the others read it.
@@ -95,6 +99,9 @@ std::string entry_of(DirectPath::Kind kind, DType dt, RedOp op) {
       return str_cat(head, "all_reduce<", type_name(dt), ", ", op_name(op, dt), ">(a); }");
     case DirectPath::Kind::kReduceScatter:
       return str_cat(head, "reduce_scatter<", type_name(dt), ", ", op_name(op, dt), ">(a); }");
+    case DirectPath::Kind::kAllReduceTwoShot:
+      return str_cat(head, "all_reduce_two_shot<", type_name(dt), ", ", op_name(op, dt),
+                     ">(a); }");
   }
   return {};
 }
@@ -123,7 +130,9 @@ DirectPath::DirectPath(const CudaApi& cu, CUcontext ctx, int device, int rank, i
     }
     arch_ = str_cat("sm_", major, minor);
     kernel(Kind::kAllGather, DType::kUint8, RedOp::kSum);  // NVRTC works here
-    cu_.check(cu_.mem_alloc(&mine_, kDataOffset + 2 * limit_), "cuMemAlloc (direct staging)");
+    const size_t result_area = limit_ > kOneShotBytes ? limit_ : 0;
+    cu_.check(cu_.mem_alloc(&mine_, kDataOffset + 2 * limit_ + result_area),
+              "cuMemAlloc (direct staging)");
     cu_.check(cu_.memset_d8_async(mine_, 0, kDataOffset, nullptr), "cuMemsetD8Async");
     cu_.check(cu_.ctx_synchronize(), "cuCtxSynchronize");
     cu_.check(cu_.ipc_get_mem_handle(&handle_, mine_), "cuIpcGetMemHandle");
@@ -195,8 +204,9 @@ bool DirectPath::takes(Kind kind, DType dt, RedOp op, size_t count) const {
   if (!on_ || count == 0) return false;
   if (kind != Kind::kAllGather && (!type_name(dt) || !op_name(op, dt))) return false;
   const size_t bytes = count * dtype_size(dt);
+  if (kind == Kind::kAllReduce) return bytes <= limit_;
   const size_t staged = kind == Kind::kReduceScatter ? size_ * round16(bytes) : bytes;
-  return staged <= limit_;
+  return staged <= std::min(limit_, kOneShotBytes);
 }
 
 const char* DirectPath::source() { return kDirectKernelsSource; }
@@ -210,6 +220,7 @@ std::vector<std::string> DirectPath::entries() {
       if (!type_name(dt) || !op_name(op, dt)) continue;
       out.push_back(entry_of(Kind::kAllReduce, dt, op));
       out.push_back(entry_of(Kind::kReduceScatter, dt, op));
+      out.push_back(entry_of(Kind::kAllReduceTwoShot, dt, op));
     }
   return out;
 }
@@ -243,13 +254,21 @@ CUfunction DirectPath::load_kernel(Kind kind, DType dt, RedOp op) {
 void DirectPath::launch(Kind kind, DType dt, RedOp op, const void* in, void* out, size_t count,
                         uint32_t fingerprint, int64_t timeout_ms, CUstream stream,
                         CUevent last_done) {
+  kind = route(kind, dt, count);
+  const bool two_shot = kind == Kind::kAllReduceTwoShot;
   CUfunction fn = kernel(kind, dt, op);
   // Direct ops run one after another (Note [Direct kernels]): across streams, by an event.
   if (epoch_ != 0 && stream != last_stream_ && last_done)  // (nullptr: the legacy stream)
     cu_.check(cu_.stream_wait_event(stream, last_done, 0), "cuStreamWaitEvent (direct order)");
-  // 0 is the flags' initial value; after a wrap the parity must still alternate.
-  if (++epoch_ == 0) epoch_ = 2;
-  const size_t parity = epoch_ & 1;
+  // An epoch per barrier. 0 is the flags' initial value; after a wrap the parity must still
+  // alternate.
+  auto next_epoch = [this] {
+    if (++epoch_ == 0) epoch_ = 2;
+    return epoch_;
+  };
+  const uint32_t first = next_epoch();
+  const uint32_t second = two_shot ? next_epoch() : first;
+  const size_t parity = first & 1;
   const size_t es = dtype_size(dt);
   DirectArgs a{};
   a.in = in;
@@ -257,19 +276,26 @@ void DirectPath::launch(Kind kind, DType dt, RedOp op, const void* in, void* out
   for (int r = 0; r < size_; ++r) {
     a.bufs[r] = bases_[r] + kDataOffset + parity * limit_;
     a.flags[r] = bases_[r] + parity * kFlagsBytes;
+    a.res[r] = bases_[r] + kDataOffset + 2 * limit_;
+    a.flags2[r] = bases_[r] + (second & 1) * kFlagsBytes;
   }
   const size_t part_bytes = count * es;
   a.n = kind == Kind::kAllGather ? part_bytes : count;
   a.stride = round16(part_bytes);
-  a.token = (uint64_t{epoch_} << 32) | fingerprint;
+  a.token = (uint64_t{first} << 32) | fingerprint;
+  a.token2 = (uint64_t{second} << 32) | fingerprint;
+  a.report_epoch = uint64_t{second} << 32;
   a.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
   a.status = host_dev_;
   a.abort_flag = host_dev_ + 8;
   a.rank = rank_;
   a.world = size_;
-  // A block per 8 KiB of each rank's part: one block for the smallest calls.
-  const unsigned blocks = static_cast<unsigned>(
-      std::min<size_t>(kMaxBlocks, std::max<size_t>(1, (part_bytes + 8191) / 8192)));
+  // One-shot: a block per 8 KiB of each rank's part, one for the smallest calls (at most 32:
+  // the one-shot sizes end at kOneShotBytes). Two-shot: a block per 16 KiB of a slice.
+  const size_t per_block = two_shot ? (part_bytes / size_ + 16383) / 16384
+                                    : (part_bytes + 8191) / 8192;
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<size_t>(kMaxBlocks, std::max<size_t>(1, per_block)));
   void* params[] = {&a};
   cu_.check(cu_.launch_kernel(fn, blocks, 1, 1, kThreads, 1, 1, 0, stream, params, nullptr),
             "cuLaunchKernel (direct kernel)");

@@ -45,6 +45,22 @@
 // closes its mappings of the peers' buffers, meets the peers (host_all_gather) and then frees
 // its own. A failed communicator cannot meet its peers: its buffer stays allocated until the
 // process exits (4 KiB plus twice the byte limit of device memory).
+//
+// Note [Two-shot all_reduce]
+// Above kOneShotBytes the one-shot kernel's reads grow as world x the array on every rank; the
+// two-shot kernel (the reduce-scatter then all-gather of vLLM's and TensorRT-LLM's custom
+// all-reduce) reads each element over the links twice instead: each rank stages its input,
+// reduces its own 1/world slice from every rank's staging buffer into a result area, and
+// after a second barrier copies the other slices from their owners' result areas. An op
+// takes two epochs, one per barrier (flags of alternating parity, as any two consecutive
+// barriers), and stages in the buffer of its first epoch's parity. No buffer needs more:
+// the staging buffer is read by peers only before the op's second barrier, which this rank
+// passes before it starts its next op; a result area is read by peers only after the second
+// barrier, and rewritten only by this rank's next two-shot op after its first barrier, which
+// every peer enters only after finishing the ops before it. A mismatch or timeout at the
+// first barrier writes nothing; a peer lost between the two (a timeout at the second) leaves
+// this rank's own slice reduced in `out`, and fails the communicator as any timeout does.
+// The result area (limit bytes) is allocated only when the limit is above kOneShotBytes.
 #pragma once
 
 #include <array>
@@ -62,9 +78,16 @@ namespace meshcoll::nccl {
 
 class DirectPath {
  public:
-  enum class Kind : uint8_t { kAllReduce, kAllGather, kReduceScatter };
+  // kAllReduceTwoShot is DirectPath's own choice for an all_reduce above kOneShotBytes
+  // (callers ask for kAllReduce).
+  enum class Kind : uint8_t { kAllReduce, kAllGather, kReduceScatter, kAllReduceTwoShot };
+  static constexpr int kKinds = 4;
   static constexpr int kMaxRanks = 8;     // MC_MAX_RANKS in direct_kernels.cu
-  static constexpr int kMaxBlocks = 32;   // the flags hold this many blocks per parity
+  static constexpr int kMaxBlocks = 64;   // the flags hold this many blocks per parity
+  // The largest call of the one-shot kernels (every rank reads all of every peer's array);
+  // all_reduce above it, up to the limit, runs the two-shot kernel (Note [Two-shot
+  // all_reduce]); all_gather and reduce_scatter go to NCCL above it.
+  static constexpr size_t kOneShotBytes = 256 << 10;
   static constexpr int kThreads = 512;    // MC_THREADS
 
   // This rank's half of setup: compiles a kernel, allocates and exports the staging buffer.
@@ -90,7 +113,9 @@ class DirectPath {
   bool takes(Kind kind, DType dt, RedOp op, size_t count) const;
   // Compiles (once per process) and loads the op's kernel; before the communicator's lock is
   // taken, so a first call's compilation (0.2-0.5 s) never holds it.
-  void prepare(Kind kind, DType dt, RedOp op) { kernel(kind, dt, op); }
+  void prepare(Kind kind, DType dt, RedOp op, size_t count) {
+    kernel(route(kind, dt, count), dt, op);
+  }
   // Launches one op on `stream` (the communicator's lock held). `fingerprint`: the call's.
   void launch(Kind kind, DType dt, RedOp op, const void* in, void* out, size_t count,
               uint32_t fingerprint, int64_t timeout_ms, abi::CUstream stream,
@@ -115,6 +140,11 @@ class DirectPath {
   static std::vector<std::string> entries();
 
  private:
+  // The kernel that runs a call: the two-shot one for an all_reduce above kOneShotBytes.
+  static Kind route(Kind kind, DType dt, size_t count) {
+    return kind == Kind::kAllReduce && count * dtype_size(dt) > kOneShotBytes
+               ? Kind::kAllReduceTwoShot : kind;
+  }
   abi::CUfunction kernel(Kind kind, DType dt, RedOp op);
   // The process-wide cache (by context and kernel), compiling on a miss.
   abi::CUfunction load_kernel(Kind kind, DType dt, RedOp op);
@@ -122,12 +152,12 @@ class DirectPath {
   const CudaApi& cu_;
   abi::CUcontext ctx_;
   int device_, rank_, size_;
-  size_t limit_;            // staging bytes per parity
+  size_t limit_;            // staging bytes per parity (and of the two-shot result area)
   std::string local_why_;   // this rank cannot take part ("": it can)
   std::string arch_;        // "sm_90"
   bool on_ = false;
   std::string why_;
-  abi::CUdeviceptr mine_ = 0;  // flags, then two staging areas
+  abi::CUdeviceptr mine_ = 0;  // flags, two staging areas, the two-shot result area
   abi::CUipcMemHandle handle_{};
   std::array<abi::CUdeviceptr, kMaxRanks> bases_{};  // every rank's buffer (ours included)
   std::array<bool, kMaxRanks> opened_{};
@@ -139,7 +169,7 @@ class DirectPath {
   abi::CUstream last_stream_ = nullptr;
   // This communicator's kernels by kind, dtype and op (all_gather: [kAllGather][0][0]), so a
   // call finds its kernel without the process-wide cache's lock and string key.
-  std::array<std::array<std::array<abi::CUfunction, kNumRedOps>, kNumDTypes>, 3> fns_{};
+  std::array<std::array<std::array<abi::CUfunction, kNumRedOps>, kNumDTypes>, kKinds> fns_{};
 };
 
 }  // namespace meshcoll::nccl

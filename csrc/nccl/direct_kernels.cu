@@ -50,6 +50,10 @@ struct Args {
   const u32* abort_flag;    // host-mapped: set when the host gave up on this communicator
   int rank;
   int world;
+  u8* res[MC_MAX_RANKS];    // two-shot all_reduce: each rank's result area
+  u64* flags2[MC_MAX_RANKS];// two-shot: the flags of its second barrier (the other parity)
+  u64 token2;               // two-shot: the second barrier's token
+  u64 report_epoch;         // the op's last epoch << 32: what a failure report names
 };
 
 enum { kOk = 0, kMismatch = 1, kTimeout = 2, kAborted = 3 };
@@ -135,22 +139,23 @@ __device__ __forceinline__ void part(u64 n, u64 es, u64* lo, u64* hi) {
 
 __device__ void report(const Args& a, int code, int peer) {
   volatile u64* s = a.status;
-  if (*s == 0) *s = (u64)code | ((u64)peer << 8) | (a.token & 0xffffffff00000000ull);
+  if (*s == 0) *s = (u64)code | ((u64)peer << 8) | a.report_epoch;
 }
 
-// Step 2 of the op; false: the block must return without writing (the status says why).
-__device__ bool barrier(const Args& a) {
+// Step 2 of the op, over `flags` with `token`; false: the block must return without writing
+// (the status says why).
+__device__ bool barrier(const Args& a, u64* const* flags, u64 token) {
   __syncthreads();  // the block's copy into its staging buffer is done
   const int t = threadIdx.x;
   int bad = 0;
   if (t < a.world) {
-    st_release(a.flags[t] + blockIdx.x * MC_MAX_RANKS + a.rank, a.token);
-    const u64* mine = a.flags[a.rank] + blockIdx.x * MC_MAX_RANKS + t;
+    st_release(flags[t] + blockIdx.x * MC_MAX_RANKS + a.rank, token);
+    const u64* mine = flags[a.rank] + blockIdx.x * MC_MAX_RANKS + t;
     const u64 t0 = now_ns();
     for (u32 spin = 1;; ++spin) {
       const u64 v = ld_acquire(mine);
-      if ((v >> 32) == (a.token >> 32)) {
-        if (v != a.token) {
+      if ((v >> 32) == (token >> 32)) {
+        if (v != token) {
           report(a, kMismatch, t);
           bad = 1;
         }
@@ -277,7 +282,7 @@ __device__ void all_reduce(const Args& a) {
   u64 lo, hi;
   part(a.n, es, &lo, &hi);
   copy_bytes<false>(a.bufs[a.rank] + lo * es, a.in + lo * es, (hi - lo) * es);
-  if (!barrier(a)) return;
+  if (!barrier(a, a.flags, a.token)) return;
   reduce_part<T, Op>(a, 0, lo, hi);
 }
 
@@ -290,7 +295,7 @@ __device__ void reduce_scatter(const Args& a) {
   for (int d = 0; d < a.world; ++d)
     copy_bytes<false>(a.bufs[a.rank] + d * a.stride + lo * es, a.in + (d * a.n + lo) * es,
                       (hi - lo) * es);
-  if (!barrier(a)) return;
+  if (!barrier(a, a.flags, a.token)) return;
   reduce_part<T, Op>(a, a.rank * a.stride, lo, hi);
 }
 
@@ -298,8 +303,48 @@ __device__ void all_gather(const Args& a) {
   u64 lo, hi;
   part(a.n, 1, &lo, &hi);
   copy_bytes<false>(a.bufs[a.rank] + lo, a.in + lo, hi - lo);
-  if (!barrier(a)) return;
+  if (!barrier(a, a.flags, a.token)) return;
   for (int r = 0; r < a.world; ++r) copy_bytes<true>(a.out + r * a.n + lo, a.bufs[r] + lo, hi - lo);
+}
+
+// Two-shot all_reduce (Note [Two-shot all_reduce] in direct.h): the array is cut into
+// `world` slices of whole lines; block b of every rank handles part b of every slice.
+//  1. copy part b of every slice of the input into this rank's staging buffer;
+//  2. barrier (flags, token): part b of every slice is staged on every rank;
+//  3. reduce part b of this rank's own slice from every rank's staging buffer (rank order),
+//     into out and into this rank's result area;
+//  4. barrier (flags2, token2): every rank's part b of its slice is reduced;
+//  5. copy part b of every other slice from its owner's result area into out.
+// Each element is reduced once, by its slice's owner, so every rank gets bit-identical
+// results. Why the buffers need no more barriers: see the Note.
+template <class T, class Op>
+__device__ void all_reduce_two_shot(const Args& a) {
+  const u64 es = sizeof(T);
+  const u64 per_line = MC_PART_ALIGN / es;
+  u64 slice = (a.n + a.world - 1) / a.world;
+  slice = (slice + per_line - 1) / per_line * per_line;
+  u64 lo, hi;
+  part(slice, es, &lo, &hi);
+  for (int q = 0; q < a.world; ++q) {
+    const u64 b = q * slice + lo < a.n ? q * slice + lo : a.n;
+    const u64 e = q * slice + hi < a.n ? q * slice + hi : a.n;
+    copy_bytes<false>(a.bufs[a.rank] + b * es, a.in + b * es, (e - b) * es);
+  }
+  if (!barrier(a, a.flags, a.token)) return;
+  {
+    const u64 b = a.rank * slice + lo < a.n ? a.rank * slice + lo : a.n;
+    const u64 e = a.rank * slice + hi < a.n ? a.rank * slice + hi : a.n;
+    reduce_part<T, Op>(a, 0, b, e);
+    __syncthreads();  // the block's results are in out before it copies them
+    copy_bytes<false>(a.res[a.rank] + b * es, a.out + b * es, (e - b) * es);
+  }
+  if (!barrier(a, a.flags2, a.token2)) return;
+  for (int q = 0; q < a.world; ++q) {
+    if (q == a.rank) continue;
+    const u64 b = q * slice + lo < a.n ? q * slice + lo : a.n;
+    const u64 e = q * slice + hi < a.n ? q * slice + hi : a.n;
+    copy_bytes<true>(a.out + b * es, a.res[q] + b * es, (e - b) * es);
+  }
 }
 
 // The entry point, appended by direct.cc for the kernel at hand, e.g.

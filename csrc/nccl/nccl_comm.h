@@ -254,7 +254,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // such a call when it is eager (issued outside a block, on a stream not being captured).
   bool prepare_direct(DirectPath::Kind kind, DType dt, RedOp op, size_t count) {
     if (!direct_ || !direct_->takes(kind, dt, op, count)) return false;
-    direct_->prepare(kind, dt, op);
+    direct_->prepare(kind, dt, op, count);
     return true;
   }
   // Whether a call that prepare_direct() took, issued now on `stream`, runs a direct kernel:

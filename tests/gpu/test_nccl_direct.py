@@ -238,3 +238,94 @@ def test_symmetric_calls_that_go_direct_skip_the_agreement_before_launch():
         pytest.skip(f"no symmetric windows here: {memory}")
     assert out["direct"][0] < 0.5, out  # returned before rank 1 issued the call
     assert out["nccl"][0] > 1.0, out  # awaited rank 1's call
+
+
+TWO_SHOT_LIMIT = 16 << 20
+
+
+def _two_shot(pg):
+    """All_reduces above the one-shot size (256 KiB) up to the limit run the two-shot kernel:
+    sizes around its slice and part boundaries, every rank's result bit-identical and equal
+    to numpy's (float32 sum in rank order; bf16, max, avg, int32), unaligned, in place, back
+    to back with one-shot calls and NCCL's."""
+    import torch
+    r, w = pg.rank, pg.size
+    fails = []
+
+    def check(got, want, what, tol=1e-5):
+        got = got.float().cpu().numpy().ravel()
+        want = np.asarray(want, np.float64).ravel()
+        if got.size != want.size or not np.allclose(got, want, rtol=tol, atol=tol):
+            bad = np.flatnonzero(~np.isclose(got, want, rtol=tol, atol=tol)) \
+                if got.size == want.size else [0]
+            fails.append(f"{what}: {len(bad)} wrong, first at {bad[:1]}")
+        digest = torch.tensor([float(np.float64(got.astype(np.float64).sum()))], device="cuda")
+        pg.all_reduce(digest, op="max")
+        mine = float(got.astype(np.float64).sum())
+        if digest.item() != mine:
+            fails.append(f"{what}: ranks disagree bitwise")
+
+    one = 256 << 10
+    lines = 32  # float32 elements per 128-byte line
+    sizes = [one // 4 + 1, one // 4 + lines * w - 1, one // 4 + 12345, (1 << 20) // 4 + 7,
+             (3 << 20) // 4 + 3, (8 << 20) // 4, (16 << 20) // 4]
+    for i, n in enumerate(sizes):
+        ins = [_data(50 + i, k, n) for k in range(w)]
+        x = torch.from_numpy(ins[r]).cuda()
+        pg.all_reduce(x)
+        check(x, np.sum(np.stack(ins).astype(np.float64), 0), f"two-shot sum n={n}")
+        buf = torch.from_numpy(np.concatenate([[0], ins[r]]).astype(np.float32)).cuda()
+        pg.all_reduce(buf[1:], op="max")
+        check(buf[1:], np.max(ins, 0), f"two-shot max unaligned n={n}")
+        small = torch.from_numpy(_data(90 + i, r, 1000)).cuda()
+        pg.all_reduce(small)  # one-shot between two-shot calls
+        check(small, np.sum([_data(90 + i, k, 1000) for k in range(w)], 0), f"one-shot after n={n}")
+    n = (2 << 20) // 2 + 5
+    ins = [_data(7, k, n) for k in range(w)]
+    x = torch.from_numpy(ins[r]).cuda().to(torch.bfloat16)
+    ref = np.sum([torch.from_numpy(v).to(torch.bfloat16).float().numpy() for v in ins], 0)
+    pg.all_reduce(x, op="avg")
+    check(x, ref / w, "two-shot bf16 avg", tol=6e-2)
+    xi = torch.arange(n, dtype=torch.int32, device="cuda") * (r + 1)
+    pg.all_reduce(xi)
+    check(xi, np.arange(n) * (w * (w + 1) // 2), "two-shot int32 sum", tol=0)
+    over = torch.ones(TWO_SHOT_LIMIT // 4 + 100, device="cuda") * (r + 1)
+    pg.all_reduce(over)  # over the limit: NCCL's
+    check(over[:7], np.full(7, w * (w + 1) / 2), "over the limit")
+    torch.cuda.synchronize()
+    return fails, pg.direct_kernels
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+def test_two_shot_all_reduce_matches_numpy_bit_identical_on_every_rank():
+    res = run_nccl(WORLD, _two_shot, deadline=280,
+                   env={"MESHCOLL_NCCL_DIRECT_BYTES": str(TWO_SHOT_LIMIT)})
+    for r, (fails, status) in enumerate(res):
+        assert status == f"on (calls up to {TWO_SHOT_LIMIT} bytes)", (r, status)
+        assert not fails, (r, fails)
+
+
+def _disagree_two_shot(pg):
+    """Above the one-shot size: rank 0 reduces one more element than the others. The first
+    barrier sees other fingerprints: MismatchError on every rank, no data changed."""
+    import torch
+    n = (1 << 20) // 4 + (1 if pg.rank == 0 else 0)
+    before = _data(4, pg.rank, n)
+    x = torch.from_numpy(before).cuda()
+    err = None
+    try:
+        pg.all_reduce(x)
+        torch.cuda.synchronize()
+        pg.barrier()
+    except meshcoll.MeshcollError as e:
+        err = e
+    return type(err).__name__, str(err), bool(np.array_equal(x.cpu().numpy(), before))
+
+
+@pytest.mark.skipif(NGPU < 2, reason="needs 2 GPUs")
+def test_a_two_shot_disagreement_is_an_error_on_every_rank_and_changes_no_data():
+    res = run_nccl(WORLD, _disagree_two_shot, deadline=120,
+                   env={"MESHCOLL_NCCL_DIRECT_BYTES": str(TWO_SHOT_LIMIT)})
+    for r, (kind, msg, unchanged) in enumerate(res):
+        assert kind == "MismatchError", (r, kind, msg)
+        assert unchanged, f"rank {r}: the disagreeing all_reduce changed its data"

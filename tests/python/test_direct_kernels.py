@@ -17,9 +17,11 @@ NVCC = shutil.which("nvcc")
 
 def test_every_kind_dtype_and_op_has_an_entry_point():
     source, entries = _C.nccl_direct_kernels()
-    assert "__device__ bool barrier(const Args& a)" in source
-    # all_gather, then all_reduce and reduce_scatter for 8 dtypes x 4 ops and avg on 4 floats
-    assert len(entries) == 1 + 2 * (8 * 4 + 4), len(entries)
+    assert "__device__ bool barrier(const Args& a, u64* const* flags, u64 token)" in source
+    # all_gather, then all_reduce, reduce_scatter and the two-shot all_reduce for 8 dtypes x
+    # 4 ops and avg on 4 floats
+    assert len(entries) == 1 + 3 * (8 * 4 + 4), len(entries)
+    assert any("all_reduce_two_shot<float, Sum>(a)" in e for e in entries)
     assert entries[0].endswith("{ all_gather(a); }")
     assert any("all_reduce<bf16, Avg>(a)" in e for e in entries)
     assert not any("Avg" in e and ("int" in e or "char" in e) for e in entries)
