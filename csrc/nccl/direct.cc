@@ -291,8 +291,8 @@ void DirectPath::launch(Kind kind, DType dt, RedOp op, const void* in, void* out
   a.rank = rank_;
   a.world = size_;
   // One-shot: a block per 8 KiB of each rank's part, one for the smallest calls (at most 32:
-  // the one-shot sizes end at kOneShotBytes). Two-shot: a block per 16 KiB of a slice.
-  const size_t per_block = two_shot ? (part_bytes / size_ + 16383) / 16384
+  // the one-shot sizes end at kOneShotBytes). Two-shot: a block per 4 KiB of a slice.
+  const size_t per_block = two_shot ? (part_bytes / size_ + 4095) / 4096
                                     : (part_bytes + 8191) / 8192;
   const unsigned blocks =
       static_cast<unsigned>(std::min<size_t>(kMaxBlocks, std::max<size_t>(1, per_block)));

@@ -247,12 +247,19 @@ __device__ __forceinline__ void reduce_part(const Args& a, u64 base, u64 lo, u64
   const bool aligned = (((u64)(out + lo)) & 15) == 0;
   for (u64 k = threadIdx.x; k < packs; k += blockDim.x) {
     const u64 off = base + (lo + k * per) * es;
-    Pack p = ld_cg((const Pack*)(a.bufs[0] + off));
+    // Every rank's pack first, then the sums: the loads are in flight together (a load used
+    // before the next is issued would cost a round trip over the link per rank).
+    Pack ps[MC_MAX_RANKS];
+#pragma unroll
+    for (int r = 0; r < MC_MAX_RANKS; ++r)
+      if (r < a.world) ps[r] = ld_cg((const Pack*)(a.bufs[r] + off));
     typename E::Acc acc[16 / sizeof(T)];
-    const T* v = (const T*)&p;
+    const T* v = (const T*)&ps[0];
     for (int j = 0; j < per; ++j) acc[j] = E::up(v[j]);
-    for (int r = 1; r < a.world; ++r) {
-      p = ld_cg((const Pack*)(a.bufs[r] + off));
+#pragma unroll
+    for (int r = 1; r < MC_MAX_RANKS; ++r) {
+      if (r >= a.world) break;
+      v = (const T*)&ps[r];
       for (int j = 0; j < per; ++j) acc[j] = Op::f(acc[j], E::up(v[j]));
     }
     Pack res;

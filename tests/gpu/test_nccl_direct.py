@@ -259,7 +259,8 @@ def _two_shot(pg):
             bad = np.flatnonzero(~np.isclose(got, want, rtol=tol, atol=tol)) \
                 if got.size == want.size else [0]
             fails.append(f"{what}: {len(bad)} wrong, first at {bad[:1]}")
-        digest = torch.tensor([float(np.float64(got.astype(np.float64).sum()))], device="cuda")
+        digest = torch.tensor([float(got.astype(np.float64).sum())], dtype=torch.float64,
+                              device="cuda")
         pg.all_reduce(digest, op="max")
         mine = float(got.astype(np.float64).sum())
         if digest.item() != mine:
