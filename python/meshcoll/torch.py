@@ -470,3 +470,6 @@ class DistributedDataParallel(torch.nn.Module):
             h.remove()
         self._handles = []
         self.ddp.close()
+
+
+from .torch_fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402,F401  sharded data parallel

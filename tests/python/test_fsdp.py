@@ -1,0 +1,381 @@
+"""Sharded data parallel (issue 36): ``meshcoll.torch.fully_shard`` stages 1-3 and hybrid
+sharding train as torch's DDP on Gloo in the same processes (20 steps, SGD and AdamW, an MLP
+and a small transformer), mixed precision, no_sync accumulation, state dicts that load into
+an unwrapped model, activation checkpointing, the errors (differing layouts, a rank killed
+mid-step), and ``meshcoll.ShardedDataParallel`` on numpy against ``DataParallel``. Each test
+spawns one world and loops over its cases inside it."""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from meshcoll.examples.train_ddp import forward_backward, init_params, make_dataset  # noqa: E402
+
+pytestmark = pytest.mark.timeout(150)
+
+STEPS = 20
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch):
+    # 2-4 ranks on 2 cores: one BLAS / intra-op thread each.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+# ---- models, data, the torch DDP reference ----------------------------------------------
+class Mlp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(6, 16), torch.nn.Linear(16, 16)])
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return self.head(x)
+
+
+class Tiny(torch.nn.Module):
+    """A transformer-ish model: input projection, 2 encoder layers, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 16)
+        self.blocks = torch.nn.ModuleList([
+            torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+            for _ in range(2)])
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x.mean(dim=1))
+
+
+MODELS = {"mlp": Mlp, "transformer": Tiny}
+
+
+def _base(kind):
+    torch.manual_seed(0)
+    return MODELS[kind]()
+
+
+def _batch(kind, step, rank, micro=0):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    x = torch.randn((4, 6) if kind == "mlp" else (4, 5, 6), generator=g)
+    return x, torch.randint(0, 3, (4,), generator=g)
+
+
+def _opt(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def _gloo(pg):
+    import torch.distributed as dist
+    from meshcoll.run import pick_free_port
+    port = np.array([pick_free_port("127.0.0.1") if pg.rank == 0 else 0], np.int64)
+    pg.broadcast(port, 0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port[0])}",
+                            rank=pg.rank, world_size=pg.size)
+
+
+def _ddp_reference(pg, kind, opt_name, accum=1):
+    """torch's DDP on Gloo: the parameters after STEPS steps, name -> numpy."""
+    net = torch.nn.parallel.DistributedDataParallel(_base(kind))
+    opt = _opt(opt_name, net.parameters())
+    for s in range(STEPS):
+        opt.zero_grad()
+        for m in range(accum):
+            x, y = _batch(kind, s, pg.rank, m)
+            ctx = net.no_sync() if m < accum - 1 else _nothing()
+            with ctx:
+                (torch.nn.functional.cross_entropy(net(x), y) / accum).backward()
+        opt.step()
+    return {n: p.detach().numpy().copy() for n, p in net.module.named_parameters()}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _sharded(kind, mesh=None, group=None, **kw):
+    import meshcoll.torch as mt
+    net = _base(kind)
+    for b in net.blocks:
+        mt.fully_shard(b, mesh=mesh, group=group, **kw)
+    return mt.fully_shard(net, mesh=mesh, group=group, **kw)
+
+
+def _train(net, kind, opt_name, rank, accum=1, dtype=None):
+    opt = _opt(opt_name, net.parameters())
+    for s in range(STEPS):
+        opt.zero_grad()
+        for m in range(accum):
+            x, y = _batch(kind, s, rank, m)
+            ctx = net.no_sync() if m < accum - 1 else _nothing()
+            with ctx:
+                out = net(x)
+                if dtype is not None:
+                    assert out.dtype == dtype, out.dtype  # forward ran in param_dtype
+                loss = torch.nn.functional.cross_entropy(out.float(), y) / accum
+                loss.backward()
+        opt.step()
+    return {n: v.numpy() for n, v in net.full_state_dict().items()}
+
+
+def _max_rel(a, b):
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float(np.abs(a[n] - b[n]).max() / np.abs(b[n]).max()) for n in b)
+
+
+# ---- stages 1-3 against torch's DDP --------------------------------------------------------
+def _stages(pg):
+    _gloo(pg)
+    out = {}
+    for kind in MODELS:
+        for opt_name in ("sgd", "adamw"):
+            ref = _ddp_reference(pg, kind, opt_name)
+            for stage in (1, 2, 3):
+                net = _sharded(kind, group=pg, stage=stage)
+                got = _train(net, kind, opt_name, pg.rank)
+                # The optimizer sees shards only: a 1/N slice of every unit, padded.
+                numel = sum(p.numel() for p in net.parameters())
+                total = sum(p.numel() for p in _base(kind).parameters())
+                out[(kind, opt_name, stage)] = (_max_rel(got, ref), numel, total)
+    return out
+
+
+def test_stages_1_2_3_train_as_torch_ddp(run_ranks):
+    for res in run_ranks(2, _stages, timeout=140, init_timeout=90):
+        for case, (rel, numel, total) in res.items():
+            assert rel < 1e-5, (case, rel)
+            assert numel <= total // 2 + 3 * 2, (case, numel, total)  # 3 units, pad < 2 each
+
+
+# ---- hybrid sharding on a 2x2 mesh --------------------------------------------------------
+def _hybrid(pg):
+    import meshcoll
+    _gloo(pg)
+    mesh = meshcoll.init_device_mesh((2, 2), ("replicate", "shard"))
+    out = {}
+    for opt_name in ("sgd", "adamw"):
+        ref = _ddp_reference(pg, "mlp", opt_name)
+        net = _sharded("mlp", mesh=mesh)
+        out[opt_name] = _max_rel(_train(net, "mlp", opt_name, pg.rank), ref)
+    return out
+
+
+def test_hybrid_sharding_on_a_2x2_mesh_trains_as_torch_ddp(run_ranks):
+    for res in run_ranks(4, _hybrid, timeout=140, init_timeout=90):
+        for case, rel in res.items():
+            assert rel < 1e-5, (case, rel)
+
+
+# ---- mixed precision, no_sync, state dicts, checkpointing -----------------------------------
+def _options(pg):
+    import meshcoll.torch as mt
+    _gloo(pg)
+    out = {}
+    # no_sync: 3 micro-batches, the first two without communication.
+    ref = _ddp_reference(pg, "transformer", "adamw", accum=3)
+    net = _sharded("transformer", group=pg)
+    out["no_sync"] = _max_rel(_train(net, "transformer", "adamw", pg.rank, accum=3), ref)
+
+    # Activation checkpointing: the same training, each block recomputed in backward.
+    ref = _ddp_reference(pg, "transformer", "sgd")
+    net = _sharded("transformer", group=pg, checkpoint=True)
+    out["checkpoint"] = _max_rel(_train(net, "transformer", "sgd", pg.rank), ref)
+
+    # State dicts: the full one loads into the unwrapped model; the sharded ones, merged,
+    # give the same; loading back into a sharded model restores its shards.
+    full = net.full_state_dict()
+    plain = MODELS["transformer"]()
+    plain.load_state_dict(full)
+    out["full_loads"] = _max_rel({n: p.detach().numpy() for n, p in plain.state_dict().items()},
+                                 {n: v.numpy() for n, v in full.items()})
+    mine = net.sharded_state_dict()
+    every = [None] * pg.size
+    for r in range(pg.size):  # the ranks' dicts, through the group (pickled)
+        every[r] = _exchange(pg, mine, r)
+    merged = mt.merge_sharded_state_dicts(every)
+    plain2 = MODELS["transformer"]()
+    plain2.load_state_dict(merged)
+    out["sharded_merged"] = _max_rel({n: v.numpy() for n, v in merged.items()},
+                                     {n: v.numpy() for n, v in full.items()})
+    fresh = _sharded("transformer", group=pg)
+    fresh.load_sharded_state_dict(mine)
+    out["sharded_loads"] = _max_rel({n: v.numpy() for n, v in fresh.full_state_dict().items()},
+                                    {n: v.numpy() for n, v in full.items()})
+    fresh2 = _sharded("transformer", group=pg)
+    fresh2.load_full_state_dict(full)
+    out["full_loads_sharded"] = _max_rel(
+        {n: v.numpy() for n, v in fresh2.full_state_dict().items()},
+        {n: v.numpy() for n, v in full.items()})
+
+    # Mixed precision: bf16 forward/backward, fp32 shards, reduce in fp32 and in bf16.
+    ref = _ddp_reference(pg, "transformer", "adamw")
+    for reduce in (torch.float32, torch.bfloat16):
+        policy = mt.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+        net = _sharded("transformer", group=pg, mp_policy=policy)
+        got = _train(net, "transformer", "adamw", pg.rank, dtype=torch.bfloat16)
+        assert all(p.dtype == torch.float32 for p in net.parameters())
+        out[f"bf16 reduce {reduce}"] = _max_rel(got, ref)
+    return out
+
+
+def _exchange(pg, obj, root):
+    import pickle
+    data = np.frombuffer(pickle.dumps(obj), np.uint8).copy() if pg.rank == root else None
+    n = np.array([0 if data is None else data.size], np.int64)
+    pg.broadcast(n, root)
+    buf = data if data is not None else np.empty(int(n[0]), np.uint8)
+    pg.broadcast(buf, root)
+    return pickle.loads(buf.tobytes())
+
+
+def test_no_sync_checkpointing_state_dicts_and_mixed_precision(run_ranks):
+    for res in run_ranks(2, _options, timeout=140, init_timeout=90):
+        for case in ("no_sync", "checkpoint"):
+            assert res[case] < 1e-5, (case, res[case])
+        for case in ("full_loads", "sharded_merged", "sharded_loads", "full_loads_sharded"):
+            assert res[case] == 0.0, (case, res[case])
+        for case, rel in res.items():
+            if case.startswith("bf16"):  # bf16 compute: close to fp32, not equal
+                assert 0 < rel < 0.05, (case, rel)
+
+
+# ---- errors ----------------------------------------------------------------------------
+def _different_layouts(pg):
+    import meshcoll
+    import meshcoll.torch as mt
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8 if pg.rank == 0 else 9), torch.nn.Linear(
+        8 if pg.rank == 0 else 9, 2))
+    try:
+        mt.fully_shard(net, group=pg)
+    except meshcoll.MismatchError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_with_different_shard_layouts_get_a_mismatch_naming_both(run_ranks):
+    for msg in run_ranks(2, _different_layouts):
+        assert "global rank 0 and global rank 1" in msg, msg
+        assert "fully_shard" in msg and "0.weight" in msg, msg
+
+
+def _killed(pg, victim):
+    import meshcoll
+    g = pg.new_group(list(range(pg.size)), timeout=3.0)
+    net = _sharded("mlp", group=g)
+    opt = _opt("sgd", net.parameters())
+    x, y = _batch("mlp", 0, pg.rank)
+    torch.nn.functional.cross_entropy(net(x), y).backward()  # one whole step
+    opt.step()
+    pg.barrier()
+    if pg.rank == victim:
+        net.blocks[0](x)  # its gathers are under way
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        net(x)
+        return ("no error", "")
+    except (meshcoll.PeerError, meshcoll.TimeoutError) as e:
+        return (type(e).__name__, str(e))
+
+
+def test_a_rank_killed_mid_step_is_a_peer_error_on_every_survivor(run_ranks):
+    results = run_ranks(3, _killed, victim=2, may_die=(2,), timeout=90, init_timeout=60)
+    for rank in (0, 1):
+        kind, msg = results[rank]
+        assert kind == "PeerError", (rank, kind, msg)
+        assert "rank 2" in msg or "rank(s) 2" in msg, (rank, msg)
+
+
+# ---- ShardedDataParallel on numpy -------------------------------------------------------
+SIZES, BATCH, NP_STEPS, LR = (8, 16, 16, 4), 26, 8, 0.2
+
+
+def _np_train(pg, make, opt_factory):
+    """The README's model; each rank its array_split share of each global batch."""
+    x, y = make_dataset(BATCH * NP_STEPS, dim=SIZES[0], classes=SIZES[-1], seed=1)
+    params = init_params(SIZES, seed=pg.rank)  # differs per rank: construction broadcasts
+    return make(params, x, y, opt_factory)
+
+
+def _np_sharded(pg, stage, opt_factory, mesh=None):
+    import meshcoll
+
+    def make(params, x, y, opt_factory):
+        sdp = meshcoll.ShardedDataParallel(params, group=None if mesh else pg, mesh=mesh,
+                                           stage=stage)
+        opt = opt_factory()
+        for s in range(NP_STEPS):
+            idx = np.array_split(np.arange(s * BATCH, (s + 1) * BATCH), pg.size)[pg.rank]
+            grads = {}
+            forward_backward(sdp.gather(), x[idx], y[idx], pg.size / BATCH, grads.__setitem__)
+            sdp.step(grads, opt)
+        return sdp.state_dict()
+    return _np_train(pg, make, opt_factory)
+
+
+def _np_data_parallel(pg, opt_factory):
+    from meshcoll.ddp import DataParallel
+
+    def make(params, x, y, opt_factory):
+        ddp = DataParallel(params, group=pg)
+        opt = opt_factory()
+        flat_state = {n: opt.init(p) for n, p in params.items()}
+        for s in range(NP_STEPS):
+            idx = np.array_split(np.arange(s * BATCH, (s + 1) * BATCH), pg.size)[pg.rank]
+            grads = {}
+            forward_backward(params, x[idx], y[idx], pg.size / BATCH, grads.__setitem__)
+            ddp.sync_gradients(grads)
+            for n, p in params.items():
+                opt.update(p, grads[n], flat_state[n])
+        ddp.close()
+        return params
+    return _np_train(pg, make, opt_factory)
+
+
+def _numpy_cases(pg):
+    import meshcoll
+    from meshcoll.sharded import SGD, Adam
+    out = {}
+    for name, factory in (("sgd", lambda: SGD(LR, momentum=0.5)),
+                          ("adam", lambda: Adam(1e-2, weight_decay=0.01))):
+        ref = _np_data_parallel(pg, factory)
+        for stage in (1, 2, 3):
+            got = _np_sharded(pg, stage, factory)
+            out[(name, stage)] = max(float(np.abs(got[n] - ref[n]).max() / np.abs(ref[n]).max())
+                                     for n in ref)
+    if pg.size == 4:
+        mesh = meshcoll.init_device_mesh((2, 2), ("replicate", "shard"))
+        ref = _np_data_parallel(pg, lambda: SGD(LR))
+        got = _np_sharded(pg, 3, lambda: SGD(LR), mesh=mesh)
+        out[("sgd", "hybrid")] = max(float(np.abs(got[n] - ref[n]).max() / np.abs(ref[n]).max())
+                                     for n in ref)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_data_parallel_on_numpy_trains_as_data_parallel(run_ranks, world):
+    for res in run_ranks(world, _numpy_cases, timeout=120):
+        if world == 4:
+            assert ("sgd", "hybrid") in res
+        for case, rel in res.items():
+            assert rel < 1e-5, (case, rel)
