@@ -472,4 +472,4 @@ class DistributedDataParallel(torch.nn.Module):
         self.ddp.close()
 
 
-from .torch_fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402,F401  sharded data parallel
+from .torch_fsdp import MixedPrecisionPolicy, clip_grad_norm_, fully_shard, merge_sharded_state_dicts  # noqa: E402,F401,E501
