@@ -119,12 +119,13 @@ class _Gather(torch.autograd.Function):
     unit (Note [The unit's step])."""
 
     @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, unit: "_Unit") -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, shard: torch.Tensor, unit: "_Unit") -> torch.Tensor:
         ctx.unit = unit
+        assert unit.full is not None  # use() waited for the gather
         return unit.full.detach()  # an alias: the unit keeps (and frees) the buffer itself
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None]:
         ctx.unit.post_backward(grad)
         return None, None
 
@@ -146,9 +147,10 @@ def _unpack(x: Any) -> torch.Tensor:
     if isinstance(x, tuple):
         u, offset, shape, stride = x
         u.unshard_for_backward()
-        assert u.full is not None
-        return u.full.as_strided(shape, stride, offset)
-    return x
+        full: torch.Tensor = u.full
+        return full.as_strided(shape, stride, offset)
+    out: torch.Tensor = x
+    return out
 
 
 _current: Optional[_Context] = None  # the context whose unit's forward is running
@@ -284,7 +286,7 @@ class _Unit:
     def use(self) -> None:
         """Gathered flat buffer -> the module's parameters, through _Gather (autograd)."""
         self.wait_gather()
-        full = _Gather.apply(self.shard, self)
+        full: torch.Tensor = _Gather.apply(self.shard, self)  # type: ignore[no-untyped-call]
         for (mod, pname, _), off, n, shape in zip(self.entries, self.layout.offsets,
                                                   self.layout.numels, self.layout.shapes):
             mod.__dict__[pname] = full[off:off + n].view(shape)
@@ -345,7 +347,7 @@ class _Unit:
         units = [getattr(m, _ATTR) for m in self.module.modules() if hasattr(m, _ATTR)]
         ctx = _Context(units)
         if self.device.type == "cuda":
-            ctx.stream = torch.cuda.Stream(self.device)
+            ctx.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         for u in units:
             u.ctx = ctx
         self.is_root = True
@@ -366,7 +368,7 @@ class _Unit:
             if not torch.is_grad_enabled():
                 return run(*args, **kwargs)
             return checkpoint(run, *args, use_reentrant=False, **kwargs)
-        self.module.forward = forward  # type: ignore[method-assign]
+        self.module.forward = forward
 
     # ---- backward ----------------------------------------------------------------------
     def post_backward(self, grad: torch.Tensor) -> None:

@@ -7,7 +7,6 @@ spawns one world and loops over its cases inside it."""
 
 from __future__ import annotations
 
-import copy
 import os
 import signal
 
@@ -18,9 +17,10 @@ torch = pytest.importorskip("torch")
 
 from meshcoll.examples.train_ddp import forward_backward, init_params, make_dataset  # noqa: E402
 
-pytestmark = pytest.mark.timeout(150)
+from fsdp_common import (MODELS, base, batch, ddp_reference, fsdp2_reference,  # noqa: E402
+                         max_rel, optimizer, sharded, torch_group, train)
 
-STEPS = 20
+pytestmark = pytest.mark.timeout(150)
 
 
 @pytest.fixture(autouse=True)
@@ -29,139 +29,26 @@ def _one_thread(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
-# ---- models, data, the torch DDP reference ----------------------------------------------
-class Mlp(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList([torch.nn.Linear(6, 16), torch.nn.Linear(16, 16)])
-        self.head = torch.nn.Linear(16, 3)
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = torch.relu(b(x))
-        return self.head(x)
-
-
-class Tiny(torch.nn.Module):
-    """A transformer-ish model: input projection, 2 encoder layers, head."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = torch.nn.Linear(6, 16)
-        self.blocks = torch.nn.ModuleList([
-            torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
-            for _ in range(2)])
-        self.head = torch.nn.Linear(16, 3)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x.mean(dim=1))
-
-
-MODELS = {"mlp": Mlp, "transformer": Tiny}
-
-
-def _base(kind):
-    torch.manual_seed(0)
-    return MODELS[kind]()
-
-
-def _batch(kind, step, rank, micro=0):
-    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
-    x = torch.randn((4, 6) if kind == "mlp" else (4, 5, 6), generator=g)
-    return x, torch.randint(0, 3, (4,), generator=g)
-
-
-def _opt(name, params):
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
-
-
-def _gloo(pg):
-    import torch.distributed as dist
-    from meshcoll.run import pick_free_port
-    port = np.array([pick_free_port("127.0.0.1") if pg.rank == 0 else 0], np.int64)
-    pg.broadcast(port, 0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port[0])}",
-                            rank=pg.rank, world_size=pg.size)
-
-
-def _ddp_reference(pg, kind, opt_name, accum=1):
-    """torch's DDP on Gloo: the parameters after STEPS steps, name -> numpy."""
-    net = torch.nn.parallel.DistributedDataParallel(_base(kind))
-    opt = _opt(opt_name, net.parameters())
-    for s in range(STEPS):
-        opt.zero_grad()
-        for m in range(accum):
-            x, y = _batch(kind, s, pg.rank, m)
-            ctx = net.no_sync() if m < accum - 1 else _nothing()
-            with ctx:
-                (torch.nn.functional.cross_entropy(net(x), y) / accum).backward()
-        opt.step()
-    return {n: p.detach().numpy().copy() for n, p in net.module.named_parameters()}
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _sharded(kind, mesh=None, group=None, **kw):
-    import meshcoll.torch as mt
-    net = _base(kind)
-    for b in net.blocks:
-        mt.fully_shard(b, mesh=mesh, group=group, **kw)
-    return mt.fully_shard(net, mesh=mesh, group=group, **kw)
-
-
-def _train(net, kind, opt_name, rank, accum=1, dtype=None):
-    opt = _opt(opt_name, net.parameters())
-    for s in range(STEPS):
-        opt.zero_grad()
-        for m in range(accum):
-            x, y = _batch(kind, s, rank, m)
-            ctx = net.no_sync() if m < accum - 1 else _nothing()
-            with ctx:
-                out = net(x)
-                if dtype is not None:
-                    assert out.dtype == dtype, out.dtype  # forward ran in param_dtype
-                loss = torch.nn.functional.cross_entropy(out.float(), y) / accum
-                loss.backward()
-        opt.step()
-    return {n: v.numpy() for n, v in net.full_state_dict().items()}
-
-
-def _max_rel(a, b):
-    assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max(float(np.abs(a[n] - b[n]).max() / np.abs(b[n]).max()) for n in b)
-
-
 # ---- stages 1-3 against torch's DDP --------------------------------------------------------
 def _stages(pg):
-    _gloo(pg)
+    torch_group(pg)
     out = {}
     for kind in MODELS:
         for opt_name in ("sgd", "adamw"):
-            ref = _ddp_reference(pg, kind, opt_name)
+            ref = ddp_reference(pg, kind, opt_name)
             for stage in (1, 2, 3):
-                net = _sharded(kind, group=pg, stage=stage)
-                got = _train(net, kind, opt_name, pg.rank)
+                net = sharded(kind, group=pg, stage=stage)
+                got = train(net, kind, opt_name, pg.rank)
                 if stage == 3:  # after a forward, only the root's parameters stay gathered
-                    net(_batch(kind, 0, pg.rank)[0])
+                    net(batch(kind, 0, pg.rank)[0])
                     held = [getattr(m, name).device.type for b in net.blocks
                             for m, name, _ in b._meshcoll_fsdp_unit.entries]
                     assert held and set(held) == {"meta"}, held
                     assert net.head.weight.device.type == "cpu"
                 # The optimizer sees shards only: a 1/N slice of every unit, padded.
                 numel = sum(p.numel() for p in net.parameters())
-                total = sum(p.numel() for p in _base(kind).parameters())
-                out[(kind, opt_name, stage)] = (_max_rel(got, ref), numel, total)
+                total = sum(p.numel() for p in base(kind).parameters())
+                out[(kind, opt_name, stage)] = (max_rel(got, ref), numel, total)
     return out
 
 
@@ -175,13 +62,13 @@ def test_stages_1_2_3_train_as_torch_ddp(run_ranks):
 # ---- hybrid sharding on a 2x2 mesh --------------------------------------------------------
 def _hybrid(pg):
     import meshcoll
-    _gloo(pg)
+    torch_group(pg)
     mesh = meshcoll.init_device_mesh((2, 2), ("replicate", "shard"))
     out = {}
     for opt_name in ("sgd", "adamw"):
-        ref = _ddp_reference(pg, "mlp", opt_name)
-        net = _sharded("mlp", mesh=mesh)
-        out[opt_name] = _max_rel(_train(net, "mlp", opt_name, pg.rank), ref)
+        ref = ddp_reference(pg, "mlp", opt_name)
+        net = sharded("mlp", mesh=mesh)
+        out[opt_name] = max_rel(train(net, "mlp", opt_name, pg.rank), ref)
     return out
 
 
@@ -194,24 +81,24 @@ def test_hybrid_sharding_on_a_2x2_mesh_trains_as_torch_ddp(run_ranks):
 # ---- mixed precision, no_sync, state dicts, checkpointing -----------------------------------
 def _options(pg):
     import meshcoll.torch as mt
-    _gloo(pg)
+    torch_group(pg)
     out = {}
     # no_sync: 3 micro-batches, the first two without communication.
-    ref = _ddp_reference(pg, "transformer", "adamw", accum=3)
-    net = _sharded("transformer", group=pg)
-    out["no_sync"] = _max_rel(_train(net, "transformer", "adamw", pg.rank, accum=3), ref)
+    ref = ddp_reference(pg, "transformer", "adamw", accum=3)
+    net = sharded("transformer", group=pg)
+    out["no_sync"] = max_rel(train(net, "transformer", "adamw", pg.rank, accum=3), ref)
 
     # Activation checkpointing: the same training, each block recomputed in backward.
-    ref = _ddp_reference(pg, "transformer", "sgd")
-    net = _sharded("transformer", group=pg, checkpoint=True)
-    out["checkpoint"] = _max_rel(_train(net, "transformer", "sgd", pg.rank), ref)
+    ref = ddp_reference(pg, "transformer", "sgd")
+    net = sharded("transformer", group=pg, checkpoint=True)
+    out["checkpoint"] = max_rel(train(net, "transformer", "sgd", pg.rank), ref)
 
     # State dicts: the full one loads into the unwrapped model; the sharded ones, merged,
     # give the same; loading back into a sharded model restores its shards.
     full = net.full_state_dict()
     plain = MODELS["transformer"]()
     plain.load_state_dict(full)
-    out["full_loads"] = _max_rel({n: p.detach().numpy() for n, p in plain.state_dict().items()},
+    out["full_loads"] = max_rel({n: p.detach().numpy() for n, p in plain.state_dict().items()},
                                  {n: v.numpy() for n, v in full.items()})
     mine = net.sharded_state_dict()
     every = [None] * pg.size
@@ -220,15 +107,15 @@ def _options(pg):
     merged = mt.merge_sharded_state_dicts(every)
     plain2 = MODELS["transformer"]()
     plain2.load_state_dict(merged)
-    out["sharded_merged"] = _max_rel({n: v.numpy() for n, v in merged.items()},
+    out["sharded_merged"] = max_rel({n: v.numpy() for n, v in merged.items()},
                                      {n: v.numpy() for n, v in full.items()})
-    fresh = _sharded("transformer", group=pg)
+    fresh = sharded("transformer", group=pg)
     fresh.load_sharded_state_dict(mine)
-    out["sharded_loads"] = _max_rel({n: v.numpy() for n, v in fresh.full_state_dict().items()},
+    out["sharded_loads"] = max_rel({n: v.numpy() for n, v in fresh.full_state_dict().items()},
                                     {n: v.numpy() for n, v in full.items()})
-    fresh2 = _sharded("transformer", group=pg)
+    fresh2 = sharded("transformer", group=pg)
     fresh2.load_full_state_dict(full)
-    out["full_loads_sharded"] = _max_rel(
+    out["full_loads_sharded"] = max_rel(
         {n: v.numpy() for n, v in fresh2.full_state_dict().items()},
         {n: v.numpy() for n, v in full.items()})
 
@@ -236,32 +123,12 @@ def _options(pg):
     # against torch's fully_shard with the same policy (on Gloo, in the same processes).
     for reduce in (torch.float32, torch.bfloat16):
         policy = mt.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
-        ref = _fsdp2_reference(pg, "transformer", "sgd", policy)
-        net = _sharded("transformer", group=pg, mp_policy=policy)
-        got = _train(net, "transformer", "sgd", pg.rank, dtype=torch.bfloat16)
+        ref = fsdp2_reference(pg, "transformer", "sgd", policy)
+        net = sharded("transformer", group=pg, mp_policy=policy)
+        got = train(net, "transformer", "sgd", pg.rank, dtype=torch.bfloat16)
         assert all(p.dtype == torch.float32 for p in net.parameters())
-        out[f"bf16 reduce {reduce}"] = _max_rel(got, ref)
+        out[f"bf16 reduce {reduce}"] = max_rel(got, ref)
     return out
-
-
-def _fsdp2_reference(pg, kind, opt_name, policy):
-    """torch's fully_shard (FSDP2) on Gloo, each block then the root, ``policy`` as a
-    torch MixedPrecisionPolicy: the parameters after STEPS steps."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh("cpu", (pg.size,))
-    mp = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
-    net = _base(kind)
-    for b in net.blocks:
-        fully_shard(b, mesh=mesh, mp_policy=mp)
-    fully_shard(net, mesh=mesh, mp_policy=mp)
-    opt = _opt(opt_name, net.parameters())
-    for s in range(STEPS):
-        opt.zero_grad()
-        x, y = _batch(kind, s, pg.rank)
-        torch.nn.functional.cross_entropy(net(x).float(), y).backward()
-        opt.step()
-    return {n: p.full_tensor().detach().numpy().copy() for n, p in net.named_parameters()}
 
 
 def _exchange(pg, obj, root):
@@ -307,9 +174,9 @@ def test_ranks_with_different_shard_layouts_get_a_mismatch_naming_both(run_ranks
 def _killed(pg, victim):
     import meshcoll
     g = pg.new_group(list(range(pg.size)), timeout=3.0)
-    net = _sharded("mlp", group=g)
-    opt = _opt("sgd", net.parameters())
-    x, y = _batch("mlp", 0, pg.rank)
+    net = sharded("mlp", group=g)
+    opt = optimizer("sgd", net.parameters())
+    x, y = batch("mlp", 0, pg.rank)
     torch.nn.functional.cross_entropy(net(x), y).backward()  # one whole step
     opt.step()
     pg.barrier()
@@ -337,14 +204,14 @@ def test_a_rank_killed_mid_step_is_a_peer_error_on_every_survivor(run_ranks):
 SIZES, BATCH, NP_STEPS, LR = (8, 16, 16, 4), 26, 8, 0.2
 
 
-def _np_train(pg, make, opt_factory):
+def _nptrain(pg, make, opt_factory):
     """The README's model; each rank its array_split share of each global batch."""
     x, y = make_dataset(BATCH * NP_STEPS, dim=SIZES[0], classes=SIZES[-1], seed=1)
     params = init_params(SIZES, seed=pg.rank)  # differs per rank: construction broadcasts
     return make(params, x, y, opt_factory)
 
 
-def _np_sharded(pg, stage, opt_factory, mesh=None):
+def _npsharded(pg, stage, opt_factory, mesh=None):
     import meshcoll
 
     def make(params, x, y, opt_factory):
@@ -357,7 +224,7 @@ def _np_sharded(pg, stage, opt_factory, mesh=None):
             forward_backward(sdp.gather(), x[idx], y[idx], pg.size / BATCH, grads.__setitem__)
             sdp.step(grads, opt)
         return sdp.state_dict()
-    return _np_train(pg, make, opt_factory)
+    return _nptrain(pg, make, opt_factory)
 
 
 def _np_data_parallel(pg, opt_factory):
@@ -376,7 +243,7 @@ def _np_data_parallel(pg, opt_factory):
                 opt.update(p, grads[n], flat_state[n])
         ddp.close()
         return params
-    return _np_train(pg, make, opt_factory)
+    return _nptrain(pg, make, opt_factory)
 
 
 def _numpy_cases(pg):
@@ -387,13 +254,13 @@ def _numpy_cases(pg):
                           ("adam", lambda: Adam(1e-2, weight_decay=0.01))):
         ref = _np_data_parallel(pg, factory)
         for stage in (1, 2, 3):
-            got = _np_sharded(pg, stage, factory)
+            got = _npsharded(pg, stage, factory)
             out[(name, stage)] = max(float(np.abs(got[n] - ref[n]).max() / np.abs(ref[n]).max())
                                      for n in ref)
     if pg.size == 4:
         mesh = meshcoll.init_device_mesh((2, 2), ("replicate", "shard"))
         ref = _np_data_parallel(pg, lambda: SGD(LR))
-        got = _np_sharded(pg, 3, lambda: SGD(LR), mesh=mesh)
+        got = _npsharded(pg, 3, lambda: SGD(LR), mesh=mesh)
         out[("sgd", "hybrid")] = max(float(np.abs(got[n] - ref[n]).max() / np.abs(ref[n]).max())
                                      for n in ref)
     return out
