@@ -2,8 +2,8 @@
 sharding train as torch's DDP on Gloo in the same processes (20 steps, SGD and AdamW, an MLP
 and a small transformer), mixed precision, no_sync accumulation, state dicts that load into
 an unwrapped model, activation checkpointing, the errors (differing layouts, a rank killed
-mid-step), and ``meshcoll.ShardedDataParallel`` on numpy against ``DataParallel``. Each test
-spawns one world and loops over its cases inside it."""
+mid-step). Each test spawns one world and loops over its cases inside it
+(tests/python/test_sharded.py: ``meshcoll.ShardedDataParallel`` on numpy)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-
-from meshcoll.examples.train_ddp import forward_backward, init_params, make_dataset  # noqa: E402
 
 from fsdp_common import (MODELS, base, batch, ddp_reference, fsdp2_reference,  # noqa: E402
                          max_rel, optimizer, sharded, torch_group, train)
@@ -198,78 +196,3 @@ def test_a_rank_killed_mid_step_is_a_peer_error_on_every_survivor(run_ranks):
         kind, msg = results[rank]
         assert kind == "PeerError", (rank, kind, msg)
         assert "rank 2" in msg or "rank(s) 2" in msg, (rank, msg)
-
-
-# ---- ShardedDataParallel on numpy -------------------------------------------------------
-SIZES, BATCH, NP_STEPS, LR = (8, 16, 16, 4), 26, 8, 0.2
-
-
-def _nptrain(pg, make, opt_factory):
-    """The README's model; each rank its array_split share of each global batch."""
-    x, y = make_dataset(BATCH * NP_STEPS, dim=SIZES[0], classes=SIZES[-1], seed=1)
-    params = init_params(SIZES, seed=pg.rank)  # differs per rank: construction broadcasts
-    return make(params, x, y, opt_factory)
-
-
-def _npsharded(pg, stage, opt_factory, mesh=None):
-    import meshcoll
-
-    def make(params, x, y, opt_factory):
-        sdp = meshcoll.ShardedDataParallel(params, group=None if mesh else pg, mesh=mesh,
-                                           stage=stage)
-        opt = opt_factory()
-        for s in range(NP_STEPS):
-            idx = np.array_split(np.arange(s * BATCH, (s + 1) * BATCH), pg.size)[pg.rank]
-            grads = {}
-            forward_backward(sdp.gather(), x[idx], y[idx], pg.size / BATCH, grads.__setitem__)
-            sdp.step(grads, opt)
-        return sdp.state_dict()
-    return _nptrain(pg, make, opt_factory)
-
-
-def _np_data_parallel(pg, opt_factory):
-    from meshcoll.ddp import DataParallel
-
-    def make(params, x, y, opt_factory):
-        ddp = DataParallel(params, group=pg)
-        opt = opt_factory()
-        flat_state = {n: opt.init(p) for n, p in params.items()}
-        for s in range(NP_STEPS):
-            idx = np.array_split(np.arange(s * BATCH, (s + 1) * BATCH), pg.size)[pg.rank]
-            grads = {}
-            forward_backward(params, x[idx], y[idx], pg.size / BATCH, grads.__setitem__)
-            ddp.sync_gradients(grads)
-            for n, p in params.items():
-                opt.update(p, grads[n], flat_state[n])
-        ddp.close()
-        return params
-    return _nptrain(pg, make, opt_factory)
-
-
-def _numpy_cases(pg):
-    import meshcoll
-    from meshcoll.sharded import SGD, Adam
-    out = {}
-    for name, factory in (("sgd", lambda: SGD(LR, momentum=0.5)),
-                          ("adam", lambda: Adam(1e-2, weight_decay=0.01))):
-        ref = _np_data_parallel(pg, factory)
-        for stage in (1, 2, 3):
-            got = _npsharded(pg, stage, factory)
-            out[(name, stage)] = max(float(np.abs(got[n] - ref[n]).max() / np.abs(ref[n]).max())
-                                     for n in ref)
-    if pg.size == 4:
-        mesh = meshcoll.init_device_mesh((2, 2), ("replicate", "shard"))
-        ref = _np_data_parallel(pg, lambda: SGD(LR))
-        got = _npsharded(pg, 3, lambda: SGD(LR), mesh=mesh)
-        out[("sgd", "hybrid")] = max(float(np.abs(got[n] - ref[n]).max() / np.abs(ref[n]).max())
-                                     for n in ref)
-    return out
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_sharded_data_parallel_on_numpy_trains_as_data_parallel(run_ranks, world):
-    for res in run_ranks(world, _numpy_cases, timeout=120):
-        if world == 4:
-            assert ("sgd", "hybrid") in res
-        for case, rel in res.items():
-            assert rel < 1e-5, (case, rel)
