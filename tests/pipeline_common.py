@@ -48,7 +48,12 @@ class Affine:
     def forward(self, mb, x):
         self.calls.append(("F", mb))
         self.saved[mb] = x + 0
+        self.peak_saved = max(getattr(self, "peak_saved", 0), len(self.saved))
         return x @ self.w + self.b
+
+    def drop(self, mb):
+        """Activation checkpointing: forget what forward kept for mb."""
+        del self.saved[mb]
 
     def backward_input(self, mb, grad_y):
         self.calls.append(("I", mb))

@@ -27,6 +27,7 @@ _HOME = {
     **dict.fromkeys(("DataParallel", "LocalSGD", "BoundedStaleness", "Asynchronous"), "ddp"),
     **dict.fromkeys(("DeviceMesh", "MeshLayout", "init_device_mesh"), "device_mesh"),
     "monitored_barrier": "monitor",
+    "ShardedDataParallel": "sharded",
     **dict.fromkeys(("AlgorithmName", "BackendName", "ReduceOpName"), "_types"),
     "nccl_available": "nccl",
     **dict.fromkeys(("ShardedArray", "partition_range", "reduce_scatter_dim", "shard"),
@@ -44,7 +45,7 @@ _HOME = {
 
 # Submodules that were attributes of the package after a plain ``import meshcoll``.
 _SUBMODULES = ("_C", "_env", "api", "arrays", "ddp", "device_mesh", "hierarchy", "monitor",
-               "nccl", "partition", "process_group", "world")
+               "nccl", "partition", "process_group", "sharded", "world")
 
 if _typing.TYPE_CHECKING:  # what __getattr__ binds, as type checkers and IDEs see it
     from ._C import (AbortedError, ConcurrentCallError, FileStore, MeshcollError,
@@ -59,6 +60,7 @@ if _typing.TYPE_CHECKING:  # what __getattr__ binds, as type checkers and IDEs s
     from .nccl import nccl_available
     from .partition import ShardedArray, partition_range, reduce_scatter_dim, shard
     from .process_group import CallStats, CollectiveConfig, NonMemberGroup, ProcessGroup, Work
+    from .sharded import ShardedDataParallel
     from .world import destroy, get_world_group, init, is_initialized, new_group
 
 
@@ -82,7 +84,7 @@ __all__ = [
     "init", "destroy", "is_initialized", "get_rank", "get_world_size", "get_world_group",
     "new_group", "ProcessGroup", "NonMemberGroup", "Work", "CollectiveConfig", "CallStats", "TCPStore",
     "FileStore", "PrefixStore", "Store", "DataParallel", "LocalSGD", "BoundedStaleness",
-    "Asynchronous", "MeshLayout", "DeviceMesh", "init_device_mesh",
+    "Asynchronous", "ShardedDataParallel", "MeshLayout", "DeviceMesh", "init_device_mesh",
     "monitored_barrier", "nccl_available", "ShardedArray", "partition_range", "reduce_scatter_dim", "shard",
     "MeshcollError", "TimeoutError", "PeerError", "MismatchError", "AbortedError",
     "ConcurrentCallError",

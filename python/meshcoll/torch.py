@@ -470,3 +470,6 @@ class DistributedDataParallel(torch.nn.Module):
             h.remove()
         self._handles = []
         self.ddp.close()
+
+
+from .torch_fsdp import MixedPrecisionPolicy, clip_grad_norm_, fully_shard, merge_sharded_state_dicts  # noqa: E402,F401,E501

@@ -47,6 +47,12 @@ the rank's device); stage outputs are sent as they are (contiguous, the
 boundary's shape and dtype). Waits order the current stream after a transfer
 (no host block); a step's sends are waited, that way, when it ends.
 
+Activation checkpointing (``checkpoint=``): a checkpointed stage keeps nothing of a
+microbatch between its forward and its backward but the input: the executor calls
+``stage.drop(mb)`` right after ``forward`` (the stage frees what it kept for mb) and, at the
+microbatch's ``B`` or ``I``, ``stage.forward(mb, x)`` again (its output unused) before the
+backward. Memory per in-flight microbatch becomes its input alone, for a second forward.
+
 Gradients: stages own their parameters and accumulate parameter gradients in
 `backward` (or `backward_weight`), summed over the microbatches of a step and
 across steps until the caller zeroes them. Scale the loss in `loss_fn` (e.g.
@@ -120,12 +126,16 @@ class PipelineExecutor:
     timeout: seconds passed to every ``Work.wait`` (None: the group's default).
     empty: ``empty(shape, dtype) -> array`` allocating receive buffers (default:
         numpy; required on the NCCL backend, see Note [Channels on NCCL]).
+    checkpoint: True (every stage of this rank) or the stages whose forward is recomputed
+        in backward (activation checkpointing, see the module docstring); each needs
+        ``drop(mb)``.
     """
 
     def __init__(self, schedule: Schedule, stage_fns: Mapping[int, Stage], group: Any,
                  specs: Union[ArraySpec, Sequence[ArraySpec], None] = None,
                  loss_fn: Optional[LossFn] = None, timeout: Optional[float] = None,
-                 empty: Optional[Callable[[Tuple[int, ...], Any], Any]] = None) -> None:
+                 empty: Optional[Callable[[Tuple[int, ...], Any], Any]] = None,
+                 checkpoint: Union[bool, Sequence[int]] = False) -> None:
         if getattr(group, "backend_name", "cpu") == "nccl":
             # NCCL runs each point-to-point transfer as a kernel on the group's stream, in
             # posting order: a receive posted ahead of a send the peer waits for blocks that
@@ -156,6 +166,15 @@ class PipelineExecutor:
                 if missing:
                     raise TypeError(f"{schedule.name} splits the backward: stage {s} needs "
                                     f"{' and '.join(missing)}")
+        self.checkpointed = set(mine) if checkpoint is True else \
+            set() if checkpoint is False else {int(c) for c in checkpoint}
+        if not self.checkpointed <= set(mine):
+            raise ValueError(f"checkpoint names stages {sorted(self.checkpointed - set(mine))} "
+                             f"that rank {self.rank} does not own (it owns {mine})")
+        for s in sorted(self.checkpointed):
+            if not callable(getattr(self.stages[s], "drop", None)):
+                raise TypeError(f"checkpoint: stage {s} needs drop(mb), which frees what its "
+                                "forward kept for mb (its backward recomputes the forward)")
         self.specs = self._normalize_specs(specs)
         self.last_stage = self.num_stages - 1
         if self.last_stage in self.stages and loss_fn is None:
@@ -240,6 +259,7 @@ class PipelineExecutor:
         recvs: Dict[Action, Tuple[np.ndarray, Any]] = {}
         sends: List[Tuple[Any, np.ndarray]] = []         # Note [Why sends are waited at the end]
         losses: List[float] = [float("nan")] * m
+        kept: Dict[Tuple[int, int], Any] = {}            # checkpointed (stage, mb) -> its input
 
         def take(recv: Action) -> np.ndarray:
             buf, work = recvs.pop(recv)
@@ -274,6 +294,9 @@ class PipelineExecutor:
                 else:
                     x = take(Action(s, Kind.RECV_F, i))
                 y = self.stages[s].forward(i, x)
+                if s in self.checkpointed:
+                    self.stages[s].drop(i)  # type: ignore[attr-defined]  # checked when built
+                    kept[(s, i)] = x
                 if s == self.last_stage:
                     # The constructor requires loss_fn on the last stage's rank.
                     assert self.loss_fn is not None
@@ -289,6 +312,8 @@ class PipelineExecutor:
                 else:
                     g = take(Action(s, Kind.RECV_B, i))
                 fn = self.stages[s]
+                if (s, i) in kept:  # checkpointed: the forward again, for what backward needs
+                    fn.forward(i, kept.pop((s, i)))
                 # I and W come only from split-backward schedules, whose stages the
                 # constructor checked for backward_input and backward_weight.
                 gx = (fn.backward(i, g) if kind is Kind.B
@@ -311,7 +336,7 @@ class PipelineExecutor:
         for work, _ in sends:
             work.wait(timeout)
         # A validated schedule consumes everything it produces; leftovers mean a bug here.
-        leftover = list(outputs) + list(grads) + list(loss_grads) + list(recvs)
+        leftover = list(outputs) + list(grads) + list(loss_grads) + list(recvs) + list(kept)
         if leftover:
             raise AssertionError(f"rank {self.rank}: step ended with unconsumed {leftover}")
         return losses if owns_last else None

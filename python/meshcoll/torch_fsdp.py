@@ -1,0 +1,636 @@
+"""``meshcoll.torch.fully_shard``: sharded data parallel for torch modules (ZeRO stages 1-3,
+hybrid sharding on a 2-D DeviceMesh), in the call shape of torch's FSDP2::
+
+    import meshcoll, meshcoll.torch as mt
+    meshcoll.init()
+    for block in model.blocks:
+        mt.fully_shard(block)                 # one unit per block
+    mt.fully_shard(model)                     # the root: whatever parameters are left
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)   # sees each unit's shard
+    loss_fn(model(x), y).backward(); opt.step()
+
+Each unit's parameters become one flat fp32 shard, registered on the unit's module as the
+parameter ``flat_shard`` (Note [Flat shards] in sharded.py); the module's own parameters
+leave ``named_parameters()`` and are set, as plain tensors, to views of the gathered flat
+buffer while the unit runs (Note [The unit's step]). Any torch optimizer works on the shards
+as long as its update is elementwise (SGD, Adam, AdamW, ...); gradient clipping by norm needs
+the norm summed over ranks (``clip_grad_norm_`` here).
+
+What differs from torch's FSDP2: parameters are flat shards (``flat_shard``), not DTensors,
+so ``model.parameters()`` and ``state_dict()`` name those; ``full_state_dict()`` /
+``sharded_state_dict()`` give the unwrapped model's names (Note [Sharded state dicts]);
+``stage=`` picks ZeRO 1/2/3 (FSDP2 is stage 3, and stage 2 with ``reshard_after_forward=
+False`` only between forward and backward); every rank starts from rank 0's parameters
+(``broadcast_from=0``, as meshcoll's DataParallel; FSDP2 takes each rank's own);
+``checkpoint=True`` recomputes the unit's forward in its backward.
+
+Note [The unit's step]
+Forward pre-hook: the unit's flat buffer is all-gathered (in ``param_dtype``) unless a
+prefetch started it already, and passed through ``_Gather`` (an autograd Function whose
+input is the shard and whose output is the flat buffer), whose output the module's
+parameters are set to views of. Autograd sums the views' gradients into the flat gradient
+and calls ``_Gather.backward`` once the unit's whole backward is done: it starts the flat
+gradient's reduce-scatter (stage 1: all-reduce) asynchronously, in ``reduce_dtype``, and
+returns nothing; one callback at the end of backward waits for them, all-reduces over the
+replicate group on a hybrid mesh, divides by the data-parallel size and adds each result to
+its shard's ``.grad`` (so gradient accumulation across backwards works as for any
+parameter). Stage 3 frees the flat buffer after the unit's forward (``reshard_after_forward``;
+the root unit keeps it, its backward comes first) and again after its backward. Freed after
+forward, backward needs it back: the tensors autograd saves during the unit's forward that
+are views of the flat buffer are packed as (offset, shape, strides) by saved-tensor hooks,
+and unpacking them in backward gathers the buffer again. Prefetch: the unit's forward starts
+the next unit's gather (forward order of the first step), and the first unpack of a unit in
+backward starts the previous unit's, so gathers run while the unit computes.
+Stages 1 and 2 keep the flat buffer, and gather it again at the next forward only when the
+shard changed (its version counter: an optimizer steps it in place).
+
+Note [Sharded state dicts]
+``full_state_dict()`` gathers every unit's fp32 shards and returns the unwrapped model's
+state dict (its names, its shapes; buffers as they are), on every rank.
+``sharded_state_dict()`` is this rank's part only: for each parameter, a ``ShardedParameter``
+(its flat elements [start, stop) and shape), no communication; ``merge_sharded_state_dicts``
+puts the ranks' dicts (of one replica) together into the full one, and
+``load_sharded_state_dict`` / ``load_full_state_dict`` load into a model sharded the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from .ddp import agree_layout
+from .sharded import FlatLayout, check_stage, finish_reduce, reduce_shard, shard_groups
+
+if TYPE_CHECKING:
+    from .device_mesh import DeviceMesh
+    from .process_group import ProcessGroup
+
+_ATTR = "_meshcoll_fsdp_unit"
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """As torch's of that name (either may be passed): ``param_dtype`` gathers parameters and
+    runs forward and backward in that dtype (the shards stay fp32 masters); ``reduce_dtype``
+    reduces gradients in it (default: ``param_dtype``); ``output_dtype`` casts the root's
+    floating outputs; ``cast_forward_inputs`` casts the root's floating inputs to
+    ``param_dtype``."""
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    output_dtype: Optional[torch.dtype] = None
+    cast_forward_inputs: bool = True
+
+
+@dataclasses.dataclass
+class ShardedParameter:
+    """One rank's part of a parameter in ``sharded_state_dict()``: elements [start, stop) of
+    the parameter flattened, of a parameter of ``shape``."""
+    local: torch.Tensor
+    start: int
+    stop: int
+    shape: Tuple[int, ...]
+
+
+class _Context:
+    """What the units of one root share over a step (made at the root's first forward)."""
+
+    def __init__(self, units: List["_Unit"]) -> None:
+        self.units = units
+        self.order: List[_Unit] = []       # forward order, recorded in the first step
+        self.recording = True
+        self.pending: List[Tuple[_Unit, Any, Any, Any]] = []  # started gradient reductions
+        self.callback_queued = False
+        self.active: List[_Unit] = []      # units whose forward is running
+        self.stream: Any = None            # CUDA: the communication stream
+
+    def next_of(self, unit: "_Unit", step: int) -> Optional["_Unit"]:
+        if self.recording or unit not in self.order:
+            return None
+        k = self.order.index(unit) + step
+        return self.order[k] if 0 <= k < len(self.order) else None
+
+
+class _Gather(torch.autograd.Function):
+    """shard -> flat buffer (gathered already); backward hands the flat gradient to the
+    unit (Note [The unit's step])."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, unit: "_Unit") -> torch.Tensor:
+        ctx.unit = unit
+        assert unit.full is not None  # use() waited for the gather
+        return unit.full.detach()  # an alias: the unit keeps (and frees) the buffer itself
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None]:
+        ctx.unit.post_backward(grad)
+        return None, None
+
+
+def _pack(t: torch.Tensor) -> Any:
+    """Saved-tensor pack hook during a resharded unit's forward: a view of an active unit's
+    flat buffer is saved as where it lies, so the buffer can be freed (Note [The unit's
+    step])."""
+    ctx = _current
+    if ctx is not None and ctx.active and t.layout == torch.strided and t.device.type != "meta":
+        ptr = t.untyped_storage().data_ptr()
+        for u in ctx.active:
+            if u.full is not None and u.reshard and ptr == u.full.untyped_storage().data_ptr():
+                return (u, t.storage_offset(), tuple(t.shape), t.stride())
+    return t
+
+
+def _unpack(x: Any) -> torch.Tensor:
+    if isinstance(x, tuple):
+        u, offset, shape, stride = x
+        u.unshard_for_backward()
+        full: torch.Tensor = u.full
+        return full.as_strided(shape, stride, offset)
+    out: torch.Tensor = x
+    return out
+
+
+_current: Optional[_Context] = None  # the context whose unit's forward is running
+
+
+class _Unit:
+    """One ``fully_shard`` call: its module, its flat shard and the hooks."""
+
+    def __init__(self, module: torch.nn.Module, group: ProcessGroup,
+                 replicate: Optional[ProcessGroup], stage: int, reshard: bool, mp: Any,
+                 checkpoint: bool, broadcast_from: Optional[int]) -> None:
+        self.module, self.group, self.replicate = module, group, replicate
+        self.stage, self.checkpoint = stage, checkpoint
+        self.reshard_after_forward = reshard and stage == 3
+        self.reshard = self.reshard_after_forward
+        self.mp = mp
+        self.sync = True
+        self.ctx: Optional[_Context] = None
+        self.is_root = False
+        # The parameters of the subtree that no inner unit owns: (module, name, fqn).
+        self.entries: List[Tuple[torch.nn.Module, str, str]] = []
+        seen: Dict[int, str] = {}
+        params: List[torch.nn.Parameter] = []
+        for fqn, mod in _modules_outside_units(module):
+            for pname, p in list(mod._parameters.items()):
+                if p is None or not p.requires_grad:
+                    continue
+                full = f"{fqn}.{pname}" if fqn else pname
+                if id(p) in seen:
+                    raise ValueError(f"fully_shard: parameter {full!r} is the same tensor as "
+                                     f"{seen[id(p)]!r} (tied weights); meshcoll's flat shards "
+                                     "hold each parameter once: untie them or keep the module "
+                                     "unsharded")
+                seen[id(p)] = full
+                self.entries.append((mod, pname, full))
+                params.append(p)
+        if not params:
+            raise ValueError(f"fully_shard: {type(module).__name__} has no parameter that "
+                             "requires grad outside the units already made")
+        dtypes = {p.dtype for p in params}
+        devices = {p.device for p in params}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point or len(devices) != 1:
+            raise TypeError(f"fully_shard: a unit's parameters must share one floating dtype "
+                            f"and device (one flat shard), got {sorted(map(str, dtypes))} on "
+                            f"{sorted(map(str, devices))}")
+        self.dtype = next(iter(dtypes))
+        self.device = next(iter(devices))
+        self.param_dtype = mp.param_dtype or self.dtype
+        self.reduce_dtype = mp.reduce_dtype or self.param_dtype
+        self.layout = FlatLayout([e[2] for e in self.entries], [p.shape for p in params],
+                                 group.size)
+        self.world = group.size * (replicate.size if replicate is not None else 1)
+        what = f"meshcoll.torch.fully_shard({type(module).__name__})"
+        extra = (f"stage {stage} reshard {self.reshard} param {self.param_dtype} reduce "
+                 f"{self.reduce_dtype} replicas {self.world // group.size}")
+        for g in (group, replicate):
+            if g is not None:
+                agree_layout(g, self.layout.lines(str(self.dtype), extra), what)
+        with torch.no_grad():
+            flat = torch.zeros(self.layout.padded, dtype=self.dtype, device=self.device)
+            for p, off, n in zip(params, self.layout.offsets, self.layout.numels):
+                flat[off:off + n].copy_(p.reshape(-1))
+            if broadcast_from is not None:
+                for g in (replicate, group):
+                    if g is not None:
+                        g.broadcast(self._arr(flat), int(broadcast_from) if g is group else 0)
+            lo, hi = self.layout.shard_range(group.rank)
+            self.shard = torch.nn.Parameter(flat[lo:hi].clone())
+        for mod, pname, _ in self.entries:
+            del mod._parameters[pname]
+        module.register_parameter("flat_shard", self.shard)
+        self.full: Optional[torch.Tensor] = None   # the gathered flat buffer (param_dtype)
+        self.full_version = -1                     # the shard's version it was gathered at
+        self.gathering: Optional[Tuple[Any, Any]] = None  # (Work, source) of a started gather
+        self.acc: Optional[torch.Tensor] = None    # no_sync's running sum of flat gradients
+        self._placeholders()
+        self.hooks_ctx: List[Any] = []
+        module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
+        if checkpoint:
+            self._wrap_checkpoint()
+
+    # ---- arrays ------------------------------------------------------------------------
+    def _arr(self, t: torch.Tensor) -> Any:
+        from .torch import _operand  # here: meshcoll.torch imports this module at its end
+        return _operand(t, self.group, "fully_shard's flat buffer")
+
+    def _placeholders(self) -> None:
+        """Outside its forward a resharded unit's parameters are meta tensors of their shape:
+        the memory is gone, and a use outside forward fails loudly."""
+        for (mod, pname, _), shape in zip(self.entries, self.layout.shapes):
+            mod.__dict__[pname] = torch.empty(shape, dtype=self.param_dtype, device="meta")
+
+    # ---- gathering ---------------------------------------------------------------------
+    def start_gather(self) -> None:
+        """Starts the all-gather of the flat buffer unless it is current or under way."""
+        if self.gathering is not None:
+            return
+        if self.full is not None and (self.stage == 3 or self.full_version == self.shard._version):
+            return
+        src = self.shard.detach().to(self.param_dtype)
+        if self.full is None or self.stage == 3:
+            self.full = torch.empty(self.layout.padded, dtype=self.param_dtype,
+                                    device=self.device)
+        self.full_version = self.shard._version
+        out = self._arr(self.full).reshape(self.group.size, -1)
+        ctx = self.ctx
+        stream = ctx.stream if ctx is not None else None
+        if stream is not None:  # CUDA: gather on the communication stream
+            stream.wait_stream(torch.cuda.current_stream())
+            src.record_stream(stream)
+            self.full.record_stream(stream)
+            work = self.group.all_gather(self._arr(src), out=out, async_op=True, stream=stream)
+        else:
+            work = self.group.all_gather(self._arr(src), out=out, async_op=True)
+        self.gathering = (work, src)
+
+    def wait_gather(self) -> None:
+        self.start_gather()
+        if self.gathering is not None:
+            work, _ = self.gathering
+            self.gathering = None
+            work.wait(stream=_compute_stream(self.ctx))  # CUDA: the host goes on
+
+    def free(self) -> None:
+        if self.stage == 3:
+            if self.gathering is not None:  # a prefetch this step did not use: let it land
+                self.gathering[0].wait(stream=_compute_stream(self.ctx))
+                self.gathering = None
+            self.full = None
+            self._placeholders()
+
+    def use(self) -> None:
+        """Gathered flat buffer -> the module's parameters, through _Gather (autograd)."""
+        self.wait_gather()
+        full: torch.Tensor = _Gather.apply(self.shard, self)  # type: ignore[no-untyped-call]
+        for (mod, pname, _), off, n, shape in zip(self.entries, self.layout.offsets,
+                                                  self.layout.numels, self.layout.shapes):
+            mod.__dict__[pname] = full[off:off + n].view(shape)
+
+    def unshard_for_backward(self) -> None:
+        first = self.full is None or self.gathering is not None
+        self.wait_gather()
+        if first and self.ctx is not None:
+            prev = self.ctx.next_of(self, -1)
+            if prev is not None and prev.reshard:
+                prev.start_gather()
+
+    # ---- forward -----------------------------------------------------------------------
+    def _pre_forward(self, module: torch.nn.Module, args: Tuple[Any, ...],
+                     kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        global _current
+        if self.ctx is None:
+            self._become_root()
+        ctx = self.ctx
+        assert ctx is not None
+        if self.is_root:
+            if ctx.order:
+                ctx.recording = False
+            ctx.active = []
+            if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
+                args, kwargs = _cast((args, kwargs), self.mp.param_dtype)
+        if ctx.recording:
+            ctx.order.append(self)
+        self.start_gather()
+        nxt = ctx.next_of(self, 1)
+        if nxt is not None:
+            nxt.start_gather()  # prefetch: runs while this unit computes
+        if not self.checkpoint:
+            self.use()
+        ctx.active.append(self)
+        if self.reshard and not self.checkpoint and torch.is_grad_enabled():
+            hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+            hooks.__enter__()
+            self.hooks_ctx.append(hooks)
+        self._previous_current, _current = _current, ctx
+        return args, kwargs
+
+    def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        global _current
+        _current = self._previous_current
+        if self.hooks_ctx:
+            self.hooks_ctx.pop().__exit__(None, None, None)
+        assert self.ctx is not None
+        if self.ctx.active and self.ctx.active[-1] is self:
+            self.ctx.active.pop()
+        if self.reshard:
+            self.free()
+        if self.is_root and self.mp.output_dtype is not None:
+            output = _cast(output, self.mp.output_dtype)
+        return output
+
+    def _become_root(self) -> None:
+        units = [getattr(m, _ATTR) for m in self.module.modules() if hasattr(m, _ATTR)]
+        ctx = _Context(units)
+        if self.device.type == "cuda":
+            ctx.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        for u in units:
+            u.ctx = ctx
+        self.is_root = True
+        self.reshard = False  # its backward comes first: FSDP2 keeps the root's too
+
+    def _wrap_checkpoint(self) -> None:
+        """``checkpoint=True``: the unit's forward runs under torch.utils.checkpoint
+        (non-reentrant), its parameters set inside, so its backward recomputes it from the
+        inputs, gathering the parameters again (Note [The unit's step])."""
+        from torch.utils.checkpoint import checkpoint
+        inner = self.module.forward
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.use()
+            return inner(*args, **kwargs)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return run(*args, **kwargs)
+            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        self.module.forward = forward
+
+    # ---- backward ----------------------------------------------------------------------
+    def post_backward(self, grad: torch.Tensor) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        g = grad.contiguous()
+        if not ctx.callback_queued:
+            ctx.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self.free()
+        if not self.sync:  # no_sync: keep this rank's sum; the next synchronised step sends it
+            g = g.to(self.dtype)
+            self.acc = g.clone() if self.acc is None else self.acc.add_(g)
+            return
+        if self.acc is not None:
+            g = self.acc.add_(g)
+            self.acc = None
+        g = g.to(self.reduce_dtype)
+        lo, hi = self.layout.shard_range(self.group.rank)
+        out = g[lo:hi] if self.stage == 1 else torch.empty(self.layout.shard_numel,
+                                                            dtype=g.dtype, device=g.device)
+        stream = ctx.stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+            g.record_stream(stream)
+            out.record_stream(stream)
+            with torch.cuda.stream(stream):
+                work = reduce_shard(self.group, self.stage, self._arr(g), self._arr(out))
+        else:
+            work = reduce_shard(self.group, self.stage, self._arr(g), self._arr(out))
+        ctx.pending.append((self, work, g, out))
+
+    def _finish_backward(self) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        pending, ctx.pending = ctx.pending, []
+        ctx.callback_queued = False
+        error: Optional[BaseException] = None
+        stream = _compute_stream(ctx)
+        for unit, work, _, out in pending:
+            try:
+                if error is None:
+                    finish_reduce(work, unit.replicate, unit._arr(out), stream)
+            except BaseException as e:  # the group failed: every later wait fails too
+                error = e
+                continue
+            g = out.to(unit.dtype).div_(unit.world)
+            s = unit.shard
+            if s.grad is None:
+                s.grad = g if g.data_ptr() != out.data_ptr() or unit.stage > 1 else g.clone()
+            else:
+                s.grad.add_(g)
+        if error is not None:
+            raise error
+
+
+def _modules_outside_units(module: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Module]]:
+    """(qualified name, module) of ``module`` and its descendants, not entering units."""
+    stack: List[Tuple[str, torch.nn.Module]] = [("", module)]
+    while stack:
+        fqn, m = stack.pop(0)
+        yield fqn, m
+        for name, child in m.named_children():
+            if not hasattr(child, _ATTR):
+                stack.append((f"{fqn}.{name}" if fqn else name, child))
+
+
+def _compute_stream(ctx: Optional[_Context]) -> Any:
+    """Where a Work issued on the communication stream is waited for: the current stream
+    (CUDA; the host goes on), or None (CPU)."""
+    return torch.cuda.current_stream() if ctx is not None and ctx.stream is not None else None
+
+
+def _cast(x: Any, dtype: torch.dtype) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast(v, dtype) for v in x)
+    if isinstance(x, dict):
+        return {k: _cast(v, dtype) for k, v in x.items()}
+    return x
+
+
+# ---- the module class -------------------------------------------------------------------
+class ShardedModule:
+    """Mixed into a module's class by ``fully_shard`` (as FSDP2's FSDPModule)."""
+
+    def _units(self) -> List[_Unit]:
+        return [getattr(m, _ATTR) for m in torch.nn.Module.modules(self)  # type: ignore[arg-type]
+                if hasattr(m, _ATTR)]
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """False: backward keeps this rank's gradients (summed over backwards) without any
+        communication; the next backward with True reduces the sums (FSDP2's call)."""
+        for u in self._units():
+            u.sync = bool(requires_gradient_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradient accumulation without communication inside (as DDP's ``no_sync``)."""
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
+
+    def _fqns(self) -> Dict[int, str]:
+        return {id(m): n for n, m in torch.nn.Module.named_modules(self)}  # type: ignore[arg-type]
+
+    def _gathered_fp32(self, u: _Unit) -> torch.Tensor:
+        flat = torch.empty(u.layout.padded, dtype=u.dtype, device=u.device)
+        u.group.all_gather(u._arr(u.shard.detach()), out=u._arr(flat).reshape(u.group.size, -1))
+        return flat
+
+    def _names(self, u: _Unit, fqns: Dict[int, str]) -> List[str]:
+        out = []
+        for mod, pname, _ in u.entries:
+            prefix = fqns[id(mod)]
+            out.append(f"{prefix}.{pname}" if prefix else pname)
+        return out
+
+    def full_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The unwrapped model's state dict, on every rank (collective; Note [Sharded state
+        dicts])."""
+        fqns = self._fqns()
+        sd: Dict[str, torch.Tensor] = {}
+        for u in self._units():
+            flat = self._gathered_fp32(u)
+            for name, off, n, shape in zip(self._names(u, fqns), u.layout.offsets,
+                                           u.layout.numels, u.layout.shapes):
+                sd[name] = flat[off:off + n].view(shape).clone()
+        for name, b in torch.nn.Module.named_buffers(self):  # type: ignore[arg-type]
+            sd[name] = b.detach().clone()
+        return sd
+
+    def sharded_state_dict(self) -> Dict[str, Any]:
+        """This rank's part: name -> ShardedParameter, buffers as tensors (no communication)."""
+        fqns = self._fqns()
+        sd: Dict[str, Any] = {}
+        for u in self._units():
+            names = self._names(u, fqns)
+            shard = u.shard.detach()
+            got = {k: (a, b, at) for k, a, b, at in u.layout.pieces(u.group.rank)}
+            for k, name in enumerate(names):
+                a, b, at = got.get(k, (0, 0, 0))
+                sd[name] = ShardedParameter(shard[at:at + b - a].clone(), a, b,
+                                            u.layout.shapes[k])
+        for name, buf in torch.nn.Module.named_buffers(self):  # type: ignore[arg-type]
+            sd[name] = buf.detach().clone()
+        return sd
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Loads an unwrapped model's state dict: each rank takes its shard (no
+        communication)."""
+        fqns = self._fqns()
+        with torch.no_grad():
+            for u in self._units():
+                names = self._names(u, fqns)
+                missing = [n for n in names if n not in state_dict]
+                if missing:
+                    raise KeyError(f"load_full_state_dict: missing {missing[:10]}")
+                for k, a, b, at in u.layout.pieces(u.group.rank):
+                    src = state_dict[names[k]].detach().reshape(-1)[a:b]
+                    u.shard[at:at + b - a].copy_(src)
+            self._load_buffers(state_dict)
+
+    def load_sharded_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads what ``sharded_state_dict()`` gave on this rank, into a model sharded the
+        same way."""
+        fqns = self._fqns()
+        with torch.no_grad():
+            for u in self._units():
+                names = self._names(u, fqns)
+                for k, a, b, at in u.layout.pieces(u.group.rank):
+                    piece = state_dict[names[k]]
+                    if (piece.start, piece.stop) != (a, b):
+                        raise ValueError(f"load_sharded_state_dict: {names[k]!r} holds elements "
+                                         f"[{piece.start}, {piece.stop}), this rank's shard "
+                                         f"[{a}, {b}): the model is sharded another way; use "
+                                         "merge_sharded_state_dicts and load_full_state_dict")
+                    u.shard[at:at + b - a].copy_(piece.local)
+            self._load_buffers(state_dict)
+
+    def _load_buffers(self, state_dict: Mapping[str, Any]) -> None:
+        for name, buf in torch.nn.Module.named_buffers(self):  # type: ignore[arg-type]
+            if name in state_dict:
+                buf.copy_(state_dict[name])
+
+
+def merge_sharded_state_dicts(dicts: Sequence[Mapping[str, Any]]) -> Dict[str, torch.Tensor]:
+    """The full state dict from every shard's ``sharded_state_dict()`` (of one replica), for
+    an unwrapped model's ``load_state_dict``."""
+    out: Dict[str, torch.Tensor] = {}
+    covered: Dict[str, int] = {}
+    for d in dicts:
+        for name, v in d.items():
+            if not isinstance(v, ShardedParameter):
+                out.setdefault(name, v)
+                continue
+            if name not in out:
+                out[name] = torch.zeros(math.prod(v.shape), dtype=v.local.dtype)
+                covered[name] = 0
+            out[name][v.start:v.stop] = v.local
+            covered[name] += v.stop - v.start
+    for name, n in covered.items():
+        shape = next(d[name].shape for d in dicts if name in d)
+        if n < math.prod(shape):
+            raise ValueError(f"merge_sharded_state_dicts: {name!r} has {n} of "
+                             f"{math.prod(shape)} elements; pass every shard's dict")
+        out[name] = out[name].view(shape)
+    return out
+
+
+def fully_shard(module: torch.nn.Module, *, mesh: Optional[DeviceMesh] = None,
+                group: Optional[ProcessGroup] = None, stage: int = 3,
+                reshard_after_forward: bool = True, mp_policy: Any = None,
+                checkpoint: bool = False, broadcast_from: Optional[int] = 0) -> torch.nn.Module:
+    """Shard ``module``'s parameters (those not in a unit made before: call it on each block,
+    then on the root) over ``group`` or ``mesh`` (a 1-D mesh, or 2-D (replicate, shard) for
+    hybrid sharding). Collective over the group: every rank calls it for the same modules in
+    the same order; ranks whose units differ get MismatchError naming both ranks.
+    ``stage``: 1, 2 or 3 (Note [Flat shards] in sharded.py); ``reshard_after_forward``
+    (stage 3): free the gathered parameters after forward and gather them again for
+    backward; ``mp_policy``: a MixedPrecisionPolicy (this module's or torch's);
+    ``checkpoint``: recompute the unit's forward in its backward (activation checkpointing);
+    ``broadcast_from``: the group rank whose parameters every rank starts from (None: each
+    its own). Returns ``module``, its class extended by ``ShardedModule``'s methods."""
+    if hasattr(module, _ATTR):
+        raise ValueError(f"fully_shard: {type(module).__name__} is sharded already")
+    stage = check_stage(stage, "fully_shard")
+    shard_group, replicate = shard_groups(group, mesh, "fully_shard")
+    mp = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    unit = _Unit(module, shard_group, replicate, stage, bool(reshard_after_forward), mp,
+                 bool(checkpoint), broadcast_from)
+    setattr(module, _ATTR, unit)
+    cls = type(module)
+    if not issubclass(cls, ShardedModule):
+        if cls not in _CLASSES:
+            _CLASSES[cls] = type(f"Sharded{cls.__name__}", (cls, ShardedModule), {})
+        module.__class__ = _CLASSES[cls]
+    return module
+
+
+_CLASSES: Dict[type, type] = {}  # module class -> its sharded class (one each)
+
+
+def clip_grad_norm_(module: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (2-norm) over a sharded model: the squared norms of
+    the shards' gradients summed over each unit's shard group (collective). Returns the
+    total norm."""
+    units = [getattr(m, _ATTR) for m in module.modules() if hasattr(m, _ATTR)]
+    total = torch.zeros(1, dtype=torch.float64)
+    for u in units:
+        if u.shard.grad is not None:
+            part = u.shard.grad.detach().double().pow(2).sum().reshape(1).cpu()
+            arr = part.numpy()
+            u.group.all_reduce(arr, op="sum")
+            total += torch.from_numpy(arr)
+    norm = total.sqrt()
+    coef = float(max_norm) / (float(norm) + 1e-6)
+    if coef < 1:
+        for u in units:
+            if u.shard.grad is not None:
+                u.shard.grad.mul_(coef)
+    return norm
