@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "algo/collectives.h"
+#include "cpu/algo/collectives.h"
 #include "common/error.h"
 #include "reduce/kernels.h"
 
@@ -27,9 +27,9 @@ std::vector<size_t> to_bytes(const std::vector<size_t>& counts, DType dt) {
 }  // namespace
 
 CpuBackend::CpuBackend(std::shared_ptr<store::Store> store, int rank, int size,
-                       const comm::CommOptions& opts, uint64_t comm_id)
+                       const CommOptions& opts, uint64_t comm_id)
     : Backend(rank, size, false),
-      comm_(std::make_unique<comm::Comm>(std::move(store), rank, size, opts, comm_id, &ledger())) {}
+      comm_(std::make_unique<Comm>(std::move(store), rank, size, opts, comm_id, &ledger())) {}
 
 CpuBackend::~CpuBackend() {
   dropped_ = true;
@@ -160,7 +160,7 @@ WorkPtr CpuBackend::run_all_reduce(Call& c, const ArrayView& in, const ArrayView
                                    RedOp op) {
   const auto& t = c.opts.tuning;
   if (hier_ && t.algorithm == static_cast<uint8_t>(algo::Algorithm::kAuto))
-    return run(c, [h = hier_, in = unowned(in), out = unowned(out), op, t](comm::Comm& cm) {
+    return run(c, [h = hier_, in = unowned(in), out = unowned(out), op, t](Comm& cm) {
       hier_all_reduce(cm, *h, in, out, op, t);
     });
   algo::AllreduceArgs a;
@@ -173,7 +173,7 @@ WorkPtr CpuBackend::run_all_reduce(Call& c, const ArrayView& in, const ArrayView
   a.max_segment_bytes = t.max_segment_bytes;
   a.select.tree_threshold_bytes = t.tree_threshold_bytes;
   a.select.hd_threshold_bytes = t.hd_threshold_bytes;
-  return run(c, [a](comm::Comm& cm) { algo::all_reduce(cm, a); });
+  return run(c, [a](Comm& cm) { algo::all_reduce(cm, a); });
 }
 
 WorkPtr CpuBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op,
@@ -181,32 +181,32 @@ WorkPtr CpuBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out
   // Off the root, out is not written: it may be any size (the entry point checked the root's).
   algo::ReduceArgs a{in.cbytes(), rank() == root ? out.mbytes() : MutBytes(), in.count,
                      in.dtype, op, root};
-  return run(c, [a](comm::Comm& cm) { algo::reduce(cm, a); });
+  return run(c, [a](Comm& cm) { algo::reduce(cm, a); });
 }
 
 WorkPtr CpuBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
   if (hier_)
-    return run(c, [h = hier_, buf = unowned(buf), root](comm::Comm& cm) {
+    return run(c, [h = hier_, buf = unowned(buf), root](Comm& cm) {
       hier_broadcast(cm, *h, buf, root);
     });
   algo::BroadcastArgs a{buf.mbytes(), root};
-  return run(c, [a](comm::Comm& cm) { algo::broadcast(cm, a); });
+  return run(c, [a](Comm& cm) { algo::broadcast(cm, a); });
 }
 
 WorkPtr CpuBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                   const std::vector<size_t>& counts) {
   if (hier_ && std::all_of(counts.begin(), counts.end(), [&](size_t n) { return n == in.count; }))
-    return run(c, [h = hier_, in = unowned(in), out = unowned(out)](comm::Comm& cm) {
+    return run(c, [h = hier_, in = unowned(in), out = unowned(out)](Comm& cm) {
       hier_all_gather(cm, *h, in, out);
     });
   algo::AllGatherArgs a{in.cbytes(), out.mbytes(), to_bytes(counts, in.dtype)};
-  return run(c, [a](comm::Comm& cm) { algo::all_gather(cm, a); });
+  return run(c, [a](Comm& cm) { algo::all_gather(cm, a); });
 }
 
 WorkPtr CpuBackend::do_reduce_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                       const std::vector<size_t>& counts, RedOp op) {
   algo::ReduceScatterArgs a{in.cbytes(), out.mbytes(), counts, in.dtype, op};
-  return run(c, [a](comm::Comm& cm) { algo::reduce_scatter(cm, a); });
+  return run(c, [a](Comm& cm) { algo::reduce_scatter(cm, a); });
 }
 
 WorkPtr CpuBackend::do_all_to_all(Call& c, const ArrayView& in, const ArrayView& out,
@@ -214,25 +214,25 @@ WorkPtr CpuBackend::do_all_to_all(Call& c, const ArrayView& in, const ArrayView&
                                   const std::vector<size_t>& recv_counts) {
   algo::AllToAllArgs a{in.cbytes(), out.mbytes(), to_bytes(send_counts, in.dtype),
                        to_bytes(recv_counts, in.dtype)};
-  return run(c, [a](comm::Comm& cm) { algo::all_to_all(cm, a); });
+  return run(c, [a](Comm& cm) { algo::all_to_all(cm, a); });
 }
 
 WorkPtr CpuBackend::do_gather(Call& c, const ArrayView& in, const ArrayView& out,
                               const std::vector<size_t>& counts, int root) {
   algo::GatherArgs a{in.cbytes(), rank() == root ? out.mbytes() : MutBytes(),
                      to_bytes(counts, in.dtype), root};
-  return run(c, [a](comm::Comm& cm) { algo::gather(cm, a); });
+  return run(c, [a](Comm& cm) { algo::gather(cm, a); });
 }
 
 WorkPtr CpuBackend::do_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                const std::vector<size_t>& counts, int root) {
   algo::GatherArgs a{rank() == root ? in.cbytes() : ConstBytes(), out.mbytes(),
                      to_bytes(counts, out.dtype), root};
-  return run(c, [a](comm::Comm& cm) { algo::scatter(cm, a); });
+  return run(c, [a](Comm& cm) { algo::scatter(cm, a); });
 }
 
 WorkPtr CpuBackend::do_barrier(Call& c) {
-  return run(c, [](comm::Comm& cm) { algo::barrier(cm); });
+  return run(c, [](Comm& cm) { algo::barrier(cm); });
 }
 
 WorkPtr CpuBackend::do_send(Call& c, const ArrayView& buf, int peer, uint32_t tag) {

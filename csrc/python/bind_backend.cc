@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "algo/collectives.h"
+#include "cpu/algo/collectives.h"
 #include "comm/backend.h"
 #include "comm/stamps.h"
 #include "common/error.h"

@@ -3,7 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "algo/collectives.h"
+#include "cpu/algo/collectives.h"
 #include "common/error.h"
 #include "cpu/cpu_backend.h"
 #include "python/fastcall.h"
@@ -41,7 +41,7 @@ void bind_comm(py::module_& m) {
              if (transport != "auto" && transport != "shm" && transport != "tcp")
                throw py::value_error(str_cat("MESHCOLL_TRANSPORT must be auto, shm or tcp, got '",
                                              transport, "'"));
-             comm::CommOptions o;
+             cpu::CommOptions o;
              o.transport = transport;
              o.shm_bytes = shm_bytes;
              o.timeout = seconds_arg(timeout_s, "timeout");

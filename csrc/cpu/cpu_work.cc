@@ -1,17 +1,17 @@
-#include "comm/work.h"
+#include "cpu/cpu_work.h"
 
 #include <thread>
 
-#include "comm/comm.h"
+#include "cpu/engine.h"
 #include "common/cores.h"
 #include "common/error.h"
 #include "common/interrupt.h"
 
-namespace meshcoll::comm {
+namespace meshcoll::cpu {
 
 // Waits in naps of kInterruptEvery (Note [Interrupts]). An interrupt here also stops the
 // operation, which fails the group.
-void CpuWork::wait(Millis timeout, bool, Stream) {
+void CpuWork::wait(Millis timeout, bool, comm::Stream) {
   const Deadline d(timeout);
   const auto since = Clock::now();
   // Note [Brief spin]: a small asynchronous operation finishes within microseconds on the
@@ -47,7 +47,7 @@ void CpuWork::wait(Millis timeout, bool, Stream) {
   }
 }
 
-std::string CpuWork::what() const { return str_cat("rank ", rank_, " ", describe_op(op_)); }
+std::string CpuWork::what() const { return str_cat("rank ", rank_, " ", comm::describe_op(op_)); }
 
 bool CpuWork::is_completed() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -76,4 +76,4 @@ void CpuWork::finish(std::exception_ptr error) {
   // `owners` goes out of scope here, off the lock: the memory may be freed now.
 }
 
-}  // namespace meshcoll::comm
+}  // namespace meshcoll::cpu

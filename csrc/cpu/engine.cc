@@ -1,4 +1,4 @@
-#include "comm/comm.h"
+#include "cpu/engine.h"
 
 #include <sys/eventfd.h>
 
@@ -13,11 +13,11 @@
 #include "store/exchange.h"
 #include "transport/tcp/tcp_transport.h"
 
-namespace meshcoll::comm {
+namespace meshcoll::cpu {
 
 
 Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOptions& opts,
-           uint64_t comm_id, Ledger* ledger)
+           uint64_t comm_id, comm::Ledger* ledger)
     : rank_(rank), size_(size), opts_(opts), store_(std::move(store)),
       spin_(threads_fit(2u * static_cast<unsigned>(size), process_cores())),  // Note [Spinning]
       ledger_(ledger) {
@@ -29,7 +29,7 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
   topts.comm_id = comm_id;
   topts.global = opts.global;
   topts.stop = stop_;
-  transport_ = std::make_unique<transport::TcpTransport>(rank, size, *store_, topts, &describe_op,
+  transport_ = std::make_unique<transport::TcpTransport>(rank, size, *store_, topts, &comm::describe_op,
                                                          Deadline(opts.timeout));
   Deadline setup(opts.timeout);
   auto died = [this](const std::vector<int>& missing) {
@@ -74,7 +74,7 @@ Comm::~Comm() {
 }
 
 void Comm::fail(const std::string& message, std::exception_ptr like) {
-  enqueue(make_desc(CollKind::kFail, DType::kUint8, 0), Millis(-1), [message, like](Comm&) {
+  enqueue(comm::make_desc(comm::CollKind::kFail, DType::kUint8, 0), Millis(-1), [message, like](Comm&) {
     if (like) std::rethrow_exception(same_type(like, message));
     throw PeerError(message);
   });
@@ -115,7 +115,7 @@ void Comm::shutdown(bool farewell) {
 
 void Comm::check_open_locked(const transport::OpDesc& d) const {
   if (stopping_)
-    throw Aborted(str_cat("rank ", global_rank(rank_), ": ", describe_op(d),
+    throw Aborted(str_cat("rank ", global_rank(rank_), ": ", comm::describe_op(d),
                           " was called on a destroyed group"));
 }
 
@@ -321,7 +321,7 @@ const char* Comm::route() const {
 
 void Comm::set_composed() {
   composed_ = true;
-  current_.op.algo = kComposedAlgo;
+  current_.op.algo = comm::kComposedAlgo;
   transport_->begin_collective(current_);  // frames of another call that came first disagree
 }
 
@@ -551,7 +551,7 @@ uint64_t nanoseconds_since(Clock::time_point t0) {
 
 void Comm::log_op(const transport::Envelope& env, Clock::time_point t0,
                   std::exception_ptr error) {
-  log_line(describe_op(env.op), env.seq, *algorithm_ ? algorithm_ : (shm_ ? "shm" : "tcp"),
+  log_line(comm::describe_op(env.op), env.seq, *algorithm_ ? algorithm_ : (shm_ ? "shm" : "tcp"),
            env.op.count * dtype_size(static_cast<DType>(env.op.dtype)), t0, error);
 }
 
@@ -565,13 +565,13 @@ void Comm::log_line(const std::string& what, uint64_t seq, const char* route, ui
 }
 
 void Comm::end_p2p(const InFlight& f, std::exception_ptr error) {
-  ledger_->p2p_state(f.record, error ? CallState::kFailed : CallState::kDone);
+  ledger_->p2p_state(f.record, error ? comm::CallState::kFailed : comm::CallState::kDone);
   if (!error) ledger_->add_totals(f.desc, nanoseconds_since(f.started));
   if (opts_.debug) {
     // "send to rank 1 (tag 0) on rank 0" (p2p_what ends in ": " for an error's text).
     std::string what = p2p_what(f.is_send, f.peer, f.tag);
     what.resize(what.size() - 2);
-    log_line(str_cat(what, " ", describe_op(f.desc)), f.record, "p2p",
+    log_line(str_cat(what, " ", comm::describe_op(f.desc)), f.record, "p2p",
              f.desc.count * dtype_size(static_cast<DType>(f.desc.dtype)), f.started, error);
   }
   if (f.work) f.work->finish(error);
@@ -599,7 +599,7 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
                                  const OpRef& run, bool collective) {
   auto ctx = [&] {  // formatted only on failure
     const int me = global_rank(rank_);
-    return str_cat(describe_op(env.op), " [seq ", env.seq, "] on rank ", me,
+    return str_cat(comm::describe_op(env.op), " [seq ", env.seq, "] on rank ", me,
                    me == rank_ ? "" : str_cat(" (group rank ", rank_, ")"), " of ", size_, ": ");
   };
   if (first_error_) {
@@ -607,7 +607,7 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     // operation already queued when the group failed; Aborted afterwards.
     std::string msg = str_cat(ctx(), "not run: the group failed earlier (", message_of(first_error_),
                               "); destroy it and create a new one");
-    if (collective) ledger_->set_state(env.seq, CallState::kFailed);
+    if (collective) ledger_->set_state(env.seq, comm::CallState::kFailed);
     return index < failed_before_ || !reported_->load() ? same_type(first_error_, msg)
                                                         : std::make_exception_ptr(Aborted(msg));
   }
@@ -625,14 +625,14 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     step_timeout_.clear();
     // A relayed failure (fail()) is not compared with the peers' calls: it fails the group
     // with its own message, whatever they run at its sequence number.
-    if (env.op.coll != static_cast<uint8_t>(CollKind::kFail)) transport_->begin_collective(current_);
+    if (env.op.coll != static_cast<uint8_t>(comm::CollKind::kFail)) transport_->begin_collective(current_);
     run(*this);
     // After an operation that used TCP, collect an ABORT or a stray frame now (a send-only
     // operation would otherwise learn of a failed peer only at its next wait), and progress
     // posted transfers. A shared-memory operation heard from every peer in its last round,
     // and its waits poll the links: a syscall per call saved.
     if (size_ > 1 && (used_tcp_ || !in_flight_.empty())) transport_->poll_once();
-    ledger_->set_state(env.seq, CallState::kDone, route());
+    ledger_->set_state(env.seq, comm::CallState::kDone, route());
     ledger_->add_totals(env.op, nanoseconds_since(t0));
     if (opts_.debug) log_op(env, t0, nullptr);
     return nullptr;
@@ -651,11 +651,11 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
       error = same_type(error, str_cat(message_of(error), named, ". Rank ", global_rank(rank_),
                                        "'s last calls on this group: ", ledger_->summary(4)));
     }
-    if (collective) ledger_->set_state(env.seq, CallState::kFailed);
+    if (collective) ledger_->set_state(env.seq, comm::CallState::kFailed);
     if (opts_.debug) log_op(env, t0, error);  // the failed one is what a hang diagnosis needs
     fail_group(error);
     return error;
   }
 }
 
-}  // namespace meshcoll::comm
+}  // namespace meshcoll::cpu

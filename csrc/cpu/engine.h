@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "comm/ledger.h"
-#include "comm/work.h"
+#include "cpu/cpu_work.h"
 #include "common/deadline.h"
 #include "common/dtype.h"
 #include "common/rank_names.h"
@@ -36,7 +36,7 @@
 #include "transport/shm/segment.h"
 #include "transport/transport.h"
 
-namespace meshcoll::comm {
+namespace meshcoll::cpu {
 
 struct CommOptions {
   Millis timeout{300000};
@@ -76,7 +76,7 @@ class Comm {
   // from it when it takes its place in this Comm's issue order (under mu_), and the ledger
   // learns here how each ended. It outlives the Comm.
   Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOptions& opts,
-       uint64_t comm_id, Ledger* ledger);
+       uint64_t comm_id, comm::Ledger* ledger);
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
@@ -266,7 +266,7 @@ class Comm {
   bool stopping_ = false;
   bool busy_ = false;  // a thread (worker or inline caller) owns the transport
   size_t in_flight_count_ = 0;  // in_flight_.size(), readable under mu_
-  Ledger* ledger_;
+  comm::Ledger* ledger_;
   uint64_t next_index_ = 0;
   uint64_t failed_before_ = 0;  // items issued before the first failure
   std::vector<uint64_t> p2p_send_seq_, p2p_recv_seq_;
@@ -287,4 +287,4 @@ class Comm {
   std::vector<InFlight> in_flight_;
 };
 
-}  // namespace meshcoll::comm
+}  // namespace meshcoll::cpu
