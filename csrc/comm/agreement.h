@@ -103,7 +103,7 @@ class Agreement : public std::enable_shared_from_this<Agreement> {
 
   // Collective `seq` (consecutive from 1) was issued with description `d`. Strict: raises
   // MismatchError (or the channel's failure) before the call may be launched.
-  void note(uint64_t seq, const transport::OpDesc& d);
+  void note(uint64_t seq, const OpDesc& d);
   // Blocks until every rank issued call `seq` and it agreed, running rounds on this thread
   // (Note [Agreement before launch]). Raises the check's failure, or TimeoutError naming
   // the ranks that never issued it after `timeout` (< 0: the group's).
@@ -132,7 +132,7 @@ class Agreement : public std::enable_shared_from_this<Agreement> {
   struct Record;
   struct Entry {
     uint64_t seq = 0;
-    transport::OpDesc desc;
+    OpDesc desc;
   };
   void loop();
   // One exchange with every peer; false once no further round can run (a peer left).

@@ -41,7 +41,7 @@ CpuBackend::~CpuBackend() {
 // would hold each other to the timeout.
 void CpuBackend::do_shutdown() { comm_->shutdown(farewell_ && !dropped_); }
 
-static_assert(comm::kComposedAlgo == static_cast<uint8_t>(algo::Algorithm::kShm) + 1,
+static_assert(kComposedAlgo == static_cast<uint8_t>(Algorithm::kShm) + 1,
               "a composed call's algorithm code is none a user may name");
 
 void CpuBackend::set_hierarchy(std::shared_ptr<const Hierarchy> h) {
@@ -56,9 +56,9 @@ void CpuBackend::check_reduction(DType dt, RedOp op) const {
 
 void CpuBackend::check_options(const char* what, const comm::CallOptions& o) const {
   const auto& t = o.tuning;
-  if (t.algorithm > static_cast<uint8_t>(algo::Algorithm::kShm))
+  if (t.algorithm > static_cast<uint8_t>(Algorithm::kShm))
     throw InvalidArgument(str_cat(what, ": unknown algorithm code ", int(t.algorithm)));
-  if (t.algorithm == static_cast<uint8_t>(algo::Algorithm::kShm) && !comm_->shm() &&
+  if (t.algorithm == static_cast<uint8_t>(Algorithm::kShm) && !comm_->shm() &&
       size() > 1)
     throw InvalidArgument(str_cat(what, ": algorithm 'shm' needs every rank on one host with "
                                   "shared memory; this group uses ", comm_->shm_status()));
@@ -100,7 +100,7 @@ void CpuBackend::flush_staged() {
     const Staged& first = staged[i];
     size_t total = 0;
     Millis timeout = first.timeout;
-    comm::ShapeHash layout;
+    ShapeHash layout;
     for (j = i; j < staged.size() && staged[j].in.dtype == first.in.dtype &&
                 staged[j].op == first.op;
          ++j) {
@@ -113,7 +113,7 @@ void CpuBackend::flush_staged() {
     comm::CallOptions o;
     o.timeout = timeout;
     o.tuning = first.tuning;
-    Call fused{"all_reduce", comm::make_desc(comm::CollKind::kAllReduce, first.in.dtype, total,
+    Call fused{"all_reduce", make_desc(CollKind::kAllReduce, first.in.dtype, total,
                                                 first.op),
                o};
     fused.desc.block = first.block;
@@ -145,7 +145,7 @@ void CpuBackend::flush_staged() {
 
 WorkPtr CpuBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
   if (coalescing() && !c.opts.async && in.bytes() <= kFuseCallBytes &&
-      c.opts.tuning.algorithm == static_cast<uint8_t>(algo::Algorithm::kAuto)) {
+      c.opts.tuning.algorithm == static_cast<uint8_t>(Algorithm::kAuto)) {
     if (staged_bytes_ + in.bytes() > kFuseBytes) flush_staged();
     staged_.push_back(Staged{unowned(in), unowned(out), op, c.opts.timeout, c.opts.tuning,
                              c.desc.block});
@@ -159,7 +159,7 @@ WorkPtr CpuBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView&
 WorkPtr CpuBackend::run_all_reduce(Call& c, const ArrayView& in, const ArrayView& out,
                                    RedOp op) {
   const auto& t = c.opts.tuning;
-  if (hier_ && t.algorithm == static_cast<uint8_t>(algo::Algorithm::kAuto))
+  if (hier_ && t.algorithm == static_cast<uint8_t>(Algorithm::kAuto))
     return run(c, [h = hier_, in = unowned(in), out = unowned(out), op, t](Comm& cm) {
       hier_all_reduce(cm, *h, in, out, op, t);
     });
@@ -169,7 +169,7 @@ WorkPtr CpuBackend::run_all_reduce(Call& c, const ArrayView& in, const ArrayView
   a.count = in.count;
   a.dtype = in.dtype;
   a.op = op;
-  a.algorithm = static_cast<algo::Algorithm>(t.algorithm);
+  a.algorithm = static_cast<Algorithm>(t.algorithm);
   a.max_segment_bytes = t.max_segment_bytes;
   a.select.tree_threshold_bytes = t.tree_threshold_bytes;
   a.select.hd_threshold_bytes = t.hd_threshold_bytes;

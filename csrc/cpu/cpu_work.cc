@@ -47,7 +47,7 @@ void CpuWork::wait(Millis timeout, bool, comm::Stream) {
   }
 }
 
-std::string CpuWork::what() const { return str_cat("rank ", rank_, " ", comm::describe_op(op_)); }
+std::string CpuWork::what() const { return str_cat("rank ", rank_, " ", describe_op(op_)); }
 
 bool CpuWork::is_completed() {
   std::lock_guard<std::mutex> lock(mu_);

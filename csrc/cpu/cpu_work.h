@@ -26,7 +26,7 @@ class CpuWork : public comm::Work {
   // in comm/comm.h); set when this Work raises or hands out its failure.
   // `spin`: wait() spins briefly before it sleeps (Note [Brief spin] in work.cc).
   // `pending`: the group's count, which counted this Work in (issued()) and outlives its end.
-  CpuWork(int rank, const transport::OpDesc& op, std::shared_ptr<StopRequest> stop,
+  CpuWork(int rank, const OpDesc& op, std::shared_ptr<StopRequest> stop,
           std::shared_ptr<std::atomic<bool>> reported, bool spin, comm::PendingWorks* pending)
       : rank_(rank), op_(op), stop_(std::move(stop)), reported_(std::move(reported)),
         spin_(spin), pending_(pending) {}
@@ -47,7 +47,7 @@ class CpuWork : public comm::Work {
   std::atomic<bool> finished_{false};  // done_, readable without mu_ (the brief spin in wait)
   std::exception_ptr error_;
   int rank_;
-  transport::OpDesc op_;
+  OpDesc op_;
   std::shared_ptr<StopRequest> stop_;  // the group's: an interrupted wait stops the operation
   std::shared_ptr<std::atomic<bool>> reported_;
   const bool spin_;

@@ -29,7 +29,7 @@ Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOp
   topts.comm_id = comm_id;
   topts.global = opts.global;
   topts.stop = stop_;
-  transport_ = std::make_unique<transport::TcpTransport>(rank, size, *store_, topts, &comm::describe_op,
+  transport_ = std::make_unique<transport::TcpTransport>(rank, size, *store_, topts, &describe_op,
                                                          Deadline(opts.timeout));
   Deadline setup(opts.timeout);
   auto died = [this](const std::vector<int>& missing) {
@@ -74,7 +74,7 @@ Comm::~Comm() {
 }
 
 void Comm::fail(const std::string& message, std::exception_ptr like) {
-  enqueue(comm::make_desc(comm::CollKind::kFail, DType::kUint8, 0), Millis(-1), [message, like](Comm&) {
+  enqueue(make_desc(CollKind::kFail, DType::kUint8, 0), Millis(-1), [message, like](Comm&) {
     if (like) std::rethrow_exception(same_type(like, message));
     throw PeerError(message);
   });
@@ -113,9 +113,9 @@ void Comm::shutdown(bool farewell) {
   if (unmatched) std::rethrow_exception(unmatched);
 }
 
-void Comm::check_open_locked(const transport::OpDesc& d) const {
+void Comm::check_open_locked(const OpDesc& d) const {
   if (stopping_)
-    throw Aborted(str_cat("rank ", global_rank(rank_), ": ", comm::describe_op(d),
+    throw Aborted(str_cat("rank ", global_rank(rank_), ": ", describe_op(d),
                           " was called on a destroyed group"));
 }
 
@@ -151,7 +151,7 @@ uint64_t Comm::next_p2p_seq_locked(int peer, bool is_send) {
   return is_send ? p2p_send_seq_[peer]++ : p2p_recv_seq_[peer]++;
 }
 
-transport::Envelope Comm::p2p_envelope(uint32_t tag, const transport::OpDesc& desc) {
+transport::Envelope Comm::p2p_envelope(uint32_t tag, const OpDesc& desc) {
   transport::Envelope env;
   env.channel = transport::Channel::kP2P;
   env.tag = tag;
@@ -169,7 +169,7 @@ void Comm::release_claim() {
   if (wake) cv_.notify_all();
 }
 
-std::shared_ptr<CpuWork> Comm::enqueue(const transport::OpDesc& desc, Millis timeout,
+std::shared_ptr<CpuWork> Comm::enqueue(const OpDesc& desc, Millis timeout,
                                        std::function<void(Comm&)> run,
                                        std::vector<std::shared_ptr<void>> keep) {
   Item item;
@@ -184,7 +184,7 @@ std::shared_ptr<CpuWork> Comm::enqueue(const transport::OpDesc& desc, Millis tim
 }
 
 std::shared_ptr<CpuWork> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag, ConstBytes src,
-                                           MutBytes dst, const transport::OpDesc& desc,
+                                           MutBytes dst, const OpDesc& desc,
                                            Millis timeout, uint64_t record,
                                            std::vector<std::shared_ptr<void>> keep) {
   Item item;
@@ -321,7 +321,7 @@ const char* Comm::route() const {
 
 void Comm::set_composed() {
   composed_ = true;
-  current_.op.algo = comm::kComposedAlgo;
+  current_.op.algo = kComposedAlgo;
   transport_->begin_collective(current_);  // frames of another call that came first disagree
 }
 
@@ -353,7 +353,7 @@ std::exception_ptr Comm::p2p_timeout(bool is_send, int peer, uint32_t tag, Milli
 }
 
 void Comm::run_p2p_blocking(bool is_send, int peer, uint32_t tag, ConstBytes src, MutBytes dst,
-                            const transport::OpDesc& desc, Millis timeout, uint64_t record) {
+                            const OpDesc& desc, Millis timeout, uint64_t record) {
   transport::Envelope env = p2p_envelope(tag, desc);
   const Millis t = timeout.count() < 0 ? opts_.timeout : timeout;
   uint64_t index = 0;
@@ -551,7 +551,7 @@ uint64_t nanoseconds_since(Clock::time_point t0) {
 
 void Comm::log_op(const transport::Envelope& env, Clock::time_point t0,
                   std::exception_ptr error) {
-  log_line(comm::describe_op(env.op), env.seq, *algorithm_ ? algorithm_ : (shm_ ? "shm" : "tcp"),
+  log_line(describe_op(env.op), env.seq, *algorithm_ ? algorithm_ : (shm_ ? "shm" : "tcp"),
            env.op.count * dtype_size(static_cast<DType>(env.op.dtype)), t0, error);
 }
 
@@ -571,7 +571,7 @@ void Comm::end_p2p(const InFlight& f, std::exception_ptr error) {
     // "send to rank 1 (tag 0) on rank 0" (p2p_what ends in ": " for an error's text).
     std::string what = p2p_what(f.is_send, f.peer, f.tag);
     what.resize(what.size() - 2);
-    log_line(str_cat(what, " ", comm::describe_op(f.desc)), f.record, "p2p",
+    log_line(str_cat(what, " ", describe_op(f.desc)), f.record, "p2p",
              f.desc.count * dtype_size(static_cast<DType>(f.desc.dtype)), f.started, error);
   }
   if (f.work) f.work->finish(error);
@@ -599,7 +599,7 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
                                  const OpRef& run, bool collective) {
   auto ctx = [&] {  // formatted only on failure
     const int me = global_rank(rank_);
-    return str_cat(comm::describe_op(env.op), " [seq ", env.seq, "] on rank ", me,
+    return str_cat(describe_op(env.op), " [seq ", env.seq, "] on rank ", me,
                    me == rank_ ? "" : str_cat(" (group rank ", rank_, ")"), " of ", size_, ": ");
   };
   if (first_error_) {
@@ -625,7 +625,7 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     step_timeout_.clear();
     // A relayed failure (fail()) is not compared with the peers' calls: it fails the group
     // with its own message, whatever they run at its sequence number.
-    if (env.op.coll != static_cast<uint8_t>(comm::CollKind::kFail)) transport_->begin_collective(current_);
+    if (env.op.coll != static_cast<uint8_t>(CollKind::kFail)) transport_->begin_collective(current_);
     run(*this);
     // After an operation that used TCP, collect an ABORT or a stray frame now (a send-only
     // operation would otherwise learn of a failed peer only at its next wait), and progress

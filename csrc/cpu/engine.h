@@ -89,7 +89,7 @@ class Comm {
 
   // Queues a collective; `run` executes on the worker thread. timeout < 0: the comm default.
   // The Work holds `keep` until the operation ends.
-  std::shared_ptr<CpuWork> enqueue(const transport::OpDesc& desc, Millis timeout,
+  std::shared_ptr<CpuWork> enqueue(const OpDesc& desc, Millis timeout,
                                    std::function<void(Comm&)> run,
                                    std::vector<std::shared_ptr<void>> keep = {});
   // Runs a collective and waits for it. Note [Inline execution]: when the group is idle
@@ -98,7 +98,7 @@ class Comm {
   // collectives); otherwise it is queued behind the pending operations, then waited for.
   // Issue order is kept either way. Throws what the operation threw.
   template <class F>
-  void run_blocking(const transport::OpDesc& desc, Millis timeout, F&& run) {
+  void run_blocking(const OpDesc& desc, Millis timeout, F&& run) {
     transport::Envelope env;
     env.op = desc;
     uint64_t index;
@@ -120,14 +120,14 @@ class Comm {
   // transfers progress during every later wait and complete their Work when done.
   // `record`: the transfer's number in the ledger (Ledger::open_p2p), closed when it ends.
   std::shared_ptr<CpuWork> enqueue_p2p(bool is_send, int peer, uint32_t tag, ConstBytes src,
-                                       MutBytes dst, const transport::OpDesc& desc, Millis timeout,
+                                       MutBytes dst, const OpDesc& desc, Millis timeout,
                                        uint64_t record,
                                        std::vector<std::shared_ptr<void>> keep = {});
   // A send or receive the caller waits for (send/recv, not isend/irecv). Note [Inline
   // execution] for point-to-point: when the group is idle the transfer is posted and driven on
   // the calling thread, with no Work; otherwise it is queued and waited for. Throws its failure.
   void run_p2p_blocking(bool is_send, int peer, uint32_t tag, ConstBytes src, MutBytes dst,
-                        const transport::OpDesc& desc, Millis timeout, uint64_t record);
+                        const OpDesc& desc, Millis timeout, uint64_t record);
   // Stops accepting work, finishes what is queued (each op is bounded by its deadline).
   // `farewell` (destroy(), not a destructor): then says goodbye to the peers and throws what
   // was left unmatched (Note [Farewell] in transport/transport.h), bounded by the timeout.
@@ -198,9 +198,9 @@ class Comm {
   // back.
   bool try_claim(transport::Envelope& env, uint64_t* index, int peer = -1, bool is_send = false);
   uint64_t next_p2p_seq_locked(int peer, bool is_send);
-  static transport::Envelope p2p_envelope(uint32_t tag, const transport::OpDesc& desc);
+  static transport::Envelope p2p_envelope(uint32_t tag, const OpDesc& desc);
   // Throws Aborted once the group is destroyed.
-  void check_open_locked(const transport::OpDesc& d) const;
+  void check_open_locked(const OpDesc& d) const;
   void release_claim();
   // Runs one operation on the thread that owns the transport; returns its error, if any.
   std::exception_ptr execute(const transport::Envelope& env, Millis timeout, uint64_t index,
@@ -214,7 +214,7 @@ class Comm {
     uint32_t tag;
     bool is_send;
     uint64_t record;  // its number in the ledger
-    transport::OpDesc desc;
+    OpDesc desc;
     Clock::time_point started;
     std::string what(const Comm& c) const;  // for errors only
   };

@@ -12,7 +12,7 @@
 #include "nccl/nccl_comm.h"
 #include "nccl/direct_kernels_source.h"  // kDirectKernelsSource, generated from direct_kernels.cu
 #include "nccl/nccl_internal.h"
-#include "transport/shm/segment.h"
+#include "common/host_identity.h"
 
 namespace meshcoll::nccl {
 
@@ -147,7 +147,7 @@ DirectPath::~DirectPath() {
 
 std::vector<uint8_t> DirectPath::record() const {
   SetupRecord r;
-  const std::string id = transport::ShmGroup::host_identity();
+  const std::string id = host_identity();
   r.host = std::hash<std::string>()(id);  // every rank runs one build: one hash function
   r.limit = local_why_.empty() ? limit_ : 0;
   r.handle = handle_;

@@ -42,7 +42,7 @@ class NcclBackend final : public comm::Backend {
   // numpy array, or an internal exchange of a composed call (Note [Internal exchanges] in
   // comm/ledger.h), described by `d` and agreed on as any call before it returns.
   std::vector<uint8_t> host_all_gather(const void* data, size_t bytes,
-                                       const transport::OpDesc& d, Millis timeout);
+                                       const OpDesc& d, Millis timeout);
   // Note [Span copies]: one kernel launch for many device copies, on `stream`.
   void copy_spans(const std::vector<comm::CopySpan>& spans, comm::Stream stream) override {
     copier_.copy(spans, static_cast<abi::CUstream>(stream));

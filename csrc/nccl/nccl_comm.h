@@ -141,7 +141,7 @@ struct CallOpts {
   Millis timeout{-1};
   uint64_t coll_seq = 0;  // the call's collective sequence number (Note [Call ledger]); 0: p2p
   uint64_t p2p = 0;       // a transfer's number in the ledger (Ledger::open_p2p); else 0
-  transport::OpDesc desc{};  // the call as the ledger describes it (Note [Call totals])
+  OpDesc desc{};  // the call as the ledger describes it (Note [Call totals])
   // A hash of the call's description and coll_seq, equal on ranks that agree: a direct
   // kernel's token carries it (Note [Direct kernels] in direct.h).
   uint32_t fingerprint = 0;
@@ -210,7 +210,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // Told of every op that completed without error, in issue order, by the thread that saw
   // it complete (under the communicator's lock: keep it short): the ledger's record of it
   // ends there (Note [Call totals]).
-  using OnDone = std::function<void(uint64_t coll_seq, uint64_t p2p, const transport::OpDesc&)>;
+  using OnDone = std::function<void(uint64_t coll_seq, uint64_t p2p, const OpDesc&)>;
   void set_on_done(OnDone on_done) {
     std::lock_guard<std::mutex> lock(mu_);
     on_done_ = std::move(on_done);
@@ -301,7 +301,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
     const char* what = "";
     uint64_t coll_seq = 0;  // CallOpts::coll_seq
     uint64_t p2p = 0;       // CallOpts::p2p
-    transport::OpDesc desc{};  // CallOpts::desc
+    OpDesc desc{};  // CallOpts::desc
     uint32_t direct_epoch = 0;  // a direct kernel's epoch (Note [Direct kernels]); 0: NCCL's
     std::vector<std::shared_ptr<void>> keep;  // CallOpts::keep
   };

@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "common/error.h"
+#include "common/op_desc.h"
 
 namespace py = pybind11;
 
@@ -99,7 +100,7 @@ class ShapeReader {
  private:
   comm::ArrayView& v_;
   std::vector<int64_t>* dims_;
-  comm::ShapeHash full_, row_;
+  ShapeHash full_, row_;
   uint64_t n_ = 0;
 };
 

@@ -66,8 +66,8 @@ RedOp redop_arg(const std::string& name, const char* what) {
 }
 
 uint8_t algorithm_arg(const std::string& name, const char* what) {
-  algo::Algorithm a;
-  if (!algo::algorithm_from_name(name, &a))
+  Algorithm a;
+  if (!algorithm_from_name(name, &a))
     throw InvalidArgument(str_cat(what, ": unknown algorithm '", name,
                                   "'; use auto, ring, tree, halving_doubling, direct or shm"));
   return static_cast<uint8_t>(a);
@@ -472,7 +472,7 @@ void bind_backend(py::module_& m) {
              // Note [Call totals] in comm/ledger.h: {kind: (calls, bytes, nanoseconds)}.
              py::dict out;
              for (const auto& t : x.ledger().totals())
-               out[comm::coll_name(t.kind)] = py::make_tuple(t.calls, t.bytes, t.nanoseconds);
+               out[coll_name(t.kind)] = py::make_tuple(t.calls, t.bytes, t.nanoseconds);
              return out;
            }, "Per collective kind ('send/recv' for point-to-point), this rank's calls that "
               "completed: (calls, bytes, nanoseconds).")
@@ -540,15 +540,15 @@ void bind_backend(py::module_& m) {
                           const std::string& of, const py::handle& timeout) {
              // Note [Internal exchanges] in comm/ledger.h: the metadata round of `of`, under
              // its own kind, so it never pairs with a user's all_gather or all_to_all.
-             comm::CollKind kind;
-             if (!comm::exchange_kind(of, &kind))
+             CollKind kind;
+             if (!exchange_kind(of, &kind))
                throw py::value_error(str_cat("exchange: no internal exchange of '", of, "'"));
-             CallReader read(x, comm::coll_name(kind), timeout, py::none(), false);
+             CallReader read(x, coll_name(kind), timeout, py::none(), false);
              auto in = read(a, "x", false);
              auto o = read(out, "out", true);
              read.opts.exchange = kind;
              const size_t n = static_cast<size_t>(x.size());
-             if (kind == comm::CollKind::kAllToAllVCounts) {  // block r of x goes to rank r
+             if (kind == CollKind::kAllToAllVCounts) {  // block r of x goes to rank r
                const std::vector<size_t> blocks(n, in.count / n);
                return run(x, read.what(), read.blocks(), [&] {
                  return x.all_to_all(in, o, blocks, blocks, false, read.opts);

@@ -133,22 +133,22 @@ void bind_nccl(py::module_& m) {
                                  const std::string& of, const py::handle& timeout) {
              // Described as any call (Note [Internal exchanges] in comm/ledger.h): a user's
              // all_gather or all_to_all of a host array, or a composed call's exchange.
-             comm::CollKind kind;
-             if (of == "all_gather") kind = comm::CollKind::kAllGather;
-             else if (of == "all_to_all") kind = comm::CollKind::kAllToAll;
-             else if (!comm::exchange_kind(of, &kind))
+             CollKind kind;
+             if (of == "all_gather") kind = CollKind::kAllGather;
+             else if (of == "all_to_all") kind = CollKind::kAllToAll;
+             else if (!exchange_kind(of, &kind))
                throw py::value_error(str_cat("host_all_gather: no exchange of '", of, "'"));
              DType dt;
              if (!dtype_from_name(dtype, &dt))
                throw py::value_error(str_cat("host_all_gather: unsupported dtype ", dtype));
              std::string s = data;
-             comm::ShapeHash h;
+             ShapeHash h;
              size_t count = 1;
              for (size_t n : shape) {
                h.mix(n);
                count *= n;
              }
-             auto d = comm::make_desc(kind, dt, count * static_cast<size_t>(b.size()));
+             auto d = make_desc(kind, dt, count * static_cast<size_t>(b.size()));
              d.shape = h.value();
              Millis t = timeout_arg(timeout);
              std::vector<uint8_t> out;

@@ -8,29 +8,6 @@
 
 namespace meshcoll::algo {
 
-const char* algorithm_name(Algorithm a) {
-  switch (a) {
-    case Algorithm::kAuto: return "auto";
-    case Algorithm::kRing: return "ring";
-    case Algorithm::kTree: return "tree";
-    case Algorithm::kHalvingDoubling: return "halving_doubling";
-    case Algorithm::kDirect: return "direct";
-    case Algorithm::kShm: return "shm";
-  }
-  return "unknown";
-}
-
-bool algorithm_from_name(const std::string& name, Algorithm* out) {
-  for (auto a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree,
-                 Algorithm::kHalvingDoubling, Algorithm::kDirect, Algorithm::kShm}) {
-    if (name == algorithm_name(a)) {
-      *out = a;
-      return true;
-    }
-  }
-  return false;
-}
-
 Algorithm select_all_reduce(size_t nbytes, int world_size, const SelectConfig& cfg) {
   if (world_size <= 8 && nbytes <= cfg.direct_threshold_bytes) return Algorithm::kDirect;
   if (nbytes <= cfg.tree_threshold_bytes) return Algorithm::kTree;

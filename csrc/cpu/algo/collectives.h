@@ -10,14 +10,11 @@
 #include "cpu/engine.h"
 #include "common/bytes.h"
 #include "common/dtype.h"
+#include "common/op_desc.h"
 
 namespace meshcoll::algo {
 
 inline constexpr size_t kMaxSegmentBytes = 512 * 1024;
-
-enum class Algorithm : uint8_t { kAuto = 0, kRing, kTree, kHalvingDoubling, kDirect, kShm };
-const char* algorithm_name(Algorithm a);
-bool algorithm_from_name(const std::string& name, Algorithm* out);
 
 // Thresholds for Algorithm::kAuto over TCP (on one host, shared memory wins at every size).
 // Measured with bench/python/bench_algorithms.py on loopback, 2-8 ranks, float32 sum (tables

@@ -25,7 +25,7 @@ namespace {
 using transport::ShmGroup;
 
 const char* op_name(const cpu::Comm& comm) {
-  return comm::coll_name(static_cast<comm::CollKind>(comm.current().op.coll));
+  return coll_name(static_cast<CollKind>(comm.current().op.coll));
 }
 
 // Round R begins: announce this rank's collective in slot R&1 (no wait: see the Note).
@@ -53,9 +53,9 @@ void check_agreement(ShmGroup& g, int peer, uint64_t round) {
   const auto& theirs = g.slot(peer, round);
   if (theirs.seq == mine.seq && theirs.desc == mine.desc) return;
   throw MismatchError(str_cat(
-      "collective mismatch: rank ", g.global_rank(peer), " called ", comm::describe_op(theirs.desc),
+      "collective mismatch: rank ", g.global_rank(peer), " called ", describe_op(theirs.desc),
       " [seq ", theirs.seq, "] but rank ", g.global_rank(g.rank()), " called ",
-      comm::describe_op(mine.desc),
+      describe_op(mine.desc),
       " [seq ", mine.seq, "]", theirs.desc.shape != mine.desc.shape ? " (their shapes, splits or block layouts differ)" : "",
       "; every rank of a group must call the same collectives, with the same count, dtype, op "
       "and root, in the same order"));
@@ -371,7 +371,7 @@ void shm_all_to_all(cpu::Comm& comm, const AllToAllArgs& a) {
   const char* what = op_name(comm);
   const auto soff = prefix_offsets(a.send_bytes), roff = prefix_offsets(a.recv_bytes);
   size_t longest = max_of(a.send_bytes);
-  if (comm.current().op.coll == static_cast<uint8_t>(comm::CollKind::kAllToAllV)) {
+  if (comm.current().op.coll == static_cast<uint8_t>(CollKind::kAllToAllV)) {
     uint64_t round = begin_round(comm, g);
     std::memcpy(area(g, r, round), &longest, sizeof(longest));
     meet(comm, g, round, what);

@@ -131,9 +131,6 @@ class ShmGroup {
     return ctrl_[r]->gave_up.load(std::memory_order_seq_cst) == round;
   }
 
-  // Same-host groups only: the identity every rank publishes to decide (host, IPC namespace).
-  static std::string host_identity();
-
  private:
   ShmGroup(int rank, int size, size_t data_bytes);
   std::atomic<uint64_t>& counter(int r, Phase p, uint64_t round);
