@@ -19,8 +19,8 @@ void CpuWork::wait(Millis timeout, bool, comm::Stream) {
   // and a context switch; so does handing the worker its next operation. Where the caller and
   // the worker of every rank can each have a core (Note [Spinning] in common/cores.h), both
   // yield-spin for kBriefSpin first: the worker after each operation (Comm::worker_loop),
-  // the caller here. An async all_reduce and its wait at world 1 on the 2-core VM: 60 us
-  // before, 4 us with both spins.
+  // the caller here (see docs/performance.md, "2026-11-26 (95bef94): the worker and wait()
+  // spin before they sleep").
   while (spin_ && !finished_.load(std::memory_order_acquire) && Clock::now() - since < kBriefSpin)
     std::this_thread::yield();
   std::unique_lock<std::mutex> lock(mu_);
@@ -42,7 +42,7 @@ void CpuWork::wait(Millis timeout, bool, comm::Stream) {
     }
   }
   if (error_) {
-    reported_->store(true);
+    failure_->mark_reported();
     std::rethrow_exception(error_);
   }
 }
@@ -56,7 +56,7 @@ bool CpuWork::is_completed() {
 
 std::exception_ptr CpuWork::exception() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (error_) reported_->store(true);
+  if (error_) failure_->mark_reported();
   return error_;
 }
 

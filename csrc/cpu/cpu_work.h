@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/failure.h"
 #include "comm/work.h"
 #include "common/deadline.h"
 #include "common/interrupt.h"
@@ -22,13 +23,13 @@ namespace meshcoll::cpu {
 class CpuWork : public comm::Work {
  public:
   // The description is formatted only when an error needs it: this is on every call's path.
-  // `reported`: the group's flag that its failure reached the caller (Note [Failure types]
-  // in comm/comm.h); set when this Work raises or hands out its failure.
-  // `spin`: wait() spins briefly before it sleeps (Note [Brief spin] in work.cc).
+  // `failure`: the group's (Note [Failure types] in comm/failure.h), marked reported when
+  // this Work raises or hands out its failure.
+  // `spin`: wait() spins briefly before it sleeps (Note [Brief spin] in cpu_work.cc).
   // `pending`: the group's count, which counted this Work in (issued()) and outlives its end.
   CpuWork(int rank, const OpDesc& op, std::shared_ptr<StopRequest> stop,
-          std::shared_ptr<std::atomic<bool>> reported, bool spin, comm::PendingWorks* pending)
-      : rank_(rank), op_(op), stop_(std::move(stop)), reported_(std::move(reported)),
+          std::shared_ptr<comm::Failure> failure, bool spin, comm::PendingWorks* pending)
+      : rank_(rank), op_(op), stop_(std::move(stop)), failure_(std::move(failure)),
         spin_(spin), pending_(pending) {}
   // TimeoutError if `timeout` passes first; the operation itself goes on and fails by its
   // own deadline if it is stuck.
@@ -49,7 +50,7 @@ class CpuWork : public comm::Work {
   int rank_;
   OpDesc op_;
   std::shared_ptr<StopRequest> stop_;  // the group's: an interrupted wait stops the operation
-  std::shared_ptr<std::atomic<bool>> reported_;
+  std::shared_ptr<comm::Failure> failure_;
   const bool spin_;
   comm::PendingWorks* pending_;
   std::vector<std::shared_ptr<void>> keep_;

@@ -93,7 +93,7 @@ void Comm::shutdown(bool farewell) {
   // Not in a group that serves another's steps: their failures are that group's, which
   // its ranks abort and whose own farewell reads.
   std::exception_ptr unmatched;
-  if (farewell && size_ > 1 && transport_ && !first_error_ && !serves_steps_) {
+  if (farewell && size_ > 1 && transport_ && !failure_->failed() && !serves_steps_) {
     try {
       transport_->farewell(Deadline(opts_.timeout));
     } catch (...) {
@@ -177,7 +177,7 @@ std::shared_ptr<CpuWork> Comm::enqueue(const OpDesc& desc, Millis timeout,
   item.env.op = desc;
   item.timeout = timeout.count() < 0 ? opts_.timeout : timeout;
   item.run = std::move(run);
-  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, reported_, spin_,
+  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, failure_, spin_,
                                         &ledger_->pending());
   for (auto& k : keep) item.work->keep(std::move(k));
   return push(std::move(item));
@@ -195,7 +195,7 @@ std::shared_ptr<CpuWork> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag,
   item.src = src;
   item.dst = dst;
   item.record = record;
-  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, reported_, spin_,
+  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, failure_, spin_,
                                         &ledger_->pending());
   for (auto& k : keep) item.work->keep(std::move(k));
   {
@@ -229,7 +229,7 @@ void Comm::worker_loop() {
   for (;;) {
     Item item;
     bool have = false;
-    // Note [Brief spin] (comm/work.cc), the worker's side: the next operation of a stream of
+    // Note [Brief spin] (cpu/cpu_work.cc), the worker's side: the next operation of a stream of
     // small asynchronous ones usually comes within microseconds; a sleep on cv_ would cost the
     // caller a futex wake-up and a context switch to hand it over. Not while point-to-point
     // transfers are in flight: the worker drives those instead (progress_in_flight).
@@ -389,7 +389,7 @@ void Comm::run_p2p_blocking(bool is_send, int peer, uint32_t tag, ConstBytes src
   end_p2p(f, error);
   release_claim();
   if (error) {
-    reported_->store(true);
+    failure_->mark_reported();
     std::rethrow_exception(error);
   }
 }
@@ -427,9 +427,8 @@ transport::AbortKind abort_kind_of(std::exception_ptr e) {
 // The group is dead after its first failure: record it, tell the peers (abort), and fail
 // every posted point-to-point transfer with the same error.
 void Comm::fail_group(std::exception_ptr error) {
-  const bool first = !first_error_;
+  const bool first = failure_->record(error);
   if (first) {
-    first_error_ = error;
     std::lock_guard<std::mutex> lock(mu_);
     failed_before_ = next_index_;
   }
@@ -602,14 +601,13 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     return str_cat(describe_op(env.op), " [seq ", env.seq, "] on rank ", me,
                    me == rank_ ? "" : str_cat(" (group rank ", rank_, ")"), " of ", size_, ": ");
   };
-  if (first_error_) {
+  if (failure_->failed()) {
     // Note [Failure types]: the failure's own type until it reached the caller, or for an
     // operation already queued when the group failed; Aborted afterwards.
-    std::string msg = str_cat(ctx(), "not run: the group failed earlier (", message_of(first_error_),
-                              "); destroy it and create a new one");
+    std::string msg = str_cat(ctx(), "not run: the group failed earlier (",
+                              message_of(failure_->error()), "); destroy it and create a new one");
     if (collective) ledger_->set_state(env.seq, comm::CallState::kFailed);
-    return index < failed_before_ || !reported_->load() ? same_type(first_error_, msg)
-                                                        : std::make_exception_ptr(Aborted(msg));
+    return failure_->for_call(msg, index < failed_before_);
   }
   current_ = env;
   deadline_ = Deadline(timeout);

@@ -2,15 +2,7 @@
 // runs the group's operations one at a time, in issue order (so every rank's transport
 // sees the same sequence of collectives; see Note [Agreement check]).
 //
-// Note [Failure types]
-// A group is dead after its first failure. The caller learns of it with the failure's own
-// type (PeerError, TimeoutError, MismatchError, ...) the first time: from the call or Work
-// that failed, or, when that was an asynchronous operation nobody waited for yet (an isend
-// whose peer died), from the next call, which is then the first to hear of it. Operations
-// already queued when the group failed report that type too. Once the failure has reached
-// the caller (a Work raised or handed it out, or a blocking call raised it), later calls
-// raise AbortedError naming it: an `except PeerError` handler runs once per failure, and
-// "aborted" is the witness that the call failed at once rather than at its deadline.
+// Its failures follow Note [Failure types] (comm/failure.h).
 #pragma once
 
 #include <atomic>
@@ -26,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/failure.h"
 #include "comm/ledger.h"
 #include "cpu/cpu_work.h"
 #include "common/deadline.h"
@@ -110,7 +103,7 @@ class Comm {
         execute(env, timeout.count() < 0 ? opts_.timeout : timeout, index, OpRef(run), true);
     release_claim();
     if (error) {
-      reported_->store(true);
+      failure_->mark_reported();
       std::rethrow_exception(error);
     }
   }
@@ -248,8 +241,9 @@ class Comm {
   std::shared_ptr<store::Store> store_;
   // Set by an interrupted Work.wait (Note [Interrupts]); the transport's waits check it.
   std::shared_ptr<StopRequest> stop_ = std::make_shared<StopRequest>();
-  // The group's failure reached the caller (Note [Failure types]); shared with the Works.
-  std::shared_ptr<std::atomic<bool>> reported_ = std::make_shared<std::atomic<bool>>(false);
+  // The group's first failure (Note [Failure types] in comm/failure.h), recorded by the thread
+  // that runs operations; shared with the Works, which mark it reported.
+  std::shared_ptr<comm::Failure> failure_ = std::make_shared<comm::Failure>();
   std::unique_ptr<transport::Transport> transport_;
   std::unique_ptr<transport::ShmGroup> shm_;
   std::string shm_status_;
@@ -260,7 +254,7 @@ class Comm {
   std::condition_variable cv_;
   std::deque<Item> queue_;
   std::atomic<size_t> queued_{0};  // queue_.size(), readable without mu_ (the worker's spin)
-  // The worker and the callers' waits spin briefly (Note [Brief spin] in comm/work.cc): the
+  // The worker and the callers' waits spin briefly (Note [Brief spin] in cpu/cpu_work.cc): the
   // caller and the worker of every rank can each have a core.
   const bool spin_;
   bool stopping_ = false;
@@ -278,7 +272,6 @@ class Comm {
   transport::Envelope current_;
   Deadline deadline_;
   std::vector<uint8_t> scratch_[kScratchSlots];
-  std::exception_ptr first_error_;
   const char* algorithm_ = "";
   bool used_tcp_ = false;  // the running operation sent or received over TCP
   bool composed_ = false;  // the running operation called set_composed()
