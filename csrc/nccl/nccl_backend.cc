@@ -44,12 +44,13 @@ CallOpts coll_opts(Call& c) {
   return o;
 }
 
-// A collective a direct kernel may run (Note [Direct kernels] in direct.h): its fingerprint
+// A collective a direct kernel may run (Note [Direct kernels] in direct/direct.h): its fingerprint
 // (Note [Fingerprints] in common/op_desc.h), which every rank that agrees on the call computes
 // alike.
 template <class Call>
-CallOpts direct_opts(Call& c, bool direct_only) {
+CallOpts direct_opts(Call& c, bool direct, bool direct_only) {
   CallOpts o = coll_opts(c);
+  o.direct = direct;
   o.direct_only = direct_only;
   o.fingerprint = call_fingerprint(c.desc, c.seq);
   return o;
@@ -105,9 +106,10 @@ void NcclBackend::check_options(const char* what, const comm::CallOptions& o) co
 }
 
 WorkPtr NcclBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
-  const bool only = open(
-      c, &in, &out, comm_->prepare_direct(DirectPath::Kind::kAllReduce, in.dtype, op, in.count));
-  return comm_->all_reduce(direct_opts(c, only),
+  // The call's route, decided here once (CallOpts::direct).
+  const bool direct = comm_->prepare_direct(DirectPath::Kind::kAllReduce, in.dtype, op, in.count);
+  const bool only = open(c, &in, &out, direct);
+  return comm_->all_reduce(direct_opts(c, direct, only),
                            in.data, out.data, in.count, in.dtype, op);
 }
 
@@ -126,21 +128,21 @@ WorkPtr NcclBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
 
 WorkPtr NcclBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                    const std::vector<size_t>& counts) {
-  const bool only = open(
-      c, &in, &out,
+  const bool direct =
       detail::all_equal(counts) &&
-          comm_->prepare_direct(DirectPath::Kind::kAllGather, in.dtype, RedOp::kSum, counts[0]));
-  return comm_->all_gather(direct_opts(c, only),
+      comm_->prepare_direct(DirectPath::Kind::kAllGather, in.dtype, RedOp::kSum, counts[0]);
+  const bool only = open(c, &in, &out, direct);
+  return comm_->all_gather(direct_opts(c, direct, only),
                            in.data, out.data, counts, in.dtype);
 }
 
 WorkPtr NcclBackend::do_reduce_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                        const std::vector<size_t>& counts, RedOp op) {
-  const bool only = open(
-      c, &in, &out,
+  const bool direct =
       detail::all_equal(counts) &&
-          comm_->prepare_direct(DirectPath::Kind::kReduceScatter, in.dtype, op, counts[0]));
-  return comm_->reduce_scatter(direct_opts(c, only),
+      comm_->prepare_direct(DirectPath::Kind::kReduceScatter, in.dtype, op, counts[0]);
+  const bool only = open(c, &in, &out, direct);
+  return comm_->reduce_scatter(direct_opts(c, direct, only),
                                in.data, out.data, counts, in.dtype, op);
 }
 
