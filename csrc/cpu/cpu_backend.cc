@@ -87,10 +87,9 @@ WorkPtr CpuBackend::run(Call& c, Op&& op) {
 // in comm/array_view.h), so ranks whose calls differ in any count, or in their order, get
 // MismatchError; the ledger keeps the fused call
 // (its count is the sum). Its timeout is the shortest the calls gave. A failure is raised by
-// whatever ran it: the block's end, or the group's next call. Measured on the 2-core VM, 2
-// ranks, 8-byte calls: over TCP 10.2-11.3 us each one by one, 2.1-2.7 us in blocks of 8,
-// 1.1-1.2 us in blocks of 32; over shared memory, where one call costs 0.7-0.8 us, a block
-// gains nothing (0.8-1.1 us a call: the block's own checks cost about what a round does).
+// whatever ran it: the block's end, or the group's next call. Over TCP a block of small calls
+// costs a fraction of the calls one by one; over shared memory it gains nothing, the block's
+// own checks costing about what a round does (see docs/performance.md, "Fused all_reduces").
 void CpuBackend::flush_staged() {
   if (staged_.empty()) return;
   std::vector<Staged> staged;

@@ -123,9 +123,9 @@ void run_steps(Comm& parent, const Hierarchy& h, const char* what, Body&& body) 
       // A step waits for the ranks of its host or for the other hosts' leaders, which may
       // themselves be waiting for the rank that never came: the step's own message ("rank 0
       // had not arrived", "waiting for: receive from rank 2") names a healthy leader as often
-      // as not, and it came first, before the census that named the late rank (fault soak,
-      // issue 34). So a step's timeout says only which step timed out and leaves blame to
-      // the parent's census, which follows it. A peer's timeout relayed on the parent's
+      // as not, and it would come first, before the census that names the late rank. So a
+      // step's timeout says only which step timed out and leaves blame to the parent's
+      // census, which follows it. A peer's timeout relayed on the parent's
       // links (from_group) was written the same way. The step's own message is kept for
       // the one case where the census names nobody (Comm::execute): a rank that came late
       // to a step the others had already left reports from the group's next call, and the
