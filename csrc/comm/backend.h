@@ -109,8 +109,8 @@ struct CallOptions {
   // group, never agree (Note [Steps carry their call] in backend.cc); else null.
   const transport::Envelope* within = nullptr;
   // An internal exchange of a composed call (all_gather_v's or all_to_all_v's counts,
-  // split's colors): the kind it is described as (Note [Internal exchanges] in ledger.h), in
-  // place of all_gather's or all_to_all's; {}: a user's call.
+  // split's colors): the kind it is described as (Note [Internal exchanges] in
+  // common/op_desc.h), in place of all_gather's or all_to_all's; {}: a user's call.
   CollKind exchange{};
 };
 

@@ -1,8 +1,8 @@
-// The CPU backend: the backend contract (comm/backend.h) over a Comm (TCP between any hosts,
-// shared memory within one) and the algorithms of csrc/algo. Each do_* method turns the
-// checked call into an algorithm's args struct and runs it: synchronous calls inline when
-// the group is idle (Note [Inline execution] in comm/comm.h), asynchronous ones on the
-// group's worker thread, in issue order.
+// The CPU backend: the backend contract (comm/backend.h) over its engine, a cpu::Comm (TCP
+// between any hosts, shared memory within one), and the algorithms of cpu/algo. Each do_*
+// method turns the checked call into an algorithm's args struct and runs it: synchronous
+// calls inline when the group is idle (Note [Inline execution] in cpu/engine.h),
+// asynchronous ones on the group's worker thread, in issue order.
 #pragma once
 
 #include <memory>

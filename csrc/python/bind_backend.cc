@@ -538,7 +538,7 @@ void bind_backend(py::module_& m) {
            })
       .def("exchange", [](Backend& x, const py::handle& a, const py::handle& out,
                           const std::string& of, const py::handle& timeout) {
-             // Note [Internal exchanges] in comm/ledger.h: the metadata round of `of`, under
+             // Note [Internal exchanges] in common/op_desc.h: the metadata round of `of`, under
              // its own kind, so it never pairs with a user's all_gather or all_to_all.
              CollKind kind;
              if (!exchange_kind(of, &kind))
@@ -561,7 +561,7 @@ void bind_backend(py::module_& m) {
            }, py::arg("x"), py::arg("out"), py::arg("of"), py::arg("timeout") = py::none(),
            "The internal metadata exchange of `of` (all_gather_v, all_to_all_v, split): an "
            "all_gather (all_to_all for all_to_all_v) under its own kind, which pairs with no "
-           "user call (Note [Internal exchanges] in csrc/comm/ledger.h). Blocks.")
+           "user call (Note [Internal exchanges] in csrc/common/op_desc.h). Blocks.")
       .def("reduce_scatter", [](Backend& x, const py::handle& a, const py::handle& out,
                                 const py::handle& counts, const std::string& op, bool uneven,
                                 const py::handle& timeout, const py::handle& stream, bool async) {

@@ -1,6 +1,6 @@
 // The transport layer: ordered byte messages to one peer, matched by an Envelope.
 // TCP implements it (tcp/). Shared memory does not: it is the ground under a second family of
-// same-host collectives (shm/, algo/shm_collectives.cc); README.md here says why.
+// same-host collectives (shm/, cpu/algo/shm_collectives.cc); README.md here says why.
 //
 // Note [Agreement check]
 // Every message carries the Envelope of the operation that sent it: the collective's

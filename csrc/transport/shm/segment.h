@@ -1,6 +1,6 @@
 // Shared memory between the ranks of one host: every rank creates one segment (a control
 // block it alone writes, then a data area) and maps every peer's. Same-host collectives
-// (csrc/algo/shm_collectives.cc) read peers' data areas directly: no kernel copies.
+// (cpu/algo/shm_collectives.cc) read peers' data areas directly: no kernel copies.
 //
 // Note [Shared-memory lifetime]
 // Segments are POSIX shm objects named /meshcoll-<nonce>-<rank>, where rank 0 makes the nonce
