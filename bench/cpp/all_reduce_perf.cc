@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "algo/collectives.h"
+#include "cpu/algo/collectives.h"
 #include "cpu/cpu_backend.h"
 #include "store/tcp_store.h"
 #include "bench_config.h"
@@ -68,7 +68,7 @@ Options parse(int argc, char** argv) {
 }
 
 // Runs one synchronous in-place all_reduce of `count` floats through the backend contract.
-void run_all_reduce(cpu::CpuBackend& b, float* buf, size_t count, algo::Algorithm alg,
+void run_all_reduce(cpu::CpuBackend& b, float* buf, size_t count, Algorithm alg,
                     RedOp op = RedOp::kSum) {
   comm::ArrayView v;
   v.data = buf;
@@ -81,14 +81,14 @@ void run_all_reduce(cpu::CpuBackend& b, float* buf, size_t count, algo::Algorith
 
 int rank_main(int rank, int port, const Options& o) {
   auto store = std::make_shared<store::TcpStore>("127.0.0.1", port, rank == 0, Millis(60000), "");
-  comm::CommOptions copts;
+  cpu::CommOptions copts;
   copts.timeout = Millis(60000);
   copts.bind_host = "127.0.0.1";
   copts.transport = o.transport;
   auto prefixed = std::make_shared<store::PrefixStore>("bench", store);
   cpu::CpuBackend c(prefixed, rank, o.ranks, copts, 42);
-  algo::Algorithm alg;
-  if (!algo::algorithm_from_name(o.algo, &alg)) {
+  Algorithm alg;
+  if (!algorithm_from_name(o.algo, &alg)) {
     std::fprintf(stderr, "unknown algorithm %s\n", o.algo.c_str());
     return 2;
   }
@@ -115,7 +115,7 @@ int rank_main(int rank, int port, const Options& o) {
     double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() /
                 o.iters;
     timing[0] = static_cast<float>(us);  // the slowest rank's time is the collective's
-    run_all_reduce(c, timing.data(), 1, algo::Algorithm::kAuto, RedOp::kMax);
+    run_all_reduce(c, timing.data(), 1, Algorithm::kAuto, RedOp::kMax);
     us = timing[0];
     size_t wrong = 0;
     if (o.check) {  // rank r contributes (r+1) * (i % 7 + 1): small integers, exact in f32

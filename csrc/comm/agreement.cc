@@ -24,7 +24,7 @@ struct Agreement::Record {
   uint64_t first = 0;    // the sequence number of descs[0]: the first call not yet compared
   uint32_t n = 0;        // descriptions in descs
   uint32_t leaving = 0;  // 1: this rank is destroying the group; `issued` is final
-  transport::OpDesc descs[kBatch];
+  OpDesc descs[kBatch];
 };
 
 Agreement::Agreement(std::shared_ptr<Backend> channel, Mode mode, Millis timeout,
@@ -51,11 +51,11 @@ Agreement::~Agreement() {
   if (checker_.joinable()) checker_.detach();
 }
 
-void Agreement::note(uint64_t seq, const transport::OpDesc& d) {
+void Agreement::note(uint64_t seq, const OpDesc& d) {
   if (size_ == 1) return;
   if (seq > peer_final_.load(std::memory_order_acquire))
     throw MismatchError(str_cat(
-        comm::describe_op(d), " [seq ", seq, "] on rank ", names_(rank_), ": rank ",
+        describe_op(d), " [seq ", seq, "] on rank ", names_(rank_), ": rank ",
         names_(left_rank_.load()),
         " has destroyed the group after its call seq ", peer_final_.load(),
         ", so this call has no partner; every rank must make the same calls before destroy()"));

@@ -17,10 +17,10 @@
 //    so a disagreement is raised before any rank's data is touched (a channel round per call).
 // A round that compared calls is followed by a short pause (Note [Paced rounds]); one that
 // compared none by a pause that grows to kIdlePause: a disagreement is found within about
-// that pause of the last rank's call. The channel's deadline is the group's timeout while calls wait to be compared (a
-// peer that stops answering is then a TimeoutError naming it) and unbounded when idle (a job
-// may sit in other code for hours). A dead peer breaks the channel at once: a PeerError
-// naming it reaches the sink without waiting for any timeout.
+// that pause of the last rank's call. The channel's deadline is the group's timeout while calls
+// wait to be compared (a peer that stops answering is then a TimeoutError naming it) and
+// unbounded when idle (a job may sit in other code for hours). A dead peer breaks the channel
+// at once: a PeerError naming it reaches the sink without waiting for any timeout.
 //
 // Note [Agreement before launch]
 // Some calls must not start on a disagreement even in async mode: a symmetric allocation,
@@ -31,33 +31,30 @@
 // the call (a host-side barrier; their kernels need them anyway), and on one host a round
 // is one shared-memory all_gather, a few microseconds. A call on symmetric memory that
 // meshcoll's direct kernels run (NCCL, small eager calls: Note [Direct kernels] in
-// nccl/direct.h) needs none: those end at an abort and check the call's fingerprint at
+// nccl/direct/direct.h) needs none: those end at an abort and check the call's fingerprint at
 // their barrier, writing nothing on a disagreement, as they do for any call.
 // The checker's rounds and await()'s take one mutex, so a rank's rounds never overlap;
 // rounds pair across ranks by order alone, so one rank's caller round may pair with a
 // peer's checker round.
 // While a caller awaits, its checker starts no round, and the checker counts as progress
-// only what its own rounds compared. Before, the callers' progress reset the checker's pause,
-// so while symmetric calls streamed each checker ran idle rounds back to back: a core per
-// rank, and rounds that held the mutex until every peer joined them, with a record taken
-// before the caller had issued its call, so the caller needed a further round. (On 4 x H200
-// the difference was within the noise: 8 B - 256 KiB symmetric all_reduces' medians summed
-// 8% lower over two runs each.)
+// only what its own rounds compared. Were the callers' progress to reset the checker's pause,
+// each checker would run idle rounds back to back while symmetric calls stream: a core per
+// rank, and rounds that hold the mutex until every peer joins them, with a record taken
+// before the caller issued its call, so the caller needs a further round (see
+// docs/performance.md, "2026-11-26 (367e6c7, 959329b): the NCCL agreement check's host cost").
 // Note [Paced rounds]
 // While calls stream, the checker waits kStreamPause (0.5 ms) after a round that compared
 // calls, unless that round compared a full batch (kBatch, so more may wait): a round costs
-// about the same for one call as for kBatch. Before, a round ran at once after any progress:
-// each compared the few calls issued since the last, and every other one compared none. On
-// 4 x H200, 8-byte all_reduces back to back (about 15 us each), the checker thread used
-// 1.8-2.0 us of CPU per call (MESHCOLL_CHECK=off: none) and the calls took 0.2-0.4 us longer.
-// The choice must be the same on every rank, so it rests on what the round compared (the
-// same records everywhere), never on this rank's own backlog: a first version went on at
-// once when this rank had issued kBatch calls ahead of the check, so a rank running ahead
-// entered each round up to 0.5 ms before its paused peers and spun there (on 4 x H200 one
-// rank's checker then used 2.8 us of CPU per call). The cost of the pause: a disagreement is
-// found up to 0.5 ms later; a rank that leaves, and await(), still run rounds at once.
-// The records also tell how far each peer has issued: census() names, for a timed-out call,
-// the ranks that never issued it and the last call each did issue.
+// about the same for one call as for kBatch. A round at once after any progress would
+// compare the few calls issued since the last, and every other one none, at a cost in CPU
+// per call (see docs/performance.md, "2026-11-26 (367e6c7, 959329b): the NCCL agreement
+// check's host cost"). The choice must be the same on every rank, so it rests on what the
+// round compared (the same records everywhere), never on this rank's own backlog: going on
+// at once when this rank had issued kBatch calls ahead of the check would let a rank running
+// ahead enter each round up to kStreamPause before its paused peers and spin there. The cost of
+// the pause: a disagreement is found up to 0.5 ms later; a rank that leaves, and await(), still
+// run rounds at once. The records also tell how far each peer has issued: census() names, for a
+// timed-out call, the ranks that never issued it and the last call each did issue.
 // Leaving (stop(), at destroy): a rank keeps running rounds, marked `leaving`, until every
 // call it issued is compared, then stops. Its peers see that in the same round and stop
 // too; a call a peer issues after that has no partner left and note() raises at once.
@@ -103,7 +100,7 @@ class Agreement : public std::enable_shared_from_this<Agreement> {
 
   // Collective `seq` (consecutive from 1) was issued with description `d`. Strict: raises
   // MismatchError (or the channel's failure) before the call may be launched.
-  void note(uint64_t seq, const transport::OpDesc& d);
+  void note(uint64_t seq, const OpDesc& d);
   // Blocks until every rank issued call `seq` and it agreed, running rounds on this thread
   // (Note [Agreement before launch]). Raises the check's failure, or TimeoutError naming
   // the ranks that never issued it after `timeout` (< 0: the group's).
@@ -132,7 +129,7 @@ class Agreement : public std::enable_shared_from_this<Agreement> {
   struct Record;
   struct Entry {
     uint64_t seq = 0;
-    transport::OpDesc desc;
+    OpDesc desc;
   };
   void loop();
   // One exchange with every peer; false once no further round can run (a peer left).

@@ -34,33 +34,4 @@ struct ArrayView {
   MutBytes mbytes() const { return {data, bytes()}; }
 };
 
-// Note [Fingerprints]
-// What ranks must agree on beyond a call's count travels in its description (OpDesc.shape)
-// as a 64-bit fingerprint of a sequence of whole words: an array's shape, a split's counts,
-// the counts of the calls fused in a coalesced block, a composed call's whole description.
-// Ranks compare fingerprints, not the layouts, so two layouts that collide pass as one and
-// mix data with no error. Collisions must not happen by accident, and the inputs are
-// structured (small integers, one total split a few ways), which is where weak mixing
-// fails: the first version, FNV-1a folded to 31 bits, had colliding splits of one total
-// into three counts that a search found in seconds (issue 34). So each word goes through
-// splitmix64's finalizer (a bijection in which every input bit reaches every output bit)
-// before it joins the state, and the state through it after: words that differ in a few
-// low bits change the whole state, and two different sequences of one length collide only
-// as two random 64-bit values do (about 2^-64 a pair). Callers whose sequences vary in
-// length mix the length too (ShapeReader in python/array.cc). Four multiplies a word, a few
-// words a call: a few nanoseconds.
-class ShapeHash {
- public:
-  void mix(uint64_t v) { h_ = scramble(h_ ^ scramble(v)); }
-  uint64_t value() const { return h_ ? h_ : 1; }  // never 0: "not checked" on the wire
-
- private:
-  static uint64_t scramble(uint64_t x) {
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-    return x ^ (x >> 31);
-  }
-  uint64_t h_ = 0x9e3779b97f4a7c15ull;
-};
-
 }  // namespace meshcoll::comm

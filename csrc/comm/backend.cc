@@ -235,7 +235,7 @@ void Backend::check_block_memory(const char* what, std::initializer_list<const A
     add_span(uses[i].writes ? block_writes_ : block_reads_, uses[i].lo, uses[i].hi, what);
 }
 
-Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const CallOptions& o,
+Backend::Call Backend::open(CollKind kind, const OpDesc& d, const CallOptions& o,
                             const char* what, std::initializer_list<const ArrayView*> arrays,
                             bool reads_only) {
   if (destroyed_.load(std::memory_order_acquire))
@@ -270,7 +270,7 @@ Backend::Call Backend::open(CollKind kind, const transport::OpDesc& d, const Cal
   // only where the calls they serve agree, and a disagreement is a MismatchError in the
   // first step the disagreeing ranks share (run_steps in cpu/hierarchy.cc names the call).
   if (o.within) {
-    const transport::OpDesc w = o.within->op;  // a copy: the struct is packed
+    const OpDesc w = o.within->op;  // a copy: the struct is packed
     c.desc.block = w.block;
     ShapeHash h;
     for (uint64_t v : {c.desc.shape, uint64_t{w.coll}, uint64_t{w.dtype}, uint64_t{w.redop},

@@ -81,7 +81,7 @@
 
 namespace meshcoll::comm {
 
-// How all_reduce picks its algorithm on the CPU backend (codes of algo::Algorithm; the NCCL
+// How all_reduce picks its algorithm on the CPU backend (codes of Algorithm; the NCCL
 // backend takes 0, auto, only: NCCL picks its own).
 struct AllReduceTuning {
   uint8_t algorithm = 0;
@@ -109,8 +109,8 @@ struct CallOptions {
   // group, never agree (Note [Steps carry their call] in backend.cc); else null.
   const transport::Envelope* within = nullptr;
   // An internal exchange of a composed call (all_gather_v's or all_to_all_v's counts,
-  // split's colors): the kind it is described as (Note [Internal exchanges] in ledger.h), in
-  // place of all_gather's or all_to_all's; {}: a user's call.
+  // split's colors): the kind it is described as (Note [Internal exchanges] in
+  // common/op_desc.h), in place of all_gather's or all_to_all's; {}: a user's call.
   CollKind exchange{};
 };
 
@@ -238,7 +238,7 @@ class Backend {
   // A checked, described call: what the do_* methods receive.
   struct Call {
     const char* what;  // the operation's name, static text
-    transport::OpDesc desc;
+    OpDesc desc;
     const CallOptions& opts;
     uint64_t seq = 0;  // the ledger's sequence number, once the backend opened the record
     uint64_t p2p = 0;  // point-to-point: its number in the ledger (Ledger::open_p2p)
@@ -280,7 +280,7 @@ class Backend {
  private:
   // `arrays`: the call's input then output ({in, out}), or its one buffer, which it writes
   // unless `reads_only` (send).
-  Call open(CollKind kind, const transport::OpDesc& d, const CallOptions& o, const char* what,
+  Call open(CollKind kind, const OpDesc& d, const CallOptions& o, const char* what,
             std::initializer_list<const ArrayView*> arrays, bool reads_only = false);
   // Note [Calls of a block are independent]: refuses a call of the open block whose memory
   // another call of the block writes, or that writes memory another call uses; then notes

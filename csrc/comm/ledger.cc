@@ -7,76 +7,6 @@
 
 namespace meshcoll::comm {
 
-bool exchange_kind(const std::string& of, CollKind* kind) {
-  if (of == "all_gather_v") *kind = CollKind::kAllGatherVCounts;
-  else if (of == "all_to_all_v") *kind = CollKind::kAllToAllVCounts;
-  else if (of == "split") *kind = CollKind::kSplitTable;
-  else return false;
-  return true;
-}
-
-const char* coll_name(CollKind k) {
-  switch (k) {
-    case CollKind::kAllReduce: return "all_reduce";
-    case CollKind::kReduce: return "reduce";
-    case CollKind::kBroadcast: return "broadcast";
-    case CollKind::kAllGather: return "all_gather";
-    case CollKind::kAllGatherV: return "all_gather_v";
-    case CollKind::kReduceScatter: return "reduce_scatter";
-    case CollKind::kReduceScatterV: return "reduce_scatter_v";
-    case CollKind::kAllToAll: return "all_to_all";
-    case CollKind::kAllToAllV: return "all_to_all_v";
-    case CollKind::kGather: return "gather";
-    case CollKind::kScatter: return "scatter";
-    case CollKind::kBarrier: return "barrier";
-    case CollKind::kSendRecv: return "send/recv";
-    case CollKind::kFail: return "relayed failure";
-    case CollKind::kAllocSymmetric: return "empty(symmetric=True)";
-    case CollKind::kAllGatherVCounts: return "all_gather_v's count exchange";
-    case CollKind::kAllToAllVCounts: return "all_to_all_v's count exchange";
-    case CollKind::kSplitTable: return "split's exchange of colors";
-  }
-  return "unknown";
-}
-
-std::string describe_op(const transport::OpDesc& d) {
-  auto kind = static_cast<CollKind>(d.coll);
-  if (kind == CollKind::kFail) return coll_name(kind);  // no data: count and dtype say nothing
-  if (kind == CollKind::kAllocSymmetric) return str_cat("empty(symmetric=True, ", d.count, " bytes)");
-  std::string s = str_cat(coll_name(kind), "(count=", d.count, ", ",
-                          dtype_name(static_cast<DType>(d.dtype)));
-  if (kind == CollKind::kAllReduce || kind == CollKind::kReduce ||
-      kind == CollKind::kReduceScatter || kind == CollKind::kReduceScatterV)
-    s += str_cat(", ", redop_name(static_cast<RedOp>(d.redop)));
-  if (d.root >= 0) s += str_cat(", root=", d.root);
-  // Codes of algo::Algorithm (the layer above cannot be included here), then kComposedAlgo.
-  static const char* const kAlgorithms[] = {"auto",   "ring", "tree",     "halving_doubling",
-                                            "direct", "shm",  "hierarchy"};
-  static_assert(sizeof(kAlgorithms) / sizeof(kAlgorithms[0]) == kComposedAlgo + 1);
-  if (d.algo) s += str_cat(", ", d.algo <= kComposedAlgo ? kAlgorithms[d.algo] : "?");
-  if (d.memory) s += str_cat(", symmetric buffers #", d.memory);
-  if (d.block) s += str_cat(", in coalesced block ", d.block);
-  // In a block, `shape` also holds the layout of fused calls (Note [Fused all_reduces]):
-  // shown, so ranks whose fused calls split one total differently see where they differ.
-  if (d.block && d.shape) {
-    char hex[17];
-    std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(d.shape));
-    s += str_cat(", layout #", hex);
-  }
-  return s + ")";
-}
-
-transport::OpDesc make_desc(CollKind k, DType dt, size_t count, RedOp op, int root) {
-  transport::OpDesc d;
-  d.coll = static_cast<uint8_t>(k);
-  d.dtype = static_cast<uint8_t>(dt);
-  d.redop = static_cast<uint8_t>(op);
-  d.root = root;
-  d.count = count;
-  return d;
-}
-
-
 std::string CallRecord::describe() const {
   std::string s = describe_op(desc);
   if (seq) s += str_cat(" [seq ", seq, "]");
@@ -90,7 +20,7 @@ std::string CallRecord::describe() const {
   return s + " pending";
 }
 
-void Ledger::write(Slot& r, uint64_t tag, const transport::OpDesc& d, int peer) {
+void Ledger::write(Slot& r, uint64_t tag, const OpDesc& d, int peer) {
   r.tag.store(0, std::memory_order_relaxed);  // being rewritten
   r.peer = peer;
   r.desc = d;
@@ -106,14 +36,14 @@ void Ledger::read(const Slot& r, CallRecord* out) {
   out->route = r.route.load(std::memory_order_relaxed);
 }
 
-uint64_t Ledger::open_collective(const transport::OpDesc& d) {
+uint64_t Ledger::open_collective(const OpDesc& d) {
   const uint64_t seq = next_seq_.load(std::memory_order_relaxed);
   write(coll_[seq % kKeep], seq, d, -1);
   next_seq_.store(seq + 1, std::memory_order_release);
   return seq;
 }
 
-uint64_t Ledger::open_p2p(const transport::OpDesc& d, int peer) {
+uint64_t Ledger::open_p2p(const OpDesc& d, int peer) {
   const uint64_t n = next_p2p_.fetch_add(1, std::memory_order_relaxed);
   write(p2p_[n % kKeep], n, d, peer);
   return n;
@@ -125,7 +55,7 @@ void Ledger::p2p_state(uint64_t n, CallState s) {
   r.state.store(static_cast<uint8_t>(s), std::memory_order_release);
 }
 
-void Ledger::add_totals(const transport::OpDesc& d, uint64_t ns) {
+void Ledger::add_totals(const OpDesc& d, uint64_t ns) {
   // Calls that move data only: not a relayed failure or a symmetric allocation.
   if (d.coll == 0 || d.coll > static_cast<uint8_t>(CollKind::kSendRecv)) return;
   Totals& t = totals_[d.coll];

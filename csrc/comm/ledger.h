@@ -24,52 +24,10 @@
 #include "common/deadline.h"
 #include "comm/work.h"
 #include "common/dtype.h"
+#include "common/op_desc.h"
 #include "transport/transport.h"
 
 namespace meshcoll::comm {
-
-// Collective kinds, as they travel in OpDesc.coll.
-enum class CollKind : uint8_t {
-  kAllReduce = 1,
-  kReduce,
-  kBroadcast,
-  kAllGather,
-  kAllGatherV,
-  kReduceScatter,
-  kReduceScatterV,
-  kAllToAll,
-  kAllToAllV,
-  kGather,
-  kScatter,
-  kBarrier,
-  kSendRecv,  // point-to-point
-  kFail,      // Backend::fail: the group is failed on purpose (a relayed failure)
-  kAllocSymmetric,  // NCCL: a symmetric window allocated together (count: bytes)
-  // Note [Internal exchanges]
-  // The metadata rounds of composed calls: all_gather_v's and split's all_gather of a small
-  // int64 array, all_to_all_v's all_to_all of its send counts. Described as a user's
-  // all_gather / all_to_all they would pair with one (the same count and dtype): a rank
-  // calling all_to_all_v against a rank calling all_to_all(np.array([7, 9])) would hand that
-  // rank its counts as data, with no error. Each has its own kind instead
-  // (CallOptions::exchange), so it pairs only with the same exchange of the same call, and
-  // anything else is a MismatchError naming both calls on every rank.
-  kAllGatherVCounts,
-  kAllToAllVCounts,
-  kSplitTable,
-  kLast = kSplitTable,
-};
-const char* coll_name(CollKind k);
-// The kind of the internal exchange of the call named `of` ("all_gather_v", "all_to_all_v",
-// "split"; Note [Internal exchanges]); false when that call has none.
-bool exchange_kind(const std::string& of, CollKind* kind);
-// OpDesc.algo of a composed call (the hierarchy's: Comm::set_composed), past the codes of
-// algo::Algorithm, which a user may name: a rank that runs the call flat, with any
-// algorithm, disagrees with the ranks that run it composed.
-constexpr uint8_t kComposedAlgo = 6;
-// "all_reduce(count=1024, float32, sum)": for error messages and logs.
-std::string describe_op(const transport::OpDesc& d);
-transport::OpDesc make_desc(CollKind k, DType dt, size_t count, RedOp op = RedOp::kSum,
-                            int root = -1);
 
 enum class CallState : uint8_t { kIssued, kDone, kFailed };
 
@@ -78,7 +36,7 @@ enum class CallState : uint8_t { kIssued, kDone, kFailed };
 struct CallRecord {
   uint64_t seq = 0;  // collective sequence number; 0 for point-to-point
   int peer = -1;     // point-to-point only
-  transport::OpDesc desc;
+  OpDesc desc;
   CallState state = CallState::kIssued;
   const char* route = "";  // how it was carried ("shm", "tcp", "ring", ...): static text
   // "all_reduce(count=4, float32, sum) [seq 3] done via ring" / "... pending".
@@ -106,17 +64,17 @@ class Ledger {
   // Opens the record of a collective and returns its sequence number. Called at the point
   // that orders the backend's calls (under the CPU Comm's queue lock; by the one thread an
   // NCCL group allows), so the numbers follow issue order.
-  uint64_t open_collective(const transport::OpDesc& d);
+  uint64_t open_collective(const OpDesc& d);
   // Records a point-to-point transfer (it takes no collective sequence number) and returns
   // its number, for p2p_state.
-  uint64_t open_p2p(const transport::OpDesc& d, int peer);
+  uint64_t open_p2p(const OpDesc& d, int peer);
   // How collective `seq` ended (the CPU worker, or the calling thread when it ran inline),
   // and how it was carried (`route`: static text, or nullptr).
   void set_state(uint64_t seq, CallState s, const char* route = nullptr);
   // How point-to-point transfer `n` (open_p2p's number) ended: the thread that saw it end.
   void p2p_state(uint64_t n, CallState s);
   // Note [Call totals]: a call described by `d` completed without error in `ns` nanoseconds.
-  void add_totals(const transport::OpDesc& d, uint64_t ns);
+  void add_totals(const OpDesc& d, uint64_t ns);
   // The totals of every kind that completed a call, in CollKind order.
   std::vector<KindTotals> totals() const;
   // The last `n` collectives and the last `n` point-to-point transfers, each oldest first.
@@ -134,11 +92,11 @@ class Ledger {
   struct Slot {
     std::atomic<uint64_t> tag{0};  // seq (collectives) or p2p number; 0 while rewritten
     int peer = -1;
-    transport::OpDesc desc;
+    OpDesc desc;
     std::atomic<uint8_t> state{0};
     std::atomic<const char*> route{""};
   };
-  static void write(Slot& r, uint64_t tag, const transport::OpDesc& d, int peer);
+  static void write(Slot& r, uint64_t tag, const OpDesc& d, int peer);
   static void read(const Slot& r, CallRecord* out);
   std::array<Slot, kKeep> coll_{};
   std::array<Slot, kKeep> p2p_{};

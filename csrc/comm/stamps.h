@@ -24,8 +24,8 @@ double monotonic_seconds();
 // DataParallel stamps the time each bucket's all-reduce completed. A Python thread that
 // blocks on each Work in turn costs the issuing thread a GIL handoff per bucket: every time
 // the waiter wakes it needs the GIL, which the issuing thread gives up at its next call into
-// C++ and must then wait to get back. On 2 x H100 with 64 buckets of 256 KiB that thread cost
-// 18 us of a bucket's 41 us of host time. Here one C++ thread, which never takes the GIL, waits
+// C++ and must then wait to get back: a large share of a bucket's host time (see
+// docs/performance.md, "Completion stamps"). Here one C++ thread, which never takes the GIL, waits
 // on each Work in the order they were added and records its end (CLOCK_MONOTONIC, the clock
 // of Python's time.perf_counter on Linux) and its failure; take() hands them over.
 class CompletionStamps {
@@ -49,9 +49,9 @@ class CompletionStamps {
   Stamp take(uint64_t t);
 
  private:
-  // A wakeup is a system call (add() took about 5 us on the 2-core VM when it woke the
-  // thread), so each side is woken only when it sleeps: while the thread waits on an earlier
-  // Work (a GPU op still running), add() makes none.
+  // A wakeup is a system call (what add() costs when it wakes the thread: docs/performance.md,
+  // "Completion stamps"), so each side is woken only when it sleeps: while the thread waits on
+  // an earlier Work (a GPU op still running), add() makes none.
   struct State {
     std::mutex mu;
     std::condition_variable work_cv;  // the thread waits for work
@@ -69,8 +69,8 @@ class CompletionStamps {
   // GPU work is waited for without hammering its backend. Work.synchronize on an NCCL op
   // spins on cuEventQuery (thousands of calls a millisecond, for the lowest latency), and a
   // driver call takes the context's locks, which the thread launching a training step's
-  // kernels needs too (on 4 H200s a DDP step's process used 70 ms of CPU per 45 ms step with
-  // a spinning stamper, against 41 for torch's DDP). Stamps need no such latency:
+  // kernels needs too (docs/performance.md, "Completion stamps", has what a spinning stamper
+  // cost a DDP step). Stamps need no such latency:
   // is_completed() with a short spin, then every 100 us. CPU work is waited for with
   // Work.synchronize, which sleeps on its condition variable and wakes at its end.
   static void await_quietly(Work& w);

@@ -1,5 +1,5 @@
-// Work: the handle every backend returns for an operation (the contract's result type), and
-// the CPU backend's implementation of it.
+// Work: the handle every backend returns for an operation (the contract's result type). The
+// CPU backend's is cpu/cpu_work.h, the NCCL backend's NcclWork.
 #pragma once
 
 #include <atomic>
@@ -66,44 +66,6 @@ class PendingWorks {
   static constexpr uint64_t kIntruded = uint64_t{1} << 63;
   std::atomic<uint64_t> state_{0};
   std::exception_ptr error_;
-};
-
-// The CPU backend's Work: finished by the thread that ran the operation. It holds the
-// owners of the operation's arrays until then (Note [Owners] in python/array.cc).
-class CpuWork : public Work {
- public:
-  // The description is formatted only when an error needs it: this is on every call's path.
-  // `reported`: the group's flag that its failure reached the caller (Note [Failure types]
-  // in comm/comm.h); set when this Work raises or hands out its failure.
-  // `spin`: wait() spins briefly before it sleeps (Note [Brief spin] in work.cc).
-  // `pending`: the group's count, which counted this Work in (issued()) and outlives its end.
-  CpuWork(int rank, const transport::OpDesc& op, std::shared_ptr<StopRequest> stop,
-          std::shared_ptr<std::atomic<bool>> reported, bool spin, PendingWorks* pending)
-      : rank_(rank), op_(op), stop_(std::move(stop)), reported_(std::move(reported)),
-        spin_(spin), pending_(pending) {}
-  // TimeoutError if `timeout` passes first; the operation itself goes on and fails by its
-  // own deadline if it is stuck.
-  void wait(Millis timeout, bool has_stream = false, Stream stream = nullptr) override;
-  bool is_completed() override;
-  std::exception_ptr exception() override;
-  std::string what() const;
-
-  void keep(std::shared_ptr<void> owner) { keep_.push_back(std::move(owner)); }
-  void finish(std::exception_ptr error);  // worker side; drops the owners
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::atomic<bool> finished_{false};  // done_, readable without mu_ (the brief spin in wait)
-  std::exception_ptr error_;
-  int rank_;
-  transport::OpDesc op_;
-  std::shared_ptr<StopRequest> stop_;  // the group's: an interrupted wait stops the operation
-  std::shared_ptr<std::atomic<bool>> reported_;
-  const bool spin_;
-  PendingWorks* pending_;
-  std::vector<std::shared_ptr<void>> keep_;
 };
 
 }  // namespace meshcoll::comm

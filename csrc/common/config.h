@@ -4,9 +4,9 @@
 // python/meshcoll/_env.py reads the MESHCOLL_* variables (validating them, naming the
 // variable in every error), and the compiled module installs the result with set_config
 // once, first thing when _C is imported (csrc/python/bind_config.cc). Code below the Python
-// boundary never reads the environment: it asks config(). The defaults below are the documented ones (an unset
-// variable), so C++ programs that do not go through Python (bench/cpp) behave the same; a
-// bench that honours a variable reads it in its main and calls set_config.
+// boundary never reads the environment: it asks config(). The defaults below are the documented
+// ones (an unset variable), so C++ programs that do not go through Python (bench/cpp) behave
+// the same; a bench that honours a variable reads it in its main and calls set_config.
 //
 // When a field takes effect: host_id, cma and fault when a communicator sets up shared memory,
 // simd when the kernel table is first built (the first reduction), nccl_* when NCCL is
@@ -26,7 +26,7 @@ struct Config {
   std::string nccl_library;  // MESHCOLL_NCCL_LIBRARY: libnccl.so.2 to try first ("": none)
   bool nccl_split = true;    // MESHCOLL_NCCL_SPLIT: subgroups through ncclCommSplit where available
   // MESHCOLL_NCCL_DIRECT_BYTES: the largest call meshcoll's direct kernels take on an NCCL
-  // group of one host (Note [Direct kernels] in nccl/direct.h); 0: never.
+  // group of one host (Note [Direct kernels] in nccl/direct/direct.h); 0: never.
   size_t nccl_direct_bytes = size_t{256} << 10;
   bool abort_on_error = false;  // MESHCOLL_ON_ERROR=abort: a failed group ends the process
   bool host_timers = false;  // MESHCOLL_HOST_TIMERS: time each fast-path call's steps (Note [Host timers])

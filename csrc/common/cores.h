@@ -2,14 +2,13 @@
 //
 // Note [Spinning]
 // A wait that sleeps at once (a futex, a blocking poll) costs a wake-up and a context switch
-// when its event comes: tens of microseconds on a VM (a condition-variable round trip between
-// two threads measured 35-40 us on the 2-core CI VM), more than a small operation. So waits
+// when its event comes: tens of microseconds on a VM, more than a small operation. So waits
 // spin briefly first, but only where the threads that must run can each have a core: on an
-// oversubscribed host the thread we wait for may need the core we would spin on (on the
-// 2-core VM, yield-spinning group workers made 2-rank DataParallel steps 3x slower).
+// oversubscribed host the thread we wait for may need the core we would spin on (see
+// docs/performance.md, "Spinning", for both costs).
 //  - The transports wait for a peer process: they spin when the group's ranks fit the host's
 //    CPUs (host_cores), as they did before this rule had a name.
-//  - A group's worker thread and its callers' waits (Note [Brief spin] in comm/work.cc) spin
+//  - A group's worker thread and its callers' waits (Note [Brief spin] in cpu/cpu_work.cc) spin
 //    when two threads per rank fit the CPUs this process may run on (process_cores, its
 //    affinity mask): a process bound to one core, or a container's cpuset, does not spin.
 #pragma once
@@ -19,7 +18,7 @@
 namespace meshcoll {
 
 // How long a group's worker and a wait for a small operation yield-spin before they sleep
-// (Note [Brief spin] in comm/work.cc).
+// (Note [Brief spin] in cpu/cpu_work.cc).
 inline constexpr std::chrono::microseconds kBriefSpin{20};
 
 unsigned host_cores();     // the host's online CPUs; 0 if unknown

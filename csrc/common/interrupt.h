@@ -8,8 +8,8 @@
 // run the hook: a loop of short calls never takes the GIL here (Python checks for signals
 // between them anyway), so a thread holding the GIL cannot slow it. The bindings install a
 // hook that takes the GIL and runs the pending Python signal handlers (on the main thread
-// only, where Python runs them); when a handler raises (KeyboardInterrupt for SIGINT), the hook keeps
-// that Python exception for the binding to raise as the call's result and check_interrupt
+// only, where Python runs them); when a handler raises (KeyboardInterrupt for SIGINT), the hook
+// keeps that Python exception for the binding to raise as the call's result and check_interrupt
 // throws Interrupted. Interrupted is a PeerError: the operation fails the group as any
 // failure does, and the peers raise PeerError naming the interrupted rank at once.
 // A handler that does not raise (a user's own SIGINT handler) lets the call go on.
@@ -72,16 +72,15 @@ void check_interrupt(int rank, Clock::time_point waiting_since);
 // operation of its group whose steps run, and wait, on other groups' links. A rank that made
 // another call at that sequence number, one that runs flat on the group's own links, sends
 // its frames and its probes (Note [Probes] in tcp_transport.cc) where nobody reads while the
-// steps wait: the two calls never met, and every rank waited to its timeout (fault soak,
-// issue 34). So while a thread runs a composed call's steps it installs a WaitWatch, and
-// every wait of that thread (check_interrupt) also runs it, at most every kWatchEvery once
-// the wait has lasted that long: it reads the group's own links, where a frame or probe of
-// another call at the call's sequence number is a MismatchError naming both calls, and a
-// peer's ABORT is that peer's failure, at once. Thread-local because the watched links
-// belong to the thread that runs the composed call (the only one whose waits run it). Only
-// waits need it: a composed call cannot complete while a rank runs another call, since its
-// steps need every rank (a rank whose part only sends may finish, and meets the stray frames
-// at its next call, as on a flat group).
+// steps wait: the two calls never met, and every rank would wait to its timeout. So while a
+// thread runs a composed call's steps it installs a WaitWatch, and every wait of that thread
+// (check_interrupt) also runs it, at most every kWatchEvery once the wait has lasted that long:
+// it reads the group's own links, where a frame or probe of another call at the call's sequence
+// number is a MismatchError naming both calls, and a peer's ABORT is that peer's failure, at
+// once. Thread-local because the watched links belong to the thread that runs the composed call
+// (the only one whose waits run it). Only waits need it: a composed call cannot complete while
+// a rank runs another call, since its steps need every rank (a rank whose part only sends may
+// finish, and meets the stray frames at its next call, as on a flat group).
 inline constexpr Millis kWatchEvery{10};
 
 class WaitWatch {

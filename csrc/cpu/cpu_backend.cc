@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "algo/collectives.h"
+#include "cpu/algo/collectives.h"
 #include "common/error.h"
 #include "reduce/kernels.h"
 
@@ -27,9 +27,9 @@ std::vector<size_t> to_bytes(const std::vector<size_t>& counts, DType dt) {
 }  // namespace
 
 CpuBackend::CpuBackend(std::shared_ptr<store::Store> store, int rank, int size,
-                       const comm::CommOptions& opts, uint64_t comm_id)
+                       const CommOptions& opts, uint64_t comm_id)
     : Backend(rank, size, false),
-      comm_(std::make_unique<comm::Comm>(std::move(store), rank, size, opts, comm_id, &ledger())) {}
+      comm_(std::make_unique<Comm>(std::move(store), rank, size, opts, comm_id, &ledger())) {}
 
 CpuBackend::~CpuBackend() {
   dropped_ = true;
@@ -41,7 +41,7 @@ CpuBackend::~CpuBackend() {
 // would hold each other to the timeout.
 void CpuBackend::do_shutdown() { comm_->shutdown(farewell_ && !dropped_); }
 
-static_assert(comm::kComposedAlgo == static_cast<uint8_t>(algo::Algorithm::kShm) + 1,
+static_assert(kComposedAlgo == static_cast<uint8_t>(Algorithm::kShm) + 1,
               "a composed call's algorithm code is none a user may name");
 
 void CpuBackend::set_hierarchy(std::shared_ptr<const Hierarchy> h) {
@@ -56,9 +56,9 @@ void CpuBackend::check_reduction(DType dt, RedOp op) const {
 
 void CpuBackend::check_options(const char* what, const comm::CallOptions& o) const {
   const auto& t = o.tuning;
-  if (t.algorithm > static_cast<uint8_t>(algo::Algorithm::kShm))
+  if (t.algorithm > static_cast<uint8_t>(Algorithm::kShm))
     throw InvalidArgument(str_cat(what, ": unknown algorithm code ", int(t.algorithm)));
-  if (t.algorithm == static_cast<uint8_t>(algo::Algorithm::kShm) && !comm_->shm() &&
+  if (t.algorithm == static_cast<uint8_t>(Algorithm::kShm) && !comm_->shm() &&
       size() > 1)
     throw InvalidArgument(str_cat(what, ": algorithm 'shm' needs every rank on one host with "
                                   "shared memory; this group uses ", comm_->shm_status()));
@@ -87,10 +87,9 @@ WorkPtr CpuBackend::run(Call& c, Op&& op) {
 // in comm/array_view.h), so ranks whose calls differ in any count, or in their order, get
 // MismatchError; the ledger keeps the fused call
 // (its count is the sum). Its timeout is the shortest the calls gave. A failure is raised by
-// whatever ran it: the block's end, or the group's next call. Measured on the 2-core VM, 2
-// ranks, 8-byte calls: over TCP 10.2-11.3 us each one by one, 2.1-2.7 us in blocks of 8,
-// 1.1-1.2 us in blocks of 32; over shared memory, where one call costs 0.7-0.8 us, a block
-// gains nothing (0.8-1.1 us a call: the block's own checks cost about what a round does).
+// whatever ran it: the block's end, or the group's next call. Over TCP a block of small calls
+// costs a fraction of the calls one by one; over shared memory it gains nothing, the block's
+// own checks costing about what a round does (see docs/performance.md, "Fused all_reduces").
 void CpuBackend::flush_staged() {
   if (staged_.empty()) return;
   std::vector<Staged> staged;
@@ -100,7 +99,7 @@ void CpuBackend::flush_staged() {
     const Staged& first = staged[i];
     size_t total = 0;
     Millis timeout = first.timeout;
-    comm::ShapeHash layout;
+    ShapeHash layout;
     for (j = i; j < staged.size() && staged[j].in.dtype == first.in.dtype &&
                 staged[j].op == first.op;
          ++j) {
@@ -113,7 +112,7 @@ void CpuBackend::flush_staged() {
     comm::CallOptions o;
     o.timeout = timeout;
     o.tuning = first.tuning;
-    Call fused{"all_reduce", comm::make_desc(comm::CollKind::kAllReduce, first.in.dtype, total,
+    Call fused{"all_reduce", make_desc(CollKind::kAllReduce, first.in.dtype, total,
                                                 first.op),
                o};
     fused.desc.block = first.block;
@@ -145,7 +144,7 @@ void CpuBackend::flush_staged() {
 
 WorkPtr CpuBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
   if (coalescing() && !c.opts.async && in.bytes() <= kFuseCallBytes &&
-      c.opts.tuning.algorithm == static_cast<uint8_t>(algo::Algorithm::kAuto)) {
+      c.opts.tuning.algorithm == static_cast<uint8_t>(Algorithm::kAuto)) {
     if (staged_bytes_ + in.bytes() > kFuseBytes) flush_staged();
     staged_.push_back(Staged{unowned(in), unowned(out), op, c.opts.timeout, c.opts.tuning,
                              c.desc.block});
@@ -159,8 +158,8 @@ WorkPtr CpuBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView&
 WorkPtr CpuBackend::run_all_reduce(Call& c, const ArrayView& in, const ArrayView& out,
                                    RedOp op) {
   const auto& t = c.opts.tuning;
-  if (hier_ && t.algorithm == static_cast<uint8_t>(algo::Algorithm::kAuto))
-    return run(c, [h = hier_, in = unowned(in), out = unowned(out), op, t](comm::Comm& cm) {
+  if (hier_ && t.algorithm == static_cast<uint8_t>(Algorithm::kAuto))
+    return run(c, [h = hier_, in = unowned(in), out = unowned(out), op, t](Comm& cm) {
       hier_all_reduce(cm, *h, in, out, op, t);
     });
   algo::AllreduceArgs a;
@@ -169,11 +168,11 @@ WorkPtr CpuBackend::run_all_reduce(Call& c, const ArrayView& in, const ArrayView
   a.count = in.count;
   a.dtype = in.dtype;
   a.op = op;
-  a.algorithm = static_cast<algo::Algorithm>(t.algorithm);
+  a.algorithm = static_cast<Algorithm>(t.algorithm);
   a.max_segment_bytes = t.max_segment_bytes;
   a.select.tree_threshold_bytes = t.tree_threshold_bytes;
   a.select.hd_threshold_bytes = t.hd_threshold_bytes;
-  return run(c, [a](comm::Comm& cm) { algo::all_reduce(cm, a); });
+  return run(c, [a](Comm& cm) { algo::all_reduce(cm, a); });
 }
 
 WorkPtr CpuBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op,
@@ -181,32 +180,32 @@ WorkPtr CpuBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out
   // Off the root, out is not written: it may be any size (the entry point checked the root's).
   algo::ReduceArgs a{in.cbytes(), rank() == root ? out.mbytes() : MutBytes(), in.count,
                      in.dtype, op, root};
-  return run(c, [a](comm::Comm& cm) { algo::reduce(cm, a); });
+  return run(c, [a](Comm& cm) { algo::reduce(cm, a); });
 }
 
 WorkPtr CpuBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
   if (hier_)
-    return run(c, [h = hier_, buf = unowned(buf), root](comm::Comm& cm) {
+    return run(c, [h = hier_, buf = unowned(buf), root](Comm& cm) {
       hier_broadcast(cm, *h, buf, root);
     });
   algo::BroadcastArgs a{buf.mbytes(), root};
-  return run(c, [a](comm::Comm& cm) { algo::broadcast(cm, a); });
+  return run(c, [a](Comm& cm) { algo::broadcast(cm, a); });
 }
 
 WorkPtr CpuBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                   const std::vector<size_t>& counts) {
   if (hier_ && std::all_of(counts.begin(), counts.end(), [&](size_t n) { return n == in.count; }))
-    return run(c, [h = hier_, in = unowned(in), out = unowned(out)](comm::Comm& cm) {
+    return run(c, [h = hier_, in = unowned(in), out = unowned(out)](Comm& cm) {
       hier_all_gather(cm, *h, in, out);
     });
   algo::AllGatherArgs a{in.cbytes(), out.mbytes(), to_bytes(counts, in.dtype)};
-  return run(c, [a](comm::Comm& cm) { algo::all_gather(cm, a); });
+  return run(c, [a](Comm& cm) { algo::all_gather(cm, a); });
 }
 
 WorkPtr CpuBackend::do_reduce_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                       const std::vector<size_t>& counts, RedOp op) {
   algo::ReduceScatterArgs a{in.cbytes(), out.mbytes(), counts, in.dtype, op};
-  return run(c, [a](comm::Comm& cm) { algo::reduce_scatter(cm, a); });
+  return run(c, [a](Comm& cm) { algo::reduce_scatter(cm, a); });
 }
 
 WorkPtr CpuBackend::do_all_to_all(Call& c, const ArrayView& in, const ArrayView& out,
@@ -214,25 +213,25 @@ WorkPtr CpuBackend::do_all_to_all(Call& c, const ArrayView& in, const ArrayView&
                                   const std::vector<size_t>& recv_counts) {
   algo::AllToAllArgs a{in.cbytes(), out.mbytes(), to_bytes(send_counts, in.dtype),
                        to_bytes(recv_counts, in.dtype)};
-  return run(c, [a](comm::Comm& cm) { algo::all_to_all(cm, a); });
+  return run(c, [a](Comm& cm) { algo::all_to_all(cm, a); });
 }
 
 WorkPtr CpuBackend::do_gather(Call& c, const ArrayView& in, const ArrayView& out,
                               const std::vector<size_t>& counts, int root) {
   algo::GatherArgs a{in.cbytes(), rank() == root ? out.mbytes() : MutBytes(),
                      to_bytes(counts, in.dtype), root};
-  return run(c, [a](comm::Comm& cm) { algo::gather(cm, a); });
+  return run(c, [a](Comm& cm) { algo::gather(cm, a); });
 }
 
 WorkPtr CpuBackend::do_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                const std::vector<size_t>& counts, int root) {
   algo::GatherArgs a{rank() == root ? in.cbytes() : ConstBytes(), out.mbytes(),
                      to_bytes(counts, out.dtype), root};
-  return run(c, [a](comm::Comm& cm) { algo::scatter(cm, a); });
+  return run(c, [a](Comm& cm) { algo::scatter(cm, a); });
 }
 
 WorkPtr CpuBackend::do_barrier(Call& c) {
-  return run(c, [](comm::Comm& cm) { algo::barrier(cm); });
+  return run(c, [](Comm& cm) { algo::barrier(cm); });
 }
 
 WorkPtr CpuBackend::do_send(Call& c, const ArrayView& buf, int peer, uint32_t tag) {

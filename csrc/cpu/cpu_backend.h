@@ -1,15 +1,15 @@
-// The CPU backend: the backend contract (comm/backend.h) over a Comm (TCP between any hosts,
-// shared memory within one) and the algorithms of csrc/algo. Each do_* method turns the
-// checked call into an algorithm's args struct and runs it: synchronous calls inline when
-// the group is idle (Note [Inline execution] in comm/comm.h), asynchronous ones on the
-// group's worker thread, in issue order.
+// The CPU backend: the backend contract (comm/backend.h) over its engine, a cpu::Comm (TCP
+// between any hosts, shared memory within one), and the algorithms of cpu/algo. Each do_*
+// method turns the checked call into an algorithm's args struct and runs it: synchronous
+// calls inline when the group is idle (Note [Inline execution] in cpu/engine.h),
+// asynchronous ones on the group's worker thread, in issue order.
 #pragma once
 
 #include <memory>
 #include <string>
 
 #include "comm/backend.h"
-#include "comm/comm.h"
+#include "cpu/engine.h"
 #include "cpu/hierarchy.h"
 
 namespace meshcoll::cpu {
@@ -18,12 +18,12 @@ class CpuBackend final : public comm::Backend {
  public:
   // Collective over the group `store` is namespaced for.
   CpuBackend(std::shared_ptr<store::Store> store, int rank, int size,
-             const comm::CommOptions& opts, uint64_t comm_id);
+             const CommOptions& opts, uint64_t comm_id);
   ~CpuBackend() override;
 
   const char* name() const override { return "cpu"; }
   std::string transport() const override { return comm_->shm_status(); }
-  comm::Comm& comm() { return *comm_; }
+  Comm& comm() { return *comm_; }
   // Makes all_reduce (algorithm auto), broadcast and all_gather (equal counts) hierarchical
   // (Note [Hierarchy] in python/meshcoll/hierarchy.py): each call becomes one operation on
   // this group's Comm whose body runs the steps on `h`'s children. Set once, at
@@ -67,7 +67,7 @@ class CpuBackend final : public comm::Backend {
   // Note [Fused all_reduces]: runs the staged all_reduces, fused where they can be.
   void flush_staged();
 
-  std::unique_ptr<comm::Comm> comm_;
+  std::unique_ptr<Comm> comm_;
   bool dropped_ = false;  // shut down by the destructor, not destroy(): no farewell
   std::shared_ptr<const Hierarchy> hier_;  // null: flat collectives
   // Note [Fused all_reduces]: the open block's synchronous small all_reduces, not run yet.

@@ -68,7 +68,7 @@ namespace {
 // comm/backend.cc); the name of the running one is kept for a timeout's message.
 class Steps {
  public:
-  explicit Steps(const comm::Comm& parent) : parent_(parent) {}
+  explicit Steps(const Comm& parent) : parent_(parent) {}
   // The options of step `name` ("local all_reduce"); `tuning`: the parent call's.
   CallOptions operator()(const char* name, const comm::AllReduceTuning& tuning = {}) {
     at_ = name;
@@ -82,7 +82,7 @@ class Steps {
   const char* at() const { return at_; }
 
  private:
-  const comm::Comm& parent_;
+  const Comm& parent_;
   const char* at_ = "first";
 };
 
@@ -93,10 +93,10 @@ class Steps {
 // no-op. While the steps wait they watch the parent's own links (Note [Steps watch their
 // call's group] in common/interrupt.h); a failure found there is the parent's, raised as is.
 template <class Body>
-void run_steps(comm::Comm& parent, const Hierarchy& h, const char* what, Body&& body) {
+void run_steps(Comm& parent, const Hierarchy& h, const char* what, Body&& body) {
   Steps steps(parent);
   std::exception_ptr from_group;  // a failure found on the parent's own links
-  auto on_parent = [&](void (comm::Comm::*fn)()) {
+  auto on_parent = [&](void (Comm::*fn)()) {
     try {
       (parent.*fn)();
     } catch (...) {
@@ -105,8 +105,8 @@ void run_steps(comm::Comm& parent, const Hierarchy& h, const char* what, Body&& 
     }
   };
   try {
-    on_parent(&comm::Comm::set_composed);  // a stray frame of another call may be there already
-    WaitWatch watch([&] { on_parent(&comm::Comm::watch); });
+    on_parent(&Comm::set_composed);  // a stray frame of another call may be there already
+    WaitWatch watch([&] { on_parent(&Comm::watch); });
     body(steps);
   } catch (...) {
     std::exception_ptr error = from_group ? from_group : std::current_exception();
@@ -123,9 +123,9 @@ void run_steps(comm::Comm& parent, const Hierarchy& h, const char* what, Body&& 
       // A step waits for the ranks of its host or for the other hosts' leaders, which may
       // themselves be waiting for the rank that never came: the step's own message ("rank 0
       // had not arrived", "waiting for: receive from rank 2") names a healthy leader as often
-      // as not, and it came first, before the census that named the late rank (fault soak,
-      // issue 34). So a step's timeout says only which step timed out and leaves blame to
-      // the parent's census, which follows it. A peer's timeout relayed on the parent's
+      // as not, and it would come first, before the census that names the late rank. So a
+      // step's timeout says only which step timed out and leaves blame to the parent's
+      // census, which follows it. A peer's timeout relayed on the parent's
       // links (from_group) was written the same way. The step's own message is kept for
       // the one case where the census names nobody (Comm::execute): a rank that came late
       // to a step the others had already left reports from the group's next call, and the
@@ -170,7 +170,7 @@ void run_steps(comm::Comm& parent, const Hierarchy& h, const char* what, Body&& 
 // After the first step each leader holds its host's reduction; after the second, the whole
 // group's; the broadcast gives every rank of a host the leader's bytes, so all ranks end
 // bitwise equal. avg reduces with sum and divides at the end, as a flat avg does.
-void hier_all_reduce(comm::Comm& parent, const Hierarchy& h, const ArrayView& in,
+void hier_all_reduce(Comm& parent, const Hierarchy& h, const ArrayView& in,
                      const ArrayView& out, RedOp op, const comm::AllReduceTuning& tuning) {
   run_steps(parent, h, "all_reduce", [&](Steps& step) {
     const RedOp red = op == RedOp::kAvg ? RedOp::kSum : op;
@@ -184,7 +184,7 @@ void hier_all_reduce(comm::Comm& parent, const Hierarchy& h, const ArrayView& in
 // On the root's host the root's bytes reach its leader first (local broadcast from the root),
 // then every leader (leaders broadcast from the root's host), then every other host's ranks
 // (local broadcast from their leader).
-void hier_broadcast(comm::Comm& parent, const Hierarchy& h, const ArrayView& buf, int root) {
+void hier_broadcast(Comm& parent, const Hierarchy& h, const ArrayView& buf, int root) {
   run_steps(parent, h, "broadcast", [&](Steps& step) {
     const int root_host = h.host[root];
     if (h.host[parent.rank()] == root_host) {
@@ -202,7 +202,7 @@ void hier_broadcast(comm::Comm& parent, const Hierarchy& h, const ArrayView& buf
 // are known: no round to exchange them). When each host's ranks are contiguous that is group
 // rank order, so the gather and the all_gather write straight into `out`; otherwise they go
 // to scratch memory and the leader puts the rows in group-rank order.
-void hier_all_gather(comm::Comm& parent, const Hierarchy& h, const ArrayView& in,
+void hier_all_gather(Comm& parent, const Hierarchy& h, const ArrayView& in,
                      const ArrayView& out) {
   run_steps(parent, h, "all_gather", [&](Steps& step) {
     const size_t n = in.count, row = in.bytes();

@@ -11,7 +11,7 @@
 
 #include "comm/array_view.h"
 #include "comm/backend.h"
-#include "comm/comm.h"
+#include "cpu/engine.h"
 
 namespace meshcoll::cpu {
 
@@ -35,11 +35,11 @@ struct Hierarchy {
 
 // The bodies of the parent's operation, run with `parent` inside it (its deadline bounds
 // every step). `tuning`: the parent call's, for the children's all_reduce steps.
-void hier_all_reduce(comm::Comm& parent, const Hierarchy& h, const comm::ArrayView& in,
+void hier_all_reduce(Comm& parent, const Hierarchy& h, const comm::ArrayView& in,
                      const comm::ArrayView& out, RedOp op, const comm::AllReduceTuning& tuning);
-void hier_broadcast(comm::Comm& parent, const Hierarchy& h, const comm::ArrayView& buf, int root);
+void hier_broadcast(Comm& parent, const Hierarchy& h, const comm::ArrayView& buf, int root);
 // Equal counts only: every rank's `in` has in.count elements.
-void hier_all_gather(comm::Comm& parent, const Hierarchy& h, const comm::ArrayView& in,
+void hier_all_gather(Comm& parent, const Hierarchy& h, const comm::ArrayView& in,
                      const comm::ArrayView& out);
 
 }  // namespace meshcoll::cpu

@@ -194,7 +194,8 @@ using cuCtxSynchronize_t = CUresult (*)();
 using cuMemsetD8Async_t = CUresult (*)(CUdeviceptr dst, unsigned char value, size_t n, CUstream s);
 using cuMemcpyDtoHAsync_t = CUresult (*)(void* dst, CUdeviceptr src, size_t bytes, CUstream s);
 
-// Direct kernels (Note [Direct kernels] in direct.h): modules, launches, IPC, mapped memory.
+// Direct kernels (Note [Direct kernels] in direct/direct.h): modules, launches, IPC, mapped
+// memory.
 typedef struct CUmod_st* CUmodule;
 typedef struct CUfunc_st* CUfunction;
 struct CUipcMemHandle {

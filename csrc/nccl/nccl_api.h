@@ -51,7 +51,7 @@ struct NcclApi {
 
   bool has_bf16() const { return version >= abi::nccl_version_code(2, 10, 0); }
   bool has_avg() const { return version >= abi::nccl_version_code(2, 10, 0); }
-  // Symmetric windows (Note [Symmetric memory] in nccl_comm.h): NCCL 2.27 or later.
+  // Symmetric windows (Note [Symmetric memory] in symmetric.h): NCCL 2.27 or later.
   bool has_windows() const {
     return mem_alloc && mem_free && window_register && window_deregister &&
            version >= abi::nccl_version_code(2, 27, 0);
@@ -93,7 +93,7 @@ struct CudaApi {
   abi::cuMemcpyDtoDAsync_t memcpy_dtod_async = nullptr;
   abi::cuCtxSynchronize_t ctx_synchronize = nullptr;
   abi::cuMemsetD8Async_t memset_d8_async = nullptr;
-  // Direct kernels (Note [Direct kernels] in direct.h).
+  // Direct kernels (Note [Direct kernels] in direct/direct.h).
   abi::cuModuleLoadData_t module_load_data = nullptr;
   abi::cuModuleUnload_t module_unload = nullptr;
   abi::cuModuleGetFunction_t module_get_function = nullptr;
@@ -117,7 +117,7 @@ struct CudaApi {
 // only before the first successful load.
 void set_nccl_candidates(std::vector<std::string> paths);
 
-// NVRTC, the run-time compiler of the direct kernels (Note [Direct kernels] in direct.h).
+// NVRTC, the run-time compiler of the direct kernels (Note [Direct kernels] in direct/direct.h).
 // Search order: the paths set by set_nvrtc_candidates (python/meshcoll/nccl.py passes the
 // nvidia-cuda-nvrtc wheels' libraries), then the system's libnvrtc.so.13, .12, libnvrtc.so.
 struct NvrtcApi {

@@ -44,23 +44,15 @@ CallOpts coll_opts(Call& c) {
   return o;
 }
 
-// A collective a direct kernel may run (Note [Direct kernels] in direct.h): its fingerprint,
-// which every rank that agrees on the call computes alike.
+// A collective a direct kernel may run (Note [Direct kernels] in direct/direct.h): its fingerprint
+// (Note [Fingerprints] in common/op_desc.h), which every rank that agrees on the call computes
+// alike.
 template <class Call>
-CallOpts direct_opts(Call& c, bool direct_only) {
+CallOpts direct_opts(Call& c, bool direct, bool direct_only) {
   CallOpts o = coll_opts(c);
+  o.direct = direct;
   o.direct_only = direct_only;
-  uint64_t words[sizeof(c.desc) / 8];
-  static_assert(sizeof(c.desc) % 8 == 0, "the description hashes as whole words");
-  std::memcpy(words, &c.desc, sizeof(c.desc));
-  comm::ShapeHash h;  // Note [Fingerprints] in comm/array_view.h
-  for (uint64_t w : words) h.mix(w);
-  h.mix(c.seq);
-  // The kernels' token holds 32 bits of fingerprint beside the epoch (direct.cc), so fold the
-  // 64 to 32 (never 0). A chance collision there lets a disagreement run, but the agreement
-  // check still compares the whole descriptions (Note [Agreement on a side channel]).
-  const uint64_t v = h.value();
-  o.fingerprint = static_cast<uint32_t>(v ^ (v >> 32)) | 1u;
+  o.fingerprint = call_fingerprint(c.desc, c.seq);
   return o;
 }
 
@@ -81,7 +73,7 @@ NcclBackend::NcclBackend(std::shared_ptr<NcclComm> comm)
       copier_(cuda(), comm_->context(), comm_->device()) {
   // Note [Call totals]: an op's record ends when the communicator sees it complete. No host
   // thread times a GPU op, so NCCL calls add their count and bytes, not time.
-  comm_->set_on_done([this](uint64_t coll_seq, uint64_t p2p, const transport::OpDesc& d) {
+  comm_->set_on_done([this](uint64_t coll_seq, uint64_t p2p, const OpDesc& d) {
     if (coll_seq) ledger().set_state(coll_seq, comm::CallState::kDone);
     if (p2p) ledger().p2p_state(p2p, comm::CallState::kDone);
     if (coll_seq || p2p) ledger().add_totals(d, 0);
@@ -114,9 +106,10 @@ void NcclBackend::check_options(const char* what, const comm::CallOptions& o) co
 }
 
 WorkPtr NcclBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
-  const bool only = open(
-      c, &in, &out, comm_->prepare_direct(DirectPath::Kind::kAllReduce, in.dtype, op, in.count));
-  return comm_->all_reduce(direct_opts(c, only),
+  // The call's route, decided here once (CallOpts::direct).
+  const bool direct = comm_->prepare_direct(DirectPath::Kind::kAllReduce, in.dtype, op, in.count);
+  const bool only = open(c, &in, &out, direct);
+  return comm_->all_reduce(direct_opts(c, direct, only),
                            in.data, out.data, in.count, in.dtype, op);
 }
 
@@ -135,21 +128,21 @@ WorkPtr NcclBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
 
 WorkPtr NcclBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                    const std::vector<size_t>& counts) {
-  const bool only = open(
-      c, &in, &out,
+  const bool direct =
       detail::all_equal(counts) &&
-          comm_->prepare_direct(DirectPath::Kind::kAllGather, in.dtype, RedOp::kSum, counts[0]));
-  return comm_->all_gather(direct_opts(c, only),
+      comm_->prepare_direct(DirectPath::Kind::kAllGather, in.dtype, RedOp::kSum, counts[0]);
+  const bool only = open(c, &in, &out, direct);
+  return comm_->all_gather(direct_opts(c, direct, only),
                            in.data, out.data, counts, in.dtype);
 }
 
 WorkPtr NcclBackend::do_reduce_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                        const std::vector<size_t>& counts, RedOp op) {
-  const bool only = open(
-      c, &in, &out,
+  const bool direct =
       detail::all_equal(counts) &&
-          comm_->prepare_direct(DirectPath::Kind::kReduceScatter, in.dtype, op, counts[0]));
-  return comm_->reduce_scatter(direct_opts(c, only),
+      comm_->prepare_direct(DirectPath::Kind::kReduceScatter, in.dtype, op, counts[0]);
+  const bool only = open(c, &in, &out, direct);
+  return comm_->reduce_scatter(direct_opts(c, direct, only),
                                in.data, out.data, counts, in.dtype, op);
 }
 
@@ -275,7 +268,7 @@ void NcclBackend::set_agreement(std::shared_ptr<comm::Backend> channel,
 
 std::shared_ptr<SymmetricBlock> NcclBackend::alloc_symmetric(size_t bytes, bool zero,
                                                              Millis timeout) {
-  const auto d = comm::make_desc(comm::CollKind::kAllocSymmetric, DType::kUint8, bytes);
+  const auto d = make_desc(CollKind::kAllocSymmetric, DType::kUint8, bytes);
   const uint64_t seq = ledger().open_collective(d);
   if (agreement_) {
     try {
@@ -292,7 +285,7 @@ std::shared_ptr<SymmetricBlock> NcclBackend::alloc_symmetric(size_t bytes, bool 
 }
 
 std::vector<uint8_t> NcclBackend::host_all_gather(const void* data, size_t bytes,
-                                                  const transport::OpDesc& d, Millis timeout) {
+                                                  const OpDesc& d, Millis timeout) {
   const uint64_t seq = ledger().open_collective(d);
   if (agreement_) {
     try {

@@ -1,6 +1,6 @@
 // The NCCL backend: the backend contract (comm/backend.h) over an NcclComm. Each do_* method
 // turns the checked call into NCCL calls on the caller's stream (or, async, the group's
-// internal stream): see Note [NCCL streams and Works] in nccl_comm.h.
+// internal stream): see Note [NCCL streams and Works] in op_ring.h.
 #pragma once
 
 #include <memory>
@@ -40,9 +40,9 @@ class NcclBackend final : public comm::Backend {
   std::shared_ptr<SymmetricBlock> alloc_symmetric(size_t bytes, bool zero, Millis timeout);
   // Every rank's `bytes` of host memory, in rank order (blocks): a user's all_gather of a
   // numpy array, or an internal exchange of a composed call (Note [Internal exchanges] in
-  // comm/ledger.h), described by `d` and agreed on as any call before it returns.
+  // common/op_desc.h), described by `d` and agreed on as any call before it returns.
   std::vector<uint8_t> host_all_gather(const void* data, size_t bytes,
-                                       const transport::OpDesc& d, Millis timeout);
+                                       const OpDesc& d, Millis timeout);
   // Note [Span copies]: one kernel launch for many device copies, on `stream`.
   void copy_spans(const std::vector<comm::CopySpan>& spans, comm::Stream stream) override {
     copier_.copy(spans, static_cast<abi::CUstream>(stream));

@@ -1,6 +1,6 @@
 // The NCCL communicator's lifecycle: unique id through the store, non-blocking init with a
-// deadline, ncclCommSplit, teardown, failure bookkeeping and the watchdog (Note [NCCL failure
-// model] in nccl_comm.h). The op path and Work are in nccl_ops.cc.
+// deadline, ncclCommSplit, teardown, abort and failure bookkeeping (Note [NCCL failure model]
+// in nccl_comm.h). The op path is nccl_ops.cc; the op ring, the watchdog and Work op_ring.cc.
 #include "nccl/nccl_comm.h"
 
 #include <chrono>
@@ -18,13 +18,12 @@ namespace meshcoll::nccl {
 using namespace abi;  // NOLINT: the ABI names read best unqualified here
 using detail::backoff;
 using detail::CtxGuard;
+using detail::nccl_failure;
 using detail::now_ns;
 
 namespace {
 
 constexpr const char* kUidKey = "nccl/unique_id";
-constexpr auto kPollBusy = std::chrono::milliseconds(2);   // watchdog period with ops pending
-constexpr auto kPollIdle = std::chrono::milliseconds(20);  // ... and without
 
 // The primary context of one device, retained for a scope.
 class PrimaryCtx {
@@ -85,15 +84,15 @@ bool run_bounded(F fn, const Deadline& d) {
 }
 
 
-std::exception_ptr nccl_failure(ncclResult_t st, const std::string& msg) {
+}  // namespace
+
+std::exception_ptr detail::nccl_failure(ncclResult_t st, const std::string& msg) {
   if (st == ncclRemoteError || st == ncclSystemError)
     return std::make_exception_ptr(
         PeerError(msg + " (a peer likely died or its connection broke)"));
   if (st == ncclTimeout) return std::make_exception_ptr(TimeoutError(msg));
   return std::make_exception_ptr(Error(msg));
 }
-
-}  // namespace
 
 // ---- dtype / op tables -------------------------------------------------------------------
 
@@ -146,8 +145,9 @@ ncclRedOp_t nccl_redop(RedOp op, DType t, const NcclApi& api) {
 
 // Note [Blocking communicators]
 // NCCL's non-blocking mode (config.blocking = 0) would bound init by polling, but it launches
-// every collective from a new thread (ncclGroupEnd returns ncclInProgress): ~50 us per call
-// measured on 2 H200s. So communicators are blocking, and the blocking steps get deadlines
+// every collective from a new thread (ncclGroupEnd returns ncclInProgress), which costs each
+// call more than its enqueue (see docs/performance.md, "NCCL's non-blocking mode"). So
+// communicators are blocking, and the blocking steps get deadlines
 // another way: init runs on a helper thread we stop waiting for (after a store check-in,
 // so a rank that never arrives is caught before NCCL starts); a collective or split that
 // blocks inside NCCL (connection setup with a peer that never comes) is aborted from the
@@ -360,7 +360,7 @@ void NcclComm::shutdown() {
     lock.lock();
   }
   check_direct_locked(true);  // a direct kernel's failure not read yet
-  if (failed_) return close_failed_locked();
+  if (failure_.failed()) return close_failed_locked();
   close_direct_locked();
   close_windows_locked();
   // ncclCommDestroy tears down connections; bound it too, and leave it behind if a peer
@@ -374,17 +374,6 @@ void NcclComm::shutdown() {
     cu->ctx_set_current(ctx);
     nc->comm_destroy(c);
   }, Deadline(timeout_));
-}
-
-uint64_t NcclComm::first_op_locked(uint64_t coll_seq) const {
-  uint64_t from = UINT64_MAX;
-  const uint64_t oldest = issued_ > kSlots ? issued_ - kSlots : 0;
-  for (uint64_t k = issued_; coll_seq && k-- > oldest;) {
-    const uint64_t s = slots_[k % kSlots].coll_seq;
-    if (s && s < coll_seq) break;
-    if (s) from = k;
-  }
-  return from;
 }
 
 void NcclComm::fail(std::exception_ptr error, uint64_t coll_seq) {
@@ -408,7 +397,7 @@ void NcclComm::fail(std::exception_ptr error, uint64_t coll_seq) {
     }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
-  if (!comm_ || failed_) return;
+  if (!comm_ || failure_.failed()) return;
   CtxGuard guard(cu_, ctx_);
   fail_locked(std::move(error), first_op_locked(coll_seq));
 }
@@ -424,7 +413,7 @@ void NcclComm::abort(const std::string& why) {
 void NcclComm::close_failed_locked() {
   close_direct_locked();
   close_windows_locked();
-  if (failed_ && !reported_)
+  if (failure_.failed() && !failure_.reported())
     raise_locked(str_cat("destroy() on ", where(), ": the group failed earlier, after the last "
                          "call that could raise it: "));
 }
@@ -443,15 +432,14 @@ std::string NcclComm::where() const {
 }
 
 void NcclComm::raise_locked(const std::string& context) const {
-  reported_ = true;
-  std::rethrow_exception(same_type(error_, context + message_of(error_)));
+  failure_.raise(context);
 }
 
 // Note [NCCL failure model]: a failure the watchdog or the agreement check found while no
 // call was in Python is raised, with its own type, by the next call (here), wait() or
 // synchronize(), or else by destroy() (shutdown).
 void NcclComm::usable_locked() const {
-  if (failed_)
+  if (failure_.failed())
     raise_locked(str_cat("the NCCL communicator (", where(), ") was aborted by an earlier "
                          "failure; rebuild the group: "));
   if (shut_down_ || !comm_)
@@ -459,14 +447,13 @@ void NcclComm::usable_locked() const {
 }
 
 void NcclComm::fail_locked(std::exception_ptr error, uint64_t voids_from) {
-  if (failed_) return;
+  if (failure_.failed()) return;
   // Ops that completed before the failure keep their success (but for those it voids).
   uint64_t at = 0;
   advance_completed_locked(&at);
-  failed_ = true;
   failed_from_ = std::min(completed_, voids_from);
-  error_ = std::move(error);
-  on_group_failure(error_);
+  failure_.record(std::move(error));
+  on_group_failure(failure_.error());
   abort_locked();  // the kernels exit, so every pending event completes
   for (auto& s : slots_) s.keep.clear();  // nothing touches the arrays any more
 }
@@ -483,7 +470,7 @@ void NcclComm::check_nccl_locked(ncclResult_t r, const char* what, const Deadlin
   std::string msg = str_cat(what, " on ", where(), ": ", nc_.error_text(r, comm_));
   if (r == ncclInvalidArgument || r == ncclInvalidUsage) throw InvalidArgument(msg);
   fail_locked(nccl_failure(r, msg + "; the communicator was aborted"));
-  std::rethrow_exception(error_);
+  std::rethrow_exception(failure_.error());
 }
 
 void NcclComm::wait_ready_locked(ncclComm_t comm, const Deadline& d, const char* what) {
@@ -497,121 +484,7 @@ void NcclComm::wait_ready_locked(ncclComm_t comm, const Deadline& d, const char*
   else
     fail_locked(nccl_failure(r, str_cat(what, " on ", where(), ": ", nc_.error_text(r, comm),
                                         "; the communicator was aborted")));
-  std::rethrow_exception(error_);
-}
-
-// Note [Completion by bisection]
-// Ops recorded on one stream complete in order, so over each run of consecutive ops on one
-// stream, completed_ moves by bisection on their events: the oldest op is queried first (a
-// poll that finds it pending costs one query), then the newest, then halves. Before, every
-// op's event was queried once, under the lock: the watchdog's poll every 2 ms held it for
-// one query per op completed since, and back-to-back callers waited for it. On 4 x H200,
-// 8-byte calls (nccl_host_cost.py, two A/B runs of four ops) got a median 1.6 us faster
-// (7 of 8 pairs by 1.2-2.5 us, one even), and the host timers' lock step fell from
-// 0.14-0.78 to 0.16 us.
-// A run is told by the stream's handle. A stream destroyed with ops pending whose handle
-// is at once reused by a new stream could let an op on the new one mark an older op of the
-// old one complete; only that op's deadline check is lost (an op on a caller's stream holds
-// no arrays: keep is for the internal stream's).
-CUresult NcclComm::advance_completed_locked(uint64_t* at) {
-  auto query = [&](uint64_t k) { return cu_.event_query(slots_[k % kSlots].done); };
-  // The arrays of ops completed below `end` may be freed now; their records end (not after
-  // a failure, which voids them: its abort completes every pending event).
-  auto complete_to = [&](uint64_t end) {
-    for (; completed_ < end; ++completed_) {
-      Slot& s = slots_[completed_ % kSlots];
-      s.keep.clear();
-      if (on_done_ && !failed_) on_done_(s.coll_seq, s.p2p, s.desc);
-    }
-  };
-  while (completed_ < issued_) {
-    const CUstream stream = slots_[completed_ % kSlots].stream;
-    uint64_t end = completed_ + 1;
-    while (end < issued_ && slots_[end % kSlots].stream == stream) ++end;
-    // Ops before lo completed; op hi is pending (or hi == end).
-    uint64_t lo = completed_, hi = end;
-    bool newest_asked = false;
-    while (lo < hi) {
-      const uint64_t k = lo == completed_ ? lo : !newest_asked ? hi - 1 : lo + (hi - lo) / 2;
-      newest_asked = newest_asked || k == hi - 1;
-      const CUresult q = query(k);
-      if (q == CUDA_SUCCESS) {
-        lo = k + 1;
-      } else if (q == CUDA_ERROR_NOT_READY) {
-        hi = k;
-      } else {
-        *at = k;
-        complete_to(lo);
-        return q;
-      }
-    }
-    complete_to(lo);
-    if (lo < end) break;
-  }
-  return CUDA_SUCCESS;
-}
-
-void NcclComm::poll_locked() {
-  if (failed_ || !comm_) return;
-  ncclResult_t st = ncclSuccess;
-  ncclResult_t r = nc_.comm_get_async_error(comm_, &st);
-  if (r != ncclSuccess) st = r;
-  if (st != ncclSuccess && st != ncclInProgress) {
-    fail_locked(nccl_failure(st, str_cat("NCCL reported an asynchronous error on ", where(), ": ",
-                                         nc_.error_text(st, comm_),
-                                         "; the communicator was aborted")));
-    return;
-  }
-  uint64_t at = 0;
-  if (CUresult q = advance_completed_locked(&at); q != CUDA_SUCCESS) {
-    fail_locked(std::make_exception_ptr(Error(str_cat(
-        "CUDA error while waiting for NCCL op ", slots_[at % kSlots].what, " on ", where(), ": ",
-        cu_.error_text(q), "; the communicator was aborted"))));
-    return;
-  }
-  check_direct_locked();  // ops just counted complete may be failed direct kernels
-  if (failed_) return;
-  // Ops may sit on different streams and finish out of order: check every pending deadline.
-  const auto now = Clock::now();
-  for (uint64_t k = completed_; k < issued_; ++k) {
-    const Slot& s = slots_[k % kSlots];
-    if (now < s.deadline || cu_.event_query(s.done) == CUDA_SUCCESS) continue;
-    const std::string who = s.coll_seq && check_.census ? check_.census(s.coll_seq) : "";
-    fail_locked(std::make_exception_ptr(TimeoutError(str_cat(
-        "NCCL ", s.what, s.coll_seq ? str_cat(" [seq ", s.coll_seq, "]") : std::string(),
-        " (op ", k, ") on ", where(), " did not complete within ", s.timeout_ms,
-        " ms; the communicator was aborted", who,
-        who.empty() ? ". A peer may have died, or not called the same collectives in the "
-                      "same order" : "",
-        "; rebuild the group"))));
-    return;
-  }
-}
-
-void NcclComm::watchdog() {
-  // Relaxed capture mode: our event queries must never invalidate a CUDA graph that
-  // another thread is capturing.
-  int mode = CU_STREAM_CAPTURE_MODE_RELAXED;
-  cu_.thread_exchange_capture_mode(&mode);
-  cu_.ctx_set_current(ctx_);
-  for (;;) {
-    bool pending = true;
-    int64_t dl = enqueue_deadline_.load(std::memory_order_acquire);
-    if (dl > 0 && now_ns() > dl && enqueue_deadline_.compare_exchange_strong(dl, -1)) {
-      // A call is stuck inside NCCL past its deadline (Note [Stuck calls]): abort from here.
-      nc_.comm_abort(enqueue_comm_.load(std::memory_order_relaxed));
-      wd_aborted_.store(true, std::memory_order_release);
-      return;
-    }
-    std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);  // a caller may be in NCCL
-    if (lock.owns_lock()) {
-      poll_locked();
-      pending = !failed_ && completed_ < issued_;
-      lock.unlock();
-    }
-    std::unique_lock<std::mutex> wl(wd_mu_);
-    if (wd_cv_.wait_for(wl, pending ? kPollBusy : kPollIdle, [this] { return wd_stop_; })) return;
-  }
+  std::rethrow_exception(failure_.error());
 }
 
 }  // namespace meshcoll::nccl

@@ -1,18 +1,7 @@
 // The NCCL communicator of one group: unique id through the store, non-blocking init with a
 // deadline, ncclCommSplit for subgroups, every collective, a completion event per op and a
-// watchdog that turns a stuck or failed op into TimeoutError / PeerError.
-//
-// Note [NCCL streams and Works]
-// An op runs on the caller's stream (the array's stream, the stream= argument, or the
-// legacy default stream), so a synchronous call costs one NCCL enqueue plus one event
-// record and never blocks the host. With async=true it runs on this communicator's internal
-// stream, ordered after the caller's stream through an event, so the caller's stream keeps
-// computing meanwhile; Work::wait makes the caller's stream wait for the op's completion
-// event (cuStreamWaitEvent: no host block) and Work::synchronize blocks the host, with a
-// timeout. Every op's completion event sits in a fixed ring of kSlots slots, reused only
-// after the watchdog has seen the op complete: the hot path allocates nothing but the Work.
-// An op enqueued while its stream is being captured into a CUDA graph has no event and no
-// deadline (it runs at each replay); its Work::wait is a no-op and synchronize refuses.
+// watchdog that turns a stuck or failed op into TimeoutError / PeerError. The op ring (slots,
+// completion, the watchdog, NcclWork) is op_ring.{h,cc} (Note [NCCL streams and Works]).
 //
 // Note [NCCL failure model]
 // The watchdog thread polls ncclCommGetAsyncError and the oldest pending ops' events every
@@ -24,35 +13,18 @@
 // The agreement check (comm/agreement.h) fails the communicator the same way (fail()), and
 // also voids the ops of the disagreeing call and later ones even if they completed. A
 // failure no call, wait or synchronize raised is raised by shutdown (destroy). As on the CPU
-// backend, a dead group must be rebuilt. A call stuck inside NCCL (a blocking connection
-// setup or split waiting for a peer) is aborted by the watchdog at its deadline too (Note
-// [Stuck calls] in nccl_comm.cc). meshcoll's own direct kernels (Note [Direct kernels] in
-// direct.h) report failures through host memory and end at the same abort. A group is used by
-// one thread at a time, as NCCL
+// backend, a dead group must be rebuilt, and the first failure and whether it reached the
+// user are one comm::Failure (Note [Failure types] in comm/failure.h). What is NCCL's own:
+// ops carry a voiding point (failed_from_: ops completed before it keep their success), and
+// later calls keep the failure's type instead of AbortedError. A call stuck inside NCCL (a
+// blocking connection setup or split waiting for a peer) is aborted by the watchdog at its
+// deadline too (Note [Stuck calls] in nccl_internal.h). meshcoll's own direct kernels (Note
+// [Direct kernels] in direct/direct.h) report failures through host memory and end at the same
+// abort. A group is used by one thread at a time, as NCCL
 // requires (the backend's entry points check it: Note [One issuing thread] in
 // comm/backend.h); one mutex (uncontended on the hot path) orders the caller and the watchdog.
 //
-// Note [Symmetric memory]
-// NCCL 2.27+ runs its symmetric kernels (lower latency: peers' buffers are read and written
-// directly over NVLink) when a collective's buffers lie in windows registered with
-// NCCL_WIN_COLL_SYMMETRIC and every rank passes the same offset into its window.
-// alloc_symmetric() is collective: each rank takes `bytes` from ncclMemAlloc and registers it
-// (ncclCommWindowRegister also exchanges with the peers, so it runs under the stuck-call
-// deadline); windows are numbered in registration order, the same on every rank. A call's
-// window_tag() names the windows and offsets of its buffers; the backend puts it in the call's
-// description, so ranks that disagree (one passes symmetric memory, another not, or another
-// offset: NCCL would pick different kernels and hang or mix data) get MismatchError from the
-// agreement check. The memory lives as long as its SymmetricBlock (the array's DLPack deleter
-// holds it). Dropping it retires the window; the issuing thread frees retired blocks (NCCL is
-// not thread-safe, and a deleter runs on any thread) at the next symmetric allocation, at
-// shutdown, or at the next call once they add up to kDrainBytes: it synchronizes the device
-// (the memory may still be read by other streams, as cudaFree would; bounded: Note [Bounded
-// device synchronize] in nccl_window.cc), then deregisters and frees them. Not at every next
-// call: a dropped DataParallel would otherwise stall a later step's host until the device
-// is idle. shutdown() deregisters every window; blocks
-// still held then keep their memory until dropped. Where NCCL has no windows (older than
-// 2.27, or symmetricSupport off on this communicator: ncclCommWindowRegister then returns no
-// window) the block is ordinary ncclMemAlloc memory and symmetric() says so.
+// Symmetric memory (windows, SymmetricBlock) is symmetric.{h,cc} (Note [Symmetric memory]).
 #pragma once
 
 #include <array>
@@ -67,72 +39,21 @@
 #include <thread>
 #include <vector>
 
+#include "comm/failure.h"
 #include "comm/work.h"
 #include "common/rank_names.h"
 #include "common/deadline.h"
 #include "common/dtype.h"
-#include "nccl/direct.h"
+#include "nccl/direct/direct.h"
 #include "nccl/nccl_abi.h"
 #include "nccl/nccl_api.h"
+#include "nccl/op_ring.h"
+#include "nccl/symmetric.h"
 #include "store/store.h"
 
 namespace meshcoll::nccl {
 
 class NcclComm;
-
-// One ncclMemAlloc allocation of a communicator, registered as a symmetric window where NCCL
-// can (Note [Symmetric memory]). Freed when the last reference goes.
-class SymmetricBlock {
- public:
-  SymmetricBlock(std::weak_ptr<NcclComm> comm, void* ptr, size_t bytes, bool windowed,
-                 abi::CUcontext ctx, int device, Millis timeout)
-      : comm_(std::move(comm)), ptr_(ptr), bytes_(bytes), windowed_(windowed), ctx_(ctx),
-        device_(device), timeout_(timeout) {}
-  ~SymmetricBlock();
-  SymmetricBlock(const SymmetricBlock&) = delete;
-  SymmetricBlock& operator=(const SymmetricBlock&) = delete;
-  void* data() const { return ptr_; }
-  size_t bytes() const { return bytes_; }
-  int device() const { return device_; }
-  // Registered as a symmetric window (else ordinary ncclMemAlloc memory).
-  bool windowed() const { return windowed_; }
-
- private:
-  std::weak_ptr<NcclComm> comm_;
-  void* ptr_;
-  size_t bytes_;
-  bool windowed_;
-  abi::CUcontext ctx_;  // retained by the communicator at alloc; by us from then on
-  int device_;
-  Millis timeout_;  // the group's: how long a drop after its end waits for the device
-};
-
-// Handle on one enqueued op (the backend contract's Work).
-class NcclWork final : public comm::Work {
- public:
-  // `coll_seq`: the group's last collective issued with or before this op, whose agreement
-  // (and every earlier one's) a host synchronization waits for.
-  NcclWork(std::shared_ptr<NcclComm> comm, uint64_t seq, uint64_t coll_seq,
-           abi::CUstream issue_stream, bool async, bool captured, bool host_blocking)
-      : comm_(std::move(comm)), seq_(seq), coll_seq_(coll_seq), issue_stream_(issue_stream),
-        async_(async), captured_(captured), host_blocking_(host_blocking) {}
-  // Orders `stream` (has_stream=false: the stream the op was issued from) after the op:
-  // no host block, except for a barrier, which blocks the host (timeout < 0: the op's own
-  // deadline). Raises the op's failure if it is known to have failed.
-  void wait(Millis timeout, bool has_stream, comm::Stream stream) override;
-  // Blocks the host until the op completes; TimeoutError if `timeout` (>= 0) passes first
-  // (the op goes on and fails by its own deadline if it is stuck).
-  void synchronize(Millis timeout) override;
-  bool is_completed() override;
-  std::exception_ptr exception() override;
-  bool captured() const override { return captured_; }
-
- private:
-  std::shared_ptr<NcclComm> comm_;
-  uint64_t seq_, coll_seq_;
-  abi::CUstream issue_stream_;
-  bool async_, captured_, host_blocking_;
-};
 
 // Where and how one op runs. timeout < 0: the communicator's default.
 struct CallOpts {
@@ -141,10 +62,13 @@ struct CallOpts {
   Millis timeout{-1};
   uint64_t coll_seq = 0;  // the call's collective sequence number (Note [Call ledger]); 0: p2p
   uint64_t p2p = 0;       // a transfer's number in the ledger (Ledger::open_p2p); else 0
-  transport::OpDesc desc{};  // the call as the ledger describes it (Note [Call totals])
+  OpDesc desc{};  // the call as the ledger describes it (Note [Call totals])
   // A hash of the call's description and coll_seq, equal on ranks that agree: a direct
-  // kernel's token carries it (Note [Direct kernels] in direct.h).
+  // kernel's token carries it (Note [Direct kernels] in direct/direct.h).
   uint32_t fingerprint = 0;
+  // The call's route, decided once by the backend (prepare_direct): a direct kernel takes it
+  // if it is launched eagerly (Note [Direct kernels] in direct/direct.h); else NCCL's.
+  bool direct = false;
   // The call skipped its agreement before launch because a direct kernel runs it (Note
   // [Agreement before launch] in comm/agreement.h): NCCL's symmetric kernels must not.
   bool direct_only = false;
@@ -185,11 +109,11 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void abort(const std::string& why);
   bool failed() const {
     std::lock_guard<std::mutex> lock(mu_);
-    return failed_;
+    return failure_.failed();
   }
   void mark_reported() {
     std::lock_guard<std::mutex> lock(mu_);
-    reported_ = true;
+    failure_.mark_reported();
   }
   // Aborts now with `error` (the agreement check's MismatchError, a dead peer): the op of
   // collective `coll_seq` and every later one report it, even if they completed (their data
@@ -210,7 +134,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // Told of every op that completed without error, in issue order, by the thread that saw
   // it complete (under the communicator's lock: keep it short): the ledger's record of it
   // ends there (Note [Call totals]).
-  using OnDone = std::function<void(uint64_t coll_seq, uint64_t p2p, const transport::OpDesc&)>;
+  using OnDone = std::function<void(uint64_t coll_seq, uint64_t p2p, const OpDesc&)>;
   void set_on_done(OnDone on_done) {
     std::lock_guard<std::mutex> lock(mu_);
     on_done_ = std::move(on_done);
@@ -241,7 +165,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
                   DType dt, int root);
   WorkPtr send(const CallOpts& c, const void* buf, size_t count, DType dt, int peer);
   WorkPtr recv(const CallOpts& c, void* buf, size_t count, DType dt, int peer);
-  // Collective, once, when the group is made (Note [Direct kernels] in direct.h): sets up
+  // Collective, once, when the group is made (Note [Direct kernels] in direct/direct.h): sets up
   // meshcoll's direct kernels among the ranks where all of them can use them.
   void setup_direct(Millis timeout);
   // "" when direct kernels are on, else why not.
@@ -250,8 +174,8 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   size_t direct_bytes() const;
   // Compiles the kernel a call of these sizes will run, if a direct one (once per process);
   // before the call is noted to the agreement check, so that a first call's compilation
-  // (0.2-0.5 s) never sits between the note and the launch. True: a direct kernel takes
-  // such a call when it is eager (issued outside a block, on a stream not being captured).
+  // (a fraction of a second) never sits between the note and the launch. True: a direct kernel
+  // takes such a call when it is eager (issued outside a block, on a stream not being captured).
   bool prepare_direct(DirectPath::Kind kind, DType dt, RedOp op, size_t count) {
     if (!direct_ || !direct_->takes(kind, dt, op, count)) return false;
     direct_->prepare(kind, dt, op, count);
@@ -264,9 +188,9 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   WorkPtr barrier(const CallOpts& c);
   // Orders `waiter` after the work issued so far on `producer` (an event; no host block).
   void order_streams(abi::CUstream producer, abi::CUstream waiter);
-  // Collective (Note [Symmetric memory]): `bytes` of ncclMemAlloc memory on every rank,
-  // registered as a symmetric window where NCCL can; zeroed when `zero`. Ranks must pass the
-  // same bytes (the backend agrees on it first).
+  // Collective (Note [Symmetric memory] in symmetric.h): `bytes` of ncclMemAlloc memory on
+  // every rank, registered as a symmetric window where NCCL can; zeroed when `zero`. Ranks must
+  // pass the same bytes (the backend agrees on it first).
   std::shared_ptr<SymmetricBlock> alloc_symmetric(size_t bytes, bool zero, Millis timeout);
   // "" when this communicator can register symmetric windows, else why not.
   std::string symmetric_unavailable() const;
@@ -301,7 +225,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
     const char* what = "";
     uint64_t coll_seq = 0;  // CallOpts::coll_seq
     uint64_t p2p = 0;       // CallOpts::p2p
-    transport::OpDesc desc{};  // CallOpts::desc
+    OpDesc desc{};  // CallOpts::desc
     uint32_t direct_epoch = 0;  // a direct kernel's epoch (Note [Direct kernels]); 0: NCCL's
     std::vector<std::shared_ptr<void>> keep;  // CallOpts::keep
   };
@@ -323,7 +247,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // its memory itself).
   bool retire(void* ptr, size_t bytes);
   // On the issuing thread, before taking mu_: synchronizes the device (bounded by the
-  // timeout: Note [Bounded device synchronize] in nccl_window.cc; not under mu_, which the
+  // timeout: Note [Bounded device synchronize] in symmetric.cc; not under mu_, which the
   // watchdog may need to abort a stuck op), then deregisters and frees the retired blocks.
   void drain_retired();
   // Deregisters every window (shutdown); later drops free their memory themselves. A failed
@@ -360,12 +284,13 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void check_nccl_locked(abi::ncclResult_t r, const char* what, const Deadline& d);
   void wait_ready_locked(abi::ncclComm_t comm, const Deadline& d, const char* what);
   void usable_locked() const;
-  // Launches a direct kernel in place of NCCL's when the call qualifies and the op is eager
-  // (Note [Direct kernels]); false: NCCL's turn. Raises when the call is `direct_only` yet
-  // cannot go direct (its stream began a capture since its agreement was skipped).
-  bool try_direct_locked(DirectPath::Kind kind, DType dt, RedOp op, const void* in, void* out,
-                         size_t count, uint32_t fingerprint, bool direct_only, abi::CUstream s,
-                         const Deadline& d);
+  // Launches a direct kernel in place of NCCL's when the backend routed the call there
+  // (`direct`, CallOpts) and the op is eager (Note [Direct kernels]); false: NCCL's turn.
+  // Raises when the call is `direct_only` yet cannot go direct (its stream began a capture
+  // since its agreement was skipped).
+  bool try_direct_locked(bool direct, DirectPath::Kind kind, DType dt, RedOp op, const void* in,
+                         void* out, size_t count, uint32_t fingerprint, bool direct_only,
+                         abi::CUstream s, const Deadline& d);
   // A direct kernel's failure report becomes the communicator's failure (MismatchError,
   // TimeoutError naming the peer). Read wherever an op's completion is observed.
   // no_grace: at shutdown, the agreement check has had its chance.
@@ -427,10 +352,10 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   bool block_captured_ = false;  // the block's ops are captured into a CUDA graph
   std::vector<Staged> staged_;
   uint64_t completed_ = 0;  // every op below this has completed
-  bool failed_ = false;
-  uint64_t failed_from_ = 0;  // ops at or above this failed with error_
-  std::exception_ptr error_;
-  mutable bool reported_ = false;  // error_ reached the user (a call, wait or synchronize)
+  // The first failure and whether it reached the user (a call, wait or synchronize): Note
+  // [Failure types] in comm/failure.h. Mutable: raise_locked() marks it reported.
+  mutable comm::Failure failure_;
+  uint64_t failed_from_ = 0;  // ops at or above this failed with failure_'s error
   bool shut_down_ = false;
   CheckHooks check_;
   OnDone on_done_;
@@ -447,9 +372,9 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   uint64_t direct_grace_op_ = UINT64_MAX;
   Clock::time_point direct_grace_until_{};
 
-  // Note [Symmetric memory]. windows_ is read on every call (window_tag) and changed by
-  // alloc_symmetric and by retire() from any thread: its own mutex, never held while taking
-  // mu_ (retire may run under mu_, when a slot drops an array's owner).
+  // Note [Symmetric memory] (symmetric.h). windows_ is read on every call (window_tag) and changed
+  // by alloc_symmetric and by retire() from any thread: its own mutex, never held while taking mu_
+  // (retire may run under mu_, when a slot drops an array's owner).
   mutable std::mutex win_mu_;
   std::map<uintptr_t, Window> windows_;  // by base address
   std::atomic<size_t> num_windows_{0};   // windows_.size(): the hot path's lock-free test

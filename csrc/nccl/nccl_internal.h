@@ -59,6 +59,10 @@ inline int64_t ns_of(Clock::time_point t) {
 }
 inline int64_t now_ns() { return ns_of(Clock::now()); }
 
+// An NCCL error as the type a user catches: PeerError where a peer likely died
+// (ncclRemoteError, ncclSystemError), TimeoutError for ncclTimeout, else Error.
+std::exception_ptr nccl_failure(ncclResult_t st, const std::string& msg);
+
 }  // namespace meshcoll::nccl::detail
 
 namespace meshcoll::nccl {
@@ -92,7 +96,7 @@ ncclResult_t NcclComm::guarded_locked(const Deadline& d, const char* what, Call&
   while (!wd_aborted_.load(std::memory_order_acquire)) std::this_thread::yield();
   enqueue_deadline_.store(0, std::memory_order_release);
   comm_ = nullptr;  // already aborted
-  if (!failed_) {
+  if (!failure_.failed()) {
     std::exception_ptr ext;
     uint64_t seq = 0;
     {
@@ -109,8 +113,8 @@ ncclResult_t NcclComm::guarded_locked(const Deadline& d, const char* what, Call&
           d.timeout().count(), " ms (a peer never made the matching call, or died); the "
           "communicator was aborted"))));
   }
-  reported_ = true;  // raised by this call: destroy() need not raise it again
-  std::rethrow_exception(error_);
+  failure_.mark_reported();  // raised by this call: destroy() need not raise it again
+  std::rethrow_exception(failure_.error());
 }
 
 }  // namespace meshcoll::nccl

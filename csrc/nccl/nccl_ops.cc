@@ -1,6 +1,7 @@
-// The NCCL communicator's op path: a slot per op, the caller's or the internal stream, the
-// collectives and point-to-point as NCCL calls, and NcclWork (Note [NCCL streams and Works]
-// in nccl_comm.h). Lifecycle, watchdog and failures are in nccl_comm.cc.
+// The NCCL communicator's op path: the caller's or the internal stream, the collectives and
+// point-to-point as NCCL calls, coalesced blocks (Note [NCCL streams and Works] in
+// op_ring.h). The slots, completion and NcclWork are op_ring.cc; lifecycle and failures
+// nccl_comm.cc.
 #include "nccl/nccl_comm.h"
 
 #include "common/check.h"
@@ -31,31 +32,6 @@ void grouped(const NcclApi& nc, Check&& check, Body&& body) {
 }  // namespace
 
 // ---- the op path -------------------------------------------------------------------------
-
-void NcclComm::claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d,
-                                 size_t staged) {
-  if (issued_ + staged - completed_ < kSlots) return;
-  // The ring is full: kSlots ops are in flight. Wait for the oldest (rare; bounded by d).
-  struct Timed {  // the host timers count the wait apart (add_slot_wait)
-    Clock::time_point t0 = Clock::now();
-    ~Timed() {
-      host_timers::add_slot_wait(static_cast<uint64_t>(
-          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count()));
-    }
-  } timed;
-  int round = 0;
-  for (;;) {
-    poll_locked();
-    usable_locked();
-    if (issued_ + staged - completed_ < kSlots) return;
-    if (d.expired())
-      throw TimeoutError(str_cat("NCCL: ", kSlots, " ops are in flight on ", where(),
-                                 " and none completed within ", d.timeout().count(), " ms"));
-    lock.unlock();
-    backoff(round);
-    lock.lock();
-  }
-}
 
 template <class Launch>
 NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_blocking,
@@ -216,8 +192,9 @@ void NcclComm::drop_block_locked() {
 void NcclComm::end_block(Millis timeout, std::exception_ptr cancel) {
   std::unique_lock<std::mutex> lock(mu_);
   if (!block_open_) return;
-  if (cancel && !failed_) fail_locked(cancel);  // no op of it may run: fail, as a mismatch does
-  if (staged_.empty() || failed_ || !comm_) {
+  // No op of it may run: fail, as a mismatch does.
+  if (cancel && !failure_.failed()) fail_locked(cancel);
+  if (staged_.empty() || failure_.failed() || !comm_) {
     // A failed or destroyed communicator runs nothing more: the staged ops (their Works
     // too) report its failure, which usable_locked raises here.
     drop_block_locked();
@@ -280,9 +257,10 @@ NcclComm::WorkPtr NcclComm::all_reduce(const CallOpts& c, const void* in, void* 
   const auto ndt = nccl_dtype(dt, true, nc_);
   const auto nop = nccl_redop(op, dt, nc_);
   const uint32_t fp = c.fingerprint;
-  const bool only = c.direct_only;
+  const bool direct = c.direct, only = c.direct_only;
   return run(c, "all_reduce", false, [=](CUstream s, const Deadline& d) {
-    if (try_direct_locked(DirectPath::Kind::kAllReduce, dt, op, in, out, count, fp, only, s, d))
+    if (try_direct_locked(direct, DirectPath::Kind::kAllReduce, dt, op, in, out, count, fp, only,
+                          s, d))
       return;
     check_nccl_locked(nc_.all_reduce(in, out, count, ndt, nop, comm_, s), "ncclAllReduce", d);
   });
@@ -314,9 +292,10 @@ NcclComm::WorkPtr NcclComm::all_gather(const CallOpts& c, const void* in, void* 
   if (all_equal(counts)) {  // captures the count, not the vector: no copy per call
     const size_t n = counts[0];
     const uint32_t fp = c.fingerprint;
-    const bool only = c.direct_only;
+    const bool direct = c.direct, only = c.direct_only;
     return run(c, "all_gather", false, [=](CUstream s, const Deadline& d) {
-      if (try_direct_locked(DirectPath::Kind::kAllGather, dt, RedOp::kSum, in, out, n, fp, only,
+      if (try_direct_locked(direct, DirectPath::Kind::kAllGather, dt, RedOp::kSum, in, out, n, fp,
+                            only,
                             s, d))
         return;
       check_nccl_locked(nc_.all_gather(in, out, n, ndt, comm_, s), "ncclAllGather", d);
@@ -348,9 +327,10 @@ NcclComm::WorkPtr NcclComm::reduce_scatter(const CallOpts& c, const void* in, vo
   if (all_equal(counts)) {
     const size_t n = counts[0];
     const uint32_t fp = c.fingerprint;
-    const bool only = c.direct_only;
+    const bool direct = c.direct, only = c.direct_only;
     return run(c, "reduce_scatter", false, [=](CUstream s, const Deadline& d) {
-      if (try_direct_locked(DirectPath::Kind::kReduceScatter, dt, op, in, out, n, fp, only, s,
+      if (try_direct_locked(direct, DirectPath::Kind::kReduceScatter, dt, op, in, out, n, fp, only,
+                            s,
                             d))
         return;
       check_nccl_locked(nc_.reduce_scatter(in, out, n, ndt, nop, comm_, s), "ncclReduceScatter",
@@ -507,155 +487,6 @@ std::vector<uint8_t> NcclComm::host_all_gather(const void* data, size_t bytes, M
   cu_.check(cu_.memcpy_dtoh_async(out.data(), scratch_ + bytes, bytes * size_, meta_),
             "cuMemcpyDtoHAsync");
   return out;
-}
-
-// ---- Work --------------------------------------------------------------------------------
-
-bool NcclComm::op_done_locked(uint64_t seq, std::exception_ptr* error) {
-  if (failed_ && seq >= failed_from_) {
-    *error = error_;
-    reported_ = true;
-    return true;
-  }
-  if (seq >= direct_grace_op_ && !shut_down_) return false;  // awaiting the agreement check
-  if (seq < completed_ || shut_down_) return true;
-  if (seq >= issued_) return false;  // staged in the open block
-  CUresult q = cu_.event_query(slots_[seq % kSlots].done);
-  if (q == CUDA_SUCCESS) {
-    // A direct kernel that completed may have failed (Note [Direct kernels]).
-    if (direct_) check_direct_locked();
-    if (failed_ && seq >= failed_from_) {
-      *error = error_;
-      reported_ = true;
-      return true;
-    }
-    return seq < direct_grace_op_;  // else: awaiting the agreement check's verdict
-  }
-  if (q == CUDA_ERROR_NOT_READY) return false;
-  *error = std::make_exception_ptr(
-      Error(str_cat("CUDA error on NCCL op ", seq, " on ", where(), ": ", cu_.error_text(q))));
-  return true;
-}
-
-void NcclComm::staged_error(uint64_t seq) const {
-  throw InvalidArgument(str_cat(slots_[seq % kSlots].what, " (op ", seq, ") on ", where(),
-                                " is in the coalesced block still open: it runs when the block "
-                                "ends, so wait for its Work after the block"));
-}
-
-// Note [Waiting off the lock]
-// A thread that blocks on an op (Work.synchronize; DataParallel's completion thread does it
-// for every bucket) polls the op's event without mu_, which it takes only to confirm: polling
-// under mu_ made the issuing thread queue behind it for every enqueue. The event read under
-// the lock stays this op's until the op has completed (a slot is reused only then), so
-// "ready" means done, and "not ready" may be a newer op in the reused slot: the periodic
-// check under the lock (completed_, failures) settles that.
-void NcclComm::op_synchronize(uint64_t seq, Millis timeout) {
-  Deadline own(timeout);
-  CUevent event = nullptr;
-  for (int round = 0;; backoff(round)) {
-    if (!event || round % 64 == 0 || cu_.event_query(event) != CUDA_ERROR_NOT_READY) {
-      std::lock_guard<std::mutex> lock(mu_);
-      std::exception_ptr e;
-      if (op_done_locked(seq, &e)) {
-        if (e) std::rethrow_exception(e);
-        return;
-      }
-      if (seq >= issued_) staged_error(seq);
-      event = slots_[seq % kSlots].done;
-    }
-    if (own.expired())
-      throw TimeoutError(str_cat("NCCL op ", seq, " on ", where(), " did not complete within ",
-                                 timeout.count(), " ms (Work.synchronize timeout); it keeps "
-                                 "running and fails by its own deadline if it is stuck"));
-  }
-}
-
-// Note [Results at host synchronization points]
-// In async mode (Note [Agreement on a side channel]) a call is compared after its launch, and
-// NCCL completes calls that disagree on anything but their sizes (sum on one rank, max on
-// another): their results are void, and the check's verdict may come after the ranks have
-// read them. So every point where meshcoll hands the host a finished result waits for the
-// verdict on every call issued before it: Work.synchronize(), a wait() that blocks the host
-// (a barrier's, a call on host arrays), a blocking barrier(), and is_completed() (false
-// until then). A rank's peers have issued those calls (they completed), so the wait is one
-// round on the side channel, run on this thread: a few microseconds on one host. A disagreement
-// raises its MismatchError there, on every rank. Work.wait() on a stream blocks nothing, so
-// it waits for nothing: a result read after torch.cuda.synchronize() alone may be void
-// until the next synchronization point of the group raises.
-void NcclComm::settle(uint64_t coll_seq, Millis timeout) {
-  if (coll_seq == 0 || !check_.settle) return;
-  if (check_.agreed(coll_seq)) return;
-  try {
-    check_.settle(coll_seq, timeout);
-  } catch (...) {
-    mark_reported();  // raised to the caller here: destroy() need not raise it again
-    throw;
-  }
-}
-
-void NcclComm::op_stream_wait(uint64_t seq, CUstream stream) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (failed_ && seq >= failed_from_) std::rethrow_exception(error_);
-  if (seq < completed_ || shut_down_) return;
-  if (seq >= issued_) staged_error(seq);
-  CtxGuard guard(cu_, ctx_);
-  cu_.check(cu_.stream_wait_event(stream, slots_[seq % kSlots].done, 0),
-            "cuStreamWaitEvent (Work.wait)");
-}
-
-void NcclWork::wait(Millis timeout, bool has_stream, comm::Stream raw) {
-  CUstream stream = reinterpret_cast<CUstream>(raw);
-  if (captured_) {
-    if (has_stream && stream != issue_stream_)
-      throw InvalidArgument("Work.wait(stream=...): this op was captured into a CUDA graph on "
-                            "another stream; order streams inside the capture instead");
-    return;
-  }
-  if (host_blocking_) {
-    synchronize(timeout);
-    return;
-  }
-  CUstream target = has_stream ? stream : issue_stream_;
-  if (!async_ && target == issue_stream_) {
-    // Already ordered on that stream: only report a known failure.
-    std::lock_guard<std::mutex> lock(comm_->mu_);
-    if (comm_->failed_ && seq_ >= comm_->failed_from_) std::rethrow_exception(comm_->error_);
-    return;
-  }
-  comm_->op_stream_wait(seq_, target);
-}
-
-void NcclWork::synchronize(Millis timeout) {
-  if (captured_)
-    throw InvalidArgument("Work.synchronize: this op was captured into a CUDA graph; it runs "
-                          "when the graph is replayed: synchronize the replay's stream");
-  const Deadline d(timeout);
-  comm_->op_synchronize(seq_, timeout);
-  comm_->settle(coll_seq_, d.never() ? timeout : Millis(d.poll_ms()));
-}
-
-bool NcclWork::is_completed() {
-  if (captured_)
-    throw InvalidArgument("Work.is_completed: this op was captured into a CUDA graph; it runs "
-                          "when the graph is replayed");
-  {
-    std::lock_guard<std::mutex> lock(comm_->mu_);
-    std::exception_ptr e;
-    if (!comm_->op_done_locked(seq_, &e)) return false;
-    if (e) return true;
-  }
-  // Complete once its call and every earlier one agreed too (Note [Results at host
-  // synchronization points]); the checker's next round says so.
-  return coll_seq_ == 0 || !comm_->check_.agreed || comm_->check_.agreed(coll_seq_);
-}
-
-std::exception_ptr NcclWork::exception() {
-  if (captured_) return nullptr;
-  std::lock_guard<std::mutex> lock(comm_->mu_);
-  std::exception_ptr e;
-  comm_->op_done_locked(seq_, &e);
-  return e;
 }
 
 }  // namespace meshcoll::nccl

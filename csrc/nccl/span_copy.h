@@ -3,7 +3,8 @@
 //
 // Note [Span copies]
 // A bucket of a 12-layer transformer holds tens of gradients. One cuMemcpyAsync (or one
-// framework copy_) per gradient costs the host 3-8 us each, twice per step (into the bucket,
+// framework copy_) per gradient costs the host microseconds each (see docs/performance.md,
+// "Span copies"), twice per step (into the bucket,
 // back out), and a training step that is host-bound pays it in full. The kernel here copies
 // up to kMaxSpans spans in one launch: the spans are cut into 16 KiB chunks, one thread block
 // per chunk, and a block finds its span by a binary search over the chunks' prefix sums, all

@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "common/error.h"
+#include "common/op_desc.h"
 
 namespace py = pybind11;
 
@@ -99,7 +100,7 @@ class ShapeReader {
  private:
   comm::ArrayView& v_;
   std::vector<int64_t>* dims_;
-  comm::ShapeHash full_, row_;
+  ShapeHash full_, row_;
   uint64_t n_ = 0;
 };
 
@@ -333,13 +334,13 @@ Caches& caches() {
 // part of a small GPU call's own host time (Note [Host timers]). torch has it from 2.10
 // (older versions are read as before, kTorch). It is used for torch.Tensor and every
 // subclass: through torch's methods a subclass pays Python's __torch_function__ on each of
-// the six (15 us per read on the 2-core VM, 31 us on an H100 host, against 0.5 and 1.2 us
-// through the table). The table reads the tensor's own memory, as a collective must; a
+// the six (see docs/performance.md, "2026-11-27 (5d284ee): torch subclasses read through
+// DLPack's C exchange API"). The table reads the tensor's own memory, as a collective must; a
 // wrapper subclass that has none (DTensor) cannot be read either way. Other frameworks'
 // arrays keep __dlpack__: a bare DLTensor cannot say that an array is read-only (the
 // versioned capsule's flags can), and torch tensors are never read-only. What the table
 // cannot say either, a torch tensor's negative bit, costs one method call
-// (check_not_negative_view; 0.1-0.2 us, about 2 us on a subclass).
+// (check_not_negative_view; its cost is in the same entry).
 const DLPackExchangeAPI* exchange_api(PyTypeObject* t) {
   PyObject* cap = PyObject_GetAttrString(reinterpret_cast<PyObject*>(t),
                                          "__dlpack_c_exchange_api__");
@@ -679,12 +680,10 @@ void release(PyObject* o) {
 // - process_vm_readv (process_vm_writev for an array the call writes) on this process of the
 //   first and last byte: EFAULT if the mapping cannot be read (PROT_NONE) or written (a
 //   read-only mapping numpy was told is writable).
-// Measured on the 2-core VM (Backend.view, which reads an array as a call does, against the
-// same without the probe): a 4 KiB array +1.1 us (one process_vm_* syscall; mincore is
-// skipped for two pages or fewer); 64 MiB +5.6 us on numpy's transparent huge pages and
-// +38 us on 4 KiB pages (mincore's page-table walk), where copying 64 MiB once takes about
-// 10 ms. Probing each page instead (process_vm_readv of one byte per page, or a write() of
-// one byte per page to a pipe) costs a syscall's page walk per page: 29 ms for 64 MiB.
+// Both cost little next to copying the array once (mincore is skipped for two pages or
+// fewer); probing each page instead (process_vm_readv of one byte per page, or a write() of
+// one byte per page to a pipe) costs a syscall's page walk per page, more than the copy.
+// See docs/performance.md, "Unmapped memory probe".
 // Protection is checked at the two ends only (one mapping in practice): a range
 // mprotect'ed in the middle of an array still faults.
 // A sandbox that refuses process_vm_* (seccomp: ENOSYS / EPERM) keeps the mincore check.

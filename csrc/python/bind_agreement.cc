@@ -17,11 +17,11 @@ namespace py = pybind11;
 namespace meshcoll::python {
 namespace {
 
-comm::CollKind kind_named(const std::string& name) {
-  for (int k = static_cast<int>(comm::CollKind::kAllReduce);
-       k <= static_cast<int>(comm::CollKind::kLast); ++k)
-    if (name == comm::coll_name(static_cast<comm::CollKind>(k)))
-      return static_cast<comm::CollKind>(k);
+CollKind kind_named(const std::string& name) {
+  for (int k = static_cast<int>(CollKind::kAllReduce);
+       k <= static_cast<int>(CollKind::kLast); ++k)
+    if (name == coll_name(static_cast<CollKind>(k)))
+      return static_cast<CollKind>(k);
   throw py::value_error(str_cat("unknown collective '", name, "'"));
 }
 
@@ -42,7 +42,7 @@ class AgreementProbe {
   ~AgreementProbe() { agreement_->stop(true); }
 
   uint64_t note(const std::string& kind, size_t count) {
-    const auto d = comm::make_desc(kind_named(kind), DType::kFloat32, count);
+    const auto d = make_desc(kind_named(kind), DType::kFloat32, count);
     const uint64_t seq = ledger_.open_collective(d);
     agreement_->note(seq, d);
     return seq;

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "algo/collectives.h"
+#include "cpu/algo/collectives.h"
 #include "comm/backend.h"
 #include "comm/stamps.h"
 #include "common/error.h"
@@ -66,8 +66,8 @@ RedOp redop_arg(const std::string& name, const char* what) {
 }
 
 uint8_t algorithm_arg(const std::string& name, const char* what) {
-  algo::Algorithm a;
-  if (!algo::algorithm_from_name(name, &a))
+  Algorithm a;
+  if (!algorithm_from_name(name, &a))
     throw InvalidArgument(str_cat(what, ": unknown algorithm '", name,
                                   "'; use auto, ring, tree, halving_doubling, direct or shm"));
   return static_cast<uint8_t>(a);
@@ -472,7 +472,7 @@ void bind_backend(py::module_& m) {
              // Note [Call totals] in comm/ledger.h: {kind: (calls, bytes, nanoseconds)}.
              py::dict out;
              for (const auto& t : x.ledger().totals())
-               out[comm::coll_name(t.kind)] = py::make_tuple(t.calls, t.bytes, t.nanoseconds);
+               out[coll_name(t.kind)] = py::make_tuple(t.calls, t.bytes, t.nanoseconds);
              return out;
            }, "Per collective kind ('send/recv' for point-to-point), this rank's calls that "
               "completed: (calls, bytes, nanoseconds).")
@@ -538,17 +538,17 @@ void bind_backend(py::module_& m) {
            })
       .def("exchange", [](Backend& x, const py::handle& a, const py::handle& out,
                           const std::string& of, const py::handle& timeout) {
-             // Note [Internal exchanges] in comm/ledger.h: the metadata round of `of`, under
+             // Note [Internal exchanges] in common/op_desc.h: the metadata round of `of`, under
              // its own kind, so it never pairs with a user's all_gather or all_to_all.
-             comm::CollKind kind;
-             if (!comm::exchange_kind(of, &kind))
+             CollKind kind;
+             if (!exchange_kind(of, &kind))
                throw py::value_error(str_cat("exchange: no internal exchange of '", of, "'"));
-             CallReader read(x, comm::coll_name(kind), timeout, py::none(), false);
+             CallReader read(x, coll_name(kind), timeout, py::none(), false);
              auto in = read(a, "x", false);
              auto o = read(out, "out", true);
              read.opts.exchange = kind;
              const size_t n = static_cast<size_t>(x.size());
-             if (kind == comm::CollKind::kAllToAllVCounts) {  // block r of x goes to rank r
+             if (kind == CollKind::kAllToAllVCounts) {  // block r of x goes to rank r
                const std::vector<size_t> blocks(n, in.count / n);
                return run(x, read.what(), read.blocks(), [&] {
                  return x.all_to_all(in, o, blocks, blocks, false, read.opts);
@@ -561,7 +561,7 @@ void bind_backend(py::module_& m) {
            }, py::arg("x"), py::arg("out"), py::arg("of"), py::arg("timeout") = py::none(),
            "The internal metadata exchange of `of` (all_gather_v, all_to_all_v, split): an "
            "all_gather (all_to_all for all_to_all_v) under its own kind, which pairs with no "
-           "user call (Note [Internal exchanges] in csrc/comm/ledger.h). Blocks.")
+           "user call (Note [Internal exchanges] in csrc/common/op_desc.h). Blocks.")
       .def("reduce_scatter", [](Backend& x, const py::handle& a, const py::handle& out,
                                 const py::handle& counts, const std::string& op, bool uneven,
                                 const py::handle& timeout, const py::handle& stream, bool async) {

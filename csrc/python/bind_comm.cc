@@ -3,31 +3,31 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "algo/collectives.h"
+#include "cpu/algo/collectives.h"
 #include "common/error.h"
+#include "common/host_identity.h"
 #include "cpu/cpu_backend.h"
 #include "python/fastcall.h"
-#include "transport/shm/segment.h"
 
 namespace py = pybind11;
 
 namespace meshcoll::python {
 
 void bind_comm(py::module_& m) {
-  m.def("host_identity", &transport::ShmGroup::host_identity,
+  m.def("host_identity", &host_identity,
         "What decides that two ranks share a host (and shared memory): hostname, boot id and "
         "IPC namespace, or $MESHCOLL_HOST_ID.");
   m.def("algorithm_names", [] {
     std::vector<std::string> names;
-    for (int a = 0; a <= static_cast<int>(algo::Algorithm::kShm); ++a)
-      names.push_back(algo::algorithm_name(static_cast<algo::Algorithm>(a)));
+    for (int a = 0; a <= static_cast<int>(Algorithm::kShm); ++a)
+      names.push_back(algorithm_name(static_cast<Algorithm>(a)));
     return names;
   });
   m.def("select_all_reduce", [](size_t nbytes, int world, size_t tree_threshold, size_t hd_threshold) {
         algo::SelectConfig cfg;
         cfg.tree_threshold_bytes = tree_threshold;
         cfg.hd_threshold_bytes = hd_threshold;
-        return std::string(algo::algorithm_name(algo::select_all_reduce(nbytes, world, cfg)));
+        return std::string(algorithm_name(algo::select_all_reduce(nbytes, world, cfg)));
       }, py::arg("nbytes"), py::arg("world_size"), py::arg("tree_threshold_bytes"),
       py::arg("hd_threshold_bytes"));
 
@@ -41,7 +41,7 @@ void bind_comm(py::module_& m) {
              if (transport != "auto" && transport != "shm" && transport != "tcp")
                throw py::value_error(str_cat("MESHCOLL_TRANSPORT must be auto, shm or tcp, got '",
                                              transport, "'"));
-             comm::CommOptions o;
+             cpu::CommOptions o;
              o.transport = transport;
              o.shm_bytes = shm_bytes;
              o.timeout = seconds_arg(timeout_s, "timeout");

@@ -1,10 +1,12 @@
 // The NCCL backend's constructor, subgroups and metadata exchange, and whether NCCL loads
 // here. Its collectives are the contract's, bound once in bind_backend.cc; its arrays are
-// read by array.cc (its DLPack and __cuda_array_interface__ readers). Nothing here imports a framework.
+// read by array.cc (its DLPack and __cuda_array_interface__ readers). Nothing here imports a
+// framework.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "common/error.h"
+#include "nccl/direct/compile.h"
 #include "nccl/nccl_api.h"
 #include "nccl/nccl_backend.h"
 #include "python/array.h"
@@ -43,9 +45,10 @@ void bind_nccl(py::module_& m) {
       });
 
   m.def("nccl_direct_kernels", [] {
-        return py::make_tuple(std::string(nccl::DirectPath::source()), nccl::DirectPath::entries());
+        return py::make_tuple(std::string(nccl::direct_kernels_source()),
+                              nccl::DirectPath::entries());
       }, "(source, entry points): what NVRTC compiles for the direct kernels (Note [Direct "
-         "kernels] in csrc/nccl/direct.h), for tests that compile them without a GPU.");
+         "kernels] in csrc/nccl/direct/direct.h), for tests that compile them without a GPU.");
   m.def("nccl_set_nvrtc_candidates", &nccl::set_nvrtc_candidates, py::arg("paths"),
         "NVRTC libraries (the direct kernels' compiler) to try before the system's.");
   m.def("nccl_set_library_candidates", &nccl::set_nccl_candidates, py::arg("paths"),
@@ -112,7 +115,7 @@ void bind_nccl(py::module_& m) {
              b.comm().setup_direct(t);
            }, py::arg("timeout") = py::none(),
            "Collective, once, when the group is made: sets up meshcoll's direct kernels "
-           "(Note [Direct kernels] in csrc/nccl/direct.h) where every rank can use them.")
+           "(Note [Direct kernels] in csrc/nccl/direct/direct.h) where every rank can use them.")
       .def("direct_unavailable", [](nccl::NcclBackend& b) { return b.comm().direct_unavailable(); },
            "'' when direct kernels are on, else why not.")
       .def("direct_bytes", [](nccl::NcclBackend& b) { return b.comm().direct_bytes(); },
@@ -131,24 +134,24 @@ void bind_nccl(py::module_& m) {
       .def("host_all_gather", [](nccl::NcclBackend& b, const py::bytes& data,
                                  const std::string& dtype, const std::vector<size_t>& shape,
                                  const std::string& of, const py::handle& timeout) {
-             // Described as any call (Note [Internal exchanges] in comm/ledger.h): a user's
+             // Described as any call (Note [Internal exchanges] in common/op_desc.h): a user's
              // all_gather or all_to_all of a host array, or a composed call's exchange.
-             comm::CollKind kind;
-             if (of == "all_gather") kind = comm::CollKind::kAllGather;
-             else if (of == "all_to_all") kind = comm::CollKind::kAllToAll;
-             else if (!comm::exchange_kind(of, &kind))
+             CollKind kind;
+             if (of == "all_gather") kind = CollKind::kAllGather;
+             else if (of == "all_to_all") kind = CollKind::kAllToAll;
+             else if (!exchange_kind(of, &kind))
                throw py::value_error(str_cat("host_all_gather: no exchange of '", of, "'"));
              DType dt;
              if (!dtype_from_name(dtype, &dt))
                throw py::value_error(str_cat("host_all_gather: unsupported dtype ", dtype));
              std::string s = data;
-             comm::ShapeHash h;
+             ShapeHash h;
              size_t count = 1;
              for (size_t n : shape) {
                h.mix(n);
                count *= n;
              }
-             auto d = comm::make_desc(kind, dt, count * static_cast<size_t>(b.size()));
+             auto d = make_desc(kind, dt, count * static_cast<size_t>(b.size()));
              d.shape = h.value();
              Millis t = timeout_arg(timeout);
              std::vector<uint8_t> out;

@@ -2,9 +2,10 @@
 // str, size), and plain METH_FASTCALL methods for the calls small-message latency is made of.
 //
 // Note [FASTCALL methods]
-// pybind11's dispatcher costs about 0.15 us per call plus the Work object a method returns;
-// against a 0.3 us all_reduce on the CPU backend (and about 1 us of the host cost of an NCCL
-// enqueue) that is worth skipping on the synchronous in-place all_reduce. Those methods are
+// pybind11's dispatcher and the Work object a method returns cost a sizeable share of a small
+// synchronous all_reduce's time on the CPU backend, and of an NCCL enqueue's host cost (see
+// docs/performance.md, "FASTCALL methods"): worth skipping on the synchronous in-place
+// all_reduce. Those methods are
 // plain CPython METH_FASTCALL functions with positional arguments: the body runs inside
 // `fastcall`, which turns a C++ exception into the Python error the pybind11 translators
 // (bind_errors.cc) would have raised.

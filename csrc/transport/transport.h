@@ -1,6 +1,6 @@
 // The transport layer: ordered byte messages to one peer, matched by an Envelope.
 // TCP implements it (tcp/). Shared memory does not: it is the ground under a second family of
-// same-host collectives (shm/, algo/shm_collectives.cc); README.md here says why.
+// same-host collectives (shm/, cpu/algo/shm_collectives.cc); README.md here says why.
 //
 // Note [Agreement check]
 // Every message carries the Envelope of the operation that sent it: the collective's
@@ -40,6 +40,7 @@
 
 #include "common/bytes.h"
 #include "common/deadline.h"
+#include "common/op_desc.h"
 
 namespace meshcoll::transport {
 
@@ -47,38 +48,6 @@ enum class Channel : uint8_t { kCollective = 0, kP2P = 1 };
 
 // Kinds of error an ABORT frame can carry, so the receiving rank raises the same type.
 enum class AbortKind : uint8_t { kGeneric = 0, kMismatch = 1, kTimeout = 2, kPeer = 3 };
-
-#pragma pack(push, 1)
-struct OpDesc {
-  uint8_t coll = 0;    // algo::CollKind
-  uint8_t dtype = 0;   // DType
-  uint8_t redop = 0;   // RedOp
-  uint8_t algo = 0;   // algorithm code when several exist (all_reduce), so a rank running
-                      // another algorithm is a mismatch, not a hang
-  int32_t root = -1;
-  uint64_t count = 0;  // elements (per rank, as the collective defines it)
-  // A fingerprint of what else the result depends on (Note [Fingerprints] in
-  // comm/array_view.h): the array's shape (all_gather), a split's counts, a fused block's
-  // calls, a composed call's description; 0 where nothing else.
-  uint64_t shape = 0;
-  // The coalesced block the call was issued in (Note [Coalesced blocks] in comm/backend.h):
-  // the group's count of blocks so far, 0 outside one. Ranks must form the same blocks.
-  uint64_t block = 0;
-  // Where the buffers lie when the kernels depend on it, else 0: on NCCL, a tag of the
-  // symmetric windows and offsets of the call's buffers (Note [Symmetric memory]), which
-  // must be the same on every rank.
-  uint32_t memory = 0;
-  uint32_t reserved = 0;  // always 0: whole 8-byte words keep the shared-memory slot's
-                          // payload 8-aligned, and NCCL hashes the struct word by word
-  bool operator==(const OpDesc& o) const {
-    return coll == o.coll && dtype == o.dtype && redop == o.redop && algo == o.algo &&
-           root == o.root && count == o.count && shape == o.shape && memory == o.memory &&
-           block == o.block;
-  }
-  bool operator!=(const OpDesc& o) const { return !(*this == o); }
-};
-#pragma pack(pop)
-static_assert(sizeof(OpDesc) == 40, "OpDesc travels on the wire");
 
 struct Envelope {
   Channel channel = Channel::kCollective;

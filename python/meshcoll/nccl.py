@@ -81,8 +81,8 @@ def _wheel_library_candidates(*names: str) -> List[str]:
     return out
 
 
-# NVRTC compiles the direct kernels (Note [Direct kernels] in csrc/nccl/direct.h): the CUDA 13
-# and CUDA 12 wheels' libraries (torch, CuPy and JAX depend on them), then the system's.
+# NVRTC compiles the direct kernels (Note [Direct kernels] in csrc/nccl/direct/direct.h): the
+# CUDA 13 and CUDA 12 wheels' libraries (torch, CuPy and JAX depend on them), then the system's.
 _NVRTC_WHEEL_PATHS = ("cu13/lib/libnvrtc.so.13", "cuda_nvrtc/lib/libnvrtc.so.12",
                       "cuda_nvrtc/lib/libnvrtc.so.13")
 

@@ -289,7 +289,7 @@ class ProcessGroup:
         if channel is not None:
             self._nccl_backend().set_agreement(channel, opts.check == "strict")
         if self._device is not None:
-            # Note [Direct kernels] (csrc/nccl/direct.h): collective, like the group itself.
+            # Note [Direct kernels] (csrc/nccl/direct/direct.h): collective, like the group itself.
             self._nccl_backend().setup_direct(timeout)
         # Every member is done with the store for this group before anyone returns: rank 0
         # may otherwise exit (closing the store) while a peer still rendezvouses through it.
@@ -419,8 +419,8 @@ class ProcessGroup:
     def direct_kernels(self) -> str:
         """Whether small all_reduce, all_gather and reduce_scatter calls of this group run
         meshcoll's direct kernels instead of NCCL's: "on (calls up to N bytes)", or
-        "off: <why>" (Note [Direct kernels] in csrc/nccl/direct.h). MESHCOLL_NCCL_DIRECT_BYTES
-        sets the size limit (0: off)."""
+        "off: <why>" (Note [Direct kernels] in csrc/nccl/direct/direct.h).
+        MESHCOLL_NCCL_DIRECT_BYTES sets the size limit (0: off)."""
         if not self._arrays.device_memory:
             return "off: direct kernels serve NCCL groups"
         backend = self._nccl_backend()
@@ -862,7 +862,8 @@ class ProcessGroup:
     def _host_all_gather(self, x: np.ndarray, timeout: Optional[float],
                          of: str = "all_gather") -> np.ndarray:
         """``of``: the call it serves, as agreement describes it (a user's all_gather or
-        all_to_all, or an internal exchange: Note [Internal exchanges] in csrc/comm/ledger.h)."""
+        all_to_all, or an internal exchange: Note [Internal exchanges] in
+        csrc/common/op_desc.h)."""
         x = np.ascontiguousarray(x)
         raw = self._nccl_backend().host_all_gather(x.tobytes(), dtype_name(x.dtype),
                                                    list(x.shape), of, timeout)

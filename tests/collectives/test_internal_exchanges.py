@@ -1,5 +1,5 @@
 """Internal exchanges never pair with a user's call (Note [Internal exchanges] in
-csrc/comm/ledger.h): the count exchange of all_to_all_v and all_gather_v, and split's exchange
+csrc/common/op_desc.h): the count exchange of all_to_all_v and all_gather_v, and split's exchange
 of colors, are described as their own kinds, so a rank making one of them while a peer makes a
 user's all_to_all or all_gather of a small int64 array (the same count and dtype) gets a
 MismatchError naming both calls, on every rank, instead of handing its counts to the peer as

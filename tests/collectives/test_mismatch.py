@@ -1,6 +1,6 @@
 """Ranks that disagree about a call raise MismatchError quickly, on every rank, instead of
 hanging until the timeout (Note [Agreement check] in csrc/transport/transport.h, Note
-[Shared-memory rounds] in csrc/algo/shm_collectives.cc, README "Errors").
+[Shared-memory rounds] in csrc/cpu/algo/shm_collectives.cc, README "Errors").
 
 Timeouts are generous on purpose (30 s at init and per call; 3 s for cases known to hang): a
 call that waits for its deadline raises TimeoutError, so a MismatchError is the agreement

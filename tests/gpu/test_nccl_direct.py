@@ -1,5 +1,6 @@
-"""meshcoll's direct kernels (Note [Direct kernels] in csrc/nccl/direct.h): small all_reduce,
-all_gather and reduce_scatter on an NCCL group of one host run meshcoll's own one-shot kernels.
+"""meshcoll's direct kernels (Note [Direct kernels] in csrc/nccl/direct/direct.h): small
+all_reduce, all_gather and reduce_scatter on an NCCL group of one host run meshcoll's own
+one-shot kernels.
 Results match numpy on random data at every size around the kernels' part boundaries, for
 unaligned views, in place, across streams and back to back with NCCL's calls; the limit
 sends bigger calls to NCCL; MESHCOLL_NCCL_DIRECT_BYTES=0 turns them off; ranks that disagree

@@ -1,4 +1,4 @@
-"""Symmetric memory on NCCL groups (Note [Symmetric memory] in csrc/nccl/nccl_comm.h), the
+"""Symmetric memory on NCCL groups (Note [Symmetric memory] in csrc/nccl/symmetric.h), the
 in-place gathers, and collectives captured in CUDA graphs: values against numpy on random
 data; ranks that disagree on where their buffers lie get MismatchError on every rank; memory
 is given back."""

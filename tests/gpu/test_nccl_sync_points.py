@@ -1,6 +1,6 @@
 """Issue 34, items 0, 3 and 14 on NCCL: in the default (async) agreement mode, no host
 synchronization point of meshcoll returns success while an earlier call of the group is
-unagreed (Note [Results at host synchronization points] in csrc/nccl/nccl_ops.cc); the
+unagreed (Note [Results at host synchronization points] in csrc/nccl/op_ring.cc); the
 internal exchanges of composed calls never pair with a user's call; completed calls show as
 done in the ledger and count in group.stats().
 

@@ -1,5 +1,5 @@
-"""The direct kernels' CUDA source (csrc/nccl/direct_kernels.cu, Note [Direct kernels] in
-csrc/nccl/direct.h) compiles, with every entry point the NCCL backend may ask NVRTC for. The
+"""The direct kernels' CUDA source (csrc/nccl/direct/direct_kernels.cu, Note [Direct kernels] in
+csrc/nccl/direct/direct.h) compiles, with every entry point the NCCL backend may ask NVRTC for. The
 source and the entry points are the ones embedded in the compiled module; nvcc stands in for
 NVRTC (the same front end), so a broken kernel fails here on a machine without a GPU, not at
 a user's first call. Skipped where nvcc is absent; the GPU tests compile through NVRTC.

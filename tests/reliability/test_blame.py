@@ -1,5 +1,5 @@
 """Diagnosis names the right rank, in global numbers (issue 16, item 14): the timeout census
-names only a stopped rank, never a healthy one (Note [Timeout census] in csrc/comm/comm.cc);
+names only a stopped rank, never a healthy one (Note [Timeout census] in csrc/cpu/engine.cc);
 a bad user buffer is this rank's own error, not a dead peer; errors of a subgroup and of a
 hierarchical group name global ranks; a rank that dies during setup is named as such.
 
@@ -281,7 +281,7 @@ def _resumed_after_stop(pg, victim, where, hosts=None):
 
 @pytest.mark.parametrize("where", ["before", "inside"])
 def test_a_rank_resumed_after_a_stop_says_it_fell_behind(where):
-    """Note [Falling behind] in csrc/comm/comm.cc: the resumed rank blames no healthy peer."""
+    """Note [Falling behind] in csrc/cpu/engine.cc: the resumed rank blames no healthy peer."""
     victim = 2
     results = launch(3, _resumed_after_stop, transport="tcp", victim=victim, where=where,
                      timeout=50)

@@ -14,12 +14,12 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
 #include <thread>
 
 #include "common/config.h"
 #include "common/cores.h"
 #include "common/error.h"
+#include "common/host_identity.h"
 #include "common/interrupt.h"
 #include "store/exchange.h"
 
@@ -27,19 +27,6 @@ namespace meshcoll::transport {
 
 namespace {
 constexpr size_t kControlBytes = (sizeof(ShmControl) + 4095) / 4096 * 4096;
-
-std::string read_first_line(const char* path) {
-  std::ifstream f(path);
-  std::string s;
-  std::getline(f, s);
-  return s;
-}
-
-std::string link_target(const char* path) {
-  char buf[256];
-  ssize_t n = ::readlink(path, buf, sizeof(buf) - 1);
-  return n > 0 ? std::string(buf, n) : std::string();
-}
 }  // namespace
 
 // A process killed inside the setup window (between creating its segment and unlinking it)
@@ -57,16 +44,6 @@ static void sweep_stale_segments() {
       shm_unlink((std::string("/") + name).c_str());
   }
   closedir(d);
-}
-
-std::string ShmGroup::host_identity() {
-  // MESHCOLL_HOST_ID overrides (tests that emulate several hosts on one machine).
-  if (std::string forced = config().host_id; !forced.empty()) return forced;
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  // Same boot and same IPC namespace: two containers on one host may not share /dev/shm.
-  return str_cat(host, "|", read_first_line("/proc/sys/kernel/random/boot_id"), "|",
-                 link_target("/proc/self/ns/ipc"));
 }
 
 ShmGroup::ShmGroup(int rank, int size, size_t data_bytes)

@@ -1,6 +1,6 @@
 // Shared memory between the ranks of one host: every rank creates one segment (a control
 // block it alone writes, then a data area) and maps every peer's. Same-host collectives
-// (csrc/algo/shm_collectives.cc) read peers' data areas directly: no kernel copies.
+// (cpu/algo/shm_collectives.cc) read peers' data areas directly: no kernel copies.
 //
 // Note [Shared-memory lifetime]
 // Segments are POSIX shm objects named /meshcoll-<nonce>-<rank>, where rank 0 makes the nonce
@@ -130,9 +130,6 @@ class ShmGroup {
   bool gave_up(int r, uint64_t round) const {
     return ctrl_[r]->gave_up.load(std::memory_order_seq_cst) == round;
   }
-
-  // Same-host groups only: the identity every rank publishes to decide (host, IPC namespace).
-  static std::string host_identity();
 
  private:
   ShmGroup(int rank, int size, size_t data_bytes);

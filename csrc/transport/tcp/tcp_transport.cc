@@ -415,18 +415,18 @@ void TcpTransport::begin_collective(const Envelope& current) {
 // its way to one rank while the others, done, have made their next call and found that they
 // disagree on it. The rank that finds it aborts the group, and its ABORT frame reached the
 // late rank inside the earlier call, which raised the later call's MismatchError from a call
-// that every rank had made alike: meshcoll.init() raised the MismatchError of the first user
-// call (issue 34, item 9). So an ABORT carries the sequence number of the collective it is
-// about (0: none, a point-to-point failure), and a MismatchError about a collective later
-// than the one this rank runs waits, held here, until this rank reaches that collective
-// (begin_collective), or starts or waits for a point-to-point transfer, and is raised there;
-// the call before it runs on. That call can finish: the rank that aborted finished every
-// collective before the one it names (a rank runs its collectives in order, and a
-// collective's sends complete before it returns), so its messages of this call have all
-// arrived before its ABORT, on the same link; every other rank either finishes this call too
-// or fails in it, and such a failure names this call and is raised at once. Only mismatches
-// wait: a timeout or a dead peer is raised at once wherever it lands, since the timeout
-// census needs every rank now and a dead peer may be the one this call waits for.
+// that every rank had made alike (meshcoll.init() would raise the MismatchError of the first
+// user call). So an ABORT carries the sequence number of the collective it is about (0: none, a
+// point-to-point failure), and a MismatchError about a collective later than the one this rank
+// runs waits, held here, until this rank reaches that collective (begin_collective), or starts
+// or waits for a point-to-point transfer, and is raised there; the call before it runs on. That
+// call can finish: the rank that aborted finished every collective before the one it names (a
+// rank runs its collectives in order, and a collective's sends complete before it returns), so
+// its messages of this call have all arrived before its ABORT, on the same link; every other
+// rank either finishes this call too or fails in it, and such a failure names this call and is
+// raised at once. Only mismatches wait: a timeout or a dead peer is raised at once wherever it
+// lands, since the timeout census needs every rank now and a dead peer may be the one this call
+// waits for.
 void TcpTransport::check_later_mismatch(uint64_t seq) {
   if (later_seq_ && (seq == kRunning || seq >= later_seq_))
     fail(AbortKind::kMismatch, later_msg_);

@@ -225,7 +225,7 @@ def timeline(schedule: Schedule, duration: Callable[[Action], float],
     Note [Serial p2p]: by default receives never hold anything back: both
     backends keep point-to-point transfers in flight (the CPU group's worker
     posts a transfer and moves on, Note [Point-to-point in flight] in
-    csrc/comm/comm.h; NCCL gives each direction of each rank pair its own
+    csrc/cpu/engine.h; NCCL gives each direction of each rank pair its own
     communicator), so the builders post receives early (Note [Receive
     lookahead] in schedule.py). With ``serial_p2p`` a rank's sends and
     receives are carried out one at a time in the order it issues them, as a

@@ -1,17 +1,17 @@
-#include "comm/work.h"
+#include "cpu/cpu_work.h"
 
 #include <thread>
 
-#include "comm/comm.h"
+#include "cpu/engine.h"
 #include "common/cores.h"
 #include "common/error.h"
 #include "common/interrupt.h"
 
-namespace meshcoll::comm {
+namespace meshcoll::cpu {
 
 // Waits in naps of kInterruptEvery (Note [Interrupts]). An interrupt here also stops the
 // operation, which fails the group.
-void CpuWork::wait(Millis timeout, bool, Stream) {
+void CpuWork::wait(Millis timeout, bool, comm::Stream) {
   const Deadline d(timeout);
   const auto since = Clock::now();
   // Note [Brief spin]: a small asynchronous operation finishes within microseconds on the
@@ -19,8 +19,8 @@ void CpuWork::wait(Millis timeout, bool, Stream) {
   // and a context switch; so does handing the worker its next operation. Where the caller and
   // the worker of every rank can each have a core (Note [Spinning] in common/cores.h), both
   // yield-spin for kBriefSpin first: the worker after each operation (Comm::worker_loop),
-  // the caller here. An async all_reduce and its wait at world 1 on the 2-core VM: 60 us
-  // before, 4 us with both spins.
+  // the caller here (see docs/performance.md, "2026-11-26 (95bef94): the worker and wait()
+  // spin before they sleep").
   while (spin_ && !finished_.load(std::memory_order_acquire) && Clock::now() - since < kBriefSpin)
     std::this_thread::yield();
   std::unique_lock<std::mutex> lock(mu_);
@@ -42,7 +42,7 @@ void CpuWork::wait(Millis timeout, bool, Stream) {
     }
   }
   if (error_) {
-    reported_->store(true);
+    failure_->mark_reported();
     std::rethrow_exception(error_);
   }
 }
@@ -56,7 +56,7 @@ bool CpuWork::is_completed() {
 
 std::exception_ptr CpuWork::exception() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (error_) reported_->store(true);
+  if (error_) failure_->mark_reported();
   return error_;
 }
 
@@ -76,4 +76,4 @@ void CpuWork::finish(std::exception_ptr error) {
   // `owners` goes out of scope here, off the lock: the memory may be freed now.
 }
 
-}  // namespace meshcoll::comm
+}  // namespace meshcoll::cpu

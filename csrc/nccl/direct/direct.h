@@ -2,10 +2,11 @@
 // GPUs of one host, launched in place of NCCL's where NCCL's fixed host cost dominates.
 //
 // Note [Direct kernels]
-// Why: a small NCCL collective costs its host about 8-10 us to enqueue on 4 H100s (plan,
-// proxy and launch work inside ncclGroupEnd), more than its kernel takes; back to back, a
-// Python loop of 8-byte all_reduces runs at the host's pace. A direct kernel is one
-// cuLaunchKernel (2-3 us): every rank copies its input into a staging buffer that its peers
+// Why: a small NCCL collective costs its host more to enqueue (plan, proxy and launch work
+// inside ncclGroupEnd) than its kernel takes; back to back, a Python loop of 8-byte
+// all_reduces runs at the host's pace. A direct kernel is one cuLaunchKernel, a fraction of
+// that (see docs/performance.md, "2026-11-27 (1d6b19d, 2e69f9f): direct kernels against
+// nccl-tests"): every rank copies its input into a staging buffer that its peers
 // map through CUDA IPC, the ranks meet at a barrier of flags in the same buffers, and each
 // reads every peer's staging buffer over NVLink (or PCIe peer access) and reduces (the
 // one-shot algorithm; the kernel and its memory-ordering argument are in direct_kernels.cu).
@@ -23,8 +24,9 @@
 // open each other's buffers and agree that all did. If any rank cannot, no rank uses direct
 // kernels, and direct_status() says why, naming the rank. The byte limit is the smallest
 // any rank set, so ranks with different environments still choose alike.
-// Kernels are compiled per (collective, dtype, op) on first use (0.2-0.5 s each, once per
-// process and device): all 73 in one nvcc run took 8 s on a 2-core VM, too long for setup.
+// Kernels are compiled per (collective, dtype, op) on first use, once per process and
+// device: compiling all of them at setup takes too long (see docs/performance.md,
+// "2026-11-27 (1d6b19d, 2e69f9f): direct kernels against nccl-tests").
 // Trust: each op carries a token, its epoch (the count of direct ops on the communicator) and
 // a fingerprint of its description and collective sequence number. A rank that meets another
 // fingerprint at the barrier writes nothing and reports the peer in host-mapped memory; so
@@ -133,10 +135,9 @@ class DirectPath {
 
   enum Code : uint8_t { kOk = 0, kMismatch = 1, kTimeout = 2, kAborted = 3 };
 
-  // What NVRTC compiles: the kernels' source, and each kernel's entry point (one line that
-  // defines mc_kernel), for every kind, dtype and op the kernels have. For tests that
-  // compile them without a GPU.
-  static const char* source();
+  // Each kernel's entry point (one line that defines mc_kernel, which NVRTC compiles with
+  // direct_kernels_source() of compile.h), for every kind, dtype and op the kernels have. For
+  // tests that compile them without a GPU.
   static std::vector<std::string> entries();
 
  private:
@@ -145,9 +146,8 @@ class DirectPath {
     return kind == Kind::kAllReduce && count * dtype_size(dt) > kOneShotBytes
                ? Kind::kAllReduceTwoShot : kind;
   }
+  // This path's kernel for a call, from the process-wide cache (compile.h) on its first use.
   abi::CUfunction kernel(Kind kind, DType dt, RedOp op);
-  // The process-wide cache (by context and kernel), compiling on a miss.
-  abi::CUfunction load_kernel(Kind kind, DType dt, RedOp op);
 
   const CudaApi& cu_;
   abi::CUcontext ctx_;

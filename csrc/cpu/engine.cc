@@ -1,4 +1,4 @@
-#include "comm/comm.h"
+#include "cpu/engine.h"
 
 #include <sys/eventfd.h>
 
@@ -13,11 +13,11 @@
 #include "store/exchange.h"
 #include "transport/tcp/tcp_transport.h"
 
-namespace meshcoll::comm {
+namespace meshcoll::cpu {
 
 
 Comm::Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOptions& opts,
-           uint64_t comm_id, Ledger* ledger)
+           uint64_t comm_id, comm::Ledger* ledger)
     : rank_(rank), size_(size), opts_(opts), store_(std::move(store)),
       spin_(threads_fit(2u * static_cast<unsigned>(size), process_cores())),  // Note [Spinning]
       ledger_(ledger) {
@@ -93,7 +93,7 @@ void Comm::shutdown(bool farewell) {
   // Not in a group that serves another's steps: their failures are that group's, which
   // its ranks abort and whose own farewell reads.
   std::exception_ptr unmatched;
-  if (farewell && size_ > 1 && transport_ && !first_error_ && !serves_steps_) {
+  if (farewell && size_ > 1 && transport_ && !failure_->failed() && !serves_steps_) {
     try {
       transport_->farewell(Deadline(opts_.timeout));
     } catch (...) {
@@ -113,7 +113,7 @@ void Comm::shutdown(bool farewell) {
   if (unmatched) std::rethrow_exception(unmatched);
 }
 
-void Comm::check_open_locked(const transport::OpDesc& d) const {
+void Comm::check_open_locked(const OpDesc& d) const {
   if (stopping_)
     throw Aborted(str_cat("rank ", global_rank(rank_), ": ", describe_op(d),
                           " was called on a destroyed group"));
@@ -151,7 +151,7 @@ uint64_t Comm::next_p2p_seq_locked(int peer, bool is_send) {
   return is_send ? p2p_send_seq_[peer]++ : p2p_recv_seq_[peer]++;
 }
 
-transport::Envelope Comm::p2p_envelope(uint32_t tag, const transport::OpDesc& desc) {
+transport::Envelope Comm::p2p_envelope(uint32_t tag, const OpDesc& desc) {
   transport::Envelope env;
   env.channel = transport::Channel::kP2P;
   env.tag = tag;
@@ -169,7 +169,7 @@ void Comm::release_claim() {
   if (wake) cv_.notify_all();
 }
 
-std::shared_ptr<CpuWork> Comm::enqueue(const transport::OpDesc& desc, Millis timeout,
+std::shared_ptr<CpuWork> Comm::enqueue(const OpDesc& desc, Millis timeout,
                                        std::function<void(Comm&)> run,
                                        std::vector<std::shared_ptr<void>> keep) {
   Item item;
@@ -177,14 +177,14 @@ std::shared_ptr<CpuWork> Comm::enqueue(const transport::OpDesc& desc, Millis tim
   item.env.op = desc;
   item.timeout = timeout.count() < 0 ? opts_.timeout : timeout;
   item.run = std::move(run);
-  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, reported_, spin_,
+  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, failure_, spin_,
                                         &ledger_->pending());
   for (auto& k : keep) item.work->keep(std::move(k));
   return push(std::move(item));
 }
 
 std::shared_ptr<CpuWork> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag, ConstBytes src,
-                                           MutBytes dst, const transport::OpDesc& desc,
+                                           MutBytes dst, const OpDesc& desc,
                                            Millis timeout, uint64_t record,
                                            std::vector<std::shared_ptr<void>> keep) {
   Item item;
@@ -195,7 +195,7 @@ std::shared_ptr<CpuWork> Comm::enqueue_p2p(bool is_send, int peer, uint32_t tag,
   item.src = src;
   item.dst = dst;
   item.record = record;
-  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, reported_, spin_,
+  item.work = std::make_shared<CpuWork>(global_rank(rank_), desc, stop_, failure_, spin_,
                                         &ledger_->pending());
   for (auto& k : keep) item.work->keep(std::move(k));
   {
@@ -229,7 +229,7 @@ void Comm::worker_loop() {
   for (;;) {
     Item item;
     bool have = false;
-    // Note [Brief spin] (comm/work.cc), the worker's side: the next operation of a stream of
+    // Note [Brief spin] (cpu/cpu_work.cc), the worker's side: the next operation of a stream of
     // small asynchronous ones usually comes within microseconds; a sleep on cv_ would cost the
     // caller a futex wake-up and a context switch to hand it over. Not while point-to-point
     // transfers are in flight: the worker drives those instead (progress_in_flight).
@@ -353,7 +353,7 @@ std::exception_ptr Comm::p2p_timeout(bool is_send, int peer, uint32_t tag, Milli
 }
 
 void Comm::run_p2p_blocking(bool is_send, int peer, uint32_t tag, ConstBytes src, MutBytes dst,
-                            const transport::OpDesc& desc, Millis timeout, uint64_t record) {
+                            const OpDesc& desc, Millis timeout, uint64_t record) {
   transport::Envelope env = p2p_envelope(tag, desc);
   const Millis t = timeout.count() < 0 ? opts_.timeout : timeout;
   uint64_t index = 0;
@@ -389,7 +389,7 @@ void Comm::run_p2p_blocking(bool is_send, int peer, uint32_t tag, ConstBytes src
   end_p2p(f, error);
   release_claim();
   if (error) {
-    reported_->store(true);
+    failure_->mark_reported();
     std::rethrow_exception(error);
   }
 }
@@ -427,9 +427,8 @@ transport::AbortKind abort_kind_of(std::exception_ptr e) {
 // The group is dead after its first failure: record it, tell the peers (abort), and fail
 // every posted point-to-point transfer with the same error.
 void Comm::fail_group(std::exception_ptr error) {
-  const bool first = !first_error_;
+  const bool first = failure_->record(error);
   if (first) {
-    first_error_ = error;
     std::lock_guard<std::mutex> lock(mu_);
     failed_before_ = next_index_;
   }
@@ -565,7 +564,7 @@ void Comm::log_line(const std::string& what, uint64_t seq, const char* route, ui
 }
 
 void Comm::end_p2p(const InFlight& f, std::exception_ptr error) {
-  ledger_->p2p_state(f.record, error ? CallState::kFailed : CallState::kDone);
+  ledger_->p2p_state(f.record, error ? comm::CallState::kFailed : comm::CallState::kDone);
   if (!error) ledger_->add_totals(f.desc, nanoseconds_since(f.started));
   if (opts_.debug) {
     // "send to rank 1 (tag 0) on rank 0" (p2p_what ends in ": " for an error's text).
@@ -602,14 +601,13 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     return str_cat(describe_op(env.op), " [seq ", env.seq, "] on rank ", me,
                    me == rank_ ? "" : str_cat(" (group rank ", rank_, ")"), " of ", size_, ": ");
   };
-  if (first_error_) {
+  if (failure_->failed()) {
     // Note [Failure types]: the failure's own type until it reached the caller, or for an
     // operation already queued when the group failed; Aborted afterwards.
-    std::string msg = str_cat(ctx(), "not run: the group failed earlier (", message_of(first_error_),
-                              "); destroy it and create a new one");
-    if (collective) ledger_->set_state(env.seq, CallState::kFailed);
-    return index < failed_before_ || !reported_->load() ? same_type(first_error_, msg)
-                                                        : std::make_exception_ptr(Aborted(msg));
+    std::string msg = str_cat(ctx(), "not run: the group failed earlier (",
+                              message_of(failure_->error()), "); destroy it and create a new one");
+    if (collective) ledger_->set_state(env.seq, comm::CallState::kFailed);
+    return failure_->for_call(msg, index < failed_before_);
   }
   current_ = env;
   deadline_ = Deadline(timeout);
@@ -632,7 +630,7 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     // posted transfers. A shared-memory operation heard from every peer in its last round,
     // and its waits poll the links: a syscall per call saved.
     if (size_ > 1 && (used_tcp_ || !in_flight_.empty())) transport_->poll_once();
-    ledger_->set_state(env.seq, CallState::kDone, route());
+    ledger_->set_state(env.seq, comm::CallState::kDone, route());
     ledger_->add_totals(env.op, nanoseconds_since(t0));
     if (opts_.debug) log_op(env, t0, nullptr);
     return nullptr;
@@ -651,11 +649,11 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
       error = same_type(error, str_cat(message_of(error), named, ". Rank ", global_rank(rank_),
                                        "'s last calls on this group: ", ledger_->summary(4)));
     }
-    if (collective) ledger_->set_state(env.seq, CallState::kFailed);
+    if (collective) ledger_->set_state(env.seq, comm::CallState::kFailed);
     if (opts_.debug) log_op(env, t0, error);  // the failed one is what a hang diagnosis needs
     fail_group(error);
     return error;
   }
 }
 
-}  // namespace meshcoll::comm
+}  // namespace meshcoll::cpu

@@ -13,8 +13,8 @@
 // reading anything: the agreement check of the TCP path, in memory.
 #include <cstring>
 
-#include "algo/collectives.h"
-#include "algo/plan.h"
+#include "cpu/algo/collectives.h"
+#include "cpu/algo/plan.h"
 #include "common/check.h"
 #include "reduce/kernels.h"
 #include "transport/shm/segment.h"
@@ -24,12 +24,12 @@ namespace meshcoll::algo {
 namespace {
 using transport::ShmGroup;
 
-const char* op_name(const comm::Comm& comm) {
-  return comm::coll_name(static_cast<comm::CollKind>(comm.current().op.coll));
+const char* op_name(const cpu::Comm& comm) {
+  return coll_name(static_cast<CollKind>(comm.current().op.coll));
 }
 
 // Round R begins: announce this rank's collective in slot R&1 (no wait: see the Note).
-uint64_t begin_round(comm::Comm& comm, ShmGroup& g) {
+uint64_t begin_round(cpu::Comm& comm, ShmGroup& g) {
   uint64_t round = comm.next_shm_round();
   auto& slot = g.slot(g.rank(), round);
   slot.desc = comm.current().op;
@@ -53,9 +53,9 @@ void check_agreement(ShmGroup& g, int peer, uint64_t round) {
   const auto& theirs = g.slot(peer, round);
   if (theirs.seq == mine.seq && theirs.desc == mine.desc) return;
   throw MismatchError(str_cat(
-      "collective mismatch: rank ", g.global_rank(peer), " called ", comm::describe_op(theirs.desc),
+      "collective mismatch: rank ", g.global_rank(peer), " called ", describe_op(theirs.desc),
       " [seq ", theirs.seq, "] but rank ", g.global_rank(g.rank()), " called ",
-      comm::describe_op(mine.desc),
+      describe_op(mine.desc),
       " [seq ", mine.seq, "]", theirs.desc.shape != mine.desc.shape ? " (their shapes, splits or block layouts differ)" : "",
       "; every rank of a group must call the same collectives, with the same count, dtype, op "
       "and root, in the same order"));
@@ -67,7 +67,7 @@ void check_all(ShmGroup& g, uint64_t round) {
 
 // This rank's part of round R is in place: announce it, wait until every rank has announced
 // R, and compare what they called before reading anything (Note [Shared-memory rounds]).
-void meet(comm::Comm& comm, ShmGroup& g, uint64_t round, const char* what) {
+void meet(cpu::Comm& comm, ShmGroup& g, uint64_t round, const char* what) {
   g.publish(ShmGroup::kArrived, round);
   g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
   check_all(g, round);
@@ -95,7 +95,7 @@ void meet(comm::Comm& comm, ShmGroup& g, uint64_t round, const char* what) {
 constexpr size_t kSingleCopyMinBytes = 16 * 1024;
 constexpr size_t kSingleCopyPieceBytes = 512 * 1024;
 
-void shm_all_reduce_single_copy(comm::Comm& comm, const AllreduceArgs& a) {
+void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a) {
   ShmGroup& g = *comm.shm();
   const int n = g.size(), r = g.rank();
   const size_t esz = dtype_size(a.dtype);
@@ -159,7 +159,7 @@ void shm_all_reduce_single_copy(comm::Comm& comm, const AllreduceArgs& a) {
 // (deterministic) and publishes it, then every rank copies the other slices out. Per rank
 // that reads and writes each byte about three times, against 2(n-1)/n sends plus kernel
 // copies on each side for the TCP ring.
-void shm_all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
+void shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
   ShmGroup& g = *comm.shm();
   const int n = g.size(), r = g.rank();
   const size_t esz = dtype_size(a.dtype);
@@ -220,7 +220,7 @@ void shm_all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
 }
 
 // Broadcast: the root copies a chunk in per round; the others copy it out.
-void shm_broadcast(comm::Comm& comm, const BroadcastArgs& a) {
+void shm_broadcast(cpu::Comm& comm, const BroadcastArgs& a) {
   ShmGroup& g = *comm.shm();
   const int r = g.rank();
   const char* what = op_name(comm);
@@ -239,7 +239,7 @@ void shm_broadcast(comm::Comm& comm, const BroadcastArgs& a) {
 
 // Reduce to the root: in round k every other rank copies chunk k of its vector into its
 // area; the root folds them into its own values, in rank order (deterministic).
-void shm_reduce(comm::Comm& comm, const ReduceArgs& a) {
+void shm_reduce(cpu::Comm& comm, const ReduceArgs& a) {
   ShmGroup& g = *comm.shm();
   const int n = g.size(), r = g.rank();
   const size_t esz = dtype_size(a.dtype);
@@ -264,7 +264,7 @@ void shm_reduce(comm::Comm& comm, const ReduceArgs& a) {
 // All-gather, or gather to `root` (>= 0): in round k every rank copies chunk k of its block
 // in, then every rank (or the root alone) copies every other rank's chunk k out. Blocks may
 // differ in size (the _v variant); every rank knows every block's size.
-void shm_gather_blocks(comm::Comm& comm, ConstBytes in, MutBytes out,
+void shm_gather_blocks(cpu::Comm& comm, ConstBytes in, MutBytes out,
                        const std::vector<size_t>& bytes, int root) {
   ShmGroup& g = *comm.shm();
   const int n = g.size(), r = g.rank();
@@ -291,17 +291,17 @@ void shm_gather_blocks(comm::Comm& comm, ConstBytes in, MutBytes out,
   } while (off < longest);
 }
 
-void shm_all_gather(comm::Comm& comm, const AllGatherArgs& a) {
+void shm_all_gather(cpu::Comm& comm, const AllGatherArgs& a) {
   shm_gather_blocks(comm, a.in, a.out, a.bytes, -1);
 }
 
-void shm_gather(comm::Comm& comm, const GatherArgs& a) {
+void shm_gather(cpu::Comm& comm, const GatherArgs& a) {
   shm_gather_blocks(comm, a.in, a.out, a.bytes, a.root);
 }
 
 // Scatter: in round k the root copies chunk k of every other rank's block into its area
 // (block p at slot p); rank p then copies chunk k of slot p out. One synchronisation per round.
-void shm_scatter(comm::Comm& comm, const GatherArgs& a) {
+void shm_scatter(cpu::Comm& comm, const GatherArgs& a) {
   ShmGroup& g = *comm.shm();
   const int n = g.size(), r = g.rank();
   const char* what = op_name(comm);
@@ -329,7 +329,7 @@ void shm_scatter(comm::Comm& comm, const GatherArgs& a) {
 // area (block b at slot b); rank r then folds chunk k of its own block: its own values,
 // straight from its input, then every other rank's in rank order. One synchronisation per
 // round, and only the owner computes a block, so the result is deterministic.
-void shm_reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a) {
+void shm_reduce_scatter(cpu::Comm& comm, const ReduceScatterArgs& a) {
   ShmGroup& g = *comm.shm();
   const int n = g.size(), r = g.rank();
   const size_t esz = dtype_size(a.dtype);
@@ -365,13 +365,13 @@ void shm_reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a) {
 // block anywhere needs: with equal blocks (all_to_all) every rank knows that size; with
 // uneven ones (all_to_all_v) a rank knows only its own row and column of the size matrix, so
 // one round first publishes each rank's largest outgoing block.
-void shm_all_to_all(comm::Comm& comm, const AllToAllArgs& a) {
+void shm_all_to_all(cpu::Comm& comm, const AllToAllArgs& a) {
   ShmGroup& g = *comm.shm();
   const int n = g.size(), r = g.rank();
   const char* what = op_name(comm);
   const auto soff = prefix_offsets(a.send_bytes), roff = prefix_offsets(a.recv_bytes);
   size_t longest = max_of(a.send_bytes);
-  if (comm.current().op.coll == static_cast<uint8_t>(comm::CollKind::kAllToAllV)) {
+  if (comm.current().op.coll == static_cast<uint8_t>(CollKind::kAllToAllV)) {
     uint64_t round = begin_round(comm, g);
     std::memcpy(area(g, r, round), &longest, sizeof(longest));
     meet(comm, g, round, what);
@@ -401,7 +401,7 @@ void shm_all_to_all(comm::Comm& comm, const AllToAllArgs& a) {
   } while (off < longest);
 }
 
-void shm_barrier(comm::Comm& comm) {
+void shm_barrier(cpu::Comm& comm) {
   ShmGroup& g = *comm.shm();
   uint64_t round = begin_round(comm, g);
   meet(comm, g, round, "barrier");

@@ -2,15 +2,7 @@
 // runs the group's operations one at a time, in issue order (so every rank's transport
 // sees the same sequence of collectives; see Note [Agreement check]).
 //
-// Note [Failure types]
-// A group is dead after its first failure. The caller learns of it with the failure's own
-// type (PeerError, TimeoutError, MismatchError, ...) the first time: from the call or Work
-// that failed, or, when that was an asynchronous operation nobody waited for yet (an isend
-// whose peer died), from the next call, which is then the first to hear of it. Operations
-// already queued when the group failed report that type too. Once the failure has reached
-// the caller (a Work raised or handed it out, or a blocking call raised it), later calls
-// raise AbortedError naming it: an `except PeerError` handler runs once per failure, and
-// "aborted" is the witness that the call failed at once rather than at its deadline.
+// Its failures follow Note [Failure types] (comm/failure.h).
 #pragma once
 
 #include <atomic>
@@ -26,8 +18,9 @@
 #include <utility>
 #include <vector>
 
+#include "comm/failure.h"
 #include "comm/ledger.h"
-#include "comm/work.h"
+#include "cpu/cpu_work.h"
 #include "common/deadline.h"
 #include "common/dtype.h"
 #include "common/rank_names.h"
@@ -36,7 +29,7 @@
 #include "transport/shm/segment.h"
 #include "transport/transport.h"
 
-namespace meshcoll::comm {
+namespace meshcoll::cpu {
 
 struct CommOptions {
   Millis timeout{300000};
@@ -76,7 +69,7 @@ class Comm {
   // from it when it takes its place in this Comm's issue order (under mu_), and the ledger
   // learns here how each ended. It outlives the Comm.
   Comm(std::shared_ptr<store::Store> store, int rank, int size, const CommOptions& opts,
-       uint64_t comm_id, Ledger* ledger);
+       uint64_t comm_id, comm::Ledger* ledger);
   ~Comm();
   Comm(const Comm&) = delete;
   Comm& operator=(const Comm&) = delete;
@@ -89,7 +82,7 @@ class Comm {
 
   // Queues a collective; `run` executes on the worker thread. timeout < 0: the comm default.
   // The Work holds `keep` until the operation ends.
-  std::shared_ptr<CpuWork> enqueue(const transport::OpDesc& desc, Millis timeout,
+  std::shared_ptr<CpuWork> enqueue(const OpDesc& desc, Millis timeout,
                                    std::function<void(Comm&)> run,
                                    std::vector<std::shared_ptr<void>> keep = {});
   // Runs a collective and waits for it. Note [Inline execution]: when the group is idle
@@ -98,7 +91,7 @@ class Comm {
   // collectives); otherwise it is queued behind the pending operations, then waited for.
   // Issue order is kept either way. Throws what the operation threw.
   template <class F>
-  void run_blocking(const transport::OpDesc& desc, Millis timeout, F&& run) {
+  void run_blocking(const OpDesc& desc, Millis timeout, F&& run) {
     transport::Envelope env;
     env.op = desc;
     uint64_t index;
@@ -110,7 +103,7 @@ class Comm {
         execute(env, timeout.count() < 0 ? opts_.timeout : timeout, index, OpRef(run), true);
     release_claim();
     if (error) {
-      reported_->store(true);
+      failure_->mark_reported();
       std::rethrow_exception(error);
     }
   }
@@ -120,14 +113,14 @@ class Comm {
   // transfers progress during every later wait and complete their Work when done.
   // `record`: the transfer's number in the ledger (Ledger::open_p2p), closed when it ends.
   std::shared_ptr<CpuWork> enqueue_p2p(bool is_send, int peer, uint32_t tag, ConstBytes src,
-                                       MutBytes dst, const transport::OpDesc& desc, Millis timeout,
+                                       MutBytes dst, const OpDesc& desc, Millis timeout,
                                        uint64_t record,
                                        std::vector<std::shared_ptr<void>> keep = {});
   // A send or receive the caller waits for (send/recv, not isend/irecv). Note [Inline
   // execution] for point-to-point: when the group is idle the transfer is posted and driven on
   // the calling thread, with no Work; otherwise it is queued and waited for. Throws its failure.
   void run_p2p_blocking(bool is_send, int peer, uint32_t tag, ConstBytes src, MutBytes dst,
-                        const transport::OpDesc& desc, Millis timeout, uint64_t record);
+                        const OpDesc& desc, Millis timeout, uint64_t record);
   // Stops accepting work, finishes what is queued (each op is bounded by its deadline).
   // `farewell` (destroy(), not a destructor): then says goodbye to the peers and throws what
   // was left unmatched (Note [Farewell] in transport/transport.h), bounded by the timeout.
@@ -198,9 +191,9 @@ class Comm {
   // back.
   bool try_claim(transport::Envelope& env, uint64_t* index, int peer = -1, bool is_send = false);
   uint64_t next_p2p_seq_locked(int peer, bool is_send);
-  static transport::Envelope p2p_envelope(uint32_t tag, const transport::OpDesc& desc);
+  static transport::Envelope p2p_envelope(uint32_t tag, const OpDesc& desc);
   // Throws Aborted once the group is destroyed.
-  void check_open_locked(const transport::OpDesc& d) const;
+  void check_open_locked(const OpDesc& d) const;
   void release_claim();
   // Runs one operation on the thread that owns the transport; returns its error, if any.
   std::exception_ptr execute(const transport::Envelope& env, Millis timeout, uint64_t index,
@@ -214,7 +207,7 @@ class Comm {
     uint32_t tag;
     bool is_send;
     uint64_t record;  // its number in the ledger
-    transport::OpDesc desc;
+    OpDesc desc;
     Clock::time_point started;
     std::string what(const Comm& c) const;  // for errors only
   };
@@ -248,8 +241,9 @@ class Comm {
   std::shared_ptr<store::Store> store_;
   // Set by an interrupted Work.wait (Note [Interrupts]); the transport's waits check it.
   std::shared_ptr<StopRequest> stop_ = std::make_shared<StopRequest>();
-  // The group's failure reached the caller (Note [Failure types]); shared with the Works.
-  std::shared_ptr<std::atomic<bool>> reported_ = std::make_shared<std::atomic<bool>>(false);
+  // The group's first failure (Note [Failure types] in comm/failure.h), recorded by the thread
+  // that runs operations; shared with the Works, which mark it reported.
+  std::shared_ptr<comm::Failure> failure_ = std::make_shared<comm::Failure>();
   std::unique_ptr<transport::Transport> transport_;
   std::unique_ptr<transport::ShmGroup> shm_;
   std::string shm_status_;
@@ -260,13 +254,13 @@ class Comm {
   std::condition_variable cv_;
   std::deque<Item> queue_;
   std::atomic<size_t> queued_{0};  // queue_.size(), readable without mu_ (the worker's spin)
-  // The worker and the callers' waits spin briefly (Note [Brief spin] in comm/work.cc): the
+  // The worker and the callers' waits spin briefly (Note [Brief spin] in cpu/cpu_work.cc): the
   // caller and the worker of every rank can each have a core.
   const bool spin_;
   bool stopping_ = false;
   bool busy_ = false;  // a thread (worker or inline caller) owns the transport
   size_t in_flight_count_ = 0;  // in_flight_.size(), readable under mu_
-  Ledger* ledger_;
+  comm::Ledger* ledger_;
   uint64_t next_index_ = 0;
   uint64_t failed_before_ = 0;  // items issued before the first failure
   std::vector<uint64_t> p2p_send_seq_, p2p_recv_seq_;
@@ -278,7 +272,6 @@ class Comm {
   transport::Envelope current_;
   Deadline deadline_;
   std::vector<uint8_t> scratch_[kScratchSlots];
-  std::exception_ptr first_error_;
   const char* algorithm_ = "";
   bool used_tcp_ = false;  // the running operation sent or received over TCP
   bool composed_ = false;  // the running operation called set_composed()
@@ -287,4 +280,4 @@ class Comm {
   std::vector<InFlight> in_flight_;
 };
 
-}  // namespace meshcoll::comm
+}  // namespace meshcoll::cpu

@@ -2,8 +2,8 @@
 // uneven variant is the same code. dispatch.cc decides when it runs (Note [Dispatch]).
 #include <cstring>
 
-#include "algo/collectives.h"
-#include "algo/plan.h"
+#include "cpu/algo/collectives.h"
+#include "cpu/algo/plan.h"
 #include "reduce/kernels.h"
 
 namespace meshcoll::algo {
@@ -12,7 +12,7 @@ namespace meshcoll::algo {
 // (rank-t-1) and folds the incoming block (rank-t-2) into its copy; after n-1 steps it holds
 // block `rank` fully reduced. Segments pipeline as in ring_all_reduce.
 // The sum (or other op) only: dispatch.cc divides for avg.
-void ring_reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a) {
+void ring_reduce_scatter(cpu::Comm& comm, const ReduceScatterArgs& a) {
   const int n = comm.size(), r = comm.rank();
   const size_t esz = dtype_size(a.dtype);
   std::vector<size_t> bytes(n);

@@ -4,13 +4,13 @@
 // of two. Other sizes fold first: of the first 2*rem ranks (rem = n - p), each even rank
 // hands its vector to the odd rank above it and sits out; the odd rank gets it back at the
 // end.
-#include "algo/collectives.h"
-#include "algo/plan.h"
+#include "cpu/algo/collectives.h"
+#include "cpu/algo/plan.h"
 #include "reduce/kernels.h"
 
 namespace meshcoll::algo {
 
-void halving_doubling_all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
+void halving_doubling_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
   const int n = comm.size(), r = comm.rank();
   const int p = pow2_floor(n), rem = n - p;
   const size_t esz = dtype_size(a.dtype);

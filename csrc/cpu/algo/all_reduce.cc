@@ -1,35 +1,12 @@
 // all_reduce: validation, algorithm selection, and the direct (reference) algorithm.
 #include <cstring>
 
-#include "algo/collectives.h"
-#include "algo/plan.h"
+#include "cpu/algo/collectives.h"
+#include "cpu/algo/plan.h"
 #include "common/check.h"
 #include "reduce/kernels.h"
 
 namespace meshcoll::algo {
-
-const char* algorithm_name(Algorithm a) {
-  switch (a) {
-    case Algorithm::kAuto: return "auto";
-    case Algorithm::kRing: return "ring";
-    case Algorithm::kTree: return "tree";
-    case Algorithm::kHalvingDoubling: return "halving_doubling";
-    case Algorithm::kDirect: return "direct";
-    case Algorithm::kShm: return "shm";
-  }
-  return "unknown";
-}
-
-bool algorithm_from_name(const std::string& name, Algorithm* out) {
-  for (auto a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree,
-                 Algorithm::kHalvingDoubling, Algorithm::kDirect, Algorithm::kShm}) {
-    if (name == algorithm_name(a)) {
-      *out = a;
-      return true;
-    }
-  }
-  return false;
-}
 
 Algorithm select_all_reduce(size_t nbytes, int world_size, const SelectConfig& cfg) {
   if (world_size <= 8 && nbytes <= cfg.direct_threshold_bytes) return Algorithm::kDirect;
@@ -39,7 +16,7 @@ Algorithm select_all_reduce(size_t nbytes, int world_size, const SelectConfig& c
   return Algorithm::kRing;
 }
 
-void all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
+void all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
   const size_t nbytes = a.count * dtype_size(a.dtype);
   if (a.out.data != a.in.data && nbytes) std::memcpy(a.out.data, a.in.data, nbytes);
   if (comm.size() == 1) return;  // avg over one rank is the value itself
@@ -65,7 +42,7 @@ void all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
 // Direct: every rank sends its vector to rank 0, which folds them in rank order and sends
 // the result back. 2(n-1) messages through one rank: the reference, and the fastest for
 // tiny vectors on two or three ranks, where it is one round trip.
-void direct_all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
+void direct_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
   const int n = comm.size();
   const size_t nbytes = a.count * dtype_size(a.dtype);
   if (comm.rank() != 0) {

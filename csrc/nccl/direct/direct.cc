@@ -1,18 +1,17 @@
-// Direct kernels (Note [Direct kernels] in direct.h): setup, compilation, launch, teardown.
-#include "nccl/direct.h"
+// Direct kernels (Note [Direct kernels] in direct.h): setup, launch, teardown; compilation is
+// compile.cc.
+#include "nccl/direct/direct.h"
 
 #include <cstring>
 #include <functional>
-#include <map>
-#include <mutex>
 
 #include "common/check.h"
 #include "common/config.h"
 #include "common/error.h"
+#include "common/host_identity.h"
+#include "nccl/direct/compile.h"
 #include "nccl/nccl_comm.h"
-#include "nccl/direct_kernels_source.h"  // kDirectKernelsSource, generated from direct_kernels.cu
 #include "nccl/nccl_internal.h"
-#include "transport/shm/segment.h"
 
 namespace meshcoll::nccl {
 
@@ -77,17 +76,6 @@ const char* op_name(RedOp op, DType dt) {  // the kernels' reduction for an op; 
     case RedOp::kAvg: return is_floating(dt) ? "Avg" : nullptr;
     default: return nullptr;
   }
-}
-
-// Loaded kernels, by context and entry: modules live as long as the process (a context's
-// modules go with it).
-std::mutex& kernels_mu() {
-  static std::mutex* m = new std::mutex();
-  return *m;
-}
-std::map<std::pair<CUcontext, std::string>, CUfunction>& kernels() {
-  static auto* k = new std::map<std::pair<CUcontext, std::string>, CUfunction>();
-  return *k;
 }
 
 std::string entry_of(DirectPath::Kind kind, DType dt, RedOp op) {
@@ -156,7 +144,7 @@ DirectPath::~DirectPath() {
 
 std::vector<uint8_t> DirectPath::record() const {
   SetupRecord r;
-  const std::string id = transport::ShmGroup::host_identity();
+  const std::string id = host_identity();
   r.host = std::hash<std::string>()(id);  // every rank runs one build: one hash function
   r.limit = local_why_.empty() ? limit_ : 0;
   r.handle = handle_;
@@ -209,8 +197,6 @@ bool DirectPath::takes(Kind kind, DType dt, RedOp op, size_t count) const {
   return staged <= std::min(limit_, kOneShotBytes);
 }
 
-const char* DirectPath::source() { return kDirectKernelsSource; }
-
 std::vector<std::string> DirectPath::entries() {
   std::vector<std::string> out{entry_of(Kind::kAllGather, DType::kUint8, RedOp::kSum)};
   for (int t = 0; t < kNumDTypes; ++t)
@@ -231,24 +217,8 @@ CUfunction DirectPath::kernel(Kind kind, DType dt, RedOp op) {
     op = RedOp::kSum;
   }
   CUfunction& slot = fns_[static_cast<int>(kind)][static_cast<int>(dt)][static_cast<int>(op)];
-  if (!slot) slot = load_kernel(kind, dt, op);
+  if (!slot) slot = load_direct_kernel(cu_, ctx_, arch_, entry_of(kind, dt, op));
   return slot;
-}
-
-CUfunction DirectPath::load_kernel(Kind kind, DType dt, RedOp op) {
-  const std::string entry = entry_of(kind, dt, op);
-  std::lock_guard<std::mutex> lock(kernels_mu());
-  auto key = std::make_pair(ctx_, entry);
-  auto it = kernels().find(key);
-  if (it != kernels().end()) return it->second;
-  const std::vector<char> cubin = nvrtc_compile(
-      std::string(kDirectKernelsSource) + "\n" + entry + "\n", "meshcoll_direct.cu", arch_);
-  CUmodule mod = nullptr;
-  cu_.check(cu_.module_load_data(&mod, cubin.data()), "cuModuleLoadData (direct kernel)");
-  CUfunction fn = nullptr;
-  cu_.check(cu_.module_get_function(&fn, mod, "mc_kernel"), "cuModuleGetFunction (direct kernel)");
-  kernels()[key] = fn;
-  return fn;
 }
 
 void DirectPath::launch(Kind kind, DType dt, RedOp op, const void* in, void* out, size_t count,
@@ -379,10 +349,10 @@ bool NcclComm::direct_now(CUstream stream) {
          capture == CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
-bool NcclComm::try_direct_locked(DirectPath::Kind kind, DType dt, RedOp op, const void* in,
-                                 void* out, size_t count, uint32_t fingerprint, bool direct_only,
-                                 CUstream s, const Deadline& d) {
-  if (!direct_ || !launch_eager_ || !direct_->takes(kind, dt, op, count)) {
+bool NcclComm::try_direct_locked(bool direct, DirectPath::Kind kind, DType dt, RedOp op,
+                                 const void* in, void* out, size_t count, uint32_t fingerprint,
+                                 bool direct_only, CUstream s, const Deadline& d) {
+  if (!direct || !direct_ || !launch_eager_) {
     // Only another thread's capture begun on this stream in between can get here.
     if (direct_only)
       throw InvalidArgument(str_cat(
@@ -397,7 +367,7 @@ bool NcclComm::try_direct_locked(DirectPath::Kind kind, DType dt, RedOp op, cons
 }
 
 void NcclComm::check_direct_locked(bool no_grace) {
-  if (!direct_ || failed_) return;
+  if (!direct_ || failure_.failed()) return;
   const uint64_t st = direct_->status();
   if (st == 0) return;
   const auto code = static_cast<DirectPath::Code>(st & 0xff);
@@ -443,7 +413,7 @@ void NcclComm::close_direct_locked() {
   // its buffer again (each peer's last access is its write of that op's token here).
   // A peer that does not come within kByeWait (it is not destroying the group yet, or died)
   // costs this rank its buffer, not an error.
-  if (!failed_ && comm_) {
+  if (!failure_.failed() && comm_) {
     const Millis wait = std::min(timeout_, kByeWait);
     const Deadline d(wait);
     direct_->launch(DirectPath::Kind::kAllGather, DType::kUint8, RedOp::kSum, nullptr, nullptr,

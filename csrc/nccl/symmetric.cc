@@ -1,6 +1,8 @@
 // Symmetric memory of one NCCL communicator: ncclMemAlloc blocks registered as windows, the
 // tag that lets the agreement check compare where each rank's buffers lie, and the blocks'
-// release (Note [Symmetric memory] in nccl_comm.h).
+// release (Note [Symmetric memory] in symmetric.h).
+#include "nccl/symmetric.h"
+
 #include <condition_variable>
 #include <mutex>
 #include <thread>
@@ -190,7 +192,7 @@ void NcclComm::drain_retired() {
 
 void NcclComm::free_retired_locked(const std::map<void*, ncclWindow_t>& retired) {
   for (const auto& [ptr, win] : retired) {
-    if (win && comm_ && !failed_) nc_.window_deregister(comm_, win);
+    if (win && comm_ && !failure_.failed()) nc_.window_deregister(comm_, win);
     nc_.mem_free(ptr);
   }
 }
@@ -210,10 +212,10 @@ void NcclComm::close_windows_locked() {
   if (live.empty() && retired.empty()) return;
   CtxGuard guard(cu_, ctx_);  // shutdown's failed path comes here before setting it
   // A failed group's kernels may never end: a short bound, then the memory is kept.
-  if (!device_idle(cu_, ctx_, failed_ ? std::min(timeout_, kFailedSyncBound) : timeout_))
+  if (!device_idle(cu_, ctx_, failure_.failed() ? std::min(timeout_, kFailedSyncBound) : timeout_))
     return;
   for (const auto& [base, w] : live)
-    if (comm_ && !failed_) nc_.window_deregister(comm_, w.win);
+    if (comm_ && !failure_.failed()) nc_.window_deregister(comm_, w.win);
   free_retired_locked(retired);
 }
 

@@ -1,8 +1,8 @@
 // all_gather (and all_gather_v) over TCP: a ring over per-rank block sizes, so the uneven
 // variant is the same code. dispatch.cc decides when it runs (Note [Dispatch]).
 
-#include "algo/collectives.h"
-#include "algo/plan.h"
+#include "cpu/algo/collectives.h"
+#include "cpu/algo/plan.h"
 
 namespace meshcoll::algo {
 
@@ -11,7 +11,7 @@ namespace meshcoll::algo {
 // and is only sent on after it has arrived, so all receives are posted up front and each
 // segment is forwarded the moment it lands.
 // This rank's own block is already in place (dispatch.cc).
-void ring_all_gather(comm::Comm& comm, const AllGatherArgs& a) {
+void ring_all_gather(cpu::Comm& comm, const AllGatherArgs& a) {
   const int n = comm.size(), r = comm.rank();
   const auto off = prefix_offsets(a.bytes);
   const int right = mod(r + 1, n), left = mod(r - 1, n);

@@ -2,14 +2,14 @@
 // uneven variant is the same code. dispatch.cc decides when it runs (Note [Dispatch]).
 #include <cstring>
 
-#include "algo/collectives.h"
-#include "algo/plan.h"
+#include "cpu/algo/collectives.h"
+#include "cpu/algo/plan.h"
 
 namespace meshcoll::algo {
 
 // Pairwise exchange: every receive and send is posted at once, sends in the order
 // rank+1, rank+2, ... so that no single rank is everyone's first target.
-void pairwise_all_to_all(comm::Comm& comm, const AllToAllArgs& a) {
+void pairwise_all_to_all(cpu::Comm& comm, const AllToAllArgs& a) {
   const int n = comm.size(), r = comm.rank();
   const auto soff = prefix_offsets(a.send_bytes);
   const auto roff = prefix_offsets(a.recv_bytes);

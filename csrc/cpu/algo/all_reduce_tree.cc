@@ -3,8 +3,8 @@
 // vectors; each rank folds its children in a fixed order, so results are deterministic.
 #include <cstring>
 
-#include "algo/collectives.h"
-#include "algo/plan.h"
+#include "cpu/algo/collectives.h"
+#include "cpu/algo/plan.h"
 #include "reduce/kernels.h"
 
 namespace meshcoll::algo {
@@ -13,7 +13,7 @@ namespace {
 // Binomial broadcast of buf from `root`, tagged `tag`: relative rank v receives from
 // v - lowbit(v), then sends to v + m for each lower power of two m. Used by tree all-reduce
 // and by broadcast for small messages.
-void binomial_broadcast(comm::Comm& comm, MutBytes buf, int root, uint32_t tag) {
+void binomial_broadcast(cpu::Comm& comm, MutBytes buf, int root, uint32_t tag) {
   const int n = comm.size();
   const int v = mod(comm.rank() - root, n);
   int mask = 1;
@@ -32,7 +32,7 @@ void binomial_broadcast(comm::Comm& comm, MutBytes buf, int root, uint32_t tag) 
 }
 
 // Binomial reduce into buf on `root`, tagged `tag`; buf is clobbered on non-roots.
-void binomial_reduce(comm::Comm& comm, MutBytes buf, size_t count, DType dtype, RedOp op,
+void binomial_reduce(cpu::Comm& comm, MutBytes buf, size_t count, DType dtype, RedOp op,
                      int root, uint32_t tag) {
   const int n = comm.size();
   const int v = mod(comm.rank() - root, n);
@@ -51,14 +51,14 @@ void binomial_reduce(comm::Comm& comm, MutBytes buf, size_t count, DType dtype, 
 }
 }  // namespace
 
-void tree_all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
+void tree_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
   binomial_reduce(comm, a.out, a.count, a.dtype, a.op, 0, 0);
   binomial_broadcast(comm, a.out, 0, 1);
 }
 
 // Pipelined chain for large broadcasts (every link carries the vector once, segments in
 // flight on all links at once); binomial tree for small ones (log2 n steps).
-void tcp_broadcast(comm::Comm& comm, const BroadcastArgs& a) {
+void tcp_broadcast(cpu::Comm& comm, const BroadcastArgs& a) {
   const int n = comm.size();
   if (a.buf.size <= 64 * 1024 || n == 2) {
     binomial_broadcast(comm, a.buf, a.root, 0);
@@ -81,7 +81,7 @@ void tcp_broadcast(comm::Comm& comm, const BroadcastArgs& a) {
 }
 
 // The sum (or other op) only: dispatch.cc divides for avg.
-void tree_reduce(comm::Comm& comm, const ReduceArgs& a) {
+void tree_reduce(cpu::Comm& comm, const ReduceArgs& a) {
   const size_t nbytes = a.count * dtype_size(a.dtype);
   MutBytes buf = comm.rank() == a.root ? a.out : MutBytes(comm.scratch(2, nbytes), nbytes);
   if (buf.data != a.in.data && nbytes) std::memcpy(buf.data, a.in.data, nbytes);

@@ -16,18 +16,18 @@
 // record (Comm::route).
 #include <cstring>
 
-#include "algo/collectives.h"
-#include "algo/plan.h"
+#include "cpu/algo/collectives.h"
+#include "cpu/algo/plan.h"
 #include "common/check.h"
 #include "reduce/kernels.h"
 
 namespace meshcoll::algo {
 
 namespace {
-bool on_shm(comm::Comm& comm) { return comm.size() > 1 && comm.shm() != nullptr; }
+bool on_shm(cpu::Comm& comm) { return comm.size() > 1 && comm.shm() != nullptr; }
 }  // namespace
 
-void all_gather(comm::Comm& comm, const AllGatherArgs& a) {
+void all_gather(cpu::Comm& comm, const AllGatherArgs& a) {
   const int n = comm.size(), r = comm.rank();
   const auto off = prefix_offsets(a.bytes);
   MC_CHECK_EQ(off[n], a.out.size);
@@ -37,7 +37,7 @@ void all_gather(comm::Comm& comm, const AllGatherArgs& a) {
   on_shm(comm) ? shm_all_gather(comm, a) : ring_all_gather(comm, a);
 }
 
-void reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a) {
+void reduce_scatter(cpu::Comm& comm, const ReduceScatterArgs& a) {
   const int n = comm.size(), r = comm.rank();
   const size_t esz = dtype_size(a.dtype);
   size_t total = 0;
@@ -52,7 +52,7 @@ void reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a) {
   if (a.op == RedOp::kAvg) reduce::divide_by(a.dtype, a.out.data, a.counts[r], n);
 }
 
-void all_to_all(comm::Comm& comm, const AllToAllArgs& a) {
+void all_to_all(cpu::Comm& comm, const AllToAllArgs& a) {
   const int n = comm.size(), r = comm.rank();
   MC_CHECK_EQ(prefix_offsets(a.send_bytes)[n], a.in.size);
   MC_CHECK_EQ(prefix_offsets(a.recv_bytes)[n], a.out.size);
@@ -60,26 +60,26 @@ void all_to_all(comm::Comm& comm, const AllToAllArgs& a) {
   on_shm(comm) ? shm_all_to_all(comm, a) : pairwise_all_to_all(comm, a);
 }
 
-void gather(comm::Comm& comm, const GatherArgs& a) {
+void gather(cpu::Comm& comm, const GatherArgs& a) {
   on_shm(comm) ? shm_gather(comm, a) : direct_gather(comm, a);
 }
 
-void scatter(comm::Comm& comm, const GatherArgs& a) {
+void scatter(cpu::Comm& comm, const GatherArgs& a) {
   on_shm(comm) ? shm_scatter(comm, a) : direct_scatter(comm, a);
 }
 
-void broadcast(comm::Comm& comm, const BroadcastArgs& a) {
+void broadcast(cpu::Comm& comm, const BroadcastArgs& a) {
   if (comm.size() == 1) return;
   on_shm(comm) ? shm_broadcast(comm, a) : tcp_broadcast(comm, a);
 }
 
-void reduce(comm::Comm& comm, const ReduceArgs& a) {
+void reduce(cpu::Comm& comm, const ReduceArgs& a) {
   on_shm(comm) ? shm_reduce(comm, a) : tree_reduce(comm, a);
   if (a.op == RedOp::kAvg && comm.rank() == a.root)
     reduce::divide_by(a.dtype, a.out.data, a.count, comm.size());
 }
 
-void barrier(comm::Comm& comm) {
+void barrier(cpu::Comm& comm) {
   if (comm.size() == 1) return;
   on_shm(comm) ? shm_barrier(comm) : dissemination_barrier(comm);
 }

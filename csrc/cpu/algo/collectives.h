@@ -7,17 +7,14 @@
 #include <string>
 #include <vector>
 
-#include "comm/comm.h"
+#include "cpu/engine.h"
 #include "common/bytes.h"
 #include "common/dtype.h"
+#include "common/op_desc.h"
 
 namespace meshcoll::algo {
 
 inline constexpr size_t kMaxSegmentBytes = 512 * 1024;
-
-enum class Algorithm : uint8_t { kAuto = 0, kRing, kTree, kHalvingDoubling, kDirect, kShm };
-const char* algorithm_name(Algorithm a);
-bool algorithm_from_name(const std::string& name, Algorithm* out);
 
 // Thresholds for Algorithm::kAuto over TCP (on one host, shared memory wins at every size).
 // Measured with bench/python/bench_algorithms.py on loopback, 2-8 ranks, float32 sum (tables
@@ -40,21 +37,21 @@ struct AllreduceArgs {
   SelectConfig select;
   size_t max_segment_bytes = kMaxSegmentBytes;  // tests shrink it to force many segments
 };
-void all_reduce(comm::Comm& comm, const AllreduceArgs& a);
-void ring_all_reduce(comm::Comm& comm, const AllreduceArgs& a);
-void tree_all_reduce(comm::Comm& comm, const AllreduceArgs& a);
-void halving_doubling_all_reduce(comm::Comm& comm, const AllreduceArgs& a);
-void direct_all_reduce(comm::Comm& comm, const AllreduceArgs& a);
-void shm_all_reduce(comm::Comm& comm, const AllreduceArgs& a);  // same host only
+void all_reduce(cpu::Comm& comm, const AllreduceArgs& a);
+void ring_all_reduce(cpu::Comm& comm, const AllreduceArgs& a);
+void tree_all_reduce(cpu::Comm& comm, const AllreduceArgs& a);
+void halving_doubling_all_reduce(cpu::Comm& comm, const AllreduceArgs& a);
+void direct_all_reduce(cpu::Comm& comm, const AllreduceArgs& a);
+void shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a);  // same host only
 
 struct BroadcastArgs {
   MutBytes buf;  // root: source; others: destination
   int root = 0;
   size_t max_segment_bytes = kMaxSegmentBytes;
 };
-void broadcast(comm::Comm& comm, const BroadcastArgs& a);
-void tcp_broadcast(comm::Comm& comm, const BroadcastArgs& a);  // chain, or binomial when small
-void shm_broadcast(comm::Comm& comm, const BroadcastArgs& a);
+void broadcast(cpu::Comm& comm, const BroadcastArgs& a);
+void tcp_broadcast(cpu::Comm& comm, const BroadcastArgs& a);  // chain, or binomial when small
+void shm_broadcast(cpu::Comm& comm, const BroadcastArgs& a);
 
 // Reduce to root: out is written on root only (may alias in).
 struct ReduceArgs {
@@ -65,9 +62,9 @@ struct ReduceArgs {
   RedOp op = RedOp::kSum;
   int root = 0;
 };
-void reduce(comm::Comm& comm, const ReduceArgs& a);
-void tree_reduce(comm::Comm& comm, const ReduceArgs& a);  // the op only: reduce divides for avg
-void shm_reduce(comm::Comm& comm, const ReduceArgs& a);   // same host only; likewise
+void reduce(cpu::Comm& comm, const ReduceArgs& a);
+void tree_reduce(cpu::Comm& comm, const ReduceArgs& a);  // the op only: reduce divides for avg
+void shm_reduce(cpu::Comm& comm, const ReduceArgs& a);   // same host only; likewise
 
 // Gather-type collectives with per-rank byte counts (equal counts are the common case).
 struct AllGatherArgs {
@@ -76,9 +73,9 @@ struct AllGatherArgs {
   std::vector<size_t> bytes;     // bytes of each rank's block
   size_t max_segment_bytes = kMaxSegmentBytes;
 };
-void all_gather(comm::Comm& comm, const AllGatherArgs& a);
-void ring_all_gather(comm::Comm& comm, const AllGatherArgs& a);  // own block already in place
-void shm_all_gather(comm::Comm& comm, const AllGatherArgs& a);
+void all_gather(cpu::Comm& comm, const AllGatherArgs& a);
+void ring_all_gather(cpu::Comm& comm, const AllGatherArgs& a);  // own block already in place
+void shm_all_gather(cpu::Comm& comm, const AllGatherArgs& a);
 
 struct ReduceScatterArgs {
   ConstBytes in;              // the whole vector: every rank's block, in rank order
@@ -88,19 +85,19 @@ struct ReduceScatterArgs {
   RedOp op = RedOp::kSum;
   size_t max_segment_bytes = kMaxSegmentBytes;
 };
-void reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a);
+void reduce_scatter(cpu::Comm& comm, const ReduceScatterArgs& a);
 // n > 1, the op only: reduce_scatter divides for avg.
-void ring_reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a);
-void shm_reduce_scatter(comm::Comm& comm, const ReduceScatterArgs& a);
+void ring_reduce_scatter(cpu::Comm& comm, const ReduceScatterArgs& a);
+void shm_reduce_scatter(cpu::Comm& comm, const ReduceScatterArgs& a);
 
 struct AllToAllArgs {
   ConstBytes in;  // blocks for rank 0, 1, ... in order
   MutBytes out;   // blocks from rank 0, 1, ... in order
   std::vector<size_t> send_bytes, recv_bytes;
 };
-void all_to_all(comm::Comm& comm, const AllToAllArgs& a);
-void pairwise_all_to_all(comm::Comm& comm, const AllToAllArgs& a);
-void shm_all_to_all(comm::Comm& comm, const AllToAllArgs& a);
+void all_to_all(cpu::Comm& comm, const AllToAllArgs& a);
+void pairwise_all_to_all(cpu::Comm& comm, const AllToAllArgs& a);
+void shm_all_to_all(cpu::Comm& comm, const AllToAllArgs& a);
 
 struct GatherArgs {  // gather (in -> root's out) and scatter (root's in -> out)
   ConstBytes in;
@@ -108,15 +105,15 @@ struct GatherArgs {  // gather (in -> root's out) and scatter (root's in -> out)
   std::vector<size_t> bytes;  // per-rank block bytes
   int root = 0;
 };
-void gather(comm::Comm& comm, const GatherArgs& a);
-void scatter(comm::Comm& comm, const GatherArgs& a);
-void direct_gather(comm::Comm& comm, const GatherArgs& a);
-void direct_scatter(comm::Comm& comm, const GatherArgs& a);
-void shm_gather(comm::Comm& comm, const GatherArgs& a);   // same host only
-void shm_scatter(comm::Comm& comm, const GatherArgs& a);
+void gather(cpu::Comm& comm, const GatherArgs& a);
+void scatter(cpu::Comm& comm, const GatherArgs& a);
+void direct_gather(cpu::Comm& comm, const GatherArgs& a);
+void direct_scatter(cpu::Comm& comm, const GatherArgs& a);
+void shm_gather(cpu::Comm& comm, const GatherArgs& a);   // same host only
+void shm_scatter(cpu::Comm& comm, const GatherArgs& a);
 
-void barrier(comm::Comm& comm);
-void dissemination_barrier(comm::Comm& comm);
-void shm_barrier(comm::Comm& comm);
+void barrier(cpu::Comm& comm);
+void dissemination_barrier(cpu::Comm& comm);
+void shm_barrier(cpu::Comm& comm);
 
 }  // namespace meshcoll::algo

@@ -1,7 +1,7 @@
 // Ring all-reduce: reduce-scatter then all-gather around the ring, 2(n-1) steps, each rank
 // sending 2(n-1)/n of the vector: bandwidth-optimal for large vectors.
-#include "algo/collectives.h"
-#include "algo/plan.h"
+#include "cpu/algo/collectives.h"
+#include "cpu/algo/plan.h"
 #include "reduce/kernels.h"
 
 namespace meshcoll::algo {
@@ -16,7 +16,7 @@ namespace meshcoll::algo {
 // it goes out as segment j of step t+1, while later segments are still on the wire.
 // Receives for step t+1 are posted when step t starts, alternating between two scratch
 // buffers in the reduce-scatter, so early data lands in place instead of being buffered.
-void ring_all_reduce(comm::Comm& comm, const AllreduceArgs& a) {
+void ring_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
   const int n = comm.size(), r = comm.rank();
   const int right = mod(r + 1, n), left = mod(r - 1, n);
   const size_t esz = dtype_size(a.dtype);

@@ -2,12 +2,12 @@
 // uneven variants are the same code. dispatch.cc decides when they run (Note [Dispatch]).
 #include <cstring>
 
-#include "algo/collectives.h"
-#include "algo/plan.h"
+#include "cpu/algo/collectives.h"
+#include "cpu/algo/plan.h"
 
 namespace meshcoll::algo {
 
-void direct_gather(comm::Comm& comm, const GatherArgs& a) {
+void direct_gather(cpu::Comm& comm, const GatherArgs& a) {
   const int n = comm.size(), r = comm.rank();
   if (r != a.root) {
     comm.wait(comm.send(a.root, 0, a.in));
@@ -21,7 +21,7 @@ void direct_gather(comm::Comm& comm, const GatherArgs& a) {
   comm.wait(reqs);
 }
 
-void direct_scatter(comm::Comm& comm, const GatherArgs& a) {
+void direct_scatter(cpu::Comm& comm, const GatherArgs& a) {
   const int n = comm.size(), r = comm.rank();
   if (r != a.root) {
     comm.wait(comm.recv(a.root, 0, a.out));
