@@ -51,7 +51,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _C, _env
+from . import _C, _settings
 from .arrays import numpy_dtype
 from .process_group import ProcessGroup
 
@@ -210,7 +210,7 @@ def _device_count() -> int:
 
 def make_world(store: _C.Store, rank: int, world_size: int, timeout: float, bind_host: str,
                token: str, device: Any = None,
-               options: Optional[_env.GroupOptions] = None) -> ProcessGroup:
+               options: Optional[_settings.GroupOptions] = None) -> ProcessGroup:
     """The world group on NCCL (what ``init(backend="nccl")`` calls). ``device``: an int (or
     an object with ``.index``, e.g. torch.device); None picks device 0 when that is the only
     choice (one rank, or one visible GPU per process), and otherwise raises: pass

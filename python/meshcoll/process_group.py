@@ -19,7 +19,7 @@ from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Dict, Iterator
 
 import numpy as np
 
-from . import _C, _env
+from . import _C, _settings
 from ._types import AlgorithmName, BackendName, ReduceOpName
 from .arrays import dtype_name, host_view, numpy_dtype, rows
 from .hierarchy import Hierarchy, host_of_each_rank
@@ -238,10 +238,10 @@ class ProcessGroup:
                  timeout: float, bind_host: str, token: str,
                  parent: Optional["ProcessGroup"] = None, backend: BackendName = "cpu",
                  device: Optional[int] = None, color: int = 0,
-                 options: Optional[_env.GroupOptions] = None) -> None:
+                 options: Optional[_settings.GroupOptions] = None) -> None:
         self._store = store
         self._agreements = 0  # layout agreements so far (ddp.agree_layout)
-        opts = self._options = options if options is not None else _env.GroupOptions()
+        opts = self._options = options if options is not None else _settings.GroupOptions()
         self._ranks = list(ranks)
         self._name = name
         self._timeout = timeout
@@ -446,7 +446,7 @@ class ProcessGroup:
     def _shared(self, backend: str) -> List[Tuple[str, str]]:
         """What every member must agree on before the group is set up (Note [Shared
         settings] in csrc/store/exchange.h): its members, then its backend's settings."""
-        return [(_env.MEMBERS, repr(self._ranks)), *self._options.shared(backend).items()]
+        return [(_settings.MEMBERS, repr(self._ranks)), *self._options.shared(backend).items()]
 
     def _next_agreement(self) -> int:
         """The number of this group's next layout agreement (``ddp.agree_layout``): every
@@ -458,14 +458,14 @@ class ProcessGroup:
         """The stream the caller computes on for arrays like ``like`` (None on the CPU)."""
         return self._arrays.current_stream(like)
 
-    def _agree_before_split(self, name: str, ranks: List[int], opts: _env.GroupOptions,
+    def _agree_before_split(self, name: str, ranks: List[int], opts: _settings.GroupOptions,
                             timeout: Optional[float]) -> None:
         """Every rank of an NCCL parent takes part in the split that makes a subgroup, members
         or not: so all of them compare the new group's members and check setting first (Note
         [Shared settings] in csrc/store/exchange.h). Ranks that differ get a MismatchError
         together, and the parent stays usable; compared among the members alone, the others
         would wait in ncclCommSplit until its timeout, which aborts the parent."""
-        settings = [(_env.MEMBERS, repr(ranks)), *opts.shared("nccl").items()]
+        settings = [(_settings.MEMBERS, repr(ranks)), *opts.shared("nccl").items()]
         _C.agree_on_settings(_C.PrefixStore(f"mc/{name}/split", self._store), self.rank,
                              self.size, settings,
                              self._setup_timeout(timeout), self._ranks)
@@ -476,21 +476,21 @@ class ProcessGroup:
         return self._timeout if timeout is None else _C.check_timeout(timeout, call)
 
     def _child_options(self, transport: Optional[str],
-                       check: Optional[str]) -> _env.GroupOptions:
+                       check: Optional[str]) -> _settings.GroupOptions:
         """This group's options with new_group's overrides."""
         opts = self._options
         if transport is not None:
-            if transport not in _env.TRANSPORTS:
-                raise ValueError(f"transport={transport!r}: use one of {', '.join(_env.TRANSPORTS)}")
+            if transport not in _settings.TRANSPORTS:
+                raise ValueError(f"transport={transport!r}: use one of {', '.join(_settings.TRANSPORTS)}")
             opts = dataclasses.replace(opts, transport=transport)
         if check is not None:
-            if check not in _env.CHECK_MODES:
-                raise ValueError(f"check={check!r}: use one of {', '.join(_env.CHECK_MODES)}")
+            if check not in _settings.CHECK_MODES:
+                raise ValueError(f"check={check!r}: use one of {', '.join(_settings.CHECK_MODES)}")
             opts = dataclasses.replace(opts, check=check)
         return opts
 
     def _child(self, ranks: Sequence[int], rank: int, name: str, timeout: Optional[float],
-               color: int = 0, options: Optional[_env.GroupOptions] = None) -> "ProcessGroup":
+               color: int = 0, options: Optional[_settings.GroupOptions] = None) -> "ProcessGroup":
         # timeout None: the parent's; anything else is checked where the backend is made.
         opts = self._options if options is None else options
         return ProcessGroup(self._store, ranks, rank, name,
