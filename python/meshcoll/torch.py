@@ -27,7 +27,7 @@ As torch's DDP:
   with gradients enabled (``broadcast_buffers=True``), and parameters and buffers at
   construction;
 - ranks whose models differ (names, order, shapes, strides, dtypes) get MismatchError at
-  construction, naming the first difference (Note [Agreed layout] in ddp.py).
+  construction, naming the first difference (Note [Agreed layout] in ddp_layout.py).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ import secrets
 import warnings
 from typing import Any, Literal, Optional, Sequence, Tuple, Union
 
-from . import _C, _rendezvous, _settings, run
+from . import _C, _rendezvous, _settings, nccl, run
 from ._types import BackendName
+from .backends import make_group
 from .process_group import NonMemberGroup, ProcessGroup
 
 
@@ -156,15 +157,16 @@ def _group_settings(
 def _world(backend: Optional[str], store: _C.Store, rv: _rendezvous.Rendezvous, timeout: float,
            token: str, device: Any, options: _settings.GroupOptions,
            bind_host: str) -> ProcessGroup:
-    if backend in ("nccl", "auto"):
-        from . import nccl
-        if backend == "auto":
-            backend = nccl.agree_on_backend(store, rv.rank, rv.world_size, timeout)
+    if backend == "auto":
+        backend = nccl.agree_on_backend(store, rv.rank, rv.world_size, timeout)
     if backend == "nccl":
-        return nccl.make_world(store, rv.rank, rv.world_size, timeout, bind_host, token,
-                               device if device is not None else rv.local_rank, options)
-    return ProcessGroup(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
-                        bind_host=bind_host, token=token, options=options)
+        dev = nccl.world_device(rv.rank, rv.world_size,
+                                device if device is not None else rv.local_rank)
+        return make_group(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
+                          bind_host=bind_host, token=token, backend="nccl", device=dev,
+                          options=options)
+    return make_group(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
+                      bind_host=bind_host, token=token, options=options)
 
 
 def _interface_address(ifname: Optional[str]) -> Optional[str]:
@@ -242,7 +244,9 @@ def get_world_group() -> ProcessGroup:
 
 
 def new_group(ranks: Sequence[int], *, group: Optional[ProcessGroup] = None,
-              timeout: Optional[float] = None, transport: Optional[str] = None,
+              name: Optional[str] = None, timeout: Optional[float] = None,
+              transport: Optional[str] = None,
               check: Optional[str] = None) -> Union[ProcessGroup, NonMemberGroup]:
-    return (group or get_world_group()).new_group(ranks, timeout=timeout, transport=transport,
-                                                   check=check)
+    """``ProcessGroup.new_group`` on ``group`` (default: the world)."""
+    return (group or get_world_group()).new_group(ranks, name=name, timeout=timeout,
+                                                   transport=transport, check=check)
