@@ -22,7 +22,9 @@ def host_view(x: Any) -> np.ndarray:
     return np.asarray(memoryview(x))
 
 
-_DTYPE_NAMES: Dict[Any, str] = {}  # dtype object -> name: numpy's dtype.name costs ~2 us
+# dtype object -> name: numpy's dtype.name is slow on a hot path (docs/performance.md,
+# "Python host costs").
+_DTYPE_NAMES: Dict[Any, str] = {}
 
 
 def dtype_name(dtype: Any) -> str:

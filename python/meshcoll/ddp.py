@@ -133,9 +133,8 @@ class DataParallel:
       group has windows (``group.symmetric_memory``); buckets that meshcoll's direct kernels
       take (256 KiB and less, on one host) run those, as ordinary ones do. A launch through
       NCCL's symmetric kernels waits on the host until every rank reaches it (the agreement
-      before launch). Measured with ``bench/python/bench_ddp.py`` on 2 GPUs, neither 64
-      buckets of 256 KiB nor 25 MiB buckets showed a consistent difference
-      (docs/performance.md); so it is not the default.
+      before launch). It showed no consistent gain in ``bench/python/bench_ddp.py`` (numbers
+      in docs/performance.md), so it is not the default.
     """
 
     def __init__(self, params: Mapping[str, object], *, group: Optional[ProcessGroup] = None,

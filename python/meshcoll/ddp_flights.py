@@ -16,7 +16,8 @@ from . import _C
 
 class _Done:
     """Set once (by the completion thread), waited for any number of times: a bare lock, held
-    until set. threading.Event costs a Condition per bucket (2.4 us against 0.1 us)."""
+    until set. threading.Event costs a Condition per bucket, many times a bare lock's cost
+    (docs/performance.md, "Python host costs")."""
 
     __slots__ = ("_lock",)
 

@@ -474,8 +474,8 @@ class ProcessGroup(Collectives):
 
 
 class _Block:
-    """``ProcessGroup.coalesced()``'s context manager (a class: a generator-based one cost
-    1-2 us more per block, a tenth of a small call)."""
+    """``ProcessGroup.coalesced()``'s context manager: a class, as a generator-based one
+    costs a noticeable part of a small call (docs/performance.md, "Python host costs")."""
 
     __slots__ = ("_group", "_timeout")
 

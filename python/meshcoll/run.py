@@ -19,7 +19,7 @@ not one of them. Two clocks decide:
     (note_leaving: meshcoll.destroy(), an uncaught exception, interpreter exit)
     in a file under MESHCOLL_RUN_NOTES. This is needed because a rank that
     raises closes its connections while its interpreter shuts down, and its
-    peers, told at once, often exit before it does (measured: 1 run in 3);
+    peers, told at once, often exit before it does (docs/performance.md);
   - otherwise when its exit was seen: every child has a pidfd, and we sleep in
     poll() on them, so a death is seen within microseconds, not a poll period.
 A rank that is stopped (SIGSTOP, SIGTSTP) when the first failure is seen is a

@@ -96,7 +96,7 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
     # Every setting is read and checked here, before the store is contacted. A bad value is
     # usually set on every rank alike; found later, it failed rank 0 once its store was up,
     # and rank 0 then closed it, so the other ranks waited their whole timeout to reach a
-    # store that was gone and blamed the store (issue 34, item 11). Now each rank fails at
+    # store that was gone and blamed the store. Now each rank fails at
     # once, naming the variable.
     options, ifname_host = _group_settings(rv)
     # A job of one process has no one to share a token with: it makes its own.
