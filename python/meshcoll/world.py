@@ -1,6 +1,6 @@
 """The job's world: ``init`` (rendezvous from any launcher's environment, the world group),
 ``destroy``, and the one piece of module state every collective library has, the default
-group. Groups themselves are in process_group.py."""
+group. Groups themselves are in process_group.py, made by backends.py."""
 
 from __future__ import annotations
 
