@@ -185,7 +185,7 @@ def _path(comp: List[str], succ: Dict[str, List[str]]) -> List[str]:
                     path = [v]
                     while path[-1] != start:
                         path.append(prev[path[-1]])
-                    return [start] + path[::-1][1:] + [start] if len(path) > 1 else [start, v, start]
+                    return path[::-1] + [start]
                 if w in inside and w not in prev:
                     prev[w] = v
                     nxt.append(w)

@@ -63,8 +63,9 @@ class ProcessGroup(Collectives):
 
     A group holds one backend (``meshcoll._C.CpuBackend`` or ``NcclBackend``, the one C++
     contract of csrc/comm/backend.h): every collective (collectives.py) goes straight to it,
-    whatever the backend. Ranks passed to methods (roots, peers) are ranks *within this group*. ``stream=``
-    (NCCL groups only): the CUDA stream the op runs on; see meshcoll.nccl."""
+    whatever the backend. Ranks passed to methods (roots, peers) are ranks *within this
+    group*. ``stream=`` (NCCL groups only): the CUDA stream the op runs on; see
+    meshcoll.nccl."""
 
     # Literal: ``if g.is_member:`` narrows what new_group and split return to a ProcessGroup.
     is_member: Literal[True] = True
