@@ -137,12 +137,12 @@ def launch(world, fn, *, timeout=60.0, init_timeout=30.0, transport="auto", env=
     ``backend="nccl"`` puts rank r on GPU r
     (tests/gpu)."""
     import meshcoll
-    from meshcoll import _env
+    from meshcoll import _settings
     env = dict(env or {})
-    if _env.TRANSPORT in env:
-        raise ValueError(f"launch: pass transport=, not {_env.TRANSPORT} in env")
-    env[_env.TRANSPORT] = transport
-    _env.transport_from_env(env)  # a bad name fails here, not in every rank
+    if _settings.TRANSPORT in env:
+        raise ValueError(f"launch: pass transport=, not {_settings.TRANSPORT} in env")
+    env[_settings.TRANSPORT] = transport
+    _settings.transport_from_env(env)  # a bad name fails here, not in every rank
     token = secrets.token_hex(8)
     # The parent hosts the store on a port the kernel picks: no free-port race between
     # concurrent test runs.

@@ -1,6 +1,6 @@
 // The C++ perf tools have no Python to read the environment for them (Note [Configuration]
 // in csrc/common/config.h), so their mains read the core's MESHCOLL_* variables here, with
-// python/meshcoll/_env.py's rules (flags are 0 or 1, an empty value is unset), and install
+// python/meshcoll/_settings.py's rules (flags are 0 or 1, an empty value is unset), and install
 // them before any rank starts. run_gpu.sh passes MESHCOLL_NCCL_LIBRARY to nccl_perf this way.
 #pragma once
 

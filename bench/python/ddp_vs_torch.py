@@ -86,7 +86,7 @@ from torch import nn  # noqa: E402
 
 import meshcoll  # noqa: E402
 import meshcoll.torch as mct  # noqa: E402
-from meshcoll import _env  # noqa: E402
+from meshcoll import _rendezvous  # noqa: E402
 from meshcoll.run import pick_free_port  # noqa: E402
 
 MODELS = ("transformer", "convnet", "mlp")
@@ -574,7 +574,7 @@ def header(args, pg, device) -> List[str]:
 
 def init(args):
     """Both process groups; returns (meshcoll's world group, torch device)."""
-    rv = _env.rendezvous_from_env()
+    rv = _rendezvous.rendezvous_from_env()
     if args.backend == "nccl":
         local = rv.local_rank if rv.local_rank is not None else rv.rank % torch.cuda.device_count()
         torch.cuda.set_device(local)

@@ -55,7 +55,7 @@ from torch import nn  # noqa: E402
 
 import meshcoll  # noqa: E402
 import meshcoll.torch as mct  # noqa: E402
-from meshcoll import _env  # noqa: E402
+from meshcoll import _rendezvous  # noqa: E402
 from meshcoll.run import pick_free_port  # noqa: E402
 
 MiB = float(1 << 20)
@@ -117,7 +117,7 @@ class Model(nn.Module):
 
 
 def init(args) -> Tuple[Any, torch.device]:
-    rv = _env.rendezvous_from_env()
+    rv = _rendezvous.rendezvous_from_env()
     if args.backend == "nccl":
         local = rv.local_rank if rv.local_rank is not None else rv.rank % torch.cuda.device_count()
         torch.cuda.set_device(local)

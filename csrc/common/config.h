@@ -1,7 +1,7 @@
 // Process-wide settings, read from the environment in one place.
 //
 // Note [Configuration]
-// python/meshcoll/_env.py reads the MESHCOLL_* variables (validating them, naming the
+// python/meshcoll/_settings.py reads the MESHCOLL_* variables (validating them, naming the
 // variable in every error), and the compiled module installs the result with set_config
 // once, first thing when _C is imported (csrc/python/bind_config.cc). Code below the Python
 // boundary never reads the environment: it asks config(). The defaults below are the documented
@@ -45,7 +45,7 @@ void set_config(const Config& c);
 // their store keys (store/exchange.h): "settings" (Note [Shared settings] in store/exchange.h),
 // then "shm/host", "shm/created", "shm/mapped", "shm/cma" (Note [Shared-memory lifetime]),
 // each reached right after this rank published its value for the step. A point added here
-// goes into FAULT_POINTS in python/meshcoll/_env.py, which refuses any other.
+// goes into FAULT_POINTS in python/meshcoll/_settings.py, which refuses any other.
 void fault_point(const std::string& point);
 
 }  // namespace meshcoll

@@ -1,8 +1,8 @@
 // Bindings for csrc/common/config.h (Note [Configuration]) and for the host timers one of its
 // settings turns on (common/host_timers.h). The module's init calls
-// config_at_import before registering anything: it asks python/meshcoll/_env.py (the one
+// config_at_import before registering anything: it asks python/meshcoll/_settings.py (the one
 // place that knows variable names) for the settings and installs them. A bad value fails the
-// import of _C with an ImportError carrying _env's message (pybind11 would otherwise say only
+// import of _C with an ImportError carrying _settings's message (pybind11 would otherwise say only
 // "initialization failed"); nothing was registered yet, so a later import tries again.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -22,7 +22,7 @@ namespace meshcoll::python {
 
 namespace {
 
-// From any object with the fields: _env.CoreConfig or _C.Config.
+// From any object with the fields: _settings.CoreConfig or _C.Config.
 Config from_python(py::handle c) {
   Config out;
   out.host_id = c.attr("host_id").cast<std::string>();
@@ -41,7 +41,7 @@ Config from_python(py::handle c) {
 }  // namespace
 
 void apply_env_config() {
-  set_config(from_python(py::module_::import("meshcoll._env").attr("core_config_from_env")()));
+  set_config(from_python(py::module_::import("meshcoll._settings").attr("core_config_from_env")()));
 }
 
 void config_at_import() {
@@ -79,7 +79,7 @@ void bind_config(py::module_& m) {
       });
   m.def("config", &config, "A copy of the settings in force.");
   m.def("set_config", [](py::handle c) { set_config(from_python(c)); }, py::arg("config"),
-        "Installs the settings of `config` (a Config or meshcoll._env.CoreConfig); ValueError "
+        "Installs the settings of `config` (a Config or meshcoll._settings.CoreConfig); ValueError "
         "for a simd other than '', baseline, avx2 or avx512.");
   m.def(
       "host_timers",

@@ -14,10 +14,10 @@ import typing as _typing
 
 # Note [Lazy package]
 # The pure tiers (pipeline schedules and simulator, MeshLayout mesh math, partition math,
-# _env) must import without the compiled extension, and importing any of them runs this
-# file first. So this file imports nothing at import time: every public name is bound on
-# first use (PEP 562 __getattr__) and from then on is a plain module global, so the hot
-# path (meshcoll.all_reduce) never comes back here. tests/unit/test_pure_import.py fails
+# _rendezvous, _settings) must import without the compiled extension, and importing any of
+# them runs this file first. So this file imports nothing at import time: every public name
+# is bound on first use (PEP 562 __getattr__) and from then on is a plain module global, so
+# the hot path (meshcoll.all_reduce) never comes back here. tests/unit/test_pure_import.py fails
 # if an eager import of _C comes back.
 
 # Public name -> the submodule that defines it.
@@ -44,8 +44,8 @@ _HOME = {
 }
 
 # Submodules that were attributes of the package after a plain ``import meshcoll``.
-_SUBMODULES = ("_C", "_env", "api", "arrays", "ddp", "device_mesh", "hierarchy", "monitor",
-               "nccl", "partition", "process_group", "sharded", "world")
+_SUBMODULES = ("_C", "_rendezvous", "_settings", "api", "arrays", "ddp", "device_mesh",
+               "hierarchy", "monitor", "nccl", "partition", "process_group", "sharded", "world")
 
 if _typing.TYPE_CHECKING:  # what __getattr__ binds, as type checkers and IDEs see it
     from ._C import (AbortedError, ConcurrentCallError, FileStore, MeshcollError,

@@ -1,7 +1,7 @@
 """The module-level API of meshcoll over the world group: ``meshcoll.all_reduce(x)`` is
 ``meshcoll.get_world_group().all_reduce(x)``, or ``group.all_reduce(x)`` with ``group=``.
 
-Note [One source of truth] (process_group.py): each function here has its ProcessGroup
+Note [One source of truth] (collectives.py): each function here has its ProcessGroup
 method's signature plus ``group=`` and forwards to it; its docstring is the method's
 (``_forwards``). tests/python/test_typing.py fails if a signature drifts. Importing this
 module imports the C++ extension; ``meshcoll/__init__.py`` binds these names on first use."""

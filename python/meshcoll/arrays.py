@@ -2,11 +2,12 @@
 backend has already checked, dtype names, and the row count of axis 0. Every check of an
 array a collective takes (contiguity, writability, dtype, byte order, host or device
 memory, sizes) lives in one place, csrc/python/array.cc, reached through
-``ProcessGroup._view``."""
+``ProcessGroup._view``. ``HostArrays``: how a CPU group allocates its outputs (an NCCL
+group's ``CudaArrays`` are nccl.py's)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Sequence, Union
 
 import numpy as np
 
@@ -21,7 +22,9 @@ def host_view(x: Any) -> np.ndarray:
     return np.asarray(memoryview(x))
 
 
-_DTYPE_NAMES: Dict[Any, str] = {}  # dtype object -> name: numpy's dtype.name costs ~2 us
+# dtype object -> name: numpy's dtype.name is slow on a hot path (docs/performance.md,
+# "Python host costs").
+_DTYPE_NAMES: Dict[Any, str] = {}
 
 
 def dtype_name(dtype: Any) -> str:
@@ -62,3 +65,21 @@ def rows(a: Any, what: str) -> int:
     if not shape:
         raise ValueError(f"{what}: needs an array with at least one dimension, got a 0-d array")
     return int(shape[0])
+
+
+class HostArrays:
+    """How a CPU group allocates the outputs it returns: numpy arrays."""
+
+    device_memory = False
+
+    @staticmethod
+    def empty(shape: Union[int, Sequence[int]], like: Any,
+              dtype: Optional[str] = None) -> np.ndarray:
+        """A new array of ``shape`` with ``like``'s dtype (or the dtype named ``dtype``)."""
+        if dtype is None:
+            dtype = like.dtype
+        return np.empty(shape, numpy_dtype(dtype, "meshcoll") if isinstance(dtype, str) else dtype)
+
+    @staticmethod
+    def current_stream(like: Any) -> Any:
+        return None

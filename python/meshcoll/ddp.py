@@ -9,6 +9,9 @@
         ddp.wait()                      # gw2, gb2, gw1, gb1 now hold the average over ranks
         ...optimizer step...; ddp.step()
 
+The modes besides "sync" are ddp_modes.py's; bucket assignment and the layout every rank
+must share (Note [Agreed layout]), ddp_layout.py's; a bucket's flight, ddp_flights.py's.
+
 Note [Buckets]
 Gradients are packed into flat buckets in reverse registration order (the order backward
 produces them) by torch's DDP's rule (``assign_buckets``: one open bucket per dtype, closed
@@ -23,14 +26,6 @@ gradients in), with its gradients copied in as one batch (one kernel on a GPU), 
 copies the averages out (one kernel for all buckets on a GPU). Python runs only
 ``grad_ready``'s checks per gradient and nothing per bucket; a compression hook's buckets
 are handed to the hook, in Python, as torch's Python comm hooks are.
-
-Note [Agreed layout]
-Ranks whose DataParallel holds other parameters (other names, order, shapes or dtypes) would
-average gradients of different parameters together without any error: the bucket
-all-reduces have the same sizes. So the constructor, and every rebuild, compares a
-description of the layout across the group (its 64-bit digest through the group's store,
-then the descriptions themselves where the digests differ) and raises MismatchError on every
-rank, naming the first difference and the ranks.
 
 Note [Stats]
 Each queued all-reduce is handed to a C++ thread (``_C.CompletionStamps``, Note [Completion
@@ -68,9 +63,7 @@ CPU backend. Compression casts with the same operators.
 
 from __future__ import annotations
 
-import _thread
 import contextlib
-import hashlib
 import queue
 import threading
 import time
@@ -81,7 +74,16 @@ from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping,
 import numpy as np
 
 from . import _C
-from .arrays import dtype_name
+from .ddp_flights import _complete, _Done, _Flight
+from .ddp_layout import _address, _contiguous, _copier, _dtype_name, _numel, _operand
+# Defined in ddp_modes.py and ddp_layout.py, and named here as before (meshcoll.ddp.*).
+from .ddp_layout import agree_layout as agree_layout
+from .ddp_layout import assign_buckets as assign_buckets
+from .ddp_layout import stream_handle as stream_handle
+from .ddp_modes import Asynchronous as Asynchronous
+from .ddp_modes import BoundedStaleness as BoundedStaleness
+from .ddp_modes import LocalSGD as LocalSGD
+from .ddp_modes import _depth, _Mode
 from .process_group import Work
 
 if TYPE_CHECKING:
@@ -94,131 +96,6 @@ _MB = 1 << 20
 _FLOAT_DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}  # name -> itemsize
 
 
-class LocalSGD:
-    """Synchronisation mode for ``DataParallel(mode=LocalSGD(period=k))``: gradients stay
-    local, every rank steps on its own, and every ``period``-th ``ddp.step()`` replaces the
-    parameters by their average over the group (so ranks drift for at most k steps)."""
-
-    def __init__(self, period: int) -> None:
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-            raise ValueError(f"LocalSGD: period must be an integer >= 1, got {period!r}")
-        self.period = period
-
-    def __repr__(self) -> str:
-        return f"LocalSGD(period={self.period})"
-
-
-class BoundedStaleness:
-    """``DataParallel(mode=BoundedStaleness(k))``: ``wait()`` at step t hands back the group
-    average of step t-k's gradients (zeros for the first k steps), so each step's
-    all-reduces have k steps of compute to hide behind. Deterministic: every rank applies the
-    same averages at the same step. It helps where communication takes longer than a step's
-    backward (slow links, many hosts) and the optimizer tolerates gradients k steps old
-    (SGD with a small learning rate, as in pipelined and asynchronous SGD)."""
-
-    def __init__(self, staleness: int) -> None:
-        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 1:
-            raise ValueError(f"BoundedStaleness: staleness must be an integer >= 1, got "
-                             f"{staleness!r}")
-        self.staleness = staleness
-
-    def __repr__(self) -> str:
-        return f"BoundedStaleness({self.staleness})"
-
-
-class Asynchronous:
-    """``DataParallel(mode=Asynchronous(max_staleness=k))``: ``wait()`` never waits for
-    stragglers: it hands back the newest group average that has arrived (each an exact average
-    of one earlier step; zeros while none has), and only when k steps are in flight does it
-    wait for the oldest. Ranks may apply different steps' averages; ``stats()`` reports the
-    staleness applied. It helps where a few ranks are often late (shared or preemptible
-    machines) and the training tolerates stale gradients."""
-
-    def __init__(self, max_staleness: int = 4) -> None:
-        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or \
-                max_staleness < 1:
-            raise ValueError(f"Asynchronous: max_staleness must be an integer >= 1, got "
-                             f"{max_staleness!r}")
-        self.max_staleness = max_staleness
-
-    def __repr__(self) -> str:
-        return f"Asynchronous(max_staleness={self.max_staleness})"
-
-
-_Mode = Union[str, LocalSGD, BoundedStaleness, Asynchronous]
-
-
-def _depth(mode: _Mode) -> int:
-    """How many steps' buckets a mode keeps: one, or one per step that may be in flight."""
-    if isinstance(mode, BoundedStaleness):
-        return mode.staleness + 1
-    if isinstance(mode, Asynchronous):
-        return mode.max_staleness + 1
-    return 1
-
-
-class _Done:
-    """Set once (by the completion thread), waited for any number of times: a bare lock, held
-    until set. threading.Event costs a Condition per bucket (2.4 us against 0.1 us)."""
-
-    __slots__ = ("_lock",)
-
-    def __init__(self) -> None:
-        self._lock = _thread.allocate_lock()
-        self._lock.acquire()
-
-    def set(self) -> None:
-        self._lock.release()
-
-    def wait(self) -> None:
-        with self._lock:
-            pass
-
-
-class _Flight:
-    """One queued all-reduce (or hook) of one bucket. Its end is stamped by the C++ thread of
-    a CompletionStamps (``ticket``: a meshcoll Work) or by the completion thread (``done``:
-    anything else a hook returns); see Note [Stats]."""
-
-    __slots__ = ("work", "t_launch", "t_end", "t_wait", "error", "done", "ticket", "blocking",
-                 "nbytes")
-
-    def __init__(self, work: Any, t_launch: float, nbytes: int, blocking: bool = False) -> None:
-        # work: the group's Work, a hook's object with wait(), or None (done synchronously)
-        self.work, self.t_launch, self.nbytes, self.blocking = work, t_launch, nbytes, blocking
-        self.t_end = self.t_wait = t_launch
-        self.error: Optional[BaseException] = None
-        self.done: Optional[_Done] = None  # made only for the completion thread's flights
-        self.ticket: Optional[int] = None
-
-    def finish(self, stamps: _C.CompletionStamps) -> None:
-        """Blocks until the operation completed; t_end and error are then set."""
-        if self.ticket is not None:
-            self.t_end, self.error = stamps.take(self.ticket)
-            self.ticket = None
-        elif self.done is not None:
-            self.done.wait()
-
-
-def _complete(q: "queue.SimpleQueue[Optional[_Flight]]") -> None:
-    # A module-level function holding only the queue, so the thread never keeps its
-    # DataParallel alive; a None from the finalizer ends it.
-    while True:
-        fl = q.get()
-        if fl is None:
-            return
-        try:
-            if fl.work is not None:
-                # A GPU Work's wait() only orders a stream; synchronize() blocks until the
-                # all-reduce is done on the device, which the end stamp and wait() rely on.
-                getattr(fl.work, "synchronize", fl.work.wait)()
-        except BaseException as e:  # handed to the main thread, which re-raises it
-            fl.error = e
-        fl.t_end = time.perf_counter()
-        assert fl.done is not None  # made before the flight was queued
-        fl.done.set()
-
-
 class _Bucket:
     """A bucket as Python sees it: its names and flat array (the reducer keeps the step's
     bookkeeping), and for a hook's bucket its half-precision copy and flight."""
@@ -228,130 +105,6 @@ class _Bucket:
         self.names, self.buf = names, buf  # buf: flat array of the parameters' dtype
         self.half: Any = None  # a bf16/fp16 copy sent instead of buf (compression)
         self.flight: Optional[_Flight] = None
-
-
-def _numel(x: Any) -> int:
-    numel = getattr(x, "numel", None)  # PyTorch: size is a method
-    return int(numel()) if callable(numel) else int(x.size)
-
-
-def _dtype_name(x: Any) -> str:
-    return dtype_name(x.dtype)
-
-
-def _operand(group: ProcessGroup, x: Any, what: str, read: bool = True) -> Any:
-    """The array DataParallel computes with (Note [Arrays]): a numpy view on the CPU backend;
-    on the NCCL backend the caller's own GPU array, detached from autograd so in-place writes
-    are allowed. Validated by the backend, unless ``read`` is False and ``x`` is already such
-    an array (a gradient: it is compared with its parameter instead)."""
-    detach = getattr(x, "detach", None)
-    x = detach() if callable(detach) else x
-    if not read and (group.backend_name != "cpu" or type(x) is np.ndarray):
-        return x
-    view = group._as_array(x, what)  # TypeError for the wrong memory, an unsupported dtype, ...
-    return view if group.backend_name == "cpu" else x
-
-
-def _address(x: Any) -> int:
-    """The address of an array's first element: PyTorch's ``data_ptr()``, CuPy's
-    ``data.ptr``, numpy's array interface."""
-    ptr = getattr(x, "data_ptr", None)
-    if callable(ptr):
-        return int(ptr())
-    cupy_ptr = getattr(getattr(x, "data", None), "ptr", None)
-    if cupy_ptr is not None:
-        return int(cupy_ptr)
-    return int(x.__array_interface__["data"][0])
-
-
-def _contiguous(x: Any) -> bool:
-    """C-contiguous: numpy's flag, PyTorch's is_contiguous(), CuPy's flag."""
-    flags = getattr(x, "flags", None)
-    if flags is not None and hasattr(flags, "c_contiguous"):
-        return bool(flags.c_contiguous)
-    is_contiguous = getattr(x, "is_contiguous", None)
-    return bool(is_contiguous()) if callable(is_contiguous) else True
-
-
-def stream_handle(s: Any) -> int:
-    """A stream as the reducer takes it, a raw CUstream int: PyTorch's raw handle (an int)
-    as is, ``.cuda_stream`` (torch.cuda.Stream), ``.ptr`` (CuPy); None: 0, the legacy default
-    stream (and the CPU backend's "no stream")."""
-    if s is None:
-        return 0
-    if isinstance(s, int):
-        return s
-    for attr in ("cuda_stream", "ptr"):
-        v = getattr(s, attr, None)
-        if isinstance(v, int):
-            return v
-    raise TypeError(f"not a CUDA stream: {s!r}")
-
-
-def assign_buckets(order: List[str], params: Mapping[str, Any],
-                   limits: List[float]) -> List[List[str]]:
-    """Buckets as torch's DDP forms them (``compute_bucket_assignment_by_size``), so the same
-    ``bucket_cap_mb`` gives the same all-reduces: gradients taken in ``order``, one open bucket
-    per dtype, each closed once it holds at least its limit in bytes (``limits[k]`` for the
-    k-th bucket of its dtype, the last limit for the rest); the buckets launch in the order of
-    their first gradient in ``order``, each laid out in that order."""
-    open_: Dict[str, Tuple[List[str], float, int]] = {}
-    done: List[List[str]] = []
-    for n in order:
-        key = _dtype_name(params[n])
-        names, size, k = open_.get(key, ([], 0.0, 0))
-        names.append(n)
-        size += params[n].nbytes
-        if size >= limits[min(k, len(limits) - 1)]:
-            done.append(names)
-            open_[key] = ([], 0.0, k + 1)
-        else:
-            open_[key] = (names, size, k)
-    done += [names for names, _, _ in open_.values() if names]
-    position = {n: i for i, n in enumerate(order)}
-    return sorted(done, key=lambda names: position[names[0]])
-
-
-def agree_layout(group: ProcessGroup, lines: List[str], what: str) -> None:
-    """Note [Agreed layout]: every rank of ``group`` passes the same ``lines`` (one per
-    parameter), or every rank raises MismatchError naming the first line that differs and
-    the ranks. Collective; through the group's store, so host and GPU groups alike."""
-    if group.size == 1:
-        return
-    text = "\n".join(lines)
-    digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
-    n = group._next_agreement()
-    key = f"layout/{n}"
-    store = _C.PrefixStore(f"mc/{group.name}/{key}", group._store)
-    store.set(f"text/{group.rank}", text)
-    try:
-        _C.agree_on_settings(store, group.rank, group.size,
-                             [(f"{what} layout digest", f"{digest} ({len(lines)} parameters)")],
-                             group._setup_timeout(None), group._ranks)
-    except _C.MismatchError as e:
-        texts = [bytes(store.get(f"text/{r}", timeout=10.0)).decode() for r in range(group.size)]
-        other = next(r for r in range(group.size) if texts[r] != texts[0])
-        a, b = texts[0].split("\n"), texts[other].split("\n")
-        at = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
-        def say(ls: List[str]) -> str:
-            return repr(ls[at]) if at < len(ls) else f"nothing (it has {len(ls)} entries)"
-        g0, go = group._ranks[0], group._ranks[other]
-        raise _C.MismatchError(
-            f"{what}: ranks hold different parameters (global rank {g0} and global rank {go} "
-            f"differ first at entry {at}: {say(a)} against {say(b)}); every rank must wrap the "
-            f"same model, with parameters in the same order, shapes and dtypes ({e})") from None
-
-
-def _copier(like: Any) -> Callable[[Any, Any], None]:
-    """``copy(dst, src)`` for arrays like ``like``, with their own operator: ``copy_`` where
-    they have one (PyTorch: several times cheaper than ``dst[...] = src``, which parses an
-    index), else ``dst[...] = src`` (numpy, CuPy)."""
-    if callable(getattr(like, "copy_", None)):
-        return lambda dst, src: dst.copy_(src)
-
-    def assign(dst: Any, src: Any) -> None:
-        dst[...] = src
-    return assign
 
 
 class DataParallel:
@@ -380,9 +133,8 @@ class DataParallel:
       group has windows (``group.symmetric_memory``); buckets that meshcoll's direct kernels
       take (256 KiB and less, on one host) run those, as ordinary ones do. A launch through
       NCCL's symmetric kernels waits on the host until every rank reaches it (the agreement
-      before launch). Measured with ``bench/python/bench_ddp.py`` on 2 GPUs, neither 64
-      buckets of 256 KiB nor 25 MiB buckets showed a consistent difference
-      (docs/performance.md); so it is not the default.
+      before launch). It showed no consistent gain in ``bench/python/bench_ddp.py`` (numbers
+      in docs/performance.md), so it is not the default.
     """
 
     def __init__(self, params: Mapping[str, object], *, group: Optional[ProcessGroup] = None,

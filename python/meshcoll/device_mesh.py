@@ -210,31 +210,38 @@ class MeshLayout:
 # -- devices ----------------------------------------------------------------------
 
 # One fixed-size record per rank, so a single all_gather of equal-length bytes moves
-# every rank's device description: kind, host, name, index, memory bytes (-1 unknown).
-_DEVICE_RECORD = struct.Struct("<16s64s96sqq")
+# every rank's device description: kind, host, name, index, memory bytes and compute units
+# (-1: unknown).
+_DEVICE_RECORD = struct.Struct("<16s64s96sqqq")
 
 
 class DeviceInfo:
-    __slots__ = ("kind", "index", "name", "host", "memory")
+    """One rank's device. ``compute_units``: what it computes with, as the device counts
+    them: on a CPU the cores this rank may run on (its affinity), on a GPU its streaming
+    multiprocessors; None when unknown."""
+
+    __slots__ = ("kind", "index", "name", "host", "memory", "compute_units")
 
     def __init__(self, kind: str, index: int, name: str, host: str,
-                 memory: Optional[int]):
+                 memory: Optional[int], compute_units: Optional[int] = None):
         self.kind, self.index, self.name = kind, index, name
-        self.host, self.memory = host, memory
+        self.host, self.memory, self.compute_units = host, memory, compute_units
 
     def __repr__(self) -> str:
         return (f"DeviceInfo(kind={self.kind!r}, index={self.index}, name={self.name!r},"
-                f" host={self.host!r}, memory={self.memory})")
+                f" host={self.host!r}, memory={self.memory},"
+                f" compute_units={self.compute_units})")
 
     def encode(self) -> np.ndarray:
         raw = _DEVICE_RECORD.pack(self.kind.encode(), self.host.encode(),
                                   self.name.encode(), self.index,
-                                  -1 if self.memory is None else self.memory)
+                                  -1 if self.memory is None else self.memory,
+                                  -1 if self.compute_units is None else self.compute_units)
         return np.frombuffer(raw, dtype=np.uint8).copy()
 
     @classmethod
     def decode(cls, record: np.ndarray) -> "DeviceInfo":
-        kind, host, name, index, memory = _DEVICE_RECORD.unpack(
+        kind, host, name, index, memory, units = _DEVICE_RECORD.unpack(
             np.ascontiguousarray(record, dtype=np.uint8).tobytes())
 
         def text(b: bytes) -> str:
@@ -242,7 +249,7 @@ class DeviceInfo:
             return b.rstrip(b"\0").decode("utf-8", errors="ignore")
 
         return cls(text(kind), int(index), text(name), text(host),
-                   None if memory < 0 else int(memory))
+                   None if memory < 0 else int(memory), None if units < 0 else int(units))
 
 
 def _cpu_name() -> str:
@@ -263,18 +270,28 @@ def _total_ram() -> Optional[int]:
         return None
 
 
+def _usable_cores() -> Optional[int]:
+    """The cores this process may run on (its CPU affinity), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS)
+        return os.cpu_count()
+
+
 def _local_device(group: ProcessGroup) -> DeviceInfo:
     host = socket.gethostname()
     if group.backend_name == "cpu":
-        return DeviceInfo("cpu", 0, _cpu_name(), host, _total_ram())
-    # GPU backends: name and memory come from torch when it is installed; otherwise
-    # they are reported as unknown rather than guessed.
+        return DeviceInfo("cpu", 0, _cpu_name(), host, _total_ram(), _usable_cores())
+    # GPU backends: name, memory and SM count come from torch when it is installed (the C++
+    # core exposes no device properties); otherwise they are reported as unknown rather than
+    # guessed.
     try:
         import torch
 
         index = torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
-        return DeviceInfo("cuda", index, props.name, host, int(props.total_memory))
+        return DeviceInfo("cuda", index, props.name, host, int(props.total_memory),
+                          int(props.multi_processor_count))
     except Exception:
         return DeviceInfo("cuda", -1, "unknown", host, None)
 
@@ -402,6 +419,14 @@ class DeviceMesh:
         raise ValueError(f"unknown dim {dim!r}; mesh dims are {self.dim_names}"
                          f"{self._flat_hint()}")
 
+    def group_names(self) -> List[str]:
+        """The names groups go by here, without communication: this mesh's dims (one group
+        per row of each, ``get_group(dim)``), the dims flattened so far (``flatten``), then
+        the job's groups named with ``new_group(..., name=)`` or ``split(..., name=)`` (Note
+        [Group names] in process_group.py)."""
+        own = [*self.dim_names, *self._state.flattened]
+        return own + [n for n in self._state.parent._names if n not in own]
+
     def _flat_hint(self) -> str:
         flat = tuple(self._state.flattened)
         return f", flattened dims are {flat}" if flat else ""
@@ -467,10 +492,16 @@ class DeviceMesh:
         return self._state.devices[pos]
 
     def stats(self) -> MeshStats:
-        """Totals over distinct physical devices: ranks sharing one host's CPU count once."""
+        """Totals over distinct physical devices: ranks sharing one host's CPU count once,
+        its compute units as the most cores any of them may run on (``DeviceInfo``)."""
         devs = self.devices()
         distinct = {(d.host, d.kind, d.index): d for d in devs}
         known = [d.memory for d in distinct.values() if d.memory is not None]
+        units: Dict[Tuple[str, str, int], int] = {}
+        for d in devs:
+            if d.compute_units is not None:
+                key = (d.host, d.kind, d.index)
+                units[key] = max(units.get(key, 0), d.compute_units)
         by_kind: Dict[str, int] = {}
         for d in distinct.values():
             by_kind[d.kind] = by_kind.get(d.kind, 0) + 1
@@ -485,6 +516,8 @@ class DeviceMesh:
             "ranks_by_kind": ranks_by_kind,
             "total_memory": sum(known) if known else None,
             "memory_unknown": len(distinct) - len(known),
+            "compute_units": sum(units.values()) if units else None,
+            "compute_units_unknown": len(distinct) - len(units),
             "group_count": self._state.group_count,
         }
 
@@ -493,9 +526,10 @@ class DeviceMesh:
         its coordinates, host, device and memory. No communication: any rank may call it."""
         st = self.stats()
         mem = st["total_memory"]
+        units = st["compute_units"]
         lines = [f"DeviceMesh {self._layout!r}: {st['world_size']} ranks on "
                  f"{st['hosts']} host(s), {st['group_count']} groups, memory "
-                 f"{_fmt_bytes(mem)}"]
+                 f"{_fmt_bytes(mem)}, {'?' if units is None else units} compute units"]
         header = ["rank", *self.dim_names, "host", "device", "memory"]
         rows = []
         for coord in np.ndindex(*self.shape):
@@ -522,6 +556,8 @@ class MeshStats(TypedDict):
     ranks_by_kind: Dict[str, int]
     total_memory: Optional[int]  # bytes; None when no device's memory is known
     memory_unknown: int
+    compute_units: Optional[int]  # CPU cores and GPU SMs; None when no device's is known
+    compute_units_unknown: int
     group_count: int
 
 

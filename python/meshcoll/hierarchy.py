@@ -44,14 +44,12 @@ csrc/common/interrupt.h): a MismatchError at once, not a timeout on every rank.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, List, Optional, Union
+from typing import List, Optional, Union
 
 import numpy as np
 
 from . import _C
-
-if TYPE_CHECKING:
-    from .process_group import NonMemberGroup, ProcessGroup
+from .process_group import NonMemberGroup, ProcessGroup
 
 
 def host_of_each_rank(group: ProcessGroup) -> List[int]:
@@ -76,7 +74,6 @@ class Hierarchy:
         """Collective over ``group`` (``hosts`` from host_of_each_rank): splits the children
         and hands them to the group's backend, which runs the steps from then on. None when
         no host holds two members."""
-        from .process_group import ProcessGroup
         if max(hosts.count(h) for h in set(hosts)) < 2:
             return None
         local = group.split(hosts[group.rank], key=group.rank)

@@ -51,11 +51,10 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _C, _env
+from . import _C
 from .arrays import numpy_dtype
-from .process_group import ProcessGroup
 
-__all__ = ["nccl_available", "make_world", "agree_on_backend"]
+__all__ = ["nccl_available", "agree_on_backend"]
 
 
 def _wheel_library_candidates(*names: str) -> List[str]:
@@ -185,22 +184,22 @@ class CudaArrays:
 
 
 def make_backend(prefixed_store: _C.Store, rank: int, size: int, device: int, timeout: float,
-                 parent: Optional[ProcessGroup], color: int) -> _C.NcclBackend:
-    """The NCCL backend of a new group: ncclCommSplit of the parent's (every parent rank
-    calls it, non-members through ``sit_out``; the key orders ranks as the group does), or a
-    new communicator through the store."""
+                 parent: Optional[_C.NcclBackend], color: int) -> _C.NcclBackend:
+    """The NCCL backend of a new group: ncclCommSplit of the parent group's backend (every
+    parent rank calls it, non-members through ``sit_out``; the key orders ranks as the group
+    does), or a new communicator through the store."""
     _Loader.ensure()
     if parent is not None and _C.nccl_split_supported():
-        backend = parent._nccl_backend().split(color, rank, timeout)
+        backend = parent.split(color, rank, timeout)
         assert backend is not None  # None only for color -1 (sit_out), never for a member
         return backend
     return _C.NcclBackend(prefixed_store, rank, size, device, timeout)
 
 
-def sit_out(parent: ProcessGroup, timeout: Optional[float]) -> None:
+def sit_out(parent: _C.NcclBackend, timeout: Optional[float]) -> None:
     """A parent rank outside the new subgroup takes part in ncclCommSplit with no color."""
     if _C.nccl_split_supported():
-        parent._nccl_backend().split(-1, 0, timeout)
+        parent.split(-1, 0, timeout)
 
 
 def _device_count() -> int:
@@ -208,14 +207,11 @@ def _device_count() -> int:
     return int(_C.cuda_device_count())
 
 
-def make_world(store: _C.Store, rank: int, world_size: int, timeout: float, bind_host: str,
-               token: str, device: Any = None,
-               options: Optional[_env.GroupOptions] = None) -> ProcessGroup:
-    """The world group on NCCL (what ``init(backend="nccl")`` calls). ``device``: an int (or
-    an object with ``.index``, e.g. torch.device); None picks device 0 when that is the only
-    choice (one rank, or one visible GPU per process), and otherwise raises: pass
-    ``device=`` or launch with LOCAL_RANK. ``options``: the group settings (``init`` reads
-    them from the MESHCOLL_* environment; None: the defaults)."""
+def world_device(rank: int, world_size: int, device: Any = None) -> int:
+    """The CUDA device of this rank's NCCL world (what ``init(backend="nccl")`` builds it
+    on; its subgroups inherit it). ``device``: an int (or an object with ``.index``, e.g.
+    torch.device); None picks device 0 when that is the only choice (one rank, or one visible
+    GPU per process), and otherwise raises: pass ``device=`` or launch with LOCAL_RANK."""
     ok, why = nccl_available()
     if not ok:
         raise _C.MeshcollError(f"meshcoll.init(backend='nccl') on rank {rank}: {why}")
@@ -231,9 +227,7 @@ def make_world(store: _C.Store, rank: int, world_size: int, timeout: float, bind
             raise ValueError(f"meshcoll.init(backend='nccl') on rank {rank}: {n} GPUs are visible "
                              "and the launcher did not say which is this rank's; pass device= "
                              "or set LOCAL_RANK")
-    return ProcessGroup(store, range(world_size), rank, "world", timeout=timeout,
-                        bind_host=bind_host, token=token, backend="nccl", device=int(device),
-                        options=options)
+    return int(device)
 
 
 def agree_on_backend(store: _C.Store, rank: int, world_size: int, timeout: float) -> str:

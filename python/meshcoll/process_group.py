@@ -1,200 +1,36 @@
-"""ProcessGroup: rank, size, global ranks and the collective methods of one group.
+"""ProcessGroup: a group of ranks, its identity (rank, size, global ranks, name), memory,
+subgroups and lifecycle; its collective methods are collectives.py's (its base class).
 
-A group wraps one C++ backend (``meshcoll._C.CpuBackend`` or ``NcclBackend``). Ranks passed to a group's
-methods (roots, peers) are ranks *within that group*; ``group.ranks`` maps them to global
-ranks. Module-level functions in ``meshcoll`` call the same methods on the default (world)
-group or on ``group=``.
+A group wraps one C++ backend (``meshcoll._C.CpuBackend`` or ``NcclBackend``), made by the
+backend factory (backends.py), which also makes the group's subgroups. Ranks passed to a
+group's methods (roots, peers) are ranks *within that group*; ``group.ranks`` maps them to
+global ranks. Module-level functions in ``meshcoll`` call the same methods on the default
+(world) group or on ``group=``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import inspect
-import math
 import time
-from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Dict, Iterator, List,
-                    Literal, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union, cast)
+from typing import (Any, Callable, ContextManager, Dict, Iterator, List, Literal, Optional,
+                    Sequence, Tuple, Type, Union)
 
 import numpy as np
 
-from . import _C, _env
-from ._types import AlgorithmName, BackendName, ReduceOpName
-from .arrays import dtype_name, host_view, numpy_dtype, rows
-from .hierarchy import Hierarchy, host_of_each_rank
+from . import _C, _settings, nccl
+from ._types import BackendName
+from .arrays import HostArrays, dtype_name, numpy_dtype
+from .collectives import Array, CollectiveConfig, Collectives, Stream, Work, _collective
 
-if TYPE_CHECKING:
-    from .nccl import CudaArrays
+# With the names collectives.py and arrays.py now define, imported from here as before.
+__all__ = ["Array", "CallStats", "CollectiveConfig", "HostArrays", "NonMemberGroup",
+           "ProcessGroup", "Stream", "Work"]
 
-
-# Arrays: numpy, anything with the buffer protocol or __dlpack__ (host memory) on a CPU group;
-# torch tensors, CuPy arrays, DLPack or __cuda_array_interface__ objects on an NCCL group.
-# JAX arrays are read, never written (Note [Immutable arrays] in csrc/python/array.cc).
-Array = Any
-# NCCL groups: None (the caller's current stream), an int handle, or an object with
-# .cuda_stream (torch) or .ptr (CuPy).
-Stream = Any
-
-# Note [One source of truth]: each collective is documented once, on its ProcessGroup method;
-# the module functions of meshcoll (meshcoll/api.py) forward to these methods with the same
-# signature plus ``group=``, and take their docstrings from here
-# (tests/python/test_typing.py checks both). What every collective shares is appended below.
-_SHARED_DOC = """
-Arrays: numpy arrays, or anything with the buffer protocol or ``__dlpack__`` in host memory
-(CPU groups); torch, CuPy, DLPack or ``__cuda_array_interface__`` arrays (NCCL groups). Each
-is checked once, before anything is sent: C-contiguous, writable where written (JAX arrays
-never are: pass a writable copy), native byte order, ``out=`` exactly the size written.
-Dtypes: bool, int8, uint8, int32, int64, float16, bfloat16 (``ml_dtypes.bfloat16``),
-float32, float64; float16/bfloat16 are reduced in float32 and rounded at each step. Ops:
-"sum", "prod", "min", "max", "avg", and "band", "bor", "bxor" for integers and bool.
-
-``async_op=True`` returns a ``Work`` at once (``wait(timeout)`` returns the result); the
-operation holds its arrays until it completes. ``timeout``: seconds, > 0 and at most 1e7
-(default: the group's, from ``meshcoll.init``). ``stream`` (NCCL groups): the CUDA stream
-to run on (default: the caller's current stream).
-
-Raises ValueError or TypeError for bad arguments, on this rank, before anything is sent;
-``meshcoll.MismatchError`` when ranks disagree on the call (collective, count, dtype, op,
-root, shapes); ``meshcoll.TimeoutError`` past the deadline (naming the ranks waited for);
-``meshcoll.PeerError`` when a peer died or closed; ``meshcoll.AbortedError`` when the group
-failed earlier; ``meshcoll.ConcurrentCallError`` when another thread calls on the group at
-the same time. After any of these the group is dead: destroy it and build a new one."""
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-_T = TypeVar("_T")
-
-
-def _collective(fn: _F) -> _F:
-    """Appends what every collective shares to ``fn``'s docstring (Note [One source of
-    truth])."""
-    fn.__doc__ = inspect.cleandoc(fn.__doc__ or "") + "\n" + _SHARED_DOC
-    return fn
-
-
-class CollectiveConfig:
-    """Algorithm choice for all_reduce. ``algorithm="auto"`` picks by size and world size:
-    on one host, shared memory; over TCP, direct up to 64 KiB (<= 8 ranks), tree at or below
-    ``tree_threshold_bytes``, recursive halving-doubling at or below ``hd_threshold_bytes`` on
-    power-of-two worlds, ring above (thresholds measured with
-    bench/python/bench_algorithms.py; docs/performance.md). ``MESHCOLL_ALGO`` overrides auto."""
-
-    def __init__(self, algorithm: AlgorithmName = "auto", *, tree_threshold_bytes: int = 256 * 1024,
-                 hd_threshold_bytes: int = 8 << 20, max_segment_bytes: int = 512 * 1024,
-                 tree_arity: int = 2) -> None:
-        self.algorithm = algorithm
-        self.tree_threshold_bytes = tree_threshold_bytes
-        self.hd_threshold_bytes = hd_threshold_bytes
-        self.max_segment_bytes = max_segment_bytes
-        self.tree_arity = tree_arity
-        self.validate()
-
-    def validate(self) -> "CollectiveConfig":
-        if self.algorithm not in _C.algorithm_names():
-            raise ValueError(f"CollectiveConfig: unknown algorithm {self.algorithm!r}; "
-                             f"use one of {', '.join(_C.algorithm_names())}")
-        if self.tree_arity != 2:
-            raise ValueError("CollectiveConfig: tree_arity must be 2 (the binomial tree is the "
-                             f"only tree implemented), got {self.tree_arity}")
-        for name in ("tree_threshold_bytes", "hd_threshold_bytes", "max_segment_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 0 or (name == "max_segment_bytes" and v == 0):
-                raise ValueError(f"CollectiveConfig: {name} must be a positive integer, got {v!r}")
-        return self
-
-    def select_all_reduce(self, nbytes: int, world_size: int) -> str:
-        """The algorithm an all_reduce of ``nbytes`` on ``world_size`` ranks over TCP runs:
-        the configured one, or with ``"auto"`` the choice by size described above."""
-        if self.algorithm != "auto":
-            return self.algorithm
-        return _C.select_all_reduce(nbytes, world_size, self.tree_threshold_bytes,
-                                    self.hd_threshold_bytes)
-
-    def to_dict(self) -> Dict[str, Any]:
-        """The settings as plain values (``from_dict`` makes the same config back)."""
-        return {name: getattr(self, name) for name in _CONFIG_FIELDS}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "CollectiveConfig":
-        """A config from ``to_dict``'s keys (all optional); an unknown key is a ValueError."""
-        unknown = sorted(set(d) - set(_CONFIG_FIELDS))
-        if unknown:
-            raise ValueError(f"CollectiveConfig.from_dict: unknown keys {unknown}; "
-                             f"known: {', '.join(_CONFIG_FIELDS)}")
-        kw = dict(d)
-        return cls(kw.pop("algorithm", "auto"), **kw)
-
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self.to_dict().items())
-        return f"CollectiveConfig({fields})"
-
-
-_CONFIG_FIELDS = ("algorithm", "tree_threshold_bytes", "hd_threshold_bytes", "max_segment_bytes",
-                  "tree_arity")
-
-
-class Work:
-    """Handle on an asynchronous operation. ``wait()`` returns the operation's result. The
-    operation itself holds the arrays it reads and writes until it completes (Note [Owners]
-    in csrc/python/array.h): dropping the Work and the arrays is safe."""
-
-    __slots__ = ("_work", "_result", "_finish")
-
-    def __init__(self, work: _C.Work, result: Any,
-                 finish: Optional[Callable[[], Any]] = None) -> None:
-        self._work = work
-        self._result = result
-        self._finish = finish
-
-    def wait(self, timeout: Optional[float] = None, stream: Stream = None) -> Any:
-        """Waits for the operation and raises its failure; returns its result. On a GPU
-        group, orders ``stream`` (default: the stream the op was issued from) after the op
-        instead of blocking the host (a barrier blocks the host)."""
-        self._work.wait(timeout, stream)
-        if self._finish is not None:
-            self._result = self._finish()
-            self._finish = None
-        return self._result
-
-    def synchronize(self, timeout: Optional[float] = None) -> Any:
-        """Blocks the host until the operation completed; returns its result."""
-        self._work.synchronize(timeout)
-        return self.wait()
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
-    def exception(self) -> Optional[BaseException]:
-        return self._work.exception()
-
-
-def _result(w: Optional[_C.Work], result: _T, async_op: bool) -> Union[Work, _T]:
-    if not async_op:
-        return result
-    assert w is not None  # the backend returns a Work for every async_op call
-    return Work(w, result)
-
-
-def _comm_id(name: str, token: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{token}/{name}".encode(), digest_size=8).digest(), "little")
-
-
-class HostArrays:
-    """How a CPU group allocates the outputs it returns: numpy arrays."""
-
-    device_memory = False
-
-    @staticmethod
-    def empty(shape: Union[int, Sequence[int]], like: Array,
-              dtype: Optional[str] = None) -> np.ndarray:
-        """A new array of ``shape`` with ``like``'s dtype (or the dtype named ``dtype``)."""
-        if dtype is None:
-            dtype = like.dtype
-        return np.empty(shape, numpy_dtype(dtype, "meshcoll") if isinstance(dtype, str) else dtype)
-
-    @staticmethod
-    def current_stream(like: Array) -> Stream:
-        return None
+# How a group makes its subgroups: backends.make_group, handed to every group it makes.
+MakeGroup = Callable[..., "ProcessGroup"]
+# Note [Group names]: name -> the global ranks of each group made under it.
+GroupNames = Dict[str, Tuple[Tuple[int, ...], ...]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,7 +46,7 @@ class CallStats:
         return self.bytes / self.seconds if self.seconds > 0 else 0.0
 
 
-class ProcessGroup:
+class ProcessGroup(Collectives):
     """A group of ranks that communicate together. Create with ``meshcoll.init`` (the world)
     and ``meshcoll.new_group`` / ``group.split``; every member calls every collective in the
     same order.
@@ -226,22 +62,30 @@ class ProcessGroup:
     their calls pair in whatever order each rank made them.
 
     A group holds one backend (``meshcoll._C.CpuBackend`` or ``NcclBackend``, the one C++
-    contract of csrc/comm/backend.h): every collective below goes straight to it, whatever the
-    backend. Ranks passed to methods (roots, peers) are ranks *within this group*. ``stream=``
-    (NCCL groups only): the CUDA stream the op runs on; see meshcoll.nccl."""
+    contract of csrc/comm/backend.h): every collective (collectives.py) goes straight to it,
+    whatever the backend. Ranks passed to methods (roots, peers) are ranks *within this
+    group*. ``stream=`` (NCCL groups only): the CUDA stream the op runs on; see
+    meshcoll.nccl."""
 
     # Literal: ``if g.is_member:`` narrows what new_group and split return to a ProcessGroup.
     is_member: Literal[True] = True
     _monitored_calls = 0  # calls of monitored_barrier on this group (monitor.py)
 
-    def __init__(self, store: _C.Store, ranks: Sequence[int], rank: int, name: str, *,
-                 timeout: float, bind_host: str, token: str,
-                 parent: Optional["ProcessGroup"] = None, backend: BackendName = "cpu",
-                 device: Optional[int] = None, color: int = 0,
-                 options: Optional[_env.GroupOptions] = None) -> None:
+    def __init__(self, store: _C.Store, ranks: Sequence[int], name: str,
+                 backend: Union[_C.CpuBackend, _C.NcclBackend], *, kind: BackendName,
+                 arrays: Union[Type[HostArrays], Type[nccl.CudaArrays]], device: Optional[int],
+                 config: CollectiveConfig, timeout: float, bind_host: str, token: str,
+                 options: _settings.GroupOptions, make_group: MakeGroup,
+                 label: Optional[str] = None, names: Optional[GroupNames] = None) -> None:
+        """Made by backends.make_group (``meshcoll.init``, ``new_group``, ``split``), which
+        made ``backend`` and finishes the group's setup. ``name`` keys the group in the
+        store; ``label`` is what ``group.name`` says (new_group's name=, else ``name``)."""
         self._store = store
+        self._label = name if label is None else label
+        # Note [Group names]: the job's named groups, one table for all its groups.
+        self._names: GroupNames = {} if names is None else names
         self._agreements = 0  # layout agreements so far (ddp.agree_layout)
-        opts = self._options = options if options is not None else _env.GroupOptions()
+        self._options = options
         self._ranks = list(ranks)
         self._name = name
         self._timeout = timeout
@@ -249,114 +93,14 @@ class ProcessGroup:
         self._token = token
         self._children: List[Union[ProcessGroup, NonMemberGroup]] = []
         self._next_child = 0
-        self.backend_name = backend
-        prefixed = _C.PrefixStore(f"mc/{name}", store)
-        channel = None
-        self._device: Optional[int]
-        self._arrays: Union[Type[HostArrays], Type[CudaArrays]]
-        self._backend: Union[_C.CpuBackend, _C.NcclBackend]
-        if backend == "nccl":
-            from . import nccl
-            dev = parent._device if parent is not None else device
-            # nccl.init_world names the world's device; children inherit their parent's.
-            assert dev is not None
-            self._device = int(dev)
-            self._arrays = nccl.CudaArrays
-            if len(self._ranks) > 1:  # before NCCL's init; the NCCL backend compares none
-                _C.agree_on_settings(prefixed, rank, len(self._ranks), self._shared("nccl"),
-                                     timeout, self._ranks)
-            self._backend = nccl.make_backend(prefixed, rank, len(self._ranks), self._device,
-                                              timeout, parent, color)
-            if len(self._ranks) > 1 and opts.check != "off":
-                # Note [Agreement on a side channel] (csrc/comm/agreement.h): the ranks'
-                # calls are compared on a CPU group of the same ranks.
-                channel = _C.CpuBackend(_C.PrefixStore(f"mc/{name}/agree", store), rank,
-                                        len(self._ranks), timeout, bind_host, token,
-                                        _comm_id(name + "/agree", token), "auto", 64 << 10,
-                                        False, self._ranks)
-            self.config = CollectiveConfig("auto")  # NCCL picks its own algorithms
-        else:
-            self._device = None
-            self._arrays = HostArrays
-            with self._naming_setup():
-                self._backend = _C.CpuBackend(prefixed, rank, len(self._ranks), timeout,
-                                              bind_host, token, _comm_id(name, token),
-                                              opts.transport, opts.shm_bytes, opts.debug,
-                                              self._ranks, self._shared("cpu"))
-            # MESHCOLL_ALGO's text; CollectiveConfig checks it against the core's names.
-            self.config = CollectiveConfig(cast(AlgorithmName, opts.algorithm))
-        self._backend.set_identity(self._ranks, name)
-        if channel is not None:
-            self._nccl_backend().set_agreement(channel, opts.check == "strict")
-        if self._device is not None:
-            # Note [Direct kernels] (csrc/nccl/direct/direct.h): collective, like the group itself.
-            self._nccl_backend().setup_direct(timeout)
-        # Every member is done with the store for this group before anyone returns: rank 0
-        # may otherwise exit (closing the store) while a peer still rendezvouses through it.
-        with self._naming_setup():
-            self.barrier()
-        # Note [Hierarchy] in hierarchy.py: the children; the backend runs the steps.
-        self._hier: Optional[Hierarchy] = None
-        transport = self._backend.transport
-        if (transport.startswith("tcp") and len(self._ranks) > 1
-                and opts.transport == "auto"):
-            hosts = host_of_each_rank(self)
-            if len(set(hosts)) > 1:
-                self._hier = Hierarchy.build(self, hosts) if opts.hierarchy else None
-            elif transport.startswith("tcp (") and rank == 0:
-                import warnings
-                warnings.warn(f"meshcoll group {name!r}: {transport}; falling back to TCP "
-                              "between same-host ranks", RuntimeWarning, stacklevel=3)
-
-    def _nccl_backend(self) -> _C.NcclBackend:
-        """The backend, for calls only an NCCL group makes (its callers check first)."""
-        assert isinstance(self._backend, _C.NcclBackend)
-        return self._backend
-
-    def _cpu_backend(self) -> _C.CpuBackend:
-        """The backend, for calls only a CPU group makes (its callers check first)."""
-        assert isinstance(self._backend, _C.CpuBackend)
-        return self._backend
-
-    @contextlib.contextmanager
-    def _naming_setup(self) -> Iterator[None]:
-        """A failure while the group is set up says which group (its name and members)."""
-        try:
-            yield
-        except (_C.TimeoutError, _C.PeerError) as e:
-            raise type(e)(f"{e} (during setup of group {self._name!r}, global ranks "
-                          f"{self._ranks})") from None
-
-    # ---- arrays ---------------------------------------------------------------------
-    def _view(self, x: Array, what: str, writable: bool = False,
-              stream: Stream = None) -> _C.Array:
-        """``x`` as this group's backend reads it (every check, once): a ``_C.Array`` with
-        shape, dtype and size, which the collectives take in place of ``x``."""
-        return self._backend.view(x, what, writable, stream)
-
-    def _look(self, x: Array, what: str, stream: Stream = None) -> Union[np.ndarray, _C.Array]:
-        """What a method needs to know of ``x`` (shape, size, dtype) before the call: a numpy
-        array as it is (the backend reads and checks it in the call itself: no second read
-        on the hot path), anything else read once through ``_view``."""
-        return x if type(x) is np.ndarray else self._view(x, what, stream=stream)
-
-    def _as_array(self, x: Array, what: str, writable: bool = False) -> Array:
-        """``x`` checked by the backend; on the CPU backend, a numpy view of it (for code
-        that reshapes, as the partition and DDP helpers do)."""
-        v = self._backend.view(x, what, writable)
-        return v if self._arrays.device_memory else host_view(x)
-
-    def _empty(self, shape: Union[int, Sequence[int]], like: Array,
-               dtype: Optional[str] = None) -> Array:
-        """A new array of ``shape`` where this backend works, like ``like`` (an array or the
-        ``_C.Array`` of one): its dtype unless ``dtype`` is named, its framework and device."""
-        if isinstance(like, _C.Array):
-            # A buffer-protocol object (bytearray, memoryview, array.array) has no dtype of its
-            # own: the backend's reading of it has (its format), and the result is numpy.
-            if dtype is None and not hasattr(like.obj, "dtype"):
-                dtype = like.dtype
-            like = like.obj
-        return self._arrays.empty(shape, like, dtype)
+        self._make_group = make_group
+        self.backend_name = kind
+        self._backend = backend
+        self._arrays = arrays
+        self._device = device
+        self.config = config
+        # Note [Hierarchy] in hierarchy.py: a multi-host group's children, set by the factory.
+        self._hier: Optional[Any] = None
 
     # ---- memory ---------------------------------------------------------------------
     def empty(self, shape: Union[int, Sequence[int]], dtype: Any = None, *, like: Array = None,
@@ -398,12 +142,11 @@ class ProcessGroup:
             return (np.zeros if zero else np.empty)(shape, numpy_dtype(name, "empty"))
         # Device memory: an NCCL group, whose _arrays are CudaArrays and _device is set.
         backend = self._nccl_backend()
-        from .nccl import CudaArrays
         assert self._device is not None
         if symmetric and not backend.symmetric_unavailable():
             buf = backend.alloc_symmetric(list(shape), name, zero, timeout)
-            return CudaArrays.framework(like).from_dlpack(buf)
-        return CudaArrays.new(shape, name, like, self._device, zero)
+            return nccl.CudaArrays.framework(like).from_dlpack(buf)
+        return nccl.CudaArrays.new(shape, name, like, self._device, zero)
 
     @property
     def symmetric_memory(self) -> str:
@@ -435,19 +178,6 @@ class ProcessGroup:
         v = self._backend.view(x, "is_symmetric: x")
         return bool(self._nccl_backend().in_window(v.ptr, v.nbytes))
 
-    def _fast(self, x: Array) -> bool:
-        """Whether ``x`` takes the one-call synchronous path (Note [Synchronous gathers]): a
-        numpy array on a CPU group, a framework array with a shape on a GPU group (the backend
-        reads and checks it in the call; the output is made like it, by the group's arrays)."""
-        if type(x) is np.ndarray:
-            return not self._arrays.device_memory
-        return self._arrays.device_memory and hasattr(x, "shape")
-
-    def _shared(self, backend: str) -> List[Tuple[str, str]]:
-        """What every member must agree on before the group is set up (Note [Shared
-        settings] in csrc/store/exchange.h): its members, then its backend's settings."""
-        return [(_env.MEMBERS, repr(self._ranks)), *self._options.shared(backend).items()]
-
     def _next_agreement(self) -> int:
         """The number of this group's next layout agreement (``ddp.agree_layout``): every
         rank counts its own alike, so one agreement meets under one store key."""
@@ -458,14 +188,15 @@ class ProcessGroup:
         """The stream the caller computes on for arrays like ``like`` (None on the CPU)."""
         return self._arrays.current_stream(like)
 
-    def _agree_before_split(self, name: str, ranks: List[int], opts: _env.GroupOptions,
-                            timeout: Optional[float]) -> None:
+    def _agree_before_split(self, name: str, ranks: List[int], opts: _settings.GroupOptions,
+                            timeout: Optional[float], label: Optional[str]) -> None:
         """Every rank of an NCCL parent takes part in the split that makes a subgroup, members
         or not: so all of them compare the new group's members and check setting first (Note
         [Shared settings] in csrc/store/exchange.h). Ranks that differ get a MismatchError
         together, and the parent stays usable; compared among the members alone, the others
         would wait in ncclCommSplit until its timeout, which aborts the parent."""
-        settings = [(_env.MEMBERS, repr(ranks)), *opts.shared("nccl").items()]
+        settings = [(_settings.MEMBERS, repr(ranks)), (_settings.NAME, repr(label)),
+                    *opts.shared("nccl").items()]
         _C.agree_on_settings(_C.PrefixStore(f"mc/{name}/split", self._store), self.rank,
                              self.size, settings,
                              self._setup_timeout(timeout), self._ranks)
@@ -476,38 +207,31 @@ class ProcessGroup:
         return self._timeout if timeout is None else _C.check_timeout(timeout, call)
 
     def _child_options(self, transport: Optional[str],
-                       check: Optional[str]) -> _env.GroupOptions:
+                       check: Optional[str]) -> _settings.GroupOptions:
         """This group's options with new_group's overrides."""
         opts = self._options
         if transport is not None:
-            if transport not in _env.TRANSPORTS:
-                raise ValueError(f"transport={transport!r}: use one of {', '.join(_env.TRANSPORTS)}")
+            if transport not in _settings.TRANSPORTS:
+                raise ValueError(f"transport={transport!r}: use one of {', '.join(_settings.TRANSPORTS)}")
             opts = dataclasses.replace(opts, transport=transport)
         if check is not None:
-            if check not in _env.CHECK_MODES:
-                raise ValueError(f"check={check!r}: use one of {', '.join(_env.CHECK_MODES)}")
+            if check not in _settings.CHECK_MODES:
+                raise ValueError(f"check={check!r}: use one of {', '.join(_settings.CHECK_MODES)}")
             opts = dataclasses.replace(opts, check=check)
         return opts
 
     def _child(self, ranks: Sequence[int], rank: int, name: str, timeout: Optional[float],
-               color: int = 0, options: Optional[_env.GroupOptions] = None) -> "ProcessGroup":
+               color: int = 0, options: Optional[_settings.GroupOptions] = None,
+               label: Optional[str] = None) -> "ProcessGroup":
         # timeout None: the parent's; anything else is checked where the backend is made.
         opts = self._options if options is None else options
-        return ProcessGroup(self._store, ranks, rank, name,
-                            timeout=self._setup_timeout(timeout),
-                            bind_host=self._bind_host, token=self._token, parent=self,
-                            backend=self.backend_name, device=self._device, color=color,
-                            options=opts)
+        return self._make_group(self._store, ranks, rank, name,
+                                timeout=self._setup_timeout(timeout),
+                                bind_host=self._bind_host, token=self._token, parent=self,
+                                backend=self.backend_name, device=self._device, color=color,
+                                options=opts, label=label)
 
     # ---- identity -------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        return self._backend.rank
-
-    @property
-    def size(self) -> int:
-        return self._backend.size
-
     @property
     def ranks(self) -> List[int]:
         """Global rank of each member, in group-rank order."""
@@ -520,7 +244,9 @@ class ProcessGroup:
 
     @property
     def name(self) -> str:
-        return self._name
+        """The name given to ``new_group`` or ``split`` (``name=``), else the one meshcoll
+        made ("world", "world.0", ...)."""
+        return self._label
 
     @property
     def device(self) -> Optional[int]:
@@ -551,267 +277,10 @@ class ProcessGroup:
 
     def __repr__(self) -> str:
         dev = f", device={self._device}" if self._device is not None else ""
-        return (f"ProcessGroup(name={self._name!r}, backend={self.backend_name!r}, "
+        return (f"ProcessGroup(name={self._label!r}, backend={self.backend_name!r}, "
                 f"rank={self.rank}, size={self.size}, ranks={self._ranks}{dev})")
 
-    # ---- collectives ----------------------------------------------------------------
-    @_collective
-    def all_reduce(self, x: Array, op: ReduceOpName = "sum", *, async_op: bool = False,
-                   timeout: Optional[float] = None, algorithm: Optional[AlgorithmName] = None,
-                   stream: Stream = None) -> Any:
-        """Reduce ``x`` across the group, in place: every rank ends with ``op`` over every
-        rank's ``x`` (same shape and dtype on every rank). Returns ``x``, or a Work.
-        ``algorithm`` (CPU groups): "auto" (default: the group's ``config``), "ring",
-        "tree", "halving_doubling", "direct" or "shm" (shared-memory groups only)."""
-        cfg = self.config
-        algo = cfg.algorithm if algorithm is None else algorithm
-        if not async_op:
-            # The hot path: one C++ call that reads x, runs and returns (Note
-            # [all_reduce_sync] in bind_backend.cc).
-            self._backend.all_reduce_sync(x, op, timeout, stream, algo, cfg.max_segment_bytes,
-                                          cfg.tree_threshold_bytes, cfg.hd_threshold_bytes)
-            return x
-        w = self._backend.all_reduce(x, x, op, timeout, stream, True, algo,
-                                     cfg.max_segment_bytes, cfg.tree_threshold_bytes,
-                                     cfg.hd_threshold_bytes)
-        return _result(w, x, True)
-
-    @_collective
-    def reduce(self, x: Array, dst: int = 0, op: ReduceOpName = "sum", *, async_op: bool = False,
-               timeout: Optional[float] = None, stream: Stream = None) -> Any:
-        """Reduce ``x`` onto group rank ``dst``, in place there; other ranks' ``x`` is
-        unchanged. Returns ``x``, or a Work."""
-        if not async_op:  # one C++ call (Note [Rooted in-place calls] in bind_backend.cc)
-            self._backend.reduce_sync(x, dst, op, timeout, stream)
-            return x
-        return _result(self._backend.reduce(x, x, dst, op, timeout, stream, async_op), x, async_op)
-
-    @_collective
-    def broadcast(self, x: Array, src: int = 0, *, async_op: bool = False,
-                  timeout: Optional[float] = None, stream: Stream = None) -> Any:
-        """Copy ``x`` from group rank ``src`` into every rank's ``x``, in place. Returns
-        ``x``, or a Work."""
-        if not async_op:  # one C++ call (Note [Rooted in-place calls] in bind_backend.cc)
-            self._backend.broadcast_sync(x, src, timeout, stream)
-            return x
-        return _result(self._backend.broadcast(x, src, timeout, stream, async_op), x, async_op)
-
-    @_collective
-    def all_gather(self, x: Array, out: Optional[Array] = None, *, async_op: bool = False,
-                   timeout: Optional[float] = None, stream: Stream = None) -> Any:
-        """Every rank's ``x`` stacked along a new axis 0: shape ``(size, *x.shape)``,
-        written into ``out`` (or a new array of ``x``'s framework). Returns it, or a Work.
-        ``x`` may be this rank's block of ``out`` (in place). On an NCCL group, a numpy
-        array (small metadata) is exchanged through the communicator and returned as numpy
-        (blocking)."""
-        if not async_op and out is not None and self._device is not None \
-                and type(x) is not np.ndarray:
-            return self._backend.all_gather_sync(x, out, timeout, stream)  # a GPU's hot path
-        if self._arrays.device_memory and isinstance(x, np.ndarray):
-            if out is not None or async_op:
-                raise ValueError("all_gather of a host (numpy) array takes no out= or async_op")
-            return self._host_all_gather(x, timeout)
-        if not async_op and self._fast(x):
-            # Note [Synchronous gathers] in bind_backend.cc: one C++ call, which makes a CPU
-            # group's out.
-            if out is None and self._arrays.device_memory:
-                out = self._arrays.empty((self.size,) + tuple(x.shape), x)
-            return self._backend.all_gather_sync(x, out, timeout, stream)
-        v = self._look(x, "all_gather: x", stream)
-        shape = (self.size,) + tuple(v.shape)
-        out = self._empty(shape, v) if out is None else out
-        w = self._backend.all_gather(v, out, [v.size] * self.size, False, timeout, stream,
-                                     async_op)
-        return _result(w, out, async_op)
-
-    @_collective
-    def all_gather_v(self, x: Array, *, timeout: Optional[float] = None,
-                     stream: Stream = None) -> Tuple[Any, List[int]]:
-        """Concatenate each rank's ``x`` along axis 0, where ranks may hold different numbers
-        of rows (same trailing shape). Returns ``(concatenation, rows per rank)``. Blocks."""
-        self._refuse_in_block("all_gather_v")
-        # Checked in full before the metadata exchange: a bad array must raise before
-        # anything is sent (the backend would check it only after the exchange).
-        v = self._view(x, "all_gather_v: x", stream=stream)
-        n = rows(v, "all_gather_v")
-        row_elems = math.prod(v.shape[1:])
-        meta = self._exchange(np.array([n, row_elems], np.int64), "all_gather_v", timeout)
-        counts = [int(c) for c in meta[:, 0]]
-        if len(set(int(e) for e in meta[:, 1])) != 1:
-            raise _C.MismatchError(
-                f"all_gather_v: ranks' arrays differ in their trailing shape (elements per row "
-                f"by rank: {[int(e) for e in meta[:, 1]]}); only axis 0 may differ")
-        out = self._empty((sum(counts),) + tuple(v.shape[1:]), v)
-        self._backend.all_gather(v, out, [c * row_elems for c in counts], True, timeout, stream,
-                                 False)
-        return out, counts
-
-    @_collective
-    def reduce_scatter(self, x: Array, out: Optional[Array] = None, op: ReduceOpName = "sum", *,
-                       async_op: bool = False, timeout: Optional[float] = None,
-                       stream: Stream = None) -> Any:
-        """Reduce ``x`` across ranks and keep this rank's slice of axis 0 (which must divide
-        evenly by the group size): shape ``(x.shape[0] // size, *x.shape[1:])``, written into
-        ``out`` (or a new array; ``out`` may be this rank's block of ``x``). Returns it, or a
-        Work."""
-        if not async_op and out is not None and self._device is not None:
-            return self._backend.reduce_scatter_sync(x, out, op, timeout, stream)  # hot path
-        if not async_op and self._fast(x):
-            # Note [Synchronous gathers] in bind_backend.cc: one C++ call, which checks x's
-            # rows and makes a CPU group's out.
-            if out is None and self._arrays.device_memory:
-                shape = tuple(x.shape)
-                if shape and shape[0] % self.size == 0:  # else the call raises, naming them
-                    out = self._arrays.empty((shape[0] // self.size,) + shape[1:], x)
-            return self._backend.reduce_scatter_sync(x, out, op, timeout, stream)
-        v = self._look(x, "reduce_scatter: x", stream)
-        n = rows(v, "reduce_scatter")
-        if n % self.size:
-            raise ValueError(f"reduce_scatter: axis 0 has {n} rows, not divisible by the group "
-                             f"size {self.size}; use reduce_scatter_v for uneven splits")
-        shape = (n // self.size,) + tuple(v.shape[1:])
-        out = self._empty(shape, v) if out is None else out
-        w = self._backend.reduce_scatter(v, out, [v.size // self.size] * self.size, op, False,
-                                         timeout, stream, async_op)
-        return _result(w, out, async_op)
-
-    @_collective
-    def reduce_scatter_v(self, x: Array, counts: Sequence[int], op: ReduceOpName = "sum", *,
-                         timeout: Optional[float] = None, stream: Stream = None) -> Any:
-        """Reduce ``x`` across ranks and keep rows ``[sum(counts[:rank]), +counts[rank])``.
-        ``counts`` (rows per rank) must be the same on every rank: ranks that pass different
-        counts get MismatchError. Returns this rank's rows (a new array). Blocks."""
-        v = self._look(x, "reduce_scatter_v: x", stream)
-        n = rows(v, "reduce_scatter_v")
-        counts = [int(c) for c in counts]
-        if len(counts) != self.size or any(c < 0 for c in counts) or sum(counts) != n:
-            raise ValueError(f"reduce_scatter_v: counts {counts} must have {self.size} "
-                             f"non-negative entries summing to axis 0's length {n}")
-        row_elems = math.prod(v.shape[1:])
-        out = self._empty((counts[self.rank],) + tuple(v.shape[1:]), v)
-        self._backend.reduce_scatter(v, out, [c * row_elems for c in counts], op, True, timeout,
-                                     stream, False)
-        return out
-
-    @_collective
-    def all_to_all(self, x: Array, out: Optional[Array] = None, *, async_op: bool = False,
-                   timeout: Optional[float] = None, stream: Stream = None) -> Any:
-        """Block i of ``x``'s axis 0 goes to rank i; ``out``'s block j comes from rank j
-        (``out``: a new array of ``x``'s shape unless given; it may share no memory with
-        ``x``).
-        Returns ``out``, or a Work. On an NCCL group, a numpy array (small metadata) is
-        exchanged through the communicator and returned as numpy (blocking)."""
-        if self._arrays.device_memory and isinstance(x, np.ndarray):
-            if out is not None or async_op:
-                raise ValueError("all_to_all of a host (numpy) array takes no out= or async_op")
-            return self._host_all_to_all(x, timeout)
-        v = self._look(x, "all_to_all: x", stream)
-        n = rows(v, "all_to_all")
-        if n % self.size:
-            raise ValueError(f"all_to_all: axis 0 has {n} rows, not divisible by the group size "
-                             f"{self.size}; use all_to_all_v for uneven splits")
-        out = self._empty(tuple(v.shape), v) if out is None else out
-        blk = v.size // self.size
-        w = self._backend.all_to_all(v, out, [blk] * self.size, [blk] * self.size, False, timeout,
-                                     stream, async_op)
-        return _result(w, out, async_op)
-
-    @_collective
-    def all_to_all_v(self, x: Array, send_counts: Sequence[int], *,
-                     timeout: Optional[float] = None,
-                     stream: Stream = None) -> Tuple[Any, List[int]]:
-        """Rows ``send_counts[i]`` of ``x`` (in order) go to rank i. Returns ``(received rows
-        concatenated in rank order, rows received from each rank)``. Blocks."""
-        self._refuse_in_block("all_to_all_v")
-        # Checked in full before the metadata exchange: a bad array must raise before
-        # anything is sent (the backend would check it only after the exchange).
-        v = self._view(x, "all_to_all_v: x", stream=stream)
-        n = rows(v, "all_to_all_v")
-        send_counts = [int(c) for c in send_counts]
-        if len(send_counts) != self.size or any(c < 0 for c in send_counts) or sum(send_counts) != n:
-            raise ValueError(f"all_to_all_v: send_counts {send_counts} must have {self.size} "
-                             f"non-negative entries summing to axis 0's length {n}")
-        row_elems = math.prod(v.shape[1:])
-        recv_counts = [int(c) for c in self._exchange(np.array(send_counts, np.int64),
-                                                      "all_to_all_v", timeout)]
-        out = self._empty((sum(recv_counts),) + tuple(v.shape[1:]), v)
-        self._backend.all_to_all(v, out, [c * row_elems for c in send_counts],
-                                 [c * row_elems for c in recv_counts], True, timeout, stream,
-                                 False)
-        return out, recv_counts
-
-    @_collective
-    def gather(self, x: Array, dst: int = 0, *, timeout: Optional[float] = None,
-               stream: Stream = None) -> Optional[Any]:
-        """On ``dst``: every rank's ``x`` stacked along a new axis 0 (a new array); elsewhere
-        None. Blocks."""
-        v = self._look(x, "gather: x", stream)
-        me = self.rank == dst
-        out = self._empty((self.size,) + tuple(v.shape) if me else 0, v)
-        self._backend.gather(v, out, [v.size] * self.size, dst, timeout, stream, False)
-        return out if me else None
-
-    @_collective
-    def scatter(self, x: Optional[Array], src: int = 0, *, out: Optional[Array] = None,
-                timeout: Optional[float] = None, stream: Stream = None) -> Any:
-        """Rank ``src`` passes ``x`` of shape ``(size, *s)``; every rank gets its block of
-        shape ``s`` (in ``out``, or a new array; on ``src``, ``out`` may be ``x[src]``, in
-        place). Other ranks pass ``out`` (shape ``s``) and ``x=None``, or an ``x`` of the full
-        shape. Returns the block. Blocks."""
-        v = None
-        if x is not None:
-            # Read, not looked at: off the root x never reaches the backend, yet must be sound.
-            v = self._view(x, "scatter: x", stream=stream)
-            if rows(v, "scatter") != self.size:
-                raise ValueError(f"scatter: x must have shape (group size={self.size}, ...), "
-                                 f"got {tuple(v.shape)}")
-        elif self.rank == src or out is None:
-            raise ValueError("scatter: pass x (the root) or out= (this rank's block)")
-        if out is None:
-            assert v is not None  # without x, out= is required (raised above)
-            out = self._empty(tuple(v.shape[1:]), v)
-        o = self._look(out, "scatter: out", stream)
-        # The block is x's row where x is given (the root), else out.
-        block = v.size // self.size if v is not None else o.size
-        x = v if self.rank == src else self._empty(0, o)
-        self._backend.scatter(x, o, [block] * self.size, src, timeout, stream, False)
-        return out
-
-    @_collective
-    def send(self, x: Array, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
-             stream: Stream = None) -> None:
-        """Send ``x`` to group rank ``peer``; returns once sent (CPU) or enqueued (GPU).
-        Sends and receives between a pair of ranks match in order; ``tag`` in [0, 2**32)
-        must match the receiver's. Point to point always goes over TCP on CPU groups."""
-        # One C++ call (Note [Synchronous point-to-point] in bind_backend.cc).
-        self._backend.send_sync(x, peer, _tag(tag), timeout, stream)
-
-    @_collective
-    def recv(self, x: Array, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
-             stream: Stream = None) -> Any:
-        """Receive into ``x`` (in place, writable) from group rank ``peer``; returns ``x``."""
-        self._backend.recv_sync(x, peer, _tag(tag), timeout, stream)
-        return x
-
-    @_collective
-    def isend(self, x: Array, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
-              stream: Stream = None) -> Work:
-        """``send`` without waiting: returns a Work whose ``wait()`` returns None."""
-        return Work(self._backend.send(x, peer, _tag(tag), timeout, stream), None)
-
-    @_collective
-    def irecv(self, x: Array, peer: int, tag: int = 0, *, timeout: Optional[float] = None,
-              stream: Stream = None) -> Work:
-        """``recv`` without waiting: returns a Work whose ``wait()`` returns ``x``."""
-        return Work(self._backend.recv(x, peer, _tag(tag), timeout, stream), x)
-
-    @_collective
-    def barrier(self, *, async_op: bool = False, timeout: Optional[float] = None,
-                stream: Stream = None) -> Optional[Work]:
-        """Every member arrives before any returns (on GPUs too: the host blocks). Returns
-        None, or a Work."""
-        return _result(self._backend.barrier(timeout, stream, async_op), None, async_op)
-
+    # ---- blocks of collectives ------------------------------------------------------
     @_collective
     def coalesced(self, *, timeout: Optional[float] = None) -> ContextManager[ProcessGroup]:
         """A block of collectives that run together: on an NCCL group, every collective
@@ -839,54 +308,17 @@ class ProcessGroup:
         until it completes), so a temporary is safe."""
         return _Block(self, timeout)
 
-    def _refuse_in_block(self, what: str) -> None:
-        """Calls that exchange counts before the data wait for a result: not in a block."""
-        if self._backend.coalescing:
-            raise ValueError(f"{what}: exchanges its counts and waits for them before the "
-                             f"data moves, and a coalesced block's ops run when the block "
-                             f"ends: call it outside the block")
-
-    def _exchange(self, x: np.ndarray, of: str, timeout: Optional[float]) -> np.ndarray:
-        """The metadata round of ``of`` ("all_gather_v", "all_to_all_v", "split"): every
-        rank's int64 ``x`` stacked (all_to_all_v: block i of ``x`` to rank i). On a CPU group
-        it is described as its own kind, which pairs with no user call (Note [Internal
-        exchanges] in csrc/comm/ledger.h)."""
-        if self._arrays.device_memory:  # NCCL: host arrays travel through the communicator
-            return (self._host_all_to_all(x, timeout, of) if of == "all_to_all_v"
-                    else self._host_all_gather(x, timeout, of))
-        out = np.empty(x.shape if of == "all_to_all_v" else (self.size,) + x.shape, x.dtype)
-        self._backend.exchange(x, out, of, timeout)
-        return out
-
-    # ---- metadata of NCCL groups: host arrays through the communicator ---------------
-    def _host_all_gather(self, x: np.ndarray, timeout: Optional[float],
-                         of: str = "all_gather") -> np.ndarray:
-        """``of``: the call it serves, as agreement describes it (a user's all_gather or
-        all_to_all, or an internal exchange: Note [Internal exchanges] in
-        csrc/common/op_desc.h)."""
-        x = np.ascontiguousarray(x)
-        raw = self._nccl_backend().host_all_gather(x.tobytes(), dtype_name(x.dtype),
-                                                   list(x.shape), of, timeout)
-        return np.frombuffer(raw, x.dtype).reshape((self.size,) + x.shape).copy()
-
-    def _host_all_to_all(self, x: np.ndarray, timeout: Optional[float],
-                         of: str = "all_to_all") -> np.ndarray:
-        x = np.ascontiguousarray(x)
-        if x.ndim == 0 or x.shape[0] % self.size:
-            raise ValueError(f"all_to_all: axis 0 must divide by the group size {self.size}")
-        blk = x.shape[0] // self.size
-        table = self._host_all_gather(x, timeout, of)  # (size, size*blk, ...)
-        return np.ascontiguousarray(table[:, self.rank * blk:(self.rank + 1) * blk]
-                                    .reshape(x.shape))
-
     # ---- subgroups ------------------------------------------------------------------
-    def new_group(self, ranks: Sequence[int], *, timeout: Optional[float] = None,
-                  transport: Optional[str] = None,
+    def new_group(self, ranks: Sequence[int], *, name: Optional[str] = None,
+                  timeout: Optional[float] = None, transport: Optional[str] = None,
                   check: Optional[str] = None) -> Union["ProcessGroup", "NonMemberGroup"]:
         """Collective over this group: each of its ranks, in the new group or not, calls it
         with the same global ``ranks``, and makes its new_group and split calls in the same
         order as the others (Note [Calls out of step]). The new group's members get a
         ProcessGroup; the others a NonMemberGroup.
+        ``name``: what ``group.name`` (and errors) call the group; one name stands for one
+        set of ranks in a job (Note [Group names]): a name given before with other ranks is
+        a ValueError on every rank.
         ``transport`` ("auto", "shm", "tcp"; CPU groups) overrides the job's for this group;
         ``check`` ("async", "strict"; NCCL groups) its agreement check (MESHCOLL_CHECK)."""
         ranks = [int(r) for r in ranks]
@@ -897,46 +329,78 @@ class ProcessGroup:
             raise ValueError(f"new_group: ranks {unknown} are not members of the parent group "
                              f"(its global ranks: {self._ranks})")
         self._setup_timeout(timeout, "new_group")  # a bad one raises before the call counts
-        name = f"{self._name}.{self._next_child}"
-        self._next_child += 1
         opts = self._child_options(transport, check)
+        if name is not None:
+            self._claim_name(name, [ranks], f"new_group({ranks}, name={name!r})")
+        key = f"{self._name}.{self._next_child}"
+        self._next_child += 1
         me = self._ranks[self.rank]
         child: Union[ProcessGroup, NonMemberGroup]
-        with self._group_call(name, f"new_group({ranks})", timeout):
+        with self._group_call(key, f"new_group({ranks})", timeout):
             if self.backend_name == "nccl" and self.size > 1:
-                self._agree_before_split(name, ranks, opts, timeout)
+                self._agree_before_split(key, ranks, opts, timeout, name)
             if me not in ranks:
-                child = NonMemberGroup(ranks, name)
+                child = NonMemberGroup(ranks, key if name is None else name)
                 self._sit_out(timeout)
             else:
-                child = self._child(ranks, ranks.index(me), name, timeout, options=opts)
+                child = self._child(ranks, ranks.index(me), key, timeout, options=opts,
+                                    label=name)
         self._children.append(child)
         return child
 
-    def split(self, color: Optional[int], key: int = 0, *,
+    def split(self, color: Optional[int], key: int = 0, *, name: Optional[str] = None,
               timeout: Optional[float] = None) -> Union["ProcessGroup", "NonMemberGroup"]:
         """Collective: ranks with the same ``color`` form a group, ordered by (key, rank).
-        ``color=None`` (or negative) joins no group and gets a NonMemberGroup."""
+        ``color=None`` (or negative) joins no group and gets a NonMemberGroup. ``name``: the
+        name of every group the split makes (as a mesh dim names its groups), held to the
+        same rule as new_group's (Note [Group names])."""
         c = -1 if color is None else int(color)
         if c >= 2**31:
             raise ValueError(f"split: color {c} must be below 2**31")
         self._setup_timeout(timeout, "split")  # a bad one raises before the call counts
-        name = f"{self._name}.s{self._next_child}"
+        store_key = f"{self._name}.s{self._next_child}"
         self._next_child += 1
         child: Union[ProcessGroup, NonMemberGroup]
-        with self._group_call(name, "split()", timeout):
+        with self._group_call(store_key, "split()", timeout):
             table = self._exchange(np.array([c, int(key), self._ranks[self.rank]], np.int64),
                                    "split", timeout)
+            groups: Dict[int, List[int]] = {}  # color -> global ranks, in group-rank order
+            for cc, _, g in sorted((int(cc), int(k), int(g)) for cc, k, g in table if cc >= 0):
+                groups.setdefault(cc, []).append(g)
+            if name is not None:  # every rank holds the same table: all raise, or none
+                self._claim_name(name, list(groups.values()), f"split(name={name!r})")
             if c < 0:
-                child = NonMemberGroup([], name)
+                child = NonMemberGroup([], store_key if name is None else name)
                 self._sit_out(timeout)
             else:
-                members = sorted((int(k), int(g)) for cc, k, g in table if cc == c)
-                ranks = [g for _, g in members]
+                ranks = groups[c]
                 me = self._ranks[self.rank]
-                child = self._child(ranks, ranks.index(me), f"{name}.c{c}", timeout, color=c)
+                child = self._child(ranks, ranks.index(me), f"{store_key}.c{c}", timeout,
+                                    color=c, label=name)
         self._children.append(child)
         return child
+
+    # Note [Group names]
+    # new_group and split take a name= that group.name (and C++ errors) then say; the store
+    # keys stay the counted ones (Note [Calls out of step]), so a name never decides where
+    # ranks meet. One name stands for one set of groups in a job: the ranks of new_group's
+    # group, or of every group a split makes. The table of names is the world's, handed to
+    # every group made from it; every rank makes the same calls with the same arguments, so
+    # each rank's table is the same and a name reused for other ranks raises ValueError on
+    # every rank, before anything is sent. The name also joins the settings the members
+    # compare at setup (Note [Shared settings]): ranks that name one group differently get
+    # MismatchError. DeviceMesh's groups are named by their dims within the mesh, not here.
+    def _claim_name(self, name: str, groups: Sequence[Sequence[int]], call: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{call}: name must be a non-empty string, got {name!r}")
+        mine = tuple(sorted(tuple(g) for g in groups))
+        theirs = self._names.setdefault(name, mine)
+        if theirs != mine:
+            raise ValueError(
+                f"{call} on global rank {self._ranks[self.rank]}: the name {name!r} already "
+                f"names the group(s) of global ranks {[list(g) for g in theirs]}; a name "
+                f"stands for one set of ranks in a job: pick another name, or pass the same "
+                f"ranks")
 
     @contextlib.contextmanager
     def _group_call(self, name: str, call: str, timeout: Optional[float]) -> Iterator[None]:
@@ -996,8 +460,7 @@ class ProcessGroup:
         """A rank outside a new subgroup: ncclCommSplit is collective over the whole parent,
         so an NCCL parent's non-members take part with no color."""
         if self.backend_name == "nccl":
-            from . import nccl
-            nccl.sit_out(self, timeout)
+            nccl.sit_out(self._nccl_backend(), timeout)
 
     def destroy(self) -> None:
         """Finish queued work and close this group and every group created from it."""
@@ -1012,8 +475,8 @@ class ProcessGroup:
 
 
 class _Block:
-    """``ProcessGroup.coalesced()``'s context manager (a class: a generator-based one cost
-    1-2 us more per block, a tenth of a small call)."""
+    """``ProcessGroup.coalesced()``'s context manager: a class, as a generator-based one
+    costs a noticeable part of a small call (docs/performance.md, "Python host costs")."""
 
     __slots__ = ("_group", "_timeout")
 
@@ -1052,9 +515,3 @@ class NonMemberGroup:
 
     def destroy(self) -> None:
         pass
-
-
-def _tag(tag: int) -> int:
-    if not 0 <= int(tag) < 2**32:
-        raise ValueError(f"tag must be in [0, 2**32), got {tag}")
-    return int(tag)

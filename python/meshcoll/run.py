@@ -4,7 +4,7 @@
     meshcoll-run -n 8 --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 -m pkg.train
 
 Each child gets MESHCOLL_RANK, _WORLD_SIZE, _LOCAL_RANK, _LOCAL_WORLD_SIZE,
-_NODE_RANK, _MASTER_ADDR, _MASTER_PORT and _TOKEN (names from meshcoll._env).
+_NODE_RANK, _MASTER_ADDR, _MASTER_PORT and _TOKEN (names from meshcoll._rendezvous).
 Their output lines are prefixed with "[rank N] ". The first rank to fail
 (non-zero exit or death by a signal) stops the others, and its exit code
 becomes ours (128+signum for a signal), so shells and schedulers see the real
@@ -19,7 +19,7 @@ not one of them. Two clocks decide:
     (note_leaving: meshcoll.destroy(), an uncaught exception, interpreter exit)
     in a file under MESHCOLL_RUN_NOTES. This is needed because a rank that
     raises closes its connections while its interpreter shuts down, and its
-    peers, told at once, often exit before it does (measured: 1 run in 3);
+    peers, told at once, often exit before it does (docs/performance.md);
   - otherwise when its exit was seen: every child has a pidfd, and we sleep in
     poll() on them, so a death is seen within microseconds, not a poll period.
 A rank that is stopped (SIGSTOP, SIGTSTP) when the first failure is seen is a
@@ -33,7 +33,7 @@ handler) does not leave its ranks running forever as orphans. The rank's own
 children are not covered: they are the rank's to manage (and get our SIGTERM to
 their process group in every other case).
 
-This module uses only the standard library and meshcoll._env: it must work
+This module uses only the standard library and meshcoll._rendezvous: it must work
 before, and without, the C++ extension.
 """
 
@@ -56,7 +56,7 @@ import threading
 import time
 from typing import BinaryIO, Callable, Collection, Dict, List, Optional, Set, Tuple
 
-from meshcoll import __version__, _env
+from meshcoll import __version__, _rendezvous
 
 # Survivors get SIGTERM, then this long to run their handlers, then SIGKILL.
 GRACE_S = 5.0
@@ -116,11 +116,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if args.timeout is not None and not args.timeout > 0:
         p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.token is None:
-        args.token = os.environ.get(_env.TOKEN) or None
+        args.token = os.environ.get(_rendezvous.TOKEN) or None
     if args.token is None:
         if args.nnodes > 1:
             p.error(f"--nnodes > 1 needs a job token shared by all nodes: set the same "
-                    f"{_env.TOKEN} (or --token) on every node")
+                    f"{_rendezvous.TOKEN} (or --token) on every node")
         args.token = secrets.token_hex(16)
     return args
 
@@ -231,7 +231,7 @@ def note_leaving(exiting: bool) -> None:
     process itself is ending (an uncaught exception, interpreter exit), which also tells the
     launcher to let it finish with its own exit code rather than SIGTERM it. A no-op for
     processes meshcoll-run did not start. Never raises: it runs on exit paths."""
-    notes = os.environ.get(_env.RUN_NOTES)
+    notes = os.environ.get(_rendezvous.RUN_NOTES)
     if not notes:
         return
     stamp = str(time.monotonic_ns()).encode()  # CLOCK_MONOTONIC: one clock for the host
@@ -255,7 +255,7 @@ def watch_exit() -> None:
     connections, which tells the peers) and the interpreter's exit (sys.exit(n) runs no
     excepthook). Once per process, and only under meshcoll-run."""
     global _watching_exit
-    if _watching_exit or not os.environ.get(_env.RUN_NOTES):
+    if _watching_exit or not os.environ.get(_rendezvous.RUN_NOTES):
         return
     _watching_exit = True
     previous = sys.excepthook
@@ -298,12 +298,12 @@ class _Job:
                 return  # told to stop while starting: start no more
             rank = a.node_rank * a.nproc_per_node + local_rank
             env = dict(os.environ)
-            env.update(_env.launcher_env(
+            env.update(_rendezvous.launcher_env(
                 rank=rank, world_size=a.nnodes * a.nproc_per_node,
                 local_rank=local_rank, local_world_size=a.nproc_per_node,
                 node_rank=a.node_rank, master_addr=a.master_addr,
                 master_port=self.master_port, token=a.token, timeout=a.timeout))
-            env[_env.RUN_NOTES] = self.notes
+            env[_rendezvous.RUN_NOTES] = self.notes
             # Without this, a child's print() sits in its buffer until exit, and
             # lines of a crashed rank would never reach us.
             env["PYTHONUNBUFFERED"] = "1"

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, 
 import torch
 
 from .ddp import agree_layout
+from .torch_arrays import _operand
 from .sharded import FlatLayout, check_stage, finish_reduce, reduce_shard, shard_groups
 
 if TYPE_CHECKING:
@@ -235,7 +236,6 @@ class _Unit:
 
     # ---- arrays ------------------------------------------------------------------------
     def _arr(self, t: torch.Tensor) -> Any:
-        from .torch import _operand  # here: meshcoll.torch imports this module at its end
         return _operand(t, self.group, "fully_shard's flat buffer")
 
     def _placeholders(self) -> None:

@@ -1,6 +1,6 @@
 """The job's world: ``init`` (rendezvous from any launcher's environment, the world group),
 ``destroy``, and the one piece of module state every collective library has, the default
-group. Groups themselves are in process_group.py."""
+group. Groups themselves are in process_group.py, made by backends.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import secrets
 import warnings
 from typing import Any, Literal, Optional, Sequence, Tuple, Union
 
-from . import _C, _env, run
+from . import _C, _rendezvous, _settings, nccl, run
 from ._types import BackendName
+from .backends import make_group
 from .process_group import NonMemberGroup, ProcessGroup
 
 
@@ -71,8 +72,8 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
     # Under meshcoll-run: tell it when this rank begins to leave, so that it names the rank
     # that failed first, not a peer that failed because of it (Note [The first rank to fail]).
     run.watch_exit()
-    method = (_env.parse_init_method(init_method) if init_method is not None
-              else _env.init_method_from_env())
+    method = (_rendezvous.parse_init_method(init_method) if init_method is not None
+              else _rendezvous.init_method_from_env())
     if method is not None and method.kind != "env" and store is not None:
         raise ValueError("meshcoll.init: pass store= or an init method naming a store, not both")
     if method is not None and method.kind == "tcp":
@@ -84,20 +85,20 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
         master_addr, master_port = method.host, method.port
     file_path = method.path if method is not None and method.kind == "file" else None
     # A given store or a file needs no master address: the store is already where it is.
-    rv = _env.rendezvous_from_env(rank=rank, world_size=world_size, master_addr=master_addr,
+    rv = _rendezvous.rendezvous_from_env(rank=rank, world_size=world_size, master_addr=master_addr,
                                   master_port=master_port,
                                   need_master=store is None and file_path is None)
     if rv.source == "default" and not _Default.logged_world_of_one:
         _Default.logged_world_of_one = True
         logging.getLogger("meshcoll").info(WORLD_OF_ONE)
     timeout = (_C.check_timeout(timeout, "meshcoll.init") if timeout is not None
-               else _env.timeout_from_env())
+               else _settings.timeout_from_env())
     # Every setting is read and checked here, before the store is contacted. A bad value is
     # usually set on every rank alike; found later, it failed rank 0 once its store was up,
     # and rank 0 then closed it, so the other ranks waited their whole timeout to reach a
-    # store that was gone and blamed the store (issue 34, item 11). Now each rank fails at
+    # store that was gone and blamed the store. Now each rank fails at
     # once, naming the variable.
-    options, ifname_host = _settings(rv)
+    options, ifname_host = _group_settings(rv)
     # A job of one process has no one to share a token with: it makes its own.
     token = rv.token or (secrets.token_hex(16) if rv.world_size == 1 else "")
     if not token and rv.rank == 0 and not _Default.warned_no_token:
@@ -133,17 +134,18 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
     return world
 
 
-def _settings(rv: _env.Rendezvous) -> Tuple[_env.GroupOptions, Optional[str]]:
+def _group_settings(
+        rv: _rendezvous.Rendezvous) -> Tuple[_settings.GroupOptions, Optional[str]]:
     """The MESHCOLL_* group settings and the address of MESHCOLL_SOCKET_IFNAME's interface
     (None when unset), checked; ValueError naming this rank, the variable and its value."""
     try:
         # For the world of either backend (its subgroups inherit them): an NCCL world once
         # took the defaults, so MESHCOLL_CHECK=strict or off went unheard.
-        options = _env.group_options_from_env()
+        options = _settings.group_options_from_env()
         if options.algorithm not in _C.algorithm_names():
-            raise ValueError(f"{_env.ALGO}={options.algorithm!r}: use one of "
+            raise ValueError(f"{_settings.ALGO}={options.algorithm!r}: use one of "
                              f"{', '.join(_C.algorithm_names())} (or unset it)")
-        return options, _interface_address(_env.socket_ifname_from_env())
+        return options, _interface_address(_settings.socket_ifname_from_env())
     except ValueError as e:
         # The readers' own prefixes ("meshcoll: ", "meshcoll.init: ") give way to the rank's.
         why = re.sub(r"^meshcoll(\.init)?: ", "", str(e))
@@ -152,18 +154,19 @@ def _settings(rv: _env.Rendezvous) -> Tuple[_env.GroupOptions, Optional[str]]:
                          f"stops here at once)") from None
 
 
-def _world(backend: Optional[str], store: _C.Store, rv: _env.Rendezvous, timeout: float,
-           token: str, device: Any, options: _env.GroupOptions,
+def _world(backend: Optional[str], store: _C.Store, rv: _rendezvous.Rendezvous, timeout: float,
+           token: str, device: Any, options: _settings.GroupOptions,
            bind_host: str) -> ProcessGroup:
-    if backend in ("nccl", "auto"):
-        from . import nccl
-        if backend == "auto":
-            backend = nccl.agree_on_backend(store, rv.rank, rv.world_size, timeout)
+    if backend == "auto":
+        backend = nccl.agree_on_backend(store, rv.rank, rv.world_size, timeout)
     if backend == "nccl":
-        return nccl.make_world(store, rv.rank, rv.world_size, timeout, bind_host, token,
-                               device if device is not None else rv.local_rank, options)
-    return ProcessGroup(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
-                        bind_host=bind_host, token=token, options=options)
+        dev = nccl.world_device(rv.rank, rv.world_size,
+                                device if device is not None else rv.local_rank)
+        return make_group(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
+                          bind_host=bind_host, token=token, backend="nccl", device=dev,
+                          options=options)
+    return make_group(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
+                      bind_host=bind_host, token=token, options=options)
 
 
 def _interface_address(ifname: Optional[str]) -> Optional[str]:
@@ -178,7 +181,7 @@ def _interface_address(ifname: Optional[str]) -> Optional[str]:
         packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
                              struct.pack("256s", ifname[:15].encode()))
     except OSError as e:
-        raise ValueError(f"{_env.SOCKET_IFNAME}={ifname!r}: no IPv4 address on that interface "
+        raise ValueError(f"{_settings.SOCKET_IFNAME}={ifname!r}: no IPv4 address on that interface "
                          f"({e}); name one that `ip -4 addr` lists, or unset it") from None
     finally:
         s.close()
@@ -241,7 +244,9 @@ def get_world_group() -> ProcessGroup:
 
 
 def new_group(ranks: Sequence[int], *, group: Optional[ProcessGroup] = None,
-              timeout: Optional[float] = None, transport: Optional[str] = None,
+              name: Optional[str] = None, timeout: Optional[float] = None,
+              transport: Optional[str] = None,
               check: Optional[str] = None) -> Union[ProcessGroup, NonMemberGroup]:
-    return (group or get_world_group()).new_group(ranks, timeout=timeout, transport=transport,
-                                                   check=check)
+    """``ProcessGroup.new_group`` on ``group`` (default: the world)."""
+    return (group or get_world_group()).new_group(ranks, name=name, timeout=timeout,
+                                                   transport=transport, check=check)

@@ -1,5 +1,5 @@
 """The core's settings at the Python boundary (Note [Configuration] in csrc/common/config.h):
-installed from meshcoll._env when _C is imported, a bad value failing that import (ImportError)
+installed from meshcoll._settings when _C is imported, a bad value failing that import (ImportError)
 with the variable named, and C++ defaults equal to an unset environment's (C++ programs that do not
 go through Python rely on it)."""
 
@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from meshcoll import _C
-from meshcoll._env import CoreConfig
+from meshcoll._settings import CoreConfig
 
 FIELDS = [f.name for f in dataclasses.fields(CoreConfig)]
 

@@ -169,3 +169,70 @@ def test_mesh_1d(run_ranks):
 @pytest.mark.timeout(120)
 def test_mesh_from_order(run_ranks):
     run_ranks(8, _mesh_from_order)
+
+
+def _compute_units(pg):
+    """Rank 1 may run on one core only: its device says so, and the mesh's total counts the
+    host's CPU once, with the most cores any rank there may use."""
+    import os
+    if pg.rank == 1:
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    mine = len(os.sched_getaffinity(0))
+    mesh = init_device_mesh((2, 2), ("dp", "tp"))
+    units = [d.compute_units for d in mesh.devices()]
+    st = mesh.stats()
+    first_line = mesh.describe().splitlines()[0]
+    return mine, units, st["compute_units"], st["compute_units_unknown"], first_line
+
+
+@pytest.mark.timeout(120)
+def test_mesh_compute_units(run_ranks):
+    results = run_ranks(4, _compute_units)
+    reported = [mine for mine, *_ in results]
+    assert reported[1] == 1
+    for mine, units, total, unknown, first_line in results:
+        assert units == reported  # every rank's record, in mesh order
+        assert total == max(reported) and unknown == 0
+        assert f"{total} compute units" in first_line
+
+
+def _named_groups(pg):
+    from meshcoll import MismatchError, NonMemberGroup
+
+    me = pg.rank
+    pair = pg.new_group([0, 1], name="pair")
+    assert pair.name == "pair" and isinstance(pair, NonMemberGroup) == (me > 1)
+    if pair.is_member:
+        _check_sum(pair, [0, 1])
+        assert "name='pair'" in repr(pair)
+    again = pg.new_group([0, 1], name="pair")  # the same ranks: the same name is fine
+    assert again.name == "pair"
+    with pytest.raises(ValueError, match=rf"global rank {me}: the name 'pair' already names "
+                                         r"the group\(s\) of global ranks \[\[0, 1\]\]"):
+        pg.new_group([2, 3], name="pair")
+    for bad in ("", 5):
+        with pytest.raises(ValueError, match="name must be a non-empty string"):
+            pg.new_group([0, 1], name=bad)
+    parity = pg.split(me % 2, name="parity")  # every group of the split has the name
+    assert parity.name == "parity"
+    _check_sum(parity, [me % 2, me % 2 + 2])
+    with pytest.raises(ValueError, match=r"'parity' already names the group\(s\) of global "
+                                         r"ranks \[\[0, 2\], \[1, 3\]\]"):
+        pg.split(me // 2, name="parity")
+    with pytest.raises(ValueError, match="'parity' already names"):
+        pg.new_group([0, 2], name="parity")
+    assert pg.split(me // 2).name.startswith("world.s")  # unnamed: meshcoll's own name
+    mesh = init_device_mesh((2, 2), ("dp", "tp"))
+    assert mesh.group_names() == ["dp", "tp", "pair", "parity"]
+    mesh.flatten("dp", "tp")
+    assert mesh.group_names() == ["dp", "tp", "dp_tp", "pair", "parity"]
+    assert mesh["tp"].group_names() == ["tp", "dp_tp", "pair", "parity"]
+    # Ranks that name one group differently are told so at its setup, on every member.
+    with pytest.raises(MismatchError, match="name="):
+        pg.new_group([0, 1, 2, 3], name=f"odd{me % 2}")
+    return me
+
+
+@pytest.mark.timeout(120)
+def test_named_groups(run_ranks):
+    assert run_ranks(4, _named_groups) == [0, 1, 2, 3]

@@ -139,7 +139,8 @@ def _torch_group(pg):
     torch arrays share and allocate through ``_empty``. Results are compared by value."""
     import torch
 
-    from meshcoll.process_group import HostArrays, ProcessGroup
+    from meshcoll.backends import make_group
+    from meshcoll.process_group import HostArrays
 
     class TorchArrays(HostArrays):
         @staticmethod
@@ -149,8 +150,8 @@ def _torch_group(pg):
             return HostArrays.empty(shape, like, dtype)
 
     # Collective, as _child is: every rank builds the group's backend under one new name.
-    tg = ProcessGroup(pg._store, pg.ranks, pg.rank, "world.torch", timeout=pg._timeout,
-                      bind_host=pg._bind_host, token=pg._token)
+    tg = make_group(pg._store, pg.ranks, pg.rank, "world.torch", timeout=pg._timeout,
+                    bind_host=pg._bind_host, token=pg._token)
     tg.backend_name = "torch-cpu"
     tg._arrays = TorchArrays
     return tg

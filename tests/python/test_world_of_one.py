@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(60)
 
-# Every launcher's variables (meshcoll._env._SCHEMES), and the masters.
+# Every launcher's variables (meshcoll._rendezvous._SCHEMES), and the masters.
 LAUNCHER_PREFIXES = ("MESHCOLL_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                      "LOCAL_WORLD_SIZE", "OMPI_", "PMI_", "MPI_LOCAL", "SLURM_",
                      "TORCHELASTIC_")

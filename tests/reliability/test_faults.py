@@ -164,11 +164,11 @@ def test_on_error_abort_ends_every_rank_with_the_diagnosis(run_ranks, transport)
 
 
 def test_on_error_and_check_settings_are_validated():
-    from meshcoll import _env
-    assert _env.core_config_from_env({"MESHCOLL_ON_ERROR": "abort"}).abort_on_error
-    assert not _env.core_config_from_env({}).abort_on_error
-    assert _env.group_options_from_env({"MESHCOLL_CHECK": "strict"}).check == "strict"
+    from meshcoll import _settings
+    assert _settings.core_config_from_env({"MESHCOLL_ON_ERROR": "abort"}).abort_on_error
+    assert not _settings.core_config_from_env({}).abort_on_error
+    assert _settings.group_options_from_env({"MESHCOLL_CHECK": "strict"}).check == "strict"
     with pytest.raises(ValueError, match="MESHCOLL_ON_ERROR"):
-        _env.core_config_from_env({"MESHCOLL_ON_ERROR": "explode"})
+        _settings.core_config_from_env({"MESHCOLL_ON_ERROR": "explode"})
     with pytest.raises(ValueError, match="MESHCOLL_CHECK"):
-        _env.group_options_from_env({"MESHCOLL_CHECK": "sometimes"})
+        _settings.group_options_from_env({"MESHCOLL_CHECK": "sometimes"})

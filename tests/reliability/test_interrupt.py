@@ -71,9 +71,9 @@ def _wait_ready(ready, procs, n=WORLD):
 
 def _rank_env(rank, world, port):
     """A rank's environment, as a launcher sets it (30 s setup deadline)."""
-    from meshcoll import _env
+    from meshcoll import _rendezvous
     env = _clean_env()
-    env.update(_env.launcher_env(rank=rank, world_size=world, local_rank=rank,
+    env.update(_rendezvous.launcher_env(rank=rank, world_size=world, local_rank=rank,
                                  local_world_size=world, node_rank=0, master_addr="127.0.0.1",
                                  master_port=port, token="interrupt-test", timeout=30))
     return env

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import meshcoll
-from meshcoll.process_group import _comm_id
+from meshcoll.backends import _comm_id
 
 pytestmark = pytest.mark.timeout(60)
 

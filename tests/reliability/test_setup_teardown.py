@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from conftest import free_port, spawn
-from meshcoll._env import FAULT_POINTS
+from meshcoll._settings import FAULT_POINTS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,11 +111,11 @@ def _nccl_settings(rank, port, token, checks, present):
     """What an NCCL group's setup runs before NCCL's init (Note [Shared settings]): the
     settings agreement over the job's store, here with rank r's MESHCOLL_CHECK checks[r]."""
     import meshcoll
-    from meshcoll import _C, _env
+    from meshcoll import _C, _settings
     store = meshcoll.TCPStore("127.0.0.1", port, timeout=30, token=token)
     if rank not in present:
         return None
-    shared = _env.GroupOptions(check=checks[rank]).shared("nccl")
+    shared = _settings.GroupOptions(check=checks[rank]).shared("nccl")
     try:
         _C.agree_on_settings(_C.PrefixStore("mc/g", store), rank, len(checks),
                              list(shared.items()), 3.0, [10 + r for r in range(len(checks))])
@@ -228,7 +228,7 @@ def _killed_at(rank, port, token, point):
 
 @pytest.mark.parametrize("point", FAULT_POINTS)
 def test_every_fault_point_meshcoll_accepts_is_reached(point):
-    # MESHCOLL_FAULT refuses a point outside _env.FAULT_POINTS (issue 34 item 15): each of
+    # MESHCOLL_FAULT refuses a point outside _settings.FAULT_POINTS (issue 34 item 15): each of
     # them must be one that a group's setup reaches, or a test naming it injects nothing.
     import meshcoll
     token = secrets.token_hex(8)

@@ -1,10 +1,10 @@
-"""meshcoll._env.core_config_from_env: the C++ core's settings (Note [Configuration] in
+"""meshcoll._settings.core_config_from_env: the C++ core's settings (Note [Configuration] in
 csrc/common/config.h), each variable parsed, and each bad value named. Pure logic: every call
 gets an explicit `environ=` dict."""
 
 import pytest
 
-from meshcoll._env import CoreConfig, core_config_from_env
+from meshcoll._settings import CoreConfig, core_config_from_env
 
 
 def test_unset_environment_is_the_defaults():

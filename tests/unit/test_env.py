@@ -1,18 +1,20 @@
-"""meshcoll._env: every launcher scheme, precedence, and each error names its variable.
+"""meshcoll._rendezvous and meshcoll._settings: every launcher scheme, precedence, and each error names its variable.
 
 Pure logic: every call gets an explicit `environ=` dict, never os.environ.
 """
 
 import pytest
 
-from meshcoll._env import (
-    GroupOptions,
+from meshcoll._rendezvous import (
     InitMethod,
     Rendezvous,
     init_method_from_env,
     launcher_env,
     parse_init_method,
     rendezvous_from_env,
+)
+from meshcoll._settings import (
+    GroupOptions,
     shm_bytes_from_env,
     socket_ifname_from_env,
     timeout_from_env,

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 
 _CHILD = textwrap.dedent("""
     import sys
-    import meshcoll._env, meshcoll.device_mesh, meshcoll.partition, meshcoll.pipeline
+    import meshcoll._rendezvous, meshcoll._settings, meshcoll.device_mesh, meshcoll.partition, meshcoll.pipeline
 
     assert meshcoll.__file__.startswith(sys.argv[1]), meshcoll.__file__
     assert "meshcoll._C" not in sys.modules
@@ -43,7 +43,7 @@ _CHILD = textwrap.dedent("""
     assert layout.groups("tp") == [[0, 1, 2], [3, 4, 5]]
     assert layout.groups("dp") == [[0, 3], [1, 4], [2, 5]]
     assert [partition_range(10, 3, i) for i in range(3)] == [(0, 4), (4, 7), (7, 10)]
-    rdv = meshcoll._env.rendezvous_from_env(
+    rdv = meshcoll._rendezvous.rendezvous_from_env(
         environ={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
     assert (rdv.rank, rdv.world_size) == (1, 2), rdv
     assert "meshcoll._C" not in sys.modules

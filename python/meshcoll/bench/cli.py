@@ -9,7 +9,7 @@ import sys
 from typing import List, Optional, Sequence, cast
 
 import meshcoll
-from meshcoll import _C, __version__, _env
+from meshcoll import _C, __version__, _rendezvous, _settings
 from meshcoll._types import AlgorithmName
 
 from .buffers import ARRAY_LIBS, INTS, array_library, device_dtype, make_arrays, numpy_dtype
@@ -78,7 +78,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "auto: torch when importable, else cupy)")
     p.add_argument("--seed", type=int, default=1234,
                    help="--backend nccl: seed of the random inputs (default 1234)")
-    p.add_argument("--transport", default=None, choices=list(_env.TRANSPORTS),
+    p.add_argument("--transport", default=None, choices=list(_settings.TRANSPORTS),
                    help="set MESHCOLL_TRANSPORT for the ranks (default: as the environment "
                         "says, else auto: shared memory when every rank is on one host)")
     p.add_argument("--repeats", type=int, default=3,
@@ -142,7 +142,7 @@ def resolve_algorithms(requested: Sequence[str], transport: str) -> List[Algorit
 
 def _launched() -> bool:
     """True under meshcoll-run, torchrun, mpirun or srun (any rank variables set)."""
-    return _env._find_scheme(os.environ) is not None
+    return _rendezvous._find_scheme(os.environ) is not None
 
 
 def nccl_preflight(args: argparse.Namespace) -> int:
@@ -195,7 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         dtype = numpy_dtype(args.dtype)
         if args.transport is not None:
-            os.environ[_env.TRANSPORT] = args.transport
+            os.environ[_settings.TRANSPORT] = args.transport
         pg = meshcoll.init()
     try:
         if args.nproc is not None and args.nproc != pg.size:

@@ -211,7 +211,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if meshcoll._env._find_scheme(os.environ) is None:
+    if meshcoll._rendezvous._find_scheme(os.environ) is None:
         # Not under a launcher: start the ranks with meshcoll-run (exec, so that signals go
         # straight to it), one BLAS thread each unless told otherwise: N ranks of spinning
         # BLAS threads on a few cores would spend the job waiting for each other.

@@ -35,40 +35,13 @@ message is needed first), and the simulator checks it.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Sequence, Tuple
 
-
-class ScheduleError(ValueError):
-    """A schedule is malformed: wrong parameters, a missing/duplicate/misplaced action."""
-
-
-class DeadlockError(ScheduleError):
-    """A schedule is well formed but cannot complete: every rank waits on another."""
-
-
-class Kind(str, enum.Enum):
-    F = "F"
-    B = "B"
-    I = "I"  # noqa: E741 - the literature's name for the input-gradient pass
-    W = "W"
-    SEND_F = "SEND_F"
-    RECV_F = "RECV_F"
-    SEND_B = "SEND_B"
-    RECV_B = "RECV_B"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def is_compute(self) -> bool:
-        return self in _COMPUTE
-
-
-_COMPUTE = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
-# Short spellings used in the grid so that a cell stays a few characters wide.
-_SHORT = {Kind.SEND_F: "sF", Kind.RECV_F: "rF", Kind.SEND_B: "sB", Kind.RECV_B: "rB"}
+# The vocabulary, defined in actions.py (which simulate.py shares) and named here as before.
+from .actions import Action as Action, DeadlockError as DeadlockError, Kind as Kind
+from .actions import ScheduleError as ScheduleError
+from .simulate import timeline
 
 
 def _loop_rank(stage: int, p: int) -> int:
@@ -81,24 +54,6 @@ def _v_rank(stage: int, p: int) -> int:
 
 
 _PLACEMENTS: Mapping[str, Callable[[int, int], int]] = {"loop": _loop_rank, "v": _v_rank}
-
-
-@dataclass(frozen=True)
-class Action:
-    """One step of one rank: `stage` is the model stage, `microbatch` its index.
-
-    Printed compactly as stage, kind, microbatch: ``Action(1, F, 0)`` -> ``1F0``.
-    """
-
-    stage: int
-    kind: Kind
-    microbatch: int
-
-    def __str__(self) -> str:
-        return f"{self.stage}{_SHORT.get(self.kind, self.kind.value)}{self.microbatch}"
-
-    def __repr__(self) -> str:
-        return f"Action({self.stage}, Kind.{self.kind.name}, {self.microbatch})"
 
 
 @dataclass(frozen=True)
@@ -165,10 +120,6 @@ class Schedule:
                   f"  microbatches={self.num_microbatches}")
         columns: List[Dict[int, str]] = []
         if timed:
-            # Imported here: simulate imports this module, and a schedule must
-            # stay printable without anything else.
-            from .simulate import timeline
-
             try:
                 lines = timeline(self, lambda a: 1.0 if a.kind.is_compute else 0.0, t_comm=0.0)
                 columns = [{int(round(start)): str(a) for start, _, a in events if a.kind.is_compute}

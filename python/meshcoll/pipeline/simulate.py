@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from .schedule import Action, DeadlockError, Kind, Schedule, ScheduleError
+from .actions import Action, DeadlockError, Kind, Plan, ScheduleError
 
 __all__ = ["SimResult", "simulate", "validate", "timeline", "stash_peak", "ScheduleError",
            "DeadlockError"]
@@ -62,7 +62,7 @@ class SimResult:
                 f"<{events} events in timeline>)")
 
 
-def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0,
+def simulate(schedule: Plan, t_f: float = 1.0, t_b: float = 2.0, t_w: float = 0.0,
              t_comm: float = 0.0, serial_p2p: bool = False) -> SimResult:
     """Validate and time `schedule` (see the module docstring and Note [Serial p2p])."""
     for name, value in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w), ("t_comm", t_comm)):
@@ -79,7 +79,7 @@ def simulate(schedule: Schedule, t_f: float = 1.0, t_b: float = 2.0, t_w: float 
                      busy, tuple(tuple(e) for e in lines))
 
 
-def stash_peak(schedule: Schedule, rank: int) -> int:
+def stash_peak(schedule: Plan, rank: int) -> int:
     """Most stage inputs `rank` holds at once (in stages, not ranks' shares): +1 at F,
     -1 at B or W, the last pass that reads it."""
     held = peak = 0
@@ -96,7 +96,7 @@ def stash_peak(schedule: Schedule, rank: int) -> int:
 # Structure.
 
 
-def _backward_kinds(schedule: Schedule) -> Dict[Tuple[int, int], Kind]:
+def _backward_kinds(schedule: Plan) -> Dict[Tuple[int, int], Kind]:
     """(stage, microbatch) -> the kind (B or I) that produces its input gradient."""
     out: Dict[Tuple[int, int], Kind] = {}
     for acts in schedule.per_rank:
@@ -106,7 +106,7 @@ def _backward_kinds(schedule: Schedule) -> Dict[Tuple[int, int], Kind]:
     return out
 
 
-def validate(schedule: Schedule) -> None:
+def validate(schedule: Plan) -> None:
     """Raise ScheduleError naming the first structural problem; return None if sound."""
     p, S, m = schedule.num_ranks, schedule.num_stages, schedule.num_microbatches
     if len(schedule.per_rank) != p:
@@ -214,7 +214,7 @@ def _describe(key: _Key) -> str:
     return f"the message for {a} ({'activation' if a.kind is Kind.RECV_F else 'gradient'})"
 
 
-def timeline(schedule: Schedule, duration: Callable[[Action], float],
+def timeline(schedule: Plan, duration: Callable[[Action], float],
              t_comm: Union[float, Callable[[Action], float]] = 0.0,
              serial_p2p: bool = False) -> List[List[Event]]:
     """Validate, then play the schedule; per rank, (start, end, action) in list order.

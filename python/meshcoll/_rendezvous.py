@@ -1,13 +1,13 @@
-"""Where rank, world size and the master address come from, and the C++ core's settings.
+"""Where rank, world size and the master address come from: every launcher's variables.
 
-This is the one module that knows environment variable names: meshcoll's own
-(set by ``meshcoll-run``), torchrun's, Slurm's, Open MPI's and PMI's. It is pure
-Python with no import of the C++ extension, so the launcher and the unit tests
-can use it anywhere.
+meshcoll's own (set by ``meshcoll-run``), torchrun's, Slurm's, Open MPI's and PMI's, and the
+init method (``env://``, ``tcp://``, ``file://``). The MESHCOLL_* settings are
+_settings.py's. Pure Python with no import of the C++ extension, so the launcher and the
+unit tests can use it anywhere.
 
-Every function takes ``environ=`` (a mapping) so tests pass plain dicts; it
-defaults to ``os.environ``. An empty value counts as unset, because
-``export MESHCOLL_RANK=`` is how shells and job scripts usually "clear" one.
+Every function takes ``environ=`` (a mapping) so tests pass plain dicts; it defaults to
+``os.environ``. An empty value counts as unset, because ``export MESHCOLL_RANK=`` is how
+shells and job scripts usually "clear" one.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import operator
 import os
 import re
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Dict, Mapping, Optional, Tuple
+
+from ._settings import TIMEOUT, WHO as _WHO, parse_int as _parse_int, value_of as _get
 
 # The names meshcoll-run sets and meshcoll reads.
 RANK = "MESHCOLL_RANK"
@@ -27,36 +29,10 @@ NODE_RANK = "MESHCOLL_NODE_RANK"
 MASTER_ADDR = "MESHCOLL_MASTER_ADDR"
 MASTER_PORT = "MESHCOLL_MASTER_PORT"
 TOKEN = "MESHCOLL_TOKEN"
-TIMEOUT = "MESHCOLL_TIMEOUT"
-SOCKET_IFNAME = "MESHCOLL_SOCKET_IFNAME"
-TRANSPORT = "MESHCOLL_TRANSPORT"
-SHM_BYTES = "MESHCOLL_SHM_BYTES"
-HIERARCHY = "MESHCOLL_HIERARCHY"
 INIT_METHOD = "MESHCOLL_INIT_METHOD"
-ALGO = "MESHCOLL_ALGO"
-MAX_TIMEOUT_S = 1e7  # as csrc/python/fastcall.h: a longer deadline would overflow the clock
-DEBUG = "MESHCOLL_DEBUG"
-# Read into the C++ core's Config (core_config_from_env; Note [Configuration]).
-HOST_ID = "MESHCOLL_HOST_ID"
-CMA = "MESHCOLL_CMA"
-SIMD = "MESHCOLL_SIMD"
-NCCL_TRACE = "MESHCOLL_NCCL_TRACE"
-NCCL_LIBRARY = "MESHCOLL_NCCL_LIBRARY"
-NCCL_SPLIT = "MESHCOLL_NCCL_SPLIT"
-NCCL_DIRECT_BYTES = "MESHCOLL_NCCL_DIRECT_BYTES"
-ON_ERROR = "MESHCOLL_ON_ERROR"
-ON_ERROR_CHOICES = ("raise", "abort")
-HOST_TIMERS = "MESHCOLL_HOST_TIMERS"
-CHECK = "MESHCOLL_CHECK"
-CHECK_MODES = ("async", "strict", "off")
-# How the settings agreement names a group's members (Note [Shared settings]).
-MEMBERS = "the group's members (new_group's ranks, in order)"
-FAULT = "MESHCOLL_FAULT"
 # Set by meshcoll-run: a directory where each rank notes when it began to leave the job
 # (Note [The first rank to fail] in run.py).
 RUN_NOTES = "MESHCOLL_RUN_NOTES"
-
-TRANSPORTS = ("auto", "shm", "tcp")  # the values of MESHCOLL_TRANSPORT
 
 # torchrun's names for the master; the fallback after ours for every scheme.
 _TORCH_MASTER_ADDR = "MASTER_ADDR"
@@ -70,9 +46,6 @@ _SLURM_NODEID = "SLURM_NODEID"
 _SLURM_NODELIST = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 _SLURM_JOB_ID = "SLURM_JOB_ID"
 _SLURM_STEP_ID = "SLURM_STEP_ID"
-
-_WHO = "meshcoll.init"
-DEFAULT_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -120,20 +93,6 @@ _SCHEMES = (
     # Slurm has no single local-size variable; see _slurm_local_world_size.
     _Scheme("slurm", "Slurm's", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
 )
-
-
-def _get(env: Mapping[str, str], name: str) -> Optional[str]:
-    value = env.get(name)
-    if value is None or value.strip() == "":
-        return None
-    return value.strip()
-
-
-def _parse_int(text: str, name: str) -> int:
-    try:
-        return int(text, 10)
-    except ValueError:
-        raise ValueError(f"{_WHO}: {name}={text!r} is not an integer") from None
 
 
 def _arg_int(value: object, name: str) -> int:
@@ -419,30 +378,6 @@ def init_method_from_env(environ: Optional[Mapping[str, str]] = None) -> Optiona
     text = _get(env, INIT_METHOD)
     return None if text is None else parse_init_method(text, f"{INIT_METHOD}=")
 
-
-def timeout_from_env(default: float = DEFAULT_TIMEOUT_S,
-                     environ: Optional[Mapping[str, str]] = None) -> float:
-    """The default collective timeout in seconds: MESHCOLL_TIMEOUT, else `default`."""
-    env = os.environ if environ is None else environ
-    text = _get(env, TIMEOUT)
-    if text is None:
-        return float(default)
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"meshcoll: {TIMEOUT}={text!r} is not a number of seconds") from None
-    if not 0 < value <= MAX_TIMEOUT_S:
-        raise ValueError(f"meshcoll: {TIMEOUT}={text!r} must be a number of seconds > 0 and "
-                         f"at most {MAX_TIMEOUT_S:g} (about 116 days)")
-    return value
-
-
-def socket_ifname_from_env(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """The network interface TCP should bind to (MESHCOLL_SOCKET_IFNAME), or None."""
-    env = os.environ if environ is None else environ
-    return _get(env, SOCKET_IFNAME)
-
-
 def launcher_env(*, rank: int, world_size: int, local_rank: int, local_world_size: int,
                  node_rank: int, master_addr: str, master_port: int, token: str,
                  timeout: Optional[float] = None) -> Dict[str, str]:
@@ -460,175 +395,3 @@ def launcher_env(*, rank: int, world_size: int, local_rank: int, local_world_siz
     if timeout is not None:
         env[TIMEOUT] = repr(float(timeout))
     return env
-
-
-def transport_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
-    """``MESHCOLL_TRANSPORT``: auto (default), shm or tcp."""
-    env = os.environ if environ is None else environ
-    value = (_get(env, TRANSPORT) or "auto").lower()
-    if value not in TRANSPORTS:
-        raise ValueError(f"{TRANSPORT}={value!r}: use one of {', '.join(TRANSPORTS)}")
-    return value
-
-
-def hierarchy_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """``MESHCOLL_HIERARCHY``: 1 (default) lets groups spanning hosts reduce through shared
-    memory inside each host (Note [Hierarchy]); 0 keeps all of it on TCP."""
-    env = os.environ if environ is None else environ
-    value = _get(env, HIERARCHY) or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{HIERARCHY}={value!r}: use 0 or 1")
-    return value == "1"
-
-
-# The largest MESHCOLL_SHM_BYTES: a segment (with its control block) must fit the C++ core's
-# size_t and off_t, or a value like 10**20 reached the core's constructor and failed there
-# with pybind11's list of signatures. 2**50, which no /dev/shm holds, still goes through:
-# a group then falls back to TCP saying there is no room (or fails, with shm forced).
-SHM_BYTES_MAX = 1 << 60
-
-
-def shm_bytes_from_env(environ: Optional[Mapping[str, str]] = None) -> int:
-    """``MESHCOLL_SHM_BYTES``: each rank's shared-memory data area (default 4 MiB), a whole
-    number of bytes from 4096 to SHM_BYTES_MAX; ValueError naming the variable otherwise."""
-    env = os.environ if environ is None else environ
-    text = _get(env, SHM_BYTES)
-    if text is None:
-        return 4 << 20
-    try:
-        value = int(text, 10)
-    except ValueError:
-        value = -1
-    if not 4096 <= value <= SHM_BYTES_MAX:
-        raise ValueError(f"{SHM_BYTES}={text!r}: give a whole number of bytes from 4096 to "
-                         f"{SHM_BYTES_MAX} (2**60), e.g. 4194304 (4 MiB, the default)")
-    return value
-
-
-
-def algorithm_from_env(environ: Optional[Mapping[str, str]] = None) -> str:
-    """``MESHCOLL_ALGO``: the CPU backend's all_reduce algorithm for "auto" calls (default
-    auto; CollectiveConfig checks the name)."""
-    env = os.environ if environ is None else environ
-    return _get(env, ALGO) or "auto"
-
-
-def debug_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
-    """``MESHCOLL_DEBUG``: any value but 0 logs one line per operation on stderr."""
-    env = os.environ if environ is None else environ
-    value = _get(env, DEBUG)
-    return value is not None and value != "0"
-
-
-@dataclass(frozen=True)
-class GroupOptions:
-    """How the groups of a job are built, read from the environment once by
-    ``meshcoll.init`` and handed to every group (``new_group(transport=...)`` overrides the
-    transport for one subgroup)."""
-
-    transport: str = "auto"     # MESHCOLL_TRANSPORT
-    shm_bytes: int = 4 << 20    # MESHCOLL_SHM_BYTES
-    hierarchy: bool = True      # MESHCOLL_HIERARCHY
-    algorithm: str = "auto"     # MESHCOLL_ALGO
-    debug: bool = False         # MESHCOLL_DEBUG
-    check: str = "async"        # MESHCOLL_CHECK: NCCL groups' agreement check: async, strict, off
-
-    def shared(self, backend: str = "cpu") -> Dict[str, str]:
-        """The settings every rank of a group on ``backend`` must share, named as users set
-        them, with their values as written. CPU ranks that differ would map each other's
-        shared memory at different sizes (SIGBUS), or wait for a shared-memory setup or a
-        hierarchy that the others never start; NCCL ranks whose agreement check differs
-        would wait for a side channel the others never open. So they are compared across
-        ranks before anything else is set up (Note [Shared settings] in
-        csrc/store/exchange.h). The algorithm is not among them: it travels with every call,
-        and ranks that choose differently get a MismatchError there; nor is the timeout,
-        which each rank may set for itself."""
-        if backend == "nccl":
-            return {f"{CHECK} (or new_group's check=)": repr(self.check)}
-        return {f"{TRANSPORT} (or new_group's transport=)": repr(self.transport),
-                SHM_BYTES: str(self.shm_bytes),
-                HIERARCHY: "1" if self.hierarchy else "0"}
-
-
-def _choice(env: Mapping[str, str], name: str, choices: Sequence[str]) -> str:
-    """The value of ``name`` (the first choice when unset); ValueError naming it otherwise."""
-    value = (_get(env, name) or choices[0]).strip().lower()
-    if value not in choices:
-        raise ValueError(f"meshcoll: {name}={value!r}: use one of {', '.join(choices)}")
-    return value
-
-
-def group_options_from_env(environ: Optional[Mapping[str, str]] = None) -> GroupOptions:
-    return GroupOptions(transport=transport_from_env(environ), shm_bytes=shm_bytes_from_env(environ),
-                        hierarchy=hierarchy_from_env(environ),
-                        algorithm=algorithm_from_env(environ), debug=debug_from_env(environ),
-                        check=_choice(os.environ if environ is None else environ, CHECK,
-                                      CHECK_MODES))
-
-
-@dataclass(frozen=True)
-class CoreConfig:
-    """The C++ core's process-wide settings (csrc/common/config.h), field for field; the
-    defaults are those of an unset environment and equal the C++ defaults."""
-
-    host_id: str = ""         # MESHCOLL_HOST_ID: same-host identity override ("": derived)
-    cma: bool = True          # MESHCOLL_CMA: cross-memory attach on one host
-    simd: str = ""            # MESHCOLL_SIMD: cap the reduction kernels ("": no cap)
-    nccl_trace: bool = False  # MESHCOLL_NCCL_TRACE: print each NCCL loading step
-    nccl_library: str = ""    # MESHCOLL_NCCL_LIBRARY: libnccl.so.2 to try first
-    nccl_split: bool = True   # MESHCOLL_NCCL_SPLIT: subgroups through ncclCommSplit
-    # MESHCOLL_NCCL_DIRECT_BYTES: the largest call for meshcoll's direct kernels (0: never)
-    nccl_direct_bytes: int = 256 << 10
-    abort_on_error: bool = False  # MESHCOLL_ON_ERROR=abort: a failed group ends the process
-    host_timers: bool = False  # MESHCOLL_HOST_TIMERS: time each fast-path call's steps
-    fault: str = ""           # MESHCOLL_FAULT (tests): "kill@<point>" or "stop@<point>", see fault_point
-
-
-SIMD_LEVELS = ("baseline", "avx2", "avx512")  # the values of MESHCOLL_SIMD
-# Where MESHCOLL_FAULT may strike: the fault_point() calls of the C++ core (the steps of a
-# group's setup, csrc/common/config.h). A point named nowhere would never fire, and a fault
-# test using it would pass without injecting anything.
-FAULT_POINTS = ("settings", "shm/host", "shm/created", "shm/mapped", "shm/cma")
-
-
-def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
-    text = _get(env, name)
-    if text is None:
-        return default
-    if text not in ("0", "1"):
-        raise ValueError(f"meshcoll: {name}={text!r}: use 0 or 1 (or unset it)")
-    return text == "1"
-
-
-def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreConfig:
-    """The C++ core's settings from MESHCOLL_HOST_ID, _CMA, _SIMD, _NCCL_TRACE,
-    _NCCL_LIBRARY, _NCCL_SPLIT, _NCCL_DIRECT_BYTES, _ON_ERROR, _HOST_TIMERS and _FAULT; ValueError naming the variable for a bad value. The
-    compiled module installs the result once, when it is imported (Note [Configuration])."""
-    env = os.environ if environ is None else environ
-    simd = _get(env, SIMD) or ""
-    if simd and simd not in SIMD_LEVELS:
-        raise ValueError(f"meshcoll: {SIMD}={simd!r} is not a SIMD level; use "
-                         f"{', '.join(SIMD_LEVELS)} (or unset it)")
-    fault = _get(env, FAULT) or ""
-    action, _, point = fault.partition("@")
-    if fault and (action not in ("kill", "stop") or point not in FAULT_POINTS):
-        raise ValueError(f"meshcoll: {FAULT}={fault!r}: use kill@<point> or stop@<point> (fault "
-                         f"injection, for tests), where <point> is one of "
-                         f"{', '.join(FAULT_POINTS)}; or unset it")
-    direct = _get(env, NCCL_DIRECT_BYTES)
-    direct_bytes = 256 << 10 if direct is None else _parse_int(direct, NCCL_DIRECT_BYTES)
-    if not 0 <= direct_bytes <= 64 << 20:
-        raise ValueError(f"meshcoll: {NCCL_DIRECT_BYTES}={direct!r}: use 0 (off) to 67108864 "
-                         f"bytes (or unset it: 262144)")
-    return CoreConfig(
-        host_id=_get(env, HOST_ID) or "",
-        cma=_flag(env, CMA, True),
-        simd=simd,
-        nccl_trace=_flag(env, NCCL_TRACE, False),
-        nccl_library=_get(env, NCCL_LIBRARY) or "",
-        nccl_split=_flag(env, NCCL_SPLIT, True),
-        nccl_direct_bytes=direct_bytes,
-        abort_on_error=_choice(env, ON_ERROR, ON_ERROR_CHOICES) == "abort",
-        host_timers=_flag(env, HOST_TIMERS, False),
-        fault=fault,
-    )

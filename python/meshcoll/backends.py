@@ -1,0 +1,114 @@
+"""The backend factory: makes a group, its C++ backend (the CPU one, or the NCCL one through
+nccl.py) and, for a group spanning hosts, its hierarchy (hierarchy.py).
+
+A ProcessGroup gets its backend ready-made, and makes its subgroups through the factory
+that made it (``make_group``, which every group holds): so process_group.py imports neither
+this module nor hierarchy.py, and nccl.py knows no ProcessGroup. ``meshcoll.init`` makes the
+world here (world.py); tools/check_imports.py draws the graph and fails on a circle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import warnings
+from typing import Iterator, List, Optional, Sequence, Tuple, Union, cast
+
+from . import _C, _settings, nccl
+from ._types import AlgorithmName, BackendName
+from .arrays import HostArrays
+from .collectives import CollectiveConfig
+from .hierarchy import Hierarchy, host_of_each_rank
+from .process_group import ProcessGroup
+
+__all__ = ["make_group"]
+
+
+def _comm_id(name: str, token: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{token}/{name}".encode(), digest_size=8).digest(), "little")
+
+
+def _shared(ranks: Sequence[int], label: Optional[str], opts: _settings.GroupOptions,
+            backend: str) -> List[Tuple[str, str]]:
+    """What every member must agree on before the group is set up (Note [Shared settings]
+    in csrc/store/exchange.h): its members and name, then its backend's settings."""
+    return [(_settings.MEMBERS, repr(list(ranks))), (_settings.NAME, repr(label)),
+            *opts.shared(backend).items()]
+
+
+@contextlib.contextmanager
+def _naming_setup(name: str, ranks: List[int]) -> Iterator[None]:
+    """A failure while the group is set up says which group (its name and members)."""
+    try:
+        yield
+    except (_C.TimeoutError, _C.PeerError) as e:
+        raise type(e)(f"{e} (during setup of group {name!r}, global ranks {ranks})") from None
+
+
+def make_group(store: _C.Store, ranks: Sequence[int], rank: int, name: str, *,
+               timeout: float, bind_host: str, token: str,
+               parent: Optional[ProcessGroup] = None, backend: BackendName = "cpu",
+               device: Optional[int] = None, color: int = 0,
+               options: Optional[_settings.GroupOptions] = None,
+               label: Optional[str] = None) -> ProcessGroup:
+    """Collective over ``ranks`` (and, for an NCCL subgroup, over its parent): the group
+    ``name``, this process being group rank ``rank``, with its backend set up, its members
+    past a barrier and, spanning hosts, its hierarchy built. ``options``: the group
+    settings (``init`` reads them from the MESHCOLL_* environment; None: the defaults).
+    ``label``: the name new_group or split was given (Note [Group names])."""
+    opts = options if options is not None else _settings.GroupOptions()
+    ranks = list(ranks)
+    prefixed = _C.PrefixStore(f"mc/{name}", store)
+    channel = None
+    be: Union[_C.CpuBackend, _C.NcclBackend]
+    if backend == "nccl":
+        dev = parent._device if parent is not None else device
+        # nccl.world_device names the world's device; children inherit their parent's.
+        assert dev is not None
+        device = int(dev)
+        if len(ranks) > 1:  # before NCCL's init; the NCCL backend compares none
+            _C.agree_on_settings(prefixed, rank, len(ranks), _shared(ranks, label, opts, "nccl"),
+                                 timeout, ranks)
+        be = nccl.make_backend(prefixed, rank, len(ranks), device, timeout,
+                               parent._nccl_backend() if parent is not None else None, color)
+        if len(ranks) > 1 and opts.check != "off":
+            # Note [Agreement on a side channel] (csrc/comm/agreement.h): the ranks'
+            # calls are compared on a CPU group of the same ranks.
+            channel = _C.CpuBackend(_C.PrefixStore(f"mc/{name}/agree", store), rank,
+                                    len(ranks), timeout, bind_host, token,
+                                    _comm_id(name + "/agree", token), "auto", 64 << 10,
+                                    False, ranks)
+        config = CollectiveConfig("auto")  # NCCL picks its own algorithms
+    else:
+        device = None
+        with _naming_setup(name, ranks):
+            be = _C.CpuBackend(prefixed, rank, len(ranks), timeout, bind_host, token,
+                               _comm_id(name, token), opts.transport, opts.shm_bytes,
+                               opts.debug, ranks, _shared(ranks, label, opts, "cpu"))
+        # MESHCOLL_ALGO's text; CollectiveConfig checks it against the core's names.
+        config = CollectiveConfig(cast(AlgorithmName, opts.algorithm))
+    be.set_identity(ranks, name if label is None else label)
+    if isinstance(be, _C.NcclBackend):
+        if channel is not None:
+            be.set_agreement(channel, opts.check == "strict")
+        # Note [Direct kernels] (csrc/nccl/direct/direct.h): collective, like the group itself.
+        be.setup_direct(timeout)
+    group = ProcessGroup(store, ranks, name, be, kind=backend,
+                         arrays=nccl.CudaArrays if backend == "nccl" else HostArrays,
+                         device=device, config=config, timeout=timeout, bind_host=bind_host,
+                         token=token, options=opts, make_group=make_group, label=label,
+                         names=parent._names if parent is not None else None)
+    # Every member is done with the store for this group before anyone returns: rank 0
+    # may otherwise exit (closing the store) while a peer still rendezvouses through it.
+    with _naming_setup(name, ranks):
+        group.barrier()
+    # Note [Hierarchy] in hierarchy.py: the children; the backend runs the steps.
+    transport = be.transport
+    if transport.startswith("tcp") and len(ranks) > 1 and opts.transport == "auto":
+        hosts = host_of_each_rank(group)
+        if len(set(hosts)) > 1:
+            group._hier = Hierarchy.build(group, hosts) if opts.hierarchy else None
+        elif transport.startswith("tcp (") and rank == 0:
+            warnings.warn(f"meshcoll group {name!r}: {transport}; falling back to TCP "
+                          "between same-host ranks", RuntimeWarning, stacklevel=3)
+    return group
