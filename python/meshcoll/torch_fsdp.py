@@ -227,11 +227,9 @@ class _Unit:
         self.gathering: Optional[Tuple[Any, Any]] = None  # (Work, source) of a started gather
         self.acc: Optional[torch.Tensor] = None    # no_sync's running sum of flat gradients
         self._placeholders()
-        self.hooks_ctx: List[Any] = []
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
-        if checkpoint:
-            self._wrap_checkpoint()
+        self._wrap_forward()
 
     # ---- arrays ------------------------------------------------------------------------
     def _arr(self, t: torch.Tensor) -> Any:
@@ -302,7 +300,6 @@ class _Unit:
     # ---- forward -----------------------------------------------------------------------
     def _pre_forward(self, module: torch.nn.Module, args: Tuple[Any, ...],
                      kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-        global _current
         if self.ctx is None:
             self._become_root()
         ctx = self.ctx
@@ -310,7 +307,6 @@ class _Unit:
         if self.is_root:
             if ctx.order:
                 ctx.recording = False
-            ctx.active = []
             if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
                 args, kwargs = _cast((args, kwargs), self.mp.param_dtype)
         if ctx.recording:
@@ -321,22 +317,9 @@ class _Unit:
             nxt.start_gather()  # prefetch: runs while this unit computes
         if not self.checkpoint:
             self.use()
-        ctx.active.append(self)
-        if self.reshard and not self.checkpoint and torch.is_grad_enabled():
-            hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
-            hooks.__enter__()
-            self.hooks_ctx.append(hooks)
-        self._previous_current, _current = _current, ctx
         return args, kwargs
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        global _current
-        _current = self._previous_current
-        if self.hooks_ctx:
-            self.hooks_ctx.pop().__exit__(None, None, None)
-        assert self.ctx is not None
-        if self.ctx.active and self.ctx.active[-1] is self:
-            self.ctx.active.pop()
         if self.reshard:
             self.free()
         if self.is_root and self.mp.output_dtype is not None:
@@ -353,10 +336,12 @@ class _Unit:
         self.is_root = True
         self.reshard = False  # its backward comes first: FSDP2 keeps the root's too
 
-    def _wrap_checkpoint(self) -> None:
-        """``checkpoint=True``: the unit's forward runs under torch.utils.checkpoint
-        (non-reentrant), its parameters set inside, so its backward recomputes it from the
-        inputs, gathering the parameters again (Note [The unit's step])."""
+    def _wrap_forward(self) -> None:
+        """The module's forward runs with the unit marked active and, when resharded, the
+        saved-tensor hooks that let it free its parameters (Note [The unit's step]): context
+        managers, so an error inside leaves no hook behind. ``checkpoint=True``: it runs under
+        torch.utils.checkpoint (non-reentrant), its parameters set inside, so backward
+        recomputes it from the inputs, gathering the parameters again."""
         from torch.utils.checkpoint import checkpoint
         inner = self.module.forward
 
@@ -365,9 +350,23 @@ class _Unit:
             return inner(*args, **kwargs)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return run(*args, **kwargs)
-            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+            global _current
+            ctx = self.ctx
+            assert ctx is not None  # the pre-hook ran
+            previous, _current = _current, ctx
+            ctx.active.append(self)
+            try:
+                if not torch.is_grad_enabled():
+                    return run(*args, **kwargs) if self.checkpoint else inner(*args, **kwargs)
+                if self.checkpoint:
+                    return checkpoint(run, *args, use_reentrant=False, **kwargs)
+                if not self.reshard:
+                    return inner(*args, **kwargs)
+                with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+                    return inner(*args, **kwargs)
+            finally:
+                ctx.active.remove(self)
+                _current = previous
         self.module.forward = forward
 
     # ---- backward ----------------------------------------------------------------------

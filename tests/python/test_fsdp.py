@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -181,18 +182,25 @@ def _killed(pg, victim):
     if pg.rank == victim:
         net(x)  # the forward's gathers with every rank, then death before backward
         os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
     try:
         torch.nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
         net(x)
-        return ("no error", "")
+        out = ("no error", "", time.monotonic() - t0)
     except (meshcoll.PeerError, meshcoll.TimeoutError) as e:
-        return (type(e).__name__, str(e))
+        out = (type(e).__name__, str(e), time.monotonic() - t0)
+    try:
+        g.destroy()
+    except meshcoll.MeshcollError:
+        pass
+    return out + (time.monotonic() - t0,)
 
 
 def test_a_rank_killed_mid_step_is_a_peer_error_on_every_survivor(run_ranks):
     results = run_ranks(3, _killed, victim=2, may_die=(2,), timeout=90, init_timeout=60)
     for rank in (0, 1):
-        kind, msg = results[rank]
+        kind, msg, took, with_teardown = results[rank]
         assert kind == "PeerError", (rank, kind, msg)
+        assert took < 20 and with_teardown < 30, (rank, took, with_teardown)
         assert "rank 2" in msg or "rank(s) 2" in msg, (rank, msg)
