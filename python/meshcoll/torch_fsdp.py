@@ -616,20 +616,27 @@ _CLASSES: Dict[type, type] = {}  # module class -> its sharded class (one each)
 
 def clip_grad_norm_(module: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` (2-norm) over a sharded model: the squared norms of
-    the shards' gradients summed over each unit's shard group (collective). Returns the
-    total norm."""
+    the shards' gradients summed over each unit's shard group (collective: every rank calls
+    it), the gradients scaled by min(1, max_norm / (norm + 1e-6)) without waiting for the
+    device. Returns the total norm (a 0-d float64 tensor on the shards' device)."""
+    from .torch import _operand
     units = [getattr(m, _ATTR) for m in module.modules() if hasattr(m, _ATTR)]
-    total = torch.zeros(1, dtype=torch.float64)
+    if not units:
+        raise ValueError("clip_grad_norm_: the module holds no fully_shard unit")
+    sums: Dict[int, Tuple[ProcessGroup, torch.Tensor]] = {}
+    for u in units:
+        group, acc = sums.get(id(u.group), (u.group, torch.zeros(
+            1, dtype=torch.float64, device=u.device)))
+        if u.shard.grad is not None:  # a missing gradient counts as zeros on this rank
+            acc = acc + u.shard.grad.detach().double().pow(2).sum()
+        sums[id(u.group)] = (group, acc)
+    total = torch.zeros(1, dtype=torch.float64, device=units[0].device)
+    for group, acc in sums.values():  # one all-reduce per shard group (hybrid: the shard dim)
+        group.all_reduce(_operand(acc, group, "clip_grad_norm_'s sum"), op="sum")
+        total = total + acc
+    norm = total.sqrt().reshape(())
+    coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
     for u in units:
         if u.shard.grad is not None:
-            part = u.shard.grad.detach().double().pow(2).sum().reshape(1).cpu()
-            arr = part.numpy()
-            u.group.all_reduce(arr, op="sum")
-            total += torch.from_numpy(arr)
-    norm = total.sqrt()
-    coef = float(max_norm) / (float(norm) + 1e-6)
-    if coef < 1:
-        for u in units:
-            if u.shard.grad is not None:
-                u.shard.grad.mul_(coef)
+            u.shard.grad.mul_(coef.to(u.shard.grad.dtype))
     return norm

@@ -118,6 +118,22 @@ def _options(pg):
         {n: v.numpy() for n, v in fresh2.full_state_dict().items()},
         {n: v.numpy() for n, v in full.items()})
 
+    # clip_grad_norm_: the norm over every rank's shards and the clipped step, as torch's
+    # clip_grad_norm_ on DDP's full gradients.
+    ddp = torch.nn.parallel.DistributedDataParallel(base("transformer"))
+    net = sharded("transformer", group=pg)
+    x, y = batch("transformer", 0, pg.rank)
+    got_norms = []
+    for m, clip in ((ddp, torch.nn.utils.clip_grad_norm_), (net, mt.clip_grad_norm_)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        got_norms.append(float(clip(m.parameters() if m is ddp else m, 0.05)))
+        opt.step()
+    out["clip_norm"] = abs(got_norms[1] - got_norms[0]) / got_norms[0]
+    assert got_norms[0] > 0.05  # the clipping acted
+    out["clip_step"] = max_rel({n: v.numpy() for n, v in net.full_state_dict().items()},
+                               {n: p.detach().numpy() for n, p in ddp.module.named_parameters()})
+
     # Mixed precision: bf16 forward/backward, fp32 shards, reduce in fp32 and in bf16,
     # against torch's fully_shard with the same policy (on Gloo, in the same processes).
     for reduce in (torch.float32, torch.bfloat16):
@@ -142,7 +158,7 @@ def _exchange(pg, obj, root):
 
 def test_no_sync_checkpointing_state_dicts_and_mixed_precision(run_ranks):
     for res in run_ranks(2, _options, timeout=140, init_timeout=90):
-        for case in ("no_sync", "checkpoint"):
+        for case in ("no_sync", "checkpoint", "clip_norm", "clip_step"):
             assert res[case] < 1e-5, (case, res[case])
         for case in ("full_loads", "sharded_merged", "sharded_loads", "full_loads_sharded"):
             assert res[case] == 0.0, (case, res[case])
