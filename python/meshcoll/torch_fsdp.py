@@ -43,6 +43,9 @@ the next unit's gather (forward order of the first step), and the first unpack o
 backward starts the previous unit's, so gathers run while the unit computes.
 Stages 1 and 2 keep the flat buffer, and gather it again at the next forward only when the
 shard changed (its version counter: an optimizer steps it in place).
+On GPUs gathers run on one side stream and reductions on another, each after the work queued
+on the current stream so far (the tensors they use are recorded on it); waiting for a Work
+orders the current stream after it, and nothing in the step blocks the host.
 
 Note [Sharded state dicts]
 ``full_state_dict()`` gathers every unit's fp32 shards and returns the unwrapped model's
@@ -102,10 +105,13 @@ class _Context:
         self.units = units
         self.order: List[_Unit] = []       # forward order, recorded in the first step
         self.recording = True
-        self.pending: List[Tuple[_Unit, Any, Any, Any]] = []  # started gradient reductions
+        self.pending: List[Tuple[_Unit, Any, Any]] = []  # started reductions: (unit, Work, out)
         self.callback_queued = False
         self.active: List[_Unit] = []      # units whose forward is running
-        self.stream: Any = None            # CUDA: the communication stream
+        # CUDA: the streams gathers and reductions run on, two so that a prefetch in backward
+        # need not queue behind the reductions before it (as FSDP2's).
+        self.gather_stream: Any = None
+        self.reduce_stream: Any = None
 
     def next_of(self, unit: "_Unit", step: int) -> Optional["_Unit"]:
         if self.recording or unit not in self.order:
@@ -256,8 +262,8 @@ class _Unit:
         self.full_version = self.shard._version
         out = self._arr(self.full).reshape(self.group.size, -1)
         ctx = self.ctx
-        stream = ctx.stream if ctx is not None else None
-        if stream is not None:  # CUDA: gather on the communication stream
+        stream = ctx.gather_stream if ctx is not None else None
+        if stream is not None:  # CUDA: gather on the gather stream
             stream.wait_stream(torch.cuda.current_stream())
             src.record_stream(stream)
             self.full.record_stream(stream)
@@ -330,7 +336,8 @@ class _Unit:
         units = [getattr(m, _ATTR) for m in self.module.modules() if hasattr(m, _ATTR)]
         ctx = _Context(units)
         if self.device.type == "cuda":
-            ctx.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            ctx.gather_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            ctx.reduce_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         for u in units:
             u.ctx = ctx
         self.is_root = True
@@ -389,7 +396,7 @@ class _Unit:
         lo, hi = self.layout.shard_range(self.group.rank)
         out = g[lo:hi] if self.stage == 1 else torch.empty(self.layout.shard_numel,
                                                             dtype=g.dtype, device=g.device)
-        stream = ctx.stream
+        stream = ctx.reduce_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
             g.record_stream(stream)
@@ -398,7 +405,9 @@ class _Unit:
                 work = reduce_shard(self.group, self.stage, self._arr(g), self._arr(out))
         else:
             work = reduce_shard(self.group, self.stage, self._arr(g), self._arr(out))
-        ctx.pending.append((self, work, g, out))
+        # Not g: the operation holds it until it completes (on a GPU, record_stream), so each
+        # unit's full gradient is freed as its reduction ends, not at the end of backward.
+        ctx.pending.append((self, work, out))
 
     def _finish_backward(self) -> None:
         ctx = self.ctx
@@ -407,7 +416,7 @@ class _Unit:
         ctx.callback_queued = False
         error: Optional[BaseException] = None
         stream = _compute_stream(ctx)
-        for unit, work, _, out in pending:
+        for unit, work, out in pending:
             try:
                 if error is None:
                     finish_reduce(work, unit.replicate, unit._arr(out), stream)
@@ -438,7 +447,8 @@ def _modules_outside_units(module: torch.nn.Module) -> Iterator[Tuple[str, torch
 def _compute_stream(ctx: Optional[_Context]) -> Any:
     """Where a Work issued on the communication stream is waited for: the current stream
     (CUDA; the host goes on), or None (CPU)."""
-    return torch.cuda.current_stream() if ctx is not None and ctx.stream is not None else None
+    return torch.cuda.current_stream() if ctx is not None and ctx.gather_stream is not None \
+        else None
 
 
 def _cast(x: Any, dtype: torch.dtype) -> Any:
