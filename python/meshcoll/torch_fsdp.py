@@ -27,10 +27,10 @@ False`` only between forward and backward); every rank starts from rank 0's para
 Note [The unit's step]
 Forward pre-hook: the unit's flat buffer is all-gathered (in ``param_dtype``) unless a
 prefetch started it already, and passed through ``_Gather`` (an autograd Function whose
-input is the shard and whose output is the flat buffer), whose output the module's
-parameters are set to views of. Autograd sums the views' gradients into the flat gradient
-and calls ``_Gather.backward`` once the unit's whole backward is done: it starts the flat
-gradient's reduce-scatter (stage 1: all-reduce) asynchronously, in ``reduce_dtype``, and
+input is the shard and whose outputs are views of the flat buffer, one a parameter), which
+the module's parameters are set to. Autograd calls ``_Gather.backward`` once the unit's
+whole backward is done: it lays the parameters' gradients end to end (one flat gradient)
+and starts its reduce-scatter (stage 1: all-reduce) asynchronously, in ``reduce_dtype``, and
 returns nothing; one callback at the end of backward waits for them, all-reduces over the
 replicate group on a hybrid mesh, divides by the data-parallel size and adds each result to
 its shard's ``.grad`` (so gradient accumulation across backwards works as for any
@@ -101,8 +101,7 @@ class ShardedParameter:
 class _Context:
     """What the units of one root share over a step (made at the root's first forward)."""
 
-    def __init__(self, units: List["_Unit"]) -> None:
-        self.units = units
+    def __init__(self) -> None:
         self.order: List[_Unit] = []       # forward order, recorded in the first step
         self.recording = True
         self.pending: List[Tuple[_Unit, Any, Any]] = []  # started reductions: (unit, Work, out)
@@ -121,18 +120,30 @@ class _Context:
 
 
 class _Gather(torch.autograd.Function):
-    """shard -> flat buffer (gathered already); backward hands the flat gradient to the
-    unit (Note [The unit's step])."""
+    """shard -> the unit's parameters, views of its flat buffer (gathered already); backward
+    lays their gradients end to end, one copy each, and hands the flat gradient to the unit
+    (Note [The unit's step]). One output per parameter: views of one output would each give
+    autograd a gradient of the whole buffer to add up."""
 
     @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, unit: "_Unit") -> torch.Tensor:
+    def forward(ctx: Any, shard: torch.Tensor, unit: "_Unit") -> Tuple[torch.Tensor, ...]:
         ctx.unit = unit
-        assert unit.full is not None  # use() waited for the gather
-        return unit.full.detach()  # an alias: the unit keeps (and frees) the buffer itself
+        ctx.set_materialize_grads(False)
+        full = unit.full
+        assert full is not None  # use() waited for the gather
+        L = unit.layout  # the unit keeps (and frees) the buffer itself
+        return tuple(full[o:o + n].view(s) for o, n, s in zip(L.offsets, L.numels, L.shapes))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None]:
-        ctx.unit.post_backward(grad)
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[None, None]:
+        unit: _Unit = ctx.unit
+        L = unit.layout
+        like = next(g for g in grads if g is not None)  # backward runs for some gradient
+        parts = [g.reshape(-1) if g is not None else like.new_zeros(n)
+                 for g, n in zip(grads, L.numels)]
+        if L.padded > L.total:
+            parts.append(like.new_zeros(L.padded - L.total))
+        unit.post_backward(torch.cat(parts))
         return None, None
 
 
@@ -253,10 +264,10 @@ class _Unit:
         """Starts the all-gather of the flat buffer unless it is current or under way."""
         if self.gathering is not None:
             return
-        if self.full is not None and (self.stage == 3 or self.full_version == self.shard._version):
-            return
+        if self.full is not None and self.full_version == self.shard._version:
+            return  # current (a stage-3 unit whose backward never ran keeps a stale one)
         src = self.shard.detach().to(self.param_dtype)
-        if self.full is None or self.stage == 3:
+        if self.full is None or self.stage == 3:  # stages 1-2 gather into their own again
             self.full = torch.empty(self.layout.padded, dtype=self.param_dtype,
                                     device=self.device)
         self.full_version = self.shard._version
@@ -290,10 +301,9 @@ class _Unit:
     def use(self) -> None:
         """Gathered flat buffer -> the module's parameters, through _Gather (autograd)."""
         self.wait_gather()
-        full: torch.Tensor = _Gather.apply(self.shard, self)  # type: ignore[no-untyped-call]
-        for (mod, pname, _), off, n, shape in zip(self.entries, self.layout.offsets,
-                                                  self.layout.numels, self.layout.shapes):
-            mod.__dict__[pname] = full[off:off + n].view(shape)
+        views = _Gather.apply(self.shard, self)  # type: ignore[no-untyped-call]
+        for (mod, pname, _), view in zip(self.entries, views):
+            mod.__dict__[pname] = view
 
     def unshard_for_backward(self) -> None:
         first = self.full is None or self.gathering is not None
@@ -334,7 +344,7 @@ class _Unit:
 
     def _become_root(self) -> None:
         units = [getattr(m, _ATTR) for m in self.module.modules() if hasattr(m, _ATTR)]
-        ctx = _Context(units)
+        ctx = _Context()
         if self.device.type == "cuda":
             ctx.gather_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             ctx.reduce_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
@@ -539,6 +549,10 @@ class ShardedModule:
                 missing = [n for n in names if n not in state_dict]
                 if missing:
                     raise KeyError(f"load_full_state_dict: missing {missing[:10]}")
+                wrong = [f"{n} {tuple(state_dict[n].shape)} (the model's {s})"
+                         for n, s in zip(names, u.layout.shapes) if tuple(state_dict[n].shape) != s]
+                if wrong:
+                    raise ValueError(f"load_full_state_dict: shapes differ: {wrong[:10]}")
                 for k, a, b, at in u.layout.pieces(u.group.rank):
                     src = state_dict[names[k]].detach().reshape(-1)[a:b]
                     u.shard[at:at + b - a].copy_(src)
