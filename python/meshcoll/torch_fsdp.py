@@ -27,10 +27,10 @@ False`` only between forward and backward); every rank starts from rank 0's para
 Note [The unit's step]
 Forward pre-hook: the unit's flat buffer is all-gathered (in ``param_dtype``) unless a
 prefetch started it already, and passed through ``_Gather`` (an autograd Function whose
-input is the shard and whose output is the flat buffer), whose output the module's
-parameters are set to views of. Autograd sums the views' gradients into the flat gradient
-and calls ``_Gather.backward`` once the unit's whole backward is done: it starts the flat
-gradient's reduce-scatter (stage 1: all-reduce) asynchronously, in ``reduce_dtype``, and
+input is the shard and whose outputs are views of the flat buffer, one a parameter), which
+the module's parameters are set to. Autograd calls ``_Gather.backward`` once the unit's
+whole backward is done: it lays the parameters' gradients end to end (one flat gradient)
+and starts its reduce-scatter (stage 1: all-reduce) asynchronously, in ``reduce_dtype``, and
 returns nothing; one callback at the end of backward waits for them, all-reduces over the
 replicate group on a hybrid mesh, divides by the data-parallel size and adds each result to
 its shard's ``.grad`` (so gradient accumulation across backwards works as for any
@@ -43,6 +43,9 @@ the next unit's gather (forward order of the first step), and the first unpack o
 backward starts the previous unit's, so gathers run while the unit computes.
 Stages 1 and 2 keep the flat buffer, and gather it again at the next forward only when the
 shard changed (its version counter: an optimizer steps it in place).
+On GPUs gathers run on one side stream and reductions on another, each after the work queued
+on the current stream so far (the tensors they use are recorded on it); waiting for a Work
+orders the current stream after it, and nothing in the step blocks the host.
 
 Note [Sharded state dicts]
 ``full_state_dict()`` gathers every unit's fp32 shards and returns the unwrapped model's
@@ -99,14 +102,16 @@ class ShardedParameter:
 class _Context:
     """What the units of one root share over a step (made at the root's first forward)."""
 
-    def __init__(self, units: List["_Unit"]) -> None:
-        self.units = units
+    def __init__(self) -> None:
         self.order: List[_Unit] = []       # forward order, recorded in the first step
         self.recording = True
-        self.pending: List[Tuple[_Unit, Any, Any, Any]] = []  # started gradient reductions
+        self.pending: List[Tuple[_Unit, Any, Any]] = []  # started reductions: (unit, Work, out)
         self.callback_queued = False
         self.active: List[_Unit] = []      # units whose forward is running
-        self.stream: Any = None            # CUDA: the communication stream
+        # CUDA: the streams gathers and reductions run on, two so that a prefetch in backward
+        # need not queue behind the reductions before it (as FSDP2's).
+        self.gather_stream: Any = None
+        self.reduce_stream: Any = None
 
     def next_of(self, unit: "_Unit", step: int) -> Optional["_Unit"]:
         if self.recording or unit not in self.order:
@@ -116,18 +121,30 @@ class _Context:
 
 
 class _Gather(torch.autograd.Function):
-    """shard -> flat buffer (gathered already); backward hands the flat gradient to the
-    unit (Note [The unit's step])."""
+    """shard -> the unit's parameters, views of its flat buffer (gathered already); backward
+    lays their gradients end to end, one copy each, and hands the flat gradient to the unit
+    (Note [The unit's step]). One output per parameter: views of one output would each give
+    autograd a gradient of the whole buffer to add up."""
 
     @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, unit: "_Unit") -> torch.Tensor:
+    def forward(ctx: Any, shard: torch.Tensor, unit: "_Unit") -> Tuple[torch.Tensor, ...]:
         ctx.unit = unit
-        assert unit.full is not None  # use() waited for the gather
-        return unit.full.detach()  # an alias: the unit keeps (and frees) the buffer itself
+        ctx.set_materialize_grads(False)
+        full = unit.full
+        assert full is not None  # use() waited for the gather
+        L = unit.layout  # the unit keeps (and frees) the buffer itself
+        return tuple(full[o:o + n].view(s) for o, n, s in zip(L.offsets, L.numels, L.shapes))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, None]:
-        ctx.unit.post_backward(grad)
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[None, None]:
+        unit: _Unit = ctx.unit
+        L = unit.layout
+        like = next(g for g in grads if g is not None)  # backward runs for some gradient
+        parts = [g.reshape(-1) if g is not None else like.new_zeros(n)
+                 for g, n in zip(grads, L.numels)]
+        if L.padded > L.total:
+            parts.append(like.new_zeros(L.padded - L.total))
+        unit.post_backward(torch.cat(parts))
         return None, None
 
 
@@ -228,11 +245,9 @@ class _Unit:
         self.gathering: Optional[Tuple[Any, Any]] = None  # (Work, source) of a started gather
         self.acc: Optional[torch.Tensor] = None    # no_sync's running sum of flat gradients
         self._placeholders()
-        self.hooks_ctx: List[Any] = []
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
-        if checkpoint:
-            self._wrap_checkpoint()
+        self._wrap_forward()
 
     # ---- arrays ------------------------------------------------------------------------
     def _arr(self, t: torch.Tensor) -> Any:
@@ -249,17 +264,17 @@ class _Unit:
         """Starts the all-gather of the flat buffer unless it is current or under way."""
         if self.gathering is not None:
             return
-        if self.full is not None and (self.stage == 3 or self.full_version == self.shard._version):
-            return
+        if self.full is not None and self.full_version == self.shard._version:
+            return  # current (a stage-3 unit whose backward never ran keeps a stale one)
         src = self.shard.detach().to(self.param_dtype)
-        if self.full is None or self.stage == 3:
+        if self.full is None or self.stage == 3:  # stages 1-2 gather into their own again
             self.full = torch.empty(self.layout.padded, dtype=self.param_dtype,
                                     device=self.device)
         self.full_version = self.shard._version
         out = self._arr(self.full).reshape(self.group.size, -1)
         ctx = self.ctx
-        stream = ctx.stream if ctx is not None else None
-        if stream is not None:  # CUDA: gather on the communication stream
+        stream = ctx.gather_stream if ctx is not None else None
+        if stream is not None:  # CUDA: gather on the gather stream
             stream.wait_stream(torch.cuda.current_stream())
             src.record_stream(stream)
             self.full.record_stream(stream)
@@ -286,10 +301,9 @@ class _Unit:
     def use(self) -> None:
         """Gathered flat buffer -> the module's parameters, through _Gather (autograd)."""
         self.wait_gather()
-        full: torch.Tensor = _Gather.apply(self.shard, self)  # type: ignore[no-untyped-call]
-        for (mod, pname, _), off, n, shape in zip(self.entries, self.layout.offsets,
-                                                  self.layout.numels, self.layout.shapes):
-            mod.__dict__[pname] = full[off:off + n].view(shape)
+        views = _Gather.apply(self.shard, self)  # type: ignore[no-untyped-call]
+        for (mod, pname, _), view in zip(self.entries, views):
+            mod.__dict__[pname] = view
 
     def unshard_for_backward(self) -> None:
         first = self.full is None or self.gathering is not None
@@ -302,7 +316,6 @@ class _Unit:
     # ---- forward -----------------------------------------------------------------------
     def _pre_forward(self, module: torch.nn.Module, args: Tuple[Any, ...],
                      kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-        global _current
         if self.ctx is None:
             self._become_root()
         ctx = self.ctx
@@ -310,7 +323,6 @@ class _Unit:
         if self.is_root:
             if ctx.order:
                 ctx.recording = False
-            ctx.active = []
             if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
                 args, kwargs = _cast((args, kwargs), self.mp.param_dtype)
         if ctx.recording:
@@ -321,22 +333,9 @@ class _Unit:
             nxt.start_gather()  # prefetch: runs while this unit computes
         if not self.checkpoint:
             self.use()
-        ctx.active.append(self)
-        if self.reshard and not self.checkpoint and torch.is_grad_enabled():
-            hooks = torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
-            hooks.__enter__()
-            self.hooks_ctx.append(hooks)
-        self._previous_current, _current = _current, ctx
         return args, kwargs
 
     def _post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
-        global _current
-        _current = self._previous_current
-        if self.hooks_ctx:
-            self.hooks_ctx.pop().__exit__(None, None, None)
-        assert self.ctx is not None
-        if self.ctx.active and self.ctx.active[-1] is self:
-            self.ctx.active.pop()
         if self.reshard:
             self.free()
         if self.is_root and self.mp.output_dtype is not None:
@@ -345,18 +344,21 @@ class _Unit:
 
     def _become_root(self) -> None:
         units = [getattr(m, _ATTR) for m in self.module.modules() if hasattr(m, _ATTR)]
-        ctx = _Context(units)
+        ctx = _Context()
         if self.device.type == "cuda":
-            ctx.stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            ctx.gather_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            ctx.reduce_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
         for u in units:
             u.ctx = ctx
         self.is_root = True
         self.reshard = False  # its backward comes first: FSDP2 keeps the root's too
 
-    def _wrap_checkpoint(self) -> None:
-        """``checkpoint=True``: the unit's forward runs under torch.utils.checkpoint
-        (non-reentrant), its parameters set inside, so its backward recomputes it from the
-        inputs, gathering the parameters again (Note [The unit's step])."""
+    def _wrap_forward(self) -> None:
+        """The module's forward runs with the unit marked active and, when resharded, the
+        saved-tensor hooks that let it free its parameters (Note [The unit's step]): context
+        managers, so an error inside leaves no hook behind. ``checkpoint=True``: it runs under
+        torch.utils.checkpoint (non-reentrant), its parameters set inside, so backward
+        recomputes it from the inputs, gathering the parameters again."""
         from torch.utils.checkpoint import checkpoint
         inner = self.module.forward
 
@@ -365,9 +367,23 @@ class _Unit:
             return inner(*args, **kwargs)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return run(*args, **kwargs)
-            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+            global _current
+            ctx = self.ctx
+            assert ctx is not None  # the pre-hook ran
+            previous, _current = _current, ctx
+            ctx.active.append(self)
+            try:
+                if not torch.is_grad_enabled():
+                    return run(*args, **kwargs) if self.checkpoint else inner(*args, **kwargs)
+                if self.checkpoint:
+                    return checkpoint(run, *args, use_reentrant=False, **kwargs)
+                if not self.reshard:
+                    return inner(*args, **kwargs)
+                with torch.autograd.graph.saved_tensors_hooks(_pack, _unpack):
+                    return inner(*args, **kwargs)
+            finally:
+                ctx.active.remove(self)
+                _current = previous
         self.module.forward = forward
 
     # ---- backward ----------------------------------------------------------------------
@@ -390,7 +406,7 @@ class _Unit:
         lo, hi = self.layout.shard_range(self.group.rank)
         out = g[lo:hi] if self.stage == 1 else torch.empty(self.layout.shard_numel,
                                                             dtype=g.dtype, device=g.device)
-        stream = ctx.stream
+        stream = ctx.reduce_stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
             g.record_stream(stream)
@@ -399,7 +415,9 @@ class _Unit:
                 work = reduce_shard(self.group, self.stage, self._arr(g), self._arr(out))
         else:
             work = reduce_shard(self.group, self.stage, self._arr(g), self._arr(out))
-        ctx.pending.append((self, work, g, out))
+        # Not g: the operation holds it until it completes (on a GPU, record_stream), so each
+        # unit's full gradient is freed as its reduction ends, not at the end of backward.
+        ctx.pending.append((self, work, out))
 
     def _finish_backward(self) -> None:
         ctx = self.ctx
@@ -408,7 +426,7 @@ class _Unit:
         ctx.callback_queued = False
         error: Optional[BaseException] = None
         stream = _compute_stream(ctx)
-        for unit, work, _, out in pending:
+        for unit, work, out in pending:
             try:
                 if error is None:
                     finish_reduce(work, unit.replicate, unit._arr(out), stream)
@@ -439,7 +457,8 @@ def _modules_outside_units(module: torch.nn.Module) -> Iterator[Tuple[str, torch
 def _compute_stream(ctx: Optional[_Context]) -> Any:
     """Where a Work issued on the communication stream is waited for: the current stream
     (CUDA; the host goes on), or None (CPU)."""
-    return torch.cuda.current_stream() if ctx is not None and ctx.stream is not None else None
+    return torch.cuda.current_stream() if ctx is not None and ctx.gather_stream is not None \
+        else None
 
 
 def _cast(x: Any, dtype: torch.dtype) -> Any:
@@ -530,6 +549,10 @@ class ShardedModule:
                 missing = [n for n in names if n not in state_dict]
                 if missing:
                     raise KeyError(f"load_full_state_dict: missing {missing[:10]}")
+                wrong = [f"{n} {tuple(state_dict[n].shape)} (the model's {s})"
+                         for n, s in zip(names, u.layout.shapes) if tuple(state_dict[n].shape) != s]
+                if wrong:
+                    raise ValueError(f"load_full_state_dict: shapes differ: {wrong[:10]}")
                 for k, a, b, at in u.layout.pieces(u.group.rank):
                     src = state_dict[names[k]].detach().reshape(-1)[a:b]
                     u.shard[at:at + b - a].copy_(src)
@@ -617,20 +640,27 @@ _CLASSES: Dict[type, type] = {}  # module class -> its sharded class (one each)
 
 def clip_grad_norm_(module: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` (2-norm) over a sharded model: the squared norms of
-    the shards' gradients summed over each unit's shard group (collective). Returns the
-    total norm."""
+    the shards' gradients summed over each unit's shard group (collective: every rank calls
+    it), the gradients scaled by min(1, max_norm / (norm + 1e-6)) without waiting for the
+    device. Returns the total norm (a 0-d float64 tensor on the shards' device)."""
+    from .torch import _operand
     units = [getattr(m, _ATTR) for m in module.modules() if hasattr(m, _ATTR)]
-    total = torch.zeros(1, dtype=torch.float64)
+    if not units:
+        raise ValueError("clip_grad_norm_: the module holds no fully_shard unit")
+    sums: Dict[int, Tuple[ProcessGroup, torch.Tensor]] = {}
+    for u in units:
+        group, acc = sums.get(id(u.group), (u.group, torch.zeros(
+            1, dtype=torch.float64, device=u.device)))
+        if u.shard.grad is not None:  # a missing gradient counts as zeros on this rank
+            acc = acc + u.shard.grad.detach().double().pow(2).sum()
+        sums[id(u.group)] = (group, acc)
+    total = torch.zeros(1, dtype=torch.float64, device=units[0].device)
+    for group, acc in sums.values():  # one all-reduce per shard group (hybrid: the shard dim)
+        group.all_reduce(_operand(acc, group, "clip_grad_norm_'s sum"), op="sum")
+        total = total + acc
+    norm = total.sqrt().reshape(())
+    coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
     for u in units:
         if u.shard.grad is not None:
-            part = u.shard.grad.detach().double().pow(2).sum().reshape(1).cpu()
-            arr = part.numpy()
-            u.group.all_reduce(arr, op="sum")
-            total += torch.from_numpy(arr)
-    norm = total.sqrt()
-    coef = float(max_norm) / (float(norm) + 1e-6)
-    if coef < 1:
-        for u in units:
-            if u.shard.grad is not None:
-                u.shard.grad.mul_(coef)
+            u.shard.grad.mul_(coef.to(u.shard.grad.dtype))
     return norm

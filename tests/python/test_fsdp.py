@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -65,8 +66,9 @@ def _hybrid(pg):
     out = {}
     for opt_name in ("sgd", "adamw"):
         ref = ddp_reference(pg, "mlp", opt_name)
-        net = sharded("mlp", mesh=mesh)
-        out[opt_name] = max_rel(train(net, "mlp", opt_name, pg.rank), ref)
+        for stage in ((1, 2, 3) if opt_name == "sgd" else (3,)):
+            net = sharded("mlp", mesh=mesh, stage=stage)
+            out[(opt_name, stage)] = max_rel(train(net, "mlp", opt_name, pg.rank), ref)
     return out
 
 
@@ -117,6 +119,22 @@ def _options(pg):
         {n: v.numpy() for n, v in fresh2.full_state_dict().items()},
         {n: v.numpy() for n, v in full.items()})
 
+    # clip_grad_norm_: the norm over every rank's shards and the clipped step, as torch's
+    # clip_grad_norm_ on DDP's full gradients.
+    ddp = torch.nn.parallel.DistributedDataParallel(base("transformer"))
+    net = sharded("transformer", group=pg)
+    x, y = batch("transformer", 0, pg.rank)
+    got_norms = []
+    for m, clip in ((ddp, torch.nn.utils.clip_grad_norm_), (net, mt.clip_grad_norm_)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        got_norms.append(float(clip(m.parameters() if m is ddp else m, 0.05)))
+        opt.step()
+    out["clip_norm"] = abs(got_norms[1] - got_norms[0]) / got_norms[0]
+    assert got_norms[0] > 0.05  # the clipping acted
+    out["clip_step"] = max_rel({n: v.numpy() for n, v in net.full_state_dict().items()},
+                               {n: p.detach().numpy() for n, p in ddp.module.named_parameters()})
+
     # Mixed precision: bf16 forward/backward, fp32 shards, reduce in fp32 and in bf16,
     # against torch's fully_shard with the same policy (on Gloo, in the same processes).
     for reduce in (torch.float32, torch.bfloat16):
@@ -141,7 +159,7 @@ def _exchange(pg, obj, root):
 
 def test_no_sync_checkpointing_state_dicts_and_mixed_precision(run_ranks):
     for res in run_ranks(2, _options, timeout=140, init_timeout=90):
-        for case in ("no_sync", "checkpoint"):
+        for case in ("no_sync", "checkpoint", "clip_norm", "clip_step"):
             assert res[case] < 1e-5, (case, res[case])
         for case in ("full_loads", "sharded_merged", "sharded_loads", "full_loads_sharded"):
             assert res[case] == 0.0, (case, res[case])
@@ -181,18 +199,25 @@ def _killed(pg, victim):
     if pg.rank == victim:
         net(x)  # the forward's gathers with every rank, then death before backward
         os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
     try:
         torch.nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
         net(x)
-        return ("no error", "")
+        out = ("no error", "", time.monotonic() - t0)
     except (meshcoll.PeerError, meshcoll.TimeoutError) as e:
-        return (type(e).__name__, str(e))
+        out = (type(e).__name__, str(e), time.monotonic() - t0)
+    try:
+        g.destroy()
+    except meshcoll.MeshcollError:
+        pass
+    return out + (time.monotonic() - t0,)
 
 
 def test_a_rank_killed_mid_step_is_a_peer_error_on_every_survivor(run_ranks):
     results = run_ranks(3, _killed, victim=2, may_die=(2,), timeout=90, init_timeout=60)
     for rank in (0, 1):
-        kind, msg = results[rank]
+        kind, msg, took, with_teardown = results[rank]
         assert kind == "PeerError", (rank, kind, msg)
+        assert took < 20 and with_teardown < 30, (rank, took, with_teardown)
         assert "rank 2" in msg or "rank(s) 2" in msg, (rank, msg)
