@@ -643,7 +643,6 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float) -> torch.Tensor:
     the shards' gradients summed over each unit's shard group (collective: every rank calls
     it), the gradients scaled by min(1, max_norm / (norm + 1e-6)) without waiting for the
     device. Returns the total norm (a 0-d float64 tensor on the shards' device)."""
-    from .torch import _operand
     units = [getattr(m, _ATTR) for m in module.modules() if hasattr(m, _ATTR)]
     if not units:
         raise ValueError("clip_grad_norm_: the module holds no fully_shard unit")
