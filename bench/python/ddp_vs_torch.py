@@ -584,7 +584,7 @@ def init(args):
         device = torch.device("cpu")
         pg = meshcoll.init(backend="cpu")
     addr = rv.master_addr or "127.0.0.1"
-    port = args.torch_port
+    port = getattr(args, "torch_port", None)
     if port is None:
         # Rank 0 runs where meshcoll's store is: a second free port there, sent over meshcoll
         # (a host array; on NCCL groups it goes through the communicator).

@@ -51,15 +51,12 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable, Dict, List, Tuple  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 import meshcoll  # noqa: E402
 import meshcoll.torch as mct  # noqa: E402
-from meshcoll import _rendezvous  # noqa: E402
-from meshcoll.run import pick_free_port  # noqa: E402
 
 MiB = float(1 << 20)
 
@@ -120,23 +117,9 @@ class Model(nn.Module):
 
 
 def init(args) -> Tuple[Any, torch.device]:
-    rv = _rendezvous.rendezvous_from_env()
-    if args.backend == "nccl":
-        local = rv.local_rank if rv.local_rank is not None else rv.rank % torch.cuda.device_count()
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        pg = meshcoll.init(backend="nccl", device=local)
-    else:
-        device = torch.device("cpu")
-        pg = meshcoll.init(backend="cpu")
-    addr = rv.master_addr or "127.0.0.1"
-    mine = np.array([pick_free_port(addr) if pg.rank == 0 else 0], np.int64)
-    port = int(np.asarray(pg.all_gather(mine)).reshape(-1)[0])
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
-    kw: Dict[str, Any] = dict(device_id=device) if device.type == "cuda" else {}
-    dist.init_process_group("nccl" if args.backend == "nccl" else "gloo", init_method="env://",
-                            rank=pg.rank, world_size=pg.size, **kw)
-    return pg, device
+    """meshcoll's world group and torch.distributed's, as ddp_vs_torch.py joins them."""
+    from ddp_vs_torch import init as join_both  # this folder: the script's sys.path[0]
+    return join_both(args)
 
 
 def wrap(name: str, base: nn.Module, args, device: torch.device) -> nn.Module:
