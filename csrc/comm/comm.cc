@@ -325,9 +325,10 @@ void Comm::set_composed() {
   transport_->begin_collective(current_);  // frames of another call that came first disagree
 }
 
-void Comm::set_algorithm(const char* name, uint8_t code) {
+void Comm::set_algorithm(const char* name, uint8_t code, uint32_t arity) {
   algorithm_ = name;
   current_.op.algo = code;
+  current_.op.arity = arity;
   transport_->begin_collective(current_);  // re-check buffered frames with the algorithm known
 }
 

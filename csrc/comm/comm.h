@@ -151,8 +151,8 @@ class Comm {
   const Deadline& deadline() const { return deadline_; }
   // An entry point that chooses among algorithms records its choice before moving data: it
   // travels in every frame's OpDesc (ranks that chose differently get MismatchError) and
-  // names the algorithm in MESHCOLL_DEBUG=1 logs.
-  void set_algorithm(const char* name, uint8_t code);
+  // names the algorithm in MESHCOLL_DEBUG=1 logs. `arity`: a tree's (OpDesc::arity).
+  void set_algorithm(const char* name, uint8_t code, uint32_t arity = 0);
   // An operation whose steps run on other groups (Note [Hierarchy]) says so before running
   // them (its route is "hierarchy"). Its description takes the composed call's algorithm
   // code (kComposedAlgo), so a rank running the call flat, or another call, at its sequence

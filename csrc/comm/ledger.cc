@@ -54,6 +54,7 @@ std::string describe_op(const transport::OpDesc& d) {
                                             "direct", "shm",  "hierarchy"};
   static_assert(sizeof(kAlgorithms) / sizeof(kAlgorithms[0]) == kComposedAlgo + 1);
   if (d.algo) s += str_cat(", ", d.algo <= kComposedAlgo ? kAlgorithms[d.algo] : "?");
+  if (d.arity) s += str_cat(" of arity ", d.arity);  // a k-ary tree; none: binomial
   if (d.memory) s += str_cat(", symmetric buffers #", d.memory);
   if (d.block) s += str_cat(", in coalesced block ", d.block);
   // In a block, `shape` also holds the layout of fused calls (Note [Fused all_reduces]):

@@ -43,7 +43,8 @@ SPLIT = ("all_gather", "reduce_scatter", "all_to_all")  # count must divide by r
 # The all_reduce algorithms --algo can name (the API's names, which tests/python/test_typing.py
 # checks against the core's). "shm" needs a shared-memory group; the others run over
 # point-to-point links (TCP) on any group.
-ALGORITHMS: Tuple[AlgorithmName, ...] = tuple(a for a in get_args(AlgorithmName) if a != "auto")
+ALGORITHMS: Tuple[AlgorithmName, ...] = tuple(a for a in get_args(AlgorithmName)
+                                              if a not in ("auto", "centralized"))  # = direct
 P2P_ALGORITHMS = tuple(a for a in ALGORITHMS if a != "shm")
 REDOPS: Tuple[ReduceOpName, ...] = get_args(ReduceOpName)  # band, bor, bxor: integers, CPU
 # Where each op's result goes, as nccl-tests' two column groups: out-of-place (a buffer of
