@@ -86,6 +86,11 @@ namespace meshcoll::comm {
 struct AllReduceTuning {
   uint8_t algorithm = 0;
   uint16_t tree_arity = 0;  // an explicit tree's (Note [Trees] in algo/tree.h): 0 binomial, k >= 2
+  // A hierarchical call's steps (Note [Hierarchy] in python/meshcoll/hierarchy.py): the
+  // algorithm of the step of the same collective inside each host (local) and between the
+  // hosts' leaders (global); 0: auto.
+  uint8_t local_algorithm = 0;
+  uint8_t global_algorithm = 0;
   size_t max_segment_bytes = 512 * 1024;
   size_t tree_threshold_bytes = 256 * 1024;
   size_t hd_threshold_bytes = 8 << 20;

@@ -56,8 +56,9 @@ void CpuBackend::check_reduction(DType dt, RedOp op) const {
 
 void CpuBackend::check_options(const char* what, const comm::CallOptions& o) const {
   const auto& t = o.tuning;
-  if (t.algorithm > static_cast<uint8_t>(algo::Algorithm::kShm))
-    throw InvalidArgument(str_cat(what, ": unknown algorithm code ", int(t.algorithm)));
+  for (uint8_t code : {t.algorithm, t.local_algorithm, t.global_algorithm})
+    if (code > static_cast<uint8_t>(algo::Algorithm::kShm))
+      throw InvalidArgument(str_cat(what, ": unknown algorithm code ", int(code)));
   if (t.algorithm == static_cast<uint8_t>(algo::Algorithm::kShm) && !comm_->shm() &&
       size() > 1)
     throw InvalidArgument(str_cat(what, ": algorithm 'shm' needs every rank on one host with "
@@ -67,12 +68,15 @@ void CpuBackend::check_options(const char* what, const comm::CallOptions& o) con
     throw InvalidArgument(str_cat(what, ": tree arity 1 is no tree; use 0 (binomial) or >= 2"));
   const std::string op = what;
   if (op == "reduce" || op == "broadcast") {
+    for (uint8_t code : {t.algorithm, t.local_algorithm, t.global_algorithm}) {
+      const auto algorithm = static_cast<algo::Algorithm>(code);
+      if (!algo::algorithm_allowed(op == "reduce" ? algo::Selects::kReduce
+                                                  : algo::Selects::kBroadcast, algorithm))
+        throw InvalidArgument(str_cat(what, ": algorithm '", algo::algorithm_name(algorithm),
+                                      "' is not one of ", what, "'s: use auto, tree, direct",
+                                      op == "broadcast" ? " or ring" : ""));
+    }
     const auto algorithm = static_cast<algo::Algorithm>(t.algorithm);
-    if (!algo::algorithm_allowed(op == "reduce" ? algo::Selects::kReduce : algo::Selects::kBroadcast,
-                                 algorithm))
-      throw InvalidArgument(str_cat(what, ": algorithm '", algo::algorithm_name(algorithm),
-                                    "' is not one of ", what, "'s: use auto, tree, direct",
-                                    op == "broadcast" ? " or ring" : ""));
     if (algorithm == algo::Algorithm::kRing && comm_->shm() && size() > 1)
       throw InvalidArgument(str_cat(what, ": algorithm 'ring' (the chain over TCP) is for TCP "
                                     "groups; this group uses shared memory: use auto, tree or "
@@ -205,8 +209,8 @@ WorkPtr CpuBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out
 WorkPtr CpuBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
   const auto& t = c.opts.tuning;
   if (hier_ && t.algorithm == static_cast<uint8_t>(algo::Algorithm::kAuto))
-    return run(c, [h = hier_, buf = unowned(buf), root](comm::Comm& cm) {
-      hier_broadcast(cm, *h, buf, root);
+    return run(c, [h = hier_, buf = unowned(buf), root, t](comm::Comm& cm) {
+      hier_broadcast(cm, *h, buf, root, t);
     });
   algo::BroadcastArgs a{buf.mbytes(), root, t.max_segment_bytes,
                         static_cast<algo::Algorithm>(t.algorithm), t.tree_arity};

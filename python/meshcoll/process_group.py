@@ -93,12 +93,18 @@ class CollectiveConfig:
     takes the arity of the row it picks. What auto picks is one table, with where each
     threshold came from: ``selection_table()`` (Note [Selection table] in
     csrc/algo/select.cc); ``meshcoll-bench --algo all`` measures every choice side by side.
-    ``max_segment_bytes``: the pipelining segment of ring, tree and chain algorithms."""
+    ``max_segment_bytes``: the pipelining segment of ring, tree and chain algorithms.
+    ``local_*`` and ``global_*``: the algorithm of a hierarchical all_reduce's or broadcast's
+    step inside each host (shared memory) and between the hosts' leaders (TCP), on groups
+    that span hosts (Note [Hierarchy] in hierarchy.py; the call's own algorithm is then
+    auto: a named one runs flat)."""
 
     def __init__(self, algorithm: AlgorithmName = "auto", *, tree_threshold_bytes: int = 256 * 1024,
                  hd_threshold_bytes: int = 8 << 20, max_segment_bytes: int = 512 * 1024,
                  tree_arity: Union[int, str] = "binomial", reduce_algorithm: str = "auto",
-                 broadcast_algorithm: str = "auto") -> None:
+                 broadcast_algorithm: str = "auto", local_all_reduce: str = "auto",
+                 global_all_reduce: str = "auto", local_broadcast: str = "auto",
+                 global_broadcast: str = "auto") -> None:
         self.algorithm = algorithm
         self.tree_threshold_bytes = tree_threshold_bytes
         self.hd_threshold_bytes = hd_threshold_bytes
@@ -106,6 +112,10 @@ class CollectiveConfig:
         self.tree_arity = tree_arity
         self.reduce_algorithm = reduce_algorithm
         self.broadcast_algorithm = broadcast_algorithm
+        self.local_all_reduce = local_all_reduce
+        self.global_all_reduce = global_all_reduce
+        self.local_broadcast = local_broadcast
+        self.global_broadcast = global_broadcast
         self.validate()
 
     @classmethod
@@ -128,7 +138,10 @@ class CollectiveConfig:
             raise ValueError(f"CollectiveConfig: unknown algorithm {self.algorithm!r}; "
                              f"use one of {', '.join(names)}")
         for name, allowed in (("reduce_algorithm", REDUCE_ALGORITHMS),
-                              ("broadcast_algorithm", BROADCAST_ALGORITHMS)):
+                              ("broadcast_algorithm", BROADCAST_ALGORITHMS),
+                              ("local_all_reduce", names), ("global_all_reduce", names),
+                              ("local_broadcast", BROADCAST_ALGORITHMS[:3]),
+                              ("global_broadcast", BROADCAST_ALGORITHMS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"CollectiveConfig: {name} must be one of {', '.join(allowed)}, "
                                  f"got {getattr(self, name)!r}")
@@ -193,7 +206,8 @@ class CollectiveConfig:
 
 
 _CONFIG_FIELDS = ("algorithm", "tree_threshold_bytes", "hd_threshold_bytes", "max_segment_bytes",
-                  "tree_arity", "reduce_algorithm", "broadcast_algorithm")
+                  "tree_arity", "reduce_algorithm", "broadcast_algorithm", "local_all_reduce",
+                  "global_all_reduce", "local_broadcast", "global_broadcast")
 
 
 class Work:
@@ -634,11 +648,13 @@ class ProcessGroup:
             # [all_reduce_sync] in bind_backend.cc).
             self._backend.all_reduce_sync(x, op, timeout, stream, algo, cfg.max_segment_bytes,
                                           cfg.tree_threshold_bytes, cfg.hd_threshold_bytes,
-                                          cfg.arity_code)
+                                          cfg.arity_code, cfg.local_all_reduce,
+                                          cfg.global_all_reduce)
             return x
         w = self._backend.all_reduce(x, x, op, timeout, stream, True, algo,
                                      cfg.max_segment_bytes, cfg.tree_threshold_bytes,
-                                     cfg.hd_threshold_bytes, cfg.arity_code)
+                                     cfg.hd_threshold_bytes, cfg.arity_code,
+                                     cfg.local_all_reduce, cfg.global_all_reduce)
         return _result(w, x, True)
 
     @_collective
@@ -670,10 +686,12 @@ class ProcessGroup:
         algo = cfg.broadcast_algorithm if algorithm is None else algorithm
         if not async_op:  # one C++ call (Note [Rooted in-place calls] in bind_backend.cc)
             self._backend.broadcast_sync(x, src, timeout, stream, algo, cfg.arity_code,
-                                         cfg.max_segment_bytes)
+                                         cfg.max_segment_bytes, cfg.local_broadcast,
+                                         cfg.global_broadcast)
             return x
         return _result(self._backend.broadcast(x, src, timeout, stream, async_op, algo,
-                                               cfg.arity_code, cfg.max_segment_bytes),
+                                               cfg.arity_code, cfg.max_segment_bytes,
+                                               cfg.local_broadcast, cfg.global_broadcast),
                        x, async_op)
 
     @_collective

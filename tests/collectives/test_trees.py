@@ -9,6 +9,7 @@ so every fold order gives the same bits. Segments and shared-memory rounds are s
 them. Each (world, transport) runs every case in one job; a rank returns the wrong cases.
 """
 
+import os
 import re
 
 import numpy as np
@@ -213,3 +214,45 @@ def test_ranks_building_different_trees_get_mismatch_error(run_ranks, collective
         assert len(set(re.findall(r"rank (\d+)", msg))) >= 2, msg
         if collective != "algorithm":
             assert "arity 3" in msg, f"rank {rank}: the message does not show the trees: {msg}"
+
+
+# ---- the hierarchy's levels, set apart ----------------------------------------------------
+
+def _levels(pg, hosts):
+    os.environ["MESHCOLL_HOST_ID"] = hosts[pg.rank]  # emulated hosts (test_hierarchy.py)
+    meshcoll._C.reload_config()
+    g = pg.new_group(list(range(pg.size)))
+    assert g._hier is not None
+    g.config = meshcoll.CollectiveConfig(global_all_reduce="ring", local_all_reduce="direct",
+                                         global_broadcast="tree", local_broadcast="tree",
+                                         tree_arity=3)
+    n, r, wrong = g.size, g.rank, []
+    for count in COUNTS:
+        every = [inputs(k, count, np.int64, count) for k in range(n)]
+        x = every[r].copy()
+        g.all_reduce(x)
+        if not np.array_equal(x, np.sum(every, axis=0)):
+            wrong.append(f"all_reduce {count}")
+        for root in range(n):
+            x = every[r].copy()
+            g.broadcast(x, root)
+            if not np.array_equal(x, every[root]):
+                wrong.append(f"broadcast {count} root={root}")
+    leaders = g._hier.leaders.recent_calls() if g._hier.leaders.is_member else []
+    return wrong, leaders, g._hier.local.recent_calls(), g.recent_calls()
+
+
+@pytest.mark.timeout(90)
+def test_hierarchy_levels_take_their_own_algorithms(run_ranks):
+    hosts = ["h0", "h0", "h1", "h1", "h1"]
+    for rank, (wrong, leaders, local, calls) in enumerate(run_ranks(5, _levels, hosts=hosts)):
+        assert not wrong, f"rank {rank}: {wrong}"
+        assert all("hierarchy" in c for c in calls if "all_reduce" in c or "broadcast" in c)
+        # The children's ledgers name the route each step took (all_reduce's closing local
+        # broadcast is its own step, auto).
+        assert [c for c in local if "all_reduce" in c], local
+        assert all("via direct" in c for c in local if "all_reduce" in c), local
+        assert any("broadcast" in c and "via tree" in c for c in local), local
+        assert all("via ring" in c for c in leaders if "all_reduce" in c), leaders
+        assert all("via tree" in c for c in leaders if "broadcast" in c), leaders
+        assert bool(leaders) == (rank in (0, 2)), leaders
