@@ -24,7 +24,7 @@ bool algorithm_from_name(const std::string& name, Algorithm* out);
 struct SelectConfig {
   size_t direct_threshold_bytes = 64 * 1024;  // all_reduce, at or below (<= 8 ranks): direct
   size_t tree_threshold_bytes = 256 * 1024;   // all_reduce, at or below: tree (fewest steps)
-  size_t hd_threshold_bytes = 8 << 20;        // all_reduce, at or below, 2^k ranks: halving-doubling
+  size_t hd_threshold_bytes = 8 << 20;        // all_reduce, at or below, 2^k ranks: h-d
   size_t broadcast_tree_bytes = 64 * 1024;    // broadcast over TCP, at or below: binomial tree
 };
 
@@ -90,7 +90,7 @@ struct BroadcastArgs {
 };
 void broadcast(comm::Comm& comm, const BroadcastArgs& a);
 void chain_broadcast(comm::Comm& comm, const BroadcastArgs& a);  // TCP, pipelined
-void shm_broadcast(comm::Comm& comm, const BroadcastArgs& a);    // flat: every rank reads the root's
+void shm_broadcast(comm::Comm& comm, const BroadcastArgs& a);    // flat: all read the root's
 void shm_tree_broadcast(comm::Comm& comm, const BroadcastArgs& a);  // level by level, a.arity
 // Along the tree of `arity` rooted at `root`, over TCP, segment by segment (segments of at
 // most max_segment_bytes pipeline down or up the levels). The reduce leaves the result in

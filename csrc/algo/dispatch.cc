@@ -7,16 +7,15 @@
 // transport option: auto, shm or tcp). Such a group runs the shm_* family
 // (shm_collectives.cc); any other group the TCP family (one algorithm per file: ring
 // all_gather and reduce_scatter, pairwise all_to_all, direct gather and scatter, chain
-// broadcast, tree broadcast and reduce of any arity, dissemination barrier). Groups spanning hosts are
-// routed one level up, by CpuBackend, to the hierarchy (cpu/hierarchy.cc). all_reduce has a
-// selector of its own (all_reduce.cc), because it also chooses among the TCP algorithms by
-// size, and shared memory is one of its choices (kShm); broadcast and reduce take an
-// algorithm too, which picks the shape within the family: a tree of any arity, direct (the
-// flat tree), the chain ("ring", broadcast over TCP), or auto (Note [Selection table] in
-// select.cc). Steps both families share (size
-// checks, this rank's own block, a group of one, the division of avg) run here, so each
-// family's code does only what differs. The family a call took is written in its ledger
-// record (Comm::route).
+// broadcast, tree broadcast and reduce of any arity, dissemination barrier). Groups spanning
+// hosts are routed one level up, by CpuBackend, to the hierarchy (cpu/hierarchy.cc).
+// all_reduce has a selector of its own (all_reduce.cc), because it also chooses among the
+// TCP algorithms by size, and shared memory is one of its choices (kShm). broadcast and
+// reduce take an algorithm too, which picks the shape within the family: a tree of any
+// arity, direct (the flat tree), the chain ("ring", broadcast over TCP) or auto (Note
+// [Selection table] in select.cc). Steps both families share (size checks, this rank's own
+// block, a group of one, the division of avg) run here, so each family's code does only
+// what differs. The family a call took is written in its ledger record (Comm::route).
 #include <cstring>
 
 #include "algo/collectives.h"
@@ -79,11 +78,13 @@ namespace {
 Choice resolve_rooted(comm::Comm& comm, Selects c, Algorithm algorithm, int arity,
                       size_t nbytes, const SelectConfig& cfg) {
   Choice ch{algorithm, arity};
-  if (algorithm == Algorithm::kAuto) ch = select_algorithm(c, on_shm(comm), nbytes, comm.size(), cfg);
+  if (algorithm == Algorithm::kAuto)
+    ch = select_algorithm(c, on_shm(comm), nbytes, comm.size(), cfg);
   if (ch.algorithm != Algorithm::kTree) ch.arity = 0;
   comm.set_algorithm(algorithm_name(ch.algorithm), static_cast<uint8_t>(ch.algorithm),
                      static_cast<uint32_t>(ch.arity));
-  if (ch.algorithm == Algorithm::kDirect && !on_shm(comm)) ch = {Algorithm::kTree, comm.size() - 1};
+  if (ch.algorithm == Algorithm::kDirect && !on_shm(comm))
+    ch = {Algorithm::kTree, comm.size() - 1};  // one level: the root and every other rank
   return ch;
 }
 }  // namespace

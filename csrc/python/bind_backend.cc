@@ -475,7 +475,8 @@ void bind_backend(py::module_& m) {
                       "groups); returns out (Note [Synchronous gathers]).");
   add_fastcall_method(b, "broadcast_sync", &broadcast_sync,
                       "broadcast_sync(x, root, timeout, stream, algorithm, tree_arity, "
-                      "max_segment_bytes, local_algorithm, global_algorithm): x of rank root into every rank's x (Note [Rooted "
+                      "max_segment_bytes, local_algorithm, global_algorithm): x of rank root "
+                      "into every rank's x (Note [Rooted "
                       "in-place calls]).");
   add_fastcall_method(b, "reduce_sync", &reduce_sync,
                       "reduce_sync(x, root, op, timeout, stream, algorithm, tree_arity, "

@@ -26,12 +26,14 @@ def _bad_calls(pg):
     ro.setflags(write=False)
     cases = [
         ("no arguments", lambda: sync(), TypeError, "11 positional"),
-        ("keywords", lambda: sync(*_args(pg, f)[:10], global_algorithm="auto"), TypeError, "keyword"),
+        ("keywords", lambda: sync(*_args(pg, f)[:10], global_algorithm="auto"), TypeError,
+         "keyword"),
         ("list", lambda: sync(*_args(pg, [1.0])), TypeError, "numpy array"),
         ("op not str", lambda: sync(*_args(pg, f, op=3)), TypeError, "op"),
         ("negative size", lambda: sync(*_args(pg, f)[:5], -1, 1, 1, 0, "auto", "auto"), TypeError,
          "max_segment_bytes"),
-        ("zero segment", lambda: sync(*_args(pg, f)[:5], 0, 1, 1, 0, "auto", "auto"), ValueError, "> 0"),
+        ("zero segment", lambda: sync(*_args(pg, f)[:5], 0, 1, 1, 0, "auto", "auto"), ValueError,
+         "> 0"),
         ("bad op", lambda: sync(*_args(pg, f, op="bogus")), ValueError, "bogus"),
         ("bad algorithm", lambda: sync(*_args(pg, f, algorithm="zzz")), ValueError, "zzz"),
         ("bad timeout", lambda: sync(*_args(pg, f, timeout=-1.0)), ValueError, "timeout"),

@@ -40,7 +40,8 @@ tables print at the end. ``--algo`` names the algorithms of all_reduce, reduce a
 only on shared memory, broadcast's ``ring`` only over TCP), trees of arity 2, 4 and 8 too.
 An op run with several algorithms ends with a comparison: one row per size, one column per
 algorithm (time in us), the fastest marked ``*`` and what auto picks ``a`` (the selection
-table, ``CollectiveConfig.selection_table()``): the measurement that moves a threshold. Each row has nccl-tests' two column groups, out-of-place and in-place
+table, ``CollectiveConfig.selection_table()``): the measurement that moves a threshold.
+Each row has nccl-tests' two column groups, out-of-place and in-place
 (``PLACEMENTS``): all_reduce, broadcast and reduce work in place in meshcoll's API (no
 ``out=``), so their out-of-place group is N/A; all_gather and reduce_scatter run both ways (in
 place, as nccl-tests aliases them: the input is this rank's block of the output, or the
