@@ -319,7 +319,13 @@ def _fmt(v: Optional[float], spec: str, width: int) -> str:
 
 
 def print_table(op: str, records: List[dict], libs: List[str], args) -> None:
-    by = {(r["library"], r["size"]): r for r in records if r["op"] in (op, "memcpy", COPY)}
+    by = {(r["library"], r["size"]): r for r in records if r["op"] == op}
+
+    def roofline(lib: str, size: int) -> Optional[dict]:
+        # Measured at the sweep's sizes; all_gather's are rounded to whole rows per rank.
+        rs = [r for r in records if r["library"] == lib]
+        return min(rs, key=lambda r: abs(r["size"] - size)) if rs else None
+
     sizes = sorted({r["size"] for r in records if r["op"] == op})
     others = [l for l in libs if l in ("gloo", "mpi")]
     transports = sorted({f"{r['library']}={r['transport']}" for r in records
@@ -338,12 +344,12 @@ def print_table(op: str, records: List[dict], libs: List[str], args) -> None:
         rs = {l: by.get((l, size)) for l in libs}
         mc = rs.get("meshcoll")
         # memcpy of the bytes each rank holds: the output for all_gather, the buffer else
-        cp = by.get(("memcpy", size))
+        cp = roofline("memcpy", size)
         line = f"{size:12d}"
         line += "".join(_fmt(rs[l] and rs[l]["time"], ".1f", 10) for l in libs)
         line += "".join(_fmt(rs[l] and rs[l]["busbw"], ".3f", 10) for l in libs)
         line += _fmt(cp and cp["busbw"], ".2f", 10)
-        allcp = by.get((COPY, size))  # per rank, every rank copying at once
+        allcp = roofline(COPY, size)  # per rank, every rank copying at once
         line += _fmt(allcp and allcp["algbw"], ".2f", 10)
         for l in others:
             line += _fmt(mc["busbw"] / rs[l]["busbw"] if mc and rs[l] else None, ".2f", 9)
