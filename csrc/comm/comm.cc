@@ -314,7 +314,7 @@ void Comm::reap_in_flight() {
 
 const char* Comm::route() const {
   if (composed_) return "hierarchy";
-  if (*algorithm_) return algorithm_;  // all_reduce: the algorithm it chose
+  if (*algorithm_) return algorithm_;  // all_reduce, reduce, broadcast: the algorithm it chose
   if (size_ == 1) return "local";
   return used_tcp_ ? "tcp" : "shm";
 }

@@ -229,7 +229,7 @@ class Comm {
   void log_line(const std::string& what, uint64_t seq, const char* route, uint64_t bytes,
                 Clock::time_point t0, std::exception_ptr error);
   // How the running operation was carried, for the ledger: "shm", "tcp", "hierarchy", the
-  // all_reduce algorithm it chose, or "local" (a group of one).
+  // algorithm an all_reduce, reduce or broadcast chose, or "local" (a group of one).
   const char* route() const;
   std::string census(uint64_t seq);
   void start_p2p(Item& item);

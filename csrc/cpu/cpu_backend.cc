@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string_view>
 
 #include "algo/collectives.h"
 #include "common/error.h"
@@ -66,7 +67,7 @@ void CpuBackend::check_options(const char* what, const comm::CallOptions& o) con
   if (t.max_segment_bytes == 0) throw InvalidArgument("max_segment_bytes must be > 0");
   if (t.tree_arity == 1)
     throw InvalidArgument(str_cat(what, ": tree arity 1 is no tree; use 0 (binomial) or >= 2"));
-  const std::string op = what;
+  const std::string_view op = what;  // on every call: no allocation
   if (op == "reduce" || op == "broadcast") {
     for (uint8_t code : {t.algorithm, t.local_algorithm, t.global_algorithm}) {
       const auto algorithm = static_cast<algo::Algorithm>(code);
