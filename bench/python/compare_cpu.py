@@ -7,8 +7,12 @@ A benchmark, not a test (CI does not run it). Each library runs as its own set o
 processes, one library after the other: ``meshcoll-bench`` for meshcoll (once as it
 comes, shared memory on one host, and once forced onto TCP as ``meshcoll-tcp``), plain
 subprocesses with a TCP rendezvous for Gloo (``GLOO_SOCKET_IFNAME=lo``), ``mpirun`` for
-mpi4py. Each writes JSON lines; this parent merges them with a memcpy roofline (one
-thread, ``numpy.copyto`` of the same bytes) and prints one table per collective.
+mpi4py. Each writes JSON lines; this parent merges them with two memcpy rooflines and
+prints one table per collective: ``memcpy``, one thread copying ``size`` bytes
+(``numpy.copyto``) with the machine otherwise idle, and ``allcpy``, every rank copying its
+own ``size`` bytes at the same time, as separate processes (the same ranks, started by
+``meshcoll-run``; ``--worker copy``), per rank: what the memory system gives each rank when
+all of them stream at once, the bound a collective on one host shares.
 
 Every library is timed the same way as ``meshcoll-bench``: per size, ``-w`` warm-up
 calls, then ``--repeats`` times a barrier and ``-n`` back-to-back calls, each rank timing
@@ -17,7 +21,14 @@ over repeats. When several collectives are measured they take turns within each 
 Sizes and busbw follow nccl-tests (see ``meshcoll.bench``): all_reduce in place,
 all_gather with ``size`` = the output bytes. The ratios are meshcoll's busbw over the
 other's (> 1: meshcoll is faster; at small sizes it is the inverse ratio of the times),
-and ``mc/cpy`` meshcoll's busbw over the memcpy bandwidth.
+``mc/cpy`` meshcoll's busbw over the one-thread memcpy bandwidth, and ``mc/mem`` meshcoll's
+share of the memory roofline. Its model: on one host an all_reduce or all_gather of ``size``
+bytes must at least read every byte of every rank's inputs once and write every byte of
+every rank's output once, 2 x size x ranks bytes through memory in all, which is exactly
+what every rank copying ``size`` bytes at once moves; so ``mc/mem`` = the all-ranks copy's
+time over meshcoll's (meshcoll's algbw over ``allcpy``; 1.0 would be a collective as cheap
+as one copy of its output). Real algorithms move more (the single-copy all_reduce reads
+about 2 x size and writes about 1 x size per rank), so well-made ones sit below 1.
 
 Needs: ``pip install torch`` (CPU wheel is enough) and, for MPI, Debian's
 ``libopenmpi-dev openmpi-bin`` then ``pip install mpi4py``. A missing library is skipped
@@ -46,6 +57,7 @@ from meshcoll.bench import BUS_FACTORS, element_counts, parse_size, plot_records
 from meshcoll.run import pick_free_port
 
 LIBS = ("meshcoll", "meshcoll-tcp", "gloo", "mpi")
+COPY = "allcpy"  # the all-ranks copy: a roofline, measured like a library
 _SHORT = {"meshcoll-tcp": "mc-tcp"}  # column titles
 OPS = ("all_reduce", "all_gather")
 _LAUNCH_PREFIXES = ("MESHCOLL_", "OMPI_", "PMI_", "PMIX_", "SLURM_")
@@ -122,6 +134,38 @@ def worker_gloo(args) -> None:
     dist.destroy_process_group()
 
 
+def worker_copy(args) -> None:
+    """Every rank copies its own ``size`` bytes (numpy.copyto) at the same time, timed as a
+    collective is (barrier, -n copies, the slowest rank's mean); a record per size."""
+    import meshcoll
+
+    pg = meshcoll.init()
+    records = []
+    for nbytes in sweep(args):
+        src = np.ones(max(nbytes // 4, 1), np.float32)
+        dst = np.empty_like(src)
+        for _ in range(args.warmup):
+            np.copyto(dst, src)
+        ts = []
+        for _ in range(args.repeats):
+            pg.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.iters):
+                np.copyto(dst, src)
+            t = np.array([(time.perf_counter() - t0) / args.iters])
+            pg.all_reduce(t, "max")
+            ts.append(float(t[0]))
+        t = statistics.median(ts)
+        records.append({"library": COPY, "op": COPY, "size": src.nbytes, "time": t * 1e6,
+                        "algbw": src.nbytes / t / 1e9, "busbw": src.nbytes / t / 1e9,
+                        "times": [x * 1e6 for x in ts], "ranks": pg.size})
+    if pg.rank == 0:
+        with open(args.out, "w") as f:
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+    meshcoll.destroy()
+
+
 def worker_mpi(args) -> None:
     from mpi4py import MPI
 
@@ -173,7 +217,12 @@ def available(lib: str) -> Optional[str]:
 def run_lib(lib: str, args, tmp: str) -> List[dict]:
     out = os.path.join(tmp, f"{lib}.jsonl")
     me = os.path.abspath(__file__)
-    if lib.startswith("meshcoll"):
+    if lib == COPY:
+        cmd = [sys.executable, "-m", "meshcoll.run", "-n", str(args.nproc), me, "--worker",
+               "copy"] + _worker_args(args, out)
+        procs = [subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True,
+                                timeout=args.stage_timeout)]
+    elif lib.startswith("meshcoll"):
         cmd = [sys.executable, "-m", "meshcoll.bench", "-N", str(args.nproc), "--op",
                ",".join(args.ops), "-c", "1", "--json", out] + _common(args)
         if lib == "meshcoll-tcp":
@@ -270,7 +319,13 @@ def _fmt(v: Optional[float], spec: str, width: int) -> str:
 
 
 def print_table(op: str, records: List[dict], libs: List[str], args) -> None:
-    by = {(r["library"], r["size"]): r for r in records if r["op"] in (op, "memcpy")}
+    by = {(r["library"], r["size"]): r for r in records if r["op"] == op}
+
+    def roofline(lib: str, size: int) -> Optional[dict]:
+        # Measured at the sweep's sizes; all_gather's are rounded to whole rows per rank.
+        rs = [r for r in records if r["library"] == lib]
+        return min(rs, key=lambda r: abs(r["size"] - size)) if rs else None
+
     sizes = sorted({r["size"] for r in records if r["op"] == op})
     others = [l for l in libs if l in ("gloo", "mpi")]
     transports = sorted({f"{r['library']}={r['transport']}" for r in records
@@ -280,24 +335,32 @@ def print_table(op: str, records: List[dict], libs: List[str], args) -> None:
           f"{args.repeats} repeats  {' '.join(transports)}")
     names = [_SHORT.get(l, l) for l in libs]
     print("#" + f"{'size':>11}" + "".join(f"{l:>10}" for l in names)
-          + "".join(f"{l:>10}" for l in names) + f"{'memcpy':>10}"
-          + "".join(f"{'mc/' + l:>9}" for l in others + ["cpy"]))
+          + "".join(f"{l:>10}" for l in names) + f"{'memcpy':>10}{COPY:>10}"
+          + "".join(f"{'mc/' + l:>9}" for l in others + ["cpy", "mem"]))
     print("#" + f"{'(B)':>11}" + f"{'time (us)':>{10 * len(libs)}}"
-          + f"{'busbw (GB/s)':>{10 * len(libs)}}" + f"{'(GB/s)':>10}"
-          + f"{'busbw ratio':>{9 * (len(others) + 1)}}")
+          + f"{'busbw (GB/s)':>{10 * len(libs)}}" + f"{'(GB/s)':>20}"
+          + f"{'busbw ratio':>{9 * (len(others) + 1)}}{'share':>9}")
     for size in sizes:
         rs = {l: by.get((l, size)) for l in libs}
         mc = rs.get("meshcoll")
         # memcpy of the bytes each rank holds: the output for all_gather, the buffer else
-        cp = by.get(("memcpy", size))
+        cp = roofline("memcpy", size)
         line = f"{size:12d}"
         line += "".join(_fmt(rs[l] and rs[l]["time"], ".1f", 10) for l in libs)
         line += "".join(_fmt(rs[l] and rs[l]["busbw"], ".3f", 10) for l in libs)
         line += _fmt(cp and cp["busbw"], ".2f", 10)
+        allcp = roofline(COPY, size)  # per rank, every rank copying at once
+        line += _fmt(allcp and allcp["algbw"], ".2f", 10)
         for l in others:
             line += _fmt(mc["busbw"] / rs[l]["busbw"] if mc and rs[l] else None, ".2f", 9)
         line += _fmt(mc["busbw"] / cp["busbw"] if mc and cp else None, ".2f", 9)
+        # Note the model in the module docstring: the least traffic is every rank copying
+        # `size` bytes once, so the share is meshcoll's algbw over the all-ranks copy's.
+        line += _fmt(mc["algbw"] / allcp["algbw"] if mc and allcp else None, ".2f", 9)
         print(line)
+    print(f"# allcpy: GB/s per rank with all {args.nproc} ranks copying size bytes at once; "
+          "mc/mem: meshcoll's algbw over it, its share of the least memory traffic (read "
+          "every input byte once, write every output byte once: 2 x size x ranks bytes)")
     print()
 
 
@@ -320,7 +383,7 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write every record (JSON lines) here")
     p.add_argument("--plot", default=None, help="busbw against size, every library (PNG)")
     # internal: a worker rank of one library
-    p.add_argument("--worker", choices=["gloo", "mpi"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["gloo", "mpi", "copy"], help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     p.add_argument("--world", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -341,6 +404,9 @@ def main(argv=None) -> int:
     if args.worker == "mpi":
         worker_mpi(args)
         return 0
+    if args.worker == "copy":
+        worker_copy(args)
+        return 0
 
     print(f"# machine: {machine()}; shared with other work, so expect noise")
     records: List[dict] = []
@@ -356,6 +422,9 @@ def main(argv=None) -> int:
             records += run_lib(lib, args, tmp)
             libs.append(lib)
             print(f"# {lib}: {time.monotonic() - t0:.0f} s", flush=True)
+        t0 = time.monotonic()
+        records += run_lib(COPY, args, tmp)  # the same ranks, after every library
+        print(f"# {COPY}: {time.monotonic() - t0:.0f} s", flush=True)
     records += memcpy_roofline(args)
     print(f"# total {time.monotonic() - t_start:.0f} s\n")
     for op in args.ops:

@@ -76,7 +76,8 @@ def rank_main(rank, world, port, token, args, conn):
             "all_reduce": (
                 lambda: pg.all_reduce(x),
                 lambda: be.all_reduce_sync(x, "sum", None, None, "auto", cfg.max_segment_bytes,
-                                           cfg.tree_threshold_bytes, cfg.hd_threshold_bytes),
+                                           cfg.tree_threshold_bytes, cfg.hd_threshold_bytes,
+                                           0, "auto", "auto"),
                 lambda: cc.allReduce(xp, xp, n, F32, SUM, sp)),
             "all_gather": (
                 lambda: pg.all_gather(x, out=agv),
@@ -88,7 +89,7 @@ def rank_main(rank, world, port, token, args, conn):
                 lambda: cc.reduceScatter(xsp, op_, n, F32, SUM, sp)),
             "broadcast": (
                 lambda: pg.broadcast(x, src=0),
-                lambda: be.broadcast_sync(x, 0, None, None),
+                lambda: be.broadcast_sync(x, 0, None, None, "auto", 0, 512 << 10, "auto", "auto"),
                 lambda: cc.bcast(xp, n, F32, 0, sp)),
         }
         # A round trip between pairs of ranks (0 and 1, 2 and 3, ...): the even rank sends
@@ -132,7 +133,8 @@ def rank_main(rank, world, port, token, args, conn):
                 block(lambda t: be.all_reduce_sync(t, "sum", None, None, "auto",
                                                    cfg.max_segment_bytes,
                                                    cfg.tree_threshold_bytes,
-                                                   cfg.hd_threshold_bytes)),
+                                                   cfg.hd_threshold_bytes, 0, "auto",
+                                                   "auto")),
                 cupy_block)
         rows, steps = [], {}
         for name, fs in cases.items():

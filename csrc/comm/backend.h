@@ -81,10 +81,16 @@
 
 namespace meshcoll::comm {
 
-// How all_reduce picks its algorithm on the CPU backend (codes of Algorithm; the NCCL
-// backend takes 0, auto, only: NCCL picks its own).
+// How all_reduce, reduce and broadcast pick their algorithm on the CPU backend (codes of
+// Algorithm; the NCCL backend takes 0, auto, only: NCCL picks its own).
 struct AllReduceTuning {
   uint8_t algorithm = 0;
+  uint16_t tree_arity = 0;  // an explicit tree's (Note [Trees] in cpu/algo/tree.h): 0 binomial, k >= 2
+  // A hierarchical call's steps (Note [Hierarchy] in python/meshcoll/hierarchy.py): the
+  // algorithm of the step of the same collective inside each host (local) and between the
+  // hosts' leaders (global); 0: auto.
+  uint8_t local_algorithm = 0;
+  uint8_t global_algorithm = 0;
   size_t max_segment_bytes = 512 * 1024;
   size_t tree_threshold_bytes = 256 * 1024;
   size_t hd_threshold_bytes = 8 << 20;
@@ -102,7 +108,7 @@ struct CallOptions {
   // A backend may then run it to completion itself and return no Work (CPU: Note [Inline
   // execution]); one that returns a Work leaves the wait to the caller.
   bool wait = false;
-  AllReduceTuning tuning;    // all_reduce only
+  AllReduceTuning tuning;    // all_reduce, reduce and broadcast
   // A step of a composed call (the hierarchy's): that call's envelope, whose description and
   // sequence number the step's description carries whole (its block, and a fingerprint of
   // the rest in `shape`), so the steps of calls that differ, or of different calls of the

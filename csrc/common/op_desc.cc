@@ -52,6 +52,11 @@ const char* algorithm_name(Algorithm a) {
 }
 
 bool algorithm_from_name(const std::string& name, Algorithm* out) {
+  // "centralized" (reduce to a root, then broadcast from it) is what direct does.
+  if (name == "centralized") {
+    *out = Algorithm::kDirect;
+    return true;
+  }
   for (auto a : {Algorithm::kAuto, Algorithm::kRing, Algorithm::kTree,
                  Algorithm::kHalvingDoubling, Algorithm::kDirect, Algorithm::kShm}) {
     if (name == algorithm_name(a)) {
@@ -76,6 +81,7 @@ std::string describe_op(const OpDesc& d) {
     s += str_cat(", ", d.algo < kComposedAlgo    ? algorithm_name(static_cast<Algorithm>(d.algo))
                        : d.algo == kComposedAlgo ? "hierarchy"
                                                  : "?");
+  if (d.arity) s += str_cat(" of arity ", d.arity);  // a k-ary tree; none: binomial
   if (d.memory) s += str_cat(", symmetric buffers #", d.memory);
   if (d.block) s += str_cat(", in coalesced block ", d.block);
   // In a block, `shape` also holds the layout of fused calls (Note [Fused all_reduces]):

@@ -17,8 +17,8 @@ struct OpDesc {
   uint8_t coll = 0;    // CollKind
   uint8_t dtype = 0;   // DType
   uint8_t redop = 0;   // RedOp
-  uint8_t algo = 0;   // algorithm code when several exist (all_reduce), so a rank running
-                      // another algorithm is a mismatch, not a hang
+  uint8_t algo = 0;   // algorithm code when several exist (all_reduce, reduce, broadcast),
+                      // so a rank running another algorithm is a mismatch, not a hang
   int32_t root = -1;
   uint64_t count = 0;  // elements (per rank, as the collective defines it)
   // A fingerprint of what else the result depends on (Note [Fingerprints]): the array's
@@ -32,12 +32,15 @@ struct OpDesc {
   // symmetric windows and offsets of the call's buffers (Note [Symmetric memory]), which
   // must be the same on every rank.
   uint32_t memory = 0;
-  uint32_t reserved = 0;  // always 0: whole 8-byte words keep the shared-memory slot's
-                          // payload 8-aligned, and NCCL hashes the struct word by word
+  // The tree's arity when `algo` is a tree (0: binomial; Note [Trees] in cpu/algo/tree.h), so
+  // ranks that build different trees disagree instead of waiting on each other; else 0.
+  // (A whole 8-byte word keeps the shared-memory slot's payload 8-aligned, and NCCL hashes
+  // the struct word by word.)
+  uint32_t arity = 0;
   bool operator==(const OpDesc& o) const {
     return coll == o.coll && dtype == o.dtype && redop == o.redop && algo == o.algo &&
            root == o.root && count == o.count && shape == o.shape && memory == o.memory &&
-           block == o.block;
+           block == o.block && arity == o.arity;
   }
   bool operator!=(const OpDesc& o) const { return !(*this == o); }
 };

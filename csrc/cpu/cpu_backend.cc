@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string_view>
 
 #include "cpu/algo/collectives.h"
 #include "common/error.h"
@@ -56,13 +57,32 @@ void CpuBackend::check_reduction(DType dt, RedOp op) const {
 
 void CpuBackend::check_options(const char* what, const comm::CallOptions& o) const {
   const auto& t = o.tuning;
-  if (t.algorithm > static_cast<uint8_t>(Algorithm::kShm))
-    throw InvalidArgument(str_cat(what, ": unknown algorithm code ", int(t.algorithm)));
+  for (uint8_t code : {t.algorithm, t.local_algorithm, t.global_algorithm})
+    if (code > static_cast<uint8_t>(Algorithm::kShm))
+      throw InvalidArgument(str_cat(what, ": unknown algorithm code ", int(code)));
   if (t.algorithm == static_cast<uint8_t>(Algorithm::kShm) && !comm_->shm() &&
       size() > 1)
     throw InvalidArgument(str_cat(what, ": algorithm 'shm' needs every rank on one host with "
                                   "shared memory; this group uses ", comm_->shm_status()));
   if (t.max_segment_bytes == 0) throw InvalidArgument("max_segment_bytes must be > 0");
+  if (t.tree_arity == 1)
+    throw InvalidArgument(str_cat(what, ": tree arity 1 is no tree; use 0 (binomial) or >= 2"));
+  const std::string_view op = what;  // on every call: no allocation
+  if (op == "reduce" || op == "broadcast") {
+    for (uint8_t code : {t.algorithm, t.local_algorithm, t.global_algorithm}) {
+      const auto algorithm = static_cast<Algorithm>(code);
+      if (!algo::algorithm_allowed(op == "reduce" ? algo::Selects::kReduce
+                                                  : algo::Selects::kBroadcast, algorithm))
+        throw InvalidArgument(str_cat(what, ": algorithm '", algorithm_name(algorithm),
+                                      "' is not one of ", what, "'s: use auto, tree, direct",
+                                      op == "broadcast" ? " or ring" : ""));
+    }
+    const auto algorithm = static_cast<Algorithm>(t.algorithm);
+    if (algorithm == Algorithm::kRing && comm_->shm() && size() > 1)
+      throw InvalidArgument(str_cat(what, ": algorithm 'ring' (the chain over TCP) is for TCP "
+                                    "groups; this group uses shared memory: use auto, tree or "
+                                    "direct"));
+  }
 }
 
 template <class Op>
@@ -169,6 +189,7 @@ WorkPtr CpuBackend::run_all_reduce(Call& c, const ArrayView& in, const ArrayView
   a.dtype = in.dtype;
   a.op = op;
   a.algorithm = static_cast<Algorithm>(t.algorithm);
+  a.arity = t.tree_arity;
   a.max_segment_bytes = t.max_segment_bytes;
   a.select.tree_threshold_bytes = t.tree_threshold_bytes;
   a.select.hd_threshold_bytes = t.hd_threshold_bytes;
@@ -178,18 +199,22 @@ WorkPtr CpuBackend::run_all_reduce(Call& c, const ArrayView& in, const ArrayView
 WorkPtr CpuBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op,
                               int root) {
   // Off the root, out is not written: it may be any size (the entry point checked the root's).
+  const auto& t = c.opts.tuning;
   algo::ReduceArgs a{in.cbytes(), rank() == root ? out.mbytes() : MutBytes(), in.count,
-                     in.dtype, op, root};
-  return run(c, [a](Comm& cm) { algo::reduce(cm, a); });
+                     in.dtype, op, root, static_cast<Algorithm>(t.algorithm),
+                     t.tree_arity, t.max_segment_bytes};
+  return run(c, [a](cpu::Comm& cm) { algo::reduce(cm, a); });
 }
 
 WorkPtr CpuBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
-  if (hier_)
-    return run(c, [h = hier_, buf = unowned(buf), root](Comm& cm) {
-      hier_broadcast(cm, *h, buf, root);
+  const auto& t = c.opts.tuning;
+  if (hier_ && t.algorithm == static_cast<uint8_t>(Algorithm::kAuto))
+    return run(c, [h = hier_, buf = unowned(buf), root, t](cpu::Comm& cm) {
+      hier_broadcast(cm, *h, buf, root, t);
     });
-  algo::BroadcastArgs a{buf.mbytes(), root};
-  return run(c, [a](Comm& cm) { algo::broadcast(cm, a); });
+  algo::BroadcastArgs a{buf.mbytes(), root, t.max_segment_bytes,
+                        static_cast<Algorithm>(t.algorithm), t.tree_arity};
+  return run(c, [a](cpu::Comm& cm) { algo::broadcast(cm, a); });
 }
 
 WorkPtr CpuBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,

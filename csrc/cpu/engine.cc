@@ -314,7 +314,7 @@ void Comm::reap_in_flight() {
 
 const char* Comm::route() const {
   if (composed_) return "hierarchy";
-  if (*algorithm_) return algorithm_;  // all_reduce: the algorithm it chose
+  if (*algorithm_) return algorithm_;  // all_reduce, reduce, broadcast: the algorithm it chose
   if (size_ == 1) return "local";
   return used_tcp_ ? "tcp" : "shm";
 }
@@ -325,9 +325,10 @@ void Comm::set_composed() {
   transport_->begin_collective(current_);  // frames of another call that came first disagree
 }
 
-void Comm::set_algorithm(const char* name, uint8_t code) {
+void Comm::set_algorithm(const char* name, uint8_t code, uint32_t arity) {
   algorithm_ = name;
   current_.op.algo = code;
+  current_.op.arity = arity;
   transport_->begin_collective(current_);  // re-check buffered frames with the algorithm known
 }
 

@@ -144,8 +144,8 @@ class Comm {
   const Deadline& deadline() const { return deadline_; }
   // An entry point that chooses among algorithms records its choice before moving data: it
   // travels in every frame's OpDesc (ranks that chose differently get MismatchError) and
-  // names the algorithm in MESHCOLL_DEBUG=1 logs.
-  void set_algorithm(const char* name, uint8_t code);
+  // names the algorithm in MESHCOLL_DEBUG=1 logs. `arity`: a tree's (OpDesc::arity).
+  void set_algorithm(const char* name, uint8_t code, uint32_t arity = 0);
   // An operation whose steps run on other groups (Note [Hierarchy]) says so before running
   // them (its route is "hierarchy"). Its description takes the composed call's algorithm
   // code (kComposedAlgo), so a rank running the call flat, or another call, at its sequence
@@ -222,7 +222,7 @@ class Comm {
   void log_line(const std::string& what, uint64_t seq, const char* route, uint64_t bytes,
                 Clock::time_point t0, std::exception_ptr error);
   // How the running operation was carried, for the ledger: "shm", "tcp", "hierarchy", the
-  // all_reduce algorithm it chose, or "local" (a group of one).
+  // algorithm an all_reduce, reduce or broadcast chose, or "local" (a group of one).
   const char* route() const;
   std::string census(uint64_t seq);
   void start_p2p(Item& item);

@@ -164,6 +164,14 @@ void run_steps(Comm& parent, const Hierarchy& h, const char* what, Body&& body) 
   }
 }
 
+// The options of one level's step: the call's, running that level's algorithm.
+comm::AllReduceTuning level(const comm::AllReduceTuning& call, uint8_t algorithm) {
+  comm::AllReduceTuning t = call;
+  t.algorithm = algorithm;
+  t.local_algorithm = t.global_algorithm = 0;
+  return t;
+}
+
 }  // namespace
 
 // local all_reduce (shm) -> leaders all_reduce (TCP) -> local broadcast from the leader.
@@ -174,8 +182,10 @@ void hier_all_reduce(Comm& parent, const Hierarchy& h, const ArrayView& in,
                      const ArrayView& out, RedOp op, const comm::AllReduceTuning& tuning) {
   run_steps(parent, h, "all_reduce", [&](Steps& step) {
     const RedOp red = op == RedOp::kAvg ? RedOp::kSum : op;
-    h.local->all_reduce(in, out, red, step("local all_reduce", tuning));
-    if (h.leaders) h.leaders->all_reduce(out, out, red, step("leaders' all_reduce", tuning));
+    const auto local = level(tuning, tuning.local_algorithm);
+    const auto global = level(tuning, tuning.global_algorithm);
+    h.local->all_reduce(in, out, red, step("local all_reduce", local));
+    if (h.leaders) h.leaders->all_reduce(out, out, red, step("leaders' all_reduce", global));
     h.local->broadcast(out, 0, step("local broadcast"));
     if (op == RedOp::kAvg) reduce::divide_by(out.dtype, out.data, out.count, parent.size());
   });
@@ -184,15 +194,18 @@ void hier_all_reduce(Comm& parent, const Hierarchy& h, const ArrayView& in,
 // On the root's host the root's bytes reach its leader first (local broadcast from the root),
 // then every leader (leaders broadcast from the root's host), then every other host's ranks
 // (local broadcast from their leader).
-void hier_broadcast(Comm& parent, const Hierarchy& h, const ArrayView& buf, int root) {
+void hier_broadcast(cpu::Comm& parent, const Hierarchy& h, const ArrayView& buf, int root,
+                    const comm::AllReduceTuning& tuning) {
   run_steps(parent, h, "broadcast", [&](Steps& step) {
     const int root_host = h.host[root];
+    const auto local = level(tuning, tuning.local_algorithm);
+    const auto global = level(tuning, tuning.global_algorithm);
     if (h.host[parent.rank()] == root_host) {
-      h.local->broadcast(buf, h.local_rank[root], step("local broadcast from the root"));
-      if (h.leaders) h.leaders->broadcast(buf, root_host, step("leaders' broadcast"));
+      h.local->broadcast(buf, h.local_rank[root], step("local broadcast from the root", local));
+      if (h.leaders) h.leaders->broadcast(buf, root_host, step("leaders' broadcast", global));
     } else {
-      if (h.leaders) h.leaders->broadcast(buf, root_host, step("leaders' broadcast"));
-      h.local->broadcast(buf, 0, step("local broadcast"));
+      if (h.leaders) h.leaders->broadcast(buf, root_host, step("leaders' broadcast", global));
+      h.local->broadcast(buf, 0, step("local broadcast", local));
     }
   });
 }

@@ -34,10 +34,11 @@ struct Hierarchy {
 };
 
 // The bodies of the parent's operation, run with `parent` inside it (its deadline bounds
-// every step). `tuning`: the parent call's, for the children's all_reduce steps.
-void hier_all_reduce(Comm& parent, const Hierarchy& h, const comm::ArrayView& in,
+// every step). `tuning`: the parent call's; its local and global algorithms are the steps'.
+void hier_all_reduce(cpu::Comm& parent, const Hierarchy& h, const comm::ArrayView& in,
                      const comm::ArrayView& out, RedOp op, const comm::AllReduceTuning& tuning);
-void hier_broadcast(Comm& parent, const Hierarchy& h, const comm::ArrayView& buf, int root);
+void hier_broadcast(cpu::Comm& parent, const Hierarchy& h, const comm::ArrayView& buf, int root,
+                    const comm::AllReduceTuning& tuning);
 // Equal counts only: every rank's `in` has in.count elements.
 void hier_all_gather(Comm& parent, const Hierarchy& h, const comm::ArrayView& in,
                      const comm::ArrayView& out);

@@ -10,6 +10,7 @@
 
 #include <climits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/algo/collectives.h"
@@ -69,7 +70,8 @@ uint8_t algorithm_arg(const std::string& name, const char* what) {
   Algorithm a;
   if (!algorithm_from_name(name, &a))
     throw InvalidArgument(str_cat(what, ": unknown algorithm '", name,
-                                  "'; use auto, ring, tree, halving_doubling, direct or shm"));
+                                  "'; use auto, ring, tree, halving_doubling, direct "
+                                  "(or centralized) or shm"));
   return static_cast<uint8_t>(a);
 }
 
@@ -165,11 +167,21 @@ py::object run(Backend& b, const char* what, bool blocks, F&& call) {
 
 std::vector<size_t> counts_arg(const py::handle& h) { return h.cast<std::vector<size_t>>(); }
 
-// all_reduce's algorithm choice, the same for both of its entry points.
-comm::AllReduceTuning tuning_arg(const std::string& algorithm, size_t max_segment_bytes,
-                                 size_t tree_threshold_bytes, size_t hd_threshold_bytes) {
+// The algorithm choice of all_reduce, reduce and broadcast (`what`), the same for each one's
+// entry points (the backend's check_options says which names the collective takes).
+// `levels`: a hierarchical call's local and global step algorithms (AllReduceTuning).
+comm::AllReduceTuning tuning_arg(const char* what, const std::string& algorithm,
+                                 size_t tree_arity, size_t max_segment_bytes,
+                                 std::pair<std::string, std::string> levels = {"auto", "auto"},
+                                 size_t tree_threshold_bytes = 256 * 1024,
+                                 size_t hd_threshold_bytes = 8 << 20) {
   comm::AllReduceTuning t;
-  t.algorithm = algorithm_arg(algorithm, "all_reduce");
+  t.algorithm = algorithm_arg(algorithm, what);
+  t.local_algorithm = algorithm_arg(levels.first, what);
+  t.global_algorithm = algorithm_arg(levels.second, what);
+  if (tree_arity > 0xffff)
+    throw InvalidArgument(str_cat(what, ": tree_arity ", tree_arity, " is more than 65535"));
+  t.tree_arity = static_cast<uint16_t>(tree_arity);
   t.max_segment_bytes = max_segment_bytes;
   t.tree_threshold_bytes = tree_threshold_bytes;
   t.hd_threshold_bytes = hd_threshold_bytes;
@@ -190,18 +202,22 @@ Backend& fast_backend(PyObject* self, Py_ssize_t nargs, const char* name, Py_ssi
 // The synchronous in-place all_reduce, ProcessGroup.all_reduce's hot path on every backend:
 // one METH_FASTCALL call (Note [FASTCALL methods]), no Work, no owner reference. Arguments
 // are positional: (x, op, timeout, stream, algorithm, max_segment_bytes,
-// tree_threshold_bytes, hd_threshold_bytes).
+// tree_threshold_bytes, hd_threshold_bytes, tree_arity, local_algorithm, global_algorithm).
 PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   return fastcall([&]() -> PyObject* {
     constexpr const char* what = "all_reduce";
-    Backend& b = fast_backend(self, nargs, "all_reduce_sync", 8,
+    Backend& b = fast_backend(self, nargs, "all_reduce_sync", 11,
                               "x, op, timeout, stream, algorithm, max_segment_bytes, "
-                              "tree_threshold_bytes, hd_threshold_bytes");
+                              "tree_threshold_bytes, hd_threshold_bytes, tree_arity, "
+                              "local_algorithm, global_algorithm");
     CallReader read(b, what, py::handle(args[2]), py::handle(args[3]), false);
     comm::ArrayView x = read(py::handle(args[0]), "", true);
     RedOp op = redop_arg(str_arg(args[1], what, "op"), what);
-    read.opts.tuning = tuning_arg(str_arg(args[4], what, "algorithm"),
+    read.opts.tuning = tuning_arg(what, str_arg(args[4], what, "algorithm"),
+                                  size_arg(args[8], what, "tree_arity"),
                                   size_arg(args[5], what, "max_segment_bytes"),
+                                  {str_arg(args[9], what, "local_algorithm"),
+                                   str_arg(args[10], what, "global_algorithm")},
                                   size_arg(args[6], what, "tree_threshold_bytes"),
                                   size_arg(args[7], what, "hd_threshold_bytes"));
     run(b, read.what(), read.blocks(), [&] { return b.all_reduce(x, x, op, read.opts); });
@@ -290,14 +306,23 @@ int rank_arg(PyObject* o) {
 // Note [Rooted in-place calls]
 // broadcast and reduce, synchronous and in place (x is read once, as writable, and is both
 // the input and the output): one METH_FASTCALL call each, as all_reduce_sync. Arguments:
-// broadcast_sync(x, root, timeout, stream), reduce_sync(x, root, op, timeout, stream).
+// broadcast_sync(x, root, timeout, stream, algorithm, tree_arity, max_segment_bytes,
+// local_algorithm, global_algorithm),
+// reduce_sync(x, root, op, timeout, stream, algorithm, tree_arity, max_segment_bytes).
 PyObject* broadcast_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   return fastcall([&]() -> PyObject* {
     constexpr const char* what = "broadcast";
-    Backend& b = fast_backend(self, nargs, "broadcast_sync", 4, "x, root, timeout, stream");
+    Backend& b = fast_backend(self, nargs, "broadcast_sync", 9,
+                              "x, root, timeout, stream, algorithm, tree_arity, "
+                              "max_segment_bytes, local_algorithm, global_algorithm");
     CallReader read(b, what, py::handle(args[2]), py::handle(args[3]), false);
     comm::ArrayView x = read(py::handle(args[0]), "x", true);
     const int root = rank_arg(args[1]);
+    read.opts.tuning = tuning_arg(what, str_arg(args[4], what, "algorithm"),
+                                  size_arg(args[5], what, "tree_arity"),
+                                  size_arg(args[6], what, "max_segment_bytes"),
+                                  {str_arg(args[7], what, "local_algorithm"),
+                                   str_arg(args[8], what, "global_algorithm")});
     run(b, what, read.blocks(), [&] { return b.broadcast(x, root, read.opts); });
     Py_RETURN_NONE;
   });
@@ -306,11 +331,16 @@ PyObject* broadcast_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs
 PyObject* reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   return fastcall([&]() -> PyObject* {
     constexpr const char* what = "reduce";
-    Backend& b = fast_backend(self, nargs, "reduce_sync", 5, "x, root, op, timeout, stream");
+    Backend& b = fast_backend(self, nargs, "reduce_sync", 8,
+                              "x, root, op, timeout, stream, algorithm, tree_arity, "
+                              "max_segment_bytes");
     CallReader read(b, what, py::handle(args[3]), py::handle(args[4]), false);
     comm::ArrayView x = read(py::handle(args[0]), "x", true);
     const int root = rank_arg(args[1]);
     RedOp op = redop_arg(str_arg(args[2], what, "op"), what);
+    read.opts.tuning = tuning_arg(what, str_arg(args[5], what, "algorithm"),
+                                  size_arg(args[6], what, "tree_arity"),
+                                  size_arg(args[7], what, "max_segment_bytes"));
     run(b, what, read.blocks(), [&] { return b.reduce(x, x, op, root, read.opts); });
     Py_RETURN_NONE;
   });
@@ -432,7 +462,8 @@ void bind_backend(py::module_& m) {
       "One group's communicator (CPU or NCCL): the backend contract of csrc/comm/backend.h.");
   add_fastcall_method(b, "all_reduce_sync", &all_reduce_sync,
                       "all_reduce_sync(x, op, timeout, stream, algorithm, max_segment_bytes, "
-                      "tree_threshold_bytes, hd_threshold_bytes): all_reduce x in place and "
+                      "tree_threshold_bytes, hd_threshold_bytes, tree_arity, local_algorithm, "
+                      "global_algorithm): all_reduce x in place and "
                       "return when done (CPU) or enqueued (GPU) (Note [all_reduce_sync]).");
   add_fastcall_method(b, "all_gather_sync", &all_gather_sync,
                       "all_gather_sync(x, out, timeout, stream): every rank's x, in rank order, "
@@ -443,11 +474,14 @@ void bind_backend(py::module_& m) {
                       "of the reduction of x's rows into out (None: a new numpy array, CPU "
                       "groups); returns out (Note [Synchronous gathers]).");
   add_fastcall_method(b, "broadcast_sync", &broadcast_sync,
-                      "broadcast_sync(x, root, timeout, stream): x of rank root into every "
-                      "rank's x (Note [Rooted in-place calls]).");
+                      "broadcast_sync(x, root, timeout, stream, algorithm, tree_arity, "
+                      "max_segment_bytes, local_algorithm, global_algorithm): x of rank root "
+                      "into every rank's x (Note [Rooted "
+                      "in-place calls]).");
   add_fastcall_method(b, "reduce_sync", &reduce_sync,
-                      "reduce_sync(x, root, op, timeout, stream): the reduction of x into "
-                      "root's x (Note [Rooted in-place calls]).");
+                      "reduce_sync(x, root, op, timeout, stream, algorithm, tree_arity, "
+                      "max_segment_bytes): the reduction of x into root's x (Note [Rooted "
+                      "in-place calls]).");
   b.def_property_readonly("rank", &Backend::rank)
       .def_property_readonly("size", &Backend::size)
       .def_property_readonly("name", [](const Backend& x) { return std::string(x.name()); })
@@ -503,28 +537,36 @@ void bind_backend(py::module_& m) {
       .def("all_reduce", [](Backend& x, const py::handle& a, const py::handle& out,
                             const std::string& op, const py::handle& timeout,
                             const py::handle& stream, bool async, const std::string& algorithm,
-                            size_t max_segment_bytes, size_t tree, size_t hd) {
+                            size_t max_segment_bytes, size_t tree, size_t hd, size_t arity,
+                            const std::string& local, const std::string& global) {
              const char* what = "all_reduce";
              CallReader read(x, what, timeout, stream, async);
              auto in = read(a, "x", false);
              auto o = out.is(a) ? read(out, "x", true) : read(out, "out", true);
-             read.opts.tuning = tuning_arg(algorithm, max_segment_bytes, tree, hd);
+             read.opts.tuning = tuning_arg(what, algorithm, arity, max_segment_bytes,
+                                           {local, global}, tree, hd);
              RedOp rop = redop_arg(op, what);
              return run(x, read.what(), read.blocks(), [&] { return x.all_reduce(in, o, rop, read.opts); });
            })
       .def("reduce", [](Backend& x, const py::handle& a, const py::handle& out, int root,
                         const std::string& op, const py::handle& timeout, const py::handle& stream,
-                        bool async) {
+                        bool async, const std::string& algorithm, size_t arity,
+                        size_t max_segment_bytes) {
              CallReader read(x, "reduce", timeout, stream, async);
              auto in = read(a, "x", false);
              auto o = read(out, "out", true);
              RedOp rop = redop_arg(op, "reduce");
+             read.opts.tuning = tuning_arg("reduce", algorithm, arity, max_segment_bytes);
              return run(x, read.what(), read.blocks(), [&] { return x.reduce(in, o, rop, root, read.opts); });
            })
       .def("broadcast", [](Backend& x, const py::handle& a, int root, const py::handle& timeout,
-                           const py::handle& stream, bool async) {
+                           const py::handle& stream, bool async, const std::string& algorithm,
+                           size_t arity, size_t max_segment_bytes, const std::string& local,
+                           const std::string& global) {
              CallReader read(x, "broadcast", timeout, stream, async);
              auto buf = read(a, "x", true);
+             read.opts.tuning = tuning_arg("broadcast", algorithm, arity, max_segment_bytes,
+                                           {local, global});
              return run(x, read.what(), read.blocks(), [&] { return x.broadcast(buf, root, read.opts); });
            })
       .def("all_gather", [](Backend& x, const py::handle& a, const py::handle& out,

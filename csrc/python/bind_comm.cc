@@ -21,6 +21,7 @@ void bind_comm(py::module_& m) {
     std::vector<std::string> names;
     for (int a = 0; a <= static_cast<int>(Algorithm::kShm); ++a)
       names.push_back(algorithm_name(static_cast<Algorithm>(a)));
+    names.push_back("centralized");  // another name of direct (algorithm_from_name)
     return names;
   });
   m.def("select_all_reduce", [](size_t nbytes, int world, size_t tree_threshold, size_t hd_threshold) {
@@ -30,6 +31,39 @@ void bind_comm(py::module_& m) {
         return std::string(algorithm_name(algo::select_all_reduce(nbytes, world, cfg)));
       }, py::arg("nbytes"), py::arg("world_size"), py::arg("tree_threshold_bytes"),
       py::arg("hd_threshold_bytes"));
+  auto selects = [](const std::string& name) {
+    for (auto c : {algo::Selects::kAllReduce, algo::Selects::kReduce, algo::Selects::kBroadcast,
+                   algo::Selects::kAllGather, algo::Selects::kReduceScatter})
+      if (name == algo::selects_name(c)) return c;
+    throw InvalidArgument(str_cat("unknown collective '", name, "'; use all_reduce, reduce, "
+                                  "broadcast, all_gather or reduce_scatter"));
+  };
+  m.def("select_algorithm", [selects](const std::string& collective, bool shm, size_t nbytes,
+                                      int world, size_t tree_threshold, size_t hd_threshold) {
+        algo::SelectConfig cfg;
+        cfg.tree_threshold_bytes = tree_threshold;
+        cfg.hd_threshold_bytes = hd_threshold;
+        const algo::Choice c = algo::select_algorithm(selects(collective), shm, nbytes, world, cfg);
+        return py::make_tuple(std::string(algorithm_name(c.algorithm)), c.arity);
+      }, py::arg("collective"), py::arg("shm"), py::arg("nbytes"), py::arg("world_size"),
+      py::arg("tree_threshold_bytes"), py::arg("hd_threshold_bytes"),
+      "(algorithm, arity) that auto runs (Note [Selection table] in csrc/cpu/algo/select.cc).");
+  m.def("selection_table", [] {
+        py::list rows;
+        for (const auto& r : algo::selection_table()) {
+          py::dict d;
+          d["collective"] = algo::selects_name(r.coll);
+          d["family"] = r.shm ? "shm" : "tcp";
+          d["max_ranks"] = r.max_ranks;
+          d["threshold"] = r.threshold;
+          d["pow2_only"] = r.pow2_only;
+          d["algorithm"] = algorithm_name(r.choice.algorithm);
+          d["arity"] = r.choice.arity;
+          d["source"] = r.source;
+          rows.append(d);
+        }
+        return rows;
+      }, "The rows of Note [Selection table] (csrc/cpu/algo/select.cc), first match wins.");
 
   py::class_<cpu::CpuBackend, comm::Backend, std::shared_ptr<cpu::CpuBackend>>(
       m, "CpuBackend", "The CPU backend of one group: TCP between hosts, shared memory within one.")

@@ -9,6 +9,7 @@ from typing import Literal
 # Reductions: band, bor and bxor take integer and bool arrays only.
 ReduceOpName = Literal["sum", "prod", "min", "max", "avg", "band", "bor", "bxor"]
 # all_reduce algorithms of the CPU backend ("shm": shared-memory groups only).
-AlgorithmName = Literal["auto", "ring", "tree", "halving_doubling", "direct", "shm"]
+AlgorithmName = Literal["auto", "ring", "tree", "halving_doubling", "direct", "shm",
+                        "centralized"]
 # What a group runs on; meshcoll.init also takes "auto" (nccl where every rank can).
 BackendName = Literal["cpu", "nccl"]

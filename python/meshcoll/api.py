@@ -72,16 +72,18 @@ def all_reduce(x: Array, op: ReduceOpName = "sum", *, async_op: bool = False,
 
 @_forwards
 def reduce(x: Array, dst: int = 0, op: ReduceOpName = "sum", *, async_op: bool = False,
-           timeout: Optional[float] = None, stream: Stream = None,
-           group: Optional[ProcessGroup] = None) -> Any:
-    return _group(group).reduce(x, dst, op, async_op=async_op, timeout=timeout, stream=stream)
+           timeout: Optional[float] = None, algorithm: Optional[str] = None,
+           stream: Stream = None, group: Optional[ProcessGroup] = None) -> Any:
+    return _group(group).reduce(x, dst, op, async_op=async_op, timeout=timeout,
+                                algorithm=algorithm, stream=stream)
 
 
 @_forwards
 def broadcast(x: Array, src: int = 0, *, async_op: bool = False,
-              timeout: Optional[float] = None, stream: Stream = None,
-              group: Optional[ProcessGroup] = None) -> Any:
-    return _group(group).broadcast(x, src, async_op=async_op, timeout=timeout, stream=stream)
+              timeout: Optional[float] = None, algorithm: Optional[str] = None,
+              stream: Stream = None, group: Optional[ProcessGroup] = None) -> Any:
+    return _group(group).broadcast(x, src, async_op=async_op, timeout=timeout,
+                                   algorithm=algorithm, stream=stream)
 
 
 @_forwards

@@ -63,43 +63,119 @@ def _collective(fn: _F) -> _F:
     return fn
 
 
+# The names reduce and broadcast take (all_reduce takes every AlgorithmName): the group's
+# transport picks the family (shared memory or TCP), the name the shape within it.
+REDUCE_ALGORITHMS = ("auto", "tree", "direct")
+BROADCAST_ALGORITHMS = ("auto", "tree", "direct", "ring")
+
+
 class CollectiveConfig:
-    """Algorithm choice for all_reduce. ``algorithm="auto"`` picks by size and world size:
-    on one host, shared memory; over TCP, direct up to 64 KiB (<= 8 ranks), tree at or below
+    """Algorithm choices of a CPU group (NCCL groups pick their own).
+
+    ``algorithm`` (all_reduce): ``"auto"`` picks by size and world size: on one host, shared
+    memory; over TCP, direct up to 64 KiB (<= 8 ranks), tree at or below
     ``tree_threshold_bytes``, recursive halving-doubling at or below ``hd_threshold_bytes`` on
-    power-of-two worlds, ring above (thresholds measured with
-    bench/python/bench_algorithms.py; docs/performance.md). ``MESHCOLL_ALGO`` overrides auto."""
+    power-of-two worlds, ring above. ``"centralized"`` (reduce to a root, then broadcast) is
+    another name of ``"direct"``. ``MESHCOLL_ALGO`` overrides auto. ``reduce_algorithm`` (auto,
+    tree, direct) and ``broadcast_algorithm`` (those and ring: the pipelined chain, TCP
+    groups only) pick the shape within the group's family: shared memory on one host, else
+    TCP. ``tree_arity``: the tree an explicit ``"tree"`` builds, ``"binomial"`` (the
+    default) or ``k >= 2`` for a k-ary tree (Note [Trees] in csrc/cpu/algo/tree.h); ``"auto"``
+    takes the arity of the row it picks. What auto picks is one table, with where each
+    threshold came from: ``selection_table()`` (Note [Selection table] in
+    csrc/cpu/algo/select.cc); ``meshcoll-bench --algo all`` measures every choice side by side.
+    ``max_segment_bytes``: the pipelining segment of ring, tree and chain algorithms.
+    ``local_*`` and ``global_*``: the algorithm of a hierarchical all_reduce's or broadcast's
+    step inside each host (shared memory) and between the hosts' leaders (TCP), on groups
+    that span hosts (Note [Hierarchy] in hierarchy.py; the call's own algorithm is then
+    auto: a named one runs flat)."""
 
     def __init__(self, algorithm: AlgorithmName = "auto", *, tree_threshold_bytes: int = 256 * 1024,
                  hd_threshold_bytes: int = 8 << 20, max_segment_bytes: int = 512 * 1024,
-                 tree_arity: int = 2) -> None:
+                 tree_arity: Union[int, str] = "binomial", reduce_algorithm: str = "auto",
+                 broadcast_algorithm: str = "auto", local_all_reduce: str = "auto",
+                 global_all_reduce: str = "auto", local_broadcast: str = "auto",
+                 global_broadcast: str = "auto") -> None:
         self.algorithm = algorithm
         self.tree_threshold_bytes = tree_threshold_bytes
         self.hd_threshold_bytes = hd_threshold_bytes
         self.max_segment_bytes = max_segment_bytes
         self.tree_arity = tree_arity
+        self.reduce_algorithm = reduce_algorithm
+        self.broadcast_algorithm = broadcast_algorithm
+        self.local_all_reduce = local_all_reduce
+        self.global_all_reduce = global_all_reduce
+        self.local_broadcast = local_broadcast
+        self.global_broadcast = global_broadcast
         self.validate()
 
+    @classmethod
+    def single_node(cls) -> "CollectiveConfig":
+        """Every rank on one host: all_reduce in shared memory (an error at the first call
+        if the group has none, instead of a silent fall back to TCP), reduce and broadcast
+        as the table picks for shared memory."""
+        return cls("shm")
+
+    @classmethod
+    def multi_node(cls) -> "CollectiveConfig":
+        """Ranks on several hosts: the automatic choices, which run hierarchically on groups
+        that span hosts (shared memory inside each host, TCP between leaders) and by the TCP
+        rows of the table otherwise. The same as ``CollectiveConfig()``, named for intent."""
+        return cls("auto")
+
     def validate(self) -> "CollectiveConfig":
-        if self.algorithm not in _C.algorithm_names():
+        names = _C.algorithm_names()
+        if self.algorithm not in names:
             raise ValueError(f"CollectiveConfig: unknown algorithm {self.algorithm!r}; "
-                             f"use one of {', '.join(_C.algorithm_names())}")
-        if self.tree_arity != 2:
-            raise ValueError("CollectiveConfig: tree_arity must be 2 (the binomial tree is the "
-                             f"only tree implemented), got {self.tree_arity}")
+                             f"use one of {', '.join(names)}")
+        for name, allowed in (("reduce_algorithm", REDUCE_ALGORITHMS),
+                              ("broadcast_algorithm", BROADCAST_ALGORITHMS),
+                              ("local_all_reduce", names), ("global_all_reduce", names),
+                              ("local_broadcast", BROADCAST_ALGORITHMS[:3]),
+                              ("global_broadcast", BROADCAST_ALGORITHMS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"CollectiveConfig: {name} must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
+        a = self.tree_arity
+        if a != "binomial" and (type(a) is not int or not 2 <= a <= 0xffff):
+            raise ValueError("CollectiveConfig: tree_arity must be 'binomial' or an integer "
+                             f"from 2 to 65535 (a k-ary tree), got {a!r}")
         for name in ("tree_threshold_bytes", "hd_threshold_bytes", "max_segment_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0 or (name == "max_segment_bytes" and v == 0):
                 raise ValueError(f"CollectiveConfig: {name} must be a positive integer, got {v!r}")
         return self
 
+    @property
+    def arity_code(self) -> int:
+        """tree_arity as the core takes it: 0 for the binomial tree, else k."""
+        return 0 if self.tree_arity == "binomial" else int(self.tree_arity)
+
+    def select(self, collective: str, nbytes: int, world_size: int,
+               shm: bool = False) -> Tuple[str, Union[int, str, None]]:
+        """``(algorithm, tree_arity)`` that ``collective`` (all_reduce, reduce, broadcast,
+        all_gather, reduce_scatter) runs for ``nbytes`` on ``world_size`` ranks, over shared
+        memory (``shm``) or TCP: the configured algorithm, or with ``"auto"`` the table's row.
+        The arity is ``"binomial"``, k, or None when the choice is no tree."""
+        given = {"all_reduce": self.algorithm, "reduce": self.reduce_algorithm,
+                 "broadcast": self.broadcast_algorithm}.get(collective, "auto")
+        if given != "auto":
+            return given, (self.tree_arity if given == "tree" else None)
+        algo, arity = _C.select_algorithm(collective, shm, nbytes, world_size,
+                                          self.tree_threshold_bytes, self.hd_threshold_bytes)
+        return algo, (("binomial" if arity == 0 else arity) if algo == "tree" else None)
+
     def select_all_reduce(self, nbytes: int, world_size: int) -> str:
         """The algorithm an all_reduce of ``nbytes`` on ``world_size`` ranks over TCP runs:
         the configured one, or with ``"auto"`` the choice by size described above."""
-        if self.algorithm != "auto":
-            return self.algorithm
-        return _C.select_all_reduce(nbytes, world_size, self.tree_threshold_bytes,
-                                    self.hd_threshold_bytes)
+        return self.select("all_reduce", nbytes, world_size)[0]
+
+    @staticmethod
+    def selection_table() -> List[Dict[str, Any]]:
+        """The rows auto picks from, first match wins: collective, family (shm, tcp),
+        max_ranks (0: any), threshold (a config field; "": any size), pow2_only, algorithm,
+        arity and source (where the row came from)."""
+        return list(_C.selection_table())
 
     def to_dict(self) -> Dict[str, Any]:
         """The settings as plain values (``from_dict`` makes the same config back)."""
@@ -121,7 +197,8 @@ class CollectiveConfig:
 
 
 _CONFIG_FIELDS = ("algorithm", "tree_threshold_bytes", "hd_threshold_bytes", "max_segment_bytes",
-                  "tree_arity")
+                  "tree_arity", "reduce_algorithm", "broadcast_algorithm", "local_all_reduce",
+                  "global_all_reduce", "local_broadcast", "global_broadcast")
 
 
 class Work:
@@ -242,39 +319,60 @@ class Collectives:
         """Reduce ``x`` across the group, in place: every rank ends with ``op`` over every
         rank's ``x`` (same shape and dtype on every rank). Returns ``x``, or a Work.
         ``algorithm`` (CPU groups): "auto" (default: the group's ``config``), "ring",
-        "tree", "halving_doubling", "direct" or "shm" (shared-memory groups only)."""
+        "tree" (of ``config.tree_arity``), "halving_doubling", "direct" (or "centralized")
+        or "shm" (shared-memory groups only)."""
         cfg = self.config
         algo = cfg.algorithm if algorithm is None else algorithm
         if not async_op:
             # The hot path: one C++ call that reads x, runs and returns (Note
             # [all_reduce_sync] in bind_backend.cc).
             self._backend.all_reduce_sync(x, op, timeout, stream, algo, cfg.max_segment_bytes,
-                                          cfg.tree_threshold_bytes, cfg.hd_threshold_bytes)
+                                          cfg.tree_threshold_bytes, cfg.hd_threshold_bytes,
+                                          cfg.arity_code, cfg.local_all_reduce,
+                                          cfg.global_all_reduce)
             return x
         w = self._backend.all_reduce(x, x, op, timeout, stream, True, algo,
                                      cfg.max_segment_bytes, cfg.tree_threshold_bytes,
-                                     cfg.hd_threshold_bytes)
+                                     cfg.hd_threshold_bytes, cfg.arity_code,
+                                     cfg.local_all_reduce, cfg.global_all_reduce)
         return _result(w, x, True)
 
     @_collective
     def reduce(self, x: Array, dst: int = 0, op: ReduceOpName = "sum", *, async_op: bool = False,
-               timeout: Optional[float] = None, stream: Stream = None) -> Any:
+               timeout: Optional[float] = None, algorithm: Optional[str] = None,
+               stream: Stream = None) -> Any:
         """Reduce ``x`` onto group rank ``dst``, in place there; other ranks' ``x`` is
-        unchanged. Returns ``x``, or a Work."""
+        unchanged. Returns ``x``, or a Work. ``algorithm`` (CPU groups): "auto" (default:
+        the group's ``config.reduce_algorithm``), "tree" (of ``config.tree_arity``) or
+        "direct" (every rank to ``dst``), over the group's shared memory or TCP."""
+        cfg = self.config
+        algo = cfg.reduce_algorithm if algorithm is None else algorithm
         if not async_op:  # one C++ call (Note [Rooted in-place calls] in bind_backend.cc)
-            self._backend.reduce_sync(x, dst, op, timeout, stream)
+            self._backend.reduce_sync(x, dst, op, timeout, stream, algo, cfg.arity_code,
+                                      cfg.max_segment_bytes)
             return x
-        return _result(self._backend.reduce(x, x, dst, op, timeout, stream, async_op), x, async_op)
+        return _result(self._backend.reduce(x, x, dst, op, timeout, stream, async_op, algo,
+                                            cfg.arity_code, cfg.max_segment_bytes), x, async_op)
 
     @_collective
     def broadcast(self, x: Array, src: int = 0, *, async_op: bool = False,
-                  timeout: Optional[float] = None, stream: Stream = None) -> Any:
+                  timeout: Optional[float] = None, algorithm: Optional[str] = None,
+                  stream: Stream = None) -> Any:
         """Copy ``x`` from group rank ``src`` into every rank's ``x``, in place. Returns
-        ``x``, or a Work."""
+        ``x``, or a Work. ``algorithm`` (CPU groups): "auto" (default: the group's
+        ``config.broadcast_algorithm``), "tree" (of ``config.tree_arity``), "direct" (``src``
+        to every rank) or "ring" (a pipelined chain; TCP groups only)."""
+        cfg = self.config
+        algo = cfg.broadcast_algorithm if algorithm is None else algorithm
         if not async_op:  # one C++ call (Note [Rooted in-place calls] in bind_backend.cc)
-            self._backend.broadcast_sync(x, src, timeout, stream)
+            self._backend.broadcast_sync(x, src, timeout, stream, algo, cfg.arity_code,
+                                         cfg.max_segment_bytes, cfg.local_broadcast,
+                                         cfg.global_broadcast)
             return x
-        return _result(self._backend.broadcast(x, src, timeout, stream, async_op), x, async_op)
+        return _result(self._backend.broadcast(x, src, timeout, stream, async_op, algo,
+                                               cfg.arity_code, cfg.max_segment_bytes,
+                                               cfg.local_broadcast, cfg.global_broadcast),
+                       x, async_op)
 
     @_collective
     def all_gather(self, x: Array, out: Optional[Array] = None, *, async_op: bool = False,

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(60)
 def _args(pg, x, op="sum", algorithm="auto", timeout=None):
     cfg = pg.config
     return (x, op, timeout, None, algorithm, cfg.max_segment_bytes, cfg.tree_threshold_bytes,
-            cfg.hd_threshold_bytes)
+            cfg.hd_threshold_bytes, cfg.arity_code, "auto", "auto")
 
 
 def _bad_calls(pg):
@@ -25,13 +25,15 @@ def _bad_calls(pg):
     ro = np.zeros(4, np.float32)
     ro.setflags(write=False)
     cases = [
-        ("no arguments", lambda: sync(), TypeError, "8 positional"),
-        ("keywords", lambda: sync(*_args(pg, f)[:7], hd_threshold_bytes=1), TypeError, "keyword"),
+        ("no arguments", lambda: sync(), TypeError, "11 positional"),
+        ("keywords", lambda: sync(*_args(pg, f)[:10], global_algorithm="auto"), TypeError,
+         "keyword"),
         ("list", lambda: sync(*_args(pg, [1.0])), TypeError, "numpy array"),
         ("op not str", lambda: sync(*_args(pg, f, op=3)), TypeError, "op"),
-        ("negative size", lambda: sync(*_args(pg, f)[:5], -1, 1, 1), TypeError,
+        ("negative size", lambda: sync(*_args(pg, f)[:5], -1, 1, 1, 0, "auto", "auto"), TypeError,
          "max_segment_bytes"),
-        ("zero segment", lambda: sync(*_args(pg, f)[:5], 0, 1, 1), ValueError, "> 0"),
+        ("zero segment", lambda: sync(*_args(pg, f)[:5], 0, 1, 1, 0, "auto", "auto"), ValueError,
+         "> 0"),
         ("bad op", lambda: sync(*_args(pg, f, op="bogus")), ValueError, "bogus"),
         ("bad algorithm", lambda: sync(*_args(pg, f, algorithm="zzz")), ValueError, "zzz"),
         ("bad timeout", lambda: sync(*_args(pg, f, timeout=-1.0)), ValueError, "timeout"),

@@ -368,7 +368,9 @@ def test_collective_config_selects_what_it_was_given_and_round_trips():
     again = meshcoll.CollectiveConfig.from_dict(cfg.to_dict())
     assert again.to_dict() == cfg.to_dict() == {
         "algorithm": "ring", "tree_threshold_bytes": 1024, "hd_threshold_bytes": 8 << 20,
-        "max_segment_bytes": 4096, "tree_arity": 2}
+        "max_segment_bytes": 4096, "tree_arity": "binomial", "reduce_algorithm": "auto",
+        "broadcast_algorithm": "auto", "local_all_reduce": "auto", "global_all_reduce": "auto",
+        "local_broadcast": "auto", "global_broadcast": "auto"}
     assert "algorithm='ring'" in repr(again)
     with pytest.raises(ValueError, match="unknown keys"):
         meshcoll.CollectiveConfig.from_dict({"algorithm": "ring", "arity": 3})

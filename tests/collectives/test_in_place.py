@@ -62,7 +62,7 @@ def _in_place(pg, hosts=None):
          lambda: pg._backend.all_reduce(big[:8], big[4:12], "sum", 30, None, False, "auto",
                                         pg.config.max_segment_bytes,
                                         pg.config.tree_threshold_bytes,
-                                        pg.config.hd_threshold_bytes)),
+                                        pg.config.hd_threshold_bytes, 0, "auto", "auto")),
         ("all_to_all, shifted out", lambda: pg.all_to_all(big[:2 * n], out=big[n:3 * n])),
         ("all_to_all, same array", lambda: pg.all_to_all(big[:2 * n], out=big[:2 * n])),
         ("all_to_all async, out inside x",

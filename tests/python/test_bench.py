@@ -169,11 +169,11 @@ def test_bench_algo_all_over_tcp_runs_what_tcp_has_and_writes_csv(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stderr == "", p.stderr
     algos = [m.group(1) for m in re.finditer(r"transport=tcp  algo=(\S+)", p.stdout)]
-    assert algos == list(bench.P2P_ALGORITHMS) and "shm" not in algos
+    assert algos == list(bench.algorithms_for("tcp")) and "shm" not in algos
     recs = [json.loads(l) for l in js.read_text().splitlines()]
     assert all(r["wrong"] == 0 and r["transport"] == "tcp" for r in recs)
     assert {(r["series"], r["in_place"]) for r in recs} == \
-        {(f"all_reduce/{a}", True) for a in bench.P2P_ALGORITHMS} | \
+        {(f"all_reduce/{a}", True) for a in bench.algorithms_for("tcp")} | \
         {("all_gather", False), ("all_gather", True)}
     import csv
     with open(cs, newline="") as f:
@@ -187,16 +187,44 @@ def test_bench_algo_all_over_tcp_runs_what_tcp_has_and_writes_csv(tmp_path):
             pytest.approx(rec["times"], rel=1e-6, abs=1e-3)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_bench_algo_all_compares_every_algorithm_of_reduce_and_broadcast(tmp_path, transport):
+    """Issue 35 item 4: --algo all runs every algorithm reduce and broadcast take (trees of
+    several arities too), verified, and ends each with one row per size, one column per
+    algorithm, the fastest and auto's pick marked."""
+    js = tmp_path / "r.jsonl"
+    p = _bench(tmp_path, "-N", 3, "--op", "broadcast,reduce,all_gather", "--algo", "all",
+               "--transport", transport, "-b", 1024, "-e", "16K", "-f", 16, "-n", 1, "-w", 0,
+               "--repeats", 1, "--json", js)
+    assert p.returncode == 0, p.stdout + p.stderr
+    recs = [json.loads(l) for l in js.read_text().splitlines()]
+    assert all(r["wrong"] == 0 and r["transport"] == transport for r in recs)
+    for op in ("broadcast", "reduce"):
+        want = list(bench.algorithms_for(transport, op))
+        assert "tree:4" in want and ("ring" in want) == (op == "broadcast" and transport == "tcp")
+        assert list(dict.fromkeys(r["algo"] for r in recs if r["op"] == op)) == want
+        lines = p.stdout.split(f"# {op}: time (us) per algorithm, 3 ranks over {transport}")[1]
+        head, *rows = lines.strip("\n").splitlines()[1:4]
+        assert head.split()[2:] == want, head
+        for row in rows[:2]:
+            cells = row.split()
+            assert cells[0] in ("1024", "16384") and len(cells) == 1 + len(want), row
+            assert sum("*" in c for c in cells) == 1 and sum("a" in c for c in cells) == 1, row
+    assert [r["algo"] for r in recs if r["op"] == "all_gather"] == [None, None, None, None]
+    assert "# all_gather: time" not in p.stdout
+
+
 def test_bench_shm_algorithm_over_tcp_is_refused_up_front(tmp_path):
     p = _bench(tmp_path, "-N", 2, "--algo", "ring,shm", "--transport", "tcp")
     assert p.returncode == 2 and p.stdout == ""
     assert "--algo shm needs shared memory, and --transport tcp has none" in p.stderr
     assert "Traceback" not in p.stderr
     # A group that fell back to tcp finds it after init, where the transport is known.
-    assert bench.resolve_algorithms(["all"], "tcp") == list(bench.P2P_ALGORITHMS)
-    assert bench.resolve_algorithms(["all"], "shm") == list(bench.ALGORITHMS)
-    with pytest.raises(SystemExit, match="--algo shm: not available on this group's "
-                                         "transport \\(tcp\\)"):
+    assert bench.resolve_algorithms(["all"], "tcp") == list(bench.algorithms_for("tcp"))
+    assert bench.resolve_algorithms(["all"], "shm") == list(bench.algorithms_for("shm"))
+    with pytest.raises(SystemExit, match="--algo shm: not available for all_reduce on this "
+                                         "group's transport \\(tcp\\)"):
         bench.resolve_algorithms(["ring", "shm"], "tcp")
 
 

@@ -8,14 +8,6 @@
 
 namespace meshcoll::algo {
 
-Algorithm select_all_reduce(size_t nbytes, int world_size, const SelectConfig& cfg) {
-  if (world_size <= 8 && nbytes <= cfg.direct_threshold_bytes) return Algorithm::kDirect;
-  if (nbytes <= cfg.tree_threshold_bytes) return Algorithm::kTree;
-  bool pow2 = (world_size & (world_size - 1)) == 0;
-  if (pow2 && nbytes <= cfg.hd_threshold_bytes) return Algorithm::kHalvingDoubling;
-  return Algorithm::kRing;
-}
-
 void all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
   const size_t nbytes = a.count * dtype_size(a.dtype);
   if (a.out.data != a.in.data && nbytes) std::memcpy(a.out.data, a.in.data, nbytes);
@@ -23,12 +15,17 @@ void all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
   AllreduceArgs b = a;
   b.in = ConstBytes(a.out.data, nbytes);  // every algorithm below works in place on out
   Algorithm algo = a.algorithm;
-  if (algo == Algorithm::kAuto)
-    algo = comm.shm() ? Algorithm::kShm : select_all_reduce(nbytes, comm.size(), a.select);
+  if (algo == Algorithm::kAuto) {  // the table's arity, not the config's (Note [Selection table])
+    const Choice c = select_algorithm(Selects::kAllReduce, comm.shm() != nullptr, nbytes,
+                                      comm.size(), a.select);
+    algo = c.algorithm;
+    b.arity = c.arity;
+  }
   if (algo == Algorithm::kShm && !comm.shm())
     throw InvalidArgument(str_cat("all_reduce: algorithm 'shm' needs every rank on one host "
                                   "with shared memory; this group uses ", comm.shm_status()));
-  comm.set_algorithm(algorithm_name(algo), static_cast<uint8_t>(algo));
+  if (algo != Algorithm::kTree) b.arity = 0;  // only a tree has one (OpDesc::arity)
+  comm.set_algorithm(algorithm_name(algo), static_cast<uint8_t>(algo), b.arity);
   switch (algo) {
     case Algorithm::kShm: shm_all_reduce(comm, b); break;
     case Algorithm::kRing: ring_all_reduce(comm, b); break;

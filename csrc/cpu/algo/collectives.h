@@ -16,16 +16,44 @@ namespace meshcoll::algo {
 
 inline constexpr size_t kMaxSegmentBytes = 512 * 1024;
 
-// Thresholds for Algorithm::kAuto over TCP (on one host, shared memory wins at every size).
-// Measured with bench/python/bench_algorithms.py on loopback, 2-8 ranks, float32 sum (tables
-// in docs/performance.md): direct/tree win up to 256-512 KiB at every world size, halving-doubling beats
-// ring by 7-40% from 1 to 8 MiB at 8 ranks, ring wins above.
+// The thresholds Algorithm::kAuto reads (Note [Selection table] in select.cc says where each
+// came from); CollectiveConfig sets the first three per group.
 struct SelectConfig {
-  size_t direct_threshold_bytes = 64 * 1024;  // at or below (<= 8 ranks): direct, one round trip
-  size_t tree_threshold_bytes = 256 * 1024;   // at or below: tree (fewest steps)
-  size_t hd_threshold_bytes = 8 << 20;        // at or below, power-of-two worlds: halving-doubling
+  size_t direct_threshold_bytes = 64 * 1024;  // all_reduce, at or below (<= 8 ranks): direct
+  size_t tree_threshold_bytes = 256 * 1024;   // all_reduce, at or below: tree (fewest steps)
+  size_t hd_threshold_bytes = 8 << 20;        // all_reduce, at or below, 2^k ranks: h-d
+  size_t broadcast_tree_bytes = 64 * 1024;    // broadcast over TCP, at or below: binomial tree
 };
-Algorithm select_all_reduce(size_t nbytes, int world_size, const SelectConfig& cfg);
+
+// The collectives whose algorithm is chosen (Note [Selection table]).
+enum class Selects : uint8_t { kAllReduce, kReduce, kBroadcast, kAllGather, kReduceScatter };
+const char* selects_name(Selects c);
+struct Choice {
+  Algorithm algorithm = Algorithm::kAuto;
+  int arity = 0;  // a tree's (Note [Trees] in tree.h); 0: binomial
+};
+// What kAuto runs for a call of `nbytes` on `world_size` ranks, over shared memory (`shm`: a
+// group of one host) or TCP: the first row of the selection table that fits.
+Choice select_algorithm(Selects c, bool shm, size_t nbytes, int world_size,
+                        const SelectConfig& cfg);
+Algorithm select_all_reduce(size_t nbytes, int world_size, const SelectConfig& cfg);  // over TCP
+// One row of the table, for meshcoll-bench and the tests: the collective, the family
+// ("tcp", "shm"), the largest world it applies to (0: any), the threshold (a SelectConfig
+// field's name, "" for any size), whether only on power-of-two worlds, the choice, and
+// where the row came from.
+struct SelectRow {
+  Selects coll;
+  bool shm;
+  int max_ranks;
+  const char* threshold;
+  bool pow2_only;
+  Choice choice;
+  const char* source;
+};
+std::vector<SelectRow> selection_table();
+// Whether `a` is a name the collective takes (all_reduce: every Algorithm; reduce: auto,
+// tree, direct; broadcast: those and ring; the others: auto).
+bool algorithm_allowed(Selects c, Algorithm a);
 
 struct AllreduceArgs {
   ConstBytes in;  // may alias out
@@ -34,6 +62,7 @@ struct AllreduceArgs {
   DType dtype = DType::kFloat32;
   RedOp op = RedOp::kSum;
   Algorithm algorithm = Algorithm::kAuto;
+  int arity = 0;  // the tree's (Note [Trees] in tree.h): 0 binomial, k >= 2 k-ary
   SelectConfig select;
   size_t max_segment_bytes = kMaxSegmentBytes;  // tests shrink it to force many segments
 };
@@ -44,14 +73,29 @@ void halving_doubling_all_reduce(cpu::Comm& comm, const AllreduceArgs& a);
 void direct_all_reduce(cpu::Comm& comm, const AllreduceArgs& a);
 void shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a);  // same host only
 
+// broadcast and reduce: the group's transport picks the family (shared memory or TCP,
+// Note [Dispatch]), `algorithm` the shape within it: a tree of `arity` (Note [Trees]), direct
+// (the flat tree: the root and every other rank), ring (broadcast over TCP: a pipelined
+// chain) or auto (Note [Selection table]).
 struct BroadcastArgs {
   MutBytes buf;  // root: source; others: destination
   int root = 0;
   size_t max_segment_bytes = kMaxSegmentBytes;
+  Algorithm algorithm = Algorithm::kAuto;
+  int arity = 0;
+  SelectConfig select;
 };
 void broadcast(cpu::Comm& comm, const BroadcastArgs& a);
-void tcp_broadcast(cpu::Comm& comm, const BroadcastArgs& a);  // chain, or binomial when small
-void shm_broadcast(cpu::Comm& comm, const BroadcastArgs& a);
+void chain_broadcast(cpu::Comm& comm, const BroadcastArgs& a);  // TCP, pipelined
+void shm_broadcast(cpu::Comm& comm, const BroadcastArgs& a);    // flat: all read the root's
+void shm_tree_broadcast(cpu::Comm& comm, const BroadcastArgs& a);  // level by level, a.arity
+// Along the tree of `arity` rooted at `root`, over TCP, segment by segment (segments of at
+// most max_segment_bytes pipeline down or up the levels). The reduce leaves the result in
+// buf on the root (buf is clobbered elsewhere) and folds the op only (callers divide for avg).
+void tree_broadcast(cpu::Comm& comm, MutBytes buf, int root, int arity, uint32_t tag,
+                    size_t max_segment_bytes);
+void tree_reduce(cpu::Comm& comm, MutBytes buf, size_t count, DType dtype, RedOp op, int root,
+                 int arity, uint32_t tag, size_t max_segment_bytes);
 
 // Reduce to root: out is written on root only (may alias in).
 struct ReduceArgs {
@@ -61,10 +105,16 @@ struct ReduceArgs {
   DType dtype = DType::kFloat32;
   RedOp op = RedOp::kSum;
   int root = 0;
+  Algorithm algorithm = Algorithm::kAuto;
+  int arity = 0;
+  size_t max_segment_bytes = kMaxSegmentBytes;
 };
 void reduce(cpu::Comm& comm, const ReduceArgs& a);
-void tree_reduce(cpu::Comm& comm, const ReduceArgs& a);  // the op only: reduce divides for avg
-void shm_reduce(cpu::Comm& comm, const ReduceArgs& a);   // same host only; likewise
+// The op only (reduce divides for avg): over TCP along a tree (a.arity; direct: the flat one),
+// or in shared memory flat (the root folds every rank's values) or level by level.
+void tcp_reduce(cpu::Comm& comm, const ReduceArgs& a, int arity);
+void shm_reduce(cpu::Comm& comm, const ReduceArgs& a);
+void shm_tree_reduce(cpu::Comm& comm, const ReduceArgs& a);
 
 // Gather-type collectives with per-rank byte counts (equal counts are the common case).
 struct AllGatherArgs {

@@ -6,14 +6,16 @@
 // mapped: decided once, when the Comm was built (ShmGroup::create, under the group's
 // transport option: auto, shm or tcp). Such a group runs the shm_* family
 // (shm_collectives.cc); any other group the TCP family (one algorithm per file: ring
-// all_gather and reduce_scatter, pairwise all_to_all, direct gather and scatter, chain or
-// binomial broadcast, binomial reduce, dissemination barrier). Groups spanning hosts are
-// routed one level up, by CpuBackend, to the hierarchy (cpu/hierarchy.cc). all_reduce has a
-// selector of its own (all_reduce.cc), because it also chooses among the TCP algorithms by
-// size, and shared memory is one of its choices (kShm). Steps both families share (size
-// checks, this rank's own block, a group of one, the division of avg) run here, so each
-// family's code does only what differs. The family a call took is written in its ledger
-// record (Comm::route).
+// all_gather and reduce_scatter, pairwise all_to_all, direct gather and scatter, chain
+// broadcast, tree broadcast and reduce of any arity, dissemination barrier). Groups spanning
+// hosts are routed one level up, by CpuBackend, to the hierarchy (cpu/hierarchy.cc).
+// all_reduce has a selector of its own (all_reduce.cc), because it also chooses among the
+// TCP algorithms by size, and shared memory is one of its choices (kShm). broadcast and
+// reduce take an algorithm too, which picks the shape within the family: a tree of any
+// arity, direct (the flat tree), the chain ("ring", broadcast over TCP) or auto (Note
+// [Selection table] in select.cc). Steps both families share (size checks, this rank's own
+// block, a group of one, the division of avg) run here, so each family's code does only
+// what differs. The family a call took is written in its ledger record (Comm::route).
 #include <cstring>
 
 #include "cpu/algo/collectives.h"
@@ -68,13 +70,51 @@ void scatter(cpu::Comm& comm, const GatherArgs& a) {
   on_shm(comm) ? shm_scatter(comm, a) : direct_scatter(comm, a);
 }
 
+namespace {
+// The algorithm broadcast or reduce runs (kAuto: the selection table's), recorded for the
+// agreement check before any data moves: ranks that build different trees get MismatchError.
+// Direct is the flat tree over TCP (Note [Trees]); "ring" is refused on shared memory by the
+// backend before the call is described (CpuBackend::check_options).
+Choice resolve_rooted(cpu::Comm& comm, Selects c, Algorithm algorithm, int arity,
+                      size_t nbytes, const SelectConfig& cfg) {
+  Choice ch{algorithm, arity};
+  if (algorithm == Algorithm::kAuto)
+    ch = select_algorithm(c, on_shm(comm), nbytes, comm.size(), cfg);
+  if (ch.algorithm != Algorithm::kTree) ch.arity = 0;
+  comm.set_algorithm(algorithm_name(ch.algorithm), static_cast<uint8_t>(ch.algorithm),
+                     static_cast<uint32_t>(ch.arity));
+  if (ch.algorithm == Algorithm::kDirect && !on_shm(comm))
+    ch = {Algorithm::kTree, comm.size() - 1};  // one level: the root and every other rank
+  return ch;
+}
+}  // namespace
+
 void broadcast(cpu::Comm& comm, const BroadcastArgs& a) {
   if (comm.size() == 1) return;
-  on_shm(comm) ? shm_broadcast(comm, a) : tcp_broadcast(comm, a);
+  BroadcastArgs b = a;
+  const Choice ch =
+      resolve_rooted(comm, Selects::kBroadcast, a.algorithm, a.arity, a.buf.size, a.select);
+  b.arity = ch.arity;
+  if (on_shm(comm)) {
+    ch.algorithm == Algorithm::kTree ? shm_tree_broadcast(comm, b) : shm_broadcast(comm, b);
+  } else if (ch.algorithm == Algorithm::kRing) {
+    chain_broadcast(comm, b);
+  } else {
+    tree_broadcast(comm, b.buf, b.root, b.arity, 0, b.max_segment_bytes);
+  }
 }
 
 void reduce(cpu::Comm& comm, const ReduceArgs& a) {
-  on_shm(comm) ? shm_reduce(comm, a) : tree_reduce(comm, a);
+  if (comm.size() > 1) {
+    ReduceArgs b = a;
+    const Choice ch = resolve_rooted(comm, Selects::kReduce, a.algorithm, a.arity,
+                                     a.count * dtype_size(a.dtype), SelectConfig{});
+    b.arity = ch.arity;
+    if (!on_shm(comm)) tcp_reduce(comm, b, b.arity);
+    else ch.algorithm == Algorithm::kTree ? shm_tree_reduce(comm, b) : shm_reduce(comm, b);
+  } else if (a.out.data != a.in.data && a.count) {  // the root alone: its own values
+    std::memcpy(a.out.data, a.in.data, a.count * dtype_size(a.dtype));
+  }
   if (a.op == RedOp::kAvg && comm.rank() == a.root)
     reduce::divide_by(a.dtype, a.out.data, a.count, comm.size());
 }

@@ -15,6 +15,7 @@
 
 #include "cpu/algo/collectives.h"
 #include "cpu/algo/plan.h"
+#include "cpu/algo/tree.h"
 #include "common/check.h"
 #include "reduce/kernels.h"
 #include "transport/shm/segment.h"
@@ -405,6 +406,72 @@ void shm_barrier(cpu::Comm& comm) {
   ShmGroup& g = *comm.shm();
   uint64_t round = begin_round(comm, g);
   meet(comm, g, round, "barrier");
+}
+
+// Note [Shared-memory trees]
+// reduce and broadcast along a tree (Note [Trees] in tree.h), one level per round of the
+// chunk: a reduce's round hands the deepest remaining level's partial sums up (each such
+// rank copies its chunk into its area; its parent folds its children's areas, in the tree's
+// order, into its own partial sum), so a chunk takes `height` rounds and each rank folds at
+// most its own children; a broadcast's round hands one level's chunk down (the level copies
+// it into its area; its children copy it out). Every round is a full meeting of the group
+// (Note [Shared-memory rounds]: every rank compares every rank's OpDesc, the tree's arity
+// included), so a round costs one synchronisation whatever the level. The flat forms
+// (shm_reduce, shm_broadcast) take one round per chunk, but the root folds or serves every
+// rank alone: the trees spread that work over the levels, which pays where one rank's
+// memory bandwidth is the bound (many ranks, long vectors).
+void shm_tree_reduce(cpu::Comm& comm, const ReduceArgs& a) {
+  ShmGroup& g = *comm.shm();
+  const int n = g.size(), r = g.rank();
+  const size_t esz = dtype_size(a.dtype), nbytes = a.count * esz;
+  const char* what = op_name(comm);
+  auto fold = reduce::lookup(a.dtype, a.op);  // avg folds as sum; reduce() divides
+  const TreeNode t = tree_node(mod(r - a.root, n), n, a.arity);
+  const int height = tree_height(n, a.arity);
+  // The partial sum: out on the root, scratch on the other inner ranks; a leaf's is its input.
+  const uint8_t* partial = a.in.data;
+  uint8_t* acc = nullptr;
+  if (!t.children.empty()) {
+    acc = r == a.root ? a.out.data : comm.scratch(2, nbytes);
+    if (acc != a.in.data && nbytes) std::memmove(acc, a.in.data, nbytes);
+    partial = acc;
+  }
+  const size_t q = std::max<size_t>(1, area_bytes(g) / esz);  // elements per round
+  size_t off = 0;
+  do {
+    const size_t len = std::min(q, a.count - std::min(a.count, off));
+    for (int level = height; level >= 1; --level) {
+      uint64_t round = begin_round(comm, g);
+      if (t.depth == level && len)
+        std::memcpy(area(g, r, round), partial + off * esz, len * esz);
+      meet(comm, g, round, what);
+      if (t.depth == level - 1 && len)
+        for (int c : t.children)
+          fold(acc + off * esz, area(g, mod(c + a.root, n), round), len);
+    }
+    off += q;
+  } while (off < a.count);
+}
+
+void shm_tree_broadcast(cpu::Comm& comm, const BroadcastArgs& a) {
+  ShmGroup& g = *comm.shm();
+  const int n = g.size(), r = g.rank();
+  const char* what = op_name(comm);
+  const TreeNode t = tree_node(mod(r - a.root, n), n, a.arity);
+  const int height = tree_height(n, a.arity);
+  size_t off = 0;
+  do {
+    const size_t c = std::min(area_bytes(g), a.buf.size - off);
+    for (int level = 0; level < height; ++level) {
+      uint64_t round = begin_round(comm, g);
+      if (t.depth == level && !t.children.empty() && c)
+        std::memcpy(area(g, r, round), a.buf.data + off, c);
+      meet(comm, g, round, what);
+      if (t.depth == level + 1 && c)
+        std::memcpy(a.buf.data + off, area(g, mod(t.parent + a.root, n), round), c);
+    }
+    off += c;
+  } while (off < a.buf.size);
 }
 
 }  // namespace meshcoll::algo

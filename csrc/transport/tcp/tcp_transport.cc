@@ -254,7 +254,7 @@ void TcpTransport::on_header(int peer) {
     if (in_collective_ && h.channel == static_cast<uint8_t>(Channel::kCollective) &&
         h.seq == current_.seq) {
       OpDesc theirs = h.op;
-      if (current_.op.algo == 0) theirs.algo = 0;  // this rank has not chosen its algorithm
+      if (current_.op.algo == 0) theirs.algo = 0, theirs.arity = 0;  // not chosen yet here
       if (theirs != current_.op) check_agreement(peer, h, current_, 0);
     } else if (in_collective_ && h.channel == static_cast<uint8_t>(Channel::kCollective) &&
                h.seq < current_.seq) {
@@ -442,7 +442,7 @@ void TcpTransport::check_unexpected() {
 void TcpTransport::check_against_current(int peer, const FrameHeader& h) {
   if (!in_collective_ || h.channel != static_cast<uint8_t>(Channel::kCollective)) return;
   OpDesc theirs = h.op;
-  if (current_.op.algo == 0) theirs.algo = 0;  // this rank has not chosen its algorithm yet
+  if (current_.op.algo == 0) theirs.algo = 0, theirs.arity = 0;  // not chosen yet here
   if (h.seq == current_.seq && theirs != current_.op) {
     check_agreement(peer, h, current_, h.nbytes);
   } else if (h.seq < current_.seq) {

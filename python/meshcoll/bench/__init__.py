@@ -34,8 +34,14 @@ picks ``shm`` on shared memory, else by size as ``CollectiveConfig.select_all_re
 
 With several series (``--op a,b`` or ``--algo ring,tree``), every size runs each series in
 turn within each repeat, so that the machine's slow moments fall on all series alike; the
-tables print at the end. ``--algo all`` is every algorithm the group's transport has (``shm``
-only on shared memory). Each row has nccl-tests' two column groups, out-of-place and in-place
+tables print at the end. ``--algo`` names the algorithms of all_reduce, reduce and broadcast
+(each op runs those it takes; ``tree:K`` is a K-ary tree, ``tree`` the binomial one);
+``--algo all`` is every algorithm each op has on the group's transport (all_reduce's ``shm``
+only on shared memory, broadcast's ``ring`` only over TCP), trees of arity 2, 4 and 8 too.
+An op run with several algorithms ends with a comparison: one row per size, one column per
+algorithm (time in us), the fastest marked ``*`` and what auto picks ``a`` (the selection
+table, ``CollectiveConfig.selection_table()``): the measurement that moves a threshold.
+Each row has nccl-tests' two column groups, out-of-place and in-place
 (``PLACEMENTS``): all_reduce, broadcast and reduce work in place in meshcoll's API (no
 ``out=``), so their out-of-place group is N/A; all_gather and reduce_scatter run both ways (in
 place, as nccl-tests aliases them: the input is this rank's block of the output, or the
@@ -63,12 +69,13 @@ per call; the slowest rank's mean, median over ``--repeats``. ``--algo`` and
 
 from .buffers import (ARRAY_LIBS, TYPE_NAMES, CupyArrays, DeviceDType, TorchArrays,
                       array_library, device_dtype, make_arrays, numpy_dtype)
-from .cases import (ALGORITHMS, BUS_FACTORS, OPS, P2P_ALGORITHMS, PLACEMENTS, REDOPS, REDUCING,
-                    SPLIT, Case, DeviceCase, DeviceRunner, HostRunner, Series, algorithms_for,
-                    device_time_loop, element_counts, format_size, make_record, measure,
-                    parse_size, size_steps, time_loop, transport_name)
+from .cases import (ALGORITHMS, BUS_FACTORS, CHOOSING, OPS, P2P_ALGORITHMS, PLACEMENTS, REDOPS,
+                    REDUCING, SPLIT, TREE_ARITIES, Case, DeviceCase, DeviceRunner, HostRunner,
+                    Series, algorithms_for, device_time_loop, element_counts, format_size,
+                    make_record, measure, parse_size, size_steps, split_algo, time_loop,
+                    transport_name)
 from .cli import BACKENDS, main, nccl_preflight, parse_args, resolve_algorithms
-from .report import (check_plot_dependencies, footer, format_row, header, plot_records,
-                     print_tables, table_rows, write_csv, write_json)
+from .report import (check_plot_dependencies, comparison, footer, format_row, header,
+                     plot_records, print_tables, table_rows, write_csv, write_json)
 from .verify import (BITWISE, CHUNK, count_wrong, move_input, rank_values, reduce_expected,
                      reduce_input, reference_reduce)

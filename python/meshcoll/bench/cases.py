@@ -9,7 +9,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence,
-                    Tuple, Union, get_args)
+                    Tuple, Union, cast, get_args)
 
 import numpy as np
 
@@ -43,8 +43,18 @@ SPLIT = ("all_gather", "reduce_scatter", "all_to_all")  # count must divide by r
 # The all_reduce algorithms --algo can name (the API's names, which tests/python/test_typing.py
 # checks against the core's). "shm" needs a shared-memory group; the others run over
 # point-to-point links (TCP) on any group.
-ALGORITHMS: Tuple[AlgorithmName, ...] = tuple(a for a in get_args(AlgorithmName) if a != "auto")
+ALGORITHMS: Tuple[AlgorithmName, ...] = tuple(a for a in get_args(AlgorithmName)
+                                              if a not in ("auto", "centralized"))  # = direct
 P2P_ALGORITHMS = tuple(a for a in ALGORITHMS if a != "shm")
+# The trees ``--algo all`` tries besides the binomial one ("tree"): "tree:k" is a k-ary tree
+# (CollectiveConfig.tree_arity; Note [Trees] in csrc/cpu/algo/tree.h). Any k is accepted by name.
+TREE_ARITIES = (2, 4, 8)
+# The collectives that take an algorithm, and what each takes besides auto (ring: broadcast's
+# chain, TCP groups only; shm: all_reduce on shared-memory groups only).
+CHOOSING: Dict[str, Tuple[str, ...]] = {
+    "all_reduce": ALGORITHMS, "reduce": ("tree", "direct"),
+    "broadcast": ("tree", "direct", "ring"),
+}
 REDOPS: Tuple[ReduceOpName, ...] = get_args(ReduceOpName)  # band, bor, bxor: integers, CPU
 # Where each op's result goes, as nccl-tests' two column groups: out-of-place (a buffer of
 # its own) and in-place (nccl-tests' aliasing: all_gather's input is this rank's block of
@@ -57,10 +67,27 @@ PLACEMENTS: Dict[str, Tuple[bool, ...]] = {  # in_place values, out-of-place fir
 }
 
 
-def algorithms_for(transport: str) -> Tuple[AlgorithmName, ...]:
-    """The all_reduce algorithms a group over ``transport`` ("shm" or "tcp") can run: "shm"
-    needs shared memory; the others run over point-to-point links on any group."""
-    return ALGORITHMS if transport == "shm" else P2P_ALGORITHMS
+def algorithms_for(transport: str, op: str = "all_reduce") -> Tuple[str, ...]:
+    """What ``--algo all`` runs for ``op`` on a group over ``transport`` ("shm" or "tcp"):
+    every algorithm the op takes there, trees at each of ``TREE_ARITIES`` too ("tree:4");
+    none for an op without a choice (it runs auto). all_reduce's "shm" needs shared memory;
+    its other algorithms run over point-to-point links on any group. broadcast's "ring" (the
+    chain) is for TCP groups."""
+    names = [a for a in CHOOSING.get(op, ()) if
+             not (transport != "shm" and a == "shm") and
+             not (transport == "shm" and op == "broadcast" and a == "ring")]
+    out: List[str] = []
+    for a in names:
+        out.append(a)
+        if a == "tree":
+            out += [f"tree:{k}" for k in TREE_ARITIES]
+    return tuple(out)
+
+
+def split_algo(spec: str) -> Tuple[str, Union[int, str]]:
+    """``"tree:4"`` -> ("tree", 4); ``"tree"`` -> ("tree", "binomial"); others unchanged."""
+    name, _, k = spec.partition(":")
+    return name, (int(k) if k else "binomial")
 
 
 # ---- sizes ---------------------------------------------------------------------------
@@ -94,7 +121,7 @@ def size_steps(minbytes: int, maxbytes: int, factor: int, stepbytes: int) -> Lis
 @dataclass
 class Series:
     op: str
-    algo: Optional[AlgorithmName]  # all_reduce only
+    algo: Optional[str]  # all_reduce, reduce, broadcast: a name, or "tree:k" (split_algo)
 
     @property
     def label(self) -> str:
@@ -156,12 +183,17 @@ class Case:
 
     def run(self) -> None:
         pg, op = self.pg, self.series.op
+        algo: Optional[str] = None
+        if self.series.algo is not None:
+            algo, arity = split_algo(self.series.algo)
+            if algo == "tree":  # the series' tree, whatever another series set before it
+                pg.config.tree_arity = arity
         if op == "all_reduce":
-            pg.all_reduce(self.x, self.redop, algorithm=self.series.algo)
+            pg.all_reduce(self.x, self.redop, algorithm=cast(Optional[AlgorithmName], algo))
         elif op == "reduce":
-            pg.reduce(self.x, self.root, self.redop)
+            pg.reduce(self.x, self.root, self.redop, algorithm=algo)
         elif op == "broadcast":
-            pg.broadcast(self.x, self.root)
+            pg.broadcast(self.x, self.root, algorithm=algo)
         elif op == "all_gather":
             pg.all_gather(self.x, out=self.out)
         elif op == "reduce_scatter":

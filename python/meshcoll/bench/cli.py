@@ -6,15 +6,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List, Optional, Sequence, cast
+from typing import List, Optional, Sequence
 
 import meshcoll
 from meshcoll import _C, __version__, _rendezvous, _settings
 from meshcoll._types import AlgorithmName
 
 from .buffers import ARRAY_LIBS, INTS, array_library, device_dtype, make_arrays, numpy_dtype
-from .cases import (ALGORITHMS, OPS, REDOPS, BenchDType, DeviceRunner, Series, algorithms_for,
-                    measure, parse_size, size_steps, transport_name)
+from .cases import (CHOOSING, OPS, REDOPS, BenchDType, DeviceRunner, Series,
+                    algorithms_for, measure, parse_size, size_steps, split_algo, transport_name)
 from .report import (check_plot_dependencies, format_row, header, plot_records, print_tables,
                      write_csv, write_json)
 from .verify import BITWISE
@@ -29,6 +29,23 @@ def _list_arg(text: str, choices: Sequence[str], what: str) -> List[str]:
         raise argparse.ArgumentTypeError(
             f"{what}: unknown {', '.join(map(repr, bad)) or 'empty list'}; use 'all' or a "
             f"comma-separated list of {', '.join(choices)}")
+    return list(dict.fromkeys(items))
+
+
+def _algo_arg(text: str) -> List[str]:
+    """--algo: 'all', or names any choosing op takes, "tree:k" for a k-ary tree."""
+    if text == "all":
+        return ["all"]
+    names = tuple(dict.fromkeys(("auto",) + tuple(a for v in CHOOSING.values() for a in v)))
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    for t in items:
+        name, arity = split_algo(t) if t.partition(":")[2].isdigit() else (t, None)
+        if name not in names or (arity is not None and (name != "tree" or int(arity) < 2)):
+            raise argparse.ArgumentTypeError(
+                f"--algo: unknown {t!r}; use 'all' or a comma-separated list of "
+                f"{', '.join(names)}, or tree:K for a K-ary tree (K >= 2)")
+    if not items:
+        raise argparse.ArgumentTypeError("--algo: empty list")
     return list(dict.fromkeys(items))
 
 
@@ -65,11 +82,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--redop", default="sum", choices=REDOPS,
                    help="reduction of all_reduce, reduce_scatter, reduce (default sum; band, "
                         "bor, bxor: integer --dtype, CPU backend)")
-    p.add_argument("--algo", default="auto",
-                   type=lambda s: ["all"] if s == "all" else
-                   _list_arg(s, ("auto",) + ALGORITHMS, "--algo"),
-                   help="all_reduce algorithm(s), comma-separated, or 'all': every one the "
-                        "group's transport has (shm only on shared memory) (default auto)")
+    p.add_argument("--algo", default="auto", type=_algo_arg,
+                   help="algorithm(s) of all_reduce, reduce and broadcast, comma-separated "
+                        "(tree:K: a K-ary tree), or 'all': every one each op takes on the "
+                        "group's transport, trees of several arities too; each op runs those "
+                        "it takes (default auto)")
     p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast and reduce")
     p.add_argument("--backend", default="cpu", choices=list(BACKENDS),
                    help="cpu (default): numpy buffers; nccl: CUDA buffers, one GPU per rank")
@@ -108,8 +125,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if a.redop in BITWISE and a.dtype not in INTS:
         p.error(f"--redop {a.redop} takes an integer --dtype ({', '.join(INTS)}), "
                 f"got {a.dtype}")
-    if a.algo != ["auto"] and "all_reduce" not in a.op:
-        p.error("--algo chooses the all_reduce algorithm; add all_reduce to --op")
+    if a.algo != ["auto"] and not set(CHOOSING) & set(a.op):
+        p.error(f"--algo chooses the algorithm of {', '.join(CHOOSING)}; add one to --op")
     if a.backend == "nccl":
         if a.algo != ["auto"]:
             p.error("--algo is a CPU-backend choice; NCCL picks its own (set NCCL_ALGO)")
@@ -125,17 +142,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return a
 
 
-def resolve_algorithms(requested: Sequence[str], transport: str) -> List[AlgorithmName]:
-    """``--algo`` against the group's transport: 'all' is every algorithm it has; a named
-    one it lacks (shm when shared memory was not usable) is a SystemExit saying so."""
-    have = algorithms_for(transport)
+def resolve_algorithms(requested: Sequence[str], transport: str,
+                       op: str = "all_reduce") -> List[str]:
+    """``--algo`` for ``op`` against the group's transport: 'all' is every algorithm the op
+    has there (``algorithms_for``); of a list, the names the op takes (another op's are
+    left to it). A name of the op it lacks on this transport (all_reduce's shm when shared
+    memory was not usable, broadcast's ring on shared memory) is a SystemExit saying so."""
+    have = algorithms_for(transport, op)
     if list(requested) == ["all"]:
         return list(have)
-    lacking = [a for a in requested if a != "auto" and a not in have]
+    takes = ("auto",) + CHOOSING.get(op, ())
+    mine = [a for a in requested if split_algo(a)[0] in takes]
+    lacking = [a for a in mine if a != "auto" and split_algo(a)[0] not in map(
+        lambda h: split_algo(h)[0], have)]
     if lacking:
-        raise SystemExit(f"meshcoll-bench: --algo {', '.join(lacking)}: not available on this "
-                         f"group's transport ({transport}); it has {', '.join(have)}")
-    return cast(List[AlgorithmName], list(requested))  # auto, or one of `have`
+        raise SystemExit(f"meshcoll-bench: --algo {', '.join(lacking)}: not available for {op} "
+                         f"on this group's transport ({transport}); it has {', '.join(have)}")
+    return mine
 
 
 # ---- entry point ---------------------------------------------------------------------
@@ -206,12 +229,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.max_segment_bytes is not None:
             pg.config.max_segment_bytes = args.max_segment_bytes
             pg.config.validate()
+        # all_reduce's series always name their algorithm (auto by default); the other ops'
+        # only when --algo asks for more than auto (their tables stay as they were).
+        def algos_of(op: str) -> List[Optional[str]]:
+            if op not in CHOOSING:
+                return [None]
+            got = ["auto"] if nccl else resolve_algorithms(args.algo, transport_name(pg), op)
+            if op != "all_reduce" and got in ([], ["auto"]):
+                return [None]
+            return list(got or ["auto"])
+
         try:
-            algos = args.algo if nccl else resolve_algorithms(args.algo, transport_name(pg))
+            per_op = {op: algos_of(op) for op in args.op}
         except SystemExit as e:  # every rank finds it (the transport is the group's): say it once
             raise SystemExit(e.code if pg.rank == 0 else 1) from None
-        series = [Series(op, algo if op == "all_reduce" else None)
-                  for op in args.op for algo in (algos if op == "all_reduce" else [None])]
+        series = [Series(op, algo) for op in args.op for algo in per_op[op]]
         sizes = size_steps(args.minbytes, args.maxbytes, args.stepfactor, args.stepbytes)
         lead = pg.rank == 0
         stream = len(series) == 1 and lead

@@ -20,9 +20,9 @@ def header(series: Series, args: argparse.Namespace, pg: ProcessGroup,
            device_note: str = "") -> str:
     """``device_note``: what the NCCL backend adds (library version, array library)."""
     extra = f"  transport={transport_name(pg)}"
-    if series.op == "all_reduce":
+    if series.algo is not None:
         extra += f"  algo={series.algo}"
-    elif series.op in ("broadcast", "reduce"):
+    if series.op in ("broadcast", "reduce"):
         extra += f"  root={args.root}"
     timing = (" (host clock around -n calls and a device synchronize)"
               if args.backend == "nccl" else "")
@@ -83,6 +83,44 @@ def print_tables(series: Sequence[Series], records: Sequence[Record], args: argp
             for row in table_rows(recs):
                 print(format_row(row))
         print(footer(recs), flush=True)
+    for op in dict.fromkeys(s.op for s in series):
+        lines = comparison(op, records, pg) if args.backend == "cpu" else []
+        if lines:
+            print("\n" + "\n".join(lines), flush=True)
+
+
+def comparison(op: str, records: Sequence[Record], pg: ProcessGroup) -> List[str]:
+    """``--algo`` with several algorithms of ``op``: one row per size, one column per
+    algorithm, the time in us of its in-place form (the out-of-place one where the op has
+    none); ``*`` marks the fastest, ``a`` what auto picks (CollectiveConfig.select, the
+    selection table: Note [Selection table] in csrc/cpu/algo/select.cc)."""
+    recs = [r for r in records if r["op"] == op and r["algo"] is not None]
+    algos = list(dict.fromkeys(r["algo"] for r in recs))
+    if len([a for a in algos if a != "auto"]) < 2:
+        return []
+    in_place = True in PLACEMENTS[op]
+    times: Dict[int, Dict[str, float]] = {}
+    for r in recs:
+        if r["in_place"] == in_place:
+            times.setdefault(r["size"], {})[r["algo"]] = r["time"]
+    shm = transport_name(pg) == "shm"
+    width = max(10, *(len(a) + 2 for a in algos))
+    lines = [f"# {op}: time (us) per algorithm, {pg.size} ranks over {transport_name(pg)}; "
+             "* fastest, a: what auto picks",
+             "#" + f"{'size':>11}" + "".join(f"{a:>{width}}" for a in algos)]
+    for size, row in times.items():
+        name, arity = pg.config.select(op, size, pg.size, shm)
+        auto = f"tree:{arity}" if name == "tree" and arity != "binomial" else name
+        best = min((t, a) for a, t in row.items() if a != "auto")[1]
+        cells = []
+        for a in algos:
+            if a not in row:
+                cells.append(f"{'-':>{width}}")
+                continue
+            mark = ("*" if a == best else "") + ("a" if a == auto else "")
+            cells.append(f"{row[a]:>{width - 2}.1f}{mark:<2}")
+        lines.append(f"{size:12d}" + "".join(cells))
+    return lines
 
 
 def write_json(records: Sequence[Record], path: str) -> None:
