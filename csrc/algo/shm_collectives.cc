@@ -92,8 +92,8 @@ void meet_reduced(comm::Comm& comm, ShmGroup& g, uint64_t round, const char* wha
 // Note [Shared-memory all_reduce paths]
 // Two paths carry an all_reduce on a shared-memory group, with the same data flow and
 // different signalling. The flat one synchronises with wait_all: every rank polls every
-// peer's flag, n(n-1) cache-line transfers a barrier, which is what lost to Open MPI from 8
-// ranks up. The scalable one synchronises with arrive() (Note [Dissemination signalling]):
+// peer's flag, n(n-1) cache-line transfers a barrier, the likely reason it lost to Open MPI
+// from 8 ranks up (issue 35). The scalable one synchronises with arrive() (Note [Dissemination signalling]):
 // ceil(log2 n) steps, each flag on its owner's cache line and watched by one peer. Data:
 //  - small (vector x ranks <= fold_all_bytes): every rank puts its vector in its slot (up to
 //    kShmInlineBytes, on the flag's own line) or its data area, one barrier, then every rank
@@ -104,7 +104,8 @@ void meet_reduced(comm::Comm& comm, ShmGroup& g, uint64_t round, const char* wha
 //    its chunk in (all but its own slice), one barrier; rank r reduces slice r from every
 //    area in 16 KiB pieces that stay in L1 (its own values first, then the peers), copying
 //    each piece into its area while it is in cache; a second barrier; each rank copies the
-//    other slices out;
+//    other slices out (the copy-in is not overlapped with the folding: it would take
+//    per-slice flags, n-1 dependent steps a round; measure before adding them);
 //  - from single_copy_from, with cross-memory attach: the same reduce-scatter and
 //    all-gather straight from the peers' vectors (Note [Single-copy all_reduce]), the
 //    copy into shared memory avoided.
@@ -151,7 +152,7 @@ const ShmPathRow& shm_path_row(int n) {
 // With cross-memory attach (segment.h), vectors skip the data area: every rank publishes
 // the address of its vector, then rank r reduces slice r of its own vector piece by piece:
 // it reads each peer's piece into an L2-sized scratch buffer and folds it in (own values
-// first, then the others in rank order: deterministic). Once every rank has published its
+// first, then the others in a fixed order: deterministic). Once every rank has published its
 // reduced slice (kReduced), each rank reads the other slices from their owners' vectors.
 // A rank only ever *reads* a peer's memory and writes its own (Note [Cross-memory attach]:
 // a peer that timed out and returned may already reuse its buffer, so writing into it
