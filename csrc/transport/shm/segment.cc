@@ -74,10 +74,11 @@ ShmGroup::ShmGroup(int rank, int size, size_t data_bytes)
   maps_.assign(size, nullptr);
   ctrl_.assign(size, nullptr);
   data_.assign(size, nullptr);
-  // Note [Dissemination signalling]: ceil(log2 size) steps must fit the flags.
+  // Note [Dissemination signalling]: ceil(log2 size) steps, which must fit the flags.
   if (size > (1 << kShmMaxSteps))
     throw InvalidArgument(str_cat("shared memory: ", size, " ranks on one host; at most ",
                                   1 << kShmMaxSteps, " are supported"));
+  while ((1 << steps_) < size) ++steps_;
   // Oversubscribed (more ranks than cores, Note [Spinning]): the peer we wait for may need
   // our core to run, so the spin yields it (sched_yield) instead of pausing, for longer before
   // sleeping: a futex sleep and wake-up costs several context switches per round.
@@ -277,7 +278,7 @@ void ShmGroup::publish(Phase phase, uint64_t round) {
   ShmControl& me = *ctrl_[rank_];
   // Note [Dissemination signalling]: a rank in arrive() for this round gets past this rank.
   if (phase == kArrived)
-    for (auto& f : me.step) f.value.store(2 * round, std::memory_order_release);
+    for (int k = 0; k < steps_; ++k) me.step[k].value.store(2 * round, std::memory_order_release);
   counter(rank_, phase, round).store(round, std::memory_order_seq_cst);
   wake();
 }
@@ -365,13 +366,11 @@ void ShmGroup::arrive(Phase phase, uint64_t round, const Deadline& d, const Chec
   const uint64_t value = 2 * round + (phase == kArrived ? 0 : 1);
   // Announced in the slot too: a rank in a flat round for the same round waits on that.
   if (phase == kArrived) slot(rank_, round).arrived.store(round, std::memory_order_release);
-  int steps = 0;
-  while ((1 << steps) < size_) ++steps;
   // Slow path: the ranks that have not entered this barrier; if all have, those not through
   // it yet (a rank that died inside it is among them, the live ones are waiting).
   Wait w{d, check, what, [&] {
            std::vector<int> missing;
-           for (int k : {0, steps - 1}) {
+           for (int k : {0, steps_ - 1}) {
              for (int r = 0; r < size_; ++r)
                if (ctrl_[r]->step[k].value.load(std::memory_order_acquire) < value)
                  missing.push_back(r);
@@ -379,7 +378,7 @@ void ShmGroup::arrive(Phase phase, uint64_t round, const Deadline& d, const Chec
            }
            return missing;
          }};
-  for (int k = 0, dist = 1; k < steps; ++k, dist *= 2) {
+  for (int k = 0, dist = 1; k < steps_; ++k, dist *= 2) {
     me.step[k].value.store(value, std::memory_order_seq_cst);
     wake();
     const int from = (rank_ - dist % size_ + size_) % size_;

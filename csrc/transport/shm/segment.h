@@ -180,6 +180,7 @@ class ShmGroup {
   std::vector<ShmControl*> ctrl_;
   std::vector<uint8_t*> data_;
   bool cma_ = false;
+  int steps_ = 0;  // of the dissemination barrier: ceil(log2 size)
   std::string all_reduce_path_ = "auto";
   // How long a waiter spins before sleeping on the futex: long when every rank can have a core
   // (the peer is running and about to publish), short when ranks outnumber cores (spinning
