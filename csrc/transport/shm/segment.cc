@@ -287,18 +287,40 @@ struct ShmGroup::Wait {
   const Deadline& d;
   const Check& check;
   const char* what;
-  std::function<std::vector<int>()> missing;  // the ranks not there yet (slow path only)
+  // Who is not there yet (slow path only): with `barrier`, the ranks whose step flags are
+  // below `target` (arrive); else those whose `phase` counter is below it (wait_all).
+  bool barrier;
+  Phase phase;
+  uint64_t target;
   // The clock is read only once the first spins have failed: most waits end before that.
   Clock::time_point spin_start, next_check;
   bool timing = false;
 };
+
+std::vector<int> ShmGroup::missing_ranks(const Wait& w) {
+  std::vector<int> out;
+  if (!w.barrier) {
+    for (int r = 0; r < size_; ++r)
+      if (counter(r, w.phase, w.target).load(std::memory_order_acquire) < w.target)
+        out.push_back(r);
+    return out;
+  }
+  // The ranks that have not entered this barrier; if all have, those not through it yet (a
+  // rank that died inside it is among them, the live ones are waiting).
+  for (int k : {0, steps_ - 1}) {
+    for (int r = 0; r < size_; ++r)
+      if (ctrl_[r]->step[k].value.load(std::memory_order_acquire) < w.target) out.push_back(r);
+    if (!out.empty()) break;
+  }
+  return out;
+}
 
 // Spin for a few microseconds (the peer is usually just behind), then sleep on the peer's
 // futex in naps of at most 5 ms, checking (dead peer, ABORT, deadline) between.
 void ShmGroup::wait_on(Wait& w, int r, const std::atomic<uint64_t>& counter, uint64_t target) {
   auto reached = [&] { return counter.load(std::memory_order_acquire) >= target; };
   auto periodic = [&] {
-    std::vector<int> missing = w.missing();
+    std::vector<int> missing = missing_ranks(w);
     if (missing.empty() && !reached()) missing.push_back(r);  // there, but not this far yet
     if (w.check) w.check(missing);
     check_interrupt(global_(rank_), w.spin_start);
@@ -350,13 +372,7 @@ void ShmGroup::wait_on(Wait& w, int r, const std::atomic<uint64_t>& counter, uin
 
 void ShmGroup::wait_all(Phase phase, uint64_t round, const Deadline& d, const Check& check,
                         const char* what) {
-  Wait w{d, check, what, [&] {
-           std::vector<int> missing;
-           for (int r = 0; r < size_; ++r)
-             if (counter(r, phase, round).load(std::memory_order_acquire) < round)
-               missing.push_back(r);
-           return missing;
-         }};
+  Wait w{d, check, what, false, phase, round};
   for (int r = 0; r < size_; ++r) wait_on(w, r, counter(r, phase, round), round);
 }
 
@@ -366,18 +382,7 @@ void ShmGroup::arrive(Phase phase, uint64_t round, const Deadline& d, const Chec
   const uint64_t value = 2 * round + (phase == kArrived ? 0 : 1);
   // Announced in the slot too: a rank in a flat round for the same round waits on that.
   if (phase == kArrived) slot(rank_, round).arrived.store(round, std::memory_order_release);
-  // Slow path: the ranks that have not entered this barrier; if all have, those not through
-  // it yet (a rank that died inside it is among them, the live ones are waiting).
-  Wait w{d, check, what, [&] {
-           std::vector<int> missing;
-           for (int k : {0, steps_ - 1}) {
-             for (int r = 0; r < size_; ++r)
-               if (ctrl_[r]->step[k].value.load(std::memory_order_acquire) < value)
-                 missing.push_back(r);
-             if (!missing.empty()) break;
-           }
-           return missing;
-         }};
+  Wait w{d, check, what, true, phase, value};
   for (int k = 0, dist = 1; k < steps_; ++k, dist *= 2) {
     me.step[k].value.store(value, std::memory_order_seq_cst);
     wake();

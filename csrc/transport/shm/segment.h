@@ -171,6 +171,7 @@ class ShmGroup {
   // Bumps this rank's futex word, waking peers asleep on it (Note [Futex wake-ups]).
   void wake();
   struct Wait;  // one wait's deadline, liveness check and clock (segment.cc)
+  std::vector<int> missing_ranks(const Wait& w);  // the ranks a slow wait reports
   // Waits until `counter` (rank r's) is >= target: spins, then sleeps on r's futex word.
   void wait_on(Wait& w, int r, const std::atomic<uint64_t>& counter, uint64_t target);
   int rank_, size_;
