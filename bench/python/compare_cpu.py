@@ -2,6 +2,7 @@
 
     python bench/python/compare_cpu.py                      # 4 ranks, all_reduce, 1K..64M
     python bench/python/compare_cpu.py -N 2 --ops all_reduce,all_gather --plot cpu.png
+    python bench/python/compare_cpu.py -N 16 --dtype bfloat16 -b 4K      # bf16 sums
 
 A benchmark, not a test (CI does not run it). Each library runs as its own set of
 processes, one library after the other: ``meshcoll-bench`` for meshcoll (once as it
@@ -30,6 +31,10 @@ time over meshcoll's (meshcoll's algbw over ``allcpy``; 1.0 would be a collectiv
 as one copy of its output). Real algorithms move more (the single-copy all_reduce reads
 about 2 x size and writes about 1 x size per rank), so well-made ones sit below 1.
 
+``--dtype bfloat16`` (or float16) sums 2-byte floats: meshcoll and Gloo natively; MPI has no
+such type, so mpi4py sums the same bytes as int16 (``MPI.SHORT``), the cheapest reduction of
+that size: a floor for what an Open MPI user op would cost.
+
 Needs: ``pip install torch`` (CPU wheel is enough) and, for MPI, Debian's
 ``libopenmpi-dev openmpi-bin`` then ``pip install mpi4py``. A missing library is skipped
 with a note. As root, mpirun needs ``--allow-run-as-root`` (added when running as root);
@@ -56,9 +61,15 @@ import numpy as np
 from meshcoll.bench import BUS_FACTORS, element_counts, parse_size, plot_records, size_steps
 from meshcoll.run import pick_free_port
 
-LIBS = ("meshcoll", "meshcoll-tcp", "gloo", "mpi")
+LIBS = ("meshcoll", "meshcoll-tcp", "gloo", "mpi", "meshcoll-scalable", "meshcoll-flat")
+# meshcoll-scalable / -flat: shared memory with MESHCOLL_SHM_ALL_REDUCE forced (Note
+# [Shared-memory all_reduce paths]); not run unless named in --libs.
+DEFAULT_LIBS = LIBS[:4]
+_MESHCOLL_ENV = {"meshcoll-tcp": {}, "meshcoll": {},
+                 "meshcoll-scalable": {"MESHCOLL_SHM_ALL_REDUCE": "scalable"},
+                 "meshcoll-flat": {"MESHCOLL_SHM_ALL_REDUCE": "flat"}}
 COPY = "allcpy"  # the all-ranks copy: a roofline, measured like a library
-_SHORT = {"meshcoll-tcp": "mc-tcp"}  # column titles
+_SHORT = {"meshcoll-tcp": "mc-tcp", "meshcoll-scalable": "mc-scal", "meshcoll-flat": "mc-flat"}
 OPS = ("all_reduce", "all_gather")
 _LAUNCH_PREFIXES = ("MESHCOLL_", "OMPI_", "PMI_", "PMIX_", "SLURM_")
 _LAUNCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -71,13 +82,18 @@ def sweep(args) -> List[int]:
     return size_steps(parse_size(args.minbytes), parse_size(args.maxbytes), args.stepfactor, 0)
 
 
+# --dtype: bytes an element.
+DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def run_worker(args, rank: int, world: int, library: str,
                make: Callable[[str, int], Callable[[], None]],
                barrier: Callable[[], None], allmax: Callable[[float], float]) -> None:
     """meshcoll-bench's loop for another library; rank 0 writes the records to args.out."""
     records = []
     for nbytes in sweep(args):
-        cases = [(op, element_counts(op, nbytes, 4, world)) for op in args.ops]
+        esz = DTYPES[args.dtype]
+        cases = [(op, element_counts(op, nbytes, esz, world)) for op in args.ops]
         runs = [make(op, count) for op, count in cases]
         for run in runs:
             for _ in range(args.warmup):
@@ -92,10 +108,10 @@ def run_worker(args, rank: int, world: int, library: str,
                 times[k].append(allmax((time.perf_counter() - t0) / args.iters))
         for (op, count), ts in zip(cases, times):
             t = statistics.median(ts)
-            size = count * 4
+            size = count * esz
             algbw = size / t / 1e9
             records.append({"library": library, "op": op, "size": size, "count": count,
-                            "type": "float", "redop": "sum" if op == "all_reduce" else "none",
+                            "type": args.dtype, "redop": "sum" if op == "all_reduce" else "none",
                             "time": t * 1e6, "algbw": algbw,
                             "busbw": algbw * BUS_FACTORS[op](world),
                             "times": [x * 1e6 for x in ts], "ranks": world,
@@ -116,13 +132,14 @@ def worker_gloo(args) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
                             rank=args.rank, world_size=args.world)
     n = args.world
+    dt = getattr(torch, args.dtype)
 
     def make(op: str, count: int):
         if op == "all_reduce":
-            x = torch.ones(count, dtype=torch.float32)
+            x = torch.ones(count, dtype=dt)
             return lambda: dist.all_reduce(x)
-        x = torch.ones(count // n, dtype=torch.float32)
-        out = torch.empty(count, dtype=torch.float32)
+        x = torch.ones(count // n, dtype=dt)
+        out = torch.empty(count, dtype=dt)
         return lambda: dist.all_gather_into_tensor(out, x)
 
     def allmax(v: float) -> float:
@@ -171,13 +188,14 @@ def worker_mpi(args) -> None:
 
     comm = MPI.COMM_WORLD
     n = comm.Get_size()
+    dt = np.float32 if args.dtype == "float32" else np.int16  # see the docstring
 
     def make(op: str, count: int):
         if op == "all_reduce":
-            x = np.ones(count, np.float32)
+            x = np.ones(count, dt)
             return lambda: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
-        x = np.ones(count // n, np.float32)
-        out = np.empty(count, np.float32)
+        x = np.ones(count // n, dt)
+        out = np.empty(count, dt)
         return lambda: comm.Allgather(x, out)
 
     run_worker(args, comm.Get_rank(), n, "mpi", make, comm.Barrier,
@@ -199,7 +217,7 @@ def _common(args) -> List[str]:
 
 
 def _worker_args(args, out: str) -> List[str]:
-    return _common(args) + ["--ops", ",".join(args.ops), "--out", out]
+    return _common(args) + ["--ops", ",".join(args.ops), "--dtype", args.dtype, "--out", out]
 
 
 def available(lib: str) -> Optional[str]:
@@ -224,11 +242,11 @@ def run_lib(lib: str, args, tmp: str) -> List[dict]:
                                 timeout=args.stage_timeout)]
     elif lib.startswith("meshcoll"):
         cmd = [sys.executable, "-m", "meshcoll.bench", "-N", str(args.nproc), "--op",
-               ",".join(args.ops), "-c", "1", "--json", out] + _common(args)
+               ",".join(args.ops), "-d", args.dtype, "-c", "1", "--json", out] + _common(args)
         if lib == "meshcoll-tcp":
             cmd += ["--transport", "tcp"]
-        p = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True,
-                           timeout=args.stage_timeout)
+        p = subprocess.run(cmd, env=_clean_env(**_MESHCOLL_ENV[lib]), capture_output=True,
+                           text=True, timeout=args.stage_timeout)
         procs = [p]
     elif lib == "gloo":
         # Plain processes, as torchrun would start them; the first to fail stops the rest.
@@ -318,6 +336,10 @@ def _fmt(v: Optional[float], spec: str, width: int) -> str:
     return f"{'-':>{width}}" if v is None else f"{v:{width}{spec}}"
 
 
+def _width(title: str) -> int:
+    return max(9, len(title) + 2)
+
+
 def print_table(op: str, records: List[dict], libs: List[str], args) -> None:
     by = {(r["library"], r["size"]): r for r in records if r["op"] == op}
 
@@ -328,35 +350,44 @@ def print_table(op: str, records: List[dict], libs: List[str], args) -> None:
 
     sizes = sorted({r["size"] for r in records if r["op"] == op})
     others = [l for l in libs if l in ("gloo", "mpi")]
+    # ratios for each shared-memory meshcoll run against each other library
+    mcs = [l for l in libs if l.startswith("meshcoll") and l != "meshcoll-tcp"]
+    # each against gloo and mpi, the one-thread memcpy (cpy), and its share of the memory
+    # roofline (mem: its algbw over the all-ranks copy's; the model is printed under the table)
+    ratios = [f"{_SHORT.get(m, 'mc')}/{l}" for m in mcs for l in others + ["cpy", "mem"]]
     transports = sorted({f"{r['library']}={r['transport']}" for r in records
                          if r["op"] == op and "transport" in r})
-    print(f"# compare_cpu  {op}  float32{' sum' if op == 'all_reduce' else ''}  "
+    print(f"# compare_cpu  {op}  {args.dtype}{' sum' if op == 'all_reduce' else ''}  "
           f"ranks={args.nproc}  iters={args.iters} warmup={args.warmup}  median of "
           f"{args.repeats} repeats  {' '.join(transports)}")
     names = [_SHORT.get(l, l) for l in libs]
     print("#" + f"{'size':>11}" + "".join(f"{l:>10}" for l in names)
           + "".join(f"{l:>10}" for l in names) + f"{'memcpy':>10}{COPY:>10}"
-          + "".join(f"{'mc/' + l:>9}" for l in others + ["cpy", "mem"]))
+          + "".join(f"{t:>{_width(t)}}" for t in ratios))
     print("#" + f"{'(B)':>11}" + f"{'time (us)':>{10 * len(libs)}}"
           + f"{'busbw (GB/s)':>{10 * len(libs)}}" + f"{'(GB/s)':>20}"
-          + f"{'busbw ratio':>{9 * (len(others) + 1)}}{'share':>9}")
+          + f"{'ratio':>{sum(_width(t) for t in ratios)}}")
     for size in sizes:
         rs = {l: by.get((l, size)) for l in libs}
-        mc = rs.get("meshcoll")
         # memcpy of the bytes each rank holds: the output for all_gather, the buffer else
         cp = roofline("memcpy", size)
+        allcp = roofline(COPY, size)  # per rank, every rank copying at once
         line = f"{size:12d}"
         line += "".join(_fmt(rs[l] and rs[l]["time"], ".1f", 10) for l in libs)
         line += "".join(_fmt(rs[l] and rs[l]["busbw"], ".3f", 10) for l in libs)
-        line += _fmt(cp and cp["busbw"], ".2f", 10)
-        allcp = roofline(COPY, size)  # per rank, every rank copying at once
-        line += _fmt(allcp and allcp["algbw"], ".2f", 10)
-        for l in others:
-            line += _fmt(mc["busbw"] / rs[l]["busbw"] if mc and rs[l] else None, ".2f", 9)
-        line += _fmt(mc["busbw"] / cp["busbw"] if mc and cp else None, ".2f", 9)
-        # Note the model in the module docstring: the least traffic is every rank copying
-        # `size` bytes once, so the share is meshcoll's algbw over the all-ranks copy's.
-        line += _fmt(mc["algbw"] / allcp["algbw"] if mc and allcp else None, ".2f", 9)
+        line += _fmt(cp and cp["busbw"], ".2f", 10) + _fmt(allcp and allcp["algbw"], ".2f", 10)
+        titles = iter(ratios)
+        for m in mcs:
+            mc = rs.get(m)
+            for l in others:
+                line += _fmt(mc["busbw"] / rs[l]["busbw"] if mc and rs[l] else None, ".2f",
+                             _width(next(titles)))
+            line += _fmt(mc["busbw"] / cp["busbw"] if mc and cp else None, ".2f",
+                         _width(next(titles)))
+            # The model in the module docstring: the least traffic is every rank copying
+            # `size` bytes once, so the share is meshcoll's algbw over the all-ranks copy's.
+            line += _fmt(mc["algbw"] / allcp["algbw"] if mc and allcp else None, ".2f",
+                         _width(next(titles)))
         print(line)
     print(f"# allcpy: GB/s per rank with all {args.nproc} ranks copying size bytes at once; "
           "mc/mem: meshcoll's algbw over it, its share of the least memory traffic (read "
@@ -369,9 +400,13 @@ def parse_args(argv=None):
     p.add_argument("-N", "--nproc", type=int, default=4, help="ranks (default 4)")
     p.add_argument("--ops", default="all_reduce",
                    help="comma-separated: all_reduce, all_gather (default all_reduce)")
-    p.add_argument("--libs", default=",".join(LIBS),
+    p.add_argument("--libs", default=",".join(DEFAULT_LIBS),
                    help="comma-separated: meshcoll (its default transport: shared memory on "
-                        "one host), meshcoll-tcp (MESHCOLL_TRANSPORT=tcp), gloo, mpi")
+                        "one host), meshcoll-tcp (MESHCOLL_TRANSPORT=tcp), gloo, mpi (the "
+                        "default), and meshcoll-scalable / meshcoll-flat (shared memory, "
+                        "MESHCOLL_SHM_ALL_REDUCE forced)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES),
+                   help="element type (default float32; MPI sums 2-byte types as int16)")
     p.add_argument("-b", "--minbytes", default="1K")
     p.add_argument("-e", "--maxbytes", default="64M")
     p.add_argument("-f", "--stepfactor", type=int, default=2)
@@ -436,7 +471,7 @@ def main(argv=None) -> int:
     if args.plot:
         for r in records:
             r["series"] = r["library"] if r["op"] == "memcpy" else f"{r['library']} {r['op']}"
-        plot_records(records, args.plot, title=f"CPU collectives, {args.nproc} ranks, float32")
+        plot_records(records, args.plot, title=f"CPU collectives, {args.nproc} ranks, {args.dtype}")
     return 0
 
 

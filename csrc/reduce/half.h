@@ -144,6 +144,54 @@ __attribute__((target("avx512f"))) inline void float_to_half_x16_avx512(const fl
   __asm__("" : "+x"(h));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), h);
 }
+
+// bfloat16, 8 or 16 lanes: the bit twiddling of bfloat16_to_float and float_to_bfloat16,
+// lane for lane (same bits as the scalar code, NaN included), written out because GCC
+// vectorised the scalar loops poorly (bf16 sum at a quarter of f16's speed): the narrowing
+// needs a 32 -> 16 bit pack that it did not find. (maskz forms: see above.)
+__attribute__((target("avx2"))) inline void bfloat16_to_float_x8_avx2(const uint16_t* in,
+                                                                       float* out) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in));
+  __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+  _mm256_storeu_ps(out, _mm256_castsi256_ps(w));
+}
+
+__attribute__((target("avx2"))) inline void float_to_bfloat16_x8_avx2(const float* in,
+                                                                       uint16_t* out) {
+  const __m256i u = _mm256_castps_si256(_mm256_loadu_ps(in));
+  const __m256i hi = _mm256_srli_epi32(u, 16);
+  const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
+  const __m256i rounded =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_or_si256(hi, _mm256_set1_epi32(0x40));
+  const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                            _mm256_set1_epi32(0x7f800000));
+  const __m256i r = _mm256_blendv_epi8(rounded, nan, is_nan);  // every lane fits 16 bits
+  // packus works within 128-bit halves: lanes 0-3 and 4-7 land in qwords 0 and 2.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+
+__attribute__((target("avx512f"))) inline void bfloat16_to_float_x16_avx512(const uint16_t* in,
+                                                                             float* out) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in));
+  __m512i w = _mm512_maskz_slli_epi32(0xffff, _mm512_maskz_cvtepu16_epi32(0xffff, h), 16);
+  _mm512_storeu_si512(out, w);
+}
+
+__attribute__((target("avx512f"))) inline void float_to_bfloat16_x16_avx512(const float* in,
+                                                                             uint16_t* out) {
+  const __m512i u = _mm512_loadu_si512(in);
+  const __m512i hi = _mm512_maskz_srli_epi32(0xffff, u, 16);
+  const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_maskz_srli_epi32(
+      0xffff, _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __m512i nan = _mm512_or_si512(hi, _mm512_set1_epi32(0x40));
+  const __mmask16 is_nan = _mm512_cmpgt_epi32_mask(
+      _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  const __m512i r = _mm512_mask_blend_epi32(is_nan, rounded, nan);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_maskz_cvtepi32_epi16(0xffff, r));
+}
 #endif  // __x86_64__
 
 }  // namespace meshcoll::reduce

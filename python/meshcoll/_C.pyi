@@ -248,6 +248,7 @@ def simd_level() -> str: ...
 class Config:
     host_id: str
     cma: bool
+    shm_all_reduce: str
     simd: str
     nccl_trace: bool
     nccl_library: str

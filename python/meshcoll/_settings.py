@@ -28,6 +28,8 @@ DEBUG = "MESHCOLL_DEBUG"
 # Read into the C++ core's Config (core_config_from_env; Note [Configuration]).
 HOST_ID = "MESHCOLL_HOST_ID"
 CMA = "MESHCOLL_CMA"
+SHM_ALL_REDUCE = "MESHCOLL_SHM_ALL_REDUCE"
+SHM_ALL_REDUCE_PATHS = ("auto", "flat", "scalable")  # its values
 SIMD = "MESHCOLL_SIMD"
 NCCL_TRACE = "MESHCOLL_NCCL_TRACE"
 NCCL_LIBRARY = "MESHCOLL_NCCL_LIBRARY"
@@ -195,6 +197,7 @@ class CoreConfig:
 
     host_id: str = ""         # MESHCOLL_HOST_ID: same-host identity override ("": derived)
     cma: bool = True          # MESHCOLL_CMA: cross-memory attach on one host
+    shm_all_reduce: str = "auto"  # MESHCOLL_SHM_ALL_REDUCE: auto, flat or scalable
     simd: str = ""            # MESHCOLL_SIMD: cap the reduction kernels ("": no cap)
     nccl_trace: bool = False  # MESHCOLL_NCCL_TRACE: print each NCCL loading step
     nccl_library: str = ""    # MESHCOLL_NCCL_LIBRARY: libnccl.so.2 to try first
@@ -223,7 +226,7 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 
 def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreConfig:
-    """The C++ core's settings from MESHCOLL_HOST_ID, _CMA, _SIMD, _NCCL_TRACE,
+    """The C++ core's settings from MESHCOLL_HOST_ID, _CMA, _SHM_ALL_REDUCE, _SIMD, _NCCL_TRACE,
     _NCCL_LIBRARY, _NCCL_SPLIT, _NCCL_DIRECT_BYTES, _ON_ERROR, _HOST_TIMERS and _FAULT; ValueError naming the variable for a bad value. The
     compiled module installs the result once, when it is imported (Note [Configuration])."""
     env = os.environ if environ is None else environ
@@ -245,6 +248,7 @@ def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreCon
     return CoreConfig(
         host_id=value_of(env, HOST_ID) or "",
         cma=_flag(env, CMA, True),
+        shm_all_reduce=_choice(env, SHM_ALL_REDUCE, SHM_ALL_REDUCE_PATHS),
         simd=simd,
         nccl_trace=_flag(env, NCCL_TRACE, False),
         nccl_library=value_of(env, NCCL_LIBRARY) or "",

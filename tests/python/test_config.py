@@ -28,12 +28,16 @@ def test_cpp_defaults_equal_unset_environment():
 def test_set_reload_and_core_validation(monkeypatch):
     try:
         _C.set_config(CoreConfig(host_id="h1", cma=False, nccl_library="/x/libnccl.so.2"))
-        assert _as_tuple(_C.config()) == ("h1", False, "", False, "/x/libnccl.so.2", True,
-                                          256 << 10, False, False, "")
+        assert _as_tuple(_C.config()) == ("h1", False, "auto", "", False, "/x/libnccl.so.2",
+                                          True, 256 << 10, False, False, "")
         assert _C.host_identity() == "h1"
         bad = _C.Config()
         bad.simd = "sse9"
         with pytest.raises(ValueError, match="simd='sse9' is not a SIMD level"):
+            _C.set_config(bad)
+        bad = _C.Config()
+        bad.shm_all_reduce = "fast"
+        with pytest.raises(ValueError, match="shm_all_reduce='fast' is not a path"):
             _C.set_config(bad)
         assert _C.config().host_id == "h1", "a rejected config changes nothing"
         monkeypatch.setenv("MESHCOLL_HOST_ID", "h2")

@@ -16,6 +16,8 @@ def test_unset_environment_is_the_defaults():
     ({"MESHCOLL_HOST_ID": ""}, "host_id", ""),  # empty counts as unset
     ({"MESHCOLL_CMA": "0"}, "cma", False),
     ({"MESHCOLL_CMA": "1"}, "cma", True),
+    ({"MESHCOLL_SHM_ALL_REDUCE": "flat"}, "shm_all_reduce", "flat"),
+    ({"MESHCOLL_SHM_ALL_REDUCE": "scalable"}, "shm_all_reduce", "scalable"),
     ({"MESHCOLL_SIMD": "avx2"}, "simd", "avx2"),
     ({"MESHCOLL_SIMD": "baseline"}, "simd", "baseline"),
     ({"MESHCOLL_NCCL_TRACE": "1"}, "nccl_trace", True),
@@ -37,7 +39,7 @@ def test_each_variable(env, field, value):
     ("MESHCOLL_NCCL_DIRECT_BYTES", "-1"), ("MESHCOLL_NCCL_DIRECT_BYTES", "lots"),
     ("MESHCOLL_NCCL_DIRECT_BYTES", "134217728"), ("MESHCOLL_FAULT", "kill@nowhere"),
     ("MESHCOLL_FAULT", "stop@"), ("MESHCOLL_FAULT", "kill@shm"),
-    ("MESHCOLL_FAULT", "hang@settings"),
+    ("MESHCOLL_FAULT", "hang@settings"), ("MESHCOLL_SHM_ALL_REDUCE", "fast"),
 ])
 def test_bad_value_names_the_variable(name, text):
     with pytest.raises(ValueError, match=f"{name}='{text}'"):

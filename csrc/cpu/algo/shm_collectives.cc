@@ -11,7 +11,9 @@
 // the half and slot of R-2 are free to overwrite with no wait at all, and a round costs one
 // synchronisation (two for a large all_reduce). Ranks compare the announced OpDescs before
 // reading anything: the agreement check of the TCP path, in memory.
+#include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "cpu/algo/collectives.h"
 #include "cpu/algo/plan.h"
@@ -44,10 +46,6 @@ uint8_t* area(ShmGroup& g, int p, uint64_t round) {
 }
 size_t area_bytes(const ShmGroup& g) { return g.data_bytes() / 2; }
 
-// At or below this many bytes read per rank, every rank folds the whole vector itself: one
-// synchronisation (arrive) instead of two (arrive, reduced), for the cost of n reads.
-constexpr size_t kFoldAllBytes = 64 * 1024;
-
 
 void check_agreement(ShmGroup& g, int peer, uint64_t round) {
   const auto& mine = g.slot(g.rank(), round);
@@ -68,10 +66,96 @@ void check_all(ShmGroup& g, uint64_t round) {
 
 // This rank's part of round R is in place: announce it, wait until every rank has announced
 // R, and compare what they called before reading anything (Note [Shared-memory rounds]).
-void meet(cpu::Comm& comm, ShmGroup& g, uint64_t round, const char* what) {
-  g.publish(ShmGroup::kArrived, round);
-  g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
+// `scalable`: by a dissemination barrier (Note [Dissemination signalling]) instead of
+// polling every peer.
+void meet(cpu::Comm& comm, ShmGroup& g, uint64_t round, const char* what,
+          bool scalable = false) {
+  if (scalable) {
+    g.arrive(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
+    // A rank in a flat round (another collective: a disagreement) raises every step flag at
+    // once, so the barrier can let this rank through before all have announced: before
+    // judging, wait for every announcement, so the error names what each rank called.
+    bool agree = true;
+    for (int p = 0; p < g.size() && agree; ++p) {
+      const auto& mine = g.slot(g.rank(), round);
+      const auto& theirs = g.slot(p, round);
+      agree = theirs.seq == mine.seq && theirs.desc == mine.desc;
+    }
+    if (!agree) g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
+  } else {
+    g.publish(ShmGroup::kArrived, round);
+    g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
+  }
   check_all(g, round);
+}
+
+// all_reduce's second barrier of round R: every rank's reduced slice is in place.
+void meet_reduced(cpu::Comm& comm, ShmGroup& g, uint64_t round, const char* what,
+                  bool scalable) {
+  if (scalable) {
+    g.arrive(ShmGroup::kReduced, round, comm.deadline(), comm.shm_check(), what);
+  } else {
+    g.publish(ShmGroup::kReduced, round);
+    g.wait_all(ShmGroup::kReduced, round, comm.deadline(), comm.shm_check(), what);
+  }
+}
+
+// Note [Shared-memory all_reduce paths]
+// Two paths carry an all_reduce on a shared-memory group, with the same data flow and
+// different signalling. The flat one synchronises with wait_all: every rank polls every
+// peer's flag, n(n-1) cache-line transfers a barrier, the likely reason it lost to Open MPI
+// from 8 ranks up (issue 35). The scalable one synchronises with arrive() (Note [Dissemination signalling]):
+// ceil(log2 n) steps, each flag on its owner's cache line and watched by one peer. Data:
+//  - small (vector x ranks <= fold_all_bytes): every rank puts its vector in its slot (up to
+//    kShmInlineBytes, on the flag's own line) or its data area, one barrier, then every rank
+//    reduces straight from the peers' slots or areas, in rank order (every rank gets the
+//    same bits), no second barrier;
+//  - larger, without cross-memory attach or below single_copy_from: reduce-scatter then
+//    all-gather through the data areas, a chunk (half an area) per round. Each rank copies
+//    its chunk in (all but its own slice), one barrier; rank r reduces slice r from every
+//    area in 16 KiB pieces that stay in L1 (its own values first, then the peers), copying
+//    each piece into its area while it is in cache; a second barrier; each rank copies the
+//    other slices out (the copy-in is not overlapped with the folding: it would take
+//    per-slice flags, n-1 dependent steps a round; measure before adding them);
+//  - from single_copy_from, with cross-memory attach: the same reduce-scatter and
+//    all-gather straight from the peers' vectors (Note [Single-copy all_reduce]), the
+//    copy into shared memory avoided.
+// On the scalable path rank r visits its peers from r+1 on (mod n), in folding and in
+// copying out, so that at any moment the n ranks read n different owners' memory (and NUMA
+// nodes) instead of all reading rank 0's first; the fold order is still fixed for a given
+// (n, r), and only rank r folds slice r, so results stay bitwise the same on every rank and
+// run to run. NUMA: each rank allocates its segment (posix_fallocate) and writes it first,
+// so its pages sit on the node where the launcher placed that rank; meshcoll pins nothing.
+// Which path takes a call is decided by kShmPaths below, by world size and bytes, the same
+// on every rank (ranks that pass different sizes may take different paths: both paths'
+// first barrier lets every rank reach the agreement check, Note [Dissemination
+// signalling]). MESHCOLL_SHM_ALL_REDUCE=flat or =scalable overrides the table on every
+// rank (agreed at setup), for bench/cpu/scaling.sh.
+struct ShmPathRow {
+  int ranks;                // the row holds from this many ranks up, to the next row
+  size_t scalable_from;     // bytes: the scalable path from here, the flat one below
+  size_t fold_all_bytes;    // at or below (bytes x ranks): every rank folds everything
+  size_t single_copy_from;  // from here, with cross-memory attach: single copy
+};
+// PROVISIONAL: written on a 2-core VM where no scaling can be measured (only the flat row's
+// limits were measured, on 2 ranks: Note [Single-copy all_reduce]). Measure both paths on a
+// 16-64 core host with bench/cpu/scaling.sh and set the rows from that.
+constexpr ShmPathRow kShmPaths[] = {
+    // ranks  scalable from  fold all   single copy from
+    {2, SIZE_MAX, 64 << 10, 16 << 10},  // 2 ranks: one flag either way
+    {3, 0, 64 << 10, 16 << 10},
+    {8, 0, 64 << 10, 256 << 10},  // 2(n-1) syscalls a call: fewer bytes each as n grows
+    {16, 0, 64 << 10, 1 << 20},
+    {32, 0, 64 << 10, 2 << 20},
+};
+// The flat path's limits, whatever the world size (measured on 2 ranks).
+constexpr ShmPathRow kFlatPath = {2, SIZE_MAX, 64 << 10, 16 << 10};
+
+const ShmPathRow& shm_path_row(int n) {
+  const ShmPathRow* row = &kShmPaths[0];
+  for (const auto& r : kShmPaths)
+    if (n >= r.ranks) row = &r;
+  return *row;
 }
 }  // namespace
 
@@ -79,7 +163,7 @@ void meet(cpu::Comm& comm, ShmGroup& g, uint64_t round, const char* what) {
 // With cross-memory attach (segment.h), vectors skip the data area: every rank publishes
 // the address of its vector, then rank r reduces slice r of its own vector piece by piece:
 // it reads each peer's piece into an L2-sized scratch buffer and folds it in (own values
-// first, then the others in rank order: deterministic). Once every rank has published its
+// first, then the others in a fixed order: deterministic). Once every rank has published its
 // reduced slice (kReduced), each rank reads the other slices from their owners' vectors.
 // A rank only ever *reads* a peer's memory and writes its own (Note [Cross-memory attach]:
 // a peer that timed out and returned may already reuse its buffer, so writing into it
@@ -93,10 +177,18 @@ void meet(cpu::Comm& comm, ShmGroup& g, uint64_t round, const char* what) {
 // Measured with 2 ranks on a 2-core VM against the copy path (with peer writes instead of
 // reads: 8 KiB 3.7-4.1 vs 3.0-3.2 us, 16 KiB 3.9-4.5 vs 4.9-5.1 us, 256 KiB 16 vs 31 us,
 // 2 MiB 140 vs 260 us). Pieces of 512 KiB beat 256 KiB and 1 MiB at 2 MiB.
-constexpr size_t kSingleCopyMinBytes = 16 * 1024;
 constexpr size_t kSingleCopyPieceBytes = 512 * 1024;
 
-void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a) {
+namespace {
+// The peer rank r visits j-th (j = 1 .. n-1): from r+1 on when `spread` (Note [Shared-memory
+// all_reduce paths]), else in rank order.
+int peer_at(int r, int n, int j, bool spread) {
+  if (spread) return (r + j) % n;
+  return j - 1 < r ? j - 1 : j;
+}
+}  // namespace
+
+void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a, bool scalable) {
   ShmGroup& g = *comm.shm();
   const int n = g.size(), r = g.rank();
   const size_t esz = dtype_size(a.dtype);
@@ -106,7 +198,7 @@ void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a) {
   const uint64_t mine = reinterpret_cast<uintptr_t>(a.out.data);
   std::memcpy(g.slot(r, first).payload, &mine, sizeof(mine));
   try {
-    meet(comm, g, first, what);
+    meet(comm, g, first, what, scalable);
   } catch (...) {
     g.give_up(first);  // a peer may have seen the address already
     throw;
@@ -123,22 +215,21 @@ void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a) {
     uint8_t* scratch = comm.scratch(0, std::min(piece, len));
     for (size_t k = 0; k < len; k += piece) {
       const size_t m = std::min(piece, len - k);
-      for (int p = 0; p < n; ++p) {
-        if (p == r) continue;
+      for (int j = 1; j < n; ++j) {
+        const int p = peer_at(r, n, j, scalable);
         g.read_peer(p, vector_of(p) + s + k, scratch, m);
         fold(a.out.data + s + k, scratch, m / esz);
       }
     }
-    g.publish(ShmGroup::kReduced, first);
-    g.wait_all(ShmGroup::kReduced, first, comm.deadline(), comm.shm_check(), what);
-    for (int p = 0; p < n; ++p) {
-      if (p == r) continue;
+    meet_reduced(comm, g, first, what, scalable);
+    for (int j = 1; j < n; ++j) {
+      const int p = peer_at(r, n, j, scalable);
       const size_t off = slices.offset(p) * esz;
       g.read_peer(p, vector_of(p) + off, a.out.data + off, slices.length(p) * esz);
     }
     // The empty round: every peer has finished reading this vector.
     const uint64_t last = begin_round(comm, g);
-    meet(comm, g, last, what);
+    meet(comm, g, last, what, scalable);
   } catch (...) {
     g.give_up(first);
     throw;
@@ -152,30 +243,37 @@ void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a) {
                               "'s own error"));
 }
 
-// All-reduce. Vectors of at most kShmInlineBytes take one round through the slots: every
-// rank folds every rank's payload, in rank order. From kSingleCopyMinBytes, where the host
-// allows cross-memory attach, see Note [Single-copy all_reduce]. Otherwise a chunk moves per
-// round: every rank copies its chunk in. Small chunks: every rank folds the whole chunk from
-// every area, in rank order. Large ones: rank r folds slice r of every area in rank order
-// (deterministic) and publishes it, then every rank copies the other slices out. Per rank
-// that reads and writes each byte about three times, against 2(n-1)/n sends plus kernel
-// copies on each side for the TCP ring.
+// All-reduce (Note [Shared-memory all_reduce paths]: which path, and the scalable one).
+// Vectors of at most kShmInlineBytes take one round through the slots: every rank folds
+// every rank's payload, in rank order. From single_copy_from, where the host allows
+// cross-memory attach, see Note [Single-copy all_reduce]. Otherwise a chunk moves per round:
+// every rank copies its chunk in. Small chunks: every rank folds the whole chunk from every
+// area, in rank order. Large ones: rank r folds slice r of every area (deterministic) and
+// publishes it, then every rank copies the other slices out. Per rank that reads and writes
+// each byte about three times, against 2(n-1)/n sends plus kernel copies on each side for
+// the TCP ring.
 void shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
   ShmGroup& g = *comm.shm();
   const int n = g.size(), r = g.rank();
   const size_t esz = dtype_size(a.dtype);
+  const size_t bytes = a.count * esz;
+  const std::string& forced = g.all_reduce_path();
+  const ShmPathRow& row = shm_path_row(n);
+  const bool scalable = forced == "auto" ? bytes >= row.scalable_from : forced == "scalable";
+  const ShmPathRow& lim = scalable ? row : kFlatPath;
   auto fold = reduce::lookup(a.dtype, a.op);
   const char* what = op_name(comm);
-  if (a.count * esz <= transport::kShmInlineBytes) {
+  if (bytes <= transport::kShmInlineBytes) {
     uint64_t round = begin_round(comm, g);
-    std::memcpy(g.slot(r, round).payload, a.out.data, a.count * esz);
-    meet(comm, g, round, what);
+    std::memcpy(g.slot(r, round).payload, a.out.data, bytes);
+    meet(comm, g, round, what, scalable);
     // Rank 0's values first (on rank 0 they are still in out), then the others in order.
-    if (r != 0) std::memcpy(a.out.data, g.slot(0, round).payload, a.count * esz);
+    if (r != 0) std::memcpy(a.out.data, g.slot(0, round).payload, bytes);
     for (int p = 1; p < n; ++p) fold(a.out.data, g.slot(p, round).payload, a.count);
     return;
   }
-  if (g.cma() && a.count * esz >= kSingleCopyMinBytes) return shm_all_reduce_single_copy(comm, a);
+  if (g.cma() && bytes >= lim.single_copy_from)
+    return shm_all_reduce_single_copy(comm, a, scalable);
   const size_t chunk = std::max<size_t>(1, area_bytes(g) / esz);
   // Folding proceeds in pieces that stay in L1, each copied to the shared area right after
   // it is folded: the copy reads from L1 instead of making a second pass over memory.
@@ -185,7 +283,7 @@ void shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
     const size_t c = std::min(chunk, a.count - off);
     uint8_t* out = a.out.data + off * esz;
     uint64_t round = begin_round(comm, g);
-    const bool fold_all = c * esz * n <= kFoldAllBytes;
+    const bool fold_all = c * esz * n <= lim.fold_all_bytes;
     const Blocks slices(c, n);
     const size_t s = slices.offset(r) * esz, len = slices.length(r);
     uint8_t* mine = area(g, r, round);
@@ -195,23 +293,22 @@ void shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
       std::memcpy(mine, out, s);
       std::memcpy(mine + s + len * esz, out + s + len * esz, (c - slices.offset(r) - len) * esz);
     }
-    meet(comm, g, round, what);
+    meet(comm, g, round, what, scalable);
     if (fold_all) {
       if (r != 0) std::memcpy(out, area(g, 0, round), c * esz);  // rank 0's values first
       for (int p = 1; p < n; ++p) fold(out, area(g, p, round), c);
     } else {
-      // Slice r: this rank's own values (still in `out`), then every other rank's in rank
-      // order. Only this rank computes slice r, so all ranks get the same bits.
+      // Slice r: this rank's own values (still in `out`), then every other rank's in a
+      // fixed order. Only this rank computes slice r, so all ranks get the same bits.
       for (size_t k = 0; k < len; k += piece) {
         const size_t m = std::min(piece, len - k), at = s + k * esz;
-        for (int p = 0; p < n; ++p)
-          if (p != r) fold(out + at, area(g, p, round) + at, m);
+        for (int j = 1; j < n; ++j)
+          fold(out + at, area(g, peer_at(r, n, j, scalable), round) + at, m);
         std::memcpy(mine + at, out + at, m * esz);
       }
-      g.publish(ShmGroup::kReduced, round);
-      g.wait_all(ShmGroup::kReduced, round, comm.deadline(), comm.shm_check(), what);
-      for (int p = 0; p < n; ++p) {
-        if (p == r) continue;
+      meet_reduced(comm, g, round, what, scalable);
+      for (int j = 1; j < n; ++j) {
+        const int p = peer_at(r, n, j, scalable);
         size_t ps = slices.offset(p) * esz;
         std::memcpy(out + ps, area(g, p, round) + ps, slices.length(p) * esz);
       }

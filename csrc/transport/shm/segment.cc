@@ -51,7 +51,11 @@ ShmGroup::ShmGroup(int rank, int size, size_t data_bytes)
   maps_.assign(size, nullptr);
   ctrl_.assign(size, nullptr);
   data_.assign(size, nullptr);
-  for (int r = 0; r < size; ++r) all_ranks_.push_back(r);
+  // Note [Dissemination signalling]: ceil(log2 size) steps, which must fit the flags.
+  if (size > (1 << kShmMaxSteps))
+    throw InvalidArgument(str_cat("shared memory: ", size, " ranks on one host; at most ",
+                                  1 << kShmMaxSteps, " are supported"));
+  while ((1 << steps_) < size) ++steps_;
   // Oversubscribed (more ranks than cores, Note [Spinning]): the peer we wait for may need
   // our core to run, so the spin yields it (sched_yield) instead of pausing, for longer before
   // sleeping: a futex sleep and wake-up costs several context switches per round.
@@ -179,9 +183,21 @@ std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& sto
       cma_why = e.what();
     }
   }
+  // The step also carries MESHCOLL_SHM_ALL_REDUCE: ranks that chose all_reduce paths
+  // differently would wait for each other in different places.
+  g->all_reduce_path_ = config().shm_all_reduce;
   g->cma_ = true;
-  for (const auto& verdict : step("cma", cma_why.empty() ? "ok" : cma_why))
-    if (verdict != "ok") g->cma_ = false;
+  auto all = step("cma", str_cat(g->all_reduce_path_, "\n", cma_why.empty() ? "ok" : cma_why));
+  for (int r = 0; r < size; ++r) {
+    const size_t cut = all[r].find('\n');
+    if (all[r].substr(cut + 1) != "ok") g->cma_ = false;
+    if (all[r].substr(0, cut) != g->all_reduce_path_) {
+      *why = str_cat("rank ", r, " has MESHCOLL_SHM_ALL_REDUCE=", all[r].substr(0, cut),
+                     " but rank ", rank, " has ", g->all_reduce_path_,
+                     "; set it the same on every rank (or unset it)");
+      return nullptr;
+    }
+  }
   return g;
 }
 
@@ -228,79 +244,128 @@ long futex(std::atomic<uint32_t>* word, int op, uint32_t val, const timespec* ti
 }
 }  // namespace
 
-void ShmGroup::publish(Phase phase, uint64_t round) {
+void ShmGroup::wake() {
   ShmControl& me = *ctrl_[rank_];
-  counter(rank_, phase, round).store(round, std::memory_order_seq_cst);
   me.epoch.fetch_add(1, std::memory_order_seq_cst);
-  if (me.sleepers.load(std::memory_order_seq_cst) > 0) futex(&me.epoch, FUTEX_WAKE, INT32_MAX, nullptr);
+  if (me.sleepers.load(std::memory_order_seq_cst) > 0)
+    futex(&me.epoch, FUTEX_WAKE, INT32_MAX, nullptr);
 }
 
-// Spin for a few microseconds (the peer is usually just behind), then sleep on the peer's
-// futex in naps of at most 5 ms, running `periodic` (dead peer, ABORT, deadline) between.
-void ShmGroup::wait_until(const std::vector<int>& ranks, Phase phase, uint64_t round,
-                          const Deadline& d, const Check& check, const char* what) {
-  auto reached = [&](int r) {
-    return counter(r, phase, round).load(std::memory_order_acquire) >= round;
-  };
+void ShmGroup::publish(Phase phase, uint64_t round) {
+  ShmControl& me = *ctrl_[rank_];
+  // Note [Dissemination signalling]: a rank in arrive() for this round gets past this rank.
+  if (phase == kArrived)
+    for (int k = 0; k < steps_; ++k) me.step[k].value.store(2 * round, std::memory_order_release);
+  counter(rank_, phase, round).store(round, std::memory_order_seq_cst);
+  wake();
+}
+
+struct ShmGroup::Wait {
+  const Deadline& d;
+  const Check& check;
+  const char* what;
+  // Who is not there yet (slow path only): with `barrier`, the ranks whose step flags are
+  // below `target` (arrive); else those whose `phase` counter is below it (wait_all).
+  bool barrier;
+  Phase phase;
+  uint64_t target;
   // The clock is read only once the first spins have failed: most waits end before that.
   Clock::time_point spin_start, next_check;
   bool timing = false;
+};
+
+std::vector<int> ShmGroup::missing_ranks(const Wait& w) {
+  std::vector<int> out;
+  if (!w.barrier) {
+    for (int r = 0; r < size_; ++r)
+      if (counter(r, w.phase, w.target).load(std::memory_order_acquire) < w.target)
+        out.push_back(r);
+    return out;
+  }
+  // The ranks that have not entered this barrier; if all have, those not through it yet (a
+  // rank that died inside it is among them, the live ones are waiting).
+  for (int k : {0, steps_ - 1}) {
+    for (int r = 0; r < size_; ++r)
+      if (ctrl_[r]->step[k].value.load(std::memory_order_acquire) < w.target) out.push_back(r);
+    if (!out.empty()) break;
+  }
+  return out;
+}
+
+// Spin for a few microseconds (the peer is usually just behind), then sleep on the peer's
+// futex in naps of at most 5 ms, checking (dead peer, ABORT, deadline) between.
+void ShmGroup::wait_on(Wait& w, int r, const std::atomic<uint64_t>& counter, uint64_t target) {
+  auto reached = [&] { return counter.load(std::memory_order_acquire) >= target; };
   auto periodic = [&] {
-    std::vector<int> missing;
-    for (int r : ranks)
-      if (!reached(r)) missing.push_back(r);
-    if (check) check(missing);
-    check_interrupt(global_(rank_), spin_start);
-    if (d.expired()) {
+    std::vector<int> missing = missing_ranks(w);
+    if (missing.empty() && !reached()) missing.push_back(r);  // there, but not this far yet
+    if (w.check) w.check(missing);
+    check_interrupt(global_(rank_), w.spin_start);
+    if (w.d.expired()) {
       std::string list;
-      for (int r : missing) list += str_cat(list.empty() ? "" : ", ", global_(r));
-      throw TimeoutError(str_cat("rank ", global_(rank_), " timed out after ", d.timeout().count(),
-                                 " ms in ", what, " (shared memory): rank(s) ", list,
+      for (int m : missing) list += str_cat(list.empty() ? "" : ", ", global_(m));
+      throw TimeoutError(str_cat("rank ", global_(rank_), " timed out after ",
+                                 w.d.timeout().count(), " ms in ", w.what,
+                                 " (shared memory): rank(s) ", list,
                                  " had not arrived; they are slow, stuck in other code, or "
                                  "called another collective"));
     }
   };
-  for (int r : ranks) {
-    for (int i = 0; !reached(r); ++i) {
-      if (i < 256) {
-        if (yield_) {
-          sched_yield();
-          i += 63;  // a yield is worth many pauses
-        }
+  for (int i = 0; !reached(); ++i) {
+    if (i < 256) {
+      if (yield_) {
+        sched_yield();
+        i += 63;  // a yield is worth many pauses
+      }
 #if defined(__x86_64__)
-        __builtin_ia32_pause();
+      __builtin_ia32_pause();
 #endif
-        continue;
-      }
-      auto now = Clock::now();
-      if (!timing) {
-        timing = true;
-        spin_start = now;
-        next_check = now + Millis(5);
-      }
-      if (now >= next_check) {
-        periodic();
-        next_check = now + Millis(5);
-      }
-      if (now - spin_start < spin_) {
-        i = 0;
-        continue;
-      }
-      ShmControl& c = *ctrl_[r];
-      uint32_t seen = c.epoch.load(std::memory_order_seq_cst);
-      c.sleepers.fetch_add(1, std::memory_order_seq_cst);
-      if (!reached(r)) {
-        timespec nap{0, 5 * 1000 * 1000};
-        futex(&c.epoch, FUTEX_WAIT, seen, &nap);
-      }
-      c.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      continue;
     }
+    auto now = Clock::now();
+    if (!w.timing) {
+      w.timing = true;
+      w.spin_start = now;
+      w.next_check = now + Millis(5);
+    }
+    if (now >= w.next_check) {
+      periodic();
+      w.next_check = now + Millis(5);
+    }
+    if (now - w.spin_start < spin_) {
+      i = 0;
+      continue;
+    }
+    ShmControl& c = *ctrl_[r];
+    uint32_t seen = c.epoch.load(std::memory_order_seq_cst);
+    c.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (!reached()) {
+      timespec nap{0, 5 * 1000 * 1000};
+      futex(&c.epoch, FUTEX_WAIT, seen, &nap);
+    }
+    c.sleepers.fetch_sub(1, std::memory_order_seq_cst);
   }
 }
 
 void ShmGroup::wait_all(Phase phase, uint64_t round, const Deadline& d, const Check& check,
                         const char* what) {
-  wait_until(all_ranks_, phase, round, d, check, what);
+  Wait w{d, check, what, false, phase, round};
+  for (int r = 0; r < size_; ++r) wait_on(w, r, counter(r, phase, round), round);
+}
+
+void ShmGroup::arrive(Phase phase, uint64_t round, const Deadline& d, const Check& check,
+                      const char* what) {
+  ShmControl& me = *ctrl_[rank_];
+  const uint64_t value = 2 * round + (phase == kArrived ? 0 : 1);
+  // Announced in the slot too: a rank in a flat round for the same round waits on that.
+  if (phase == kArrived) slot(rank_, round).arrived.store(round, std::memory_order_release);
+  Wait w{d, check, what, true, phase, value};
+  for (int k = 0, dist = 1; k < steps_; ++k, dist *= 2) {
+    me.step[k].value.store(value, std::memory_order_seq_cst);
+    wake();
+    const int from = (rank_ - dist % size_ + size_) % size_;
+    wait_on(w, from, ctrl_[from]->step[k].value, value);
+  }
 }
 
 }  // namespace meshcoll::transport

@@ -39,6 +39,9 @@ namespace meshcoll::transport {
 
 // Bytes of a small all_reduce vector that travel inside the round's slot, next to its flag.
 constexpr size_t kShmInlineBytes = 1024 - 2 * sizeof(uint64_t) - sizeof(OpDesc);
+// Steps of the dissemination barrier (Note [Dissemination signalling]): ceil(log2 n) of them,
+// so up to 2^16 ranks on a host.
+constexpr int kShmMaxSteps = 16;
 
 // One round's announcement (Note [Shared-memory rounds]): the owner fills seq, desc and, for
 // small vectors, payload, then stores `arrived`. A waiter spins on the line holding `arrived`
@@ -70,6 +73,12 @@ struct alignas(64) ShmControl {
   // The first round of the last single-copy all_reduce this rank left by an error (Note
   // [Single-copy all_reduce]): its array may be reused, so what a peer read there is void.
   std::atomic<uint64_t> gave_up;
+  // Note [Dissemination signalling]: flag k is raised in step k of arrive() and watched by
+  // one peer only, rank + 2^k (mod n); each on its own cache line.
+  struct alignas(64) StepFlag {
+    std::atomic<uint64_t> value;  // 2 * round + phase of the last barrier that reached step k
+  };
+  StepFlag step[kShmMaxSteps];
 };
 static_assert(sizeof(ShmControl) % 64 == 0, "control block layout");
 
@@ -109,6 +118,25 @@ class ShmGroup {
   void wait_all(Phase phase, uint64_t round, const Deadline& d, const Check& check,
                 const char* what);
 
+  // Note [Dissemination signalling]
+  // wait_all has every rank poll every peer's flag: each flag's cache line is pulled by n-1
+  // cores per round, n(n-1) transfers that queue at each owner, which is what slows the flat
+  // rounds from 8 ranks up. arrive() is a dissemination barrier instead: in step k (of
+  // ceil(log2 n)) a rank raises its own step-k flag and waits for the step-k flag of rank
+  // r - 2^k (mod n). Every flag sits on its own cache line and is watched by one peer only.
+  // After the last step a rank knows that every rank has arrived, and (release/acquire along
+  // the chain of flags) sees everything each wrote before arriving, as after wait_all. Flags
+  // hold 2 * round + phase: they only grow, so a barrier never resets anything. A rank in a
+  // flat round (publish(kArrived)) raises all its step flags at once, and a rank in arrive()
+  // announces the round in its slot too: ranks that disagree on the path (they called
+  // different collectives or sizes) all get past their first wait and reach the agreement
+  // check, a MismatchError instead of a hang. While waiting, the ranks reported as missing
+  // (to the liveness check, and in a TimeoutError) are those that have not entered the
+  // barrier at all, so a dead rank is named by every rank, not only by the one watching it.
+  // Costs: ceil(log2 n) steps of one line each, against n-1 polled lines per rank.
+  void arrive(Phase phase, uint64_t round, const Deadline& d, const Check& check,
+              const char* what);
+
   // Note [Cross-memory attach]
   // process_vm_readv copies straight from a peer's private memory into this process's (one
   // copy, by the kernel), so all_reduce needs no staging through the data area (Note
@@ -120,6 +148,9 @@ class ShmGroup {
   // rank reads every peer's control block through it, and the group uses it only if every
   // probe succeeded (all ranks take the same algorithms). MESHCOLL_CMA=0 turns it off.
   bool cma() const { return cma_; }
+  // MESHCOLL_SHM_ALL_REDUCE as every rank of the group has it (agreed in setup): "auto",
+  // "flat" or "scalable" (Note [Shared-memory all_reduce paths] in shm_collectives.cc).
+  const std::string& all_reduce_path() const { return all_reduce_path_; }
   // Copies `bytes` from address `remote` in rank r's address space to `local`. PeerError if
   // rank r is gone or no longer has that memory (it left the collective), SystemError for
   // any other failure.
@@ -134,16 +165,21 @@ class ShmGroup {
  private:
   ShmGroup(int rank, int size, size_t data_bytes);
   std::atomic<uint64_t>& counter(int r, Phase p, uint64_t round);
-  void wait_until(const std::vector<int>& ranks, Phase phase, uint64_t round, const Deadline& d,
-                  const Check& check, const char* what);
+  // Bumps this rank's futex word, waking peers asleep on it (Note [Futex wake-ups]).
+  void wake();
+  struct Wait;  // one wait's deadline, liveness check and clock (segment.cc)
+  std::vector<int> missing_ranks(const Wait& w);  // the ranks a slow wait reports
+  // Waits until `counter` (rank r's) is >= target: spins, then sleeps on r's futex word.
+  void wait_on(Wait& w, int r, const std::atomic<uint64_t>& counter, uint64_t target);
   int rank_, size_;
   RankNames global_;
   size_t data_bytes_, seg_bytes_;
   std::vector<void*> maps_;
   std::vector<ShmControl*> ctrl_;
   std::vector<uint8_t*> data_;
-  std::vector<int> all_ranks_;
   bool cma_ = false;
+  int steps_ = 0;  // of the dissemination barrier: ceil(log2 size)
+  std::string all_reduce_path_ = "auto";
   // How long a waiter spins before sleeping on the futex: long when every rank can have a core
   // (the peer is running and about to publish), short when ranks outnumber cores (spinning
   // would steal the core the awaited peer needs).
