@@ -65,6 +65,10 @@ void* to_cu_stream(uintptr_t s);  // protocol spelling -> CUstream (legacy: null
 // thread that enters a collective (release_owners): a main thread blocked in C for good
 // (joining the thread that trains) must not keep finished operations' arrays alive.
 std::shared_ptr<void> owner_of(const pybind11::handle& x);
+// InvalidArgument naming `w` when a host array's memory is not mapped, or not readable or
+// writable as the call needs (Note [Unmapped memory] in array_memory.cc); nothing for device
+// arrays.
+void check_memory(const comm::ArrayView& v, const Want& w);
 // Drops the references finished operations left for a GIL holder (the GIL held).
 void release_owners();
 

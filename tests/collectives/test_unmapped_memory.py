@@ -1,6 +1,6 @@
 """An array whose memory is not mapped (munmap'ed under a numpy view), or is mapped without
 the access a call needs, is a ValueError on the rank that passed it, before anything is sent
-(Note [Unmapped memory] in csrc/python/array.cc), on shared memory and TCP: never a SIGSEGV.
+(Note [Unmapped memory] in csrc/python/array_memory.cc), on shared memory and TCP: never a SIGSEGV.
 
 A refused argument on one rank (as a bad dtype is) sends nothing, so its peers' call is still
 waiting for that rank: the rank's retry with a good array pairs with it and the job ends

@@ -165,7 +165,7 @@ def _send_unmapped(pg):
 def test_bad_buffer_is_this_ranks_error_not_a_dead_peer():
     (kind0, msg0), (kind1, msg1) = launch(2, _send_unmapped, transport="tcp")
     # Refused when the array is read, before anything is sent (issue 34 item 7, Note
-    # [Unmapped memory] in csrc/python/array.cc), as any refused argument is.
+    # [Unmapped memory] in csrc/python/array_memory.cc), as any refused argument is.
     assert kind0 == "ValueError" and "is not mapped" in msg0 and "broadcast" in msg0, msg0
     assert "exited" not in msg0 and "crashed" not in msg0, msg0
     # The peer waits for rank 0's call, as for any argument refused on one rank, until rank 0

@@ -103,9 +103,9 @@ void meet_reduced(cpu::Comm& comm, ShmGroup& g, uint64_t round, const char* what
 // Note [Shared-memory all_reduce paths]
 // Two paths carry an all_reduce on a shared-memory group, with the same data flow and
 // different signalling. The flat one synchronises with wait_all: every rank polls every
-// peer's flag, n(n-1) cache-line transfers a barrier, the likely reason it lost to Open MPI
-// from 8 ranks up (issue 35). The scalable one synchronises with arrive() (Note [Dissemination signalling]):
-// ceil(log2 n) steps, each flag on its owner's cache line and watched by one peer. Data:
+// peer's flag, n(n-1) cache-line transfers a barrier, the likely reason it loses to Open MPI
+// from 8 ranks up. The scalable one synchronises with arrive() (Note [Dissemination
+// signalling]): ceil(log2 n) steps, each flag on its owner's cache line and watched by one peer. Data:
 //  - small (vector x ranks <= fold_all_bytes): every rank puts its vector in its slot (up to
 //    kShmInlineBytes, on the flag's own line) or its data area, one barrier, then every rank
 //    reduces straight from the peers' slots or areas, in rank order (every rank gets the
