@@ -47,10 +47,17 @@ uint8_t* area(ShmGroup& g, int p, uint64_t round) {
 size_t area_bytes(const ShmGroup& g) { return g.data_bytes() / 2; }
 
 
-void check_agreement(ShmGroup& g, int peer, uint64_t round) {
+// Whether `peer` announced the same call as this rank in round R's slot.
+bool agrees(ShmGroup& g, int peer, uint64_t round) {
   const auto& mine = g.slot(g.rank(), round);
   const auto& theirs = g.slot(peer, round);
-  if (theirs.seq == mine.seq && theirs.desc == mine.desc) return;
+  return theirs.seq == mine.seq && theirs.desc == mine.desc;
+}
+
+void check_agreement(ShmGroup& g, int peer, uint64_t round) {
+  if (agrees(g, peer, round)) return;
+  const auto& mine = g.slot(g.rank(), round);
+  const auto& theirs = g.slot(peer, round);
   throw MismatchError(str_cat(
       "collective mismatch: rank ", g.global_rank(peer), " called ", describe_op(theirs.desc),
       " [seq ", theirs.seq, "] but rank ", g.global_rank(g.rank()), " called ",
@@ -76,11 +83,7 @@ void meet(cpu::Comm& comm, ShmGroup& g, uint64_t round, const char* what,
     // once, so the barrier can let this rank through before all have announced: before
     // judging, wait for every announcement, so the error names what each rank called.
     bool agree = true;
-    for (int p = 0; p < g.size() && agree; ++p) {
-      const auto& mine = g.slot(g.rank(), round);
-      const auto& theirs = g.slot(p, round);
-      agree = theirs.seq == mine.seq && theirs.desc == mine.desc;
-    }
+    for (int p = 0; p < g.size() && agree; ++p) agree = agrees(g, p, round);
     if (!agree) g.wait_all(ShmGroup::kArrived, round, comm.deadline(), comm.shm_check(), what);
   } else {
     g.publish(ShmGroup::kArrived, round);
