@@ -33,6 +33,7 @@ As torch's DDP:
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -139,15 +140,29 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _data_parallel(self, kw: Dict[str, Any]) -> DataParallel:
         """The DataParallel over the parameters' memory, its buckets laid out as torch's DDP
-        lays out its first ones: formed in registration order, the first (of the first
-        layers, so the last to launch) at most 1 MiB, launched last layer first."""
+        lays out its first ones (Note [The first step's buckets])."""
         flat = {n: _operand(p.data, self._group, f"parameter {n!r}")
                 for n, p in self._params.items()}
         cap = float(kw.get("bucket_cap_mb", 25)) * _MB
         if "buckets" not in kw:
-            groups = assign_buckets(list(flat), flat, [min(_MB, cap), cap])
+            rebuilds = kw.get("mode", "sync") == "sync"
+            one = rebuilds and (self._static_graph or not self._find_unused)
+            groups = assign_buckets(list(flat), flat, [math.inf] if one else [min(_MB, cap), cap])
             kw = dict(kw, buckets=groups[::-1])
         return DataParallel(flat, **kw)
+
+    # Note [The first step's buckets]
+    # torch's DDP does not know the order gradients arrive in before the first backward, so
+    # (without find_unused_parameters, or with static_graph) its first step reduces every
+    # gradient in one bucket per dtype, in registration order, after the whole backward; the
+    # buckets it rebuilds from the arrival order serve every later step. We do the same,
+    # and not only for the timing of one step: on more than 2 ranks the bytes of a sum depend
+    # on where an element falls in its bucket (NCCL's ring starts each chunk's sum at another
+    # rank), so other first buckets give last-bit differences that training amplifies
+    # (docs/performance.md, the training step on 4 GPUs). With find_unused_parameters, torch's first
+    # buckets are formed in registration order, the first (of the first layers, the last to
+    # launch) at most 1 MiB, launched last layer first; so are ours. A mode that never
+    # rebuilds (LocalSGD, the stale modes) keeps those too.
 
     # ---- the step -------------------------------------------------------------------
     def _bind(self) -> None:

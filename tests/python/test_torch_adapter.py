@@ -166,11 +166,16 @@ def _like_torch(pg, views):
     base = _Mixed().to(memory_format=torch.channels_last)
     assert not base.conv.weight.is_contiguous()  # really channels_last
     mc = mt.DistributedDataParallel(copy.deepcopy(base), group=pg, gradient_as_bucket_view=views,
-                                    bucket_cap_mb=1e-3)
+                                    bucket_cap_mb=2e-4)
     th = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base),
                                                    gradient_as_bucket_view=views,
-                                                   bucket_cap_mb=1e-3)
+                                                   bucket_cap_mb=2e-4)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (mc, th)]
+    sizes = {n: p.numel() * p.element_size() for n, p in base.named_parameters()}
+
+    def bucket_bytes():  # torch's DDP logs them as "a, b, c" (bytes)
+        return ", ".join(str(sum(sizes[n] for n in names)) for names in mc.ddp.bucket_names)
+    layouts = []
     for step in range(4):
         g = torch.Generator().manual_seed(100 * step + pg.rank)
         x = torch.randn(4, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)
@@ -179,16 +184,28 @@ def _like_torch(pg, views):
             opt.zero_grad()
             torch.nn.functional.cross_entropy(m(x, idx), idx).backward()
             opt.step()
+        if step < 2:  # the first step's buckets, then those rebuilt after it
+            logged = th._get_ddp_logging_data()
+            layouts.append((bucket_bytes() if step == 0 else None, logged.get("bucket_sizes"),
+                            logged.get("rebuilt_bucket_sizes")))
     state = [{k: v.detach().numpy().copy() for k, v in m.module.state_dict().items()}
              for m in (mc, th)]
+    layouts.append((bucket_bytes(), None, th._get_ddp_logging_data()["rebuilt_bucket_sizes"]))
     mc.close()
     dist.destroy_process_group()
-    return state
+    return state, layouts
 
 
 @pytest.mark.parametrize("views", [False, True])
 def test_every_parameter_torch_ddp_takes_trains_as_torch_ddp(run_ranks, views):
-    for mc, th in run_ranks(2, _like_torch, views=views, timeout=110, init_timeout=90):
+    for (mc, th), layouts in run_ranks(2, _like_torch, views=views, timeout=110, init_timeout=90):
+        # Buckets as torch's (Note [The first step's buckets] in meshcoll/torch.py): one per
+        # dtype in the first step, then those rebuilt in the order gradients arrived (the
+        # same buckets; torch lists a dtype's last, unfilled bucket after the filled ones).
+        (first, first_torch, _), _, (rebuilt, _, rebuilt_torch) = layouts
+        assert first == first_torch and len(first.split(", ")) == 2, (first, first_torch)
+        assert sorted(rebuilt.split(", ")) == sorted(rebuilt_torch.split(", ")), \
+            (rebuilt, rebuilt_torch)
         assert mc.keys() == th.keys()
         for k in th:  # two ranks add in one order only: bit for bit
             np.testing.assert_array_equal(mc[k], th[k], err_msg=k)
