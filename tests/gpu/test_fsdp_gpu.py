@@ -109,8 +109,7 @@ def _killed(pg):
     import meshcoll
     from fsdp_common import batch, optimizer, sharded
     dev = _device(pg)
-    g = pg.new_group(list(range(pg.size)), timeout=5.0)
-    net = sharded("mlp", group=g, device=dev)
+    net = sharded("mlp", group=pg, device=dev)
     opt = optimizer("sgd", net.parameters())
     x, y = batch("mlp", 0, pg.rank, 0, dev)
     torch.nn.functional.cross_entropy(net(x), y).backward()
@@ -121,17 +120,20 @@ def _killed(pg):
         net(x)
         torch.cuda.synchronize()
         os.kill(os.getpid(), signal.SIGKILL)
+    # The survivor's calls are enqueued on the GPU and return at once: the failure is found by
+    # the communicator's deadline (5 s here), after which the next call raises it. A training
+    # loop makes that call within a step; the error must come by the second step.
     try:
-        torch.nn.functional.cross_entropy(net(x), y).backward()
-        opt.step()
-        net(x)
-        torch.cuda.synchronize()
+        for _ in range(2):
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+            torch.cuda.synchronize()
         return ("no error", "")
     except (meshcoll.PeerError, meshcoll.TimeoutError) as e:
         return (type(e).__name__, str(e))
 
 
 def test_a_rank_killed_mid_step_is_a_peer_error_on_the_survivor():
-    results = run_nccl(2, _killed, may_die=(1,), deadline=120)
+    results = run_nccl(2, _killed, timeout=5.0, may_die=(1,), deadline=120)
     kind, msg = results[0]
     assert kind in ("PeerError", "TimeoutError"), (kind, msg)
