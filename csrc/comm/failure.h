@@ -54,6 +54,12 @@ class Failure {
     return own_type || !reported() ? same_type(error_, msg)
                                    : std::make_exception_ptr(Aborted(msg));
   }
+  // Raises the failure as it was recorded; it reached the caller. Every path that hands the
+  // failure to a caller goes through here or raise(), so destroy() never raises it again.
+  [[noreturn]] void rethrow() {
+    mark_reported();
+    std::rethrow_exception(error_);
+  }
   // Raises the failure with its own type, `context` before its message; it reached the
   // caller.
   [[noreturn]] void raise(const std::string& context) {

@@ -470,7 +470,7 @@ void NcclComm::check_nccl_locked(ncclResult_t r, const char* what, const Deadlin
   std::string msg = str_cat(what, " on ", where(), ": ", nc_.error_text(r, comm_));
   if (r == ncclInvalidArgument || r == ncclInvalidUsage) throw InvalidArgument(msg);
   fail_locked(nccl_failure(r, msg + "; the communicator was aborted"));
-  std::rethrow_exception(failure_.error());
+  failure_.rethrow();
 }
 
 void NcclComm::wait_ready_locked(ncclComm_t comm, const Deadline& d, const char* what) {
@@ -484,7 +484,7 @@ void NcclComm::wait_ready_locked(ncclComm_t comm, const Deadline& d, const char*
   else
     fail_locked(nccl_failure(r, str_cat(what, " on ", where(), ": ", nc_.error_text(r, comm),
                                         "; the communicator was aborted")));
-  std::rethrow_exception(failure_.error());
+  failure_.rethrow();
 }
 
 }  // namespace meshcoll::nccl

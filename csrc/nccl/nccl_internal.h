@@ -113,8 +113,7 @@ ncclResult_t NcclComm::guarded_locked(const Deadline& d, const char* what, Call&
           d.timeout().count(), " ms (a peer never made the matching call, or died); the "
           "communicator was aborted"))));
   }
-  failure_.mark_reported();  // raised by this call: destroy() need not raise it again
-  std::rethrow_exception(failure_.error());
+  failure_.rethrow();
 }
 
 }  // namespace meshcoll::nccl

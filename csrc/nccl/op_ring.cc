@@ -262,7 +262,7 @@ void NcclComm::settle(uint64_t coll_seq, Millis timeout) {
 
 void NcclComm::op_stream_wait(uint64_t seq, CUstream stream) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (failure_.failed() && seq >= failed_from_) std::rethrow_exception(failure_.error());
+  if (failure_.failed() && seq >= failed_from_) failure_.rethrow();
   if (seq < completed_ || shut_down_) return;
   if (seq >= issued_) staged_error(seq);
   CtxGuard guard(cu_, ctx_);
@@ -287,7 +287,7 @@ void NcclWork::wait(Millis timeout, bool has_stream, comm::Stream raw) {
     // Already ordered on that stream: only report a known failure.
     std::lock_guard<std::mutex> lock(comm_->mu_);
     if (comm_->failure_.failed() && seq_ >= comm_->failed_from_)
-      std::rethrow_exception(comm_->failure_.error());
+      comm_->failure_.rethrow();
     return;
   }
   comm_->op_stream_wait(seq_, target);
