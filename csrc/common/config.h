@@ -8,7 +8,7 @@
 // ones (an unset variable), so C++ programs that do not go through Python (bench/cpp) behave
 // the same; a bench that honours a variable reads it in its main and calls set_config.
 //
-// When a field takes effect: host_id, cma, shm_all_reduce and fault when a communicator sets up shared memory,
+// When a field takes effect: host_id, cma, shm_all_reduce, shm_spin_us and fault when a communicator sets up shared memory,
 // simd when the kernel table is first built (the first reduction), nccl_* when NCCL is
 // loaded or split (nccl_direct_bytes: when a group is made), host_timers at once.
 #pragma once
@@ -24,6 +24,9 @@ struct Config {
   // MESHCOLL_SHM_ALL_REDUCE: which shared-memory all_reduce path: "auto" (by the table in
   // algo/shm_collectives.cc), "flat" (every rank polls every peer) or "scalable".
   std::string shm_all_reduce = "auto";
+  // MESHCOLL_SHM_SPIN_US: how long a shared-memory wait for a peer spins before it sleeps on
+  // a futex (Note [Spinning] in common/cores.h); -1: by the host (the default).
+  long shm_spin_us = -1;
   std::string simd;          // MESHCOLL_SIMD: cap the reduction kernels: baseline, avx2, avx512 ("": no cap)
   bool nccl_trace = false;   // MESHCOLL_NCCL_TRACE: print each NCCL / CUDA loading step to stderr
   std::string nccl_library;  // MESHCOLL_NCCL_LIBRARY: libnccl.so.2 to try first ("": none)

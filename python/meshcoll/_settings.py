@@ -30,6 +30,7 @@ HOST_ID = "MESHCOLL_HOST_ID"
 CMA = "MESHCOLL_CMA"
 SHM_ALL_REDUCE = "MESHCOLL_SHM_ALL_REDUCE"
 SHM_ALL_REDUCE_PATHS = ("auto", "flat", "scalable")  # its values
+SHM_SPIN_US = "MESHCOLL_SHM_SPIN_US"
 SIMD = "MESHCOLL_SIMD"
 NCCL_TRACE = "MESHCOLL_NCCL_TRACE"
 NCCL_LIBRARY = "MESHCOLL_NCCL_LIBRARY"
@@ -198,6 +199,7 @@ class CoreConfig:
     host_id: str = ""         # MESHCOLL_HOST_ID: same-host identity override ("": derived)
     cma: bool = True          # MESHCOLL_CMA: cross-memory attach on one host
     shm_all_reduce: str = "auto"  # MESHCOLL_SHM_ALL_REDUCE: auto, flat or scalable
+    shm_spin_us: int = -1     # MESHCOLL_SHM_SPIN_US: a shared-memory wait's spin (-1: by host)
     simd: str = ""            # MESHCOLL_SIMD: cap the reduction kernels ("": no cap)
     nccl_trace: bool = False  # MESHCOLL_NCCL_TRACE: print each NCCL loading step
     nccl_library: str = ""    # MESHCOLL_NCCL_LIBRARY: libnccl.so.2 to try first
@@ -226,7 +228,7 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 
 def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreConfig:
-    """The C++ core's settings from MESHCOLL_HOST_ID, _CMA, _SHM_ALL_REDUCE, _SIMD, _NCCL_TRACE,
+    """The C++ core's settings from MESHCOLL_HOST_ID, _CMA, _SHM_ALL_REDUCE, _SHM_SPIN_US, _SIMD, _NCCL_TRACE,
     _NCCL_LIBRARY, _NCCL_SPLIT, _NCCL_DIRECT_BYTES, _ON_ERROR, _HOST_TIMERS and _FAULT; ValueError naming the variable for a bad value. The
     compiled module installs the result once, when it is imported (Note [Configuration])."""
     env = os.environ if environ is None else environ
@@ -245,10 +247,16 @@ def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreCon
     if not 0 <= direct_bytes <= 64 << 20:
         raise ValueError(f"meshcoll: {NCCL_DIRECT_BYTES}={direct!r}: use 0 (off) to 67108864 "
                          f"bytes (or unset it: 262144)")
+    spin = value_of(env, SHM_SPIN_US)
+    spin_us = -1 if spin is None else parse_int(spin, SHM_SPIN_US)
+    if not -1 <= spin_us <= 10_000_000:
+        raise ValueError(f"meshcoll: {SHM_SPIN_US}={spin!r}: use 0 to 10000000 microseconds, or "
+                         "-1 (or unset it) for the host's default")
     return CoreConfig(
         host_id=value_of(env, HOST_ID) or "",
         cma=_flag(env, CMA, True),
         shm_all_reduce=_choice(env, SHM_ALL_REDUCE, SHM_ALL_REDUCE_PATHS),
+        shm_spin_us=spin_us,
         simd=simd,
         nccl_trace=_flag(env, NCCL_TRACE, False),
         nccl_library=value_of(env, NCCL_LIBRARY) or "",

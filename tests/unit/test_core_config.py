@@ -18,6 +18,8 @@ def test_unset_environment_is_the_defaults():
     ({"MESHCOLL_CMA": "1"}, "cma", True),
     ({"MESHCOLL_SHM_ALL_REDUCE": "flat"}, "shm_all_reduce", "flat"),
     ({"MESHCOLL_SHM_ALL_REDUCE": "scalable"}, "shm_all_reduce", "scalable"),
+    ({"MESHCOLL_SHM_SPIN_US": "0"}, "shm_spin_us", 0),
+    ({"MESHCOLL_SHM_SPIN_US": "5000"}, "shm_spin_us", 5000),
     ({"MESHCOLL_SIMD": "avx2"}, "simd", "avx2"),
     ({"MESHCOLL_SIMD": "baseline"}, "simd", "baseline"),
     ({"MESHCOLL_NCCL_TRACE": "1"}, "nccl_trace", True),
@@ -37,7 +39,8 @@ def test_each_variable(env, field, value):
     ("MESHCOLL_SIMD", "sse9"), ("MESHCOLL_SIMD", "AVX2"), ("MESHCOLL_CMA", "yes"),
     ("MESHCOLL_NCCL_TRACE", "on"), ("MESHCOLL_NCCL_SPLIT", "2"), ("MESHCOLL_FAULT", "die"),
     ("MESHCOLL_NCCL_DIRECT_BYTES", "-1"), ("MESHCOLL_NCCL_DIRECT_BYTES", "lots"),
-    ("MESHCOLL_NCCL_DIRECT_BYTES", "134217728"), ("MESHCOLL_FAULT", "kill@nowhere"),
+    ("MESHCOLL_NCCL_DIRECT_BYTES", "134217728"), ("MESHCOLL_SHM_SPIN_US", "-2"),
+    ("MESHCOLL_SHM_SPIN_US", "soon"), ("MESHCOLL_FAULT", "kill@nowhere"),
     ("MESHCOLL_FAULT", "stop@"), ("MESHCOLL_FAULT", "kill@shm"),
     ("MESHCOLL_FAULT", "hang@settings"), ("MESHCOLL_SHM_ALL_REDUCE", "fast"),
 ])

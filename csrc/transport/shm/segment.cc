@@ -56,11 +56,25 @@ ShmGroup::ShmGroup(int rank, int size, size_t data_bytes)
     throw InvalidArgument(str_cat("shared memory: ", size, " ranks on one host; at most ",
                                   1 << kShmMaxSteps, " are supported"));
   while ((1 << steps_) < size) ++steps_;
+  // Note [Shared-memory spin]
   // Oversubscribed (more ranks than cores, Note [Spinning]): the peer we wait for may need
   // our core to run, so the spin yields it (sched_yield) instead of pausing, for longer before
   // sleeping: a futex sleep and wake-up costs several context switches per round.
-  yield_ = !threads_fit(static_cast<unsigned>(size), host_cores());
-  spin_ = std::chrono::microseconds(yield_ ? 1000 : 100);
+  // Room for two threads per rank (a caller and its group's worker each have a core): the
+  // peer runs on its own core and spinning takes nobody's, so a wait spins for 2 ms before it
+  // sleeps, as MPI's shared memory spins. A sleep costs the waiter a wake-up of 10-50 us
+  // when its peer comes; on many ranks every barrier then waits for the latest wake-up, the
+  // next call starts more ragged, and more waits sleep: calls of a few tens of microseconds
+  // took hundreds (docs/performance.md). Between the two (ranks fit, their workers do not),
+  // 100 us: a rank's own computing thread may need the core.
+  // MESHCOLL_SHM_SPIN_US overrides the time.
+  const auto ranks = static_cast<unsigned>(size);
+  yield_ = !threads_fit(ranks, host_cores());
+  const long us = config().shm_spin_us;
+  spin_ = std::chrono::microseconds(us >= 0                               ? us
+                                    : yield_                              ? 1000
+                                    : threads_fit(2 * ranks, host_cores()) ? 2000
+                                                                          : 100);
 }
 
 std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& store,
