@@ -54,6 +54,15 @@ state dict (its names, its shapes; buffers as they are), on every rank.
 (its flat elements [start, stop) and shape), no communication; ``merge_sharded_state_dicts``
 puts the ranks' dicts (of one replica) together into the full one, and
 ``load_sharded_state_dict`` / ``load_full_state_dict`` load into a model sharded the same way.
+
+Note [Optimizer state dicts]
+The optimizer steps the flat shards, so its own ``state_dict()`` is this rank's shards'
+state. ``full_optim_state_dict(optimizer)`` is the unwrapped model's instead, keyed by
+parameter name as torch.distributed.checkpoint's full optimizer state dict is: every state
+tensor shaped like the shard (AdamW's moments, SGD's momentum) gathered and cut per parameter,
+anything else (``step``) repeated per parameter, and the groups' hyperparameters with the
+names of their parameters. ``load_full_optim_state_dict`` takes each rank's part back, so a
+checkpoint saved on one world size loads on another.
 """
 
 from __future__ import annotations
@@ -574,6 +583,79 @@ class ShardedModule:
                                          "merge_sharded_state_dicts and load_full_state_dict")
                     u.shard[at:at + b - a].copy_(piece.local)
             self._load_buffers(state_dict)
+
+    def _unit_of_shard(self) -> Dict[int, _Unit]:
+        return {id(u.shard): u for u in self._units()}
+
+    def full_optim_state_dict(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        """``optimizer``'s state as the unwrapped model's optimizer would hold it, keyed by
+        parameter name, on every rank (collective; Note [Optimizer state dicts])."""
+        units, fqns = self._unit_of_shard(), self._fqns()
+        state: Dict[str, Dict[str, Any]] = {}
+        groups = []
+        for group in optimizer.param_groups:
+            names: List[str] = []
+            for p in group["params"]:
+                u = units.get(id(p))
+                if u is None:
+                    raise ValueError("full_optim_state_dict: the optimizer holds a parameter "
+                                     "that is no unit's flat shard of this model")
+                unit_names = self._names(u, fqns)
+                names += unit_names
+                for key, value in sorted(optimizer.state.get(p, {}).items()):
+                    per_name = self._split_state(u, value)
+                    for name, v in zip(unit_names, per_name):
+                        state.setdefault(name, {})[key] = v
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+        return {"state": state, "param_groups": groups}
+
+    def _split_state(self, u: _Unit, value: Any) -> List[Any]:
+        """One shard-shaped state tensor gathered and cut per parameter; anything else (a
+        step count) the same for each parameter."""
+        n = len(u.layout.names)
+        if not (isinstance(value, torch.Tensor) and value.dim() == 1
+                and value.numel() == u.layout.shard_numel):
+            return [value.detach().clone() if isinstance(value, torch.Tensor) else value] * n
+        flat = torch.empty(u.layout.padded, dtype=value.dtype, device=value.device)
+        u.group.all_gather(u._arr(value.detach()), out=u._arr(flat).reshape(u.group.size, -1))
+        return [flat[off:off + k].view(shape).clone() for off, k, shape in
+                zip(u.layout.offsets, u.layout.numels, u.layout.shapes)]
+
+    def load_full_optim_state_dict(self, optimizer: torch.optim.Optimizer,
+                                   state_dict: Mapping[str, Any]) -> None:
+        """Loads what ``full_optim_state_dict`` gave (from this model sharded any way, or
+        built from an unwrapped model's optimizer keyed by name) into ``optimizer`` over this
+        model's shards: each rank takes its part (no communication)."""
+        units, fqns = self._unit_of_shard(), self._fqns()
+        saved = state_dict["state"]
+        if len(state_dict["param_groups"]) != len(optimizer.param_groups):
+            raise ValueError(f"load_full_optim_state_dict: {len(state_dict['param_groups'])} "
+                             f"parameter groups saved, the optimizer has "
+                             f"{len(optimizer.param_groups)}")
+        for group, saved_group in zip(optimizer.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+            for p in group["params"]:
+                u = units[id(p)]
+                names = self._names(u, fqns)
+                if not any(n in saved for n in names):
+                    continue  # no state saved for this unit yet (as before a first step)
+                missing = [n for n in names if n not in saved]
+                if missing:
+                    raise KeyError(f"load_full_optim_state_dict: no state for {missing[:10]}")
+                st: Dict[str, Any] = {}
+                for key, first in saved[names[0]].items():
+                    values = [saved[n].get(key) for n in names]
+                    shaped = any(u.layout.shapes) and all(
+                        isinstance(v, torch.Tensor) and tuple(v.shape) == shape
+                        for v, shape in zip(values, u.layout.shapes))
+                    if not shaped:  # the same for each parameter (a step count)
+                        st[key] = first.clone() if isinstance(first, torch.Tensor) else first
+                        continue
+                    shard = torch.zeros(u.layout.shard_numel, dtype=first.dtype, device=p.device)
+                    for k, a, b, at in u.layout.pieces(u.group.rank):
+                        shard[at:at + b - a].copy_(saved[names[k]][key].reshape(-1)[a:b])
+                    st[key] = shard
+                optimizer.state[p] = st
 
     def _load_buffers(self, state_dict: Mapping[str, Any]) -> None:
         for name, buf in torch.nn.Module.named_buffers(self):  # type: ignore[arg-type]
