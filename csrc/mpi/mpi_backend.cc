@@ -100,13 +100,16 @@ class MpiWork final : public comm::Work {
         end(std::current_exception());
         break;
       }
-      // Spin briefly (a small call completes within microseconds), then let the core go.
+      // Spin briefly (a small call completes within microseconds), then yield. MPI's
+      // nonblocking collectives often progress only inside MPI calls (Open MPI's libnbc), so
+      // a long call is tested at once whenever this thread runs again; only a wait that lasts
+      // past a second (a late peer) sleeps between tests.
       if (spins < 2000) continue;
-      if (Clock::now() - since < Millis(10)) {
+      if (Clock::now() - since < std::chrono::seconds(1)) {
         sched_yield();
       } else {
         lock.unlock();
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
         lock.lock();
       }
     }
@@ -261,9 +264,7 @@ std::shared_ptr<MpiBackend> MpiBackend::split(int color, int key, Millis timeout
 
 std::string MpiBackend::transport() const { return str_cat("mpi (", api().version, ")"); }
 
-std::string MpiBackend::where() const {
-  return str_cat("global rank ", names()(rank()), " (MPI group of ", size(), ")");
-}
+std::string MpiBackend::where() const { return str_cat(who(), " (MPI)"); }
 
 void MpiBackend::set_agreement(std::shared_ptr<comm::Backend> channel,
                                comm::Agreement::Mode mode) {

@@ -96,7 +96,7 @@ class MpiBackend final : public comm::Backend,
   // The group's failure, for a call that finds it (nullptr: none).
   std::exception_ptr failure_for(const std::string& context) const;
   bool failed() const { return failed_.load(std::memory_order_acquire); }
-  std::string where() const;  // "global rank 1 of MPI group 'world'"
+  std::string where() const;  // "rank 1 (global) of group 'world' (MPI)"
 
   void* comm_;  // the shim's communicator (null once freed)
   const Millis timeout_;
