@@ -3,8 +3,8 @@ collective against numpy on random data, a disagreement (MismatchError on both r
 rank that never calls (a TimeoutError naming it, then the job ends by MPI_Abort: Note [MPI
 failure model] in csrc/mpi/mpi_backend.h), subgroups through MPI_Comm_split, and
 ``mpi_available()`` saying why MPI cannot be built. Skipped only where no MPI is installed
-(no mpicc or mpirun). Each job prints one ``RESULT <rank> <json>`` line per rank; the test
-asserts on those."""
+(no mpicc or mpirun). Each rank of a job reports what it saw in a file; the test asserts on
+those."""
 
 from __future__ import annotations
 
@@ -32,7 +32,10 @@ sys.path.insert(0, {tests!r})
 from conftest import rand_array
 
 def report(rank, value):
-    print("RESULT", rank, json.dumps(value), flush=True)
+    # A file, not stdout: mpirun may drop a rank's last output when the job ends.
+    with open(os.path.join({results!r}, f"result-{{rank}}.json.tmp"), "w") as f:
+        json.dump(value, f)
+    os.replace(f.name, f.name[:-4])
 """
 
 
@@ -41,7 +44,8 @@ def mpi_job(tmp_path: Path, body: str, *, n: int = 2, env: dict | None = None,
     """Runs ``body`` (after HEADER) under ``mpirun -n n``: (exit code, output, each rank's
     reported value)."""
     script = tmp_path / "job.py"
-    script.write_text(HEADER.format(tests=str(Path(__file__).parents[1])) + textwrap.dedent(body))
+    script.write_text(HEADER.format(tests=str(Path(__file__).parents[1]), results=str(tmp_path))
+                      + textwrap.dedent(body))
     cmd = [MPIRUN, "--oversubscribe", "-n", str(n)]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         cmd.insert(1, "--allow-run-as-root")
@@ -52,11 +56,8 @@ def mpi_job(tmp_path: Path, body: str, *, n: int = 2, env: dict | None = None,
     r = subprocess.run(cmd + [sys.executable, str(script)], capture_output=True, text=True,
                        timeout=timeout, env=full_env)
     out = r.stdout + r.stderr
-    results = {}
-    for line in r.stdout.splitlines():
-        if line.startswith("RESULT "):
-            _, rank, value = line.split(" ", 2)
-            results[int(rank)] = json.loads(value)
+    results = {int(p.name[len("result-"):-len(".json")]): json.loads(p.read_text())
+               for p in tmp_path.glob("result-*.json")}
     return r.returncode, out, results
 
 
