@@ -355,8 +355,8 @@ WorkPtr MpiBackend::run(Call& c, Start&& start, Finish finish, int peer) {
 }
 
 WorkPtr MpiBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
-  open(c);
   const int n = int_count(in.count, c.what);
+  open(c);
   Finish f{in.dtype, op == RedOp::kAvg ? out.data : nullptr, out.count};
   return run(c, [&](void** req) {
     return api().iallreduce(in.data, out.data, n, code(in.dtype), code(op), comm_, req);
@@ -365,8 +365,8 @@ WorkPtr MpiBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView&
 
 WorkPtr MpiBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op,
                               int root) {
-  open(c);
   const int n = int_count(in.count, c.what);
+  open(c);
   const bool mine = rank() == root;
   Finish f{in.dtype, op == RedOp::kAvg && mine ? out.data : nullptr, out.count};
   return run(c, [&](void** req) {
@@ -375,8 +375,8 @@ WorkPtr MpiBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out
 }
 
 WorkPtr MpiBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
-  open(c);
   const int n = int_count(buf.count, c.what);
+  open(c);
   return run(c, [&](void** req) {
     return api().ibcast(buf.data, n, code(buf.dtype), root, comm_, req);
   }, Finish{});
@@ -384,8 +384,8 @@ WorkPtr MpiBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
 
 WorkPtr MpiBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                   const std::vector<size_t>& counts) {
-  open(c);
   auto l = layout_of(counts, c.what);
+  open(c);
   // The in-place form (x is out's block of this rank) is MPI's own.
   const bool in_place = overlap(in, out);
   auto shared = std::make_shared<Layout>(std::move(l));
@@ -398,8 +398,8 @@ WorkPtr MpiBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView&
 
 WorkPtr MpiBackend::do_reduce_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                       const std::vector<size_t>& counts, RedOp op) {
-  open(c);
   auto l = std::make_shared<Layout>(layout_of(counts, c.what));
+  open(c);
   c.keep.push_back(l);
   const void* src = unaliased(in, out, c.keep);
   Finish f{in.dtype, op == RedOp::kAvg ? out.data : nullptr, out.count};
@@ -412,9 +412,9 @@ WorkPtr MpiBackend::do_reduce_scatter(Call& c, const ArrayView& in, const ArrayV
 WorkPtr MpiBackend::do_all_to_all(Call& c, const ArrayView& in, const ArrayView& out,
                                   const std::vector<size_t>& send_counts,
                                   const std::vector<size_t>& recv_counts) {
-  open(c);
   auto s = std::make_shared<Layout>(layout_of(send_counts, c.what));
   auto r = std::make_shared<Layout>(layout_of(recv_counts, c.what));
+  open(c);
   c.keep.push_back(s);
   c.keep.push_back(r);
   return run(c, [&](void** req) {
@@ -425,8 +425,8 @@ WorkPtr MpiBackend::do_all_to_all(Call& c, const ArrayView& in, const ArrayView&
 
 WorkPtr MpiBackend::do_gather(Call& c, const ArrayView& in, const ArrayView& out,
                               const std::vector<size_t>& counts, int root) {
-  open(c);
   auto l = std::make_shared<Layout>(layout_of(counts, c.what));
+  open(c);
   c.keep.push_back(l);
   const void* src = rank() == root ? unaliased(in, out, c.keep) : in.data;
   return run(c, [&](void** req) {
@@ -437,8 +437,8 @@ WorkPtr MpiBackend::do_gather(Call& c, const ArrayView& in, const ArrayView& out
 
 WorkPtr MpiBackend::do_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                const std::vector<size_t>& counts, int root) {
-  open(c);
   auto l = std::make_shared<Layout>(layout_of(counts, c.what));
+  open(c);
   c.keep.push_back(l);
   const void* src = rank() == root ? unaliased(in, out, c.keep) : in.data;
   return run(c, [&](void** req) {
@@ -453,18 +453,18 @@ WorkPtr MpiBackend::do_barrier(Call& c) {
 }
 
 WorkPtr MpiBackend::do_send(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
-  open(c);
   const int n = int_count(buf.count, c.what);
   const int t = int_count(tag, "send: tag");
+  open(c);
   return run(c, [&](void** req) {
     return api().isend(buf.data, n, code(buf.dtype), peer, t, comm_, req);
   }, Finish{}, peer);
 }
 
 WorkPtr MpiBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
-  open(c);
   const int n = int_count(buf.count, c.what);
   const int t = int_count(tag, "recv: tag");
+  open(c);
   return run(c, [&](void** req) {
     return api().irecv(buf.data, n, code(buf.dtype), peer, t, comm_, req);
   }, Finish{}, peer);

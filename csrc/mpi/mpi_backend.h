@@ -84,7 +84,8 @@ class MpiBackend final : public comm::Backend,
   // What finishes a call once MPI completed it (avg's division, a copy out of a staging buffer).
   struct Finish;
   // Raises the group's failure if it failed; else opens the call's record and notes it to
-  // the agreement check (strict: compared here, before MPI is called).
+  // the agreement check (strict: compared here, before MPI is called). After the call's own
+  // checks (counts that fit MPI's ints): a refused call is never noted as issued.
   void open(Call& c);
   // Starts the MPI call (`start` returns its request through its argument, or an MPI error),
   // then makes its Work; a synchronous call waits for it here and returns nullptr.
