@@ -32,7 +32,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("reduce",),
     ("transport",),
     ("comm",),
-    ("cpu", "nccl", "reducer"),
+    ("cpu", "nccl", "mpi", "reducer"),
     ("python",),
 ]
 FLOOR_OF = {folder: i for i, names in enumerate(FLOORS) for folder in names}

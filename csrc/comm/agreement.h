@@ -1,6 +1,7 @@
 // The agreement check of a backend whose data path cannot compare the ranks' calls itself
-// (NCCL: the data moves in GPU kernels). The call descriptions travel instead on a host side
-// channel among the same ranks: a CPU backend (shared memory on one host, TCP across hosts).
+// (NCCL: the data moves in GPU kernels; MPI: inside the site's library). The call descriptions
+// travel instead on a host side channel among the same ranks: a CPU backend (shared memory on
+// one host, TCP across hosts).
 //
 // Note [Agreement on a side channel]
 // The backend hands every collective's sequence number and description (the ledger's, Note

@@ -1,6 +1,6 @@
 // The backend contract: every collective and point-to-point operation over array views and
-// one CallOptions, returning a Work. The CPU backend (csrc/cpu/) and the NCCL backend
-// (csrc/nccl/) implement it; csrc/python/bind_backend.cc binds it once; the Python
+// one CallOptions, returning a Work. The CPU backend (csrc/cpu/), the NCCL backend
+// (csrc/nccl/) and the MPI backend (csrc/mpi/) implement it; csrc/python/bind_backend.cc binds it once; the Python
 // ProcessGroup holds one and is not subclassed per backend.
 //
 // Note [Guarantees above the backends]
@@ -154,6 +154,8 @@ class Backend {
   // call (a backend that keeps its own messages takes the names from here: on_identity).
   void set_identity(std::vector<int> global_ranks, const std::string& group);
   const RankNames& names() const { return names_; }
+  // "rank 3 (global) of group 'world'": how errors name this rank of the group.
+  const std::string& who() const { return who_; }
 
   // Note [One issuing thread]: this thread's issue of a call on the group, for the Issue's
   // lifetime. It throws ConcurrentCall (after failing the group) if another thread's Issue

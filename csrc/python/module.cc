@@ -10,6 +10,7 @@ void bind_backend(py::module_& m);
 void bind_comm(py::module_& m);
 void bind_reduce(py::module_& m);
 void bind_nccl(py::module_& m);
+void bind_mpi(py::module_& m);
 void bind_agreement(py::module_& m);
 void bind_reducer(py::module_& m);
 void config_at_import();
@@ -26,6 +27,7 @@ PYBIND11_MODULE(_C, m) {
   meshcoll::python::bind_comm(m);
   meshcoll::python::bind_reduce(m);
   meshcoll::python::bind_nccl(m);
+  meshcoll::python::bind_mpi(m);
   meshcoll::python::bind_agreement(m);
   meshcoll::python::bind_reducer(m);
   meshcoll::python::bind_config(m);

@@ -30,6 +30,7 @@ _HOME = {
     "ShardedDataParallel": "sharded",
     **dict.fromkeys(("AlgorithmName", "BackendName", "ReduceOpName"), "_types"),
     "nccl_available": "nccl",
+    "mpi_available": "mpi",
     **dict.fromkeys(("ShardedArray", "partition_range", "reduce_scatter_dim", "shard"),
                     "partition"),
     **dict.fromkeys(("CallStats", "CollectiveConfig", "NonMemberGroup", "ProcessGroup", "Work"),
@@ -45,7 +46,7 @@ _HOME = {
 
 # Submodules that were attributes of the package after a plain ``import meshcoll``.
 _SUBMODULES = ("_C", "_rendezvous", "_settings", "api", "arrays", "ddp", "device_mesh",
-               "hierarchy", "monitor", "nccl", "partition", "process_group", "sharded", "world")
+               "hierarchy", "monitor", "mpi", "nccl", "partition", "process_group", "sharded", "world")
 
 if _typing.TYPE_CHECKING:  # what __getattr__ binds, as type checkers and IDEs see it
     from ._C import (AbortedError, ConcurrentCallError, FileStore, MeshcollError,
@@ -57,6 +58,7 @@ if _typing.TYPE_CHECKING:  # what __getattr__ binds, as type checkers and IDEs s
     from .ddp import Asynchronous, BoundedStaleness, DataParallel, LocalSGD
     from .device_mesh import DeviceMesh, MeshLayout, init_device_mesh
     from .monitor import monitored_barrier
+    from .mpi import mpi_available
     from .nccl import nccl_available
     from .partition import ShardedArray, partition_range, reduce_scatter_dim, shard
     from .process_group import CallStats, CollectiveConfig, NonMemberGroup, ProcessGroup, Work
@@ -85,7 +87,7 @@ __all__ = [
     "new_group", "ProcessGroup", "NonMemberGroup", "Work", "CollectiveConfig", "CallStats", "TCPStore",
     "FileStore", "PrefixStore", "Store", "DataParallel", "LocalSGD", "BoundedStaleness",
     "Asynchronous", "ShardedDataParallel", "MeshLayout", "DeviceMesh", "init_device_mesh",
-    "monitored_barrier", "nccl_available", "ShardedArray", "partition_range", "reduce_scatter_dim", "shard",
+    "monitored_barrier", "mpi_available", "nccl_available", "ShardedArray", "partition_range", "reduce_scatter_dim", "shard",
     "MeshcollError", "TimeoutError", "PeerError", "MismatchError", "AbortedError",
     "ConcurrentCallError",
     "all_reduce", "reduce", "broadcast", "all_gather", "all_gather_v", "reduce_scatter",

@@ -284,6 +284,13 @@ def _slurm_master(env: Mapping[str, str]) -> Tuple[Optional[str], Optional[int]]
     return addr, port
 
 
+def master_from_env(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether the environment names a master address (MESHCOLL_MASTER_ADDR or MASTER_ADDR):
+    init(backend="mpi") then rendezvouses there rather than through MPI."""
+    env = os.environ if environ is None else environ
+    return bool(_get(env, MASTER_ADDR) or _get(env, _TORCH_MASTER_ADDR))
+
+
 def _master(env: Mapping[str, str], addr_arg: Optional[str], port_arg: Optional[int],
             world: int, came_from: str, slurm: bool = False) -> Tuple[str, int]:
     if addr_arg is not None:

@@ -156,7 +156,7 @@ class GroupOptions:
     hierarchy: bool = True      # MESHCOLL_HIERARCHY
     algorithm: str = "auto"     # MESHCOLL_ALGO
     debug: bool = False         # MESHCOLL_DEBUG
-    check: str = "async"        # MESHCOLL_CHECK: NCCL groups' agreement check: async, strict, off
+    check: str = "async"        # MESHCOLL_CHECK: NCCL and MPI groups' agreement check: async, strict, off
 
     def shared(self, backend: str = "cpu") -> Dict[str, str]:
         """The settings every rank of a group on ``backend`` must share, named as users set
@@ -168,7 +168,7 @@ class GroupOptions:
         csrc/store/exchange.h). The algorithm is not among them: it travels with every call,
         and ranks that choose differently get a MismatchError there; nor is the timeout,
         which each rank may set for itself."""
-        if backend == "nccl":
+        if backend in ("nccl", "mpi"):  # both check on a side channel
             return {f"{CHECK} (or new_group's check=)": repr(self.check)}
         return {f"{TRANSPORT} (or new_group's transport=)": repr(self.transport),
                 SHM_BYTES: str(self.shm_bytes),

@@ -12,4 +12,4 @@ ReduceOpName = Literal["sum", "prod", "min", "max", "avg", "band", "bor", "bxor"
 AlgorithmName = Literal["auto", "ring", "tree", "halving_doubling", "direct", "shm",
                         "centralized"]
 # What a group runs on; meshcoll.init also takes "auto" (nccl where every rank can).
-BackendName = Literal["cpu", "nccl"]
+BackendName = Literal["cpu", "nccl", "mpi"]

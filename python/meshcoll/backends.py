@@ -1,5 +1,5 @@
-"""The backend factory: makes a group, its C++ backend (the CPU one, or the NCCL one through
-nccl.py) and, for a group spanning hosts, its hierarchy (hierarchy.py).
+"""The backend factory: makes a group, its C++ backend (the CPU one, the NCCL one through
+nccl.py, or the MPI one through mpi.py) and, for a group spanning hosts, its hierarchy (hierarchy.py).
 
 A ProcessGroup gets its backend ready-made, and makes its subgroups through the factory
 that made it (``make_group``, which every group holds): so process_group.py imports neither
@@ -14,7 +14,7 @@ import hashlib
 import warnings
 from typing import Iterator, List, Optional, Sequence, Tuple, Union, cast
 
-from . import _C, _settings, nccl
+from . import _C, _settings, mpi, nccl
 from ._types import AlgorithmName, BackendName
 from .arrays import HostArrays
 from .collectives import CollectiveConfig
@@ -34,6 +34,18 @@ def _shared(ranks: Sequence[int], label: Optional[str], opts: _settings.GroupOpt
     in csrc/store/exchange.h): its members and name, then its backend's settings."""
     return [(_settings.MEMBERS, repr(list(ranks))), (_settings.NAME, repr(label)),
             *opts.shared(backend).items()]
+
+
+def _agreement_channel(store: _C.Store, name: str, rank: int, ranks: List[int], timeout: float,
+                       bind_host: str, token: str,
+                       opts: _settings.GroupOptions) -> Optional[_C.CpuBackend]:
+    """Note [Agreement on a side channel] (csrc/comm/agreement.h): an NCCL or MPI group's
+    calls are compared on a CPU group of the same ranks (None: one rank, or the check off)."""
+    if len(ranks) == 1 or opts.check == "off":
+        return None
+    return _C.CpuBackend(_C.PrefixStore(f"mc/{name}/agree", store), rank, len(ranks), timeout,
+                         bind_host, token, _comm_id(name + "/agree", token), "auto", 64 << 10,
+                         False, ranks)
 
 
 @contextlib.contextmanager
@@ -60,8 +72,21 @@ def make_group(store: _C.Store, ranks: Sequence[int], rank: int, name: str, *,
     ranks = list(ranks)
     prefixed = _C.PrefixStore(f"mc/{name}", store)
     channel = None
-    be: Union[_C.CpuBackend, _C.NcclBackend]
-    if backend == "nccl":
+    be: Union[_C.CpuBackend, _C.NcclBackend, _C.MpiBackend]
+    if backend == "mpi":
+        device = None
+        if len(ranks) > 1:  # before MPI's split, which has no deadline of its own
+            with _naming_setup(name, ranks):
+                _C.agree_on_settings(prefixed, rank, len(ranks),
+                                     _shared(ranks, label, opts, "mpi"), timeout, ranks)
+        # A subgroup: MPI_Comm_split of the parent, ordered by the key (this group rank).
+        made = mpi.make_backend(timeout, parent._mpi_backend() if parent is not None else None,
+                                color, rank)
+        assert made is not None
+        be = made
+        channel = _agreement_channel(store, name, rank, ranks, timeout, bind_host, token, opts)
+        config = CollectiveConfig("auto")  # MPI picks its own algorithms
+    elif backend == "nccl":
         dev = parent._device if parent is not None else device
         # nccl.world_device names the world's device; children inherit their parent's.
         assert dev is not None
@@ -71,13 +96,7 @@ def make_group(store: _C.Store, ranks: Sequence[int], rank: int, name: str, *,
                                  timeout, ranks)
         be = nccl.make_backend(prefixed, rank, len(ranks), device, timeout,
                                parent._nccl_backend() if parent is not None else None, color)
-        if len(ranks) > 1 and opts.check != "off":
-            # Note [Agreement on a side channel] (csrc/comm/agreement.h): the ranks'
-            # calls are compared on a CPU group of the same ranks.
-            channel = _C.CpuBackend(_C.PrefixStore(f"mc/{name}/agree", store), rank,
-                                    len(ranks), timeout, bind_host, token,
-                                    _comm_id(name + "/agree", token), "auto", 64 << 10,
-                                    False, ranks)
+        channel = _agreement_channel(store, name, rank, ranks, timeout, bind_host, token, opts)
         config = CollectiveConfig("auto")  # NCCL picks its own algorithms
     else:
         device = None
@@ -88,6 +107,8 @@ def make_group(store: _C.Store, ranks: Sequence[int], rank: int, name: str, *,
         # MESHCOLL_ALGO's text; CollectiveConfig checks it against the core's names.
         config = CollectiveConfig(cast(AlgorithmName, opts.algorithm))
     be.set_identity(ranks, name if label is None else label)
+    if isinstance(be, _C.MpiBackend) and channel is not None:
+        be.set_agreement(channel, opts.check == "strict")
     if isinstance(be, _C.NcclBackend):
         if channel is not None:
             be.set_agreement(channel, opts.check == "strict")

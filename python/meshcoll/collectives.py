@@ -248,7 +248,7 @@ class Collectives:
     What they work on is set up by ProcessGroup: the group's backend, how it allocates
     outputs (``_arrays``), its CUDA device (None on the CPU) and its ``config``."""
 
-    _backend: Union[_C.CpuBackend, _C.NcclBackend]
+    _backend: Union[_C.CpuBackend, _C.NcclBackend, _C.MpiBackend]
     _arrays: Union[Type[HostArrays], Type[CudaArrays]]
     _device: Optional[int]
     config: CollectiveConfig
@@ -256,6 +256,11 @@ class Collectives:
     def _nccl_backend(self) -> _C.NcclBackend:
         """The backend, for calls only an NCCL group makes (its callers check first)."""
         assert isinstance(self._backend, _C.NcclBackend)
+        return self._backend
+
+    def _mpi_backend(self) -> _C.MpiBackend:
+        """The backend, for calls only an MPI group makes (its callers check first)."""
+        assert isinstance(self._backend, _C.MpiBackend)
         return self._backend
 
     def _cpu_backend(self) -> _C.CpuBackend:

@@ -18,7 +18,7 @@ from typing import (Any, Callable, ContextManager, Dict, Iterator, List, Literal
 
 import numpy as np
 
-from . import _C, _settings, nccl
+from . import _C, _settings, mpi, nccl
 from ._types import BackendName
 from .arrays import HostArrays, dtype_name, numpy_dtype
 from .collectives import Array, CollectiveConfig, Collectives, Stream, Work, _collective
@@ -72,7 +72,8 @@ class ProcessGroup(Collectives):
     _monitored_calls = 0  # calls of monitored_barrier on this group (monitor.py)
 
     def __init__(self, store: _C.Store, ranks: Sequence[int], name: str,
-                 backend: Union[_C.CpuBackend, _C.NcclBackend], *, kind: BackendName,
+                 backend: Union[_C.CpuBackend, _C.NcclBackend, _C.MpiBackend], *,
+                 kind: BackendName,
                  arrays: Union[Type[HostArrays], Type[nccl.CudaArrays]], device: Optional[int],
                  config: CollectiveConfig, timeout: float, bind_host: str, token: str,
                  options: _settings.GroupOptions, make_group: MakeGroup,
@@ -190,13 +191,13 @@ class ProcessGroup(Collectives):
 
     def _agree_before_split(self, name: str, ranks: List[int], opts: _settings.GroupOptions,
                             timeout: Optional[float], label: Optional[str]) -> None:
-        """Every rank of an NCCL parent takes part in the split that makes a subgroup, members
+        """Every rank of an NCCL or MPI parent takes part in the split that makes a subgroup, members
         or not: so all of them compare the new group's members and check setting first (Note
         [Shared settings] in csrc/store/exchange.h). Ranks that differ get a MismatchError
         together, and the parent stays usable; compared among the members alone, the others
         would wait in ncclCommSplit until its timeout, which aborts the parent."""
         settings = [(_settings.MEMBERS, repr(ranks)), (_settings.NAME, repr(label)),
-                    *opts.shared("nccl").items()]
+                    *opts.shared(self.backend_name).items()]
         _C.agree_on_settings(_C.PrefixStore(f"mc/{name}/split", self._store), self.rank,
                              self.size, settings,
                              self._setup_timeout(timeout), self._ranks)
@@ -337,7 +338,7 @@ class ProcessGroup(Collectives):
         me = self._ranks[self.rank]
         child: Union[ProcessGroup, NonMemberGroup]
         with self._group_call(key, f"new_group({ranks})", timeout):
-            if self.backend_name == "nccl" and self.size > 1:
+            if self.backend_name in ("nccl", "mpi") and self.size > 1:
                 self._agree_before_split(key, ranks, opts, timeout, name)
             if me not in ranks:
                 child = NonMemberGroup(ranks, key if name is None else name)
@@ -461,6 +462,8 @@ class ProcessGroup(Collectives):
         so an NCCL parent's non-members take part with no color."""
         if self.backend_name == "nccl":
             nccl.sit_out(self._nccl_backend(), timeout)
+        elif self.backend_name == "mpi":  # MPI_Comm_split is collective over the parent too
+            mpi.make_backend(self._setup_timeout(timeout), self._mpi_backend(), -1)
 
     def destroy(self) -> None:
         """Finish queued work and close this group and every group created from it."""

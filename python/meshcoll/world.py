@@ -10,7 +10,7 @@ import secrets
 import warnings
 from typing import Any, Literal, Optional, Sequence, Tuple, Union
 
-from . import _C, _rendezvous, _settings, nccl, run
+from . import _C, _rendezvous, _settings, mpi, nccl, run
 from ._types import BackendName
 from .backends import make_group
 from .process_group import NonMemberGroup, ProcessGroup
@@ -53,8 +53,10 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
     Open MPI's environment variables; when none is set (``python script.py``) the process
     is a world of one, rank 0 of 1 (logged once, at info level, on the "meshcoll" logger).
     ``backend``: "cpu" (the default), "nccl" (CUDA
-    arrays; ``device`` defaults to the launcher's local rank), or "auto" (nccl when every
-    rank has a GPU and NCCL loads, else cpu). ``store``: an existing store
+    arrays; ``device`` defaults to the launcher's local rank), "mpi" (host arrays over the
+    site's MPI, under mpirun or srun: rank and size come from MPI, and with no master
+    address MPI also tells the ranks where rank 0's store is; meshcoll.mpi), or "auto" (nccl
+    when every rank has a GPU and NCCL loads, else cpu). ``store``: an existing store
     (``meshcoll.TCPStore``, client or server, or ``meshcoll.FileStore``) to rendezvous
     through instead of rank 0 hosting one; ``rank`` and ``world_size`` then come from the
     arguments or the environment as usual. ``init_method`` (else ``MESHCOLL_INIT_METHOD``),
@@ -67,8 +69,9 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
     if _Default.world is not None:
         raise RuntimeError("meshcoll.init was already called in this process; call "
                            "meshcoll.destroy() first to re-initialise")
-    if backend not in (None, "auto", "cpu", "nccl"):
-        raise ValueError(f"meshcoll.init: unknown backend {backend!r}; use 'cpu', 'nccl' or 'auto'")
+    if backend not in (None, "auto", "cpu", "nccl", "mpi"):
+        raise ValueError(f"meshcoll.init: unknown backend {backend!r}; use 'cpu', 'nccl', 'mpi' "
+                         f"or 'auto'")
     # Under meshcoll-run: tell it when this rank begins to leave, so that it names the rank
     # that failed first, not a peer that failed because of it (Note [The first rank to fail]).
     run.watch_exit()
@@ -84,10 +87,17 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
                                  f"method's {value!r}; give one of them")
         master_addr, master_port = method.host, method.port
     file_path = method.path if method is not None and method.kind == "file" else None
+    # MPI's ranks are the job's: MPI itself says which this process is (and, with no master
+    # address, where the store is: mpi.bootstrap_store).
+    via_mpi = False
+    if backend == "mpi":
+        rank, world_size = _mpi_world(rank, world_size)
+        via_mpi = store is None and file_path is None and master_addr is None and \
+            not _rendezvous.master_from_env()
     # A given store or a file needs no master address: the store is already where it is.
     rv = _rendezvous.rendezvous_from_env(rank=rank, world_size=world_size, master_addr=master_addr,
                                   master_port=master_port,
-                                  need_master=store is None and file_path is None)
+                                  need_master=store is None and file_path is None and not via_mpi)
     if rv.source == "default" and not _Default.logged_world_of_one:
         _Default.logged_world_of_one = True
         logging.getLogger("meshcoll").info(WORLD_OF_ONE)
@@ -101,7 +111,7 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
     options, ifname_host = _group_settings(rv)
     # A job of one process has no one to share a token with: it makes its own.
     token = rv.token or (secrets.token_hex(16) if rv.world_size == 1 else "")
-    if not token and rv.rank == 0 and not _Default.warned_no_token:
+    if not token and rv.rank == 0 and not _Default.warned_no_token and not via_mpi:
         # Rank 0 hosts the store: one warning for the job, once per process.
         _Default.warned_no_token = True
         warnings.warn(NO_TOKEN_WARNING, UserWarning, stacklevel=2)
@@ -114,6 +124,11 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
     if file_path is not None:
         _Default.stores_made += 1
         store = _C.FileStore(file_path, timeout)
+    elif via_mpi:  # rank 0 hosts it on a free port; MPI tells the others where (and the token)
+        _Default.stores_made += 1
+        store, token = mpi.bootstrap_store(rv.rank, _outbound_address(), timeout, token or None,
+                                           generation)
+        owned = store
     elif store is None:
         _Default.stores_made += 1
         store = owned = _C.TCPStore(rv.master_addr, rv.master_port, is_server=rv.rank == 0,
@@ -132,6 +147,20 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
         raise
     _Default.world, _Default.store, _Default.owns_store = world, store, owns_store
     return world
+
+
+def _mpi_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
+    """init(backend="mpi"): MPI's rank and size (MPI loaded and initialized); given ones must
+    match them."""
+    try:
+        mine, size = mpi.load()
+    except mpi.MpiUnavailable as e:
+        raise RuntimeError(f"meshcoll.init(backend='mpi'): {e}") from None
+    for name, given, value in (("rank", rank, mine), ("world_size", world_size, size)):
+        if given is not None and int(given) != value:
+            raise ValueError(f"meshcoll.init(backend='mpi') on MPI rank {mine}: {name}={given} "
+                             f"contradicts MPI's {value}; leave it out (MPI says which)")
+    return mine, size
 
 
 def _group_settings(
@@ -159,6 +188,9 @@ def _world(backend: Optional[str], store: _C.Store, rv: _rendezvous.Rendezvous, 
            bind_host: str) -> ProcessGroup:
     if backend == "auto":
         backend = nccl.agree_on_backend(store, rv.rank, rv.world_size, timeout)
+    if backend == "mpi":
+        return make_group(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
+                          bind_host=bind_host, token=token, backend="mpi", options=options)
     if backend == "nccl":
         dev = nccl.world_device(rv.rank, rv.world_size,
                                 device if device is not None else rv.local_rank)

@@ -1,0 +1,272 @@
+"""The MPI backend (csrc/mpi/, python/meshcoll/mpi.py) under a real ``mpirun -n 2``: every
+collective against numpy on random data, a disagreement (MismatchError on both ranks), a
+rank that never calls (a TimeoutError naming it, then the job ends by MPI_Abort: Note [MPI
+failure model] in csrc/mpi/mpi_backend.h), subgroups through MPI_Comm_split, and
+``mpi_available()`` saying why MPI cannot be built. Skipped only where no MPI is installed
+(no mpicc or mpirun). Each rank of a job reports what it saw in a file; the test asserts on
+those."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+MPIRUN = shutil.which("mpirun")
+MPICC = shutil.which(os.environ.get("MPICC", "mpicc"))
+pytestmark = pytest.mark.skipif(MPIRUN is None or MPICC is None,
+                                reason="no MPI installed (mpicc and mpirun)")
+
+HEADER = """
+import json, os, sys, time
+import numpy as np
+import meshcoll
+sys.path.insert(0, {tests!r})
+from conftest import rand_array
+
+def report(rank, value):
+    # A file, not stdout: mpirun may drop a rank's last output when the job ends.
+    with open(os.path.join({results!r}, f"result-{{rank}}.json.tmp"), "w") as f:
+        json.dump(value, f)
+    os.replace(f.name, f.name[:-4])
+"""
+
+
+def mpi_job(tmp_path: Path, body: str, *, n: int = 2, env: dict | None = None,
+            timeout: float = 40.0) -> tuple[int, str, dict[int, object]]:
+    """Runs ``body`` (after HEADER) under ``mpirun -n n``: (exit code, output, each rank's
+    reported value)."""
+    script = tmp_path / "job.py"
+    script.write_text(HEADER.format(tests=str(Path(__file__).parents[1]), results=str(tmp_path))
+                      + textwrap.dedent(body))
+    cmd = [MPIRUN, "--oversubscribe", "-n", str(n)]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.insert(1, "--allow-run-as-root")
+    full_env = {**os.environ, "MESHCOLL_MPI_CACHE": str(tmp_path.parent / "mpi-cache"),
+                "OMPI_MCA_btl": "self,vader,tcp", **(env or {})}
+    for name in ("MESHCOLL_MASTER_ADDR", "MASTER_ADDR"):  # the store comes through MPI
+        full_env.pop(name, None)
+    r = subprocess.run(cmd + [sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=timeout, env=full_env)
+    out = r.stdout + r.stderr
+    results = {int(p.name[len("result-"):-len(".json")]): json.loads(p.read_text())
+               for p in tmp_path.glob("result-*.json")}
+    return r.returncode, out, results
+
+
+@pytest.mark.timeout(60)
+def test_collectives_match_numpy(tmp_path):
+    """Every collective of the contract, a sample of dtypes and ops each, sync and async,
+    against numpy on every rank's random data (each rank rebuilds its peers' inputs)."""
+    code, out, res = mpi_job(tmp_path, """
+        import ml_dtypes
+        pg = meshcoll.init(backend="mpi", timeout=20)
+        r, n = pg.rank, pg.size
+        assert pg.transport.startswith("mpi") and pg.backend_name == "mpi", pg
+        bad = []
+        def data(rank, count, dtype, salt):
+            return rand_array(np.random.default_rng(1000 * salt + rank), count, dtype)
+        def check(label, got, want, tol=0.0):
+            got = np.asarray(got).astype(np.float64) if np.asarray(got).dtype != np.bool_ else np.asarray(got)
+            want = np.asarray(want).astype(got.dtype)
+            if got.shape != want.shape or not np.allclose(got, want, rtol=tol, atol=tol):
+                bad.append(f"{label}: got {got[:6]} want {want[:6]}")
+        salt = 0
+        reducers = {"sum": np.add.reduce, "prod": np.multiply.reduce, "min": np.minimum.reduce,
+                    "max": np.maximum.reduce, "band": np.bitwise_and.reduce,
+                    "bor": np.bitwise_or.reduce, "bxor": np.bitwise_xor.reduce}
+        cases = [("float32", "sum", 1e-5), ("float64", "max", 0), ("int32", "min", 0),
+                 ("int64", "prod", 0), ("uint8", "band", 0), ("int8", "bxor", 0),
+                 ("bool", "bor", 0), ("float32", "avg", 1e-5), ("float16", "sum", 1e-2),
+                 ("bfloat16", "sum", 5e-2), ("bfloat16", "max", 0)]
+        for dt_name, op, tol in cases:
+            salt += 1
+            dt = ml_dtypes.bfloat16 if dt_name == "bfloat16" else np.dtype(dt_name)
+            ins = [data(q, 1000, dt, salt) for q in range(n)]
+            wide = [a.astype(np.float32) if dt_name in ("bfloat16", "float16") else a for a in ins]
+            if op == "avg":
+                want = np.add.reduce(wide) / n
+            elif dt_name == "bool":
+                want = np.logical_or.reduce(wide)
+            else:
+                want = reducers[op](wide)
+            x = ins[r].copy()
+            pg.all_reduce(x, op=op)
+            check(f"all_reduce {dt_name} {op}", x, want, tol)
+            out_ = pg.reduce(ins[r].copy(), dst=1, op=op)
+            if r == 1:
+                check(f"reduce {dt_name} {op}", out_, want, tol)
+            x = ins[r].copy()
+            pg.all_reduce(x, op=op, async_op=True).wait()
+            check(f"async all_reduce {dt_name} {op}", x, want, tol)
+        for dt in (np.float32, np.int64, ml_dtypes.bfloat16):
+            salt += 1
+            ins = [data(q, 600, dt, salt) for q in range(n)]
+            x = ins[r].copy()
+            pg.broadcast(x, src=1)
+            check(f"broadcast {dt}", x, ins[1])
+            check(f"all_gather {dt}", pg.all_gather(ins[r]), np.stack(ins))
+            got = pg.reduce_scatter(ins[r]) if dt != ml_dtypes.bfloat16 else None
+            if got is not None:
+                full = np.add.reduce(ins)
+                check(f"reduce_scatter {dt}", got, full[r * 300:(r + 1) * 300], 1e-5)
+            got = pg.all_to_all(ins[r])
+            check(f"all_to_all {dt}", got, np.concatenate([ins[q][r * 300:(r + 1) * 300] for q in range(n)]))
+        salt += 1
+        rows = [data(q, (q + 2) * 3, np.float32, salt).reshape(q + 2, 3) for q in range(n)]
+        got, counts = pg.all_gather_v(rows[r])
+        check("all_gather_v", got, np.concatenate(rows))
+        g = pg.gather(rows[r][:2], dst=0)
+        if r == 0:
+            check("gather", g, np.stack([rows[q][:2] for q in range(n)]))
+        table = np.stack([rows[1][q:q + 1] for q in range(n)])  # (n, 1, 3), known everywhere
+        got = pg.scatter(table if r == 1 else None, src=1, out=np.empty((1, 3), np.float32))
+        check("scatter", got, table[r])
+        pg.barrier()
+        # Point-to-point, both directions, blocking and posted.
+        msg = [data(q, 257, np.float64, 99) for q in range(n)]
+        peer = 1 - r
+        if r == 0:
+            pg.send(msg[0], peer)
+            got = np.empty(257); pg.recv(got, peer)
+        else:
+            got = np.empty(257); pg.recv(got, peer)
+            pg.send(msg[1], peer)
+        check("send/recv", got, msg[peer])
+        got = np.empty(257)
+        works = [pg.isend(msg[r], peer, tag=5), pg.irecv(got, peer, tag=5)]
+        for w in works:
+            w.wait()
+        check("isend/irecv", got, msg[peer])
+        stats = pg.stats()
+        report(r, {"bad": bad, "all_reduce_calls": stats["all_reduce"].calls})
+        meshcoll.destroy()
+    """)
+    assert code == 0, out
+    assert set(res) == {0, 1}, out
+    for rank, value in res.items():
+        assert value["bad"] == [], f"rank {rank}: {value['bad']}"
+        assert value["all_reduce_calls"] > 0
+
+
+@pytest.mark.timeout(60)
+def test_disagreement_is_mismatch_on_both_ranks(tmp_path):
+    """Strict check: ranks whose calls differ (count) both raise MismatchError before MPI is
+    called, and the job goes on to a clean end. Async check (the default): the disagreement
+    (same count, other op) fails the group as soon as the side channel compares it, and the
+    next call raises MismatchError on both ranks."""
+    code, out, res = mpi_job(tmp_path, """
+        pg = meshcoll.init(backend="mpi", timeout=20)
+        r = pg.rank
+        seen = {}
+        for check in ("strict", "async"):
+            g = pg.new_group([0, 1], check=check)
+            try:
+                if check == "strict":
+                    g.all_reduce(np.ones(4 if r == 0 else 8, np.float32))
+                else:
+                    g.all_reduce(np.ones(4, np.float32), op="sum" if r == 0 else "max")
+                    time.sleep(1.0)  # the checker compares within a few ms
+                    g.barrier()
+                seen[check] = "no error"
+            except meshcoll.MismatchError as e:
+                seen[check] = "MismatchError: " + str(e)
+            except Exception as e:
+                seen[check] = f"{type(e).__name__}: {e}"
+        report(r, seen)
+        pg.barrier()  # the world is unharmed
+        meshcoll.destroy()
+    """)
+    assert code == 0, out
+    assert set(res) == {0, 1}, out
+    for rank, seen in res.items():
+        for check in ("strict", "async"):
+            assert seen[check].startswith("MismatchError"), (rank, check, seen[check])
+        assert "count=4" in seen["strict"] and "count=8" in seen["strict"], seen["strict"]
+        assert "sum" in seen["async"] and "max" in seen["async"], seen["async"]
+
+
+@pytest.mark.timeout(60)
+def test_rank_that_never_calls_is_named_then_job_ends(tmp_path):
+    """Rank 1 skips an all_reduce: rank 0's call raises TimeoutError at its deadline naming
+    global rank 1, and destroy() ends the job by MPI_Abort (MPI cannot cancel the call), long
+    before rank 1 would have gone on."""
+    start = time.monotonic()
+    code, out, res = mpi_job(tmp_path, """
+        pg = meshcoll.init(backend="mpi", timeout=20)
+        r = pg.rank
+        pg.barrier()
+        if r == 1:
+            time.sleep(40)  # never issues the all_reduce; MPI_Abort ends this process
+            report(r, "rank 1 went on")
+        else:
+            try:
+                pg.all_reduce(np.ones(16, np.float32), timeout=2.0)
+                report(r, "no error")
+            except meshcoll.TimeoutError as e:
+                report(r, "TimeoutError: " + str(e))
+        meshcoll.destroy()
+        report(r, "destroy returned")
+    """, timeout=50)
+    elapsed = time.monotonic() - start
+    assert 0 in res, out
+    assert res[0].startswith("TimeoutError"), res[0]
+    assert "never issued by rank 1" in res[0], res[0]
+    assert "MPI_Abort" in res[0], res[0]
+    assert code != 0 and 1 not in res, out  # the job was ended, rank 1 never went on
+    assert elapsed < 35, f"the job took {elapsed:.0f} s: MPI_Abort did not end it"
+
+
+@pytest.mark.timeout(60)
+def test_subgroups_through_comm_split(tmp_path):
+    """new_group and split make MPI groups (MPI_Comm_split) whose results match numpy; a
+    non-member of new_group gets a NonMemberGroup."""
+    code, out, res = mpi_job(tmp_path, """
+        pg = meshcoll.init(backend="mpi", timeout=20)
+        r = pg.rank
+        solo = pg.new_group([1])
+        both = pg.split(0, key=-r)  # reversed order: group rank = 1 - world rank
+        x = np.full(3, r + 1.0, np.float32)
+        both.all_reduce(x)
+        value = {"both_rank": both.rank, "both_backend": both.backend_name, "sum": x.tolist(),
+                 "solo_member": solo.is_member}
+        if solo.is_member:
+            y = np.arange(4, dtype=np.int32)
+            solo.all_reduce(y)
+            value["solo"] = y.tolist()
+        report(r, value)
+        meshcoll.destroy()
+    """)
+    assert code == 0, out
+    assert res[0] == {"both_rank": 1, "both_backend": "mpi", "sum": [3.0] * 3,
+                      "solo_member": False}, res[0]
+    assert res[1] == {"both_rank": 0, "both_backend": "mpi", "sum": [3.0] * 3,
+                      "solo_member": True, "solo": [0, 1, 2, 3]}, res[1]
+
+
+@pytest.mark.timeout(60)
+def test_mpi_available_says_why_not(tmp_path):
+    """No compiler (MPICC names nothing) and a compile that fails each give (False, why)."""
+    code = textwrap.dedent("""
+        import meshcoll
+        print(repr(meshcoll.mpi_available()))
+    """)
+    def available(mpicc):
+        env = {**os.environ, "MPICC": mpicc, "MESHCOLL_MPI_CACHE": str(tmp_path / mpicc.replace("/", "_"))}
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=30, env=env)
+        assert r.returncode == 0, r.stderr
+        return eval(r.stdout.strip())
+    ok, why = available("/nonexistent")
+    assert not ok and "/nonexistent" in why and "MPICC" in why, why
+    ok, why = available(shutil.which("false") or "/bin/false")
+    assert not ok and "compiling the MPI shim" in why and "failed" in why, why
+    ok, why = available(MPICC)
+    assert ok and "libmeshcoll_mpi.so" in why, why
