@@ -353,7 +353,6 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void check_direct_locked(bool no_grace = false);
   // shutdown(): the last direct op meets the peers, then the staging buffer is freed.
   void close_direct_locked();
-  static constexpr Millis kByeWait{5000};
   static constexpr Millis kMismatchGrace{2000};
   // Waits (bounded by d) until the ring has a free slot after `staged` staged ones.
   void claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d,
