@@ -201,7 +201,7 @@ bool NcclBackend::open(Call& c, const ArrayView* in, const ArrayView* out, bool 
   const void* in_data = in ? in->data : nullptr;
   const void* out_data = out ? out->data : nullptr;
   const size_t in_bytes = bytes(in), out_bytes = bytes(out);
-  c.desc.memory = comm_->window_tag(in_data, in_bytes, out_data, out_bytes);
+  c.desc.memory = comm_->windows().tag(in_data, in_bytes, out_data, out_bytes);
   c.seq = ledger().open_collective(c.desc);
   bool direct_only = false;
   if (agreement_) {

@@ -382,19 +382,7 @@ void NcclComm::fail(std::exception_ptr error, uint64_t coll_seq) {
     // The issuing thread holds mu_. It may be blocked inside NCCL (an enqueue waiting for
     // room while kernels wait for the disagreeing peer): abort from here, as the watchdog
     // does for a stuck call (Note [Stuck calls]); that thread records `error`.
-    int64_t dl = enqueue_deadline_.load(std::memory_order_acquire);
-    if (dl > 0) {
-      {
-        std::lock_guard<std::mutex> el(ext_mu_);
-        ext_error_ = error;
-        ext_seq_ = coll_seq;
-      }
-      if (enqueue_deadline_.compare_exchange_strong(dl, -1)) {
-        nc_.comm_abort(enqueue_comm_.load(std::memory_order_relaxed));
-        wd_aborted_.store(true, std::memory_order_release);
-        return;
-      }
-    }
+    if (stuck_.abort_for(error, coll_seq, nc_)) return;
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   if (!comm_ || failure_.failed()) return;
@@ -461,7 +449,7 @@ void NcclComm::fail_locked(std::exception_ptr error, uint64_t voids_from) {
 void NcclComm::check_nccl_locked(ncclResult_t r, const char* what, const Deadline& d) {
   if (r == ncclSuccess) return;
   // The watchdog aborted this call (Note [Stuck calls]): guarded_locked reports it.
-  if (enqueue_deadline_.load(std::memory_order_acquire) == -1)
+  if (stuck_.claimed())
     throw Aborted(str_cat(what, " was aborted by the watchdog"));
   if (r == ncclInProgress) {
     wait_ready_locked(comm_, d, what);

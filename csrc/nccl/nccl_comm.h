@@ -2,6 +2,8 @@
 // deadline, ncclCommSplit for subgroups, every collective, a completion event per op and a
 // watchdog that turns a stuck or failed op into TimeoutError / PeerError. The op ring (slots,
 // completion, the watchdog, NcclWork) is op_ring.{h,cc} (Note [NCCL streams and Works]).
+// Two pieces keep their own state as members: the guard on calls stuck inside NCCL
+// (StuckCallGuard, below) and the books of symmetric memory (SymmetricWindows, symmetric.h).
 //
 // Note [NCCL failure model]
 // The watchdog thread polls ncclCommGetAsyncError and the oldest pending ops' events every
@@ -37,6 +39,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "comm/failure.h"
@@ -78,6 +81,74 @@ struct CallOpts {
   // Owners of an async op's arrays: its slot holds them until the op completed (or the
   // communicator was aborted), whatever the caller drops.
   std::vector<std::shared_ptr<void>> keep;
+};
+
+// The NCCL call in progress that may block inside NCCL waiting for a peer, and its abort
+// from another thread (Note [Stuck calls] in nccl_internal.h). The issuing thread enters and
+// leaves it holding the communicator's mutex; the watchdog and fail() claim it without that
+// mutex (the stuck thread holds it), by moving the deadline to -1.
+class StuckCallGuard {
+ public:
+  // Before the call: its deadline (steady-clock ns; 0: none) and the communicator it runs on.
+  void enter(abi::ncclComm_t comm, int64_t deadline_ns) {
+    comm_.store(comm, std::memory_order_relaxed);
+    deadline_.store(deadline_ns, std::memory_order_release);
+  }
+  // After it: true when it returned by itself; false when another thread claimed it, once
+  // that thread's abort is done (the communicator is aborted).
+  bool leave(int64_t deadline_ns) {
+    int64_t expect = deadline_ns;
+    if (deadline_ns == 0 || deadline_.compare_exchange_strong(expect, 0)) {
+      if (deadline_ns == 0) deadline_.store(0, std::memory_order_release);
+      return true;
+    }
+    while (!aborted_.load(std::memory_order_acquire)) std::this_thread::yield();
+    deadline_.store(0, std::memory_order_release);
+    return false;
+  }
+  // The watchdog: a call still inside NCCL past its deadline is claimed and its communicator
+  // aborted (ncclCommAbort makes the call return). True when it did.
+  bool abort_if_expired(int64_t now_ns, const NcclApi& nc) {
+    int64_t dl = deadline_.load(std::memory_order_acquire);
+    if (!(dl > 0 && now_ns > dl && deadline_.compare_exchange_strong(dl, -1))) return false;
+    abort(nc);
+    return true;
+  }
+  // fail() while the issuing thread is inside such a call: leaves `error` (of collective
+  // `coll_seq`) for that thread to record in place of a timeout (external()), claims the
+  // call and aborts. False when no call is in progress or another thread claimed it first.
+  bool abort_for(const std::exception_ptr& error, uint64_t coll_seq, const NcclApi& nc) {
+    int64_t dl = deadline_.load(std::memory_order_acquire);
+    if (dl <= 0) return false;
+    {
+      std::lock_guard<std::mutex> el(ext_mu_);
+      ext_error_ = error;
+      ext_seq_ = coll_seq;
+    }
+    if (!deadline_.compare_exchange_strong(dl, -1)) return false;
+    abort(nc);
+    return true;
+  }
+  // Whether the call in progress was claimed (its NCCL error is the abort's).
+  bool claimed() const { return deadline_.load(std::memory_order_acquire) == -1; }
+  // What abort_for left: the failure and its collective (null: the watchdog's timeout).
+  std::pair<std::exception_ptr, uint64_t> external() {
+    std::lock_guard<std::mutex> el(ext_mu_);
+    return {ext_error_, ext_seq_};
+  }
+
+ private:
+  void abort(const NcclApi& nc) {
+    nc.comm_abort(comm_.load(std::memory_order_relaxed));
+    aborted_.store(true, std::memory_order_release);
+  }
+  // The deadline (steady-clock ns) of the call in progress, 0 when none, -1 once claimed.
+  std::atomic<int64_t> deadline_{0};
+  std::atomic<abi::ncclComm_t> comm_{nullptr};
+  std::atomic<bool> aborted_{false};
+  std::mutex ext_mu_;
+  std::exception_ptr ext_error_;
+  uint64_t ext_seq_ = 0;
 };
 
 class NcclComm : public std::enable_shared_from_this<NcclComm> {
@@ -194,11 +265,8 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   std::shared_ptr<SymmetricBlock> alloc_symmetric(size_t bytes, bool zero, Millis timeout);
   // "" when this communicator can register symmetric windows, else why not.
   std::string symmetric_unavailable() const;
-  // 0 when neither buffer lies in a window of this communicator; else a tag of the windows'
-  // numbers and the offsets into them, equal on every rank that passes the same ones.
-  uint32_t window_tag(const void* in, size_t in_bytes, const void* out, size_t out_bytes) const;
-  // Whether [p, p + bytes) lies in one window.
-  bool in_window(const void* p, size_t bytes) const;
+  // This communicator's windows (tag(), contains()): Note [Symmetric memory].
+  const SymmetricWindows& windows() const { return windows_; }
   // Small metadata exchange through device scratch on a private stream: every rank's
   // `bytes` bytes, concatenated in rank order. Blocks the host (bounded by `timeout`).
   // `coll_seq`: the ledger's number of the call it serves (0: setup of the communicator).
@@ -236,16 +304,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
     abi::CUstream user;  // the caller's stream
     bool async;          // runs on internal_, ordered after `user`
   };
-  friend class SymmetricBlock;
-  struct Window {
-    size_t bytes = 0;
-    uint64_t number = 0;  // registration order, the same on every rank
-    abi::ncclWindow_t win = nullptr;
-  };
-  // A block was dropped: its window (if still registered) and memory wait in retired_ for
-  // drain_retired(). False when the communicator holds no windows any more (the block frees
-  // its memory itself).
-  bool retire(void* ptr, size_t bytes);
+  friend class SymmetricBlock;  // retires itself (windows_.retire) when dropped
   // On the issuing thread, before taking mu_: synchronizes the device (bounded by the
   // timeout: Note [Bounded device synchronize] in symmetric.cc; not under mu_, which the
   // watchdog may need to abort a stuck op), then deregisters and frees the retired blocks.
@@ -254,12 +313,9 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // group waits at most kFailedSyncBound for its device to go idle.
   void close_windows_locked();
   static constexpr Millis kFailedSyncBound{2000};
-  // Dropped blocks wait for the next symmetric allocation (which synchronizes anyway) or
-  // shutdown, unless they add up to this much: then the next call frees them.
-  static constexpr size_t kDrainBytes = size_t{1} << 30;
   // Deregisters (while the communicator is usable) and frees dropped blocks; the device is
   // idle already.
-  void free_retired_locked(const std::map<void*, abi::ncclWindow_t>& retired);
+  void free_retired_locked(const SymmetricWindows::Retired& retired);
 
   NcclComm(abi::ncclComm_t comm, int rank, int size, int device, abi::CUcontext ctx,
            Millis timeout);
@@ -297,7 +353,6 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void check_direct_locked(bool no_grace = false);
   // shutdown(): the last direct op meets the peers, then the staging buffer is freed.
   void close_direct_locked();
-  static constexpr Millis kByeWait{5000};
   static constexpr Millis kMismatchGrace{2000};
   // Waits (bounded by d) until the ring has a free slot after `staged` staged ones.
   void claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d,
@@ -372,28 +427,11 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   uint64_t direct_grace_op_ = UINT64_MAX;
   Clock::time_point direct_grace_until_{};
 
-  // Note [Symmetric memory] (symmetric.h). windows_ is read on every call (window_tag) and changed
-  // by alloc_symmetric and by retire() from any thread: its own mutex, never held while taking mu_
-  // (retire may run under mu_, when a slot drops an array's owner).
-  mutable std::mutex win_mu_;
-  std::map<uintptr_t, Window> windows_;  // by base address
-  std::atomic<size_t> num_windows_{0};   // windows_.size(): the hot path's lock-free test
-  uint64_t windows_made_ = 0;
-  bool windows_closed_ = false;          // shutdown deregistered them: retire() refuses
-  std::map<void*, abi::ncclWindow_t> retired_;  // dropped blocks (window or nullptr)
-  size_t retired_bytes_ = 0;
-  std::atomic<bool> drain_due_{false};  // retired_bytes_ reached kDrainBytes
+  // Note [Symmetric memory] (symmetric.h): the windows and dropped blocks, under their own
+  // mutex.
+  SymmetricWindows windows_;
 
-  // Note [Stuck calls]: the deadline (steady-clock ns) of the NCCL call in progress, 0 when
-  // none, -1 once the watchdog claimed it; the communicator it runs on; set once aborted.
-  std::atomic<int64_t> enqueue_deadline_{0};
-  std::atomic<abi::ncclComm_t> enqueue_comm_{nullptr};
-  std::atomic<bool> wd_aborted_{false};
-  // fail() while the issuing thread is stuck inside NCCL holding mu_: the failure it aborted
-  // for, which that thread records (guarded_locked) in place of a timeout.
-  std::mutex ext_mu_;
-  std::exception_ptr ext_error_;
-  uint64_t ext_seq_ = 0;
+  StuckCallGuard stuck_;  // Note [Stuck calls]
 
   std::mutex wd_mu_;
   std::condition_variable wd_cv_;

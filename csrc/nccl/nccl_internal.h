@@ -71,14 +71,14 @@ using namespace abi;  // NOLINT
 
 // Note [Stuck calls]
 // A blocking NCCL call can wait on a peer (lazy connection setup, ncclCommSplit). While it
-// runs, enqueue_deadline_ holds its deadline; the watchdog claims an expired one (CAS to -1)
-// and calls ncclCommAbort from its own thread, which makes the stuck call return. The caller
-// then sees the claim, waits until the abort is done, and fails with TimeoutError.
+// runs, the communicator's StuckCallGuard holds its deadline; the watchdog claims an expired
+// one (CAS to -1) and calls ncclCommAbort from its own thread, which makes the stuck call
+// return. The caller then sees the claim, waits until the abort is done, and fails with
+// TimeoutError (or with the failure fail() aborted it for).
 template <class Call>
 ncclResult_t NcclComm::guarded_locked(const Deadline& d, const char* what, Call&& call) {
   const int64_t dl = d.never() ? 0 : detail::ns_of(d.at());  // the call's own deadline
-  enqueue_comm_.store(comm_, std::memory_order_relaxed);
-  enqueue_deadline_.store(dl, std::memory_order_release);
+  stuck_.enter(comm_, dl);
   ncclResult_t r = ncclSuccess;
   std::exception_ptr thrown;
   try {
@@ -86,24 +86,14 @@ ncclResult_t NcclComm::guarded_locked(const Deadline& d, const char* what, Call&
   } catch (...) {
     thrown = std::current_exception();
   }
-  int64_t expect = dl;
-  if (dl == 0 || enqueue_deadline_.compare_exchange_strong(expect, 0)) {
-    if (dl == 0) enqueue_deadline_.store(0, std::memory_order_release);
+  if (stuck_.leave(dl)) {
     if (thrown) std::rethrow_exception(thrown);
     return r;
   }
-  // The watchdog claimed this call and aborts (or aborted) the communicator.
-  while (!wd_aborted_.load(std::memory_order_acquire)) std::this_thread::yield();
-  enqueue_deadline_.store(0, std::memory_order_release);
+  // The watchdog or fail() claimed this call and aborted the communicator.
   comm_ = nullptr;  // already aborted
   if (!failure_.failed()) {
-    std::exception_ptr ext;
-    uint64_t seq = 0;
-    {
-      std::lock_guard<std::mutex> el(ext_mu_);
-      ext = ext_error_;
-      seq = ext_seq_;
-    }
+    const auto [ext, seq] = stuck_.external();
     // The agreement check aborted us (fail()), or the watchdog at the deadline.
     if (ext)
       fail_locked(ext, first_op_locked(seq));

@@ -39,7 +39,7 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   // Dropped symmetric blocks are freed here once they add up to kDrainBytes (an atomic load
   // unless so), but not while the stream is captured: the device synchronize would break
   // the capture. Nor in a coalesced block, whose staged ops may read them.
-  if (drain_due_.load(std::memory_order_acquire) && !block_open_) {
+  if (windows_.drain_due() && !block_open_) {
     int capturing = CU_STREAM_CAPTURE_STATUS_NONE;
     CtxGuard guard(cu_, ctx_);
     if (cu_.stream_is_capturing(c.stream, &capturing) == CUDA_SUCCESS &&

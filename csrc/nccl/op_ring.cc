@@ -157,13 +157,8 @@ void NcclComm::watchdog() {
   cu_.ctx_set_current(ctx_);
   for (;;) {
     bool pending = true;
-    int64_t dl = enqueue_deadline_.load(std::memory_order_acquire);
-    if (dl > 0 && now_ns() > dl && enqueue_deadline_.compare_exchange_strong(dl, -1)) {
-      // A call is stuck inside NCCL past its deadline (Note [Stuck calls]): abort from here.
-      nc_.comm_abort(enqueue_comm_.load(std::memory_order_relaxed));
-      wd_aborted_.store(true, std::memory_order_release);
-      return;
-    }
+    // A call stuck inside NCCL past its deadline (Note [Stuck calls]) is aborted from here.
+    if (stuck_.abort_if_expired(now_ns(), nc_)) return;
     std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);  // a caller may be in NCCL
     if (lock.owns_lock()) {
       poll_locked();

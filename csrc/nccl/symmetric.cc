@@ -111,18 +111,22 @@ std::shared_ptr<SymmetricBlock> NcclComm::alloc_symmetric(size_t bytes, bool zer
   CUcontext retained = nullptr;  // the block's own hold on the context (it may outlive us)
   cu_.check(cu_.device_get(&dev, device_), "cuDeviceGet");
   cu_.check(cu_.primary_ctx_retain(&retained, dev), "cuDevicePrimaryCtxRetain");
-  if (win) {
-    std::lock_guard<std::mutex> wl(win_mu_);
-    windows_[reinterpret_cast<uintptr_t>(p)] = Window{bytes, ++windows_made_, win};
-    num_windows_.store(windows_.size(), std::memory_order_release);
-  }
+  if (win) windows_.add(p, bytes, win);
   return std::make_shared<SymmetricBlock>(weak_from_this(), p, bytes, win != nullptr, retained,
                                           device_, timeout_);
 }
 
-uint32_t NcclComm::window_tag(const void* in, size_t in_bytes, const void* out,
-                              size_t out_bytes) const {
-  if (num_windows_.load(std::memory_order_acquire) == 0) return 0;
+// ---- the books ---------------------------------------------------------------------------
+
+void SymmetricWindows::add(void* base, size_t bytes, ncclWindow_t win) {
+  std::lock_guard<std::mutex> wl(mu_);
+  windows_[reinterpret_cast<uintptr_t>(base)] = Window{bytes, ++made_, win};
+  count_.store(windows_.size(), std::memory_order_release);
+}
+
+uint32_t SymmetricWindows::tag(const void* in, size_t in_bytes, const void* out,
+                               size_t out_bytes) const {
+  if (count_.load(std::memory_order_acquire) == 0) return 0;
   const auto a = reinterpret_cast<uintptr_t>(in), b = reinterpret_cast<uintptr_t>(out);
   // The in-place forms (one buffer inside the other, Note [Overlapping buffers]) put x at a
   // rank's own offset: the outer buffer alone says where the call's data lies.
@@ -131,7 +135,7 @@ uint32_t NcclComm::window_tag(const void* in, size_t in_bytes, const void* out,
   const bool nested = a < b + out_bytes && b < a + in_bytes;
   const uintptr_t bufs[2] = {nested ? std::min(a, b) : a, b};
   const int nbufs = nested ? 1 : 2;
-  std::lock_guard<std::mutex> wl(win_mu_);
+  std::lock_guard<std::mutex> wl(mu_);
   uint64_t h = 14695981039346656037ull;
   bool any = false;
   for (int k = 0; k < nbufs; ++k) {
@@ -150,8 +154,8 @@ uint32_t NcclComm::window_tag(const void* in, size_t in_bytes, const void* out,
   return t ? t : 1;
 }
 
-bool NcclComm::in_window(const void* ptr, size_t bytes) const {
-  std::lock_guard<std::mutex> wl(win_mu_);
+bool SymmetricWindows::contains(const void* ptr, size_t bytes) const {
+  std::lock_guard<std::mutex> wl(mu_);
   const auto a = reinterpret_cast<uintptr_t>(ptr);
   auto it = windows_.upper_bound(a);
   if (it == windows_.begin()) return false;
@@ -159,14 +163,14 @@ bool NcclComm::in_window(const void* ptr, size_t bytes) const {
   return a - it->first < it->second.bytes && a - it->first + bytes <= it->second.bytes;
 }
 
-bool NcclComm::retire(void* ptr, size_t bytes) {
-  std::lock_guard<std::mutex> wl(win_mu_);
-  if (windows_closed_) return false;
+bool SymmetricWindows::retire(void* ptr, size_t bytes) {
+  std::lock_guard<std::mutex> wl(mu_);
+  if (closed_) return false;
   ncclWindow_t win = nullptr;
   if (auto it = windows_.find(reinterpret_cast<uintptr_t>(ptr)); it != windows_.end()) {
     win = it->second.win;
     windows_.erase(it);
-    num_windows_.store(windows_.size(), std::memory_order_release);
+    count_.store(windows_.size(), std::memory_order_release);
   }
   retired_[ptr] = win;
   retired_bytes_ += bytes;
@@ -174,14 +178,32 @@ bool NcclComm::retire(void* ptr, size_t bytes) {
   return true;
 }
 
+SymmetricWindows::Retired SymmetricWindows::take_retired() {
+  Retired ready;
+  std::lock_guard<std::mutex> wl(mu_);
+  ready.swap(retired_);
+  retired_bytes_ = 0;
+  drain_due_.store(false, std::memory_order_release);
+  return ready;
+}
+
+std::pair<std::vector<ncclWindow_t>, SymmetricWindows::Retired> SymmetricWindows::close() {
+  std::pair<std::vector<ncclWindow_t>, Retired> out;
+  std::lock_guard<std::mutex> wl(mu_);
+  closed_ = true;
+  for (const auto& [base, w] : windows_) out.first.push_back(w.win);
+  windows_.clear();
+  out.second.swap(retired_);
+  retired_bytes_ = 0;
+  count_.store(0, std::memory_order_release);
+  drain_due_.store(false, std::memory_order_release);
+  return out;
+}
+
+// ---- the communicator's side ---------------------------------------------------------------
+
 void NcclComm::drain_retired() {
-  std::map<void*, ncclWindow_t> ready;
-  {
-    std::lock_guard<std::mutex> wl(win_mu_);
-    ready.swap(retired_);
-    retired_bytes_ = 0;
-    drain_due_.store(false, std::memory_order_release);
-  }
+  const SymmetricWindows::Retired ready = windows_.take_retired();
   if (ready.empty()) return;
   // Not under mu_: the watchdog may need it to abort an op of ours that never ends. A device
   // that stays busy past the timeout keeps the memory (Note [Bounded device synchronize]).
@@ -190,7 +212,7 @@ void NcclComm::drain_retired() {
   free_retired_locked(ready);
 }
 
-void NcclComm::free_retired_locked(const std::map<void*, ncclWindow_t>& retired) {
+void NcclComm::free_retired_locked(const SymmetricWindows::Retired& retired) {
   for (const auto& [ptr, win] : retired) {
     if (win && comm_ && !failure_.failed()) nc_.window_deregister(comm_, win);
     nc_.mem_free(ptr);
@@ -198,24 +220,14 @@ void NcclComm::free_retired_locked(const std::map<void*, ncclWindow_t>& retired)
 }
 
 void NcclComm::close_windows_locked() {
-  std::map<uintptr_t, Window> live;
-  std::map<void*, ncclWindow_t> retired;
-  {
-    std::lock_guard<std::mutex> wl(win_mu_);
-    windows_closed_ = true;
-    live.swap(windows_);
-    retired.swap(retired_);
-    retired_bytes_ = 0;
-    num_windows_.store(0, std::memory_order_release);
-    drain_due_.store(false, std::memory_order_release);
-  }
+  const auto [live, retired] = windows_.close();
   if (live.empty() && retired.empty()) return;
   CtxGuard guard(cu_, ctx_);  // shutdown's failed path comes here before setting it
   // A failed group's kernels may never end: a short bound, then the memory is kept.
   if (!device_idle(cu_, ctx_, failure_.failed() ? std::min(timeout_, kFailedSyncBound) : timeout_))
     return;
-  for (const auto& [base, w] : live)
-    if (comm_ && !failure_.failed()) nc_.window_deregister(comm_, w.win);
+  for (ncclWindow_t win : live)
+    if (comm_ && !failure_.failed()) nc_.window_deregister(comm_, win);
   free_retired_locked(retired);
 }
 
@@ -224,7 +236,7 @@ SymmetricBlock::~SymmetricBlock() {
     const CudaApi& cu = cuda();
     CtxGuard guard(cu, ctx_);
     auto comm = comm_.lock();
-    if (!(comm && comm->retire(ptr_, bytes_))) free_block(nccl(), cu, ctx_, ptr_, timeout_);
+    if (!(comm && comm->windows_.retire(ptr_, bytes_))) free_block(nccl(), cu, ctx_, ptr_, timeout_);
     CUdevice dev = 0;
     if (cu.device_get(&dev, device_) == CUDA_SUCCESS) cu.primary_ctx_release(dev);
   } catch (...) {

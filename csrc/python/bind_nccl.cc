@@ -124,7 +124,7 @@ void bind_nccl(py::module_& m) {
              return b.comm().symmetric_unavailable();
            }, "'' when symmetric windows can be registered here, else why not.")
       .def("in_window", [](nccl::NcclBackend& b, uintptr_t ptr, size_t bytes) {
-             return b.comm().in_window(reinterpret_cast<const void*>(ptr), bytes);
+             return b.comm().windows().contains(reinterpret_cast<const void*>(ptr), bytes);
            }, py::arg("ptr"), py::arg("nbytes"),
            "Whether [ptr, ptr + nbytes) lies in one symmetric window of this communicator.")
       .def("abort", [](nccl::NcclBackend& b, const std::string& why) {

@@ -407,7 +407,9 @@ class DeviceMesh:
     def get_group(self, dim: Optional[str] = None) -> ProcessGroup:
         """The process group of the ranks that share this rank's coordinates on every dim
         but ``dim`` (a mesh dim or a flattened one); ``dim`` may be left out on a 1-D mesh.
-        No communication: the groups were made when the mesh was."""
+        Any other name ``group_names()`` lists (``new_group(..., name=)``, ``split(...,
+        name=)``) gives this rank's group of that name; a ValueError where it is in none.
+        No communication: the groups were made when the mesh was, or by those calls."""
         if dim is None:
             if self.ndim != 1:
                 raise ValueError(f"mesh {self._layout!r} has {self.ndim} dims; name one")
@@ -416,8 +418,17 @@ class DeviceMesh:
             return self._groups[dim]
         if dim in self._state.flattened:
             return self._state.flattened[dim].get_group()
-        raise ValueError(f"unknown dim {dim!r}; mesh dims are {self.dim_names}"
-                         f"{self._flat_hint()}")
+        named = self._state.parent._names.get(dim)
+        if named is None:
+            raise ValueError(f"unknown dim {dim!r}; mesh dims are {self.dim_names}"
+                             f"{self._flat_hint()}, nor does a group go by that name "
+                             f"(group_names(): {self.group_names()})")
+        if named.mine is None:
+            me = self._state.parent.global_rank(self._state.parent.rank)
+            raise ValueError(f"get_group({dim!r}) on global rank {me}: this rank is in none "
+                             f"of the groups named {dim!r} (global ranks "
+                             f"{[list(g) for g in named.ranks]}); ask on one of their ranks")
+        return named.mine
 
     def group_names(self) -> List[str]:
         """The names groups go by here, without communication: this mesh's dims (one group

@@ -29,8 +29,16 @@ __all__ = ["Array", "CallStats", "CollectiveConfig", "HostArrays", "NonMemberGro
 
 # How a group makes its subgroups: backends.make_group, handed to every group it makes.
 MakeGroup = Callable[..., "ProcessGroup"]
-# Note [Group names]: name -> the global ranks of each group made under it.
-GroupNames = Dict[str, Tuple[Tuple[int, ...], ...]]
+@dataclasses.dataclass
+class NamedGroups:
+    """What one name stands for in a job (Note [Group names])."""
+    ranks: Tuple[Tuple[int, ...], ...]  # the global ranks of each group made under it
+    # The first group made under it that this rank is in (DeviceMesh.get_group); None: none.
+    mine: Optional["ProcessGroup"] = None
+
+
+# Note [Group names]: name -> what it stands for.
+GroupNames = Dict[str, NamedGroups]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,7 +339,7 @@ class ProcessGroup(Collectives):
                              f"(its global ranks: {self._ranks})")
         self._setup_timeout(timeout, "new_group")  # a bad one raises before the call counts
         opts = self._child_options(transport, check)
-        if name is not None:
+        named = None if name is None else \
             self._claim_name(name, [ranks], f"new_group({ranks}, name={name!r})")
         key = f"{self._name}.{self._next_child}"
         self._next_child += 1
@@ -346,8 +354,7 @@ class ProcessGroup(Collectives):
             else:
                 child = self._child(ranks, ranks.index(me), key, timeout, options=opts,
                                     label=name)
-        self._children.append(child)
-        return child
+        return self._adopt(child, named)
 
     def split(self, color: Optional[int], key: int = 0, *, name: Optional[str] = None,
               timeout: Optional[float] = None) -> Union["ProcessGroup", "NonMemberGroup"]:
@@ -362,6 +369,7 @@ class ProcessGroup(Collectives):
         store_key = f"{self._name}.s{self._next_child}"
         self._next_child += 1
         child: Union[ProcessGroup, NonMemberGroup]
+        named: Optional[NamedGroups] = None
         with self._group_call(store_key, "split()", timeout):
             table = self._exchange(np.array([c, int(key), self._ranks[self.rank]], np.int64),
                                    "split", timeout)
@@ -369,7 +377,7 @@ class ProcessGroup(Collectives):
             for cc, _, g in sorted((int(cc), int(k), int(g)) for cc, k, g in table if cc >= 0):
                 groups.setdefault(cc, []).append(g)
             if name is not None:  # every rank holds the same table: all raise, or none
-                self._claim_name(name, list(groups.values()), f"split(name={name!r})")
+                named = self._claim_name(name, list(groups.values()), f"split(name={name!r})")
             if c < 0:
                 child = NonMemberGroup([], store_key if name is None else name)
                 self._sit_out(timeout)
@@ -378,7 +386,14 @@ class ProcessGroup(Collectives):
                 me = self._ranks[self.rank]
                 child = self._child(ranks, ranks.index(me), f"{store_key}.c{c}", timeout,
                                     color=c, label=name)
+        return self._adopt(child, named)
+
+    def _adopt(self, child: Union["ProcessGroup", "NonMemberGroup"],
+               named: Optional[NamedGroups]) -> Union["ProcessGroup", "NonMemberGroup"]:
+        """A new group of this one's, and of its name's entry when it has one."""
         self._children.append(child)
+        if named is not None and named.mine is None and isinstance(child, ProcessGroup):
+            named.mine = child
         return child
 
     # Note [Group names]
@@ -390,18 +405,22 @@ class ProcessGroup(Collectives):
     # each rank's table is the same and a name reused for other ranks raises ValueError on
     # every rank, before anything is sent. The name also joins the settings the members
     # compare at setup (Note [Shared settings]): ranks that name one group differently get
-    # MismatchError. DeviceMesh's groups are named by their dims within the mesh, not here.
-    def _claim_name(self, name: str, groups: Sequence[Sequence[int]], call: str) -> None:
+    # MismatchError. The table also keeps, for each name, the first group made under it that
+    # this rank is in: DeviceMesh.get_group(name) finds it (a name given again with the same
+    # ranks makes another communicator; the name still finds the first). DeviceMesh's groups
+    # are named by their dims within the mesh, not here.
+    def _claim_name(self, name: str, groups: Sequence[Sequence[int]], call: str) -> NamedGroups:
         if not isinstance(name, str) or not name:
             raise ValueError(f"{call}: name must be a non-empty string, got {name!r}")
         mine = tuple(sorted(tuple(g) for g in groups))
-        theirs = self._names.setdefault(name, mine)
-        if theirs != mine:
+        theirs = self._names.setdefault(name, NamedGroups(mine))
+        if theirs.ranks != mine:
             raise ValueError(
                 f"{call} on global rank {self._ranks[self.rank]}: the name {name!r} already "
-                f"names the group(s) of global ranks {[list(g) for g in theirs]}; a name "
-                f"stands for one set of ranks in a job: pick another name, or pass the same "
-                f"ranks")
+                f"names the group(s) of global ranks {[list(g) for g in theirs.ranks]}; a "
+                f"name stands for one set of ranks in a job: pick another name, or pass the "
+                f"same ranks")
+        return theirs
 
     @contextlib.contextmanager
     def _group_call(self, name: str, call: str, timeout: Optional[float]) -> Iterator[None]:

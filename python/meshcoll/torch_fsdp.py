@@ -310,7 +310,7 @@ class _Unit:
     def use(self) -> None:
         """Gathered flat buffer -> the module's parameters, through _Gather (autograd)."""
         self.wait_gather()
-        views = _Gather.apply(self.shard, self)  # type: ignore[no-untyped-call]
+        views = _Gather.apply(self.shard, self)  # type: ignore[no-untyped-call, unused-ignore]
         for (mod, pname, _), view in zip(self.entries, views):
             mod.__dict__[pname] = view
 
@@ -355,8 +355,8 @@ class _Unit:
         units = [getattr(m, _ATTR) for m in self.module.modules() if hasattr(m, _ATTR)]
         ctx = _Context()
         if self.device.type == "cuda":
-            ctx.gather_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-            ctx.reduce_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            ctx.gather_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call, unused-ignore]
+            ctx.reduce_stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call, unused-ignore]
         for u in units:
             u.ctx = ctx
         self.is_root = True
@@ -485,7 +485,7 @@ class ShardedModule:
     """Mixed into a module's class by ``fully_shard`` (as FSDP2's FSDPModule)."""
 
     def _units(self) -> List[_Unit]:
-        return [getattr(m, _ATTR) for m in torch.nn.Module.modules(self)  # type: ignore[arg-type]
+        return [getattr(m, _ATTR) for m in torch.nn.Module.modules(self)  # type: ignore[arg-type, unused-ignore]
                 if hasattr(m, _ATTR)]
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
@@ -504,7 +504,7 @@ class ShardedModule:
             self.set_requires_gradient_sync(True)
 
     def _fqns(self) -> Dict[int, str]:
-        return {id(m): n for n, m in torch.nn.Module.named_modules(self)}  # type: ignore[arg-type]
+        return {id(m): n for n, m in torch.nn.Module.named_modules(self)}  # type: ignore[arg-type, unused-ignore]
 
     def _gathered_fp32(self, u: _Unit) -> torch.Tensor:
         flat = torch.empty(u.layout.padded, dtype=u.dtype, device=u.device)
@@ -528,7 +528,7 @@ class ShardedModule:
             for name, off, n, shape in zip(self._names(u, fqns), u.layout.offsets,
                                            u.layout.numels, u.layout.shapes):
                 sd[name] = flat[off:off + n].view(shape).clone()
-        for name, b in torch.nn.Module.named_buffers(self):  # type: ignore[arg-type]
+        for name, b in torch.nn.Module.named_buffers(self):  # type: ignore[arg-type, unused-ignore]
             sd[name] = b.detach().clone()
         return sd
 
@@ -544,7 +544,7 @@ class ShardedModule:
                 a, b, at = got.get(k, (0, 0, 0))
                 sd[name] = ShardedParameter(shard[at:at + b - a].clone(), a, b,
                                             u.layout.shapes[k])
-        for name, buf in torch.nn.Module.named_buffers(self):  # type: ignore[arg-type]
+        for name, buf in torch.nn.Module.named_buffers(self):  # type: ignore[arg-type, unused-ignore]
             sd[name] = buf.detach().clone()
         return sd
 
@@ -658,7 +658,7 @@ class ShardedModule:
                 optimizer.state[p] = st
 
     def _load_buffers(self, state_dict: Mapping[str, Any]) -> None:
-        for name, buf in torch.nn.Module.named_buffers(self):  # type: ignore[arg-type]
+        for name, buf in torch.nn.Module.named_buffers(self):  # type: ignore[arg-type, unused-ignore]
             if name in state_dict:
                 buf.copy_(state_dict[name])
 

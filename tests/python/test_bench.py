@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import timeit
 from types import SimpleNamespace
 
 import numpy as np
@@ -88,6 +89,30 @@ def test_pattern_matches_simulation(op, n, redop, dtype):
         # movement and bitwise patterns differ between ranks, so misplaced blocks or a
         # rank's missing bits are caught
         assert not np.array_equal(inputs[0], inputs[1])
+
+
+def test_case_run_adds_under_a_microsecond_to_the_call():
+    # A small all_reduce takes about 2.5 us on 2 ranks: Python work per call in Case.run
+    # (resolving "tree:k", a typing cast) once doubled what meshcoll-bench reported for it.
+    # The fake group's calls do nothing, so what is left is the harness's own cost.
+    class Group:
+        rank, size = 0, 2
+        config = SimpleNamespace(tree_arity="binomial")
+
+        def all_reduce(self, x, op, algorithm=None):
+            pass
+
+        reduce = broadcast = lambda self, x, root, *a, algorithm=None: None
+
+    pg, dt, n = Group(), np.dtype("float32"), 2000
+    for op, algo in (("all_reduce", "auto"), ("all_reduce", "tree:4"), ("broadcast", "tree")):
+        c = bench.Case(pg, bench.Series(op, algo), 2, dt, "sum", 0)
+        call = (lambda: pg.all_reduce(c.x, "sum", algorithm="auto")) if op == "all_reduce" \
+            else (lambda: pg.broadcast(c.x, 0, algorithm="tree"))
+        own = min(timeit.timeit(c.run, number=n) - timeit.timeit(call, number=n)
+                  for _ in range(7)) / n
+        assert own < 1e-6, f"Case.run ({op}, {algo}) adds {own * 1e6:.2f} us per call"
+    assert pg.config.tree_arity == "binomial"  # the last series' tree: the binomial one
 
 
 def test_redops_are_the_apis():

@@ -227,6 +227,19 @@ def _named_groups(pg):
     mesh.flatten("dp", "tp")
     assert mesh.group_names() == ["dp", "tp", "dp_tp", "pair", "parity"]
     assert mesh["tp"].group_names() == ["tp", "dp_tp", "pair", "parity"]
+    # Every name group_names() lists finds this rank's group of that name.
+    assert mesh.get_group("parity") is parity and mesh["tp"].get_group("parity") is parity
+    if pair.is_member:
+        assert mesh.get_group("pair") is pair  # the first group made under the name
+    else:
+        with pytest.raises(ValueError, match=rf"get_group\('pair'\) on global rank {me}: this "
+                                             r"rank is in none of the groups named 'pair' "
+                                             r"\(global ranks \[\[0, 1\]\]\)"):
+            mesh.get_group("pair")
+    with pytest.raises(ValueError, match=r"unknown dim 'nope'.*nor does a group go by that "
+                                         r"name \(group_names\(\): \['dp', 'tp', 'dp_tp', "
+                                         r"'pair', 'parity'\]\)"):
+        mesh.get_group("nope")
     # Ranks that name one group differently are told so at its setup, on every member.
     with pytest.raises(MismatchError, match="name="):
         pg.new_group([0, 1, 2, 3], name=f"odd{me % 2}")

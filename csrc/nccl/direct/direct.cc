@@ -290,6 +290,56 @@ void DirectPath::free_buffer() {
   on_ = false;
 }
 
+std::string DirectPath::join(const Gather& gather, const RankNames& names) {
+  const std::vector<uint8_t> mine = record();
+  const std::vector<uint8_t> all = gather(mine.data(), mine.size());
+  std::string why = open_peers(all, mine.size(), names);
+  // Whether every rank opened every peer's buffer, and if not, why (fixed-size text).
+  char mine_why[128] = {};
+  std::strncpy(mine_why, why.c_str(), sizeof(mine_why) - 1);
+  const std::vector<uint8_t> whys = gather(mine_why, sizeof(mine_why));
+  std::string first;
+  for (int r = 0; r < size_ && first.empty(); ++r)
+    first.assign(reinterpret_cast<const char*>(whys.data()) + r * sizeof(mine_why),
+                 strnlen(reinterpret_cast<const char*>(whys.data()) + r * sizeof(mine_why),
+                         sizeof(mine_why)));
+  if (first.empty()) {
+    set_on(true, "");
+    return first;
+  }
+  // Off. Some rank may have mapped this rank's buffer: it is freed only after every rank
+  // closed its mappings (Note [Direct kernels]).
+  close_peers();
+  const uint8_t one = 1;
+  gather(&one, 1);
+  free_buffer();
+  return first;
+}
+
+void DirectPath::close(bool healthy, Millis wait, CUstream stream, CUevent done,
+                       CUevent last_done) {
+  // The last direct op done, one more barrier-only op tells this rank that no peer touches
+  // its buffer again (each peer's last access is its write of that op's token here).
+  // A peer that does not come within `wait` (it is not destroying the group yet, or died)
+  // costs this rank its buffer, not an error.
+  if (healthy) {
+    const Deadline d(wait);
+    launch(Kind::kAllGather, DType::kUint8, RedOp::kSum, nullptr, nullptr, 0, 0xB7E0B7E0u,
+           wait.count(), stream, last_done);
+    CUresult q = CUDA_ERROR_NOT_READY;
+    if (cu_.event_record(done, stream) == CUDA_SUCCESS) {
+      int round = 0;
+      while ((q = cu_.event_query(done)) == CUDA_ERROR_NOT_READY && !d.expired()) backoff(round);
+    }
+    if (q != CUDA_SUCCESS) abort();
+    close_peers();
+    if (q == CUDA_SUCCESS && status() == 0) free_buffer();
+  } else {
+    abort();
+    close_peers();  // a failed communicator keeps its buffer (Note [Direct kernels])
+  }
+}
+
 // ---- the communicator's side -----------------------------------------------------------------
 
 void NcclComm::setup_direct(Millis timeout) {
@@ -299,33 +349,12 @@ void NcclComm::setup_direct(Millis timeout) {
     usable_locked();
     dp = std::make_unique<DirectPath>(cu_, ctx_, device_, rank_, size_, config().nccl_direct_bytes);
   }
-  const std::vector<uint8_t> mine = dp->record();
-  const std::vector<uint8_t> all = host_all_gather(mine.data(), mine.size(), timeout);
-  std::string why = dp->open_peers(all, mine.size(), names_);
-  // Whether every rank opened every peer's buffer, and if not, why (fixed-size text).
-  char mine_why[128] = {};
-  std::strncpy(mine_why, why.c_str(), sizeof(mine_why) - 1);
-  const std::vector<uint8_t> whys = host_all_gather(mine_why, sizeof(mine_why), timeout);
-  std::string first;
-  for (int r = 0; r < size_ && first.empty(); ++r)
-    first.assign(reinterpret_cast<const char*>(whys.data()) + r * sizeof(mine_why),
-                 strnlen(reinterpret_cast<const char*>(whys.data()) + r * sizeof(mine_why),
-                         sizeof(mine_why)));
-  if (first.empty()) {
-    dp->set_on(true, "");
-    std::lock_guard<std::mutex> lock(mu_);
-    direct_ = std::move(dp);
-    direct_why_.clear();
-    return;
-  }
-  // Off. Some rank may have mapped this rank's buffer: it is freed only after every rank
-  // closed its mappings (Note [Direct kernels]).
-  dp->close_peers();
-  const uint8_t one = 1;
-  host_all_gather(&one, 1, timeout);
-  dp->free_buffer();
+  std::string why = dp->join(
+      [&](const void* data, size_t bytes) { return host_all_gather(data, bytes, timeout); },
+      names_);
   std::lock_guard<std::mutex> lock(mu_);
-  direct_why_ = first;
+  if (why.empty()) direct_ = std::move(dp);
+  direct_why_ = std::move(why);
 }
 
 std::string NcclComm::direct_unavailable() const {
@@ -409,28 +438,8 @@ void NcclComm::check_direct_locked(bool no_grace) {
 
 void NcclComm::close_direct_locked() {
   if (!direct_) return;
-  // The last direct op done, one more barrier-only op tells this rank that no peer touches
-  // its buffer again (each peer's last access is its write of that op's token here).
-  // A peer that does not come within kByeWait (it is not destroying the group yet, or died)
-  // costs this rank its buffer, not an error.
-  if (!failure_.failed() && comm_) {
-    const Millis wait = std::min(timeout_, kByeWait);
-    const Deadline d(wait);
-    direct_->launch(DirectPath::Kind::kAllGather, DType::kUint8, RedOp::kSum, nullptr, nullptr,
-                    0, 0xB7E0B7E0u, wait.count(), meta_, direct_last_done_);
-    CUresult q = CUDA_ERROR_NOT_READY;
-    CUevent done = order_event_;
-    if (cu_.event_record(done, meta_) == CUDA_SUCCESS) {
-      int round = 0;
-      while ((q = cu_.event_query(done)) == CUDA_ERROR_NOT_READY && !d.expired()) backoff(round);
-    }
-    if (q != CUDA_SUCCESS) direct_->abort();
-    direct_->close_peers();
-    if (q == CUDA_SUCCESS && direct_->status() == 0) direct_->free_buffer();
-  } else {
-    direct_->abort();
-    direct_->close_peers();  // a failed communicator keeps its buffer (Note [Direct kernels])
-  }
+  direct_->close(!failure_.failed() && comm_, std::min(timeout_, DirectPath::kByeWait), meta_,
+                 order_event_, direct_last_done_);
   direct_.reset();
 }
 

@@ -67,10 +67,12 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "common/deadline.h"
 #include "common/dtype.h"
 #include "common/rank_names.h"
 #include "nccl/nccl_abi.h"
@@ -98,6 +100,22 @@ class DirectPath {
   ~DirectPath();
   DirectPath(const DirectPath&) = delete;
   DirectPath& operator=(const DirectPath&) = delete;
+
+  // Setup's collective part, after the constructor: through `gather` (every rank's bytes, in
+  // rank order: the communicator's host_all_gather) the ranks exchange their records, open
+  // each other's buffers and agree that all did. Returns "" when the path is on; else why not
+  // (the first rank's reason), once the teardown an unused path needs is done (every rank
+  // closed its mappings before any frees its buffer).
+  using Gather = std::function<std::vector<uint8_t>(const void* data, size_t bytes)>;
+  std::string join(const Gather& gather, const RankNames& names);
+  // Teardown at shutdown. `healthy` (the communicator neither failed nor was aborted): one
+  // more barrier-only op on `stream` tells this rank that no peer touches its buffer again,
+  // waited for (through `done`, an event of the caller's) at most `wait`; then the buffer is
+  // freed. Else, or when the peers do not come, the buffer stays (Note [Direct kernels]).
+  void close(bool healthy, Millis wait, abi::CUstream stream, abi::CUevent done,
+             abi::CUevent last_done);
+  // How long close() waits at most for the peers' last op.
+  static constexpr Millis kByeWait{5000};
 
   // This rank's record for setup's first exchange (host_all_gather).
   std::vector<uint8_t> record() const;

@@ -542,20 +542,18 @@ void TcpTransport::wait_all(const std::vector<Request>& reqs, const Deadline& d)
       timeout_ms = static_cast<int>(kInterruptEvery.count());
     const auto waited = Clock::now() - spin_start;
     if (spin_ && waited < std::chrono::microseconds(50)) timeout_ms = 0;
-    bool probe_due = false;
     if (!probed) {
       if (waited >= kProbeAfter) {
         send_probes(reqs);
         probed = true;
-      } else {
+      } else {  // wake up when the probe is due (Note [Probes])
         auto left = std::chrono::duration_cast<Millis>(kProbeAfter - waited).count() + 1;
-        if (timeout_ms < 0 || left < timeout_ms) {
-          timeout_ms = static_cast<int>(left);
-          probe_due = true;
-        }
+        if (timeout_ms < 0 || left < timeout_ms) timeout_ms = static_cast<int>(left);
       }
     }
     PollResult res = poll_and_progress(timeout_ms);
+    // A poll shortened to spin, to run the signal handlers or to probe ends with the
+    // deadline still ahead: only an expired deadline is the call's timeout.
     if (res == kTimedOut && !d.expired()) continue;
     if (res == kTimedOut) {
       std::string waiting;

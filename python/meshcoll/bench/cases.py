@@ -7,7 +7,7 @@ import argparse
 import re
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence,
                     Tuple, Union, cast, get_args)
 
@@ -122,6 +122,16 @@ def size_steps(minbytes: int, maxbytes: int, factor: int, stepbytes: int) -> Lis
 class Series:
     op: str
     algo: Optional[str]  # all_reduce, reduce, broadcast: a name, or "tree:k" (split_algo)
+    # ``algo`` as the call takes it: the name, and the tree's arity (None: not a tree).
+    # Resolved here, once: a small call takes about 2.5 us, so Python work per call in
+    # Case.run (a split, a typing cast) doubled what the bench reported (docs/performance.md).
+    name: Optional[AlgorithmName] = field(init=False, compare=False, repr=False)
+    arity: Union[int, str, None] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        name, arity = split_algo(self.algo) if self.algo is not None else (None, None)
+        self.name = cast(Optional[AlgorithmName], name)
+        self.arity = arity if name == "tree" else None
 
     @property
     def label(self) -> str:
@@ -182,14 +192,12 @@ class Case:
             self.x[...] = move_input(r, i)
 
     def run(self) -> None:
-        pg, op = self.pg, self.series.op
-        algo: Optional[str] = None
-        if self.series.algo is not None:
-            algo, arity = split_algo(self.series.algo)
-            if algo == "tree":  # the series' tree, whatever another series set before it
-                pg.config.tree_arity = arity
+        pg, s = self.pg, self.series
+        op, algo = s.op, s.name
+        if s.arity is not None:  # the series' tree, whatever another series set before it
+            pg.config.tree_arity = s.arity
         if op == "all_reduce":
-            pg.all_reduce(self.x, self.redop, algorithm=cast(Optional[AlgorithmName], algo))
+            pg.all_reduce(self.x, self.redop, algorithm=algo)
         elif op == "reduce":
             pg.reduce(self.x, self.root, self.redop, algorithm=algo)
         elif op == "broadcast":
