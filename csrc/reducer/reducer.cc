@@ -2,6 +2,8 @@
 #include "reducer/reducer.h"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 
 #include "common/error.h"
 
@@ -34,10 +36,17 @@ Reducer::Reducer(std::shared_ptr<comm::Backend> backend, std::vector<comm::Array
     if (buckets_[b].members.empty())
       throw InvalidArgument(str_cat("Reducer: bucket ", b, " holds no gradient"));
     buckets_[b].missing = buckets_[b].members.size();
+    // Note [In-place gradients]: on host memory each large slot is a call of its own, and
+    // each run of smaller ones one call.
+    if (backend_->device_memory()) continue;
+    for (size_t k = 0; k < m.size(); ++k)
+      if (k == 0 || bytes_of(m[k]) >= kInPlaceBytes || bytes_of(m[k - 1]) >= kInPlaceBytes)
+        buckets_[b].calls.push_back(k);
   }
   src_.assign(slots_.size(), 0);
   out_.assign(slots_.size(), 0);
   given_.assign(slots_.size(), false);
+  in_place_.assign(slots_.size(), false);
   remaining_ = slots_.size();
 }
 
@@ -60,6 +69,26 @@ bool Reducer::mark(size_t i, uintptr_t src, uintptr_t out) {
   if (given_[i])
     throw InvalidArgument(str_cat("the gradient of '", names_[i], "' was already given in this "
                                   "step; finish the step (wait()) before the next one's"));
+  if (launches_ && !backend_->device_memory()) {
+    // Note [In-place gradients]: a range that overlaps a gradient averaged in place would be
+    // read changed; and a later launch must know what was given, to not average in place a
+    // gradient that overlaps another.
+    const uintptr_t n = bytes_of(i);
+    size_t j = overlapping(in_place_spans_, src, src + n, i);
+    if (j == SIZE_MAX && out != 0) j = overlapping(in_place_spans_, out, out + n, i);
+    if (j != SIZE_MAX) {
+      const std::string msg = str_cat(
+          "rank ", backend_->names()(backend_->rank()), ": the gradient of '", names_[i],
+          "' shares memory with the gradient of '", names_[j], "', which this step already "
+          "averages in place (data parallelism's buckets); give every parameter a gradient "
+          "in memory of its own. The group is failed on every rank");
+      backend_->fail(msg, std::make_exception_ptr(InvalidArgument(msg)));
+      throw InvalidArgument(msg);
+    }
+    given_spans_.emplace(src, std::make_pair(src + n, i));
+    if (out != 0 && out != src) given_spans_.emplace(out, std::make_pair(out + n, i));
+    longest_span_ = std::max<size_t>(longest_span_, n);
+  }
   given_[i] = true;
   src_[i] = src;
   out_[i] = out;
@@ -89,17 +118,39 @@ std::vector<comm::CopySpan> Reducer::spans_in(const Bucket& b) const {
   return spans;
 }
 
+bool Reducer::copies_early(size_t i) const {
+  return launches_ && !backend_->device_memory() && given_[i] && src_[i] != slot_address(i) &&
+         !(out_[i] == src_[i] && bytes_of(i) >= kInPlaceBytes);
+}
+
+void Reducer::copy_in(size_t i) {
+  if (!copies_early(i)) return;
+  const uintptr_t slot = slot_address(i);
+  copy({{reinterpret_cast<const void*>(src_[i]), reinterpret_cast<void*>(slot), bytes_of(i)}},
+       nullptr);
+  src_[i] = slot;  // its launch copies nothing more
+}
+
+void Reducer::copy(const std::vector<comm::CopySpan>& spans, comm::Stream stream) {
+  for (const comm::CopySpan& s : spans) stats_.copied_bytes += s.bytes;
+  backend_->copy_spans(spans, stream);
+}
+
 void Reducer::launch_ready(comm::Stream stream) {
   if (!launches_) return;
   try {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].missing == 0) {
       Bucket& b = buckets_[next_launch_];
-      backend_->copy_spans(spans_in(b), stream);
-      comm::CallOptions o;
-      o.async = true;
-      o.stream = stream;
       b.t_launch = comm::monotonic_seconds();
-      b.work = backend_->all_reduce(b.buf, b.buf, op_, o);
+      if (b.calls.empty()) {
+        copy(spans_in(b), stream);
+        comm::CallOptions o;
+        o.async = true;
+        o.stream = stream;
+        b.work = backend_->all_reduce(b.buf, b.buf, op_, o);
+      } else {
+        launch_calls(b, stream);
+      }
       // Stamped when it completes (Note [Stats]); GPU work quietly (Note [Quiet stamps]).
       b.ticket = stamps_.add(b.work, backend_->device_memory());
       ++next_launch_;
@@ -112,11 +163,64 @@ void Reducer::launch_ready(comm::Stream stream) {
   }
 }
 
+size_t Reducer::overlapping(const Spans& spans, uintptr_t lo, uintptr_t hi,
+                             size_t except) const {
+  if (lo >= hi) return SIZE_MAX;
+  // A range that overlaps [lo, hi) starts before hi and at most longest_span_ before lo.
+  auto it = spans.lower_bound(lo > longest_span_ ? lo - longest_span_ : 0);
+  for (; it != spans.end() && it->first < hi; ++it)
+    if (it->second.first > lo && it->second.second != except) return it->second.second;
+  return SIZE_MAX;
+}
+
+void Reducer::launch_calls(Bucket& b, comm::Stream stream) {
+  comm::CallOptions o;
+  o.async = true;
+  o.stream = stream;
+  for (size_t c = 0; c < b.calls.size(); ++c) {
+    const size_t begin = b.calls[c];
+    const size_t end = c + 1 < b.calls.size() ? b.calls[c + 1] : b.members.size();
+    const size_t first = b.members[begin], last = b.members[end - 1];
+    const uintptr_t src = src_[first];
+    comm::ArrayView v = b.buf;
+    if (end - begin == 1 && bytes_of(first) >= kInPlaceBytes && out_[first] == src &&
+        src != slot_address(first) &&
+        overlapping(given_spans_, src, src + bytes_of(first), first) == SIZE_MAX) {
+      v.data = reinterpret_cast<void*>(src);  // the caller's gradient, kept alive by it
+      v.count = slots_[first].count;
+      v.owner.reset();
+      in_place_[first] = true;
+      in_place_spans_.emplace(src, std::make_pair(src + bytes_of(first), first));
+    } else {
+      std::vector<comm::CopySpan> spans;
+      for (size_t k = begin; k < end; ++k) {
+        const size_t i = b.members[k];
+        const uintptr_t slot = slot_address(i);
+        if (src_[i] != slot)
+          spans.push_back({reinterpret_cast<const void*>(src_[i]), reinterpret_cast<void*>(slot),
+                           bytes_of(i)});
+      }
+      copy(spans, stream);
+      // From its first slot to the end of its last: the count an in-place call would have
+      // (padding between buckets' slots holds nothing to average).
+      const size_t lo = slots_[first].offset, hi = slots_[last].offset + slots_[last].count;
+      v.data = static_cast<char*>(b.buf.data) + lo * dtype_size(b.buf.dtype);
+      v.count = hi - lo;
+    }
+    v.shape_hash = v.row_hash = 1;  // a flat range, the same on every rank
+    comm::WorkPtr w = backend_->all_reduce(v, v, op_, o);
+    if (c + 1 < b.calls.size())
+      b.earlier.push_back(std::move(w));
+    else
+      b.work = std::move(w);
+  }
+}
+
 std::vector<size_t> Reducer::take_complete(comm::Stream stream) {
   std::vector<size_t> taken;
   while (next_launch_ < buckets_.size() && buckets_[next_launch_].missing == 0) {
     Bucket& b = buckets_[next_launch_];
-    backend_->copy_spans(spans_in(b), stream);
+    copy(spans_in(b), stream);
     taken.push_back(next_launch_++);
   }
   return taken;
@@ -125,7 +229,7 @@ std::vector<size_t> Reducer::take_complete(comm::Stream stream) {
 void Reducer::spans_out(size_t bi, std::vector<comm::CopySpan>* spans) const {
   for (size_t i : buckets_.at(bi).members) {
     const uintptr_t slot = slot_address(i);
-    if (out_[i] != 0 && out_[i] != slot)
+    if (out_[i] != 0 && out_[i] != slot && !in_place_[i])  // Note [In-place gradients]
       spans->push_back({reinterpret_cast<const void*>(slot), reinterpret_cast<void*>(out_[i]),
                         slots_[i].count * elem_size_[i]});
   }
@@ -134,7 +238,7 @@ void Reducer::spans_out(size_t bi, std::vector<comm::CopySpan>* spans) const {
 void Reducer::copy_out(size_t bi, comm::Stream stream) {
   std::vector<comm::CopySpan> spans;
   spans_out(bi, &spans);
-  backend_->copy_spans(spans, stream);
+  copy(spans, stream);
 }
 
 void Reducer::finish(comm::Stream stream) {
@@ -171,6 +275,7 @@ void Reducer::finish(comm::Stream stream) {
           comm::CompletionStamps::Stamp s = stamps_.take(f.ticket);
           count(s, f);
           if (s.error) std::rethrow_exception(s.error);
+          for (comm::WorkPtr& w : b.earlier) w->wait(Millis(-1));  // done: raises a failure
         }
       } catch (...) {
         if (!error) error = std::current_exception();
@@ -182,7 +287,7 @@ void Reducer::finish(comm::Stream stream) {
     else
       copy_out(bi, stream);
   }
-  if (!error) backend_->copy_spans(outs, stream);
+  if (!error) copy(outs, stream);
   if (order_.size() == slots_.size() && first_order_.empty()) first_order_ = order_;
   end_step();
   if (error) std::rethrow_exception(error);
@@ -197,17 +302,27 @@ bool Reducer::done() {
 void Reducer::abandon() {
   // The step is dropped: a failure of its all-reduces is the group's, which its next call
   // raises. Taking the stamp waits for the all-reduce (its buffer is in use until then).
-  for (Bucket& b : buckets_)
+  for (Bucket& b : buckets_) {
+    // Done before b.work, but a launch that failed part way has none: wait for them
+    // without raising (the failure is the group's, raised by its next call).
+    for (comm::WorkPtr& w : b.earlier)
+      while (!w->is_completed()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
     if (b.work) stamps_.take(b.ticket);
+  }
   end_step();
 }
 
 void Reducer::end_step() {
   for (Bucket& b : buckets_) {
     b.work.reset();
+    b.earlier.clear();
     b.missing = b.members.size();
   }
   std::fill(given_.begin(), given_.end(), false);
+  std::fill(in_place_.begin(), in_place_.end(), false);
+  given_spans_.clear();
+  in_place_spans_.clear();
+  longest_span_ = 0;
   std::fill(src_.begin(), src_.end(), 0);
   std::fill(out_.begin(), out_.end(), 0);
   order_.clear();
