@@ -29,6 +29,7 @@ Reducer::Reducer(std::shared_ptr<comm::Backend> backend, std::vector<comm::Array
     buckets_[s.bucket].members.push_back(i);
     elem_size_[i] = dtype_size(buckets_[s.bucket].buf.dtype);
   }
+  splits_ = launches_ && !backend_->device_memory() && backend_->transport() == "shm";
   for (size_t b = 0; b < buckets_.size(); ++b) {
     std::vector<size_t>& m = buckets_[b].members;  // in the bucket's layout order
     std::sort(m.begin(), m.end(),
@@ -36,9 +37,9 @@ Reducer::Reducer(std::shared_ptr<comm::Backend> backend, std::vector<comm::Array
     if (buckets_[b].members.empty())
       throw InvalidArgument(str_cat("Reducer: bucket ", b, " holds no gradient"));
     buckets_[b].missing = buckets_[b].members.size();
-    // Note [In-place gradients]: on host memory each large slot is a call of its own, and
+    // Note [In-place gradients]: in shared memory each large slot is a call of its own, and
     // each run of smaller ones one call.
-    if (backend_->device_memory()) continue;
+    if (!splits_) continue;
     for (size_t k = 0; k < m.size(); ++k)
       if (k == 0 || bytes_of(m[k]) >= kInPlaceBytes || bytes_of(m[k - 1]) >= kInPlaceBytes)
         buckets_[b].calls.push_back(k);
@@ -69,7 +70,7 @@ bool Reducer::mark(size_t i, uintptr_t src, uintptr_t out) {
   if (given_[i])
     throw InvalidArgument(str_cat("the gradient of '", names_[i], "' was already given in this "
                                   "step; finish the step (wait()) before the next one's"));
-  if (launches_ && !backend_->device_memory()) {
+  if (splits_) {
     // Note [In-place gradients]: a range that overlaps a gradient averaged in place would be
     // read changed; and a later launch must know what was given, to not average in place a
     // gradient that overlaps another.
@@ -120,7 +121,7 @@ std::vector<comm::CopySpan> Reducer::spans_in(const Bucket& b) const {
 
 bool Reducer::copies_early(size_t i) const {
   return launches_ && !backend_->device_memory() && given_[i] && src_[i] != slot_address(i) &&
-         !(out_[i] == src_[i] && bytes_of(i) >= kInPlaceBytes);
+         !(splits_ && out_[i] == src_[i] && bytes_of(i) >= kInPlaceBytes);
 }
 
 void Reducer::copy_in(size_t i) {

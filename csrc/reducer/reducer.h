@@ -37,7 +37,8 @@
 // On the CPU a bucket's copies are the step's largest cost after the model's own: copying
 // a gradient into its bucket and its average back reads and writes it twice more, on the
 // calling thread (on the 2-core VM 2 x 6.7 ms for 33.6 MB, more than the all-reduce's
-// 9.8 ms). So on host memory a gradient of at least kInPlaceBytes is averaged by an
+// 9.8 ms). So in a group on shared memory (one host, CPU) a gradient of at least
+// kInPlaceBytes is averaged by an
 // all-reduce of its own, in the memory it was given in, when its average goes there too
 // (out == src, as the torch adapter without gradient_as_bucket_view and DataParallel with
 // plain arrays give it): nothing is copied. The calls a bucket makes are fixed by its layout
@@ -52,7 +53,11 @@
 // gradients are not to be used. The bucket's calls complete in issue
 // order (one worker per group), so its last one stands for the bucket in finish() and in
 // the statistics (one call per bucket, as on a GPU). GPU buckets keep one all-reduce each:
-// their copies are one kernel on the device, and the host time goes to launches.
+// their copies are one kernel on the device, and the host time goes to launches. So do
+// groups over TCP, where each call pays its network round trips (2(n-1) for a ring): there
+// a bucket's calls could cost more than its copies (not measured). Gradients still to be
+// copied are copied as they arrive on host memory (copy_in), while their values are in the
+// caches, rather than all at once when the bucket is complete.
 #pragma once
 
 #include <cstdint>
@@ -106,7 +111,7 @@ class Reducer {
   // go). Raises InvalidArgument for an unknown index or a gradient given twice in one step.
   bool mark(size_t i, uintptr_t src, uintptr_t out);
   // On host memory, copies gradient i (just given) into its slot now, while its values are
-  // still in the caches, unless it is averaged in place (Note [In-place gradients]). Returns
+  // still in the caches, unless it may be averaged in place (Note [In-place gradients]). Returns
   // whether there is such a copy to make (call copy_in with the GIL let go).
   bool copies_early(size_t i) const;
   void copy_in(size_t i);
@@ -178,6 +183,7 @@ class Reducer {
   std::vector<std::string> names_;
   RedOp op_;
   bool launches_;
+  bool splits_ = false;  // buckets are split into calls (Note [In-place gradients])
   std::vector<size_t> elem_size_;  // per slot
   std::vector<uintptr_t> src_, out_;  // this step's addresses, by slot
   std::vector<char> given_;           // this step's gradient arrived, by slot

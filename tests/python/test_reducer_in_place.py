@@ -1,4 +1,4 @@
-"""The reducer on the CPU averages large gradients where they were given (Note [In-place
+"""The reducer on shared memory averages large gradients where they were given (Note [In-place
 gradients] in csrc/reducer/reducer.h): no copies into and out of the buckets, the same
 averages as a numpy reference, and a clear error on every rank for gradients that share
 memory across buckets."""
@@ -40,10 +40,12 @@ def _steps(pg):
     return got, stats, buckets
 
 
-def test_large_gradients_are_averaged_in_place(run_ranks):
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_large_gradients_are_averaged_in_place(run_ranks, transport):
     world = 2
-    results = run_ranks(world, _steps)
-    small_bytes = sum(4 * SIZES[n] for n in SMALL)
+    results = run_ranks(world, _steps, transport=transport)
+    # Over TCP buckets stay one call each, every gradient copied in and out.
+    small_bytes = sum(4 * SIZES[n] for n in (SMALL if transport == "shm" else SIZES))
     for got, stats, buckets in results:
         assert len(buckets) > 1, buckets
         for step, grads in enumerate(got):
@@ -51,7 +53,7 @@ def test_large_gradients_are_averaged_in_place(run_ranks):
                 # Two ranks: (a + b) / 2 in float32 is exact to the bit either way.
                 want = (_grad(0, step, n) + _grad(1, step, n)) / np.float32(2)
                 np.testing.assert_array_equal(grads[n], want, err_msg=f"{n} step {step}")
-        # Only the small gradients went through the buckets: in and out, every step.
+        # Only the small gradients went through the buckets (shm): in and out, every step.
         assert stats["copied_bytes"] == 2 * small_bytes * STEPS, stats
         assert stats["calls"] == len(buckets) * STEPS, stats
 
