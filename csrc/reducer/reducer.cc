@@ -37,12 +37,31 @@ Reducer::Reducer(std::shared_ptr<comm::Backend> backend, std::vector<comm::Array
     if (buckets_[b].members.empty())
       throw InvalidArgument(str_cat("Reducer: bucket ", b, " holds no gradient"));
     buckets_[b].missing = buckets_[b].members.size();
-    // Note [In-place gradients]: in shared memory each large slot is a call of its own, and
-    // each run of smaller ones one call.
-    if (!splits_) continue;
-    for (size_t k = 0; k < m.size(); ++k)
-      if (k == 0 || bytes_of(m[k]) >= kInPlaceBytes || bytes_of(m[k - 1]) >= kInPlaceBytes)
-        buckets_[b].calls.push_back(k);
+  }
+  // Note [In-place gradients]: on shared memory a bucket with large slots makes a call for
+  // each, and one for its smaller ones, staged end to end.
+  staged_at_.assign(slots_.size(), SIZE_MAX);
+  for (Bucket& b : buckets_) {
+    if (!splits_) break;
+    for (size_t i : b.members) (bytes_of(i) >= kInPlaceBytes ? b.large : b.small).push_back(i);
+    size_t total = 0;
+    for (size_t i : b.small) total += slots_[i].count;
+    if (b.large.empty() || total == 0) {
+      b.small.clear();  // a call of `buf` (or of the large ones alone)
+      continue;
+    }
+    size_t at = 0;
+    for (size_t i : b.small) {
+      staged_at_[i] = at;
+      at += slots_[i].count;
+    }
+    const size_t bytes = total * dtype_size(b.buf.dtype);
+    std::shared_ptr<void> mem(::operator new(bytes), [](void* p) { ::operator delete(p); });
+    b.stage = b.buf;
+    b.stage.data = mem.get();
+    b.stage.count = total;
+    b.stage.owner = std::move(mem);
+    b.stage.shape_hash = b.stage.row_hash = 1;
   }
   src_.assign(slots_.size(), 0);
   out_.assign(slots_.size(), 0);
@@ -119,17 +138,23 @@ std::vector<comm::CopySpan> Reducer::spans_in(const Bucket& b) const {
   return spans;
 }
 
+uintptr_t Reducer::home(size_t i) const {
+  if (staged_at_[i] == SIZE_MAX) return slot_address(i);
+  const Bucket& b = buckets_[slots_[i].bucket];
+  return reinterpret_cast<uintptr_t>(b.stage.data) + staged_at_[i] * elem_size_[i];
+}
+
 bool Reducer::copies_early(size_t i) const {
-  return launches_ && !backend_->device_memory() && given_[i] && src_[i] != slot_address(i) &&
+  return launches_ && !backend_->device_memory() && given_[i] && src_[i] != home(i) &&
          !(splits_ && out_[i] == src_[i] && bytes_of(i) >= kInPlaceBytes);
 }
 
 void Reducer::copy_in(size_t i) {
   if (!copies_early(i)) return;
-  const uintptr_t slot = slot_address(i);
-  copy({{reinterpret_cast<const void*>(src_[i]), reinterpret_cast<void*>(slot), bytes_of(i)}},
+  const uintptr_t to = home(i);
+  copy({{reinterpret_cast<const void*>(src_[i]), reinterpret_cast<void*>(to), bytes_of(i)}},
        nullptr);
-  src_[i] = slot;  // its launch copies nothing more
+  src_[i] = to;  // its launch copies nothing more
 }
 
 void Reducer::copy(const std::vector<comm::CopySpan>& spans, comm::Stream stream) {
@@ -143,7 +168,7 @@ void Reducer::launch_ready(comm::Stream stream) {
     while (next_launch_ < buckets_.size() && buckets_[next_launch_].missing == 0) {
       Bucket& b = buckets_[next_launch_];
       b.t_launch = comm::monotonic_seconds();
-      if (b.calls.empty()) {
+      if (b.large.empty()) {
         copy(spans_in(b), stream);
         comm::CallOptions o;
         o.async = true;
@@ -178,43 +203,41 @@ void Reducer::launch_calls(Bucket& b, comm::Stream stream) {
   comm::CallOptions o;
   o.async = true;
   o.stream = stream;
-  for (size_t c = 0; c < b.calls.size(); ++c) {
-    const size_t begin = b.calls[c];
-    const size_t end = c + 1 < b.calls.size() ? b.calls[c + 1] : b.members.size();
-    const size_t first = b.members[begin], last = b.members[end - 1];
-    const uintptr_t src = src_[first];
-    comm::ArrayView v = b.buf;
-    if (end - begin == 1 && bytes_of(first) >= kInPlaceBytes && out_[first] == src &&
-        src != slot_address(first) &&
-        overlapping(given_spans_, src, src + bytes_of(first), first) == SIZE_MAX) {
-      v.data = reinterpret_cast<void*>(src);  // the caller's gradient, kept alive by it
-      v.count = slots_[first].count;
-      v.owner.reset();
-      in_place_[first] = true;
-      in_place_spans_.emplace(src, std::make_pair(src + bytes_of(first), first));
-    } else {
-      std::vector<comm::CopySpan> spans;
-      for (size_t k = begin; k < end; ++k) {
-        const size_t i = b.members[k];
-        const uintptr_t slot = slot_address(i);
-        if (src_[i] != slot)
-          spans.push_back({reinterpret_cast<const void*>(src_[i]), reinterpret_cast<void*>(slot),
-                           bytes_of(i)});
-      }
-      copy(spans, stream);
-      // From its first slot to the end of its last: the count an in-place call would have
-      // (padding between buckets' slots holds nothing to average).
-      const size_t lo = slots_[first].offset, hi = slots_[last].offset + slots_[last].count;
-      v.data = static_cast<char*>(b.buf.data) + lo * dtype_size(b.buf.dtype);
-      v.count = hi - lo;
-    }
+  auto issue = [&](comm::ArrayView v, bool last) {
     v.shape_hash = v.row_hash = 1;  // a flat range, the same on every rank
     comm::WorkPtr w = backend_->all_reduce(v, v, op_, o);
-    if (c + 1 < b.calls.size())
-      b.earlier.push_back(std::move(w));
-    else
+    if (last)
       b.work = std::move(w);
+    else
+      b.earlier.push_back(std::move(w));
+  };
+  for (size_t k = 0; k < b.large.size(); ++k) {
+    const size_t i = b.large[k];
+    const uintptr_t src = src_[i], slot = slot_address(i);
+    comm::ArrayView v = b.buf;
+    v.count = slots_[i].count;
+    if (out_[i] == src && src != slot &&
+        overlapping(given_spans_, src, src + bytes_of(i), i) == SIZE_MAX) {
+      v.data = reinterpret_cast<void*>(src);  // the caller's gradient, kept alive by it
+      v.owner.reset();
+      in_place_[i] = true;
+      in_place_spans_.emplace(src, std::make_pair(src + bytes_of(i), i));
+    } else {
+      if (src != slot)
+        copy({{reinterpret_cast<const void*>(src), reinterpret_cast<void*>(slot), bytes_of(i)}},
+             stream);
+      v.data = reinterpret_cast<void*>(slot);
+    }
+    issue(v, k + 1 == b.large.size() && b.small.empty());
   }
+  if (b.small.empty()) return;
+  std::vector<comm::CopySpan> spans;  // those not copied as they arrived
+  for (size_t i : b.small)
+    if (src_[i] != home(i))
+      spans.push_back({reinterpret_cast<const void*>(src_[i]), reinterpret_cast<void*>(home(i)),
+                       bytes_of(i)});
+  copy(spans, stream);
+  issue(b.stage, true);
 }
 
 std::vector<size_t> Reducer::take_complete(comm::Stream stream) {
@@ -230,6 +253,11 @@ std::vector<size_t> Reducer::take_complete(comm::Stream stream) {
 void Reducer::spans_out(size_t bi, std::vector<comm::CopySpan>* spans) const {
   for (size_t i : buckets_.at(bi).members) {
     const uintptr_t slot = slot_address(i);
+    if (staged_at_[i] != SIZE_MAX) {  // the average is in the stage (Note [In-place gradients])
+      spans->push_back({reinterpret_cast<const void*>(home(i)),
+                        reinterpret_cast<void*>(out_[i] != 0 ? out_[i] : slot), bytes_of(i)});
+      continue;
+    }
     if (out_[i] != 0 && out_[i] != slot && !in_place_[i])  // Note [In-place gradients]
       spans->push_back({reinterpret_cast<const void*>(slot), reinterpret_cast<void*>(out_[i]),
                         slots_[i].count * elem_size_[i]});

@@ -42,8 +42,10 @@
 // all-reduce of its own, in the memory it was given in, when its average goes there too
 // (out == src, as the torch adapter without gradient_as_bucket_view and DataParallel with
 // plain arrays give it): nothing is copied. The calls a bucket makes are fixed by its layout
-// alone, the same on every rank: each large slot one all-reduce, each run of smaller slots
-// one all-reduce of that part of the bucket (copied in and out as before). A large gradient
+// alone, the same on every rank: each large slot one all-reduce, and the smaller slots one
+// all-reduce together, copied in and out of a buffer where they lie end to end (the stage:
+// between large slots a bucket's small ones are not contiguous, and a call each would cost
+// a synchronisation each). A bucket without large slots is one all-reduce, as before. A large gradient
 // that cannot be averaged in place (given elsewhere than its average goes, or overlapping
 // another gradient given this step) goes through its slot with the same call, so ranks that
 // decide differently still issue identical collectives. A gradient given after one it
@@ -145,9 +147,11 @@ class Reducer {
   struct Bucket {
     comm::ArrayView buf;
     std::vector<size_t> members;  // slot indices, in layout (offset) order
-    // Host memory (Note [In-place gradients]): where each of its all-reduces starts in
-    // `members`; each runs to the next start (empty on a GPU: one all-reduce of `buf`).
-    std::vector<size_t> calls;
+    // Shared memory (Note [In-place gradients]): its large slots, an all-reduce each (none:
+    // one all-reduce of `buf`, as on a GPU), and its smaller ones, averaged together in
+    // `stage` (memory of the reducer's own, at staged_at_).
+    std::vector<size_t> large, small;
+    comm::ArrayView stage;
     size_t missing = 0;           // gradients still to come this step
     comm::WorkPtr work;           // its (last) all-reduce, launched this step
     std::vector<comm::WorkPtr> earlier;  // its other all-reduces, launched this step
@@ -173,6 +177,8 @@ class Reducer {
   using Spans = std::multimap<uintptr_t, std::pair<uintptr_t, size_t>>;
   size_t overlapping(const Spans& spans, uintptr_t lo, uintptr_t hi, size_t except) const;
   size_t bytes_of(size_t i) const { return slots_[i].count * elem_size_[i]; }
+  // Where gradient i is averaged when it is not in place: its stage or its slot.
+  uintptr_t home(size_t i) const;
   void count(const comm::CompletionStamps::Stamp& s, const Flight& f);
   void settle();
   void end_step();
@@ -188,6 +194,7 @@ class Reducer {
   std::vector<uintptr_t> src_, out_;  // this step's addresses, by slot
   std::vector<char> given_;           // this step's gradient arrived, by slot
   std::vector<char> in_place_;        // this step's gradient is averaged where it was given
+  std::vector<size_t> staged_at_;     // elements into its bucket's stage; SIZE_MAX: unstaged
   Spans given_spans_;     // host memory: this step's src and out ranges (overlap checks)
   Spans in_place_spans_;  // host memory: this step's gradients averaged in place
   size_t longest_span_ = 0;  // bytes: how far before a range an overlapping span may start
