@@ -38,28 +38,28 @@
 // a gradient into its bucket and its average back reads and writes it twice more, on the
 // calling thread (on the 2-core VM 2 x 6.7 ms for 33.6 MB, more than the all-reduce's
 // 9.8 ms). So in a group on shared memory (one host, CPU) a gradient of at least
-// kInPlaceBytes is averaged by an
-// all-reduce of its own, in the memory it was given in, when its average goes there too
-// (out == src, as the torch adapter without gradient_as_bucket_view and DataParallel with
-// plain arrays give it): nothing is copied. The calls a bucket makes are fixed by its layout
-// alone, the same on every rank: each large slot one all-reduce, and the smaller slots one
-// all-reduce together, copied in and out of a buffer where they lie end to end (the stage:
-// between large slots a bucket's small ones are not contiguous, and a call each would cost
-// a synchronisation each). A bucket without large slots is one all-reduce, as before. A large gradient
-// that cannot be averaged in place (given elsewhere than its average goes, or overlapping
-// another gradient given this step) goes through its slot with the same call, so ranks that
-// decide differently still issue identical collectives. A gradient given after one it
-// overlaps was averaged in place would read a changed value: that fails the group (every
-// rank raises) instead of averaging it silently wrong. A step that fails leaves such a
-// gradient partly averaged (a copied one keeps its value): the step raised, and its
-// gradients are not to be used. The bucket's calls complete in issue
-// order (one worker per group), so its last one stands for the bucket in finish() and in
-// the statistics (one call per bucket, as on a GPU). GPU buckets keep one all-reduce each:
-// their copies are one kernel on the device, and the host time goes to launches. So do
-// groups over TCP, where each call pays its network round trips (2(n-1) for a ring): there
-// a bucket's calls could cost more than its copies (not measured). Gradients still to be
-// copied are copied as they arrive on host memory (copy_in), while their values are in the
-// caches, rather than all at once when the bucket is complete.
+// kInPlaceBytes is averaged by an all-reduce of its own, in the memory it was given in,
+// when its average goes there too (out == src, as the torch adapter without
+// gradient_as_bucket_view and DataParallel with plain arrays give it): nothing is copied.
+// The calls a bucket makes are fixed by its layout alone, the same on every rank: each large
+// slot one all-reduce, and the smaller slots one all-reduce together, copied in and out of
+// a buffer where they lie end to end (the stage: between large slots a bucket's small ones
+// are not contiguous, and a call each would cost a synchronisation each). A bucket without
+// large slots is one all-reduce, as before. A large gradient that cannot be averaged in
+// place (given elsewhere than its average goes, or overlapping another gradient given this
+// step) goes through its slot with the same call, so ranks that decide differently still
+// issue identical collectives. A gradient given after one it overlaps was averaged in place
+// would read a changed value: that fails the group (every rank raises) instead of averaging
+// it silently wrong. A step that fails leaves such a gradient partly averaged (a copied one
+// keeps its value): the step raised, and its gradients are not to be used. A bucket's calls
+// complete in issue order (one worker per group), so its last one stands for the bucket in
+// finish() and in the statistics (one call per bucket, as on a GPU).
+// GPU buckets keep one all-reduce each: their copies are one kernel on the device, and the
+// host time goes to launches. So do groups over TCP, where each call pays its network round
+// trips (2(n-1) for a ring): there a bucket's calls could cost more than its copies (not
+// measured). On host memory, gradients that are copied are copied as they arrive
+// (copy_in), while their values are still in the caches, rather than all at once when the
+// bucket is complete.
 #pragma once
 
 #include <cstdint>
