@@ -35,7 +35,12 @@ PyObject* reducer_ready(PyObject* self, PyObject* const* args, Py_ssize_t nargs)
     const uintptr_t out = reinterpret_cast<uintptr_t>(PyLong_AsVoidPtr(args[2]));
     const comm::Stream stream = stream_of(args[3]);
     if (PyErr_Occurred()) throw py::error_already_set();
-    if (r.mark(i, src, out)) call_nogil([&] { r.launch_ready(stream); });
+    const bool launch = r.mark(i, src, out);
+    if (launch || r.copies_early(i))
+      call_nogil([&] {
+        r.copy_in(i);
+        if (launch) r.launch_ready(stream);
+      });
     return PyLong_FromSize_t(r.remaining());
   });
 }
@@ -89,6 +94,7 @@ void bind_reducer(py::module_& m) {
              d["bytes"] = s.bytes;
              d["comm_seconds"] = s.comm_seconds;
              d["overlapped_seconds"] = s.overlapped_seconds;
+             d["copied_bytes"] = s.copied_bytes;
              return d;
            })
       .def("reset_stats", [](Reducer& x) { call_nogil([&] { x.reset_stats(); }); });

@@ -753,7 +753,10 @@ class DataParallel:
         construction or ``reset_stats()`` (see Note [Stats]): ``calls`` (bucket all-reduces),
         ``bytes`` (payload handed to them on this rank), ``comm_seconds``,
         ``overlapped_seconds`` (communication before ``wait()`` was called),
-        ``overlap_fraction`` and ``algbw_gbps`` (bytes / comm_seconds, in GB/s); in the
+        ``overlap_fraction``, ``algbw_gbps`` (bytes / comm_seconds, in GB/s) and
+        ``copied_bytes`` (gradients copied into and out of the buckets: on the CPU, large
+        gradients given in place are averaged where they are, Note [In-place gradients] in
+        csrc/reducer/reducer.h); in the
         stale modes ``steps_applied``, ``staleness_mean`` and ``staleness_max`` (how many steps
         old the averages handed back were). With GPU arrays it first waits until the device
         finished the all-reduces so far."""
@@ -780,7 +783,8 @@ class DataParallel:
             if r is not None:
                 r.reset_stats()
         self._staleness = []
-        self._stats = {"calls": 0, "bytes": 0, "comm_seconds": 0.0, "overlapped_seconds": 0.0}
+        self._stats = {"calls": 0, "bytes": 0, "comm_seconds": 0.0, "overlapped_seconds": 0.0,
+                       "copied_bytes": 0}
 
     def close(self) -> None:
         """Stop the completion thread (also done when the object is collected); the object

@@ -26,14 +26,16 @@ void all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
                                   "with shared memory; this group uses ", comm.shm_status()));
   if (algo != Algorithm::kTree) b.arity = 0;  // only a tree has one (OpDesc::arity)
   comm.set_algorithm(algorithm_name(algo), static_cast<uint8_t>(algo), b.arity);
+  bool divided = false;  // an average the algorithm divided itself
   switch (algo) {
-    case Algorithm::kShm: shm_all_reduce(comm, b); break;
+    case Algorithm::kShm: divided = shm_all_reduce(comm, b); break;
     case Algorithm::kRing: ring_all_reduce(comm, b); break;
     case Algorithm::kTree: tree_all_reduce(comm, b); break;
     case Algorithm::kHalvingDoubling: halving_doubling_all_reduce(comm, b); break;
     default: direct_all_reduce(comm, b); break;
   }
-  if (a.op == RedOp::kAvg) reduce::divide_by(a.dtype, a.out.data, a.count, comm.size());
+  if (a.op == RedOp::kAvg && !divided)
+    reduce::divide_by(a.dtype, a.out.data, a.count, comm.size());
 }
 
 // Direct: every rank sends its vector to rank 0, which folds them in rank order and sends

@@ -71,7 +71,8 @@ void ring_all_reduce(cpu::Comm& comm, const AllreduceArgs& a);
 void tree_all_reduce(cpu::Comm& comm, const AllreduceArgs& a);
 void halving_doubling_all_reduce(cpu::Comm& comm, const AllreduceArgs& a);
 void direct_all_reduce(cpu::Comm& comm, const AllreduceArgs& a);
-void shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a);  // same host only
+// Same host only. Returns whether it divided an average itself (the single-copy path).
+bool shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a);
 
 // broadcast and reduce: the group's transport picks the family (shared memory or TCP,
 // Note [Dispatch]), `algorithm` the shape within it: a tree of `arity` (Note [Trees]), direct
