@@ -261,6 +261,7 @@ class Config:
     host_id: str
     cma: bool
     shm_all_reduce: str
+    shm_spin_us: int
     simd: str
     nccl_trace: bool
     nccl_library: str
