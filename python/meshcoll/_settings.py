@@ -44,6 +44,7 @@ CHECK_MODES = ("async", "strict", "off")
 # How the settings agreement names a group's members (Note [Shared settings]).
 MEMBERS = "the group's members (new_group's ranks, in order)"
 NAME = "the group's name (new_group's or split's name=)"
+BACKEND = "the group's backend (new_group's backend=)"
 FAULT = "MESHCOLL_FAULT"
 
 TRANSPORTS = ("auto", "shm", "tcp")  # the values of MESHCOLL_TRANSPORT

@@ -79,23 +79,28 @@ def make_group(store: _C.Store, ranks: Sequence[int], rank: int, name: str, *,
             with _naming_setup(name, ranks):
                 _C.agree_on_settings(prefixed, rank, len(ranks),
                                      _shared(ranks, label, opts, "mpi"), timeout, ranks)
-        # A subgroup: MPI_Comm_split of the parent, ordered by the key (this group rank).
-        made = mpi.make_backend(timeout, parent._mpi_backend() if parent is not None else None,
-                                color, rank)
+        # A subgroup: MPI_Comm_split of the parent, ordered by the key (this group rank), or
+        # of MPI's world for a parent of another backend (Note [MPI groups of other parents]).
+        if parent is None or parent.backend_name == "mpi":
+            made = mpi.make_backend(timeout, parent._mpi_backend() if parent is not None
+                                    else None, color, rank)
+        else:
+            made = mpi.split_world(timeout, color, rank)
         assert made is not None
         be = made
         channel = _agreement_channel(store, name, rank, ranks, timeout, bind_host, token, opts)
         config = CollectiveConfig("auto")  # MPI picks its own algorithms
     elif backend == "nccl":
-        dev = parent._device if parent is not None else device
-        # nccl.world_device names the world's device; children inherit their parent's.
-        assert dev is not None
-        device = int(dev)
+        # nccl.world_device names the world's device, new_group's device= that of an NCCL
+        # group of another backend's parent; an NCCL parent's children inherit its own.
+        assert device is not None
+        split_of = parent if parent is not None and parent.backend_name == "nccl" else None
         if len(ranks) > 1:  # before NCCL's init; the NCCL backend compares none
             _C.agree_on_settings(prefixed, rank, len(ranks), _shared(ranks, label, opts, "nccl"),
                                  timeout, ranks)
         be = nccl.make_backend(prefixed, rank, len(ranks), device, timeout,
-                               parent._nccl_backend() if parent is not None else None, color)
+                               split_of._nccl_backend() if split_of is not None else None,
+                               color)
         channel = _agreement_channel(store, name, rank, ranks, timeout, bind_host, token, opts)
         config = CollectiveConfig("auto")  # NCCL picks its own algorithms
     else:

@@ -27,7 +27,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from . import _C
 
@@ -160,6 +160,55 @@ def bootstrap_store(rank: int, host: str, timeout: float, token: Optional[str],
         return server, token
     return _C.TCPStore(host, int(port), is_server=False, timeout=timeout, token=token,
                        generation=generation), token
+
+
+# Note [MPI groups of other parents]
+# new_group(backend="mpi") on a CPU or NCCL group splits MPI's world (MPI_Comm_split of a
+# duplicate of MPI_COMM_WORLD, collective over every MPI rank), so that group must be MPI's
+# world: its global ranks are MPI's ranks, in order. MPI must be up, or this process started
+# by an MPI launcher (mpirun, srun) that lets it start; started anywhere else, MPI would make
+# a world of one rank, which no peer shares. MPI_Init waits, with no deadline, for every rank
+# of the job: so MPI starts only once every rank of the parent agreed on the new group under
+# the setup's deadline (a rank that asked for another backend is a MismatchError there on an
+# MPI or NCCL parent; on a CPU parent, whose new_group compares nothing across non-members,
+# a TimeoutError naming the ranks at another call, Note [Calls out of step]).
+LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
+def check_startable(me: int, call: str) -> None:
+    """ValueError unless MPI is up or can start here (Note [MPI groups of other parents]);
+    this process being global rank ``me``."""
+    if _State.world is None and not any(os.environ.get(v) for v in LAUNCHER_VARS):
+        raise ValueError(f"{call} on global rank {me}: MPI is not initialized in this process "
+                         f"and it was not started by an MPI launcher (none of "
+                         f"{', '.join(LAUNCHER_VARS)} is set): start the job with mpirun or "
+                         f"srun (meshcoll.init(backend='mpi') makes an MPI world), or pick "
+                         f"backend='cpu'")
+
+
+def require_world(ranks: List[int], me: int, call: str) -> None:
+    """Starts MPI for an MPI group of a CPU or NCCL group of global ``ranks``, which must be
+    MPI's world; ValueError saying what is missing (Note [MPI groups of other parents])."""
+    try:
+        rank, size = load()
+    except MpiUnavailable as e:
+        raise ValueError(f"{call} on global rank {me}: MPI is unavailable: {e}") from None
+    if ranks != list(range(size)) or rank != me:
+        raise ValueError(f"{call} on global rank {me}: an MPI group made from a group of "
+                         f"another backend splits MPI's world, so that group must be MPI's "
+                         f"world (global ranks 0..{size - 1} being MPI ranks 0..{size - 1}); "
+                         f"it has global ranks {ranks} and this is MPI rank {rank}: call it "
+                         f"on the world group")
+
+
+def split_world(timeout: float, color: int, key: int) -> Optional[_C.MpiBackend]:
+    """MPI_Comm_split of MPI's world (Note [MPI groups of other parents]): collective over
+    every MPI rank; a negative color joins none (None)."""
+    world = _C.MpiBackend.world(timeout)
+    try:
+        return world.split(color, key, timeout)
+    finally:
+        world.shutdown()
 
 
 def make_backend(timeout: float, parent: Optional[_C.MpiBackend] = None,

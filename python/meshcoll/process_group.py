@@ -41,6 +41,15 @@ class NamedGroups:
 GroupNames = Dict[str, NamedGroups]
 
 
+def _device_index(device: Any) -> int:
+    """A CUDA device as an int: an int, or an object with ``.index`` (torch.device)."""
+    index = device if isinstance(device, (int, np.integer)) else getattr(device, "index", None)
+    if index is None:
+        raise ValueError(f"device must be an int or an object with .index (torch.device), got "
+                         f"{device!r}")
+    return int(index)
+
+
 @dataclasses.dataclass(frozen=True)
 class CallStats:
     """One collective kind's totals in ``ProcessGroup.stats()``."""
@@ -198,14 +207,20 @@ class ProcessGroup(Collectives):
         return self._arrays.current_stream(like)
 
     def _agree_before_split(self, name: str, ranks: List[int], opts: _settings.GroupOptions,
-                            timeout: Optional[float], label: Optional[str]) -> None:
+                            kind: BackendName, timeout: Optional[float],
+                            label: Optional[str]) -> None:
         """Every rank of an NCCL or MPI parent takes part in the split that makes a subgroup, members
-        or not: so all of them compare the new group's members and check setting first (Note
-        [Shared settings] in csrc/store/exchange.h). Ranks that differ get a MismatchError
-        together, and the parent stays usable; compared among the members alone, the others
-        would wait in ncclCommSplit until its timeout, which aborts the parent."""
+        or not (and every rank of any parent in the split of MPI's world that makes an MPI
+        group): so all of them compare the new group's members, backend and check setting
+        first (Note [Shared settings] in csrc/store/exchange.h). Ranks that differ get a
+        MismatchError together, and the parent stays usable; compared among the members
+        alone, the others would wait in ncclCommSplit until its timeout, which aborts the
+        parent. A group of another backend than this one's compares its backend's settings
+        among its members as it is set up (backends.make_group); here they would only add
+        noise to a message about the backend itself (lists are compared entry by entry)."""
+        same = kind == self.backend_name
         settings = [(_settings.MEMBERS, repr(ranks)), (_settings.NAME, repr(label)),
-                    *opts.shared(self.backend_name).items()]
+                    (_settings.BACKEND, repr(kind)), *(opts.shared(kind).items() if same else ())]
         _C.agree_on_settings(_C.PrefixStore(f"mc/{name}/split", self._store), self.rank,
                              self.size, settings,
                              self._setup_timeout(timeout), self._ranks)
@@ -229,15 +244,48 @@ class ProcessGroup(Collectives):
             opts = dataclasses.replace(opts, check=check)
         return opts
 
+    def _child_backend(self, backend: Optional[str], device: Any,
+                       ranks: List[int]) -> Tuple[BackendName, Optional[int]]:
+        """new_group's backend= and device=: the new group's backend and CUDA device, checked
+        on this rank before the call counts (ValueError saying what is missing)."""
+        me = self._ranks[self.rank]
+        call = f"new_group({ranks}, backend={backend!r})"
+        if backend not in (None, "cpu", "nccl", "mpi"):
+            raise ValueError(f"{call} on global rank {me}: use backend='cpu', 'nccl', 'mpi' "
+                             f"or None (this group's, {self.backend_name!r})")
+        kind: BackendName = backend or self.backend_name  # type: ignore[assignment]
+        if kind != "nccl" or self.backend_name == "nccl":  # the device, if any, is the parent's
+            if device is not None and (kind != "nccl" or _device_index(device) != self._device):
+                raise ValueError(f"{call} on global rank {me}: device= is for an NCCL group of "
+                                 f"a CPU or MPI group (an NCCL group's subgroups are on its own "
+                                 f"device); leave it out")
+            dev = self._device if kind == "nccl" else None
+        else:
+            ok, why = nccl.nccl_available()
+            if not ok:
+                raise ValueError(f"{call} on global rank {me}: NCCL is unavailable: {why}")
+            if device is None:
+                raise ValueError(f"{call} on global rank {me}: a {self.backend_name} group has "
+                                 f"no CUDA device to give its NCCL subgroup: pass device= "
+                                 f"(this rank's GPU, as to init)")
+            dev = _device_index(device)
+        if kind == "mpi" and self.backend_name != "mpi":
+            mpi.check_startable(me, call)  # MPI itself starts once the ranks agreed
+        # A CPU group needs nothing more: it runs over the job's store, which every world has.
+        return kind, dev
+
     def _child(self, ranks: Sequence[int], rank: int, name: str, timeout: Optional[float],
                color: int = 0, options: Optional[_settings.GroupOptions] = None,
-               label: Optional[str] = None) -> "ProcessGroup":
+               label: Optional[str] = None, kind: Optional[BackendName] = None,
+               device: Optional[int] = None) -> "ProcessGroup":
         # timeout None: the parent's; anything else is checked where the backend is made.
+        # kind None: this group's backend (and device).
         opts = self._options if options is None else options
         return self._make_group(self._store, ranks, rank, name,
                                 timeout=self._setup_timeout(timeout),
                                 bind_host=self._bind_host, token=self._token, parent=self,
-                                backend=self.backend_name, device=self._device, color=color,
+                                backend=kind or self.backend_name,
+                                device=device if kind else self._device, color=color,
                                 options=opts, label=label)
 
     # ---- identity -------------------------------------------------------------------
@@ -320,7 +368,8 @@ class ProcessGroup(Collectives):
     # ---- subgroups ------------------------------------------------------------------
     def new_group(self, ranks: Sequence[int], *, name: Optional[str] = None,
                   timeout: Optional[float] = None, transport: Optional[str] = None,
-                  check: Optional[str] = None) -> Union["ProcessGroup", "NonMemberGroup"]:
+                  check: Optional[str] = None, backend: Optional[str] = None,
+                  device: Any = None) -> Union["ProcessGroup", "NonMemberGroup"]:
         """Collective over this group: each of its ranks, in the new group or not, calls it
         with the same global ``ranks``, and makes its new_group and split calls in the same
         order as the others (Note [Calls out of step]). The new group's members get a
@@ -329,7 +378,12 @@ class ProcessGroup(Collectives):
         set of ranks in a job (Note [Group names]): a name given before with other ranks is
         a ValueError on every rank.
         ``transport`` ("auto", "shm", "tcp"; CPU groups) overrides the job's for this group;
-        ``check`` ("async", "strict"; NCCL groups) its agreement check (MESHCOLL_CHECK)."""
+        ``check`` ("async", "strict"; NCCL groups) its agreement check (MESHCOLL_CHECK).
+        ``backend`` ("cpu", "nccl", "mpi"; None: this group's): the new group's, with all of
+        that backend's guarantees; ranks that ask for different ones get MismatchError. A CPU
+        group runs over the job's store; an MPI group of a CPU or NCCL group needs MPI (Note
+        [MPI groups of other parents] in mpi.py); an NCCL group of a CPU or MPI group needs
+        ``device`` (this rank's GPU: an int or torch.device), as ``init`` does."""
         ranks = [int(r) for r in ranks]
         if len(set(ranks)) != len(ranks) or not ranks:
             raise ValueError(f"new_group: ranks must be a non-empty list without duplicates, got {ranks}")
@@ -339,21 +393,29 @@ class ProcessGroup(Collectives):
                              f"(its global ranks: {self._ranks})")
         self._setup_timeout(timeout, "new_group")  # a bad one raises before the call counts
         opts = self._child_options(transport, check)
+        kind, dev = self._child_backend(backend, device, ranks)
         named = None if name is None else \
             self._claim_name(name, [ranks], f"new_group({ranks}, name={name!r})")
         key = f"{self._name}.{self._next_child}"
         self._next_child += 1
         me = self._ranks[self.rank]
         child: Union[ProcessGroup, NonMemberGroup]
-        with self._group_call(key, f"new_group({ranks})", timeout):
-            if self.backend_name in ("nccl", "mpi") and self.size > 1:
-                self._agree_before_split(key, ranks, opts, timeout, name)
+        # Another backend than this group's is in the call's record, so that a setup that
+        # fails waiting for ranks that asked for another one names them (Note [Calls out of
+        # step]).
+        call = f"new_group({ranks})" if kind == self.backend_name else \
+            f"new_group({ranks}, backend={kind!r})"
+        with self._group_call(key, call, timeout):
+            if self.size > 1 and (self.backend_name in ("nccl", "mpi") or kind == "mpi"):
+                self._agree_before_split(key, ranks, opts, kind, timeout, name)
+            if kind == "mpi" and self.backend_name != "mpi":
+                mpi.require_world(self._ranks, me, call)
             if me not in ranks:
                 child = NonMemberGroup(ranks, key if name is None else name)
-                self._sit_out(timeout)
+                self._sit_out(kind, timeout)
             else:
                 child = self._child(ranks, ranks.index(me), key, timeout, options=opts,
-                                    label=name)
+                                    label=name, kind=kind, device=dev)
         return self._adopt(child, named)
 
     def split(self, color: Optional[int], key: int = 0, *, name: Optional[str] = None,
@@ -380,7 +442,7 @@ class ProcessGroup(Collectives):
                 named = self._claim_name(name, list(groups.values()), f"split(name={name!r})")
             if c < 0:
                 child = NonMemberGroup([], store_key if name is None else name)
-                self._sit_out(timeout)
+                self._sit_out(self.backend_name, timeout)
             else:
                 ranks = groups[c]
                 me = self._ranks[self.rank]
@@ -476,13 +538,16 @@ class ProcessGroup(Collectives):
                 f"new_group (members or not) and split, with the same arguments and in the "
                 f"same order")
 
-    def _sit_out(self, timeout: Optional[float]) -> None:
-        """A rank outside a new subgroup: ncclCommSplit is collective over the whole parent,
-        so an NCCL parent's non-members take part with no color."""
-        if self.backend_name == "nccl":
+    def _sit_out(self, kind: BackendName, timeout: Optional[float]) -> None:
+        """A rank outside a new subgroup on ``kind``: ncclCommSplit is collective over the
+        whole parent, so an NCCL parent's non-members of an NCCL subgroup take part with no
+        color; MPI_Comm_split too (of MPI's world, for a parent of another backend)."""
+        if kind == "nccl" and self.backend_name == "nccl":
             nccl.sit_out(self._nccl_backend(), timeout)
-        elif self.backend_name == "mpi":  # MPI_Comm_split is collective over the parent too
+        elif kind == "mpi" and self.backend_name == "mpi":
             mpi.make_backend(self._setup_timeout(timeout), self._mpi_backend(), -1)
+        elif kind == "mpi":
+            mpi.split_world(self._setup_timeout(timeout), -1, 0)
 
     def destroy(self) -> None:
         """Finish queued work and close this group and every group created from it."""

@@ -277,8 +277,10 @@ def get_world_group() -> ProcessGroup:
 
 def new_group(ranks: Sequence[int], *, group: Optional[ProcessGroup] = None,
               name: Optional[str] = None, timeout: Optional[float] = None,
-              transport: Optional[str] = None,
-              check: Optional[str] = None) -> Union[ProcessGroup, NonMemberGroup]:
+              transport: Optional[str] = None, check: Optional[str] = None,
+              backend: Optional[BackendName] = None,
+              device: Any = None) -> Union[ProcessGroup, NonMemberGroup]:
     """``ProcessGroup.new_group`` on ``group`` (default: the world)."""
     return (group or get_world_group()).new_group(ranks, name=name, timeout=timeout,
-                                                   transport=transport, check=check)
+                                                   transport=transport, check=check,
+                                                   backend=backend, device=device)

@@ -317,6 +317,40 @@ def test_subgroups(split):
         assert o["parent"] == world
 
 
+def _cpu_group_beside(pg):
+    """An NCCL world with a CPU group (new_group(backend="cpu")) for control data, and back:
+    an NCCL group of that CPU group (device= this rank's GPU); all three used."""
+    import torch
+    r, w = pg.rank, pg.size
+    ctl = pg.new_group(list(range(w)), backend="cpu", name="control")
+    gpu = ctl.new_group(list(range(w)), backend="nccl", device=pg.device)
+    vals = [_data(21, k, 300, "float32") for k in range(w)]
+    want = _reduce(vals, "sum", "float32")
+    x = _tensor(vals[r], "float32")
+    pg.all_reduce(x)
+    host = vals[r].astype(np.float32)
+    ctl.all_reduce(host)
+    y = _tensor(vals[r], "float32")
+    gpu.all_reduce(y, op="max")
+    torch.cuda.synchronize()
+    fails = []
+    _close(x, want, "float32", "NCCL world all_reduce", fails)
+    if not np.allclose(host, want, rtol=1e-5, atol=1e-5):
+        fails.append(f"CPU group all_reduce: {host[:4]} vs {want[:4]}")
+    _close(y, _reduce(vals, "max", "float32"), "NCCL group of the CPU group", fails)
+    return fails, [pg.backend_name, ctl.backend_name, gpu.backend_name, gpu.device]
+
+
+@needs_torch
+@gpus(2)
+@pytest.mark.timeout(240)
+def test_cpu_group_beside_an_nccl_world():
+    res = run_nccl(2, _cpu_group_beside)
+    for r, (fails, kinds) in enumerate(res):
+        assert fails == [], (r, fails)
+        assert kinds == ["nccl", "cpu", "nccl", r], (r, kinds)
+
+
 def _async_streams(pg):
     import torch
     r = pg.rank

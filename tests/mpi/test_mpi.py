@@ -270,3 +270,96 @@ def test_mpi_available_says_why_not(tmp_path):
     assert not ok and "compiling the MPI shim" in why and "failed" in why, why
     ok, why = available(MPICC)
     assert ok and "libmeshcoll_mpi.so" in why, why
+
+
+@pytest.mark.timeout(60)
+def test_cpu_group_beside_an_mpi_world(tmp_path):
+    """A backend per group: an MPI world with a CPU group (new_group(backend="cpu"), over the
+    job's store) for control data; all_reduce on both, against numpy on random data; a
+    one-member CPU group leaves the other rank a NonMemberGroup."""
+    code, out, res = mpi_job(tmp_path, """
+        pg = meshcoll.init(backend="mpi", timeout=20)
+        r, n = pg.rank, pg.size
+        ctl = pg.new_group([0, 1], backend="cpu", name="control")
+        solo = pg.new_group([1], backend="cpu")
+        ins = [rand_array(np.random.default_rng([11, q]), 777, np.float32) for q in range(n)]
+        want = np.add.reduce(ins)
+        x, y = ins[r].copy(), ins[r].copy()
+        pg.all_reduce(x)
+        ctl.all_reduce(y, op="max")
+        report(r, {"world": [pg.backend_name, bool(np.allclose(x, want, rtol=1e-5))],
+                   "control": [ctl.backend_name, ctl.name, ctl.ranks,
+                               bool(np.array_equal(y, np.maximum.reduce(ins)))],
+                   "solo": solo.is_member and solo.backend_name})
+        meshcoll.destroy()
+    """)
+    assert code == 0, out
+    assert set(res) == {0, 1}, out
+    for rank, value in res.items():
+        assert value["world"] == ["mpi", True], (rank, value)
+        assert value["control"] == ["cpu", "control", [0, 1], True], (rank, value)
+    assert res[0]["solo"] is False and res[1]["solo"] == "cpu", res
+
+
+@pytest.mark.timeout(60)
+def test_ranks_asking_for_different_backends_get_mismatch(tmp_path):
+    """Rank 0 asks for a CPU group, rank 1 for an MPI one: MismatchError on both, naming the
+    backend each asked for; the world goes on (a later new_group and an all_reduce)."""
+    code, out, res = mpi_job(tmp_path, """
+        pg = meshcoll.init(backend="mpi", timeout=20)
+        r = pg.rank
+        try:
+            pg.new_group([0, 1], backend="cpu" if r == 0 else "mpi")
+            seen = "no error"
+        except Exception as e:
+            seen = f"{type(e).__name__}: {e}"
+        g = pg.new_group([0, 1], backend="cpu")
+        x = rand_array(np.random.default_rng([3, r]), 64, np.float64)
+        g.all_reduce(x)
+        want = sum(rand_array(np.random.default_rng([3, q]), 64, np.float64) for q in range(2))
+        report(r, [seen, bool(np.allclose(x, want))])
+        meshcoll.destroy()
+    """)
+    assert code == 0, out
+    assert set(res) == {0, 1}, out
+    for rank, (seen, ok) in res.items():
+        assert seen.startswith("MismatchError"), (rank, seen)
+        assert "backend" in seen and "'cpu' on rank 0" in seen and "'mpi' on rank 1" in seen, seen
+        assert ok, rank
+
+
+@pytest.mark.timeout(60)
+def test_mpi_group_beside_a_cpu_world(tmp_path):
+    """A CPU world under mpirun (a master address given) makes an MPI group by splitting MPI's
+    world: all_reduce on both against numpy; a one-member MPI group too. Ranks that then ask
+    for different backends (a CPU parent compares nothing across them first) each get a
+    TimeoutError at the setup deadline naming the other's call, and the world goes on."""
+    from conftest import free_port
+    port = free_port()
+    code, out, res = mpi_job(tmp_path, """
+        os.environ["MESHCOLL_MASTER_ADDR"] = "127.0.0.1"
+        pg = meshcoll.init(backend="cpu", timeout=20)
+        r, n = pg.rank, pg.size
+        g = pg.new_group([0, 1], backend="mpi")
+        solo = pg.new_group([0], backend="mpi")
+        ins = [rand_array(np.random.default_rng([5, q]), 300, np.float64) for q in range(n)]
+        x, y = ins[r].copy(), ins[r].copy()
+        pg.all_reduce(x)
+        g.all_reduce(y)
+        try:
+            pg.new_group([0, 1], backend="mpi" if r == 0 else "cpu", timeout=3)
+            seen = "no error"
+        except Exception as e:
+            seen = f"{type(e).__name__}: {e}"
+        pg.all_reduce(x)
+        report(r, [pg.backend_name, g.backend_name, bool(np.allclose(y, np.add.reduce(ins))),
+                   bool(np.allclose(x, n * np.add.reduce(ins))), solo.is_member, seen])
+        meshcoll.destroy()
+    """, env={"MESHCOLL_MASTER_PORT": str(port), "MESHCOLL_TOKEN": "t" * 32})
+    assert code == 0, out
+    assert set(res) == {0, 1}, out
+    for rank, value in res.items():
+        assert value[:5] == ["cpu", "mpi", True, True, rank == 0], (rank, value)
+        assert value[5].startswith("TimeoutError"), (rank, value)
+    assert "global rank(s) 1 last called new_group([0, 1])" in res[0][5], res[0]
+    assert "global rank(s) 0 last called new_group([0, 1], backend='mpi')" in res[1][5], res[1]
