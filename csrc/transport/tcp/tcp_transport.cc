@@ -325,7 +325,7 @@ void TcpTransport::on_payload_done(int peer) {
       }
       return;
     }
-    fail(kind, p.abort_msg);
+    fail(kind, p.abort_msg, p.rhdr.seq);  // relayed with the call it is about (Note above)
   }
   if (p.reading_bye) {
     p.reading_bye = false;
@@ -427,9 +427,15 @@ void TcpTransport::begin_collective(const Envelope& current) {
 // raised at once. Only mismatches wait: a timeout or a dead peer is raised at once wherever it
 // lands, since the timeout census needs every rank now and a dead peer may be the one this call
 // waits for.
+// A rank that fails by a peer's ABORT passes it on to every other peer before it closes, with
+// the sequence number the ABORT carried, not the one of the call the relaying rank has reached:
+// the relaying rank may be the one that ran another algorithm, so it left the disagreeing call
+// without sending what a third rank waits for there. Relayed with its own later number, that
+// third rank would hold the mismatch as a later call's and then read the relaying rank's
+// close as its death (a PeerError instead of the MismatchError, seen under load).
 void TcpTransport::check_later_mismatch(uint64_t seq) {
   if (later_seq_ && (seq == kRunning || seq >= later_seq_))
-    fail(AbortKind::kMismatch, later_msg_);
+    fail(AbortKind::kMismatch, later_msg_, later_seq_);
 }
 
 void TcpTransport::check_unexpected() {
