@@ -506,10 +506,14 @@ class ShardedModule:
     def _fqns(self) -> Dict[int, str]:
         return {id(m): n for n, m in torch.nn.Module.named_modules(self)}  # type: ignore[arg-type, unused-ignore]
 
-    def _gathered_fp32(self, u: _Unit) -> torch.Tensor:
-        flat = torch.empty(u.layout.padded, dtype=u.dtype, device=u.device)
-        u.group.all_gather(u._arr(u.shard.detach()), out=u._arr(flat).reshape(u.group.size, -1))
-        return flat
+    def _per_parameter(self, u: _Unit, shard: torch.Tensor) -> List[torch.Tensor]:
+        """A shard-shaped tensor of ``u`` (its parameters, or an optimizer state of them)
+        gathered from every rank and cut per parameter, each shaped as the parameter
+        (collective over the unit's group)."""
+        flat = torch.empty(u.layout.padded, dtype=shard.dtype, device=shard.device)
+        u.group.all_gather(u._arr(shard.detach()), out=u._arr(flat).reshape(u.group.size, -1))
+        return [flat[off:off + n].view(shape).clone() for off, n, shape in
+                zip(u.layout.offsets, u.layout.numels, u.layout.shapes)]
 
     def _names(self, u: _Unit, fqns: Dict[int, str]) -> List[str]:
         out = []
@@ -524,10 +528,7 @@ class ShardedModule:
         fqns = self._fqns()
         sd: Dict[str, torch.Tensor] = {}
         for u in self._units():
-            flat = self._gathered_fp32(u)
-            for name, off, n, shape in zip(self._names(u, fqns), u.layout.offsets,
-                                           u.layout.numels, u.layout.shapes):
-                sd[name] = flat[off:off + n].view(shape).clone()
+            sd.update(zip(self._names(u, fqns), self._per_parameter(u, u.shard)))
         for name, b in torch.nn.Module.named_buffers(self):  # type: ignore[arg-type, unused-ignore]
             sd[name] = b.detach().clone()
         return sd
@@ -616,10 +617,7 @@ class ShardedModule:
         if not (isinstance(value, torch.Tensor) and value.dim() == 1
                 and value.numel() == u.layout.shard_numel):
             return [value.detach().clone() if isinstance(value, torch.Tensor) else value] * n
-        flat = torch.empty(u.layout.padded, dtype=value.dtype, device=value.device)
-        u.group.all_gather(u._arr(value.detach()), out=u._arr(flat).reshape(u.group.size, -1))
-        return [flat[off:off + k].view(shape).clone() for off, k, shape in
-                zip(u.layout.offsets, u.layout.numels, u.layout.shapes)]
+        return self._per_parameter(u, value)
 
     def load_full_optim_state_dict(self, optimizer: torch.optim.Optimizer,
                                    state_dict: Mapping[str, Any]) -> None:
