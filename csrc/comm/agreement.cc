@@ -239,7 +239,12 @@ void Agreement::fail(std::exception_ptr error, uint64_t seq) {
     error_ = error;
   }
   failed_.store(true, std::memory_order_release);
-  sink_(error, seq);
+  // This runs on the checker thread too, where an exception would end the process: a sink
+  // that cannot act (a GPU whose driver is gone at exit) leaves the failure recorded here.
+  try {
+    sink_(error, seq);
+  } catch (...) {
+  }
 }
 
 std::string Agreement::desc_of(uint64_t seq) const {

@@ -386,16 +386,25 @@ void NcclComm::fail(std::exception_ptr error, uint64_t coll_seq) {
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
   if (!comm_ || failure_.failed()) return;
-  CtxGuard guard(cu_, ctx_);
+  CtxGuard guard(cu_, ctx_, false);
+  if (!guard.ok()) {  // exiting: no device left to stop
+    failure_.record(std::move(error));
+    return;
+  }
   fail_locked(std::move(error), first_op_locked(coll_seq));
 }
 
 void NcclComm::abort(const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!comm_) return;
-  CtxGuard guard(cu_, ctx_);
-  fail_locked(std::make_exception_ptr(
-      Aborted(str_cat("the NCCL communicator (", where(), ") was aborted: ", why))));
+  auto error = std::make_exception_ptr(
+      Aborted(str_cat("the NCCL communicator (", where(), ") was aborted: ", why)));
+  CtxGuard guard(cu_, ctx_, false);
+  if (!guard.ok()) {  // exiting: no device left to stop
+    failure_.record(std::move(error));
+    return;
+  }
+  fail_locked(std::move(error));
 }
 
 void NcclComm::close_failed_locked() {

@@ -18,13 +18,20 @@ using namespace abi;  // NOLINT: the ABI names read best unqualified here
 // a loop of calls sets it once.
 class CtxGuard {
  public:
-  CtxGuard(const CudaApi& cu, CUcontext ctx) : cu_(cu) {
+  CtxGuard(const CudaApi& cu, CUcontext ctx) : CtxGuard(cu, ctx, true) {}
+  // Not `strict`: never throws, and ok() says whether `ctx` is current. For paths that run on
+  // our own threads (a peer's failure reported by the agreement thread), where the driver may
+  // already be deinitialised because the process is exiting.
+  CtxGuard(const CudaApi& cu, CUcontext ctx, bool strict) : cu_(cu) {
     cu_.ctx_get_current(&prev_);
     if (prev_ != ctx) {
-      cu_.check(cu_.ctx_set_current(ctx), "cuCtxSetCurrent");
-      restore_ = prev_ != nullptr;
+      const CUresult r = cu_.ctx_set_current(ctx);
+      if (strict) cu_.check(r, "cuCtxSetCurrent");
+      ok_ = r == CUDA_SUCCESS;
+      restore_ = ok_ && prev_ != nullptr;
     }
   }
+  bool ok() const { return ok_; }
   ~CtxGuard() {
     if (restore_) cu_.ctx_set_current(prev_);
   }
@@ -34,6 +41,7 @@ class CtxGuard {
  private:
   const CudaApi& cu_;
   CUcontext prev_ = nullptr;
+  bool ok_ = true;
   bool restore_ = false;
 };
 
