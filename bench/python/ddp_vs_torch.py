@@ -134,6 +134,9 @@ def parse_args(argv=None):
     p.add_argument("--torch-port", type=int, default=None,
                    help="torch.distributed's MASTER_PORT (default: rank 0 picks a free one)")
     p.add_argument("--json", metavar="FILE", help="write one JSON record per row")
+    p.add_argument("--agree-each-step", action="store_true",
+                   help="compare the two copies' parameters after every step pair and name the "
+                        "first step and parameter where they differ (rank 0)")
     p.add_argument("--torch-avg", action="store_true",
                    help="torch's DDP all-reduces with ReduceOp.AVG (a comm hook) as meshcoll "
                         "does (NCCL only: Gloo has no AVG)")
@@ -463,6 +466,12 @@ def run_config(kind: str, views: bool, args, pg, device: torch.device) -> Dict[s
             if args.align == "on":
                 align()
             r.step(x, y, data, amp, sync, record=i >= args.warmup)
+        if args.agree_each_step and mc_model is not None and "first_differing_step" not in row:
+            for (n, pa), pb in zip(mc_copy.named_parameters(), torch_copy.parameters()):
+                if not torch.equal(pa, pb):
+                    d = float((pa.detach().float() - pb.detach().float()).abs().max())
+                    row["first_differing_step"] = f"{i} ({n}: max abs diff {d:.3g})"
+                    break
     if args.trace:
         from torch.profiler import ProfilerActivity, profile
         acts = ([] if args.trace_gpu_only and gpu else [ProfilerActivity.CPU]) + \
@@ -617,6 +626,9 @@ def main(argv=None) -> int:
             if r["model"] == "mlp" and "bitwise_equal" in r:
                 print(f"# {r['model_name']} views={r['views']}: parameters bitwise equal: "
                       f"{'yes' if r['bitwise_equal'] else 'no'}")
+            if args.agree_each_step and "refused" not in r:
+                print(f"# {r['model_name']} views={r['views']}: first step whose parameters "
+                      f"differ: {r.get('first_differing_step', 'none')}")
             if "refused" not in r:
                 print(f"# {r['model_name']} views={r['views']}: {r['params'] / 1e6:.2f}M params, "
                       f"{r['buckets']} meshcoll buckets, meshcoll comm "

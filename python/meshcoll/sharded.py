@@ -112,14 +112,15 @@ class FlatLayout:
             [f"padded {self.padded} over {self.parts} shards"]
 
 
-def reduce_shard(shard_group: ProcessGroup, stage: int, flat_grad: Any, out: Any) -> Any:
+def reduce_shard(shard_group: ProcessGroup, stage: int, flat_grad: Any, out: Any,
+                 async_op: bool = True) -> Any:
     """Starts the sum over every rank of ``flat_grad``'s slice that this rank owns, into
     ``out`` (stage 1: into ``flat_grad`` itself, whose slice is then the sum). Returns the
-    Work of the shard group's part; the replicate group's all-reduce runs after it in
-    ``finish_reduce`` (Note [Hybrid sharding])."""
+    Work of the shard group's part (``async_op``); the replicate group's all-reduce runs after
+    it in ``finish_reduce`` (Note [Hybrid sharding])."""
     if stage == 1:
-        return shard_group.all_reduce(flat_grad, op="sum", async_op=True)
-    return shard_group.reduce_scatter(flat_grad, out=out, op="sum", async_op=True)
+        return shard_group.all_reduce(flat_grad, op="sum", async_op=async_op)
+    return shard_group.reduce_scatter(flat_grad, out=out, op="sum", async_op=async_op)
 
 
 def finish_reduce(work: Any, replicate: Optional[ProcessGroup], shard: Any,

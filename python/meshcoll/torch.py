@@ -22,7 +22,8 @@ As torch's DDP:
   memory: the buckets hold that memory's bytes, and a bucket view has the parameter's strides;
 - after the first step the buckets are laid out again in the order that step's gradients
   arrived (rank 0's order, for every rank), the first of them 1 MiB so communication starts
-  early (``bucket_cap_mb`` 25 for the rest);
+  early (``bucket_cap_mb`` 25 for the rest); as torch's, a ``bucket_cap_mb`` given explicitly
+  caps the first bucket too;
 - module buffers (BatchNorm's running statistics) are broadcast from rank 0 before each forward
   with gradients enabled (``broadcast_buffers=True``), and parameters and buffers at
   construction;
@@ -67,6 +68,18 @@ def fp16_compress_hook(state: Any, bucket: Any) -> Any:
 def bf16_compress_hook(state: Any, bucket: Any) -> Any:
     """``register_comm_hook(None, bf16_compress_hook)``: buckets travel as bfloat16."""
     raise RuntimeError("bf16_compress_hook is applied by register_comm_hook, not called")
+
+
+def _first_bucket_bytes(bucket_cap_mb: Optional[float]) -> float:
+    """The cap of the first bucket, as torch's DDP sets it: ``bucket_cap_mb`` itself when the
+    caller gave one, else ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB, which
+    users may set). On more than 2 ranks another first bucket moves every later bucket's
+    elements, and their sums round in another order than torch's (Note [The first step's
+    buckets])."""
+    if bucket_cap_mb is not None:
+        return float(bucket_cap_mb) * _MB
+    dist = getattr(torch, "distributed", None)
+    return float(getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", _MB))
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -143,11 +156,14 @@ class DistributedDataParallel(torch.nn.Module):
         lays out its first ones (Note [The first step's buckets])."""
         flat = {n: _operand(p.data, self._group, f"parameter {n!r}")
                 for n, p in self._params.items()}
-        cap = float(kw.get("bucket_cap_mb", 25)) * _MB
+        self._first_bucket = _first_bucket_bytes(kw.get("bucket_cap_mb"))
+        cap = (25 if kw.get("bucket_cap_mb") is None else float(kw["bucket_cap_mb"])) * _MB
+        kw = dict(kw, bucket_cap_mb=cap / _MB)
         if "buckets" not in kw:
             rebuilds = kw.get("mode", "sync") == "sync"
             one = rebuilds and (self._static_graph or not self._find_unused)
-            groups = assign_buckets(list(flat), flat, [math.inf] if one else [min(_MB, cap), cap])
+            groups = assign_buckets(list(flat), flat,
+                                    [math.inf] if one else [min(self._first_bucket, cap), cap])
             kw = dict(kw, buckets=groups[::-1])
         return DataParallel(flat, **kw)
 
@@ -162,7 +178,10 @@ class DistributedDataParallel(torch.nn.Module):
     # (docs/performance.md, the training step on 4 GPUs). With find_unused_parameters, torch's first
     # buckets are formed in registration order, the first (of the first layers, the last to
     # launch) at most 1 MiB, launched last layer first; so are ours. A mode that never
-    # rebuilds (LocalSGD, the stale modes) keeps those too.
+    # rebuilds (LocalSGD, the stale modes) keeps those too. "1 MiB" is torch's default only:
+    # a bucket_cap_mb given explicitly caps the first bucket too (_first_bucket_bytes). We had
+    # 1 MiB always, so the benchmark (which passes bucket_cap_mb=25) summed a ResNet-50's
+    # rebuilt buckets differently from torch's on 4 GPUs from the second step on.
 
     # ---- the step -------------------------------------------------------------------
     def _bind(self) -> None:
@@ -278,7 +297,8 @@ class DistributedDataParallel(torch.nn.Module):
             arr = torch.as_tensor(arr, device=next(iter(self._params.values())).device)
         self._group.broadcast(arr, 0)
         order = [int(i) for i in (arr.tolist() if isinstance(arr, torch.Tensor) else arr)]
-        self.ddp.rebuild_buckets([names[i] for i in order], first_bucket_cap_mb=1.0)
+        self.ddp.rebuild_buckets([names[i] for i in order],
+                                 first_bucket_cap_mb=self._first_bucket / _MB)
         for p in self._params.values():
             if self._views:  # the old views belong to buckets that are gone
                 p.grad = None if p.grad is None else p.grad.clone()

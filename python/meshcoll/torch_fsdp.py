@@ -44,8 +44,14 @@ backward starts the previous unit's, so gathers run while the unit computes.
 Stages 1 and 2 keep the flat buffer, and gather it again at the next forward only when the
 shard changed (its version counter: an optimizer steps it in place).
 On GPUs gathers run on one side stream and reductions on another, each after the work queued
-on the current stream so far (the tensors they use are recorded on it); waiting for a Work
-orders the current stream after it, and nothing in the step blocks the host.
+on the current stream so far (the tensors they use are recorded on it); waiting for one
+orders the current stream after it, and nothing in the step blocks the host. They are
+synchronous calls on the side stream (``_SideStreamCall``), not asynchronous ones: an
+asynchronous call holds its arrays until the communicator's watchdog sees it complete (Note
+[Owners] in csrc/python/array.h), which lags the host by milliseconds, and a whole forward's
+gathered buffers stayed allocated (tests/gpu/test_fsdp_gpu.py's memory bound, 2.4x over).
+record_stream is what keeps the memory safe, as in torch's FSDP2: the allocator reuses a
+freed buffer only after the side stream has passed it.
 
 Note [Sharded state dicts]
 ``full_state_dict()`` gathers every unit's fp32 shards and returns the unwrapped model's
@@ -70,7 +76,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -287,7 +293,8 @@ class _Unit:
             stream.wait_stream(torch.cuda.current_stream())
             src.record_stream(stream)
             self.full.record_stream(stream)
-            work = self.group.all_gather(self._arr(src), out=out, async_op=True, stream=stream)
+            work = _SideStreamCall(stream, lambda: self.group.all_gather(
+                self._arr(src), out=out, stream=stream))
         else:
             work = self.group.all_gather(self._arr(src), out=out, async_op=True)
         self.gathering = (work, src)
@@ -421,7 +428,8 @@ class _Unit:
             g.record_stream(stream)
             out.record_stream(stream)
             with torch.cuda.stream(stream):
-                work = reduce_shard(self.group, self.stage, self._arr(g), self._arr(out))
+                work = _SideStreamCall(stream, lambda: reduce_shard(
+                    self.group, self.stage, self._arr(g), self._arr(out), async_op=False))
         else:
             work = reduce_shard(self.group, self.stage, self._arr(g), self._arr(out))
         # Not g: the operation holds it until it completes (on a GPU, record_stream), so each
@@ -461,6 +469,22 @@ def _modules_outside_units(module: torch.nn.Module) -> Iterator[Tuple[str, torch
         for name, child in m.named_children():
             if not hasattr(child, _ATTR):
                 stack.append((f"{fqn}.{name}" if fqn else name, child))
+
+
+class _SideStreamCall:
+    """A synchronous call issued on side stream ``stream`` (Note [The unit's step]): ``wait``
+    orders another stream after it, as a Work's ``wait(stream=)`` does, with no array held."""
+
+    def __init__(self, stream: Any, call: Callable[[], Any]) -> None:
+        call()
+        self.done = torch.cuda.Event()
+        self.done.record(stream)
+
+    def wait(self, stream: Any = None) -> None:
+        if stream is None:
+            self.done.synchronize()
+        else:
+            stream.wait_event(self.done)
 
 
 def _compute_stream(ctx: Optional[_Context]) -> Any:

@@ -211,6 +211,48 @@ def test_every_parameter_torch_ddp_takes_trains_as_torch_ddp(run_ranks, views):
             np.testing.assert_array_equal(mc[k], th[k], err_msg=k)
 
 
+def _rebuilt_like_torch(pg, caps):
+    """Per bucket_cap_mb in ``caps`` (None: torch's default), meshcoll's and torch's DDP
+    buckets after the rebuild, as torch logs them (bytes, in order)."""
+    import copy
+    import torch.distributed as dist
+    import meshcoll.torch as mt
+    from meshcoll.run import pick_free_port
+    port = np.array([pick_free_port("127.0.0.1") if pg.rank == 0 else 0], np.int64)
+    pg.broadcast(port, 0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{int(port[0])}",
+                           rank=pg.rank, world_size=pg.size)
+    out = {}
+    for cap in caps:
+        torch.manual_seed(0)  # 0.5 MiB weights: the first bucket's cap decides where cuts fall
+        base = torch.nn.Sequential(*[torch.nn.Linear(362, 362) for _ in range(6)])
+        kw = {} if cap is None else {"bucket_cap_mb": cap}
+        mc = mt.DistributedDataParallel(copy.deepcopy(base), group=pg, **kw)
+        th = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base), **kw)
+        sizes = {n: p.numel() * p.element_size() for n, p in base.named_parameters()}
+        x = torch.randn(2, 362)
+        for _ in range(4):  # torch logs the rebuilt buckets a few steps after the rebuild
+            for m in (mc, th):
+                m.zero_grad()
+                m(x).sum().backward()
+        ours = [sum(sizes[n] for n in names) for names in mc.ddp.bucket_names]
+        theirs = [int(b) for b in th._get_ddp_logging_data()["rebuilt_bucket_sizes"].split(", ")]
+        out[cap] = (ours, theirs)
+        mc.close()
+    dist.destroy_process_group()
+    return out
+
+
+def test_rebuilt_buckets_follow_torchs_first_bucket_rule(run_ranks):
+    # torch's first rebuilt bucket is 1 MiB only by default: an explicit bucket_cap_mb caps
+    # it too. The first cut moves every later one, and on more than 2 ranks the sums with it.
+    for out in run_ranks(2, _rebuilt_like_torch, caps=[None, 1.5, 25], timeout=90,
+                         init_timeout=60):
+        for cap, (ours, theirs) in out.items():
+            assert sorted(ours) == sorted(theirs), (cap, ours, theirs)
+        assert out[None][1] != out[1.5][1]  # the case tells the two rules apart
+
+
 def _different_models(pg):
     import meshcoll
     import meshcoll.torch as mt
