@@ -73,6 +73,8 @@ std::unique_ptr<CudaApi> load_cuda() {
   bind(lib, api->ctx_get_current, "cuCtxGetCurrent");
   bind(lib, api->ctx_set_current, "cuCtxSetCurrent");
   bind(lib, api->stream_create, "cuStreamCreate");
+  bind(lib, api->stream_create_with_priority, "cuStreamCreateWithPriority");
+  bind(lib, api->ctx_get_stream_priority_range, "cuCtxGetStreamPriorityRange");
   bind(lib, api->stream_destroy, "cuStreamDestroy_v2");
   bind(lib, api->stream_wait_event, "cuStreamWaitEvent");
   bind(lib, api->stream_is_capturing, "cuStreamIsCapturing");

@@ -75,6 +75,8 @@ struct CudaApi {
   abi::cuCtxGetCurrent_t ctx_get_current = nullptr;
   abi::cuCtxSetCurrent_t ctx_set_current = nullptr;
   abi::cuStreamCreate_t stream_create = nullptr;
+  abi::cuStreamCreateWithPriority_t stream_create_with_priority = nullptr;
+  abi::cuCtxGetStreamPriorityRange_t ctx_get_stream_priority_range = nullptr;
   abi::cuStreamDestroy_t stream_destroy = nullptr;
   abi::cuStreamWaitEvent_t stream_wait_event = nullptr;
   abi::cuStreamIsCapturing_t stream_is_capturing = nullptr;

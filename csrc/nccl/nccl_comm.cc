@@ -252,7 +252,20 @@ NcclComm::NcclComm(ncclComm_t comm, int rank, int size, int device, CUcontext ct
   cu_.check(cu_.primary_ctx_retain(&again, dev), "cuDevicePrimaryCtxRetain");
   CtxGuard guard(cu_, ctx_);
   try {
-    cu_.check(cu_.stream_create(&internal_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    // Note [The internal stream's priority]
+    // Asynchronous ops run on internal_ while the caller's stream computes (data
+    // parallelism's buckets during backward). When both streams have blocks waiting, the
+    // GPU schedules the higher priority's first: at the greatest priority a bucket's
+    // all-reduce starts when it is launched instead of queuing behind the backward's kernels.
+    // Measured (4 x H200, bench/python/ddp_vs_torch.py, the 152M transformer with bucket
+    // views, step time over torch DDP's, same call): 0.960 and 0.965 at the default
+    // priority, 0.941 and 0.942 at the greatest. It changes when the sums run, not how:
+    // parameters stay bitwise equal to torch's. torch has the same as an option
+    // (ProcessGroupNCCL.Options.is_high_priority_stream, off by default).
+    int least = 0, greatest = 0;
+    cu_.check(cu_.ctx_get_stream_priority_range(&least, &greatest), "cuCtxGetStreamPriorityRange");
+    cu_.check(cu_.stream_create_with_priority(&internal_, CU_STREAM_NON_BLOCKING, greatest),
+              "cuStreamCreateWithPriority");
     cu_.check(cu_.stream_create(&meta_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
     cu_.check(cu_.event_create(&order_event_, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
     cu_.check(cu_.mem_alloc(&barrier_buf_, 16), "cuMemAlloc (barrier word)");
