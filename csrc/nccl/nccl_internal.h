@@ -96,7 +96,7 @@ ncclResult_t NcclComm::guarded_locked(const Deadline& d, const char* what, Call&
     const auto [ext, seq] = stuck_.external();
     // The agreement check aborted us (fail()), or the watchdog at the deadline.
     if (ext)
-      fail_locked(ext, first_op_locked(seq));
+      fail_locked(ext, ring_.first_op(seq));
     else
       fail_locked(std::make_exception_ptr(TimeoutError(str_cat(
           "NCCL ", what, " on ", where(), " was still blocked inside NCCL after ",
