@@ -297,7 +297,7 @@ std::vector<uint8_t> NcclBackend::host_all_gather(const void* data, size_t bytes
   }
   try {
     // Its Work's synchronize waits for this call's agreement (Note [Results at host
-    // synchronization points] in nccl_ops.cc): the bytes returned agree.
+    // synchronization points] in op_ring.cc): the bytes returned agree.
     auto out = comm_->host_all_gather(data, bytes, timeout, seq);
     ledger().set_state(seq, comm::CallState::kDone);
     return out;

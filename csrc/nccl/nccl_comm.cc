@@ -402,8 +402,8 @@ void NcclComm::close_failed_locked() {
   close_direct_locked();
   close_windows_locked();
   if (failure_.failed() && !failure_.reported())
-    raise_locked(str_cat("destroy() on ", where(), ": the group failed earlier, after the last "
-                         "call that could raise it: "));
+    failure_.raise(str_cat("destroy() on ", where(), ": the group failed earlier, after the "
+                           "last call that could raise it: "));
 }
 
 void NcclComm::abort_locked() {
@@ -419,17 +419,13 @@ std::string NcclComm::where() const {
   return str_cat("rank ", names_(rank_), " of ", size_, ", CUDA device ", device_);
 }
 
-void NcclComm::raise_locked(const std::string& context) const {
-  failure_.raise(context);
-}
-
 // Note [NCCL failure model]: a failure the watchdog or the agreement check found while no
 // call was in Python is raised, with its own type, by the next call (here), wait() or
 // synchronize(), or else by destroy() (shutdown).
 void NcclComm::usable_locked() const {
   if (failure_.failed())
-    raise_locked(str_cat("the NCCL communicator (", where(), ") was aborted by an earlier "
-                         "failure; rebuild the group: "));
+    failure_.raise(str_cat("the NCCL communicator (", where(), ") was aborted by an earlier "
+                           "failure; rebuild the group: "));
   if (shut_down_ || !comm_)
     throw Aborted(str_cat("the NCCL communicator (", where(), ") was destroyed"));
 }

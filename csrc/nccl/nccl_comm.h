@@ -330,8 +330,6 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
                          size_t staged = 0);
   // Ops from index `voids_from` (or not completed yet, whichever is first) report `error`.
   void fail_locked(std::exception_ptr error, uint64_t voids_from = UINT64_MAX);
-  // The failure, as the next call or wait raises it (and marks it reported).
-  [[noreturn]] void raise_locked(const std::string& context) const;
   void abort_locked();
   // shutdown() of an aborted communicator: releases what it can and raises a failure no
   // call raised.
@@ -345,7 +343,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void op_synchronize(uint64_t seq, Millis timeout);
   void op_stream_wait(uint64_t seq, abi::CUstream stream);
   // Waits for the agreement of every collective up to `coll_seq` (Note [Results at host
-  // synchronization points] in nccl_ops.cc); raises the check's failure.
+  // synchronization points] in op_ring.cc); raises the check's failure.
   void settle(uint64_t coll_seq, Millis timeout);
   // Work.wait/synchronize on op `seq`, staged in the open block: InvalidArgument.
   [[noreturn]] void staged_error(uint64_t seq) const;
@@ -369,7 +367,8 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // ones, under mu_.
   OpRing ring_;
   // The first failure and whether it reached the user (a call, wait or synchronize): Note
-  // [Failure types] in comm/failure.h. Mutable: raise_locked() marks it reported.
+  // [Failure types] in comm/failure.h. Mutable: usable_locked() const raises it, marking it
+  // reported.
   mutable comm::Failure failure_;
   uint64_t failed_from_ = 0;  // ops at or above this failed with failure_'s error
   bool shut_down_ = false;
