@@ -199,7 +199,7 @@ void NcclComm::end_block(Millis timeout, std::exception_ptr cancel) {
       });
       return ncclSuccess;
     });
-    ring_.issue_block(execs.back());
+    ring_.issue_block(execs.back());  // closes the block
   } catch (...) {
     // The block did not run here (or cannot be watched), and peers that ran it wait for
     // this rank: the communicator is failed, so the staged ops' Works report why (slots
@@ -208,7 +208,6 @@ void NcclComm::end_block(Millis timeout, std::exception_ptr cancel) {
     ring_.drop_block();
     throw;
   }
-  ring_.drop_block();
 }
 
 NcclComm::WorkPtr NcclComm::all_reduce(const CallOpts& c, const void* in, void* out,

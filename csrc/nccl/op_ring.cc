@@ -86,20 +86,25 @@ uint64_t OpRing::stage(Staged op, bool captured, const Call& call, int64_t timeo
 }
 
 void OpRing::issue_block(CUstream last_exec) {
-  if (block_captured_) return;
-  const size_t n = staged_.size();
-  Slot& last = slots_[(issued_ + n - 1) % kSlots];
-  if (!last.event)
-    cu_.check(cu_.event_create(&last.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-  cu_.check(cu_.event_record(last.event, last_exec), "cuEventRecord (block completion)");
-  const auto now = Clock::now();
-  for (size_t i = 0; i < n; ++i) {
-    Slot& s = slots_[(issued_ + i) % kSlots];
-    s.done = last.event;
-    s.stream = last_exec;
-    s.deadline = now + Millis(s.timeout_ms);
+  if (!block_captured_) {
+    const size_t n = staged_.size();
+    Slot& last = slots_[(issued_ + n - 1) % kSlots];
+    if (!last.event)
+      cu_.check(cu_.event_create(&last.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    cu_.check(cu_.event_record(last.event, last_exec), "cuEventRecord (block completion)");
+    const auto now = Clock::now();
+    for (size_t i = 0; i < n; ++i) {
+      Slot& s = slots_[(issued_ + i) % kSlots];
+      s.done = last.event;
+      s.stream = last_exec;
+      s.deadline = now + Millis(s.timeout_ms);
+    }
+    issued_ += n;
   }
-  issued_ += n;
+  // Closed, not dropped: drop_block() would let go of the arrays of the slots after the
+  // issued ones, which belong to older ops, still in flight when the ring is nearly full.
+  staged_.clear();
+  block_open_ = false;
 }
 
 void OpRing::drop_block() {

@@ -137,7 +137,8 @@ class OpRing {
   uint64_t stage(Staged op, bool captured, const Call& call, int64_t timeout_ms,
                  const Keep* keep);
   // The staged ops were launched, the last on `last_exec`: one event recorded there marks
-  // them all complete, and they count as issued (not when captured: no slots).
+  // them all complete, and they count as issued (not when captured: no slots). The block
+  // closes (if this throws, it is still open: drop_block).
   void issue_block(abi::CUstream last_exec);
   // Closes the block, dropping its staged ops; slots of ops that did not run let go of their
   // arrays.
