@@ -9,6 +9,9 @@ namespace meshcoll {
 using Clock = std::chrono::steady_clock;
 using Millis = std::chrono::milliseconds;
 
+// A group's and a store's timeout when none is given (Python's: _settings.DEFAULT_TIMEOUT_S).
+inline constexpr Millis kDefaultTimeout{300000};
+
 class Deadline {
  public:
   Deadline() : at_(Clock::time_point::max()) {}  // never

@@ -32,7 +32,7 @@
 namespace meshcoll::cpu {
 
 struct CommOptions {
-  Millis timeout{300000};
+  Millis timeout = kDefaultTimeout;
   // "auto": shared memory between the ranks when they are all on one host (falls back to TCP,
   // with a warning, if /dev/shm is too small); "shm": required; "tcp": never.
   std::string transport = "auto";

@@ -13,9 +13,16 @@ using comm::ArrayView;
 using comm::WorkPtr;
 
 namespace {
-// The options of call `c` (a comm::Backend::Call: deduced, as the type is the contract's own).
+// The options of call `c` (a comm::Backend::Call: deduced, as the type is the contract's own),
+// in the one translation from the contract's CallOptions to CallOpts. `want_work`: whether the
+// caller gets a Work. A synchronous collective, or a waited-for transfer (send/recv, Note
+// [Synchronous point-to-point] in bind_backend.cc), is done once it is enqueued on the
+// caller's stream, which orders every later use of its arrays: the contract returns no Work,
+// so none is made. `direct`, `direct_only`: the call's route, decided by the backend
+// (NcclComm::prepare_direct); a direct kernel's token carries the call's fingerprint (Note
+// [Fingerprints] in common/op_desc.h), which every rank that agrees on the call computes alike.
 template <class Call>
-CallOpts opts_of(Call& c) {
+CallOpts opts_of(Call& c, bool want_work, bool direct = false, bool direct_only = false) {
   CallOpts o;  // (the entry point ordered c.opts.stream after c.opts.wait_for: check_options)
   o.stream = reinterpret_cast<abi::CUstream>(c.opts.stream);
   o.async = c.opts.async;
@@ -24,6 +31,10 @@ CallOpts opts_of(Call& c) {
   o.p2p = c.p2p;
   o.desc = c.desc;
   o.keep = std::move(c.keep);
+  o.want_work = want_work;
+  o.direct = direct;
+  o.direct_only = direct_only;
+  if (direct) o.fingerprint = call_fingerprint(c.desc, c.seq);
   return o;
 }
 
@@ -32,39 +43,6 @@ void check_no_tag(const char* what, uint32_t tag) {
     throw InvalidArgument(str_cat(what, ": tag ", tag, ": NCCL matches point-to-point messages "
                                   "between two ranks in posting order and has no tags; pass "
                                   "tag=0 and post sends and receives in the same order"));
-}
-
-// A collective's options: the contract returns no Work for a synchronous call (it is
-// enqueued on the caller's stream, which orders every later use of the result), so none is
-// made.
-template <class Call>
-CallOpts coll_opts(Call& c) {
-  CallOpts o = opts_of(c);
-  o.want_work = c.opts.async;
-  return o;
-}
-
-// A collective a direct kernel may run (Note [Direct kernels] in direct/direct.h): its fingerprint
-// (Note [Fingerprints] in common/op_desc.h), which every rank that agrees on the call computes
-// alike.
-template <class Call>
-CallOpts direct_opts(Call& c, bool direct, bool direct_only) {
-  CallOpts o = coll_opts(c);
-  o.direct = direct;
-  o.direct_only = direct_only;
-  o.fingerprint = call_fingerprint(c.desc, c.seq);
-  return o;
-}
-
-// A transfer's options. A waited-for one (send/recv, Note [Synchronous point-to-point] in
-// bind_backend.cc) is, like a synchronous collective, done once it is enqueued on the
-// caller's stream, which orders every later use of the buffer: it makes no Work. A posted
-// one (isend/irecv) returns the Work the caller waits on.
-template <class Call>
-CallOpts p2p_opts(Call& c) {
-  CallOpts o = opts_of(c);
-  o.want_work = !c.opts.wait;
-  return o;
 }
 }  // namespace
 
@@ -109,20 +87,20 @@ WorkPtr NcclBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView
   // The call's route, decided here once (CallOpts::direct).
   const bool direct = comm_->prepare_direct(DirectPath::Kind::kAllReduce, in.dtype, op, in.count);
   const bool only = open(c, &in, &out, direct);
-  return comm_->all_reduce(direct_opts(c, direct, only),
+  return comm_->all_reduce(opts_of(c, c.opts.async, direct, only),
                            in.data, out.data, in.count, in.dtype, op);
 }
 
 WorkPtr NcclBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op,
                                int root) {
   open(c, &in, &out);
-  return comm_->reduce(coll_opts(c),
+  return comm_->reduce(opts_of(c, c.opts.async),
                        in.data, out.data, in.count, in.dtype, op, root);
 }
 
 WorkPtr NcclBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
   open(c, &buf, &buf);
-  return comm_->broadcast(coll_opts(c),
+  return comm_->broadcast(opts_of(c, c.opts.async),
                           buf.data, buf.count, buf.dtype, root);
 }
 
@@ -132,7 +110,7 @@ WorkPtr NcclBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView
       detail::all_equal(counts) &&
       comm_->prepare_direct(DirectPath::Kind::kAllGather, in.dtype, RedOp::kSum, counts[0]);
   const bool only = open(c, &in, &out, direct);
-  return comm_->all_gather(direct_opts(c, direct, only),
+  return comm_->all_gather(opts_of(c, c.opts.async, direct, only),
                            in.data, out.data, counts, in.dtype);
 }
 
@@ -142,7 +120,7 @@ WorkPtr NcclBackend::do_reduce_scatter(Call& c, const ArrayView& in, const Array
       detail::all_equal(counts) &&
       comm_->prepare_direct(DirectPath::Kind::kReduceScatter, in.dtype, op, counts[0]);
   const bool only = open(c, &in, &out, direct);
-  return comm_->reduce_scatter(direct_opts(c, direct, only),
+  return comm_->reduce_scatter(opts_of(c, c.opts.async, direct, only),
                                in.data, out.data, counts, in.dtype, op);
 }
 
@@ -150,27 +128,27 @@ WorkPtr NcclBackend::do_all_to_all(Call& c, const ArrayView& in, const ArrayView
                                    const std::vector<size_t>& send_counts,
                                    const std::vector<size_t>& recv_counts) {
   open(c);
-  return comm_->all_to_all(coll_opts(c),
+  return comm_->all_to_all(opts_of(c, c.opts.async),
                            in.data, out.data, send_counts, recv_counts, in.dtype);
 }
 
 WorkPtr NcclBackend::do_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                const std::vector<size_t>& counts, int root) {
   open(c);
-  return comm_->gather(coll_opts(c),
+  return comm_->gather(opts_of(c, c.opts.async),
                        in.data, out.data, counts, in.dtype, root);
 }
 
 WorkPtr NcclBackend::do_scatter(Call& c, const ArrayView& in, const ArrayView& out,
                                 const std::vector<size_t>& counts, int root) {
   open(c);
-  return comm_->scatter(coll_opts(c),
+  return comm_->scatter(opts_of(c, c.opts.async),
                         in.data, out.data, counts, out.dtype, root);
 }
 
 WorkPtr NcclBackend::do_barrier(Call& c) {
   open(c);
-  auto w = comm_->barrier(opts_of(c));
+  auto w = comm_->barrier(opts_of(c, true));  // its wait blocks the host
   if (c.opts.async) return w;
   w->wait(c.opts.timeout, false, nullptr);  // a barrier's wait blocks the host
   return nullptr;
@@ -178,12 +156,12 @@ WorkPtr NcclBackend::do_barrier(Call& c) {
 
 WorkPtr NcclBackend::do_send(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
   check_no_tag("send", tag);
-  return comm_->send(p2p_opts(c), buf.data, buf.count, buf.dtype, peer);
+  return comm_->send(opts_of(c, !c.opts.wait), buf.data, buf.count, buf.dtype, peer);
 }
 
 WorkPtr NcclBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t tag) {
   check_no_tag("recv", tag);
-  return comm_->recv(p2p_opts(c), buf.data, buf.count, buf.dtype, peer);
+  return comm_->recv(opts_of(c, !c.opts.wait), buf.data, buf.count, buf.dtype, peer);
 }
 
 // NCCL has no way to tell the peers: the side channel does (their groups fail with `message`).
@@ -297,7 +275,7 @@ std::vector<uint8_t> NcclBackend::host_all_gather(const void* data, size_t bytes
   }
   try {
     // Its Work's synchronize waits for this call's agreement (Note [Results at host
-    // synchronization points] in nccl_ops.cc): the bytes returned agree.
+    // synchronization points] in op_ring.cc): the bytes returned agree.
     auto out = comm_->host_all_gather(data, bytes, timeout, seq);
     ledger().set_state(seq, comm::CallState::kDone);
     return out;

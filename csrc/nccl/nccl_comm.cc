@@ -244,7 +244,7 @@ std::shared_ptr<NcclComm> NcclComm::create(std::shared_ptr<store::Store> store, 
 NcclComm::NcclComm(ncclComm_t comm, int rank, int size, int device, CUcontext ctx,
                    Millis timeout)
     : nc_(nccl()), cu_(cuda()), comm_(comm), rank_(rank), size_(size), device_(device),
-      ctx_(ctx), timeout_(timeout) {
+      ctx_(ctx), timeout_(timeout), ring_(cu_) {
   // Our own reference on the primary context, released in the destructor.
   CUdevice dev = 0;
   cu_.check(cu_.device_get(&dev, device), "cuDeviceGet");
@@ -330,8 +330,7 @@ NcclComm::~NcclComm() {
   if (cu_.ctx_set_current(ctx_) != CUDA_SUCCESS) return;  // the driver is gone already
   abort_locked();
   close_windows_locked();
-  for (auto& s : slots_)
-    if (s.event) cu_.event_destroy(s.event);
+  ring_.destroy_events();
   if (order_event_) cu_.event_destroy(order_event_);
   if (internal_) cu_.stream_destroy(internal_);
   if (meta_) cu_.stream_destroy(meta_);
@@ -360,11 +359,12 @@ void NcclComm::shutdown() {
   for (;;) {
     uint64_t at = 0;
     advance_completed_locked(&at);  // a failed query: the op stays pending until the deadline
-    if (completed_ == issued_) break;
+    if (!ring_.pending()) break;
     if (d.expired()) {
       abort_locked();
-      throw TimeoutError(str_cat("destroy() on ", where(), ": ", slots_[completed_ % kSlots].what,
-                                 " (op ", completed_, ") and ", issued_ - completed_ - 1,
+      const uint64_t op = ring_.completed();
+      throw TimeoutError(str_cat("destroy() on ", where(), ": ", ring_.slot(op).call.what,
+                                 " (op ", op, ") and ", ring_.issued() - op - 1,
                                  " later op(s) did not complete within ", timeout_.count(),
                                  " ms; the communicator was aborted"));
     }
@@ -404,7 +404,7 @@ void NcclComm::fail(std::exception_ptr error, uint64_t coll_seq) {
     failure_.record(std::move(error));
     return;
   }
-  fail_locked(std::move(error), first_op_locked(coll_seq));
+  fail_locked(std::move(error), ring_.first_op(coll_seq));
 }
 
 void NcclComm::abort(const std::string& why) {
@@ -424,8 +424,8 @@ void NcclComm::close_failed_locked() {
   close_direct_locked();
   close_windows_locked();
   if (failure_.failed() && !failure_.reported())
-    raise_locked(str_cat("destroy() on ", where(), ": the group failed earlier, after the last "
-                         "call that could raise it: "));
+    failure_.raise(str_cat("destroy() on ", where(), ": the group failed earlier, after the "
+                           "last call that could raise it: "));
 }
 
 void NcclComm::abort_locked() {
@@ -441,17 +441,13 @@ std::string NcclComm::where() const {
   return str_cat("rank ", names_(rank_), " of ", size_, ", CUDA device ", device_);
 }
 
-void NcclComm::raise_locked(const std::string& context) const {
-  failure_.raise(context);
-}
-
 // Note [NCCL failure model]: a failure the watchdog or the agreement check found while no
 // call was in Python is raised, with its own type, by the next call (here), wait() or
 // synchronize(), or else by destroy() (shutdown).
 void NcclComm::usable_locked() const {
   if (failure_.failed())
-    raise_locked(str_cat("the NCCL communicator (", where(), ") was aborted by an earlier "
-                         "failure; rebuild the group: "));
+    failure_.raise(str_cat("the NCCL communicator (", where(), ") was aborted by an earlier "
+                           "failure; rebuild the group: "));
   if (shut_down_ || !comm_)
     throw Aborted(str_cat("the NCCL communicator (", where(), ") was destroyed"));
 }
@@ -461,11 +457,11 @@ void NcclComm::fail_locked(std::exception_ptr error, uint64_t voids_from) {
   // Ops that completed before the failure keep their success (but for those it voids).
   uint64_t at = 0;
   advance_completed_locked(&at);
-  failed_from_ = std::min(completed_, voids_from);
+  failed_from_ = std::min(ring_.completed(), voids_from);
   failure_.record(std::move(error));
   on_group_failure(failure_.error());
   abort_locked();  // the kernels exit, so every pending event completes
-  for (auto& s : slots_) s.keep.clear();  // nothing touches the arrays any more
+  ring_.release_all();  // nothing touches the arrays any more
 }
 
 void NcclComm::check_nccl_locked(ncclResult_t r, const char* what, const Deadline& d) {

@@ -1,9 +1,10 @@
 // The NCCL communicator of one group: unique id through the store, non-blocking init with a
 // deadline, ncclCommSplit for subgroups, every collective, a completion event per op and a
-// watchdog that turns a stuck or failed op into TimeoutError / PeerError. The op ring (slots,
-// completion, the watchdog, NcclWork) is op_ring.{h,cc} (Note [NCCL streams and Works]).
-// Two pieces keep their own state as members: the guard on calls stuck inside NCCL
-// (StuckCallGuard, below) and the books of symmetric memory (SymmetricWindows, symmetric.h).
+// watchdog that turns a stuck or failed op into TimeoutError / PeerError. Three pieces keep
+// their own state as members: the op ring (OpRing, op_ring.h: the slots, the counts of ops
+// issued and completed, the coalesced block's staged ops; Note [NCCL streams and Works]), the
+// guard on calls stuck inside NCCL (StuckCallGuard, below) and the books of symmetric memory
+// (SymmetricWindows, symmetric.h). The communicator asks them; they do not reach back into it.
 //
 // Note [NCCL failure model]
 // The watchdog thread polls ncclCommGetAsyncError and the oldest pending ops' events every
@@ -29,7 +30,6 @@
 // Symmetric memory (windows, SymmetricBlock) is symmetric.{h,cc} (Note [Symmetric memory]).
 #pragma once
 
-#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <exception>
@@ -153,8 +153,6 @@ class StuckCallGuard {
 
 class NcclComm : public std::enable_shared_from_this<NcclComm> {
  public:
-  static constexpr size_t kSlots = 1024;  // ops in flight before an enqueue waits
-
   // Collective over the group the store is namespaced for: rank 0 makes the unique id and
   // publishes it; every rank initialises on `device` within `timeout`.
   static std::shared_ptr<NcclComm> create(std::shared_ptr<store::Store> store, int rank,
@@ -205,7 +203,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // Told of every op that completed without error, in issue order, by the thread that saw
   // it complete (under the communicator's lock: keep it short): the ledger's record of it
   // ends there (Note [Call totals]).
-  using OnDone = std::function<void(uint64_t coll_seq, uint64_t p2p, const OpDesc&)>;
+  using OnDone = OpRing::OnDone;
   void set_on_done(OnDone on_done) {
     std::lock_guard<std::mutex> lock(mu_);
     on_done_ = std::move(on_done);
@@ -277,33 +275,9 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void begin_block();
   // `cancel`: the block must not run (its agreement failed): the communicator fails with it.
   void end_block(Millis timeout, std::exception_ptr cancel = nullptr);
-  // The most ops one block holds (half the ring: the ops before it keep their slots).
-  static constexpr size_t kMaxBlockOps = kSlots / 2;
 
  private:
   friend class NcclWork;
-  struct Slot {
-    abi::CUevent event = nullptr;  // this slot's own, reused
-    // The event that marks this op complete: `event`, or for an op of a coalesced block the
-    // block's one event (the last op's), recorded after the group's launch.
-    abi::CUevent done = nullptr;
-    abi::CUstream stream = nullptr;  // the event's (Note [Completion by bisection])
-    Clock::time_point deadline;
-    int64_t timeout_ms = 0;
-    const char* what = "";
-    uint64_t coll_seq = 0;  // CallOpts::coll_seq
-    uint64_t p2p = 0;       // CallOpts::p2p
-    OpDesc desc{};  // CallOpts::desc
-    uint32_t direct_epoch = 0;  // a direct kernel's epoch (Note [Direct kernels]); 0: NCCL's
-    std::vector<std::shared_ptr<void>> keep;  // CallOpts::keep
-  };
-  struct Issue;  // one op's enqueue state (nccl_comm.cc)
-  // An op of the open block, waiting for end_block (Note [Coalesced blocks on NCCL]).
-  struct Staged {
-    std::function<void(abi::CUstream, const Deadline&)> launch;
-    abi::CUstream user;  // the caller's stream
-    bool async;          // runs on internal_, ordered after `user`
-  };
   friend class SymmetricBlock;  // retires itself (windows_.retire) when dropped
   // On the issuing thread, before taking mu_: synchronizes the device (bounded by the
   // timeout: Note [Bounded device synchronize] in symmetric.cc; not under mu_, which the
@@ -328,12 +302,9 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   template <class Launch>
   WorkPtr run(const CallOpts& c, const char* what, bool host_blocking, Launch&& launch);
   WorkPtr stage_locked(std::unique_lock<std::mutex>& lock, const CallOpts& c, const char* what,
-                       bool host_blocking, bool captured, Staged op);
+                       bool host_blocking, bool captured, OpRing::Staged op);
   // The caller's stream, or internal_ ordered after it for an async op.
   abi::CUstream exec_stream_locked(abi::CUstream user, bool async);
-  // Closes the block, dropping its staged ops; slots of ops that did not run let go of their
-  // arrays.
-  void drop_block_locked();
   // Runs a call that may block inside NCCL, under the watchdog's deadline (Note [Stuck calls]).
   template <class Call>
   abi::ncclResult_t guarded_locked(const Deadline& d, const char* what, Call&& call);
@@ -357,19 +328,14 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   // Waits (bounded by d) until the ring has a free slot after `staged` staged ones.
   void claim_slot_locked(std::unique_lock<std::mutex>& lock, const Deadline& d,
                          size_t staged = 0);
-  // The first op (a slot still in the ring) of collective `coll_seq` or later.
-  uint64_t first_op_locked(uint64_t coll_seq) const;
   // Ops from index `voids_from` (or not completed yet, whichever is first) report `error`.
   void fail_locked(std::exception_ptr error, uint64_t voids_from = UINT64_MAX);
-  // The failure, as the next call or wait raises it (and marks it reported).
-  [[noreturn]] void raise_locked(const std::string& context) const;
   void abort_locked();
   // shutdown() of an aborted communicator: releases what it can and raises a failure no
   // call raised.
   void close_failed_locked();
-  void poll_locked();  // advances completed_, checks async errors and deadlines
-  // Moves completed_ past the ops whose events completed (Note [Completion by bisection]).
-  // Returns the first failed event query (its op in *at), or CUDA_SUCCESS.
+  void poll_locked();  // advances the ring, checks async errors and deadlines
+  // The ring's advance (OpRing::advance), telling on_done_ of each op unless the group failed.
   abi::CUresult advance_completed_locked(uint64_t* at);
   void watchdog();
   // NcclWork's questions about op `seq`.
@@ -377,7 +343,7 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   void op_synchronize(uint64_t seq, Millis timeout);
   void op_stream_wait(uint64_t seq, abi::CUstream stream);
   // Waits for the agreement of every collective up to `coll_seq` (Note [Results at host
-  // synchronization points] in nccl_ops.cc); raises the check's failure.
+  // synchronization points] in op_ring.cc); raises the check's failure.
   void settle(uint64_t coll_seq, Millis timeout);
   // Work.wait/synchronize on op `seq`, staged in the open block: InvalidArgument.
   [[noreturn]] void staged_error(uint64_t seq) const;
@@ -397,18 +363,12 @@ class NcclComm : public std::enable_shared_from_this<NcclComm> {
   size_t scratch_bytes_ = 0;
 
   mutable std::mutex mu_;
-  std::array<Slot, kSlots> slots_{};
-  uint64_t issued_ = 0;     // ops with a slot so far
-  uint64_t last_coll_seq_ = 0;  // the last collective issued (CallOpts::coll_seq)
-  // Note [Coalesced blocks on NCCL]: the open block's staged ops; their slots follow
-  // issued_ and count as issued once end_block enqueued them. Written by the issuing thread
-  // under mu_; block_open_ is read by it alone.
-  bool block_open_ = false;
-  bool block_captured_ = false;  // the block's ops are captured into a CUDA graph
-  std::vector<Staged> staged_;
-  uint64_t completed_ = 0;  // every op below this has completed
+  // Note [NCCL streams and Works] (op_ring.h): the ops in flight and the open block's staged
+  // ones, under mu_.
+  OpRing ring_;
   // The first failure and whether it reached the user (a call, wait or synchronize): Note
-  // [Failure types] in comm/failure.h. Mutable: raise_locked() marks it reported.
+  // [Failure types] in comm/failure.h. Mutable: usable_locked() const raises it, marking it
+  // reported.
   mutable comm::Failure failure_;
   uint64_t failed_from_ = 0;  // ops at or above this failed with failure_'s error
   bool shut_down_ = false;

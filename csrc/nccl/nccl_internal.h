@@ -1,6 +1,6 @@
-// What the two halves of the NCCL communicator share (nccl_comm.cc: lifecycle, watchdog,
-// failures; nccl_ops.cc: the op path and Work): small helpers and the guarded-call template.
-// Included by those two files only.
+// What the NCCL wing's source files share: the context guard, the backoff, small helpers,
+// an NCCL error as the type a user catches, and the communicator's guarded-call template
+// (Note [Stuck calls]). Included by .cc files only (nccl/ and nccl/direct/), never by a header.
 #pragma once
 
 #include <chrono>
@@ -104,7 +104,7 @@ ncclResult_t NcclComm::guarded_locked(const Deadline& d, const char* what, Call&
     const auto [ext, seq] = stuck_.external();
     // The agreement check aborted us (fail()), or the watchdog at the deadline.
     if (ext)
-      fail_locked(ext, first_op_locked(seq));
+      fail_locked(ext, ring_.first_op(seq));
     else
       fail_locked(std::make_exception_ptr(TimeoutError(str_cat(
           "NCCL ", what, " on ", where(), " was still blocked inside NCCL after ",

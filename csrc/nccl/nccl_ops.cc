@@ -1,7 +1,7 @@
 // The NCCL communicator's op path: the caller's or the internal stream, the collectives and
 // point-to-point as NCCL calls, coalesced blocks (Note [NCCL streams and Works] in
-// op_ring.h). The slots, completion and NcclWork are op_ring.cc; lifecycle and failures
-// nccl_comm.cc.
+// op_ring.h). The op ring (OpRing: slots, completion, the staged block) and NcclWork are
+// op_ring.{h,cc}; lifecycle and failures nccl_comm.cc.
 #include "nccl/nccl_comm.h"
 
 #include "common/check.h"
@@ -39,7 +39,7 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   // Dropped symmetric blocks are freed here once they add up to kDrainBytes (an atomic load
   // unless so), but not while the stream is captured: the device synchronize would break
   // the capture. Nor in a coalesced block, whose staged ops may read them.
-  if (windows_.drain_due() && !block_open_) {
+  if (windows_.drain_due() && !ring_.block_open()) {
     int capturing = CU_STREAM_CAPTURE_STATUS_NONE;
     CtxGuard guard(cu_, ctx_);
     if (cu_.stream_is_capturing(c.stream, &capturing) == CUDA_SUCCESS &&
@@ -49,23 +49,24 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
   std::unique_lock<std::mutex> lock(mu_);
   if (direct_ && direct_->status()) check_direct_locked();  // a direct kernel failed
   usable_locked();
-  if (c.coll_seq) last_coll_seq_ = c.coll_seq;
+  ring_.note_collective(c.coll_seq);
   host_timers::mark(host_timers::kLocked);
   CtxGuard guard(cu_, ctx_);
   CUstream user = c.stream;
   int capture = CU_STREAM_CAPTURE_STATUS_NONE;
   // In a block, a stream's capture state is asked once (end_block checks it did not change).
-  if (block_open_ && !staged_.empty() && staged_.back().user == user)
-    capture = block_captured_ ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+  if (ring_.staged_last_on(user))
+    capture = ring_.block_captured() ? CU_STREAM_CAPTURE_STATUS_ACTIVE
+                                     : CU_STREAM_CAPTURE_STATUS_NONE;
   else if (CUresult cr = cu_.stream_is_capturing(user, &capture); cr != CUDA_SUCCESS)
     throw InvalidArgument(str_cat(what, " on ", where(), ": cuStreamIsCapturing failed on the "
                                   "caller's stream: ", cu_.error_text(cr),
                                   " (a stream of another device, or destroyed?)"));
   const bool captured = capture != CU_STREAM_CAPTURE_STATUS_NONE;
   host_timers::mark(host_timers::kCaptured);
-  if (block_open_)
+  if (ring_.block_open())
     return stage_locked(lock, c, what, host_blocking, captured,
-                        Staged{std::forward<Launch>(launch), user, c.async});
+                        OpRing::Staged{std::forward<Launch>(launch), user, c.async});
   const bool async = c.async && !captured;
   const Millis t = c.timeout.count() < 0 ? timeout_ : c.timeout;
   // One clock reading per op: the enqueue's and the completion's deadline are the same.
@@ -91,25 +92,12 @@ NcclComm::WorkPtr NcclComm::run(const CallOpts& c, const char* what, bool host_b
     return c.want_work ? std::make_shared<NcclWork>(shared_from_this(), 0, 0, user, false,
                                                     true, host_blocking)
                        : nullptr;
-  Slot& s = slots_[issued_ % kSlots];
-  if (!s.event) cu_.check(cu_.event_create(&s.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-  cu_.check(cu_.event_record(s.event, exec), "cuEventRecord (op completion)");
-  host_timers::mark(host_timers::kRecorded);
-  s.done = s.event;
-  s.stream = exec;
-  s.deadline = d.at();
-  s.timeout_ms = t.count();
-  s.what = what;
-  s.coll_seq = c.coll_seq;
-  s.p2p = c.p2p;
-  s.desc = c.desc;
-  s.direct_epoch = launched_direct_;
-  if (launched_direct_) direct_last_done_ = s.event;
-  if (async) s.keep = c.keep;
-  const uint64_t seq = issued_++;
+  const uint64_t seq = ring_.issue(exec, OpRing::Call{what, c.coll_seq, c.p2p, c.desc}, d.at(),
+                                   t.count(), launched_direct_, async ? &c.keep : nullptr);
+  if (launched_direct_) direct_last_done_ = ring_.slot(seq).event;
   if (!c.want_work) return nullptr;
-  return std::make_shared<NcclWork>(shared_from_this(), seq, last_coll_seq_, user, async, false,
-                                    host_blocking);
+  return std::make_shared<NcclWork>(shared_from_this(), seq, ring_.last_collective(), user, async,
+                                    false, host_blocking);
 }
 
 CUstream NcclComm::exec_stream_locked(CUstream user, bool async) {
@@ -145,72 +133,57 @@ CUstream NcclComm::exec_stream_locked(CUstream user, bool async) {
 // capture state is asked at its first op in the block and checked again at the end.
 NcclComm::WorkPtr NcclComm::stage_locked(std::unique_lock<std::mutex>& lock, const CallOpts& c,
                                          const char* what, bool host_blocking, bool captured,
-                                         Staged op) {
-  if (!staged_.empty() && captured != block_captured_)
+                                         OpRing::Staged op) {
+  const size_t staged = ring_.staged().size();
+  if (staged && captured != ring_.block_captured())
     throw InvalidArgument(str_cat(
         what, " on ", where(), ": this op's stream is ", captured ? "" : "not ",
         "being captured into a CUDA graph but the coalesced block's earlier ops' ", captured ?
         "were not" : "were", "; begin or end the capture outside the block"));
-  if (staged_.size() >= kMaxBlockOps)
+  if (staged >= OpRing::kMaxBlockOps)
     throw InvalidArgument(str_cat(what, " on ", where(), ": a coalesced block holds at most ",
-                                  kMaxBlockOps, " ops; end it and begin another"));
-  block_captured_ = captured;
-  uint64_t seq = 0;
-  if (!captured) {
-    const Millis t = c.timeout.count() < 0 ? timeout_ : c.timeout;
-    claim_slot_locked(lock, Deadline(t), staged_.size());  // the block's slots follow issued_
-    seq = issued_ + staged_.size();
-    Slot& s = slots_[seq % kSlots];
-    s.done = nullptr;  // set by end_block
-    s.stream = nullptr;
-    s.timeout_ms = t.count();
-    s.what = what;
-    s.coll_seq = c.coll_seq;
-    s.p2p = c.p2p;
-    s.desc = c.desc;
-    if (c.async) s.keep = c.keep;  // to its completion; the block holds every array to its end
-  }
-  staged_.push_back(std::move(op));
+                                  OpRing::kMaxBlockOps, " ops; end it and begin another"));
+  const Millis t = c.timeout.count() < 0 ? timeout_ : c.timeout;
+  if (!captured) claim_slot_locked(lock, Deadline(t), staged);  // the block's slots follow
+  const CUstream user = op.user;
+  const uint64_t seq = ring_.stage(std::move(op), captured,
+                                   OpRing::Call{what, c.coll_seq, c.p2p, c.desc}, t.count(),
+                                   c.async ? &c.keep : nullptr);
   if (!c.want_work) return nullptr;
-  return std::make_shared<NcclWork>(shared_from_this(), seq, last_coll_seq_, staged_.back().user,
+  return std::make_shared<NcclWork>(shared_from_this(), seq, ring_.last_collective(), user,
                                     c.async && !captured, captured, host_blocking);
 }
 
 void NcclComm::begin_block() {
   std::lock_guard<std::mutex> lock(mu_);
   usable_locked();
-  block_open_ = true;
-}
-
-void NcclComm::drop_block_locked() {
-  for (size_t i = 0; i < staged_.size() && !block_captured_; ++i)
-    slots_[(issued_ + i) % kSlots].keep.clear();
-  staged_.clear();
-  block_open_ = false;
+  ring_.open_block();
 }
 
 void NcclComm::end_block(Millis timeout, std::exception_ptr cancel) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (!block_open_) return;
+  if (!ring_.block_open()) return;
   // No op of it may run: fail, as a mismatch does.
   if (cancel && !failure_.failed()) fail_locked(cancel);
-  if (staged_.empty() || failure_.failed() || !comm_) {
+  const std::vector<OpRing::Staged>& staged = ring_.staged();
+  if (staged.empty() || failure_.failed() || !comm_) {
     // A failed or destroyed communicator runs nothing more: the staged ops (their Works
     // too) report its failure, which usable_locked raises here.
-    drop_block_locked();
+    ring_.drop_block();
     usable_locked();
     return;
   }
   CtxGuard guard(cu_, ctx_);
   const Millis t = timeout.count() < 0 ? timeout_ : timeout;
   const Deadline d(t, Clock::now());
-  std::vector<CUstream> execs(staged_.size());
+  const bool captured = ring_.block_captured();
+  std::vector<CUstream> execs(staged.size());
   try {
-    for (size_t i = 0; i < staged_.size(); ++i) {  // a capture begun or ended in the block
-      if (i > 0 && staged_[i].user == staged_[i - 1].user) continue;
+    for (size_t i = 0; i < staged.size(); ++i) {  // a capture begun or ended in the block
+      if (i > 0 && staged[i].user == staged[i - 1].user) continue;
       int capture = CU_STREAM_CAPTURE_STATUS_NONE;
-      cu_.check(cu_.stream_is_capturing(staged_[i].user, &capture), "cuStreamIsCapturing");
-      if ((capture != CU_STREAM_CAPTURE_STATUS_NONE) != block_captured_)
+      cu_.check(cu_.stream_is_capturing(staged[i].user, &capture), "cuStreamIsCapturing");
+      if ((capture != CU_STREAM_CAPTURE_STATUS_NONE) != captured)
         throw InvalidArgument(str_cat(
             "the coalesced block on ", where(), ": a stream's CUDA graph capture began or "
             "ended inside the block; its ops were not run. Begin or end captures outside "
@@ -219,37 +192,22 @@ void NcclComm::end_block(Millis timeout, std::exception_ptr cancel) {
     guarded_locked(d, "coalesced block", [&] {
       auto check = [&](ncclResult_t r, const char* w) { check_nccl_locked(r, w, d); };
       grouped(nc_, check, [&] {
-        for (size_t i = 0; i < staged_.size(); ++i) {
-          execs[i] = exec_stream_locked(staged_[i].user, staged_[i].async && !block_captured_);
-          staged_[i].launch(execs[i], d);
+        for (size_t i = 0; i < staged.size(); ++i) {
+          execs[i] = exec_stream_locked(staged[i].user, staged[i].async && !captured);
+          staged[i].launch(execs[i], d);
         }
       });
       return ncclSuccess;
     });
-    if (!block_captured_) {
-      const size_t n = staged_.size();
-      Slot& last = slots_[(issued_ + n - 1) % kSlots];
-      if (!last.event)
-        cu_.check(cu_.event_create(&last.event, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
-      cu_.check(cu_.event_record(last.event, execs[n - 1]), "cuEventRecord (block completion)");
-      const auto now = Clock::now();
-      for (size_t i = 0; i < n; ++i) {
-        Slot& s = slots_[(issued_ + i) % kSlots];
-        s.done = last.event;
-        s.stream = execs[n - 1];
-        s.deadline = now + Millis(s.timeout_ms);
-      }
-      issued_ += n;
-    }
+    ring_.issue_block(execs.back());  // closes the block
   } catch (...) {
     // The block did not run here (or cannot be watched), and peers that ran it wait for
     // this rank: the communicator is failed, so the staged ops' Works report why (slots
     // never issued are taken by later ops).
     fail_locked(std::current_exception());
-    drop_block_locked();
+    ring_.drop_block();
     throw;
   }
-  drop_block_locked();
 }
 
 NcclComm::WorkPtr NcclComm::all_reduce(const CallOpts& c, const void* in, void* out,
@@ -454,7 +412,7 @@ void NcclComm::order_streams(CUstream producer, CUstream waiter) {
 
 std::vector<uint8_t> NcclComm::host_all_gather(const void* data, size_t bytes, Millis timeout,
                                                uint64_t coll_seq) {
-  if (block_open_)
+  if (ring_.block_open())
     throw InvalidArgument(str_cat("all_gather of a host (numpy) array on ", where(), " waits for "
                                   "its result, and a coalesced block's ops run when the block "
                                   "ends: call it outside the block"));

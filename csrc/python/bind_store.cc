@@ -91,7 +91,7 @@ void bind_store(py::module_& m) {
       .def(py::init([](const std::string& host, int port, bool is_server, const py::object& timeout,
                        const py::object& token, uint32_t generation) {
              std::string tok = token.is_none() ? std::string() : token.cast<std::string>();
-             Millis t = to_ms(timeout, Millis(300000));
+             Millis t = to_ms(timeout, kDefaultTimeout);
              py::gil_scoped_release nogil;
              return std::make_shared<store::TcpStore>(host, port, is_server, t, tok, generation);
            }),
@@ -119,11 +119,11 @@ void bind_store(py::module_& m) {
       "file left by a crashed job is reused as is, so use a fresh path per job.")
       .def(py::init([](const py::object& path, const py::object& timeout) {
              std::string p = py::module_::import("os").attr("fspath")(path).cast<std::string>();
-             Millis t = to_ms(timeout, Millis(300000));
+             Millis t = to_ms(timeout, kDefaultTimeout);
              py::gil_scoped_release nogil;
              return std::make_shared<store::FileStore>(std::move(p), t);
            }),
-           py::arg("path"), py::arg("timeout") = 300.0)
+           py::arg("path"), py::arg("timeout") = kDefaultTimeout.count() / 1000.0)
       .def_property_readonly("path", &store::FileStore::path);
 
   py::class_<store::PrefixStore, Store, std::shared_ptr<store::PrefixStore>>(

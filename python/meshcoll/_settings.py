@@ -23,7 +23,7 @@ SHM_BYTES = "MESHCOLL_SHM_BYTES"
 HIERARCHY = "MESHCOLL_HIERARCHY"
 ALGO = "MESHCOLL_ALGO"
 MAX_TIMEOUT_S = 1e7  # as csrc/python/fastcall.h: a longer deadline would overflow the clock
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = 300.0  # as kDefaultTimeout in csrc/common/deadline.h
 DEBUG = "MESHCOLL_DEBUG"
 # Read into the C++ core's Config (core_config_from_env; Note [Configuration]).
 HOST_ID = "MESHCOLL_HOST_ID"

@@ -3,7 +3,8 @@ a block's collectives are enqueued at its end in one NCCL group launch. Every op
 gives numpy's answer on random data; a tensor dropped inside the block is held until its op
 ran (a canary allocated after it is not written); a Work cannot be waited on before its
 block ends; another group's calls inside the block run at once; a block captured into a CUDA
-graph replays right; and ranks that form different blocks get MismatchError on every rank."""
+graph replays right; ranks that form different blocks get MismatchError on every rank; and a
+block that fills the op ring leaves the arrays of the ops before it held."""
 
 from __future__ import annotations
 
@@ -248,3 +249,36 @@ def test_symmetric_calls_in_a_block_agree_once_before_launch(disagree):
         for i in range(4):
             np.testing.assert_allclose(got[i], sum(_data(20 + i, k, n) for k in range(WORLD)),
                                        rtol=1e-5, atol=1e-5)
+
+
+def _full_ring(pg):
+    """Rank 0 fills its op ring (OpRing::kSlots, 1024 slots) while rank 1 is late: async
+    all_reduces of tensors it drops at once (each held by its op until it completes), then a
+    block whose ops take the last slots. Canaries of the tensors' size made after the block
+    must stay intact: a block that ran once let go of the arrays in the slots after its own,
+    which hold the oldest ops of a full ring, still pending."""
+    import torch
+    slots, block, n = 1024, 4, 1 << 14
+    pg.barrier(timeout=30)
+    torch.cuda.synchronize()
+    if pg.rank != 0:
+        time.sleep(1.0)
+    for _ in range(slots - block):
+        pg.all_reduce(torch.ones(n, device="cuda"), async_op=True)
+    xs = [torch.full((n,), pg.rank + 1.0, device="cuda") for _ in range(block)]
+    with pg.coalesced():
+        for x in xs:
+            pg.all_reduce(x)
+    # More canaries than fit in the memory left free beside the held tensors: the blocks of
+    # tensors freed too early would be reused.
+    canaries = [torch.full((n,), 7.0, device="cuda") for _ in range(4 * block)]
+    pg.barrier(timeout=60)
+    torch.cuda.synchronize()
+    return sum(int((c != 7.0).sum()) for c in canaries), [float(x[0]) for x in xs]
+
+
+@gpus(2)
+def test_a_block_that_fills_the_ring_holds_the_arrays_of_the_ops_before_it():
+    for damaged, xs in run_nccl(2, _full_ring):
+        assert damaged == 0, f"{damaged} canary elements overwritten"
+        assert xs == [3.0] * 4

@@ -370,7 +370,7 @@ size_t NcclComm::direct_bytes() const {
 bool NcclComm::direct_now(CUstream stream) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!direct_ || block_open_) return false;
+    if (!direct_ || ring_.block_open()) return false;
   }
   CtxGuard guard(cu_, ctx_);
   int capture = CU_STREAM_CAPTURE_STATUS_NONE;
@@ -403,15 +403,11 @@ void NcclComm::check_direct_locked(bool no_grace) {
   if (code == DirectPath::kAborted) return;  // the host set the abort flag: failed already
   const int peer = static_cast<int>((st >> 8) & 0xff);
   const auto epoch = static_cast<uint32_t>(st >> 32);
-  uint64_t op = completed_;
-  for (uint64_t k = issued_ > kSlots ? issued_ - kSlots : 0; k < issued_; ++k)
-    if (slots_[k % kSlots].direct_epoch == epoch) {
-      op = k;
-      break;
-    }
-  const Slot& s = slots_[op % kSlots];
-  const std::string call = str_cat(s.what, s.coll_seq ? str_cat(" [seq ", s.coll_seq, "]") : "",
-                                   " (op ", op, ") on ", where());
+  const uint64_t op = ring_.op_of_epoch(epoch);
+  const OpRing::Slot& s = ring_.slot(op);
+  const uint64_t seq = s.call.coll_seq;
+  const std::string call = str_cat(s.call.what, seq ? str_cat(" [seq ", seq, "]") : "", " (op ",
+                                   op, ") on ", where());
   if (code == DirectPath::kMismatch) {
     // The agreement check, when on, finds the same disagreement within a round or two and
     // names both calls: it gets kMismatchGrace to do so. Meanwhile no op from this one on
@@ -430,7 +426,7 @@ void NcclComm::check_direct_locked(bool no_grace) {
         "communicator was aborted"))), op);
     return;
   }
-  const std::string who = s.coll_seq && check_.census ? check_.census(s.coll_seq) : "";
+  const std::string who = seq && check_.census ? check_.census(seq) : "";
   fail_locked(std::make_exception_ptr(TimeoutError(str_cat(
       call, ": rank ", names_(peer), " did not reach it within ", s.timeout_ms, " ms (direct "
       "kernel); the communicator was aborted", who, "; rebuild the group"))), op);

@@ -1,4 +1,4 @@
-// meshcoll's direct kernels (Note [Direct kernels] in nccl/direct.h): small all_reduce,
+// meshcoll's direct kernels (Note [Direct kernels] in direct.h): small all_reduce,
 // all_gather and reduce_scatter among the GPUs of one host, by loads over peer access.
 // Compiled at run time by NVRTC for the device at hand, so the wheel needs no CUDA toolkit:
 // no #include, and nothing from the CUDA headers but built-ins.
