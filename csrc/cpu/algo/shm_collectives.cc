@@ -134,9 +134,9 @@ void meet_reduced(cpu::Comm& comm, ShmGroup& g, uint64_t round, const char* what
 // Every path reads x where it is and writes out, so x != out costs no pass of its own (the
 // other algorithms copy x into out first, all_reduce.cc): x is what the data areas are
 // filled from, or what the peers read (single copy: a rank publishes both addresses, x for
-// the reduce-scatter and out for the all-gather); this rank's own slice is copied from x
-// into out piece by piece, in cache, right before the peers' values are folded into it.
-// x is never written. The data-parallel reducer's buckets rely on it: a gradient given
+// the reduce-scatter and out for the all-gather); this rank's own slice is read from x by
+// the first fold (reduce::lookup_into: out = x OP the first peer's, the same bits as in
+// place). x is never written. The data-parallel reducer's buckets rely on it: a gradient given
 // elsewhere than its bucket slot is averaged straight into the slot (Note [In-place
 // gradients] in reducer/reducer.h), saving the copy into the slot (6.7 ms for 33.6 MB on
 // the 2-core VM).
@@ -212,6 +212,7 @@ void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a, bool sc
   const int n = g.size(), r = g.rank();
   const size_t esz = dtype_size(a.dtype);
   auto fold = reduce::lookup(a.dtype, a.op);
+  auto fold_into = reduce::lookup_into(a.dtype, a.op);
   const char* what = op_name(comm);
   const uint64_t first = begin_round(comm, g);
   // The peers read x (phase one) and the reduced slices (phase two) at these addresses.
@@ -237,11 +238,13 @@ void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a, bool sc
     uint8_t* scratch = comm.scratch(0, std::min(piece, len));
     for (size_t k = 0; k < len; k += piece) {
       const size_t m = std::min(piece, len - k);
-      if (a.in.data != a.out.data) std::memcpy(a.out.data + s + k, a.in.data + s + k, m);
       for (int j = 1; j < n; ++j) {
         const int p = peer_at(r, n, j, scalable);
         g.read_peer(p, vector_of(p, 0) + s + k, scratch, m);
-        fold(a.out.data + s + k, scratch, m / esz);
+        if (j == 1 && a.in.data != a.out.data)  // own values from x (Note [Out-of-place ...])
+          fold_into(a.out.data + s + k, a.in.data + s + k, scratch, m / esz);
+        else
+          fold(a.out.data + s + k, scratch, m / esz);
       }
       // avg: the piece divided while it is in cache, before the peers read it (Note
       // [Single-copy all_reduce]); the same bits as dividing the whole vector at the end.
@@ -288,6 +291,7 @@ bool shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
   const bool scalable = forced == "auto" ? bytes >= row.scalable_from : forced == "scalable";
   const ShmPathRow& lim = scalable ? row : kFlatPath;
   auto fold = reduce::lookup(a.dtype, a.op);
+  auto fold_into = reduce::lookup_into(a.dtype, a.op);
   const char* what = op_name(comm);
   const bool in_place = a.in.data == a.out.data;
   if (bytes <= transport::kShmInlineBytes) {
@@ -329,14 +333,18 @@ bool shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
       if (r != 0 || !in_place) std::memcpy(out, area(g, 0, round), c * esz);  // rank 0's first
       for (int p = 1; p < n; ++p) fold(out, area(g, p, round), c);
     } else {
-      // Slice r: this rank's own values (in `in`, copied piece by piece into `out`, in L1),
-      // then every other rank's in a fixed order. Only this rank computes slice r, so all
-      // ranks get the same bits.
+      // Slice r: this rank's own values (still in `out`, or read from `in` by the first
+      // fold), then every other rank's in a fixed order. Only this rank computes slice r, so
+      // all ranks get the same bits.
       for (size_t k = 0; k < len; k += piece) {
         const size_t m = std::min(piece, len - k), at = s + k * esz;
-        if (!in_place) std::memcpy(out + at, in + at, m * esz);
-        for (int j = 1; j < n; ++j)
-          fold(out + at, area(g, peer_at(r, n, j, scalable), round) + at, m);
+        for (int j = 1; j < n; ++j) {
+          const uint8_t* theirs = area(g, peer_at(r, n, j, scalable), round) + at;
+          if (j == 1 && !in_place)
+            fold_into(out + at, in + at, theirs, m);
+          else
+            fold(out + at, theirs, m);
+        }
         std::memcpy(mine + at, out + at, m * esz);
       }
       meet_reduced(comm, g, round, what, scalable);
