@@ -155,3 +155,41 @@ def test_fresh_gradients_are_averaged_into_their_bucket_views_without_copies(run
         assert not failures, failures
         # Only the small gradients go through a buffer: copied in and out, every step.
         assert stats["copied_bytes"] == 2 * small_bytes * STEPS, stats
+
+
+
+
+def _lifetimes(pg):
+    """Whether the fresh gradient autograd made for the first layer's weight in step 2 is
+    alive after that step, and after the next one's backward (with their next one's)."""
+    import weakref
+    import torch
+    import meshcoll.torch as mt
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
+    seen = []
+    # Registered before the wrapper's hook, so it runs first and sees autograd's own tensor.
+    net[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(weakref.ref(p.grad)))
+    model = mt.DistributedDataParallel(net, group=pg, gradient_as_bucket_view=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(BATCH, WIDTH)
+    alive = []
+    for step in range(4):  # steps 0 and 1 set up and rebuild the buckets
+        opt.zero_grad()  # set_to_none=True: a fresh gradient in every backward
+        model(x).square().mean().backward()
+        if step >= 2:
+            alive.append([r() is not None for r in seen[2:]])
+        opt.step()
+    model.close()
+    return alive
+
+
+def test_fresh_gradients_live_until_their_parameters_next_one(run_ranks):
+    # Note [Fresh gradients with views] in python/meshcoll/torch.py: on the CPU each is
+    # released when the next one arrives (then reused for it), not with all the others at the
+    # step's end (the memory went back to the system, and the next backward faulted it in).
+    pytest.importorskip("torch")
+    for alive in run_ranks(2, _lifetimes, transport="shm", timeout=110, init_timeout=90,
+                           env={"OMP_NUM_THREADS": "1"}):
+        assert alive == [[True], [False, True]], alive
