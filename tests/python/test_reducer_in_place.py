@@ -157,8 +157,6 @@ def test_fresh_gradients_are_averaged_into_their_bucket_views_without_copies(run
         assert stats["copied_bytes"] == 2 * small_bytes * STEPS, stats
 
 
-
-
 def _lifetimes(pg):
     """Whether the fresh gradient autograd made for the first layer's weight in step 2 is
     alive after that step, and after the next one's backward (with their next one's)."""
