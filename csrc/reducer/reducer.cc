@@ -230,8 +230,9 @@ void Reducer::launch_calls(Bucket& b, comm::Stream stream) {
       in_place_spans_.emplace(src, std::make_pair(src + n, i));
     } else if (src + n <= slot || slot + n <= src) {
       in.data = reinterpret_cast<void*>(src);  // into its slot, no copy
-    } else if (src != slot) {  // a gradient partly in its own slot: an all-reduce's x and
-      // out may not overlap so (Note [Overlapping buffers] in comm/backend.cc)
+    } else if (src != slot) {
+      // Partly in its own slot: an all-reduce's x and out are the same or apart (Note
+      // [Overlapping buffers] in comm/backend.cc).
       copy({{reinterpret_cast<const void*>(src), reinterpret_cast<void*>(slot), n}}, stream);
     }
     issue(in, v, k + 1 == b.large.size() && b.small.empty());

@@ -240,9 +240,9 @@ class DistributedDataParallel(torch.nn.Module):
     # for 8 x Linear(1024, 1024)) back to the system, and the next backward faulted every page
     # in again, about 6,000 faults and 8 ms a step on the 2-core VM (torch's DDP, which copies
     # each gradient into its bucket and drops it in the hook, reuses it at once). Released one
-    # by one as the next ones arrive, each is reused by the next gradient of its size, with no
-    # fault. The cost: between steps the last gradients stay allocated, as p.grad's do
-    # without bucket views.
+    # by one as the next ones arrive, each is mostly reused by the next gradient of its size
+    # (0-990 faults a step measured, against 1,000-6,100; docs/performance.md). The cost:
+    # between steps the last gradients stay allocated, as p.grad's do without bucket views.
 
     def _stale_ready(self, i: int, src: int, out: int, stream: int) -> int:
         name = self._names[i]
