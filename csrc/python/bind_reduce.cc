@@ -85,11 +85,27 @@ size_t element_count(size_t nbytes, DType t, const char* fn) {
 }
 
 void reduce_into(const py::buffer& dst, const py::buffer& src, const std::string& dtype,
-                 const std::string& op) {
+                 const std::string& op, const py::object& x) {
   const char* fn_name = "_reduce_into";
   const DType t = parse_dtype(dtype);
   const RedOp r = parse_redop(op);
   const reduce::ReduceFn fn = reduce::lookup(t, r);  // TypeMismatch before touching buffers
+  if (!x.is_none()) {  // dst = x OP src (lookup_into), three arrays apart
+    const RawBuffer d(dst), a(x.cast<py::buffer>()), s(src);
+    MC_ARG_CHECK(!d.readonly(), fn_name, ": dst is read-only; pass a writable buffer");
+    const size_t n = d.contiguous_nbytes(fn_name, "dst");
+    MC_ARG_CHECK(a.contiguous_nbytes(fn_name, "x") == n && s.contiguous_nbytes(fn_name, "src") == n,
+                 fn_name, ": dst, x and src must be the same size");
+    const auto d0 = reinterpret_cast<uintptr_t>(d.ptr());
+    for (const void* p : {a.ptr(), s.ptr()}) {
+      const auto p0 = reinterpret_cast<uintptr_t>(p);
+      MC_ARG_CHECK(d0 + n <= p0 || p0 + n <= d0, fn_name, ": dst overlaps x or src");
+    }
+    const reduce::ReduceIntoFn into = reduce::lookup_into(t, r);
+    py::gil_scoped_release nogil;
+    into(d.ptr(), a.ptr(), s.ptr(), element_count(n, t, fn_name));
+    return;
+  }
 
   const RawBuffer d(dst);
   const RawBuffer s(src);
@@ -124,8 +140,9 @@ void divide_by(const py::buffer& buf, const std::string& dtype, size_t n) {
 
 void bind_reduce(py::module_& m) {
   m.def("_reduce_into", &reduce_into, py::arg("dst"), py::arg("src"), py::arg("dtype"),
-        py::arg("op"),
-        "dst[i] = op(dst[i], src[i]) over two contiguous buffers of the same byte size, read "
+        py::arg("op"), py::arg("x") = py::none(),
+        "dst[i] = op(dst[i], src[i]) (or op(x[i], src[i]) with x, three arrays apart) over "
+        "contiguous buffers of the same byte size, read "
         "as `dtype` (a numpy-style name such as 'float32' or 'bfloat16'). `op` is one of sum, "
         "prod, min, max, avg (the sum kernel; finish with _divide_by), band, bor, bxor. "
         "Raises TypeError for unsupported pairs (bitwise ops on floats, avg on bool) and "

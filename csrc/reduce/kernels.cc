@@ -3,7 +3,7 @@
 // Layers, from the inside out:
 //   1. one functor template per op (Sum<T>, Prod<T>, ...), with bool specialisations;
 //   2. Repr<T>: how an element is stored versus combined (f16/bf16 are combined in f32);
-//   3. reduce_loop / divide_loop: the plain loops GCC vectorises at -O3;
+//   3. reduce_loop / reduce_into_loop / divide_loop: the plain loops GCC vectorises at -O3;
 //   4. one struct per instruction set (Baseline, Avx2, Avx512) whose member templates are the
 //      loops compiled again under a target attribute (Note [SIMD dispatch]);
 //   5. build_table<Isa>(): the only switch on dtype and op, filling function pointers.
@@ -228,29 +228,31 @@ struct Repr<BFloat16> {
 // keeps the f32 lanes in registers and emits one fused loop (with F16C: vcvtph2ps, op,
 // vcvtps2ph); with a run-time block length it went through stack scratch at a third of the
 // speed. The last count % kHalfLanes elements go through a zero-padded copy.
+// d = f(x, s): x is d itself, except in reduce_into.
 template <class R, class Isa, class F>
-MC_ALWAYS_INLINE void half_lanes(typename R::Storage* d, const typename R::Storage* s, F f) {
+MC_ALWAYS_INLINE void half_lanes(typename R::Storage* d, const typename R::Storage* x,
+                                 const typename R::Storage* s, F f) {
   float a[kHalfLanes];
   float b[kHalfLanes];
-  R::template widen<Isa>(d, a);
+  R::template widen<Isa>(x, a);
   R::template widen<Isa>(s, b);
   for (size_t j = 0; j < kHalfLanes; ++j) a[j] = f(a[j], b[j]);
   R::template narrow<Isa>(a, d);
 }
 
 template <class R, class Isa, class F>
-MC_ALWAYS_INLINE void half_loop(typename R::Storage* d, const typename R::Storage* s,
-                                size_t count, F f) {
+MC_ALWAYS_INLINE void half_loop(typename R::Storage* d, const typename R::Storage* x,
+                                const typename R::Storage* s, size_t count, F f) {
   using Storage = typename R::Storage;
   size_t i = 0;
-  for (; i + kHalfLanes <= count; i += kHalfLanes) half_lanes<R, Isa>(d + i, s + i, f);
+  for (; i + kHalfLanes <= count; i += kHalfLanes) half_lanes<R, Isa>(d + i, x + i, s + i, f);
   if (i < count) {
-    Storage td[kHalfLanes] = {};
+    Storage tx[kHalfLanes] = {};
     Storage ts[kHalfLanes] = {};
-    std::memcpy(td, d + i, (count - i) * sizeof(Storage));
+    std::memcpy(tx, x + i, (count - i) * sizeof(Storage));
     std::memcpy(ts, s + i, (count - i) * sizeof(Storage));
-    half_lanes<R, Isa>(td, ts, f);
-    std::memcpy(d + i, td, (count - i) * sizeof(Storage));
+    half_lanes<R, Isa>(tx, tx, ts, f);
+    std::memcpy(d + i, tx, (count - i) * sizeof(Storage));
   }
 }
 
@@ -262,10 +264,26 @@ MC_ALWAYS_INLINE void reduce_loop(void* dst, const void* src, size_t count) {
   auto* d = static_cast<typename R::Storage*>(dst);
   auto* s = static_cast<const typename R::Storage*>(src);
   if constexpr (R::kWidened) {
-    half_loop<R, Isa>(d, s, count, Op<float>{});
+    half_loop<R, Isa>(d, d, s, count, Op<float>{});
   } else {
     const Op<typename R::Compute> op;
     for (size_t i = 0; i < count; ++i) d[i] = R::store(op(R::load(d[i]), R::load(s[i])));
+  }
+}
+
+// dst[i] = Op(x[i], src[i]), dst apart from both (kernels.h): the loop of its own, so that
+// reduce_loop's dst == src keeps its vectorised version.
+template <class Isa, class T, template <class> class Op>
+MC_ALWAYS_INLINE void reduce_into_loop(void* dst, const void* x, const void* src, size_t count) {
+  using R = Repr<T>;
+  auto* __restrict d = static_cast<typename R::Storage*>(dst);
+  auto* __restrict a = static_cast<const typename R::Storage*>(x);
+  auto* __restrict s = static_cast<const typename R::Storage*>(src);
+  if constexpr (R::kWidened) {
+    half_loop<R, Isa>(d, a, s, count, Op<float>{});
+  } else {
+    const Op<typename R::Compute> op;
+    for (size_t i = 0; i < count; ++i) d[i] = R::store(op(R::load(a[i]), R::load(s[i])));
   }
 }
 
@@ -283,7 +301,7 @@ MC_ALWAYS_INLINE void divide_loop(void* buf, size_t count, size_t n) {
   using R = Repr<T>;
   auto* p = static_cast<typename R::Storage*>(buf);
   if constexpr (R::kWidened) {
-    half_loop<R, Isa>(p, p, count, DivideBy{static_cast<float>(n)});
+    half_loop<R, Isa>(p, p, p, count, DivideBy{static_cast<float>(n)});
   } else if constexpr (std::is_floating_point_v<T>) {
     const T tn = static_cast<T>(n);
     for (size_t i = 0; i < count; ++i) p[i] = p[i] / tn;
@@ -319,6 +337,11 @@ MC_ALWAYS_INLINE void divide_loop(void* buf, size_t count, size_t n) {
     target_attr static void reduce(void* dst, const void* src, size_t count) {           \
       reduce_loop<Name, T, Op>(dst, src, count);                                         \
     }                                                                                    \
+    template <class T, template <class> class Op>                                        \
+    target_attr static void reduce_into(void* dst, const void* x, const void* src,       \
+                                        size_t count) {                                  \
+      reduce_into_loop<Name, T, Op>(dst, x, src, count);                                 \
+    }                                                                                    \
     template <class T>                                                                   \
     target_attr static void divide(void* buf, size_t count, size_t n) {                  \
       divide_loop<Name, T>(buf, count, n);                                               \
@@ -349,28 +372,34 @@ using DivideFn = void (*)(void* buf, size_t count, size_t n);
 struct Table {
   const char* level = nullptr;
   ReduceFn reduce[kNumDTypes][kNumRedOps] = {};  // nullptr: unsupported pair
+  ReduceIntoFn reduce_into[kNumDTypes][kNumRedOps] = {};
   DivideFn divide[kNumDTypes] = {};              // nullptr: no avg for this dtype
 };
 
 constexpr int idx(DType t) { return static_cast<int>(t); }
 constexpr int idx(RedOp op) { return static_cast<int>(op); }
 
+template <class Isa, class T, template <class> class Op>
+void set(Table* table, DType t, RedOp op) {
+  table->reduce[idx(t)][idx(op)] = &Isa::template reduce<T, Op>;
+  table->reduce_into[idx(t)][idx(op)] = &Isa::template reduce_into<T, Op>;
+}
+
 template <class Isa, class T>
 void fill(Table* table, DType t) {
-  ReduceFn* row = table->reduce[idx(t)];
-  row[idx(RedOp::kSum)] = &Isa::template reduce<T, Sum>;
-  row[idx(RedOp::kProd)] = &Isa::template reduce<T, Prod>;
-  row[idx(RedOp::kMin)] = &Isa::template reduce<T, Min>;
-  row[idx(RedOp::kMax)] = &Isa::template reduce<T, Max>;
+  set<Isa, T, Sum>(table, t, RedOp::kSum);
+  set<Isa, T, Prod>(table, t, RedOp::kProd);
+  set<Isa, T, Min>(table, t, RedOp::kMin);
+  set<Isa, T, Max>(table, t, RedOp::kMax);
   // avg of bools has no meaning as a bool (any truncating division of 0/1 gives 0).
   if constexpr (!std::is_same_v<T, bool>) {
-    row[idx(RedOp::kAvg)] = &Isa::template reduce<T, Sum>;  // divide_by() finishes it
+    set<Isa, T, Sum>(table, t, RedOp::kAvg);  // divide_by() finishes it
     table->divide[idx(t)] = &Isa::template divide<T>;
   }
   if constexpr (std::is_integral_v<T>) {  // integers and bool
-    row[idx(RedOp::kBand)] = &Isa::template reduce<T, BitAnd>;
-    row[idx(RedOp::kBor)] = &Isa::template reduce<T, BitOr>;
-    row[idx(RedOp::kBxor)] = &Isa::template reduce<T, BitXor>;
+    set<Isa, T, BitAnd>(table, t, RedOp::kBand);
+    set<Isa, T, BitOr>(table, t, RedOp::kBor);
+    set<Isa, T, BitXor>(table, t, RedOp::kBxor);
   }
 }
 
@@ -480,6 +509,11 @@ ReduceFn lookup(DType t, RedOp op) {
   ReduceFn fn = active_table().reduce[idx(t)][idx(op)];
   if (fn == nullptr) throw_unsupported(t, op);
   return fn;
+}
+
+ReduceIntoFn lookup_into(DType t, RedOp op) {
+  lookup(t, op);  // the same checks and errors
+  return active_table().reduce_into[idx(t)][idx(op)];
 }
 
 bool supported(DType t, RedOp op) {

@@ -11,9 +11,15 @@ namespace meshcoll::reduce {
 // dst[i] = dst[i] OP src[i] for i in [0, count). dst and src may not overlap partially.
 using ReduceFn = void (*)(void* dst, const void* src, size_t count);
 
+// dst[i] = x[i] OP src[i]: the same kernel with its first operand read elsewhere, for a
+// reduction into an array apart from its input (the out-of-place shared-memory all_reduce).
+// dst may not overlap x or src.
+using ReduceIntoFn = void (*)(void* dst, const void* x, const void* src, size_t count);
+
 // Throws TypeMismatch naming both when the pair is unsupported (e.g. bxor on float32).
 // kAvg returns the sum kernel: callers finish with divide_by().
 ReduceFn lookup(DType t, RedOp op);
+ReduceIntoFn lookup_into(DType t, RedOp op);
 bool supported(DType t, RedOp op);
 
 // In-place buf[i] /= n, for kAvg. Integers use truncating division (as NCCL's ncclAvg).

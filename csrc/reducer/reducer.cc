@@ -145,8 +145,10 @@ uintptr_t Reducer::home(size_t i) const {
 }
 
 bool Reducer::copies_early(size_t i) const {
+  // A large slot's all-reduce reads its gradient where it was given (Note [In-place
+  // gradients]).
   return launches_ && !backend_->device_memory() && given_[i] && src_[i] != home(i) &&
-         !(splits_ && out_[i] == src_[i] && bytes_of(i) >= kInPlaceBytes);
+         !(splits_ && bytes_of(i) >= kInPlaceBytes);
 }
 
 void Reducer::copy_in(size_t i) {
@@ -203,9 +205,9 @@ void Reducer::launch_calls(Bucket& b, comm::Stream stream) {
   comm::CallOptions o;
   o.async = true;
   o.stream = stream;
-  auto issue = [&](comm::ArrayView v, bool last) {
-    v.shape_hash = v.row_hash = 1;  // a flat range, the same on every rank
-    comm::WorkPtr w = backend_->all_reduce(v, v, op_, o);
+  auto issue = [&](comm::ArrayView in, comm::ArrayView v, bool last) {
+    in.shape_hash = in.row_hash = v.shape_hash = v.row_hash = 1;  // flat, alike on every rank
+    comm::WorkPtr w = backend_->all_reduce(in, v, op_, o);
     if (last)
       b.work = std::move(w);
     else
@@ -214,21 +216,26 @@ void Reducer::launch_calls(Bucket& b, comm::Stream stream) {
   for (size_t k = 0; k < b.large.size(); ++k) {
     const size_t i = b.large[k];
     const uintptr_t src = src_[i], slot = slot_address(i);
+    const size_t n = bytes_of(i);
     comm::ArrayView v = b.buf;
     v.count = slots_[i].count;
+    v.data = reinterpret_cast<void*>(slot);
+    comm::ArrayView in = v;  // read by the call, kept alive by the caller
+    in.owner.reset();
     if (out_[i] == src && src != slot &&
-        overlapping(given_spans_, src, src + bytes_of(i), i) == SIZE_MAX) {
-      v.data = reinterpret_cast<void*>(src);  // the caller's gradient, kept alive by it
-      v.owner.reset();
+        overlapping(given_spans_, src, src + n, i) == SIZE_MAX) {
+      in.data = reinterpret_cast<void*>(src);
+      v = in;
       in_place_[i] = true;
-      in_place_spans_.emplace(src, std::make_pair(src + bytes_of(i), i));
-    } else {
-      if (src != slot)
-        copy({{reinterpret_cast<const void*>(src), reinterpret_cast<void*>(slot), bytes_of(i)}},
-             stream);
-      v.data = reinterpret_cast<void*>(slot);
+      in_place_spans_.emplace(src, std::make_pair(src + n, i));
+    } else if (src + n <= slot || slot + n <= src) {
+      in.data = reinterpret_cast<void*>(src);  // into its slot, no copy
+    } else if (src != slot) {
+      // Partly in its own slot: an all-reduce's x and out are the same or apart (Note
+      // [Overlapping buffers] in comm/backend.cc).
+      copy({{reinterpret_cast<const void*>(src), reinterpret_cast<void*>(slot), n}}, stream);
     }
-    issue(v, k + 1 == b.large.size() && b.small.empty());
+    issue(in, v, k + 1 == b.large.size() && b.small.empty());
   }
   if (b.small.empty()) return;
   std::vector<comm::CopySpan> spans;  // those not copied as they arrived
@@ -237,7 +244,7 @@ void Reducer::launch_calls(Bucket& b, comm::Stream stream) {
       spans.push_back({reinterpret_cast<const void*>(src_[i]), reinterpret_cast<void*>(home(i)),
                        bytes_of(i)});
   copy(spans, stream);
-  issue(b.stage, true);
+  issue(b.stage, b.stage, true);
 }
 
 std::vector<size_t> Reducer::take_complete(comm::Stream stream) {

@@ -96,7 +96,8 @@ class DistributedDataParallel(torch.nn.Module):
     - ``gradient_as_bucket_view``: each ``p.grad`` is a view of its place in the buckets
       (torch's option of that name): autograd accumulates there and the averages stay there,
       saving the two copies per step. A gradient autograd made anew (after
-      ``zero_grad(set_to_none=True)``) is copied in once and ``p.grad`` pointed back.
+      ``zero_grad(set_to_none=True)``) is averaged into its place (on the CPU straight from
+      autograd's tensor, with no copy) and ``p.grad`` pointed back.
     - ``broadcast_buffers``: broadcast the module's buffers from rank 0 before each forward
       (with gradients enabled), as torch's DDP does.
     - ``static_graph``: accepted for torch's signature; every step already costs the same.
@@ -140,7 +141,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._rebuilt = self._local  # buckets laid out in backward's order (after step 1)
         self._rebuild_due = False
         self._views: List[torch.Tensor] = []
-        self._keep: List[torch.Tensor] = []  # this step's gradients copied in by the reducer
+        # Gradients autograd made anew, read by the reducer (Note [Fresh gradients with views])
+        self._keep: Dict[int, torch.Tensor] = {}
+        self._host = not next(iter(self._params.values())).is_cuda
         self._slots: List[int] = []
         self._bind()
         # Each parameter's hook registration, through Any: torch 2.x leaves the method
@@ -202,6 +205,7 @@ class DistributedDataParallel(torch.nn.Module):
             self._ready = reducer.ready
         self._slots = [reducer.slot_address(i) for i in range(len(self._params))]
         self._views = []
+        self._keep.clear()  # between steps: nothing is read
         if not self._as_views or self._local:
             return
         for n, p in self._params.items():
@@ -232,14 +236,32 @@ class DistributedDataParallel(torch.nn.Module):
                 src, out = g.data_ptr(), 0
                 if src != self._slots[i]:
                     # Autograd made a new tensor (after zero_grad(set_to_none=True)): the
-                    # bucket's copy kernel takes its value in, so it lives until then.
-                    self._keep.append(g)
+                    # reducer reads it, so it lives until then (Note [Fresh gradients with
+                    # views]); this parameter's previous one is released here.
+                    self._keep[i] = g
                     p.grad = self._views[i]
+                else:
+                    self._keep.pop(i, None)
             else:
                 src = out = g.data_ptr()
             if self._ready(i, src, out, self._stream) == 0:
                 self._end_step()
         return on_grad
+
+    # Note [Fresh gradients with views]
+    # With gradient_as_bucket_view, after zero_grad(set_to_none=True), autograd hands each
+    # gradient over as a new tensor; the reducer averages it into the parameter's bucket slot
+    # (on the CPU straight from that tensor, Note [In-place gradients] in
+    # csrc/reducer/reducer.h) and p.grad becomes the slot's view. The tensor must live until
+    # it was read. On a GPU it is released at the step's end (the copy kernels that read it
+    # are queued by then). On the CPU it is released when the parameter's next gradient
+    # arrives: released together at the step's end, glibc gave the gradients' memory (33.6 MB
+    # for 8 x Linear(1024, 1024)) back to the system, and the next backward faulted every page
+    # in again, about 6,000 faults and 8 ms a step on the 2-core VM (torch's DDP, which copies
+    # each gradient into its bucket and drops it in the hook, reuses it at once). Released one
+    # by one as the next ones arrive, each is mostly reused by the next gradient of its size
+    # (0-990 faults a step measured, against 1,000-6,100; docs/performance.md). The cost:
+    # between steps the last gradients stay allocated, as p.grad's do without bucket views.
 
     def _stale_ready(self, i: int, src: int, out: int, stream: int) -> int:
         name = self._names[i]
@@ -281,7 +303,8 @@ class DistributedDataParallel(torch.nn.Module):
             else:
                 self.ddp._reducer.finish(self._stream)
         finally:
-            self._keep.clear()  # copied in: their copies are queued before any reuse
+            if not self._host:  # read by queued kernels: released once queued after them
+                self._keep.clear()
             if not self._rebuilt:
                 self._rebuild_due = True
 
@@ -455,6 +478,7 @@ class DistributedDataParallel(torch.nn.Module):
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._keep.clear()
         self.ddp.close()
 
 

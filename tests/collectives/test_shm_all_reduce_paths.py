@@ -3,7 +3,8 @@ csrc/algo/shm_collectives.cc, Note [Dissemination signalling] in csrc/transport/
 forced with MESHCOLL_SHM_ALL_REDUCE=scalable, on 2 to 8 real processes (oversubscribed on
 small CI machines): random data of float32, bfloat16, float16 and int32 under every op, at
 byte sizes on each side of every switch (slot payload, fold-all limit, data-area rounds,
-single-copy threshold and pieces), checked against numpy (test_all_reduce's reference) and
+single-copy threshold and pieces), in place and into a separate out (x left as it was),
+checked against numpy (test_all_reduce's reference) and
 for the same bits on every rank. Then what must stay as strong as on the flat path: a
 disagreement is a MismatchError on every rank, a killed rank a PeerError naming it, and
 ranks set differently are an error at setup, not a hang."""
@@ -47,6 +48,13 @@ DTYPES = ["float32", "bfloat16", "float16", "int32"]
 OPS = ["sum", "prod", "min", "max", "avg", "band", "bor", "bxor"]
 
 
+def _all_reduce_into(pg, x, out, op):
+    """all_reduce(x) into a separate out: the reducer's form (ProcessGroup's is in place)."""
+    c = pg.config
+    pg._backend.all_reduce(x, out, op, 30, None, False, "auto", c.max_segment_bytes,
+                           c.tree_threshold_bytes, c.hd_threshold_bytes, 0, "auto", "auto")
+
+
 def _paths_body(pg, cma, path):
     n, rank = pg.size, pg.rank
     failures, digests = [], []
@@ -62,10 +70,18 @@ def _paths_body(pg, cma, path):
             for op in (ops[(i + j) % len(ops)],):
                 case += 1
                 x = make_input(101 * case, rank, count, dtype, op)
-                pg.all_reduce(x, op)
                 stack = np.stack([make_input(101 * case, r, count, dtype, op) for r in range(n)])
-                why = compare(x, stack, dtype, op, n)
                 label = f"{nbytes} bytes {dtype}/{op}"
+                if case % 2:
+                    pg.all_reduce(x, op)
+                else:  # out of place (Note [Out-of-place shared-memory all_reduce]): x kept
+                    label += " out of place"
+                    out = np.full_like(x, 7)
+                    _all_reduce_into(pg, x, out, op)
+                    if not np.array_equal(x, stack[rank]):
+                        failures.append(f"{label} on rank {rank}: x was written")
+                    x = out
+                why = compare(x, stack, dtype, op, n)
                 if why:
                     failures.append(f"{label} on rank {rank}: {why}")
                 digests.append((label, digest(x)))

@@ -120,6 +120,19 @@ def test_matches_numpy(dtype, op, count):
     assert_same(b, random_array(dtype, count, seed=2))  # src untouched
 
 
+@pytest.mark.parametrize("count", COUNTS)
+@pytest.mark.parametrize("dtype,op", [(d, o) for d in DTYPES for o in OPS if supported(d, o)])
+def test_into_a_third_array_gives_the_same_bits(dtype, op, count):
+    # lookup_into (the out-of-place shared-memory all_reduce): dst = x OP src, x and src kept.
+    a = random_array(dtype, count, seed=1)
+    b = random_array(dtype, count, seed=2)
+    dst = np.full_like(a, 3)
+    _C._reduce_into(dst, b, dtype, op, x=a)
+    assert_same(dst, reduce_into(a.copy(), b, dtype, op))
+    assert_same(a, random_array(dtype, count, seed=1))
+    assert_same(b, random_array(dtype, count, seed=2))
+
+
 @pytest.mark.parametrize("op", ["sum", "prod", "min", "max"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dst_may_alias_src(dtype, op):

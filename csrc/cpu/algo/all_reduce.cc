@@ -10,10 +10,11 @@ namespace meshcoll::algo {
 
 void all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
   const size_t nbytes = a.count * dtype_size(a.dtype);
-  if (a.out.data != a.in.data && nbytes) std::memcpy(a.out.data, a.in.data, nbytes);
-  if (comm.size() == 1) return;  // avg over one rank is the value itself
+  if (comm.size() == 1) {  // avg over one rank is the value itself
+    if (a.out.data != a.in.data && nbytes) std::memcpy(a.out.data, a.in.data, nbytes);
+    return;
+  }
   AllreduceArgs b = a;
-  b.in = ConstBytes(a.out.data, nbytes);  // every algorithm below works in place on out
   Algorithm algo = a.algorithm;
   if (algo == Algorithm::kAuto) {  // the table's arity, not the config's (Note [Selection table])
     const Choice c = select_algorithm(Selects::kAllReduce, comm.shm() != nullptr, nbytes,
@@ -26,6 +27,12 @@ void all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
                                   "with shared memory; this group uses ", comm.shm_status()));
   if (algo != Algorithm::kTree) b.arity = 0;  // only a tree has one (OpDesc::arity)
   comm.set_algorithm(algorithm_name(algo), static_cast<uint8_t>(algo), b.arity);
+  // Shared memory reads x where it is (Note [Out-of-place shared-memory all_reduce]); every
+  // other algorithm works in place on out.
+  if (algo != Algorithm::kShm && a.out.data != a.in.data && nbytes) {
+    std::memcpy(a.out.data, a.in.data, nbytes);
+    b.in = ConstBytes(a.out.data, nbytes);
+  }
   bool divided = false;  // an average the algorithm divided itself
   switch (algo) {
     case Algorithm::kShm: divided = shm_all_reduce(comm, b); break;

@@ -129,6 +129,18 @@ void meet_reduced(cpu::Comm& comm, ShmGroup& g, uint64_t round, const char* what
 // (n, r), and only rank r folds slice r, so results stay bitwise the same on every rank and
 // run to run. NUMA: each rank allocates its segment (posix_fallocate) and writes it first,
 // so its pages sit on the node where the launcher placed that rank; meshcoll pins nothing.
+//
+// Note [Out-of-place shared-memory all_reduce]
+// Every path reads x where it is and writes out, so x != out costs no pass of its own (the
+// other algorithms copy x into out first, all_reduce.cc): x is what the data areas are
+// filled from, or what the peers read (single copy: a rank publishes both addresses, x for
+// the reduce-scatter and out for the all-gather); this rank's own slice is read from x by
+// the first fold (reduce::lookup_into: out = x OP the first peer's, the same bits as in
+// place). x is never written. The data-parallel reducer's buckets rely on it: a gradient given
+// elsewhere than its bucket slot is averaged straight into the slot (Note [In-place
+// gradients] in reducer/reducer.h), saving the copy into the slot (6.7 ms for 33.6 MB on
+// the 2-core VM).
+//
 // Which path takes a call is decided by kShmPaths below, by world size and bytes, the same
 // on every rank (ranks that pass different sizes may take different paths: both paths'
 // first barrier lets every rank reach the agreement check, Note [Dissemination
@@ -164,7 +176,8 @@ const ShmPathRow& shm_path_row(int n) {
 
 // Note [Single-copy all_reduce]
 // With cross-memory attach (segment.h), vectors skip the data area: every rank publishes
-// the address of its vector, then rank r reduces slice r of its own vector piece by piece:
+// the addresses of its vector (x, and out: the same array in place), then rank r reduces
+// slice r of its own vector piece by piece:
 // it reads each peer's piece into an L2-sized scratch buffer and folds it in (own values
 // first, then the others in a fixed order: deterministic). Once every rank has published its
 // reduced slice (kReduced), each rank reads the other slices from their owners' vectors.
@@ -199,20 +212,24 @@ void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a, bool sc
   const int n = g.size(), r = g.rank();
   const size_t esz = dtype_size(a.dtype);
   auto fold = reduce::lookup(a.dtype, a.op);
+  auto fold_into = reduce::lookup_into(a.dtype, a.op);
   const char* what = op_name(comm);
   const uint64_t first = begin_round(comm, g);
-  const uint64_t mine = reinterpret_cast<uintptr_t>(a.out.data);
-  std::memcpy(g.slot(r, first).payload, &mine, sizeof(mine));
+  // The peers read x (phase one) and the reduced slices (phase two) at these addresses.
+  const uint64_t mine[2] = {reinterpret_cast<uintptr_t>(a.in.data),
+                            reinterpret_cast<uintptr_t>(a.out.data)};
+  static_assert(sizeof(mine) <= transport::kShmInlineBytes, "the slot's payload holds both");
+  std::memcpy(g.slot(r, first).payload, mine, sizeof(mine));
   try {
     meet(comm, g, first, what, scalable);
   } catch (...) {
     g.give_up(first);  // a peer may have seen the address already
     throw;
   }
-  auto vector_of = [&](int p) {
-    uint64_t at;
-    std::memcpy(&at, g.slot(p, first).payload, sizeof(at));
-    return at;
+  auto vector_of = [&](int p, int which) {  // 0: its x, 1: its out
+    uint64_t at[2];
+    std::memcpy(at, g.slot(p, first).payload, sizeof(at));
+    return at[which];
   };
   try {
     const Blocks slices(a.count, n);
@@ -223,8 +240,11 @@ void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a, bool sc
       const size_t m = std::min(piece, len - k);
       for (int j = 1; j < n; ++j) {
         const int p = peer_at(r, n, j, scalable);
-        g.read_peer(p, vector_of(p) + s + k, scratch, m);
-        fold(a.out.data + s + k, scratch, m / esz);
+        g.read_peer(p, vector_of(p, 0) + s + k, scratch, m);
+        if (j == 1 && a.in.data != a.out.data)  // own values from x (Note [Out-of-place ...])
+          fold_into(a.out.data + s + k, a.in.data + s + k, scratch, m / esz);
+        else
+          fold(a.out.data + s + k, scratch, m / esz);
       }
       // avg: the piece divided while it is in cache, before the peers read it (Note
       // [Single-copy all_reduce]); the same bits as dividing the whole vector at the end.
@@ -234,7 +254,7 @@ void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a, bool sc
     for (int j = 1; j < n; ++j) {
       const int p = peer_at(r, n, j, scalable);
       const size_t off = slices.offset(p) * esz;
-      g.read_peer(p, vector_of(p) + off, a.out.data + off, slices.length(p) * esz);
+      g.read_peer(p, vector_of(p, 1) + off, a.out.data + off, slices.length(p) * esz);
     }
     // The empty round: every peer has finished reading this vector.
     const uint64_t last = begin_round(comm, g);
@@ -271,13 +291,16 @@ bool shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
   const bool scalable = forced == "auto" ? bytes >= row.scalable_from : forced == "scalable";
   const ShmPathRow& lim = scalable ? row : kFlatPath;
   auto fold = reduce::lookup(a.dtype, a.op);
+  auto fold_into = reduce::lookup_into(a.dtype, a.op);
   const char* what = op_name(comm);
+  const bool in_place = a.in.data == a.out.data;
   if (bytes <= transport::kShmInlineBytes) {
     uint64_t round = begin_round(comm, g);
-    std::memcpy(g.slot(r, round).payload, a.out.data, bytes);
+    std::memcpy(g.slot(r, round).payload, a.in.data, bytes);
     meet(comm, g, round, what, scalable);
-    // Rank 0's values first (on rank 0 they are still in out), then the others in order.
-    if (r != 0) std::memcpy(a.out.data, g.slot(0, round).payload, bytes);
+    // Rank 0's values first (on rank 0 in place they are still in out), then the others in
+    // order.
+    if (r != 0 || !in_place) std::memcpy(a.out.data, g.slot(0, round).payload, bytes);
     for (int p = 1; p < n; ++p) fold(a.out.data, g.slot(p, round).payload, a.count);
     return false;
   }
@@ -293,28 +316,35 @@ bool shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
   do {
     const size_t c = std::min(chunk, a.count - off);
     uint8_t* out = a.out.data + off * esz;
+    const uint8_t* in = a.in.data + off * esz;
     uint64_t round = begin_round(comm, g);
     const bool fold_all = c * esz * n <= lim.fold_all_bytes;
     const Blocks slices(c, n);
     const size_t s = slices.offset(r) * esz, len = slices.length(r);
     uint8_t* mine = area(g, r, round);
     if (fold_all) {
-      std::memcpy(mine, out, c * esz);
-    } else {  // every slice but my own: that one only I fold, straight from `out`
-      std::memcpy(mine, out, s);
-      std::memcpy(mine + s + len * esz, out + s + len * esz, (c - slices.offset(r) - len) * esz);
+      std::memcpy(mine, in, c * esz);
+    } else {  // every slice but my own: that one only I fold, straight from `in`
+      std::memcpy(mine, in, s);
+      std::memcpy(mine + s + len * esz, in + s + len * esz, (c - slices.offset(r) - len) * esz);
     }
     meet(comm, g, round, what, scalable);
     if (fold_all) {
-      if (r != 0) std::memcpy(out, area(g, 0, round), c * esz);  // rank 0's values first
+      if (r != 0 || !in_place) std::memcpy(out, area(g, 0, round), c * esz);  // rank 0's first
       for (int p = 1; p < n; ++p) fold(out, area(g, p, round), c);
     } else {
-      // Slice r: this rank's own values (still in `out`), then every other rank's in a
-      // fixed order. Only this rank computes slice r, so all ranks get the same bits.
+      // Slice r: this rank's own values (still in `out`, or read from `in` by the first
+      // fold), then every other rank's in a fixed order. Only this rank computes slice r, so
+      // all ranks get the same bits.
       for (size_t k = 0; k < len; k += piece) {
         const size_t m = std::min(piece, len - k), at = s + k * esz;
-        for (int j = 1; j < n; ++j)
-          fold(out + at, area(g, peer_at(r, n, j, scalable), round) + at, m);
+        for (int j = 1; j < n; ++j) {
+          const uint8_t* theirs = area(g, peer_at(r, n, j, scalable), round) + at;
+          if (j == 1 && !in_place)
+            fold_into(out + at, in + at, theirs, m);
+          else
+            fold(out + at, theirs, m);
+        }
         std::memcpy(mine + at, out + at, m * esz);
       }
       meet_reduced(comm, g, round, what, scalable);
