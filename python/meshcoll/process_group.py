@@ -206,6 +206,32 @@ class ProcessGroup(Collectives):
         """The stream the caller computes on for arrays like ``like`` (None on the CPU)."""
         return self._arrays.current_stream(like)
 
+    # Note [Agreeing on a new group's request]
+    # Ranks that call new_group with other members, names or backends must all get a
+    # MismatchError naming each rank's request, before any of them waits in a setup that
+    # the others never start (a CPU group's TCP links, MPI's or NCCL's split, which has no
+    # deadline of its own). The request is compared in the settings agreement (Note [Shared
+    # settings] in csrc/store/exchange.h), by every rank that takes part in the setup:
+    #  - An NCCL or MPI parent: every rank of the parent takes part in the split, members or
+    #    not, so all of them compare it (_agree_before_split).
+    #  - A CPU parent: only the members set the group up; they compare it among themselves
+    #    first, whichever backend each asked for. An MPI group of a CPU parent splits MPI's
+    #    world, so then every rank of the parent compares it too, before the split.
+    # A CPU parent's non-members take no part in a CPU or NCCL group, and a rank that skips
+    # the call is found as before (Note [Calls out of step]).
+    def _agree_on_request(self, name: str, ranks: List[int], opts: _settings.GroupOptions,
+                          kind: BackendName, timeout: Optional[float],
+                          label: Optional[str]) -> None:
+        me = self._ranks[self.rank]
+        if self.backend_name == "cpu" and len(ranks) > 1 and me in ranks:
+            request = [(_settings.MEMBERS, repr(ranks)), (_settings.NAME, repr(label)),
+                       (_settings.BACKEND, repr(kind))]
+            _C.agree_on_settings(_C.PrefixStore(f"mc/{name}/request", self._store),
+                                 ranks.index(me), len(ranks), request,
+                                 self._setup_timeout(timeout), ranks)
+        if self.size > 1 and (self.backend_name in ("nccl", "mpi") or kind == "mpi"):
+            self._agree_before_split(name, ranks, opts, kind, timeout, label)
+
     def _agree_before_split(self, name: str, ranks: List[int], opts: _settings.GroupOptions,
                             kind: BackendName, timeout: Optional[float],
                             label: Optional[str]) -> None:
@@ -406,8 +432,7 @@ class ProcessGroup(Collectives):
         call = f"new_group({ranks})" if kind == self.backend_name else \
             f"new_group({ranks}, backend={kind!r})"
         with self._group_call(key, call, timeout):
-            if self.size > 1 and (self.backend_name in ("nccl", "mpi") or kind == "mpi"):
-                self._agree_before_split(key, ranks, opts, kind, timeout, name)
+            self._agree_on_request(key, ranks, opts, kind, timeout, name)
             if kind == "mpi" and self.backend_name != "mpi":
                 mpi.require_world(self._ranks, me, call)
             if me not in ranks:
