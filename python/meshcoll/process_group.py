@@ -449,6 +449,14 @@ class ProcessGroup(Collectives):
         ``color=None`` (or negative) joins no group and gets a NonMemberGroup. ``name``: the
         name of every group the split makes (as a mesh dim names its groups), held to the
         same rule as new_group's (Note [Group names])."""
+        return self._split(color, key, name, timeout)
+
+    def _split(self, color: Optional[int], key: int, name: Optional[str],
+               timeout: Optional[float],
+               kind: Optional[BackendName] = None) -> Union["ProcessGroup", "NonMemberGroup"]:
+        """split; ``kind``: the new groups' backend (None: this group's). The hierarchy makes
+        CPU groups per host of an MPI group this way (Note [Hierarchy on MPI] in
+        csrc/mpi/mpi_backend.h); every rank passes the same kind."""
         c = -1 if color is None else int(color)
         if c >= 2**31:
             raise ValueError(f"split: color {c} must be below 2**31")
@@ -467,12 +475,12 @@ class ProcessGroup(Collectives):
                 named = self._claim_name(name, list(groups.values()), f"split(name={name!r})")
             if c < 0:
                 child = NonMemberGroup([], store_key if name is None else name)
-                self._sit_out(self.backend_name, timeout)
+                self._sit_out(kind or self.backend_name, timeout)
             else:
                 ranks = groups[c]
                 me = self._ranks[self.rank]
                 child = self._child(ranks, ranks.index(me), f"{store_key}.c{c}", timeout,
-                                    color=c, label=name)
+                                    color=c, label=name, kind=kind)
         return self._adopt(child, named)
 
     def _adopt(self, child: Union["ProcessGroup", "NonMemberGroup"],
