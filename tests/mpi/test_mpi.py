@@ -490,3 +490,28 @@ def test_hierarchy_disagreement_and_a_rank_that_never_calls(tmp_path):
             assert "hierarchical all_reduce timed out" in seen["never"], (rank, seen["never"])
             assert "rank(s) 3 never reported in" in seen["never"], (rank, seen["never"])
     assert code != 0, out  # the job was ended: rank 3 never went on
+
+
+@pytest.mark.timeout(60)
+def test_auto_picks_cpu_on_one_host_and_mpi_across_hosts(tmp_path):
+    """init(backend="auto") under mpirun: the CPU backend when every rank is on one host
+    (shared memory), MPI when the ranks sit on two (emulated) hosts; each world's all_reduce
+    against numpy on random data."""
+    body = """
+        pg = meshcoll.init(backend="auto", timeout=20)
+        r, n = pg.rank, pg.size
+        ins = [rand_array(np.random.default_rng([9, q]), 513, np.float64) for q in range(n)]
+        x = ins[r].copy()
+        pg.all_reduce(x)
+        report(r, [pg.backend_name, bool(np.allclose(x, np.add.reduce(ins)))])
+        meshcoll.destroy()
+    """
+    spans = """
+        os.environ["MESHCOLL_HOST_ID"] = "host-" + os.environ["OMPI_COMM_WORLD_RANK"]
+        meshcoll._C.reload_config()"""
+    for prelude, want in (("", "cpu"), (spans, "mpi")):
+        job = tmp_path / want
+        job.mkdir()
+        code, out, res = mpi_job(job, prelude + body)
+        assert code == 0, out
+        assert res == {0: [want, True], 1: [want, True]}, (want, res, out[-2000:])
