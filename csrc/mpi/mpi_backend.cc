@@ -387,7 +387,7 @@ void MpiBackend::fail_group(std::exception_ptr error, bool relay) {
     if (!failure_.record(error)) return;
     failed_.store(true, std::memory_order_release);
   }
-  if (relay && agreement_) agreement_->relay(message_of(error));
+  if (relay && agreement_) agreement_->relay(message_of(error), error);
 }
 
 std::exception_ptr MpiBackend::failure_for(const std::string& context) const {

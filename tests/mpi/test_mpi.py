@@ -448,7 +448,8 @@ def test_hierarchy_across_emulated_hosts(tmp_path):
 @pytest.mark.timeout(60)
 def test_hierarchy_disagreement_and_a_rank_that_never_calls(tmp_path):
     """Strict check on the hierarchy: ranks whose all_reduce counts differ (rank 3 on the
-    other host) all raise MismatchError before anything runs, and the job goes on. Then
+    other host) all raise MismatchError before anything runs, and the job goes on. The async
+    check (the default): MismatchError on every rank too, whichever host found it. Then
     rank 3 never issues an all_reduce: the others raise TimeoutError at the call's deadline
     naming rank 3, and the job ends by MPI_Abort (the leaders' step is left inside MPI)."""
     code, out, res = mpi_job(tmp_path, FAKE_HOSTS + """
@@ -462,6 +463,14 @@ def test_hierarchy_disagreement_and_a_rank_that_never_calls(tmp_path):
             seen["strict"] = "no error"
         except Exception as e:
             seen["strict"] = f"{type(e).__name__}: {e}"
+        g = pg.new_group([0, 1, 2, 3])  # the async check (the default)
+        try:
+            g.all_reduce(np.ones(8 if r == 3 else 4, np.float32))
+            time.sleep(1.0)  # found within a few ms; the barrier raises it if the call did not
+            g.barrier()
+            seen["async"] = "no error"
+        except Exception as e:
+            seen["async"] = f"{type(e).__name__}: {e}"
         x = np.full(4, r + 1.0)
         pg.all_reduce(x)
         seen["after"] = x.tolist()
@@ -484,6 +493,10 @@ def test_hierarchy_disagreement_and_a_rank_that_never_calls(tmp_path):
         assert seen["hier"] and seen["sub hier"], (rank, seen)
         assert seen["strict"].startswith("MismatchError"), (rank, seen["strict"])
         assert "count=4" in seen["strict"] and "count=8" in seen["strict"], seen["strict"]
+        # Found on host B's shared memory; host A hears it through the leaders' side channel,
+        # which relays it as the MismatchError it is.
+        assert seen["async"].startswith("MismatchError"), (rank, seen["async"])
+        assert "rank 3 called all_reduce(count=8" in seen["async"], (rank, seen["async"])
         assert seen["after"] == [10.0] * 4, (rank, seen)
         if rank != 3:
             assert seen["never"].startswith("TimeoutError"), (rank, seen["never"])
