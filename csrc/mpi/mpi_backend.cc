@@ -260,8 +260,9 @@ class ComposedWork final : public comm::Work {
   }
 
   std::exception_ptr exception() override {
-    auto e = inner_->exception();
-    return e ? e : (ended_ ? error_ : nullptr);
+    if (auto e = inner_->exception()) return e;
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;  // an intrusion's (Note [One issuing thread]), once it ended
   }
 
  private:
