@@ -332,9 +332,9 @@ def test_ranks_asking_for_different_backends_get_mismatch(tmp_path):
 def test_mpi_group_beside_a_cpu_world(tmp_path):
     """A CPU world under mpirun (a master address given) makes an MPI group by splitting MPI's
     world: all_reduce on both against numpy; a one-member MPI group too. Ranks that then ask
-    for different backends each get a MismatchError naming both requests at once (Note
-    [Agreeing on a new group's request] in process_group.py), not at the setup deadline, and
-    the world goes on."""
+    for different backends each get a MismatchError naming both requests (Note [Agreeing on
+    a new group's request] in process_group.py): the rank asking for MPI at once, the one
+    asking for a CPU group at its setup deadline (3 s here); and the world goes on."""
     from conftest import free_port
     port = free_port()
     code, out, res = mpi_job(tmp_path, """
@@ -349,7 +349,7 @@ def test_mpi_group_beside_a_cpu_world(tmp_path):
         g.all_reduce(y)
         start = time.monotonic()
         try:
-            pg.new_group([0, 1], backend="mpi" if r == 0 else "cpu", timeout=10)
+            pg.new_group([0, 1], backend="mpi" if r == 0 else "cpu", timeout=3)
             seen = "no error"
         except Exception as e:
             seen = f"{type(e).__name__}: {e}"
@@ -366,7 +366,7 @@ def test_mpi_group_beside_a_cpu_world(tmp_path):
         seen, took = value[5], value[6]
         assert seen.startswith("MismatchError"), (rank, value)
         assert "backend" in seen and "'mpi' on rank 0" in seen and "'cpu' on rank 1" in seen, seen
-        assert took < 5, (rank, took)  # compared at once, not found at the 10 s deadline
+        assert took < (1 if rank == 0 else 6), (rank, took)
 
 
 # Two emulated hosts of two ranks (Note [Hierarchy on MPI] in csrc/mpi/mpi_backend.h): the

@@ -217,15 +217,51 @@ def _members_differ(pg):
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_ranks_that_pass_new_group_different_members_get_an_error_that_says_so(transport):
-    # The members compare their requests before any link is made (Note [Agreeing on a new
-    # group's request] in process_group.py): rank 0, which compares the lists, sees [0, 1]
-    # from itself and [0, 1, 2] from rank 1, and every rank raises a MismatchError naming
-    # both at once, well before the group's own 3 s.
+    # Each side sees only that the other sets up another group (the TCP handshake compares
+    # the group's name and size before the members lists can meet): rank 0 waits for a rank 1
+    # it refused, ranks 1 and 2 are refused at once. Every message says what must agree.
     res = launch(3, _members_differ, timeout=60, transport=transport)
     for rank, (kind, msg) in enumerate(res):
-        assert kind == "MismatchError", (rank, kind, msg)
-        assert f"rank {rank}:" in msg and "members" in msg, (rank, msg)
-        assert "[0, 1] on rank 0 but [0, 1, 2] on rank 1" in msg, (rank, msg)
+        assert kind in ("TimeoutError", "PeerError"), (rank, kind, msg)
+        assert "new_group with the same ranks" in msg, (rank, msg)
+    # The witnesses of no waiting beyond the group's own 3 s: rank 0's deadline is that one,
+    # and the others are refused (a PeerError), not timed out.
+    assert res[0][0] == "TimeoutError" and "another group" in res[0][1], res[0]
+    assert "within 3000 ms" in res[0][1], res[0]
+    assert res[1][0] == res[2][0] == "PeerError", res
+    assert "rank 1: handshake with rank 0 was refused" in res[1][1], res[1]
+
+
+def _stand_in(pg):
+    # Lists of the same length: global rank 3 claims the place of rank 2, which every other
+    # rank gives to rank 2. One of the two is refused at the handshake, whichever comes
+    # second; if rank 3 got in, the members' lists (Note [Shared settings]) must catch it.
+    ranks = [0, 1, 3] if pg.rank == 3 else [0, 1, 2]
+    kind, msg, _, g = _outcome(lambda: pg.new_group(ranks, timeout=5))
+    if kind is None:
+        x = np.full(4, float(pg.rank))
+        g.all_reduce(x)
+        return None, ranks, float(x[0])
+    return kind, msg, None
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_rank_cannot_stand_in_for_another_in_a_group(transport):
+    res = launch(4, _stand_in, timeout=60, transport=transport)
+    ok = {r: out for r, out in enumerate(res) if out[0] is None}
+    for r, (_, ranks, total) in ok.items():
+        # A group that formed has members that all agree on it, and sums over them.
+        assert all(m in ok and ok[m][1] == ranks for m in ranks), res
+        assert total == float(sum(ranks)), res
+    assert 3 not in ok, res  # rank 3 is never in: the others gave its place to rank 2
+    # Refused at the handshake, or after the others closed their listeners: told why, at once.
+    assert res[3][0] in ("MismatchError", "PeerError"), res[3]
+    assert "new_group with the same ranks" in res[3][1] or "[0, 1, 3]" in res[3][1], res[3]
+    for r, out in enumerate(res):
+        if out[0] is not None:
+            assert out[0] in ("MismatchError", "PeerError", "TimeoutError"), (r, out)
+            if out[0] == "MismatchError":  # named by who published each list
+                assert "[0, 1, 2] on rank 0, 1 but [0, 1, 3] on rank 3" in out[1], (r, out)
 
 
 def _skips_a_call(pg):
