@@ -114,8 +114,11 @@ class Agreement : public std::enable_shared_from_this<Agreement> {
   // that timed out, from the last round; "" when every rank had issued it.
   std::string census(uint64_t seq) const;
   // Tells the peers this rank failed the group on purpose (Backend::fail): their checks fail
-  // with `message`, and so do their groups.
-  void relay(const std::string& message) { channel_->fail(message); }
+  // with `message`, and so do their groups, with the type of `like` (PeerError when null):
+  // a disagreement found by one rank stays a MismatchError on every rank.
+  void relay(const std::string& message, std::exception_ptr like = nullptr) {
+    channel_->fail(message, like);
+  }
   // Compares what remains (bounded by the timeout), then stops the checker and the channel.
   // `abandon` (the checked group failed already, or is dropped without destroy): compares
   // nothing more; the peers' checks fail with a PeerError saying so (their groups fail too,

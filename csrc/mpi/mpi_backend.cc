@@ -7,6 +7,7 @@
 #include <cstring>
 #include <thread>
 
+#include "common/check.h"
 #include "common/error.h"
 #include "common/interrupt.h"
 #include "mpi/mpi_api.h"
@@ -228,6 +229,64 @@ class MpiWork final : public comm::Work {
   std::exception_ptr error_;
 };
 
+// A composed call's Work (Note [Hierarchy on MPI]): the composer's, and this group's record
+// of the call closed once it ended.
+class ComposedWork final : public comm::Work {
+ public:
+  ComposedWork(std::shared_ptr<MpiBackend> b, WorkPtr inner, const OpDesc& desc, uint64_t seq,
+               Clock::time_point start)
+      : b_(std::move(b)), inner_(std::move(inner)), desc_(desc), seq_(seq), start_(start) {
+    b_->ledger().pending().issued();
+  }
+
+  void wait(Millis timeout, bool has_stream, comm::Stream stream) override {
+    try {
+      inner_->wait(timeout, has_stream, stream);
+    } catch (const TimeoutError&) {
+      if (!inner_->is_completed()) throw;  // the wait's own timeout: the call goes on
+      end(std::current_exception());
+      throw;
+    } catch (...) {
+      end(std::current_exception());
+      throw;
+    }
+    if (auto e = end(nullptr)) std::rethrow_exception(e);
+  }
+
+  bool is_completed() override {
+    if (!inner_->is_completed()) return false;
+    end(inner_->exception());
+    return true;
+  }
+
+  std::exception_ptr exception() override {
+    if (auto e = inner_->exception()) return e;
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;  // an intrusion's (Note [One issuing thread]), once it ended
+  }
+
+ private:
+  // Once: closes the record; returns the error the Work ends with (an intrusion's, if any).
+  std::exception_ptr end(std::exception_ptr e) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ended_) return error_;
+    ended_ = true;
+    if (auto intruded = b_->ledger().pending().ended(); intruded && !e) e = intruded;
+    b_->end_composed(seq_, desc_, start_, e);
+    error_ = e;
+    return e;
+  }
+
+  std::shared_ptr<MpiBackend> b_;
+  WorkPtr inner_;
+  OpDesc desc_;
+  uint64_t seq_;
+  Clock::time_point start_;
+  std::mutex mu_;
+  bool ended_ = false;
+  std::exception_ptr error_;
+};
+
 MpiBackend::MpiBackend(void* comm, int rank, int size, Millis timeout)
     : Backend(rank, size, false), comm_(comm), timeout_(timeout) {}
 
@@ -277,6 +336,42 @@ void MpiBackend::set_agreement(std::shared_ptr<comm::Backend> channel,
       names());
 }
 
+void MpiBackend::set_hierarchy(std::shared_ptr<comm::Backend> composer) {
+  MC_ARG_CHECK(composer && composer->size() == size() && composer->rank() == rank(),
+               "set_hierarchy: the composer must be a group of the same ranks");
+  composer_ = std::move(composer);
+}
+
+template <class MakeCall>
+WorkPtr MpiBackend::composed(Call& c, MakeCall&& issue) {
+  open(c);
+  const auto start = Clock::now();
+  WorkPtr w;
+  try {
+    w = issue(c.opts);  // the composer holds the arrays of an async call itself
+  } catch (...) {
+    end_composed(c.seq, c.desc, start, std::current_exception());
+    throw;
+  }
+  if (w) return std::make_shared<ComposedWork>(shared_from_this(), std::move(w), c.desc, c.seq,
+                                               start);
+  end_composed(c.seq, c.desc, start, nullptr);
+  return nullptr;
+}
+
+void MpiBackend::end_composed(uint64_t seq, const OpDesc& desc, Clock::time_point start,
+                              std::exception_ptr error) {
+  ledger().set_state(seq, error ? comm::CallState::kFailed : comm::CallState::kDone,
+                     "hierarchy");
+  if (error) {
+    fail_group(error, false);  // the composer told the peers
+    failure_.mark_reported();
+    return;
+  }
+  ledger().add_totals(desc, static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count()));
+}
+
 void MpiBackend::check_reduction(DType dt, RedOp op) const {
   reduce::lookup(dt, op);  // TypeMismatch naming both: the pairs meshcoll's kernels lack
 }
@@ -293,7 +388,7 @@ void MpiBackend::fail_group(std::exception_ptr error, bool relay) {
     if (!failure_.record(error)) return;
     failed_.store(true, std::memory_order_release);
   }
-  if (relay && agreement_) agreement_->relay(message_of(error));
+  if (relay && agreement_) agreement_->relay(message_of(error), error);
 }
 
 std::exception_ptr MpiBackend::failure_for(const std::string& context) const {
@@ -355,6 +450,10 @@ WorkPtr MpiBackend::run(Call& c, Start&& start, Finish finish, int peer) {
 }
 
 WorkPtr MpiBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
+  if (composer_)
+    return composed(c, [&](const comm::CallOptions& o) {
+      return composer_->all_reduce(in, out, op, o);
+    });
   const int n = int_count(in.count, c.what);
   open(c);
   Finish f{in.dtype, op == RedOp::kAvg ? out.data : nullptr, out.count};
@@ -375,6 +474,10 @@ WorkPtr MpiBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out
 }
 
 WorkPtr MpiBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
+  if (composer_)
+    return composed(c, [&](const comm::CallOptions& o) {
+      return composer_->broadcast(buf, root, o);
+    });
   const int n = int_count(buf.count, c.what);
   open(c);
   return run(c, [&](void** req) {
@@ -384,6 +487,11 @@ WorkPtr MpiBackend::do_broadcast(Call& c, const ArrayView& buf, int root) {
 
 WorkPtr MpiBackend::do_all_gather(Call& c, const ArrayView& in, const ArrayView& out,
                                   const std::vector<size_t>& counts) {
+  // The hierarchy gathers equal blocks only (the _v form runs flat, as on the CPU backend).
+  if (composer_ && std::all_of(counts.begin(), counts.end(), [&](size_t n) { return n == in.count; }))
+    return composed(c, [&](const comm::CallOptions& o) {
+      return composer_->all_gather(in, out, counts, false, o);
+    });
   auto l = layout_of(counts, c.what);
   open(c);
   // The in-place form (x is out's block of this rank) is MPI's own.
@@ -475,6 +583,13 @@ void MpiBackend::do_fail(const std::string& message, std::exception_ptr like) {
 }
 
 void MpiBackend::do_shutdown() {
+  // The composer's queued calls first: they end this group's records (Note [Hierarchy on MPI]).
+  if (composer_) {
+    try {
+      composer_->shutdown();
+    } catch (...) {  // its failure was (or is now) raised by its calls
+    }
+  }
   // Works nobody waited for end here, each within its deadline.
   std::vector<std::weak_ptr<MpiWork>> live;
   {

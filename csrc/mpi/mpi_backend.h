@@ -21,6 +21,20 @@
 //    group is destroyed or the process exits, which makes mpirun/srun end every rank. A
 //    failure found before MPI was called (a strict disagreement, a bad argument) leaves MPI
 //    clean: the group is failed, the job goes on.
+//
+// Note [Hierarchy on MPI]
+// A world on MPI spanning hosts runs all_reduce, broadcast and all_gather as the CPU
+// backend's hierarchy does (Note [Hierarchy] in python/meshcoll/hierarchy.py), reusing it
+// whole: within a host the CPU backend's shared-memory algorithms, across hosts this
+// backend among one leader per host. The hierarchy's steps run as ONE operation of a CPU
+// group of the same ranks (the composer, whose children are a CPU group per host and the
+// MPI group of the leaders): it keeps the steps of every call in one issue order, bounds
+// them by the call's deadline, names the ranks that never came (its census) and fails both
+// children on any step's failure. Its links carry no data, only that bookkeeping. This
+// group opens the call (its ledger record, the agreement check: strict compares it before
+// anything runs), hands it to the composer, and closes the record when the composer's
+// operation ends; a failure there fails this group too, as any failed call does. A leaders'
+// step left inside MPI by a failure ends the job as any MPI call does (above).
 #pragma once
 
 #include <atomic>
@@ -36,6 +50,7 @@
 namespace meshcoll::mpi {
 
 class MpiWork;
+class ComposedWork;
 
 class MpiBackend final : public comm::Backend,
                          public std::enable_shared_from_this<MpiBackend> {
@@ -53,9 +68,14 @@ class MpiBackend final : public comm::Backend,
   // Turns on the agreement check over `channel` (a CPU backend among the same ranks). Once,
   // before the first call; messages name ranks as set_identity said (call it first).
   void set_agreement(std::shared_ptr<comm::Backend> channel, comm::Agreement::Mode mode);
+  // Note [Hierarchy on MPI]: all_reduce, broadcast and all_gather (equal counts) go to
+  // `composer`, a CPU group of the same ranks made hierarchical (shared memory inside each
+  // host, this MPI group's leaders' subgroup between hosts). Once, before the first call.
+  void set_hierarchy(std::shared_ptr<comm::Backend> composer);
 
  protected:
   friend class MpiWork;
+  friend class ComposedWork;
   void do_shutdown() override;
   void check_reduction(DType dt, RedOp op) const override;
   void check_options(const char* what, const comm::CallOptions& o) const override;
@@ -92,6 +112,13 @@ class MpiBackend final : public comm::Backend,
   // `peer`: point-to-point's, for messages.
   template <class Start>
   comm::WorkPtr run(Call& c, Start&& start, Finish finish, int peer = -1);
+  // Note [Hierarchy on MPI]: hands an opened call to the composer (`issue` makes its call
+  // there) and closes this group's record of it when the composer's operation ends.
+  template <class MakeCall>
+  comm::WorkPtr composed(Call& c, MakeCall&& issue);
+  // A composed call ended (`error` null: done): its record, totals, the group's failure.
+  void end_composed(uint64_t seq, const OpDesc& desc, Clock::time_point start,
+                    std::exception_ptr error);
   // Records the group's first failure; `relay`: tell the peers (not when the peers told us).
   void fail_group(std::exception_ptr error, bool relay);
   // The group's failure, for a call that finds it (nullptr: none).
@@ -102,6 +129,7 @@ class MpiBackend final : public comm::Backend,
   void* comm_;  // the shim's communicator (null once freed)
   const Millis timeout_;
   std::shared_ptr<comm::Agreement> agreement_;
+  std::shared_ptr<comm::Backend> composer_;  // Note [Hierarchy on MPI]; null: flat calls
   mutable std::mutex mu_;  // failure_, abandoned_
   comm::Failure failure_;
   std::atomic<bool> failed_{false};

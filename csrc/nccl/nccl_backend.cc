@@ -166,8 +166,8 @@ WorkPtr NcclBackend::do_recv(Call& c, const ArrayView& buf, int peer, uint32_t t
 
 // NCCL has no way to tell the peers: the side channel does (their groups fail with `message`).
 // The peers first: ncclCommAbort may take a while.
-void NcclBackend::do_fail(const std::string& message, std::exception_ptr /*like*/) {
-  if (agreement_) agreement_->relay(message);
+void NcclBackend::do_fail(const std::string& message, std::exception_ptr like) {
+  if (agreement_) agreement_->relay(message, like);
   comm_->abort(message);
 }
 

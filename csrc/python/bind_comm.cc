@@ -95,14 +95,15 @@ void bind_comm(py::module_& m) {
            "`shared`: (name, value) of each setting every rank must share (Note [Shared "
            "settings] in csrc/store/exchange.h)")
       .def("set_hierarchy", [](cpu::CpuBackend& b, std::shared_ptr<cpu::CpuBackend> local,
-                               std::shared_ptr<cpu::CpuBackend> leaders, std::vector<int> hosts) {
+                               std::shared_ptr<comm::Backend> leaders, std::vector<int> hosts) {
              b.set_hierarchy(cpu::Hierarchy::make(std::move(local), std::move(leaders),
                                                   std::move(hosts), b.rank()));
            },
            py::arg("local"), py::arg("leaders").none(true), py::arg("hosts"),
            "Makes all_reduce (algorithm auto), broadcast and all_gather hierarchical (Note "
            "[Hierarchy] in meshcoll/hierarchy.py): `local` is this rank's host's group, "
-           "`leaders` the group of each host's lowest rank (None off the leaders), `hosts` the "
+           "`leaders` the group of each host's lowest rank (None off the leaders; a CpuBackend, or "
+           "an MpiBackend: Note [Hierarchy on MPI]), `hosts` the "
            "host of each group rank. Call once, before the group's first collective.");
 }
 

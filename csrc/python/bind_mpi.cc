@@ -66,6 +66,14 @@ void bind_mpi(py::module_& m) {
            py::arg("channel"), py::arg("strict"),
            "Turns on the agreement check over `channel` (a CpuBackend among the same ranks; "
            "Note [Agreement on a side channel]). Once, before the first collective.")
+      .def("set_hierarchy",
+           [](mpi::MpiBackend& b, std::shared_ptr<comm::Backend> composer) {
+             b.set_hierarchy(std::move(composer));
+           },
+           py::arg("composer"),
+           "Note [Hierarchy on MPI] (csrc/mpi/mpi_backend.h): all_reduce, broadcast and "
+           "all_gather (equal counts) run on `composer`, a hierarchical CpuBackend of the same "
+           "ranks. Once, before the first collective.")
       .def("split", [](mpi::MpiBackend& b, int color, int key, double timeout_s) {
              Millis t = seconds_arg(timeout_s, "timeout");
              py::gil_scoped_release nogil;

@@ -169,8 +169,11 @@ class GroupOptions:
         csrc/store/exchange.h). The algorithm is not among them: it travels with every call,
         and ranks that choose differently get a MismatchError there; nor is the timeout,
         which each rank may set for itself."""
-        if backend in ("nccl", "mpi"):  # both check on a side channel
+        if backend == "nccl":  # checks on a side channel
             return {f"{CHECK} (or new_group's check=)": repr(self.check)}
+        if backend == "mpi":  # as NCCL; and builds a hierarchy across hosts, as a CPU group
+            return {f"{CHECK} (or new_group's check=)": repr(self.check),
+                    HIERARCHY: "1" if self.hierarchy else "0"}
         return {f"{TRANSPORT} (or new_group's transport=)": repr(self.transport),
                 SHM_BYTES: str(self.shm_bytes),
                 HIERARCHY: "1" if self.hierarchy else "0"}

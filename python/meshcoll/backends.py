@@ -130,7 +130,20 @@ def make_group(store: _C.Store, ranks: Sequence[int], rank: int, name: str, *,
         group.barrier()
     # Note [Hierarchy] in hierarchy.py: the children; the backend runs the steps.
     transport = be.transport
-    if transport.startswith("tcp") and len(ranks) > 1 and opts.transport == "auto":
+    if backend == "mpi" and len(ranks) > 1 and opts.hierarchy:
+        hosts = host_of_each_rank(group)
+        if len(set(hosts)) > 1:  # Note [Hierarchy on MPI] in csrc/mpi/mpi_backend.h
+            def composer() -> _C.CpuBackend:
+                # Its links carry no data: TCP, with no shared memory to map.
+                runner = _C.CpuBackend(_C.PrefixStore(f"mc/{name}/hier", store), rank,
+                                       len(ranks), timeout, bind_host, token,
+                                       _comm_id(name + "/hier", token), "tcp", opts.shm_bytes,
+                                       opts.debug, ranks)
+                runner.set_identity(ranks, name if label is None else label)
+                return runner
+            with _naming_setup(name, ranks):
+                group._hier = Hierarchy.build(group, hosts, composer)
+    elif transport.startswith("tcp") and len(ranks) > 1 and opts.transport == "auto":
         hosts = host_of_each_rank(group)
         if len(set(hosts)) > 1:
             group._hier = Hierarchy.build(group, hosts) if opts.hierarchy else None

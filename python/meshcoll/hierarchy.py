@@ -1,4 +1,5 @@
-"""Collectives for groups that span hosts: shared memory inside each host, TCP between hosts.
+"""Collectives for groups that span hosts: shared memory inside each host, TCP (or, for an MPI
+group, MPI) between hosts.
 
 Note [Hierarchy]
 The transport is chosen per group: a group whose members sit on several hosts talks TCP
@@ -39,12 +40,17 @@ the step's message leaves blame to it (Note [Blame in a composed call's timeout]
 hierarchy.cc). While the steps wait they also read the group's own links, where a rank that
 made a flat call instead sends its frames (Note [Steps watch their call's group] in
 csrc/common/interrupt.h): a MismatchError at once, not a timeout on every rank.
+
+An MPI group spanning hosts uses this hierarchy whole: ``local`` is a CPU group, ``leaders``
+the MPI group of the leaders, and the operation above runs on a CPU group of the MPI group's
+ranks, to which the MPI group hands each such call (Note [Hierarchy on MPI] in
+csrc/mpi/mpi_backend.h).
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import numpy as np
 
@@ -70,17 +76,24 @@ class Hierarchy:
         self.hosts = hosts  # host index of each group rank; leader i is host i's
 
     @classmethod
-    def build(cls, group: ProcessGroup, hosts: List[int]) -> Optional["Hierarchy"]:
+    def build(cls, group: ProcessGroup, hosts: List[int],
+              composer: Optional[Callable[[], _C.CpuBackend]] = None) -> Optional["Hierarchy"]:
         """Collective over ``group`` (``hosts`` from host_of_each_rank): splits the children
         and hands them to the group's backend, which runs the steps from then on. None when
-        no host holds two members."""
+        no host holds two members. ``local`` is always a CPU group (shared memory);
+        ``leaders`` is of the group's backend. A CPU group runs the steps itself; an MPI
+        group hands them to a CPU group of its ranks that ``composer`` makes (Note [Hierarchy
+        on MPI] in csrc/mpi/mpi_backend.h)."""
         if max(hosts.count(h) for h in set(hosts)) < 2:
             return None
-        local = group.split(hosts[group.rank], key=group.rank)
+        local = group._split(hosts[group.rank], group.rank, None, None, kind="cpu")
         # Every rank's color is its host's index (>= 0): it is a member of its local group.
         assert isinstance(local, ProcessGroup)
         leaders = group.split(0 if local.rank == 0 else None, key=group.rank)
-        group._cpu_backend().set_hierarchy(
-            local._cpu_backend(),
-            leaders._cpu_backend() if isinstance(leaders, ProcessGroup) else None, hosts)
+        runner = group._cpu_backend() if composer is None else composer()
+        runner.set_hierarchy(local._cpu_backend(),
+                             leaders._backend if isinstance(leaders, ProcessGroup) else None,
+                             hosts)
+        if composer is not None:
+            group._mpi_backend().set_hierarchy(runner)
         return cls(local, leaders, hosts)

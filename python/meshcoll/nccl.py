@@ -54,7 +54,7 @@ import numpy as np
 from . import _C
 from .arrays import numpy_dtype
 
-__all__ = ["nccl_available", "agree_on_backend"]
+__all__ = ["nccl_available"]
 
 
 def _wheel_library_candidates(*names: str) -> List[str]:
@@ -228,12 +228,3 @@ def world_device(rank: int, world_size: int, device: Any = None) -> int:
                              "and the launcher did not say which is this rank's; pass device= "
                              "or set LOCAL_RANK")
     return int(device)
-
-
-def agree_on_backend(store: _C.Store, rank: int, world_size: int, timeout: float) -> str:
-    """``init(backend="auto")``: "nccl" when every rank has a GPU and NCCL loads, else
-    "cpu" — decided together through the store, so all ranks pick the same."""
-    ok, _ = nccl_available()
-    store.set(f"mc/backend_ok/{rank}", b"1" if ok else b"0")
-    votes = [store.get(f"mc/backend_ok/{r}", timeout) for r in range(world_size)]
-    return "nccl" if all(v == b"1" for v in votes) else "cpu"

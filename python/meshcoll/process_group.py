@@ -206,6 +206,68 @@ class ProcessGroup(Collectives):
         """The stream the caller computes on for arrays like ``like`` (None on the CPU)."""
         return self._arrays.current_stream(like)
 
+    # Note [Agreeing on a new group's request]
+    # Ranks that call new_group with different backends must all get a MismatchError naming
+    # each rank's request. An NCCL or MPI parent compares it on every rank before the split
+    # (_agree_before_split). A CPU parent's members set a CPU group up among themselves,
+    # and a blocking comparison first would change what they do before their links are up
+    # (who listens when, how a dead rank is named): so there each member publishes its
+    # request at once, without waiting (mc/<group>/request/<global rank>), and
+    #  - a member asking for another backend than the parent's compares the members'
+    #    requests before it starts anything (an MPI or NCCL split waits without a deadline
+    #    of its own): one that differs is a MismatchError at once;
+    #  - a member whose CPU setup then fails (its peer never came: it went to another
+    #    backend) reads the requests, and raises the MismatchError they show instead.
+    # So the rank that asked for another backend fails at once, its CPU peers at their setup
+    # deadline (their TCP setup does not read the requests while it waits). A rank that
+    # skips the call publishes nothing and is found as before (Note [Calls out of step]).
+    def _publish_request(self, name: str, ranks: List[int], kind: BackendName,
+                         timeout: Optional[float]) -> None:
+        me = self._ranks[self.rank]
+        if self.backend_name != "cpu" or len(ranks) < 2 or me not in ranks:
+            return
+        self._store.set(f"mc/{name}/request/{me}", repr(kind),
+                        timeout=self._setup_timeout(timeout))
+        if kind != "cpu":
+            limit = self._setup_timeout(timeout)
+            end = time.monotonic() + limit
+            while True:
+                why, missing = self._request_mismatch(name, ranks, kind)
+                if why:
+                    raise _C.MismatchError(why)
+                if not missing:
+                    return
+                if time.monotonic() > end:
+                    raise _C.TimeoutError(
+                        f"rank {me}: setting up this group timed out after {limit:g} s: "
+                        f"rank(s) {', '.join(map(str, missing))} never called new_group"
+                        f"({ranks}); they are stuck, or did not create this group")
+                time.sleep(0.01)
+
+    def _request_mismatch(self, name: str, ranks: List[int],
+                          kind: BackendName) -> Tuple[str, List[int]]:
+        """The MismatchError's text when a member of new group ``name`` asked for another
+        backend than ``kind`` ("" when none did, so far), and the members not heard yet."""
+        asked: Dict[str, List[int]] = {}
+        missing = []
+        for g in ranks:
+            key = f"mc/{name}/request/{g}"
+            if g == self._ranks[self.rank]:
+                theirs = repr(kind)
+            elif self._store.check([key], timeout=1.0):
+                theirs = bytes(self._store.get(key, timeout=1.0)).decode()
+            else:
+                missing.append(g)
+                continue
+            asked.setdefault(theirs, []).append(g)
+        if len(asked) < 2:
+            return "", missing
+        held = " but ".join(f"{k} on rank {', '.join(map(str, gs))}"
+                            for k, gs in sorted(asked.items(), key=lambda kv: kv[1][0]))
+        return (f"rank {self._ranks[self.rank]}: new_group({ranks}): the ranks asked for "
+                f"different backends: {_settings.BACKEND} is {held}. Every rank of a group "
+                f"must pass the same backend= (None: the parent's)"), missing
+
     def _agree_before_split(self, name: str, ranks: List[int], opts: _settings.GroupOptions,
                             kind: BackendName, timeout: Optional[float],
                             label: Optional[str]) -> None:
@@ -406,6 +468,7 @@ class ProcessGroup(Collectives):
         call = f"new_group({ranks})" if kind == self.backend_name else \
             f"new_group({ranks}, backend={kind!r})"
         with self._group_call(key, call, timeout):
+            self._publish_request(key, ranks, kind, timeout)
             if self.size > 1 and (self.backend_name in ("nccl", "mpi") or kind == "mpi"):
                 self._agree_before_split(key, ranks, opts, kind, timeout, name)
             if kind == "mpi" and self.backend_name != "mpi":
@@ -414,8 +477,15 @@ class ProcessGroup(Collectives):
                 child = NonMemberGroup(ranks, key if name is None else name)
                 self._sit_out(kind, timeout)
             else:
-                child = self._child(ranks, ranks.index(me), key, timeout, options=opts,
-                                    label=name, kind=kind, device=dev)
+                try:
+                    child = self._child(ranks, ranks.index(me), key, timeout, options=opts,
+                                        label=name, kind=kind, device=dev)
+                except (_C.TimeoutError, _C.PeerError):
+                    why = self._request_mismatch(key, ranks, kind)[0] \
+                        if self.backend_name == "cpu" else ""
+                    if why:  # the peer that never came asked for another backend
+                        raise _C.MismatchError(why) from None
+                    raise
         return self._adopt(child, named)
 
     def split(self, color: Optional[int], key: int = 0, *, name: Optional[str] = None,
@@ -424,6 +494,14 @@ class ProcessGroup(Collectives):
         ``color=None`` (or negative) joins no group and gets a NonMemberGroup. ``name``: the
         name of every group the split makes (as a mesh dim names its groups), held to the
         same rule as new_group's (Note [Group names])."""
+        return self._split(color, key, name, timeout)
+
+    def _split(self, color: Optional[int], key: int, name: Optional[str],
+               timeout: Optional[float],
+               kind: Optional[BackendName] = None) -> Union["ProcessGroup", "NonMemberGroup"]:
+        """split; ``kind``: the new groups' backend (None: this group's). The hierarchy makes
+        CPU groups per host of an MPI group this way (Note [Hierarchy on MPI] in
+        csrc/mpi/mpi_backend.h); every rank passes the same kind."""
         c = -1 if color is None else int(color)
         if c >= 2**31:
             raise ValueError(f"split: color {c} must be below 2**31")
@@ -442,12 +520,12 @@ class ProcessGroup(Collectives):
                 named = self._claim_name(name, list(groups.values()), f"split(name={name!r})")
             if c < 0:
                 child = NonMemberGroup([], store_key if name is None else name)
-                self._sit_out(self.backend_name, timeout)
+                self._sit_out(kind or self.backend_name, timeout)
             else:
                 ranks = groups[c]
                 me = self._ranks[self.rank]
                 child = self._child(ranks, ranks.index(me), f"{store_key}.c{c}", timeout,
-                                    color=c, label=name)
+                                    color=c, label=name, kind=kind)
         return self._adopt(child, named)
 
     def _adopt(self, child: Union["ProcessGroup", "NonMemberGroup"],

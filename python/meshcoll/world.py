@@ -4,7 +4,9 @@ group. Groups themselves are in process_group.py, made by backends.py."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import re
 import secrets
 import warnings
@@ -56,7 +58,9 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
     arrays; ``device`` defaults to the launcher's local rank), "mpi" (host arrays over the
     site's MPI, under mpirun or srun: rank and size come from MPI, and with no master
     address MPI also tells the ranks where rank 0's store is; meshcoll.mpi), or "auto" (nccl
-    when every rank has a GPU and NCCL loads, else cpu). ``store``: an existing store
+    when every rank has a GPU and NCCL loads; else, under mpirun or srun, mpi when MPI loads
+    on every rank and the job spans hosts, where the site's MPI reaches the network, cpu on
+    one host, where shared memory is faster; else cpu). ``store``: an existing store
     (``meshcoll.TCPStore``, client or server, or ``meshcoll.FileStore``) to rendezvous
     through instead of rank 0 hosting one; ``rank`` and ``world_size`` then come from the
     arguments or the environment as usual. ``init_method`` (else ``MESHCOLL_INIT_METHOD``),
@@ -90,7 +94,8 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
     # MPI's ranks are the job's: MPI itself says which this process is (and, with no master
     # address, where the store is: mpi.bootstrap_store).
     via_mpi = False
-    if backend == "mpi":
+    mpi_up = backend == "auto" and _mpi_loads()  # then MPI's ranks and store, as for "mpi"
+    if backend == "mpi" or mpi_up:
         rank, world_size = _mpi_world(rank, world_size)
         via_mpi = store is None and file_path is None and master_addr is None and \
             not _rendezvous.master_from_env()
@@ -138,7 +143,7 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
         if generation and (file_path is not None or owns_store) else store
     try:
         world = _world(backend, keys, rv, timeout, token, device, options,
-                       _bind_host(store, ifname_host))
+                       _bind_host(store, ifname_host), mpi_up)
     except Exception:
         # A failed rendezvous on rank 0 must not take the store from ranks still in it: each
         # of them then fails with its own error (Note [Store teardown]).
@@ -147,6 +152,36 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
         raise
     _Default.world, _Default.store, _Default.owns_store = world, store, owns_store
     return world
+
+
+def _mpi_loads() -> bool:
+    """init(backend="auto"): whether an MPI launcher started this process and MPI loads here
+    (it is then initialized, as for backend="mpi")."""
+    if not any(os.environ.get(v) for v in mpi.LAUNCHER_VARS):
+        return False
+    try:
+        mpi.load()
+        return True
+    except mpi.MpiUnavailable:
+        return False
+
+
+def _agree_on_backend(store: _C.Store, rank: int, world_size: int, timeout: float,
+                      mpi_up: bool) -> BackendName:
+    """init(backend="auto"), decided together through the store so that all ranks pick the
+    same: "nccl" when every rank has a GPU and NCCL loads; else "mpi" when MPI is up on every
+    rank (``mpi_up``: under mpirun or srun) and the ranks sit on several hosts (the site's
+    MPI reaches their network; on one host the CPU backend's shared memory is faster); else
+    "cpu". A host is what ``_C.host_identity()`` names (MESHCOLL_HOST_ID overrides)."""
+    gpu, _ = nccl.nccl_available()
+    host = hashlib.blake2b(_C.host_identity().encode(), digest_size=8).hexdigest()
+    store.set(f"mc/backend_ok/{rank}", f"{int(gpu)}{int(mpi_up)}{host}".encode())
+    votes = [bytes(store.get(f"mc/backend_ok/{r}", timeout)).decode() for r in range(world_size)]
+    if all(v[0] == "1" for v in votes):
+        return "nccl"
+    if all(v[1] == "1" for v in votes) and len({v[2:] for v in votes}) > 1:
+        return "mpi"
+    return "cpu"
 
 
 def _mpi_world(rank: Optional[int], world_size: Optional[int]) -> Tuple[int, int]:
@@ -185,9 +220,9 @@ def _group_settings(
 
 def _world(backend: Optional[str], store: _C.Store, rv: _rendezvous.Rendezvous, timeout: float,
            token: str, device: Any, options: _settings.GroupOptions,
-           bind_host: str) -> ProcessGroup:
+           bind_host: str, mpi_up: bool) -> ProcessGroup:
     if backend == "auto":
-        backend = nccl.agree_on_backend(store, rv.rank, rv.world_size, timeout)
+        backend = _agree_on_backend(store, rv.rank, rv.world_size, timeout, mpi_up)
     if backend == "mpi":
         return make_group(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
                           bind_host=bind_host, token=token, backend="mpi", options=options)

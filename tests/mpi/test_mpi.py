@@ -332,8 +332,9 @@ def test_ranks_asking_for_different_backends_get_mismatch(tmp_path):
 def test_mpi_group_beside_a_cpu_world(tmp_path):
     """A CPU world under mpirun (a master address given) makes an MPI group by splitting MPI's
     world: all_reduce on both against numpy; a one-member MPI group too. Ranks that then ask
-    for different backends (a CPU parent compares nothing across them first) each get a
-    TimeoutError at the setup deadline naming the other's call, and the world goes on."""
+    for different backends each get a MismatchError naming both requests (Note [Agreeing on
+    a new group's request] in process_group.py): the rank asking for MPI at once, the one
+    asking for a CPU group at its setup deadline (3 s here); and the world goes on."""
     from conftest import free_port
     port = free_port()
     code, out, res = mpi_job(tmp_path, """
@@ -346,20 +347,184 @@ def test_mpi_group_beside_a_cpu_world(tmp_path):
         x, y = ins[r].copy(), ins[r].copy()
         pg.all_reduce(x)
         g.all_reduce(y)
+        start = time.monotonic()
         try:
             pg.new_group([0, 1], backend="mpi" if r == 0 else "cpu", timeout=3)
             seen = "no error"
         except Exception as e:
             seen = f"{type(e).__name__}: {e}"
+        took = time.monotonic() - start
         pg.all_reduce(x)
         report(r, [pg.backend_name, g.backend_name, bool(np.allclose(y, np.add.reduce(ins))),
-                   bool(np.allclose(x, n * np.add.reduce(ins))), solo.is_member, seen])
+                   bool(np.allclose(x, n * np.add.reduce(ins))), solo.is_member, seen, took])
         meshcoll.destroy()
     """, env={"MESHCOLL_MASTER_PORT": str(port), "MESHCOLL_TOKEN": "t" * 32})
     assert code == 0, out
     assert set(res) == {0, 1}, out
     for rank, value in res.items():
         assert value[:5] == ["cpu", "mpi", True, True, rank == 0], (rank, value)
-        assert value[5].startswith("TimeoutError"), (rank, value)
-    assert "global rank(s) 1 last called new_group([0, 1])" in res[0][5], res[0]
-    assert "global rank(s) 0 last called new_group([0, 1], backend='mpi')" in res[1][5], res[1]
+        seen, took = value[5], value[6]
+        assert seen.startswith("MismatchError"), (rank, value)
+        assert "backend" in seen and "'mpi' on rank 0" in seen and "'cpu' on rank 1" in seen, seen
+        assert took < (1 if rank == 0 else 6), (rank, took)
+
+
+# Two emulated hosts of two ranks (Note [Hierarchy on MPI] in csrc/mpi/mpi_backend.h): the
+# host identity is set from the launcher's rank before the world is made.
+FAKE_HOSTS = """
+        os.environ["MESHCOLL_HOST_ID"] = "AABB"[int(os.environ["OMPI_COMM_WORLD_RANK"])]
+        meshcoll._C.reload_config()"""
+
+
+@pytest.mark.timeout(60)
+def test_hierarchy_across_emulated_hosts(tmp_path):
+    """A world on MPI over two emulated hosts of two ranks: all_reduce, broadcast and
+    all_gather run in shared memory inside each host and over MPI between the two leaders,
+    as one call of the group (its ledger says "via hierarchy"); sync and async, against
+    numpy on random data, every rank ending with the same bytes."""
+    code, out, res = mpi_job(tmp_path, FAKE_HOSTS + """
+        import hashlib, ml_dtypes
+        pg = meshcoll.init(backend="mpi", timeout=20)
+        r, n = pg.rank, pg.size
+        h = pg._hier
+        shape = None if h is None else [h.local.size, h.local.backend_name, h.local.transport,
+                                        h.leaders.is_member and h.leaders.backend_name]
+        bad, digest = [], hashlib.sha256()
+        def data(rank, count, dt, salt):
+            return rand_array(np.random.default_rng([salt, rank]), count, dt)
+        cases = [("float32", "sum", 1e-5), ("int32", "avg", 0), ("int64", "max", 0),
+                 ("bfloat16", "sum", 5e-2), ("float64", "prod", 1e-12)]
+        for salt, (name, op, tol) in enumerate(cases):
+            dt = ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+            for count in (0, 1, 1031, 70_000):
+                ins = [[data(q, count, dt, 100 * salt + k) for q in range(n)] for k in range(3)]
+                if op == "prod":
+                    ins = [[np.random.default_rng([salt, q, k]).uniform(0.9, 1.1, count)
+                            for q in range(n)] for k in range(3)]
+                xs = [a[r].copy() for a in ins]
+                works = [pg.all_reduce(x, op=op, async_op=True) for x in xs[:2]]
+                pg.all_reduce(xs[2], op=op)  # queued behind the async ones
+                for w in works:
+                    w.wait()
+                for k, x in enumerate(xs):
+                    wide = np.stack(ins[k]).astype(np.float64 if name != "int64" else np.int64)
+                    if op == "avg":  # ints truncate toward zero, as the kernels do
+                        s = np.stack(ins[k]).astype(np.int64).sum(0)
+                        want = np.sign(s) * (np.abs(s) // n)
+                    else:
+                        want = {"sum": wide.sum(0), "max": wide.max(0), "prod": wide.prod(0)}[op]
+                    if not np.allclose(x.astype(np.float64), want, rtol=tol, atol=tol):
+                        bad.append(f"all_reduce {name} {op} count={count} call {k}")
+                    digest.update(x.tobytes())
+        for root in range(n):
+            ins = [data(q, 5000, np.float32, 50 + root) for q in range(n)]
+            x = ins[r].copy()
+            if root % 2:
+                pg.broadcast(x, root, async_op=True).wait()
+            else:
+                pg.broadcast(x, root)
+            if not np.array_equal(x, ins[root]):
+                bad.append(f"broadcast root={root}")
+        for shape_ in [(0,), (7,), (300, 3)]:
+            ins = [data(q, int(np.prod(shape_)), np.float64, 77).reshape(shape_) for q in range(n)]
+            if not np.array_equal(pg.all_gather(ins[r]), np.stack(ins)):
+                bad.append(f"all_gather {shape_}")
+        last = pg.recent_calls(1)[0]
+        stats = pg.stats()
+        report(r, {"shape": shape, "bad": bad, "digest": digest.hexdigest(), "last": last,
+                   "calls": stats["all_reduce"].calls})
+        meshcoll.destroy()
+    """, n=4)
+    assert code == 0, out
+    assert set(res) == {0, 1, 2, 3}, out
+    for rank, value in res.items():
+        assert value["bad"] == [], (rank, value["bad"])
+        assert value["shape"] == [2, "cpu", "shm", "mpi" if rank in (0, 2) else False], value
+        assert value["last"].startswith("all_gather") and "via hierarchy" in value["last"], value
+        assert value["calls"] == 5 * 4 * 3, value
+    assert len({v["digest"] for v in res.values()}) == 1, "ranks ended with different bytes"
+
+
+@pytest.mark.timeout(60)
+def test_hierarchy_disagreement_and_a_rank_that_never_calls(tmp_path):
+    """Strict check on the hierarchy: ranks whose all_reduce counts differ (rank 3 on the
+    other host) all raise MismatchError before anything runs, and the job goes on. The async
+    check (the default): MismatchError on every rank too, whichever host found it. Then
+    rank 3 never issues an all_reduce: the others raise TimeoutError at the call's deadline
+    naming rank 3, and the job ends by MPI_Abort (the leaders' step is left inside MPI)."""
+    code, out, res = mpi_job(tmp_path, FAKE_HOSTS + """
+        pg = meshcoll.init(backend="mpi", timeout=20)
+        r = pg.rank
+        seen = {"hier": pg._hier is not None}
+        g = pg.new_group([0, 1, 2, 3], check="strict")
+        seen["sub hier"] = g._hier is not None
+        try:
+            g.all_reduce(np.ones(8 if r == 3 else 4, np.float32))
+            seen["strict"] = "no error"
+        except Exception as e:
+            seen["strict"] = f"{type(e).__name__}: {e}"
+        g = pg.new_group([0, 1, 2, 3])  # the async check (the default)
+        try:
+            g.all_reduce(np.ones(8 if r == 3 else 4, np.float32))
+            time.sleep(1.0)  # found within a few ms; the barrier raises it if the call did not
+            g.barrier()
+            seen["async"] = "no error"
+        except Exception as e:
+            seen["async"] = f"{type(e).__name__}: {e}"
+        x = np.full(4, r + 1.0)
+        pg.all_reduce(x)
+        seen["after"] = x.tolist()
+        report(r, seen)
+        if r == 3:
+            time.sleep(40)  # never issues the all_reduce; MPI_Abort ends this process
+            report(r, "rank 3 went on")
+        else:
+            try:
+                pg.all_reduce(np.ones(16, np.float32), timeout=2.0)
+                seen["never"] = "no error"
+            except Exception as e:
+                seen["never"] = f"{type(e).__name__}: {e}"
+            report(r, seen)
+            time.sleep(2)  # the other survivors report too before MPI_Abort ends the job
+        meshcoll.destroy()
+    """, n=4, timeout=50)
+    assert set(res) == {0, 1, 2, 3}, out
+    for rank, seen in res.items():
+        assert seen["hier"] and seen["sub hier"], (rank, seen)
+        assert seen["strict"].startswith("MismatchError"), (rank, seen["strict"])
+        assert "count=4" in seen["strict"] and "count=8" in seen["strict"], seen["strict"]
+        # Found on host B's shared memory; host A hears it through the leaders' side channel,
+        # which relays it as the MismatchError it is.
+        assert seen["async"].startswith("MismatchError"), (rank, seen["async"])
+        assert "rank 3 called all_reduce(count=8" in seen["async"], (rank, seen["async"])
+        assert seen["after"] == [10.0] * 4, (rank, seen)
+        if rank != 3:
+            assert seen["never"].startswith("TimeoutError"), (rank, seen["never"])
+            assert "hierarchical all_reduce timed out" in seen["never"], (rank, seen["never"])
+            assert "rank(s) 3 never reported in" in seen["never"], (rank, seen["never"])
+    assert code != 0, out  # the job was ended: rank 3 never went on
+
+
+@pytest.mark.timeout(60)
+def test_auto_picks_cpu_on_one_host_and_mpi_across_hosts(tmp_path):
+    """init(backend="auto") under mpirun: the CPU backend when every rank is on one host
+    (shared memory), MPI when the ranks sit on two (emulated) hosts; each world's all_reduce
+    against numpy on random data."""
+    body = """
+        pg = meshcoll.init(backend="auto", timeout=20)
+        r, n = pg.rank, pg.size
+        ins = [rand_array(np.random.default_rng([9, q]), 513, np.float64) for q in range(n)]
+        x = ins[r].copy()
+        pg.all_reduce(x)
+        report(r, [pg.backend_name, bool(np.allclose(x, np.add.reduce(ins)))])
+        meshcoll.destroy()
+    """
+    spans = """
+        os.environ["MESHCOLL_HOST_ID"] = "host-" + os.environ["OMPI_COMM_WORLD_RANK"]
+        meshcoll._C.reload_config()"""
+    for prelude, want in (("", "cpu"), (spans, "mpi")):
+        job = tmp_path / want
+        job.mkdir()
+        code, out, res = mpi_job(job, prelude + body)
+        assert code == 0, out
+        assert res == {0: [want, True], 1: [want, True]}, (want, res, out[-2000:])
