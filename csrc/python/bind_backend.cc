@@ -8,6 +8,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <climits>
 #include <string>
 #include <utility>
@@ -195,7 +196,42 @@ Backend& fast_backend(PyObject* self, Py_ssize_t nargs, const char* name, Py_ssi
   if (nargs != want)
     throw py::type_error(str_cat(name, " takes ", want, " positional arguments (", args,
                                  "), got ", nargs));
+  // The bound type itself (the backends are not bound apart): its instance's value, without
+  // pybind11's type lookup by typeid at every call (about 40 ns of a 1 us call).
+  static PyTypeObject* type = reinterpret_cast<PyTypeObject*>(py::type::of<Backend>().ptr());
+  if (Py_TYPE(self) == type)
+    if (void* v = reinterpret_cast<py::detail::instance*>(self)->get_value_and_holder().value_ptr())
+      return *static_cast<Backend*>(v);
   return py::cast<Backend&>(py::handle(self));
+}
+
+// Note [Tuning memo]
+// all_reduce_sync takes its seven tuning arguments on every call, and a program passes the
+// same objects each time (its config's attributes). Reading them (str and int conversions,
+// three algorithm names looked up) cost about a tenth of a small call's host path, so the
+// last call's objects and what they were read as are kept: the same objects (by identity)
+// read the same. The memo holds references, so an object it compares against is never freed
+// and its address reused by another value; str and int values never change. The GIL guards it.
+const comm::AllReduceTuning& all_reduce_tuning(PyObject* const* a, const char* what) {
+  constexpr int kArgs = 7;
+  static PyObject* seen[kArgs] = {};
+  static comm::AllReduceTuning tuning;
+  if (std::equal(a, a + kArgs, seen)) return tuning;
+  // (algorithm, max_segment_bytes, tree_threshold_bytes, hd_threshold_bytes, tree_arity,
+  // local_algorithm, global_algorithm), checked as every call's: may throw, memo unchanged.
+  const comm::AllReduceTuning t =
+      tuning_arg(what, str_arg(a[0], what, "algorithm"), size_arg(a[4], what, "tree_arity"),
+                 size_arg(a[1], what, "max_segment_bytes"),
+                 {str_arg(a[5], what, "local_algorithm"), str_arg(a[6], what, "global_algorithm")},
+                 size_arg(a[2], what, "tree_threshold_bytes"),
+                 size_arg(a[3], what, "hd_threshold_bytes"));
+  for (int i = 0; i < kArgs; ++i) {
+    Py_INCREF(a[i]);
+    Py_XDECREF(seen[i]);
+    seen[i] = a[i];
+  }
+  tuning = t;
+  return tuning;
 }
 
 // Note [all_reduce_sync]
@@ -213,13 +249,7 @@ PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t narg
     CallReader read(b, what, py::handle(args[2]), py::handle(args[3]), false);
     comm::ArrayView x = read(py::handle(args[0]), "", true);
     RedOp op = redop_arg(str_arg(args[1], what, "op"), what);
-    read.opts.tuning = tuning_arg(what, str_arg(args[4], what, "algorithm"),
-                                  size_arg(args[8], what, "tree_arity"),
-                                  size_arg(args[5], what, "max_segment_bytes"),
-                                  {str_arg(args[9], what, "local_algorithm"),
-                                   str_arg(args[10], what, "global_algorithm")},
-                                  size_arg(args[6], what, "tree_threshold_bytes"),
-                                  size_arg(args[7], what, "hd_threshold_bytes"));
+    read.opts.tuning = all_reduce_tuning(args + 4, what);  // Note [Tuning memo]
     run(b, read.what(), read.blocks(), [&] { return b.all_reduce(x, x, op, read.opts); });
     Py_RETURN_NONE;
   });
