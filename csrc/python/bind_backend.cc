@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <climits>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -189,6 +190,19 @@ comm::AllReduceTuning tuning_arg(const char* what, const std::string& algorithm,
   return t;
 }
 
+// tree_arity of the METH_FASTCALL entry points: CollectiveConfig.tree_arity itself, "binomial"
+// (0) or k, so that the hot path reads a plain attribute instead of the arity_code property.
+size_t arity_arg(PyObject* o, const char* what) {
+  if (PyUnicode_Check(o)) {
+    Py_ssize_t n;
+    const char* s = PyUnicode_AsUTF8AndSize(o, &n);
+    if (s && std::string_view(s, static_cast<size_t>(n)) == "binomial") return 0;
+    PyErr_Clear();
+    throw py::type_error(str_cat(what, ": tree_arity must be 'binomial' or an int >= 0"));
+  }
+  return size_arg(o, what, "tree_arity");
+}
+
 // The backend a METH_FASTCALL method was called on, once its positional arguments are
 // counted: "<name> takes <n> positional arguments (<args>), got <k>" otherwise.
 Backend& fast_backend(PyObject* self, Py_ssize_t nargs, const char* name, Py_ssize_t want,
@@ -220,7 +234,7 @@ const comm::AllReduceTuning& all_reduce_tuning(PyObject* const* a, const char* w
   // (algorithm, max_segment_bytes, tree_threshold_bytes, hd_threshold_bytes, tree_arity,
   // local_algorithm, global_algorithm), checked as every call's: may throw, memo unchanged.
   const comm::AllReduceTuning t =
-      tuning_arg(what, str_arg(a[0], what, "algorithm"), size_arg(a[4], what, "tree_arity"),
+      tuning_arg(what, str_arg(a[0], what, "algorithm"), arity_arg(a[4], what),
                  size_arg(a[1], what, "max_segment_bytes"),
                  {str_arg(a[5], what, "local_algorithm"), str_arg(a[6], what, "global_algorithm")},
                  size_arg(a[2], what, "tree_threshold_bytes"),
@@ -349,7 +363,7 @@ PyObject* broadcast_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     comm::ArrayView x = read(py::handle(args[0]), "x", true);
     const int root = rank_arg(args[1]);
     read.opts.tuning = tuning_arg(what, str_arg(args[4], what, "algorithm"),
-                                  size_arg(args[5], what, "tree_arity"),
+                                  arity_arg(args[5], what),
                                   size_arg(args[6], what, "max_segment_bytes"),
                                   {str_arg(args[7], what, "local_algorithm"),
                                    str_arg(args[8], what, "global_algorithm")});
@@ -369,7 +383,7 @@ PyObject* reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     const int root = rank_arg(args[1]);
     RedOp op = redop_arg(str_arg(args[2], what, "op"), what);
     read.opts.tuning = tuning_arg(what, str_arg(args[5], what, "algorithm"),
-                                  size_arg(args[6], what, "tree_arity"),
+                                  arity_arg(args[6], what),
                                   size_arg(args[7], what, "max_segment_bytes"));
     run(b, what, read.blocks(), [&] { return b.reduce(x, x, op, root, read.opts); });
     Py_RETURN_NONE;
