@@ -226,6 +226,7 @@ uint8_t* Comm::scratch(int slot, size_t bytes) {
 }
 
 void Comm::worker_loop() {
+  mark_worker_thread();  // its shared-memory waits spin less (Note [Shared-memory spin])
   for (;;) {
     Item item;
     bool have = false;
