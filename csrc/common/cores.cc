@@ -15,4 +15,11 @@ unsigned process_cores() {
   return static_cast<unsigned>(CPU_COUNT(&set));
 }
 
+namespace {
+thread_local bool t_worker = false;
+}  // namespace
+
+void mark_worker_thread() { t_worker = true; }
+bool on_worker_thread() { return t_worker; }
+
 }  // namespace meshcoll

@@ -29,4 +29,10 @@ inline bool threads_fit(unsigned threads, unsigned cores) {
   return cores != 0 && threads <= cores;
 }
 
+// Whether the calling thread is a group's worker: its waits run beside callers that may
+// compute, where a caller's own wait holds back nothing of its own (Note [Shared-memory spin]
+// in transport/shm/segment.cc). A worker marks itself once, as it starts.
+void mark_worker_thread();
+bool on_worker_thread();
+
 }  // namespace meshcoll

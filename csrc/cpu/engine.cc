@@ -226,6 +226,7 @@ uint8_t* Comm::scratch(int slot, size_t bytes) {
 }
 
 void Comm::worker_loop() {
+  mark_worker_thread();  // its shared-memory waits spin less (Note [Shared-memory spin])
   for (;;) {
     Item item;
     bool have = false;
@@ -611,8 +612,8 @@ std::exception_ptr Comm::execute(const transport::Envelope& env, Millis timeout,
     return failure_->for_call(msg, index < failed_before_);
   }
   current_ = env;
-  deadline_ = Deadline(timeout);
   const auto t0 = Clock::now();  // Note [Call totals]: every call is timed
+  deadline_ = Deadline(timeout, t0);
   try {
     if (!collective) {
       run(*this);

@@ -152,6 +152,7 @@ void from_numpy(Read& r, const py::array& a, const Want& w, std::vector<int64_t>
   r.view.count = static_cast<size_t>(a.size());
   ShapeReader s(r.view, dims);
   for (py::ssize_t i = 0; i < a.ndim(); ++i) s.add(a.shape(i));
+  r.numpy_owned = owns_its_memory(a.ptr());
 }
 
 // ---- the buffer protocol (bytearray, array.array, memoryview, ...) ------------------------
@@ -705,7 +706,7 @@ Read read_array(const py::handle& x, const Want& w, std::vector<int64_t>* dims) 
   }
   if (r.view.count && !r.view.data)
     throw InvalidArgument(str_cat(label(w), ": the array has a null data pointer"));
-  check_memory(r.view, w);  // Note [Unmapped memory]
+  if (!r.numpy_owned) check_memory(r.view, w);  // Note [Unmapped memory]
   if (w.keep) {
     // A buffer-protocol object is held through a memoryview, which keeps its export open:
     // a bytearray cannot be resized under the operation.

@@ -36,6 +36,9 @@ struct Read {
   comm::ArrayView view;
   uintptr_t stream = kLegacyStream;
   uintptr_t order_after = 0;
+  // The memory is numpy's own allocation (Note [Memory numpy owns] in array_memory.cc): it
+  // stays mapped, readable and writable while the array lives, so it needs no probe.
+  bool numpy_owned = false;
 };
 
 // "all_reduce: out": how errors name the array (formatted only when one is raised).
@@ -69,6 +72,9 @@ std::shared_ptr<void> owner_of(const pybind11::handle& x);
 // writable as the call needs (Note [Unmapped memory] in array_memory.cc); nothing for device
 // arrays.
 void check_memory(const comm::ArrayView& v, const Want& w);
+// Whether `a` is a numpy array whose memory numpy allocated for it or for the array it views
+// (Note [Memory numpy owns] in array_memory.cc): no probe needed.
+bool owns_its_memory(PyObject* a);
 // Drops the references finished operations left for a GIL holder (the GIL held).
 void release_owners();
 

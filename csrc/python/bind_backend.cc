@@ -8,8 +8,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <climits>
+#include <cstddef>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -188,6 +191,19 @@ comm::AllReduceTuning tuning_arg(const char* what, const std::string& algorithm,
   return t;
 }
 
+// tree_arity of the METH_FASTCALL entry points: CollectiveConfig.tree_arity itself, "binomial"
+// (0) or k, so that the hot path reads a plain attribute instead of the arity_code property.
+size_t arity_arg(PyObject* o, const char* what) {
+  if (PyUnicode_Check(o)) {
+    Py_ssize_t n;
+    const char* s = PyUnicode_AsUTF8AndSize(o, &n);
+    if (s && std::string_view(s, static_cast<size_t>(n)) == "binomial") return 0;
+    PyErr_Clear();
+    throw py::type_error(str_cat(what, ": tree_arity must be 'binomial' or an int >= 0"));
+  }
+  return size_arg(o, what, "tree_arity");
+}
+
 // The backend a METH_FASTCALL method was called on, once its positional arguments are
 // counted: "<name> takes <n> positional arguments (<args>), got <k>" otherwise.
 Backend& fast_backend(PyObject* self, Py_ssize_t nargs, const char* name, Py_ssize_t want,
@@ -195,7 +211,58 @@ Backend& fast_backend(PyObject* self, Py_ssize_t nargs, const char* name, Py_ssi
   if (nargs != want)
     throw py::type_error(str_cat(name, " takes ", want, " positional arguments (", args,
                                  "), got ", nargs));
-  return py::cast<Backend&>(py::handle(self));
+  // pybind11's cast looks the type up by typeid at every call (about 50 ns of a 0.6 us call).
+  // An instance of simple layout holds a pointer to its value (a CpuBackend, an NcclBackend,
+  // ...), and the Backend within it lies at an offset fixed by the Python type: learnt at the
+  // type's first cast, then added. The types are held, so that an address stays their own.
+  struct Seen {
+    PyTypeObject* type;
+    std::ptrdiff_t offset;
+  };
+  static Seen seen[4] = {};  // the GIL guards it
+  auto* inst = reinterpret_cast<py::detail::instance*>(self);
+  char* value = inst->simple_layout ? static_cast<char*>(inst->simple_value_holder[0]) : nullptr;
+  if (value)
+    for (const Seen& k : seen)
+      if (k.type == Py_TYPE(self)) return *reinterpret_cast<Backend*>(value + k.offset);
+  Backend& b = py::cast<Backend&>(py::handle(self));
+  if (value)
+    for (Seen& k : seen)
+      if (!k.type) {
+        Py_INCREF(Py_TYPE(self));
+        k = {Py_TYPE(self), reinterpret_cast<char*>(&b) - value};
+        break;
+      }
+  return b;
+}
+
+// Note [Tuning memo]
+// all_reduce_sync takes its seven tuning arguments on every call, and a program passes the
+// same objects each time (its config's attributes). Reading them (str and int conversions,
+// three algorithm names looked up) cost about a tenth of a small call's host path, so the
+// last call's objects and what they were read as are kept: the same objects (by identity)
+// read the same. The memo holds references, so an object it compares against is never freed
+// and its address reused by another value; str and int values never change. The GIL guards it.
+const comm::AllReduceTuning& all_reduce_tuning(PyObject* const* a, const char* what) {
+  constexpr int kArgs = 7;
+  static PyObject* seen[kArgs] = {};
+  static comm::AllReduceTuning tuning;
+  if (std::equal(a, a + kArgs, seen)) return tuning;
+  // (algorithm, max_segment_bytes, tree_threshold_bytes, hd_threshold_bytes, tree_arity,
+  // local_algorithm, global_algorithm), checked as every call's: may throw, memo unchanged.
+  const comm::AllReduceTuning t =
+      tuning_arg(what, str_arg(a[0], what, "algorithm"), arity_arg(a[4], what),
+                 size_arg(a[1], what, "max_segment_bytes"),
+                 {str_arg(a[5], what, "local_algorithm"), str_arg(a[6], what, "global_algorithm")},
+                 size_arg(a[2], what, "tree_threshold_bytes"),
+                 size_arg(a[3], what, "hd_threshold_bytes"));
+  for (int i = 0; i < kArgs; ++i) {
+    Py_INCREF(a[i]);
+    Py_XDECREF(seen[i]);
+    seen[i] = a[i];
+  }
+  tuning = t;
+  return tuning;
 }
 
 // Note [all_reduce_sync]
@@ -213,13 +280,7 @@ PyObject* all_reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t narg
     CallReader read(b, what, py::handle(args[2]), py::handle(args[3]), false);
     comm::ArrayView x = read(py::handle(args[0]), "", true);
     RedOp op = redop_arg(str_arg(args[1], what, "op"), what);
-    read.opts.tuning = tuning_arg(what, str_arg(args[4], what, "algorithm"),
-                                  size_arg(args[8], what, "tree_arity"),
-                                  size_arg(args[5], what, "max_segment_bytes"),
-                                  {str_arg(args[9], what, "local_algorithm"),
-                                   str_arg(args[10], what, "global_algorithm")},
-                                  size_arg(args[6], what, "tree_threshold_bytes"),
-                                  size_arg(args[7], what, "hd_threshold_bytes"));
+    read.opts.tuning = all_reduce_tuning(args + 4, what);  // Note [Tuning memo]
     run(b, read.what(), read.blocks(), [&] { return b.all_reduce(x, x, op, read.opts); });
     Py_RETURN_NONE;
   });
@@ -319,7 +380,7 @@ PyObject* broadcast_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs
     comm::ArrayView x = read(py::handle(args[0]), "x", true);
     const int root = rank_arg(args[1]);
     read.opts.tuning = tuning_arg(what, str_arg(args[4], what, "algorithm"),
-                                  size_arg(args[5], what, "tree_arity"),
+                                  arity_arg(args[5], what),
                                   size_arg(args[6], what, "max_segment_bytes"),
                                   {str_arg(args[7], what, "local_algorithm"),
                                    str_arg(args[8], what, "global_algorithm")});
@@ -339,7 +400,7 @@ PyObject* reduce_sync(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     const int root = rank_arg(args[1]);
     RedOp op = redop_arg(str_arg(args[2], what, "op"), what);
     read.opts.tuning = tuning_arg(what, str_arg(args[5], what, "algorithm"),
-                                  size_arg(args[6], what, "tree_arity"),
+                                  arity_arg(args[6], what),
                                   size_arg(args[7], what, "max_segment_bytes"));
     run(b, what, read.blocks(), [&] { return b.reduce(x, x, op, root, read.opts); });
     Py_RETURN_NONE;

@@ -330,10 +330,10 @@ class Collectives:
         algo = cfg.algorithm if algorithm is None else algorithm
         if not async_op:
             # The hot path: one C++ call that reads x, runs and returns (Note
-            # [all_reduce_sync] in bind_backend.cc).
+            # [all_reduce_sync] in bind_backend.cc), which reads tree_arity itself.
             self._backend.all_reduce_sync(x, op, timeout, stream, algo, cfg.max_segment_bytes,
                                           cfg.tree_threshold_bytes, cfg.hd_threshold_bytes,
-                                          cfg.arity_code, cfg.local_all_reduce,
+                                          cfg.tree_arity, cfg.local_all_reduce,
                                           cfg.global_all_reduce)
             return x
         w = self._backend.all_reduce(x, x, op, timeout, stream, True, algo,
@@ -353,7 +353,7 @@ class Collectives:
         cfg = self.config
         algo = cfg.reduce_algorithm if algorithm is None else algorithm
         if not async_op:  # one C++ call (Note [Rooted in-place calls] in bind_backend.cc)
-            self._backend.reduce_sync(x, dst, op, timeout, stream, algo, cfg.arity_code,
+            self._backend.reduce_sync(x, dst, op, timeout, stream, algo, cfg.tree_arity,
                                       cfg.max_segment_bytes)
             return x
         return _result(self._backend.reduce(x, x, dst, op, timeout, stream, async_op, algo,
@@ -370,7 +370,7 @@ class Collectives:
         cfg = self.config
         algo = cfg.broadcast_algorithm if algorithm is None else algorithm
         if not async_op:  # one C++ call (Note [Rooted in-place calls] in bind_backend.cc)
-            self._backend.broadcast_sync(x, src, timeout, stream, algo, cfg.arity_code,
+            self._backend.broadcast_sync(x, src, timeout, stream, algo, cfg.tree_arity,
                                          cfg.max_segment_bytes, cfg.local_broadcast,
                                          cfg.global_broadcast)
             return x

@@ -146,3 +146,85 @@ def test_each_kind_of_unusable_memory_is_a_value_error(run_ranks):
         assert "not writable" in got["read-only mapping recv"], got
         assert "out" in got["unmapped all_gather out"], got
         assert "not mapped" in got["unmapped all_gather out"], got
+
+
+# ---- Note [Memory numpy owns]: no probe for memory numpy allocated ---------------------------
+
+def _fault_memory_probes():
+    """Makes process_vm_readv and process_vm_writev fail with EFAULT on this thread (a seccomp
+    filter; x86-64 only): the probe of Note [Unmapped memory] then finds any array it probes
+    unreadable. False where the filter cannot be installed."""
+    import platform
+    if platform.machine() != "x86_64":
+        return False
+
+    class Insn(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+                    ("k", ctypes.c_uint)]
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Insn))]
+
+    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
+    allow, efault = 0x7FFF0000, 0x00050000 | 14  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EFAULT
+    code = (Insn * 7)(
+        Insn(ld, 0, 0, 4),               # seccomp_data.arch
+        Insn(jeq, 0, 4, 0xC000003E),     # AUDIT_ARCH_X86_64, else allow
+        Insn(ld, 0, 0, 0),               # seccomp_data.nr
+        Insn(jeq, 1, 0, 310),            # process_vm_readv
+        Insn(jeq, 0, 1, 311),            # process_vm_writev
+        Insn(ret, 0, 0, efault),
+        Insn(ret, 0, 0, allow))
+    prog = Prog(len(code), code)
+    prctl = _libc.prctl
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
+                      ctypes.c_ulong]
+    if prctl(38, 1, None, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        return False
+    return prctl(22, 2, ctypes.byref(prog), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+
+
+def _draws(rank):
+    """Rank `rank`'s arrays: numpy allocates each (standard_normal's own result)."""
+    rng = np.random.default_rng(100 + rank)
+    return [rng.standard_normal(k) for k in (1, 5, 3 * N)]
+
+
+def _owned_memory_is_not_probed(pg):
+    """With every probe faulting on the calling thread, arrays numpy allocated (and a view of
+    one) still reduce, on shared memory and TCP; an array over other memory is still probed
+    (and, here, refused on every rank, so nothing is sent and the group stays usable)."""
+    if not _fault_memory_probes():
+        return None
+    out = {}
+    for transport in ("shm", "tcp"):
+        g = group_on(pg, transport)
+        got = _draws(g.rank)
+        for x in got:
+            g.all_reduce(x, timeout=CALL)
+        base = np.zeros(2 * N)
+        view = base[N // 2: N // 2 + 7]  # a view whose base owns its memory
+        view[:] = np.resize(_draws(g.rank)[1], 7)
+        g.all_reduce(view, timeout=CALL)
+        foreign = np.frombuffer(bytearray(64), np.float64)  # memory numpy did not allocate
+        try:
+            g.all_reduce(foreign, timeout=CALL)
+            refused = "no error"
+        except ValueError as e:
+            refused = str(e)
+        out[transport] = ([a.tolist() for a in got], view.tolist(), refused)
+        g.destroy()
+    return out
+
+
+def test_arrays_numpy_owns_are_not_probed(run_ranks):
+    results = run_ranks(2, _owned_memory_is_not_probed, timeout=100)
+    if results[0] is None:
+        pytest.skip("no seccomp filter here (not x86-64, or prctl refused)")
+    want = [a + b for a, b in zip(_draws(0), _draws(1))]
+    for out in results:
+        for transport, (got, view, refused) in out.items():
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(g, w, rtol=1e-12, err_msg=transport)
+            np.testing.assert_allclose(view, np.resize(want[1], 7), rtol=1e-12)
+            assert "not readable" in refused and "all_reduce" in refused, (transport, refused)

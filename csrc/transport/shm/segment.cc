@@ -66,15 +66,20 @@ ShmGroup::ShmGroup(int rank, int size, size_t data_bytes)
   // when its peer comes; on many ranks every barrier then waits for the latest wake-up, the
   // next call starts more ragged, and more waits sleep: calls of a few tens of microseconds
   // took hundreds (docs/performance.md). Between the two (ranks fit, their workers do not),
-  // 100 us: a rank's own computing thread may need the core.
-  // MESHCOLL_SHM_SPIN_US overrides the time.
+  // a group's worker spins 100 us: it runs asynchronous calls while its rank's own thread
+  // computes, and may need the core. A caller blocked in its own synchronous call holds back
+  // nothing of its own, so it spins 2 ms there too. With 100 us, two ranks on a host that
+  // other processes kept busy fell into turns of sleeps: a rank descheduled for a moment made
+  // its peer sleep, the wake-up then took longer than 100 us, so the woken rank's next wait
+  // slept too, and so on: an 8-byte all_reduce took 140-200 us on the loaded 2-core VM
+  // against 3-5 us with 2 ms (Open MPI, which never sleeps: 1.5-30 us; docs/performance.md,
+  // "small all_reduce on 2 ranks"). MESHCOLL_SHM_SPIN_US overrides both times.
   const auto ranks = static_cast<unsigned>(size);
   yield_ = !threads_fit(ranks, host_cores());
   const long us = config().shm_spin_us;
-  spin_ = std::chrono::microseconds(us >= 0                               ? us
-                                    : yield_                              ? 1000
-                                    : threads_fit(2 * ranks, host_cores()) ? 2000
-                                                                          : 100);
+  using us_t = std::chrono::microseconds;
+  spin_ = us_t(us >= 0 ? us : yield_ ? 1000 : 2000);
+  worker_spin_ = us >= 0 || yield_ || threads_fit(2 * ranks, host_cores()) ? spin_ : us_t(100);
 }
 
 std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& store,
@@ -346,7 +351,7 @@ void ShmGroup::wait_on(Wait& w, int r, const std::atomic<uint64_t>& counter, uin
       periodic();
       w.next_check = now + Millis(5);
     }
-    if (now - w.spin_start < spin_) {
+    if (now - w.spin_start < (on_worker_thread() ? worker_spin_ : spin_)) {
       i = 0;
       continue;
     }

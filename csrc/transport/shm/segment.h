@@ -180,10 +180,9 @@ class ShmGroup {
   bool cma_ = false;
   int steps_ = 0;  // of the dissemination barrier: ceil(log2 size)
   std::string all_reduce_path_ = "auto";
-  // How long a waiter spins before sleeping on the futex: long when every rank can have a core
-  // (the peer is running and about to publish), short when ranks outnumber cores (spinning
-  // would steal the core the awaited peer needs).
-  std::chrono::microseconds spin_{100};
+  // How long a waiter spins before sleeping on the futex (Note [Shared-memory spin]): a
+  // caller's wait, and a group worker's (shorter where the workers do not fit the cores).
+  std::chrono::microseconds spin_{100}, worker_spin_{100};
   bool yield_ = false;  // more ranks than cores: spins yield the core (see the constructor)
 };
 
