@@ -477,7 +477,7 @@ class _SideStreamCall:
 
     def __init__(self, stream: Any, call: Callable[[], Any]) -> None:
         call()
-        self.done = torch.cuda.Event()
+        self.done = torch.cuda.Event()  # type: ignore[no-untyped-call, unused-ignore]
         self.done.record(stream)
 
     def wait(self, stream: Any = None) -> None:
