@@ -91,9 +91,9 @@ struct AllReduceTuning {
   // hosts' leaders (global); 0: auto.
   uint8_t local_algorithm = 0;
   uint8_t global_algorithm = 0;
-  size_t max_segment_bytes = 512 * 1024;
-  size_t tree_threshold_bytes = 256 * 1024;
-  size_t hd_threshold_bytes = 8 << 20;
+  size_t max_segment_bytes = kDefaultMaxSegmentBytes;
+  size_t tree_threshold_bytes = kDefaultTreeThresholdBytes;
+  size_t hd_threshold_bytes = kDefaultHdThresholdBytes;
 };
 
 struct CallOptions {

@@ -84,6 +84,13 @@ bool exchange_kind(const std::string& of, CollKind* kind);
 
 // The CPU all_reduce algorithms a user may name (OpDesc.algo), chosen in cpu/algo/.
 enum class Algorithm : uint8_t { kAuto = 0, kRing, kTree, kHalvingDoubling, kDirect, kShm };
+// The defaults of the all_reduce tuning (Python's CollectiveConfig, the contract's
+// AllReduceTuning, the CPU engine's SelectConfig; Note [Selection table] in
+// cpu/algo/select.cc says where the thresholds came from): defined here only, and exposed to
+// Python as _C.ALL_REDUCE_DEFAULTS.
+inline constexpr size_t kDefaultMaxSegmentBytes = 512 * 1024;     // the pipelining segment
+inline constexpr size_t kDefaultTreeThresholdBytes = 256 * 1024;  // at or below: a tree
+inline constexpr size_t kDefaultHdThresholdBytes = size_t{8} << 20;  // at or below, 2^k: h-d
 const char* algorithm_name(Algorithm a);
 bool algorithm_from_name(const std::string& name, Algorithm* out);
 // OpDesc.algo of a composed call (the hierarchy's: Comm::set_composed), past the codes of

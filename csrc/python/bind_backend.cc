@@ -176,8 +176,8 @@ std::vector<size_t> counts_arg(const py::handle& h) { return h.cast<std::vector<
 comm::AllReduceTuning tuning_arg(const char* what, const std::string& algorithm,
                                  size_t tree_arity, size_t max_segment_bytes,
                                  std::pair<std::string, std::string> levels = {"auto", "auto"},
-                                 size_t tree_threshold_bytes = 256 * 1024,
-                                 size_t hd_threshold_bytes = 8 << 20) {
+                                 size_t tree_threshold_bytes = kDefaultTreeThresholdBytes,
+                                 size_t hd_threshold_bytes = kDefaultHdThresholdBytes) {
   comm::AllReduceTuning t;
   t.algorithm = algorithm_arg(algorithm, what);
   t.local_algorithm = algorithm_arg(levels.first, what);

@@ -17,6 +17,11 @@ void bind_comm(py::module_& m) {
   m.def("host_identity", &host_identity,
         "What decides that two ranks share a host (and shared memory): hostname, boot id and "
         "IPC namespace, or $MESHCOLL_HOST_ID.");
+  py::dict defaults;
+  defaults["max_segment_bytes"] = kDefaultMaxSegmentBytes;
+  defaults["tree_threshold_bytes"] = kDefaultTreeThresholdBytes;
+  defaults["hd_threshold_bytes"] = kDefaultHdThresholdBytes;
+  m.attr("ALL_REDUCE_DEFAULTS") = defaults;
   m.def("algorithm_names", [] {
     std::vector<std::string> names;
     for (int a = 0; a <= static_cast<int>(Algorithm::kShm); ++a)

@@ -69,6 +69,10 @@ REDUCE_ALGORITHMS = ("auto", "tree", "direct")
 BROADCAST_ALGORITHMS = ("auto", "tree", "direct", "ring")
 
 
+# The all_reduce tuning's defaults, defined once in C++ (common/op_desc.h).
+_DEFAULTS: Dict[str, int] = dict(_C.ALL_REDUCE_DEFAULTS)
+
+
 class CollectiveConfig:
     """Algorithm choices of a CPU group (NCCL groups pick their own).
 
@@ -90,8 +94,10 @@ class CollectiveConfig:
     that span hosts (Note [Hierarchy] in hierarchy.py; the call's own algorithm is then
     auto: a named one runs flat)."""
 
-    def __init__(self, algorithm: AlgorithmName = "auto", *, tree_threshold_bytes: int = 256 * 1024,
-                 hd_threshold_bytes: int = 8 << 20, max_segment_bytes: int = 512 * 1024,
+    def __init__(self, algorithm: AlgorithmName = "auto", *,
+                 tree_threshold_bytes: int = _DEFAULTS["tree_threshold_bytes"],
+                 hd_threshold_bytes: int = _DEFAULTS["hd_threshold_bytes"],
+                 max_segment_bytes: int = _DEFAULTS["max_segment_bytes"],
                  tree_arity: Union[int, str] = "binomial", reduce_algorithm: str = "auto",
                  broadcast_algorithm: str = "auto", local_all_reduce: str = "auto",
                  global_all_reduce: str = "auto", local_broadcast: str = "auto",

@@ -137,6 +137,19 @@ def test_config_validates_arity_and_algorithms():
     assert C.single_node().algorithm == "shm" and C.multi_node().algorithm == "auto"
 
 
+def test_the_tuning_defaults_are_the_engines():
+    # One definition (common/op_desc.h): Python's CollectiveConfig and the engine's own
+    # selection (which reads its defaults when no config is given) agree at the boundaries.
+    d = meshcoll._C.ALL_REDUCE_DEFAULTS
+    cfg = meshcoll.CollectiveConfig()
+    assert (cfg.max_segment_bytes, cfg.tree_threshold_bytes, cfg.hd_threshold_bytes) == \
+        (d["max_segment_bytes"], d["tree_threshold_bytes"], d["hd_threshold_bytes"])
+    for n in (d["tree_threshold_bytes"], d["tree_threshold_bytes"] + 1,
+              d["hd_threshold_bytes"], d["hd_threshold_bytes"] + 1):
+        assert cfg.select_all_reduce(n, 16) == meshcoll._C.select_all_reduce(
+            n, 16, d["tree_threshold_bytes"], d["hd_threshold_bytes"]), n
+
+
 def test_selection_table_is_what_auto_picks():
     cfg = meshcoll.CollectiveConfig()
     rows = cfg.selection_table()

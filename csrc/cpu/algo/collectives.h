@@ -14,14 +14,14 @@
 
 namespace meshcoll::algo {
 
-inline constexpr size_t kMaxSegmentBytes = 512 * 1024;
+inline constexpr size_t kMaxSegmentBytes = kDefaultMaxSegmentBytes;
 
 // The thresholds Algorithm::kAuto reads (Note [Selection table] in select.cc says where each
 // came from); CollectiveConfig sets the first three per group.
 struct SelectConfig {
   size_t direct_threshold_bytes = 64 * 1024;  // all_reduce, at or below (<= 8 ranks): direct
-  size_t tree_threshold_bytes = 256 * 1024;   // all_reduce, at or below: tree (fewest steps)
-  size_t hd_threshold_bytes = 8 << 20;        // all_reduce, at or below, 2^k ranks: h-d
+  size_t tree_threshold_bytes = kDefaultTreeThresholdBytes;  // all_reduce, at or below: tree
+  size_t hd_threshold_bytes = kDefaultHdThresholdBytes;      // all_reduce, at or below, 2^k: h-d
   size_t broadcast_tree_bytes = 64 * 1024;    // broadcast over TCP, at or below: binomial tree
 };
 
