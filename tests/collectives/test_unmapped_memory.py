@@ -153,10 +153,17 @@ def test_each_kind_of_unusable_memory_is_a_value_error(run_ranks):
 def _fault_memory_probes():
     """Makes process_vm_readv and process_vm_writev fail with EFAULT on this thread (a seccomp
     filter; x86-64 only): the probe of Note [Unmapped memory] then finds any array it probes
-    unreadable. False where the filter cannot be installed."""
+    unreadable. Returns why not where the machine cannot have the filter (another
+    architecture, a kernel without seccomp, a sandbox that forbids it); any other refusal
+    (a filter the kernel finds malformed) raises."""
+    import errno
+    import os
     import platform
     if platform.machine() != "x86_64":
-        return False
+        return f"seccomp filters here are written for x86-64, not {platform.machine()}"
+    with open("/proc/self/status") as f:
+        if "Seccomp:" not in f.read():
+            return "this kernel has no seccomp"
 
     class Insn(ctypes.Structure):
         _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
@@ -179,9 +186,14 @@ def _fault_memory_probes():
     prctl = _libc.prctl
     prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong,
                       ctypes.c_ulong]
-    if prctl(38, 1, None, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
-        return False
-    return prctl(22, 2, ctypes.byref(prog), 0, 0) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    for args in ((38, 1, None, 0, 0),                 # PR_SET_NO_NEW_PRIVS
+                 (22, 2, ctypes.byref(prog), 0, 0)):  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        if prctl(*args) != 0:
+            e = ctypes.get_errno()
+            if e in (errno.EPERM, errno.EACCES):
+                return f"the sandbox forbids seccomp filters ({os.strerror(e)})"
+            raise OSError(e, f"prctl{args[:2]}: {os.strerror(e)}")
+    return None
 
 
 def _draws(rank):
@@ -194,8 +206,9 @@ def _owned_memory_is_not_probed(pg):
     """With every probe faulting on the calling thread, arrays numpy allocated (and a view of
     one) still reduce, on shared memory and TCP; an array over other memory is still probed
     (and, here, refused on every rank, so nothing is sent and the group stays usable)."""
-    if not _fault_memory_probes():
-        return None
+    why_not = _fault_memory_probes()
+    if why_not is not None:
+        return why_not
     out = {}
     for transport in ("shm", "tcp"):
         g = group_on(pg, transport)
@@ -219,8 +232,8 @@ def _owned_memory_is_not_probed(pg):
 
 def test_arrays_numpy_owns_are_not_probed(run_ranks):
     results = run_ranks(2, _owned_memory_is_not_probed, timeout=100)
-    if results[0] is None:
-        pytest.skip("no seccomp filter here (not x86-64, or prctl refused)")
+    if isinstance(results[0], str):
+        pytest.skip(results[0])
     want = [a + b for a, b in zip(_draws(0), _draws(1))]
     for out in results:
         for transport, (got, view, refused) in out.items():
