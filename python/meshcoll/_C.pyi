@@ -264,6 +264,7 @@ class Config:
     host_id: str
     cma: bool
     shm_all_reduce: str
+    shm_single_copy_bytes: int
     shm_spin_us: int
     simd: str
     nccl_trace: bool

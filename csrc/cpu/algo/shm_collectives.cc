@@ -152,16 +152,24 @@ struct ShmPathRow {
   size_t fold_all_bytes;    // at or below (bytes x ranks): every rank folds everything
   size_t single_copy_from;  // from here, with cross-memory attach: single copy
 };
-// PROVISIONAL: written on a 2-core VM where no scaling can be measured (only the flat row's
-// limits were measured, on 2 ranks: Note [Single-copy all_reduce]). Measure both paths on a
-// 16-64 core host with bench/cpu/scaling.sh and set the rows from that.
+// Where the rows come from:
+//  - 2 ranks: the flat path's limits, measured on a 2-core VM (Note [Single-copy all_reduce]);
+//  - single_copy_from at 3 ranks and up: measured on a 16-core host, 4, 8 and 16 ranks, both
+//    data paths forced in turn (MESHCOLL_CMA=0 / 1) from 32 KiB to 32 MiB: the copy through
+//    the data areas wins below about 4 MiB at 4 ranks (at 1 MiB 219-232 us against 372-399)
+//    and below about 8 MiB at 8 and 16 ranks (8 ranks, 1 MiB: 293-311 us against 427-472);
+//    above, single copy wins or ties. Single copy makes 2(n-1) syscalls a piece, each pinning
+//    the peer's pages while n-1 other ranks read the same peer (docs/performance.md,
+//    2026-11-28 (fourth session));
+//  - scalable_from and fold_all_bytes: not measured against each other yet; the scalable
+//    path is the one measured against Open MPI from 8 ranks up. 32 ranks and more: the 16-rank
+//    row, unmeasured.
+// MESHCOLL_SHM_SINGLE_COPY_BYTES overrides single_copy_from on every rank (agreed at setup).
 constexpr ShmPathRow kShmPaths[] = {
     // ranks  scalable from  fold all   single copy from
     {2, SIZE_MAX, 64 << 10, 16 << 10},  // 2 ranks: one flag either way
-    {3, 0, 64 << 10, 16 << 10},
-    {8, 0, 64 << 10, 256 << 10},  // 2(n-1) syscalls a call: fewer bytes each as n grows
-    {16, 0, 64 << 10, 1 << 20},
-    {32, 0, 64 << 10, 2 << 20},
+    {3, 0, 64 << 10, 4 << 20},
+    {8, 0, 64 << 10, 8 << 20},
 };
 // The flat path's limits, whatever the world size (measured on 2 ranks).
 constexpr ShmPathRow kFlatPath = {2, SIZE_MAX, 64 << 10, 16 << 10};
@@ -304,7 +312,9 @@ bool shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
     for (int p = 1; p < n; ++p) fold(a.out.data, g.slot(p, round).payload, a.count);
     return false;
   }
-  if (g.cma() && bytes >= lim.single_copy_from) {
+  const size_t single_copy_from =
+      g.single_copy_bytes() ? g.single_copy_bytes() : lim.single_copy_from;
+  if (g.cma() && bytes >= single_copy_from) {
     shm_all_reduce_single_copy(comm, a, scalable);
     return a.op == RedOp::kAvg;
   }
