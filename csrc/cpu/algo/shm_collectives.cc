@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "cpu/algo/collectives.h"
 #include "cpu/algo/plan.h"
@@ -46,6 +47,24 @@ uint8_t* area(ShmGroup& g, int p, uint64_t round) {
 }
 size_t area_bytes(const ShmGroup& g) { return g.data_bytes() / 2; }
 
+
+// The peers' pointers of one fold of many (reduce::lookup_many, Note [Fold of many]): on the
+// stack up to 64 ranks, so a small call allocates nothing.
+class Sources {
+ public:
+  explicit Sources(size_t k) : k_(k) {
+    if (k_ > kInline) heap_.resize(k_);
+  }
+  const void*& operator[](size_t j) { return k_ > kInline ? heap_[j] : inline_[j]; }
+  const void* const* data() const { return k_ > kInline ? heap_.data() : inline_; }
+  size_t size() const { return k_; }
+
+ private:
+  static constexpr size_t kInline = 64;
+  size_t k_;
+  const void* inline_[kInline] = {};
+  std::vector<const void*> heap_;
+};
 
 // Whether `peer` announced the same call as this rank in round R's slot.
 bool agrees(ShmGroup& g, int peer, uint64_t round) {
@@ -123,6 +142,9 @@ void meet_reduced(cpu::Comm& comm, ShmGroup& g, uint64_t round, const char* what
 //  - from single_copy_from, with cross-memory attach: the same reduce-scatter and
 //    all-gather straight from the peers' vectors (Note [Single-copy all_reduce]), the
 //    copy into shared memory avoided.
+// The folds read every peer's piece in one call (reduce::lookup_many, Note [Fold of many] in
+// reduce/kernels.cc): f16/bf16 are rounded once per element, not once per peer; the
+// single-copy path folds one peer at a time through its scratch and rounds per peer.
 // On the scalable path rank r visits its peers from r+1 on (mod n), in folding and in
 // copying out, so that at any moment the n ranks read n different owners' memory (and NUMA
 // nodes) instead of all reading rank 0's first; the fold order is still fixed for a given
@@ -298,18 +320,19 @@ bool shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
   const ShmPathRow& row = shm_path_row(n);
   const bool scalable = forced == "auto" ? bytes >= row.scalable_from : forced == "scalable";
   const ShmPathRow& lim = scalable ? row : kFlatPath;
-  auto fold = reduce::lookup(a.dtype, a.op);
-  auto fold_into = reduce::lookup_into(a.dtype, a.op);
+  auto fold_many = reduce::lookup_many(a.dtype, a.op);
   const char* what = op_name(comm);
   const bool in_place = a.in.data == a.out.data;
+  Sources peers(n - 1);  // one fold of many: every peer's piece (Note [Fold of many])
   if (bytes <= transport::kShmInlineBytes) {
     uint64_t round = begin_round(comm, g);
     std::memcpy(g.slot(r, round).payload, a.in.data, bytes);
     meet(comm, g, round, what, scalable);
     // Rank 0's values first (on rank 0 in place they are still in out), then the others in
     // order.
-    if (r != 0 || !in_place) std::memcpy(a.out.data, g.slot(0, round).payload, bytes);
-    for (int p = 1; p < n; ++p) fold(a.out.data, g.slot(p, round).payload, a.count);
+    const void* first = r == 0 && in_place ? a.out.data : g.slot(0, round).payload;
+    for (int p = 1; p < n; ++p) peers[p - 1] = g.slot(p, round).payload;
+    fold_many(a.out.data, first, peers.data(), peers.size(), a.count);
     return false;
   }
   const size_t single_copy_from =
@@ -339,22 +362,19 @@ bool shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
       std::memcpy(mine + s + len * esz, in + s + len * esz, (c - slices.offset(r) - len) * esz);
     }
     meet(comm, g, round, what, scalable);
-    if (fold_all) {
-      if (r != 0 || !in_place) std::memcpy(out, area(g, 0, round), c * esz);  // rank 0's first
-      for (int p = 1; p < n; ++p) fold(out, area(g, p, round), c);
+    if (fold_all) {  // rank 0's values first (on rank 0 in place still in out)
+      const void* first = r == 0 && in_place ? out : area(g, 0, round);
+      for (int p = 1; p < n; ++p) peers[p - 1] = area(g, p, round);
+      fold_many(out, first, peers.data(), peers.size(), c);
     } else {
-      // Slice r: this rank's own values (still in `out`, or read from `in` by the first
-      // fold), then every other rank's in a fixed order. Only this rank computes slice r, so
-      // all ranks get the same bits.
+      // Slice r: this rank's own values (read from `in`, which is `out` in place), then
+      // every other rank's in a fixed order. Only this rank computes slice r, so all ranks
+      // get the same bits.
       for (size_t k = 0; k < len; k += piece) {
         const size_t m = std::min(piece, len - k), at = s + k * esz;
-        for (int j = 1; j < n; ++j) {
-          const uint8_t* theirs = area(g, peer_at(r, n, j, scalable), round) + at;
-          if (j == 1 && !in_place)
-            fold_into(out + at, in + at, theirs, m);
-          else
-            fold(out + at, theirs, m);
-        }
+        for (int j = 1; j < n; ++j)
+          peers[j - 1] = area(g, peer_at(r, n, j, scalable), round) + at;
+        fold_many(out + at, in + at, peers.data(), peers.size(), m);
         std::memcpy(mine + at, out + at, m * esz);
       }
       meet_reduced(comm, g, round, what, scalable);
@@ -484,7 +504,8 @@ void shm_reduce_scatter(cpu::Comm& comm, const ReduceScatterArgs& a) {
   const int n = g.size(), r = g.rank();
   const size_t esz = dtype_size(a.dtype);
   const char* what = op_name(comm);
-  auto fold = reduce::lookup(a.dtype, a.op);
+  auto fold_many = reduce::lookup_many(a.dtype, a.op);
+  Sources peers(n - 1);
   const auto at = prefix_offsets(a.counts);
   const size_t q = std::max<size_t>(1, area_bytes(g) / esz / n);  // elements per block per round
   const size_t longest = max_of(a.counts);
@@ -500,10 +521,11 @@ void shm_reduce_scatter(cpu::Comm& comm, const ReduceScatterArgs& a) {
     meet(comm, g, round, what);
     if (off < a.counts[r]) {
       const size_t len = std::min(q, a.counts[r] - off);
-      uint8_t* dst = a.out.data + off * esz;
-      std::memmove(dst, a.in.data + (at[r] + off) * esz, len * esz);
-      for (int p = 0; p < n; ++p)
-        if (p != r) fold(dst, area(g, p, round) + r * q * esz, len);
+      // This rank's own values first, then the peers' in rank order (Note [Fold of many]).
+      for (int p = 0, j = 0; p < n; ++p)
+        if (p != r) peers[j++] = area(g, p, round) + r * q * esz;
+      fold_many(a.out.data + off * esz, a.in.data + (at[r] + off) * esz, peers.data(),
+                peers.size(), len);
     }
     off += q;
   } while (off < longest);
