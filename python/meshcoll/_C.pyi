@@ -47,6 +47,7 @@ class PrefixStore(Store):
 
 def agree_on_settings(store: Store, rank: int, size: int, settings: Sequence[Tuple[str, str]],
                       timeout: float, ranks: Sequence[int]) -> None: ...
+def withdraw_from_setup(store: Store, rank: int, why: str, timeout: float) -> None: ...
 
 Stream = Any  # (a type alias for the stubs; not in _C) None, an int handle, or an object with .cuda_stream (torch) / .ptr (CuPy)
 Timeout = Optional[float]
