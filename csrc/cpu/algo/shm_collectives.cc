@@ -227,6 +227,16 @@ const ShmPathRow& shm_path_row(int n) {
 // 2 MiB 140 vs 260 us). Pieces of 512 KiB beat 256 KiB and 1 MiB at 2 MiB.
 constexpr size_t kSingleCopyPieceBytes = 512 * 1024;
 
+// Note [Reduced slices through the data areas]
+// Phase two of the single copy reads n-1 reduced slices from their owners' vectors through
+// the kernel. From 3 ranks, when the largest slice fits half a data area, each rank instead
+// copies its reduced slice into its data area (the half of the call's first round) piece by
+// piece while the piece is in cache, and phase two copies the slices out of the areas: plain
+// loads from shared memory, with no syscall and no pinning of the peers' pages, which is what
+// the kernel's copy costs beyond the bytes when n-1 ranks read one owner at once. The empty
+// closing round keeps that half from being reused before every peer has read it (Note
+// [Shared-memory rounds]). 2 ranks read one slice a call, and keep the kernel's single copy.
+
 namespace {
 // The peer rank r visits j-th (j = 1 .. n-1): from r+1 on when `spread` (Note [Shared-memory
 // all_reduce paths]), else in rank order.
@@ -266,6 +276,9 @@ void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a, bool sc
     const size_t s = slices.offset(r) * esz, len = slices.length(r) * esz;
     const size_t piece = std::max<size_t>(1, kSingleCopyPieceBytes / esz) * esz;
     uint8_t* scratch = comm.scratch(0, std::min(piece, len));
+    // Every rank decides alike: the largest slice is slice 0's.
+    const bool via_area = n >= 3 && slices.length(0) * esz <= area_bytes(g);
+    uint8_t* my_area = area(g, r, first);
     for (size_t k = 0; k < len; k += piece) {
       const size_t m = std::min(piece, len - k);
       for (int j = 1; j < n; ++j) {
@@ -279,12 +292,16 @@ void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a, bool sc
       // avg: the piece divided while it is in cache, before the peers read it (Note
       // [Single-copy all_reduce]); the same bits as dividing the whole vector at the end.
       if (a.op == RedOp::kAvg) reduce::divide_by(a.dtype, a.out.data + s + k, m / esz, n);
+      if (via_area) std::memcpy(my_area + k, a.out.data + s + k, m);
     }
     meet_reduced(comm, g, first, what, scalable);
     for (int j = 1; j < n; ++j) {
       const int p = peer_at(r, n, j, scalable);
-      const size_t off = slices.offset(p) * esz;
-      g.read_peer(p, vector_of(p, 1) + off, a.out.data + off, slices.length(p) * esz);
+      const size_t off = slices.offset(p) * esz, bytes_p = slices.length(p) * esz;
+      if (via_area)
+        std::memcpy(a.out.data + off, area(g, p, first), bytes_p);
+      else
+        g.read_peer(p, vector_of(p, 1) + off, a.out.data + off, bytes_p);
     }
     // The empty round: every peer has finished reading this vector.
     const uint64_t last = begin_round(comm, g);
