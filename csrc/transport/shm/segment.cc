@@ -14,7 +14,7 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <thread>
+#include <functional>
 
 #include "common/config.h"
 #include "common/cores.h"
