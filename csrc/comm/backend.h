@@ -78,6 +78,7 @@
 #include "common/rank_names.h"
 #include "common/deadline.h"
 #include "common/dtype.h"
+#include "transport/transport.h"  // CallOptions::within
 
 namespace meshcoll::comm {
 

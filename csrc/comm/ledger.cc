@@ -1,6 +1,5 @@
 #include "comm/ledger.h"
 
-#include <cstdio>
 
 #include "common/dtype.h"
 #include "common/error.h"

@@ -17,7 +17,6 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -25,7 +24,6 @@
 #include "comm/work.h"
 #include "common/dtype.h"
 #include "common/op_desc.h"
-#include "transport/transport.h"
 
 namespace meshcoll::comm {
 

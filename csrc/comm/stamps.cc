@@ -2,6 +2,9 @@
 
 #include <time.h>
 
+#include <chrono>
+#include <thread>
+
 namespace meshcoll::comm {
 
 double monotonic_seconds() {

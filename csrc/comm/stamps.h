@@ -8,8 +8,6 @@
 #include <exception>
 #include <memory>
 #include <mutex>
-#include <thread>
-#include <chrono>
 #include <unordered_map>
 
 #include "comm/work.h"

@@ -3,16 +3,11 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <exception>
 #include <memory>
-#include <mutex>
-#include <string>
-#include <vector>
 
 #include "common/deadline.h"
 #include "common/interrupt.h"
-#include "transport/transport.h"
 
 namespace meshcoll::comm {
 

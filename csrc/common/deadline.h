@@ -9,7 +9,7 @@ namespace meshcoll {
 using Clock = std::chrono::steady_clock;
 using Millis = std::chrono::milliseconds;
 
-// A group's and a store's timeout when none is given (Python's: _settings.DEFAULT_TIMEOUT_S).
+// A group's and a store's timeout when none is given; Python reads it as _C.DEFAULT_TIMEOUT_S.
 inline constexpr Millis kDefaultTimeout{300000};
 
 class Deadline {

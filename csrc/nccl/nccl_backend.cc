@@ -1,6 +1,5 @@
 #include "nccl/nccl_backend.h"
 
-#include <cstring>
 
 #include "comm/array_view.h"
 #include "common/error.h"

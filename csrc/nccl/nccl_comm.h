@@ -34,7 +34,6 @@
 #include <condition_variable>
 #include <exception>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>

@@ -1,7 +1,6 @@
 // Note [Span copies] in span_copy.h.
 #include "nccl/span_copy.h"
 
-#include <algorithm>
 #include <map>
 
 #include "common/error.h"

@@ -8,9 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <atomic>
 #include <cstring>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 

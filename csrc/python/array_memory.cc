@@ -102,11 +102,9 @@ bool unmapped(uintptr_t lo, uintptr_t hi, uintptr_t page) {
 }  // namespace
 
 // Note [Memory numpy owns]
-// The probe of Note [Unmapped memory] is a syscall, and on a small call it was the largest
-// single cost of the host path: on the 2-core VM (whose kernel traces syscalls) it took the
-// in-process 8-byte all_reduce from 1.1 to 2.3 us of CPU, and the 2-rank one from 1.4 to
-// 2.7 us, where Open MPI takes 1.5 us for the whole call (docs/performance.md, "small
-// all_reduce on 2 ranks"). It guards memory that can go away or lose its access under a live
+// The probe of Note [Unmapped memory] is a syscall, and on a small call it is the largest
+// single cost of the host path: about as much as the rest of the call (docs/performance.md,
+// "Memory numpy owns"). It guards memory that can go away or lose its access under a live
 // array: a mapping (mmap, a ctypes or foreign buffer) that its owner closes, unmaps or
 // mprotects.
 // Memory that numpy allocated for an array (the OWNDATA flag: np.ones, np.empty, copies,

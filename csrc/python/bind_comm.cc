@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "cpu/algo/collectives.h"
+#include "common/deadline.h"
 #include "common/error.h"
 #include "common/host_identity.h"
 #include "cpu/cpu_backend.h"
@@ -22,6 +23,7 @@ void bind_comm(py::module_& m) {
   defaults["tree_threshold_bytes"] = kDefaultTreeThresholdBytes;
   defaults["hd_threshold_bytes"] = kDefaultHdThresholdBytes;
   m.attr("ALL_REDUCE_DEFAULTS") = defaults;
+  m.attr("DEFAULT_TIMEOUT_S") = std::chrono::duration<double>(kDefaultTimeout).count();
   m.def("algorithm_names", [] {
     std::vector<std::string> names;
     for (int a = 0; a <= static_cast<int>(Algorithm::kShm); ++a)

@@ -385,12 +385,11 @@ MC_ALWAYS_INLINE void divide_loop(void* buf, size_t count, size_t n) {
 // features]). MESHCOLL_SIMD=baseline|avx2|avx512 caps the choice, so tests can run every path
 // on one machine; simd_level() reports what was picked.
 //
-// Measured on a Xeon (GCC 13, one pinned core, 32 KiB buffers, GB/s of dst, baseline/avx2/
-// avx512): f32 max 14/37/48, f64 min 19/28/50, int64 prod 19/31/46, f16 sum 0.7/27/29,
-// bf16 sum 2.7/6.3/11.5 (with the bf16 lanes of half.h since, on a loaded 2-core VM, 32 KiB:
-// avx2 3.4 -> 6.4, avx512 7.5 -> 9.9); int8 prod is the one loss (30 -> 20). From L2 the gains shrink, and
-// at 64 MiB every level is memory bound (~12-15). prefer-vector-width=512 is needed because
-// GCC's generic tuning otherwise keeps 256-bit vectors even with AVX-512 enabled.
+// The wider levels pay off on data in L1 (2-4x for most dtypes, much more for f16 and bf16,
+// which the baseline converts one element at a time); from L2 the gains shrink, and at
+// 64 MiB every level is memory bound (docs/performance.md, "SIMD reduction kernels").
+// prefer-vector-width=512 is needed because GCC's generic tuning otherwise keeps 256-bit
+// vectors even with AVX-512 enabled.
 #define MC_DEFINE_ISA(Name, level, half_cvt, target_attr)                                 \
   struct Name {                                                                          \
     static constexpr const char* kLevel = level;                                         \

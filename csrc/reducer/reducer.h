@@ -69,7 +69,6 @@
 #pragma once
 
 #include <cstdint>
-#include <exception>
 #include <map>
 #include <memory>
 #include <string>

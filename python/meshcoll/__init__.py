@@ -44,7 +44,7 @@ _HOME = {
                      "send", "recv", "isend", "irecv", "barrier", "coalesced"), "api"),
 }
 
-# Submodules that were attributes of the package after a plain ``import meshcoll``.
+# Submodules a user reaches as ``meshcoll.<name>`` without importing them (on first use).
 _SUBMODULES = ("_C", "_rendezvous", "_settings", "api", "arrays", "ddp", "device_mesh",
                "hierarchy", "monitor", "mpi", "nccl", "partition", "process_group", "sharded", "world")
 

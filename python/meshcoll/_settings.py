@@ -23,7 +23,6 @@ SHM_BYTES = "MESHCOLL_SHM_BYTES"
 HIERARCHY = "MESHCOLL_HIERARCHY"
 ALGO = "MESHCOLL_ALGO"
 MAX_TIMEOUT_S = 1e7  # as csrc/python/fastcall.h: a longer deadline would overflow the clock
-DEFAULT_TIMEOUT_S = 300.0  # as kDefaultTimeout in csrc/common/deadline.h
 DEBUG = "MESHCOLL_DEBUG"
 # Read into the C++ core's Config (core_config_from_env; Note [Configuration]).
 HOST_ID = "MESHCOLL_HOST_ID"
@@ -68,9 +67,9 @@ def parse_int(text: str, name: str) -> int:
         raise ValueError(f"{WHO}: {name}={text!r} is not an integer") from None
 
 
-def timeout_from_env(default: float = DEFAULT_TIMEOUT_S,
-                     environ: Optional[Mapping[str, str]] = None) -> float:
-    """The default collective timeout in seconds: MESHCOLL_TIMEOUT, else `default`."""
+def timeout_from_env(default: float, environ: Optional[Mapping[str, str]] = None) -> float:
+    """The default collective timeout in seconds: MESHCOLL_TIMEOUT, else `default` (the
+    core's, _C.DEFAULT_TIMEOUT_S: this module imports no compiled code)."""
     env = os.environ if environ is None else environ
     text = value_of(env, TIMEOUT)
     if text is None:

@@ -53,7 +53,7 @@ def numpy_dtype(name: str, what: str) -> "np.dtype[Any]":
         import ml_dtypes
     except ImportError:
         raise ImportError(f"{what}: bfloat16 on the host needs ml_dtypes "
-                          "(pip install ml_dtypes, or meshcoll[bf16])") from None
+                          "(pip install ml_dtypes)") from None
     bf16: "np.dtype[Any]" = np.dtype(ml_dtypes.bfloat16)  # ml_dtypes is untyped here
     return bf16
 

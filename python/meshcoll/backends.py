@@ -44,8 +44,9 @@ def _agreement_channel(store: _C.Store, name: str, rank: int, ranks: List[int], 
     if len(ranks) == 1 or opts.check == "off":
         return None
     return _C.CpuBackend(_C.PrefixStore(f"mc/{name}/agree", store), rank, len(ranks), timeout,
-                         bind_host, token, _comm_id(name + "/agree", token), "auto", 64 << 10,
-                         False, ranks)
+                         bind_host=bind_host, token=token,
+                         comm_id=_comm_id(name + "/agree", token), transport="auto",
+                         shm_bytes=64 << 10, debug=False, global_ranks=ranks)
 
 
 @contextlib.contextmanager
@@ -106,9 +107,11 @@ def make_group(store: _C.Store, ranks: Sequence[int], rank: int, name: str, *,
     else:
         device = None
         with _naming_setup(name, ranks):
-            be = _C.CpuBackend(prefixed, rank, len(ranks), timeout, bind_host, token,
-                               _comm_id(name, token), opts.transport, opts.shm_bytes,
-                               opts.debug, ranks, _shared(ranks, label, opts, "cpu"))
+            be = _C.CpuBackend(prefixed, rank, len(ranks), timeout, bind_host=bind_host,
+                               token=token, comm_id=_comm_id(name, token),
+                               transport=opts.transport, shm_bytes=opts.shm_bytes,
+                               debug=opts.debug, global_ranks=ranks,
+                               shared=_shared(ranks, label, opts, "cpu"))
         # MESHCOLL_ALGO's text; CollectiveConfig checks it against the core's names.
         config = CollectiveConfig(cast(AlgorithmName, opts.algorithm))
     be.set_identity(ranks, name if label is None else label)
@@ -136,9 +139,10 @@ def make_group(store: _C.Store, ranks: Sequence[int], rank: int, name: str, *,
             def composer() -> _C.CpuBackend:
                 # Its links carry no data: TCP, with no shared memory to map.
                 runner = _C.CpuBackend(_C.PrefixStore(f"mc/{name}/hier", store), rank,
-                                       len(ranks), timeout, bind_host, token,
-                                       _comm_id(name + "/hier", token), "tcp", opts.shm_bytes,
-                                       opts.debug, ranks)
+                                       len(ranks), timeout, bind_host=bind_host, token=token,
+                                       comm_id=_comm_id(name + "/hier", token),
+                                       transport="tcp", shm_bytes=opts.shm_bytes,
+                                       debug=opts.debug, global_ranks=ranks)
                 runner.set_identity(ranks, name if label is None else label)
                 return runner
             with _naming_setup(name, ranks):

@@ -334,8 +334,8 @@ class _Job:
 
     # -- signals -----------------------------------------------------------
     def on_signal(self, signum: int, frame: object) -> None:
-        # Children live in their own sessions, so a terminal's Ctrl-C no longer
-        # reaches them: forward it. A second signal means "now": SIGKILL.
+        # Children live in their own sessions, so a terminal's Ctrl-C does not
+        # reach them: forward it. A second signal means "now": SIGKILL.
         self.signals.append(signum)
         self._signal_all(signum if len(self.signals) == 1 else signal.SIGKILL)
 

@@ -182,9 +182,9 @@ class DistributedDataParallel(torch.nn.Module):
     # buckets are formed in registration order, the first (of the first layers, the last to
     # launch) at most 1 MiB, launched last layer first; so are ours. A mode that never
     # rebuilds (LocalSGD, the stale modes) keeps those too. "1 MiB" is torch's default only:
-    # a bucket_cap_mb given explicitly caps the first bucket too (_first_bucket_bytes). We had
-    # 1 MiB always, so the benchmark (which passes bucket_cap_mb=25) summed a ResNet-50's
-    # rebuilt buckets differently from torch's on 4 GPUs from the second step on.
+    # a bucket_cap_mb given explicitly caps the first bucket too (_first_bucket_bytes): with
+    # 1 MiB always, a job that passes bucket_cap_mb (the benchmark's 25) would sum a
+    # ResNet-50's rebuilt buckets differently from torch's from the second step on.
 
     # ---- the step -------------------------------------------------------------------
     def _bind(self) -> None:

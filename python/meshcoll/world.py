@@ -107,12 +107,12 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
         _Default.logged_world_of_one = True
         logging.getLogger("meshcoll").info(WORLD_OF_ONE)
     timeout = (_C.check_timeout(timeout, "meshcoll.init") if timeout is not None
-               else _settings.timeout_from_env())
+               else _settings.timeout_from_env(_C.DEFAULT_TIMEOUT_S))
     # Every setting is read and checked here, before the store is contacted. A bad value is
-    # usually set on every rank alike; found later, it failed rank 0 once its store was up,
-    # and rank 0 then closed it, so the other ranks waited their whole timeout to reach a
-    # store that was gone and blamed the store. Now each rank fails at
-    # once, naming the variable.
+    # usually set on every rank alike; found only after rank 0's store was up, it would fail
+    # rank 0, which closes its store, and leave the other ranks waiting their whole timeout
+    # for a store that is gone, blaming the store. Found here, it fails each rank at once,
+    # naming the variable.
     options, ifname_host = _group_settings(rv)
     # A job of one process has no one to share a token with: it makes its own.
     token = rv.token or (secrets.token_hex(16) if rv.world_size == 1 else "")

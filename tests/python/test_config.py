@@ -25,6 +25,28 @@ def test_cpp_defaults_equal_unset_environment():
     assert _as_tuple(_C.Config()) == _as_tuple(CoreConfig())
 
 
+@pytest.mark.timeout(60)
+def test_the_default_timeout_is_the_cores(tmp_path):
+    # Defined once, in C++ (kDefaultTimeout, common/deadline.h): a world made with no timeout=
+    # and no MESHCOLL_TIMEOUT, and a FileStore made with none, wait that long.
+    assert _C.DEFAULT_TIMEOUT_S == 300.0  # as the README says
+    assert _C.FileStore(str(tmp_path / "store")).timeout == _C.DEFAULT_TIMEOUT_S
+    script = textwrap.dedent("""
+        import meshcoll
+        from meshcoll import _C
+        pg = meshcoll.init()
+        print(pg._timeout == _C.DEFAULT_TIMEOUT_S, pg._store.timeout == _C.DEFAULT_TIMEOUT_S)
+        meshcoll.destroy()
+        """)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MESHCOLL_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_", "OMPI_",
+                                "PMI_", "SLURM_"))}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=50)
+    assert run.returncode == 0 and run.stdout.split() == ["True", "True"], \
+        run.stdout + run.stderr
+
+
 def test_set_reload_and_core_validation(monkeypatch):
     try:
         _C.set_config(CoreConfig(host_id="h1", cma=False, nccl_library="/x/libnccl.so.2"))

@@ -307,15 +307,15 @@ def test_empty_master_addr_argument():
 # -- timeout, interface, launcher round trip ---------------------------------
 
 def test_timeout_default_and_value():
-    assert timeout_from_env(environ={}) == 300.0
+    # The default is the core's (_C.DEFAULT_TIMEOUT_S, passed by meshcoll.init).
     assert timeout_from_env(12.0, environ={}) == 12.0
-    assert timeout_from_env(environ={"MESHCOLL_TIMEOUT": "2.5"}) == 2.5
+    assert timeout_from_env(12.0, environ={"MESHCOLL_TIMEOUT": "2.5"}) == 2.5
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-1", "inf", "nan"])
 def test_timeout_bad_values_name_variable(value):
     with pytest.raises(ValueError, match=rf"MESHCOLL_TIMEOUT='{value}'"):
-        timeout_from_env(environ={"MESHCOLL_TIMEOUT": value})
+        timeout_from_env(300.0, environ={"MESHCOLL_TIMEOUT": value})
 
 
 def test_shm_bytes_range():
@@ -343,7 +343,7 @@ def test_launcher_env_round_trips():
     env = launcher_env(rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1,
                        master_addr="n0", master_port=29500, token="t", timeout=30)
     assert env["MESHCOLL_NODE_RANK"] == "1"
-    assert timeout_from_env(environ=env) == 30.0
+    assert timeout_from_env(300.0, environ=env) == 30.0
     assert rdv(env) == Rendezvous(5, 8, 1, 4, "n0", 29500, "t", "meshcoll")
 
 

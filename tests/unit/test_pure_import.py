@@ -6,6 +6,7 @@ The package is copied without any ``*.so``, so an eager ``import _C`` put back i
 ``meshcoll/__init__.py`` or into one of these modules fails here, even on a machine where
 the extension is built."""
 
+import ast
 import os
 import re
 import shutil
@@ -66,6 +67,7 @@ def test_pure_modules_import_without_the_extension(tmp_path):
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
 
 
+@pytest.mark.timeout(120)  # collecting imports torch and numpy: slow on a loaded machine
 def test_tier1_test_files_import_without_the_extension(tmp_path):
     # Tier 1 (this folder) runs where nothing is compiled: a test file that imports _C,
     # or an example (they import it), belongs to tests/python. Collecting is enough to
@@ -75,6 +77,27 @@ def test_tier1_test_files_import_without_the_extension(tmp_path):
     here = os.path.dirname(os.path.abspath(__file__))
     run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "tier1",
                           "-p", "no:cacheprovider", here], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=50)
+                         capture_output=True, text=True, timeout=110)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert re.search(r"^\d+ tests collected", run.stdout, re.M), run.stdout[-3000:]
+
+
+def test_the_public_names_agree_in_their_three_forms():
+    # __init__.py states each public name in the three forms its readers need: _HOME for the
+    # lazy loader, the TYPE_CHECKING imports for type checkers, and __all__ as a literal list
+    # (the only form mypy reads for `from meshcoll import *`). They must say the same.
+    tree = ast.parse(open(meshcoll.__file__).read())
+    values, typed = {}, {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in ("_HOME", "__all__"):
+                values[node.targets[0].id] = eval(compile(ast.Expression(node.value), "", "eval"))
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "_typing.TYPE_CHECKING":
+            for imp in node.body:
+                assert isinstance(imp, ast.ImportFrom) and imp.level == 1, ast.unparse(imp)
+                typed.update({a.name: imp.module for a in imp.names})
+    home, names = values["_HOME"], values["__all__"]
+    assert len(names) == len(set(names)), "a name twice in __all__"
+    assert set(names) == set(home), set(names) ^ set(home)
+    assert typed == home, {n: (home.get(n), typed.get(n)) for n in set(home) | set(typed)
+                           if home.get(n) != typed.get(n)}

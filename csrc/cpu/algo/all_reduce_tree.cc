@@ -2,7 +2,6 @@
 // (Note [Trees] in tree.h; tree_kary.cc). Binomial: 2 ceil(log2 n) steps of the whole vector,
 // the fewest steps, so the lowest latency for small vectors; each rank folds its children in
 // a fixed order, so results are deterministic.
-#include <cstring>
 
 #include "cpu/algo/collectives.h"
 #include "cpu/algo/plan.h"

@@ -221,10 +221,9 @@ const ShmPathRow& shm_path_row(int n) {
 // peer has finished phase one). Per rank each byte is read from memory twice and written
 // twice (the copy path: about four times each), at three synchronisations. An average is
 // divided piece by piece right after the fold, so that it costs no pass of its own over the
-// vector (on the 2-core VM that pass took 3.3 ms for 33.6 MB, a third of the all-reduce).
-// Measured with 2 ranks on a 2-core VM against the copy path (with peer writes instead of
-// reads: 8 KiB 3.7-4.1 vs 3.0-3.2 us, 16 KiB 3.9-4.5 vs 4.9-5.1 us, 256 KiB 16 vs 31 us,
-// 2 MiB 140 vs 260 us). Pieces of 512 KiB beat 256 KiB and 1 MiB at 2 MiB.
+// vector (a separate pass cost a third of the all-reduce). The single copy beats the copy
+// path from 16 KiB on (2 ranks), and pieces of 512 KiB beat 256 KiB and 1 MiB
+// (docs/performance.md, "Single-copy all_reduce").
 constexpr size_t kSingleCopyPieceBytes = 512 * 1024;
 
 // Note [Reduced slices through the data areas]

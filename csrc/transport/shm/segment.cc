@@ -14,7 +14,7 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <thread>
+#include <functional>
 
 #include "common/config.h"
 #include "common/cores.h"
@@ -71,9 +71,8 @@ ShmGroup::ShmGroup(int rank, int size, size_t data_bytes)
   // nothing of its own, so it spins 2 ms there too. With 100 us, two ranks on a host that
   // other processes kept busy fell into turns of sleeps: a rank descheduled for a moment made
   // its peer sleep, the wake-up then took longer than 100 us, so the woken rank's next wait
-  // slept too, and so on: an 8-byte all_reduce took 140-200 us on the loaded 2-core VM
-  // against 3-5 us with 2 ms (Open MPI, which never sleeps: 1.5-30 us; docs/performance.md,
-  // "small all_reduce on 2 ranks"). MESHCOLL_SHM_SPIN_US overrides both times.
+  // slept too, and so on: a small all_reduce took tens of times longer than with 2 ms
+  // (docs/performance.md, "Shared-memory spin"). MESHCOLL_SHM_SPIN_US overrides both times.
   const auto ranks = static_cast<unsigned>(size);
   yield_ = !threads_fit(ranks, host_cores());
   const long us = config().shm_spin_us;

@@ -10,7 +10,6 @@
 #include <sys/socket.h>
 
 #include <cstring>
-#include <thread>
 
 #include "common/cores.h"
 #include "common/error.h"

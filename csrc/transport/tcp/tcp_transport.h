@@ -6,7 +6,6 @@
 
 #include <poll.h>
 
-#include <deque>
 #include <memory>
 #include <string>
 #include <vector>

@@ -15,6 +15,7 @@ import numpy as np
 
 from meshcoll import _C, __version__
 from meshcoll._types import AlgorithmName, ReduceOpName
+from meshcoll.collectives import BROADCAST_ALGORITHMS, REDUCE_ALGORITHMS
 
 from .buffers import INTS, TYPE_NAMES, DeviceDType
 from .verify import (CHUNK, SENTINEL, count_wrong, move_input, rank_values, reduce_expected,
@@ -52,8 +53,9 @@ TREE_ARITIES = (2, 4, 8)
 # The collectives that take an algorithm, and what each takes besides auto (ring: broadcast's
 # chain, TCP groups only; shm: all_reduce on shared-memory groups only).
 CHOOSING: Dict[str, Tuple[str, ...]] = {
-    "all_reduce": ALGORITHMS, "reduce": ("tree", "direct"),
-    "broadcast": ("tree", "direct", "ring"),
+    "all_reduce": ALGORITHMS,
+    "reduce": tuple(a for a in REDUCE_ALGORITHMS if a != "auto"),
+    "broadcast": tuple(a for a in BROADCAST_ALGORITHMS if a != "auto"),
 }
 REDOPS: Tuple[ReduceOpName, ...] = get_args(ReduceOpName)  # band, bor, bxor: integers, CPU
 # Where each op's result goes, as nccl-tests' two column groups: out-of-place (a buffer of
