@@ -176,16 +176,15 @@ struct ShmPathRow {
 };
 // Where the rows come from:
 //  - 2 ranks: the flat path's limits, measured on a 2-core VM (Note [Single-copy all_reduce]);
-//  - single_copy_from at 3 ranks and up: measured on a 16-core host, 4, 8 and 16 ranks, both
-//    data paths forced in turn (MESHCOLL_CMA=0 / 1) from 32 KiB to 32 MiB: the copy through
-//    the data areas wins below about 4 MiB at 4 ranks (at 1 MiB 219-232 us against 372-399)
-//    and below about 8 MiB at 8 and 16 ranks (8 ranks, 1 MiB: 293-311 us against 427-472);
-//    above, single copy wins or ties. Single copy makes 2(n-1) syscalls a piece, each pinning
-//    the peer's pages while n-1 other ranks read the same peer (docs/performance.md,
-//    2026-11-28 (fourth session));
+//  - single_copy_from at 3 ranks and up: measured on a 16-core host at 4, 8 and 16 ranks,
+//    both data paths forced in turn (MESHCOLL_CMA=0 / 1, MESHCOLL_SHM_SINGLE_COPY_BYTES): the
+//    copy through the data areas wins below about 4 MiB at 4 ranks and below about 8 MiB at 8
+//    and 16; above, single copy wins or ties (the tables: docs/performance.md). The kernel's
+//    copy pins the peer's pages while n-1 other ranks read the same peer, which costs more
+//    than the copy it saves until the vectors are large;
 //  - scalable_from and fold_all_bytes: not measured against each other yet; the scalable
-//    path is the one measured against Open MPI from 8 ranks up. 32 ranks and more: the 16-rank
-//    row, unmeasured.
+//    path is the one measured against Open MPI from 8 ranks up. The 8-rank row holds from 8
+//    ranks up: measured at 8 and 16, not beyond.
 // MESHCOLL_SHM_SINGLE_COPY_BYTES overrides single_copy_from on every rank (agreed at setup).
 constexpr ShmPathRow kShmPaths[] = {
     // ranks  scalable from  fold all   single copy from
