@@ -81,6 +81,7 @@ MpiApi& load(const std::string& path) {
   bind(h, path, "mc_ibarrier", a->ibarrier);
   bind(h, path, "mc_isend", a->isend);
   bind(h, path, "mc_irecv", a->irecv);
+  bind(h, path, "mc_isendrecv", a->isendrecv);
   bind(h, path, "mc_test", a->test);
   int ours = 0;
   if (int rc = a->init(reduce_with_kernels, &a->rank, &a->size, &a->thread_level, &ours))

@@ -30,7 +30,7 @@
 namespace meshcoll::mpi {
 
 // The shim's ABI (MC_SHIM_ABI in shim.c): a cached library of another one is rebuilt.
-inline constexpr int kShimAbi = 1;
+inline constexpr int kShimAbi = 2;
 
 struct MpiApi {
   using ReduceFn = void (*)(int dtype, int op, void* dst, const void* src, size_t n);
@@ -63,6 +63,9 @@ struct MpiApi {
   int (*ibarrier)(void*, void**);
   int (*isend)(const void*, int, int, int, int, void*, void**);
   int (*irecv)(void*, int, int, int, int, void*, void**);
+  // (send, scount, to, recv, rcount, from, dtype, tag, comm, req): one step of meshcoll's own
+  // collectives, on the communicator's private duplicate; to or from < 0: that side is none.
+  int (*isendrecv)(const void*, int, int, void*, int, int, int, int, void*, void**);
   int (*test)(void*, int*);
 
   // "MPI error 15: MPI_ERR_TRUNCATE: message truncated" (for messages).
