@@ -81,11 +81,11 @@ int code(RedOp op) { return static_cast<int>(op); }
 // sends and receives (the shim's isendrecv, on the communicator's private duplicate, so
 // they never match the user's point-to-point) under the same progress loop and deadline as
 // any call, reducing with meshcoll's kernels between steps:
-//  - below kRingBytes, recursive doubling: log2(N) exchanges of the whole array (the ranks
-//    past the largest power of two first hand theirs to a partner, and get the result back
-//    from it at the end);
-//  - from kRingBytes, a ring: a reduce-scatter then an all_gather of N blocks, 2 (N - 1)
-//    steps, each moving one block.
+//  - for blocks (the array / N) below kRingBlockBytes, recursive doubling: log2(N)
+//    exchanges of the whole array (the ranks past the largest power of two first hand
+//    theirs to a partner, and get the result back from it at the end);
+//  - from there, a ring: a reduce-scatter then an all_gather of N blocks, 2 (N - 1) steps,
+//    each moving one block.
 // Every rank ends with the same bits: an exchange combines the lower rank's partial first on
 // both sides, and the ring reduces each block once, then copies it. The tag is the call's
 // sequence number (mod 32768, the least MPI_TAG_UB MPI allows), so the steps of one call
@@ -94,15 +94,18 @@ int code(RedOp op) { return static_cast<int>(op); }
 // ranks would wait on each other, where libnbc advances every schedule at any MPI call.
 class Schedule {
  public:
-  static constexpr size_t kRingBytes = 16 << 10;
+  // The ring from blocks (count / N) of this size: below, its 2 (N - 1) steps cost more than
+  // recursive doubling's larger transfers (Open MPI's shared-memory transport copies
+  // messages above 4 KiB after a handshake, and a step is bandwidth-bound from about 32 KiB).
+  static constexpr size_t kRingBlockBytes = 64 << 10;
 
   // All_reduce of `count` elements of `buf`, in place, over the communicator `comm` (the
   // call's sequence number `seq` tags its messages). Receives into set_scratch()'s memory,
   // scratch_bytes() of it.
   Schedule(int rank, int size, void* buf, size_t count, DType dtype, RedOp op, uint64_t seq,
            void* comm)
-      : rank_(rank), size_(size), ring_(count * dtype_size(dtype) >= kRingBytes &&
-                                        count >= static_cast<size_t>(size)),
+      : rank_(rank), size_(size),
+        ring_(count / size * dtype_size(dtype) >= kRingBlockBytes),
         buf_(static_cast<uint8_t*>(buf)), count_(count), elem_(dtype_size(dtype)),
         dtype_(dtype), fn_(reduce::lookup(dtype, op)), tag_(static_cast<int>(seq & 0x7fff)),
         comm_(comm) {
