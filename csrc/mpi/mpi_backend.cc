@@ -124,7 +124,7 @@ class Schedule {
   void set_scratch(std::shared_ptr<uint8_t> scratch) { scratch_ = std::move(scratch); }
   const std::shared_ptr<uint8_t>& scratch() const { return scratch_; }
 
-  // Starts the next step (under mpi_lock()): 0 or MPI's error.
+  // Starts the next step (under MpiLock): 0 or MPI's error.
   int start(void** req) {
     step_ = ring_ ? ring_step(next_) : doubling_step(next_);
     uint8_t* into = step_.reduce ? scratch_.get() : buf_ + step_.recv_at * elem_;
@@ -273,13 +273,13 @@ class MpiWork final : public comm::Work {
     if (done_) return;
     int complete = 0, rc;
     {
-      std::lock_guard<std::mutex> mpi(mpi_lock());
+      MpiLock mpi;
       rc = api().test(req_, &complete);
     }
     // A schedule's next step starts as soon as one completed (Note [all_reduce over
     // point-to-point]); its reduction runs outside the lock.
     while (!rc && complete && schedule_ && schedule_->advance()) {
-      std::lock_guard<std::mutex> mpi(mpi_lock());
+      MpiLock mpi;
       rc = schedule_->start(&req_);
       if (!rc) rc = api().test(req_, &complete);
     }
@@ -566,7 +566,7 @@ WorkPtr MpiBackend::run(Call& c, Start&& start, Finish finish, int peer,
   void* req = nullptr;
   int rc;
   {
-    std::lock_guard<std::mutex> lock(mpi_lock());
+    MpiLock lock;
     rc = start(&req);
   }
   if (rc) {

@@ -48,6 +48,7 @@ static MPI_User_function* const g_user_fns[kNumOps] = {user_op_0, user_op_1, use
                                                       user_op_4, user_op_5, user_op_6, user_op_7};
 
 int mc_abi(void) { return MC_SHIM_ABI; }
+int mc_thread_multiple(void) { return MPI_THREAD_MULTIPLE; }
 
 static int own_type(int bytes, MPI_Datatype* t) {
   int rc = MPI_Type_contiguous(bytes, MPI_BYTE, t);
