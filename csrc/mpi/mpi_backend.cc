@@ -208,15 +208,15 @@ class MpiWork final : public comm::Work {
           uint64_t seq, uint64_t p2p, int peer, MpiBackend::Finish finish, Millis timeout,
           std::vector<std::shared_ptr<void>> keep, std::optional<Schedule> schedule)
       : b_(std::move(b)), req_(req), what_(what), desc_(desc), seq_(seq), p2p_(p2p),
-        peer_(peer), finish_(finish), deadline_(timeout), timeout_(timeout), keep_(std::move(keep)),
-        schedule_(std::move(schedule)), start_(Clock::now()) {
+        peer_(peer), finish_(finish), start_(Clock::now()), deadline_(timeout, start_),
+        timeout_(timeout), keep_(std::move(keep)), schedule_(std::move(schedule)) {
     b_->ledger().pending().issued();
   }
 
   void wait(Millis timeout, bool /*has_stream*/, comm::Stream /*stream*/) override {
     std::unique_lock<std::mutex> lock(mu_);
-    const Deadline mine(timeout);  // the wait's own, if shorter than the operation's
     const auto since = Clock::now();
+    const Deadline mine(timeout, since);  // the wait's own, if shorter than the operation's
     for (int spins = 0; !done_; ++spins) {
       // While spinning, the clock and the hook only every 64th test: the test that finds the
       // call complete comes sooner (a test takes about a tenth of a microsecond).
@@ -364,11 +364,11 @@ class MpiWork final : public comm::Work {
   uint64_t seq_, p2p_;
   int peer_;
   MpiBackend::Finish finish_;
+  Clock::time_point start_;
   Deadline deadline_;
   Millis timeout_;
   std::vector<std::shared_ptr<void>> keep_;
   std::optional<Schedule> schedule_;  // none: one MPI call
-  Clock::time_point start_;
   std::mutex mu_;
   bool done_ = false;
   std::exception_ptr error_;
