@@ -580,3 +580,47 @@ def test_auto_picks_cpu_on_one_host_and_mpi_across_hosts(tmp_path):
         code, out, res = mpi_job(job, prelude + body)
         assert code == 0, out
         assert res == {0: [want, True], 1: [want, True]}, (want, res, out[-2000:])
+
+
+@pytest.mark.timeout(90)
+def test_auto_with_mpi_on_some_ranks_only_is_an_error_on_every_rank(tmp_path):
+    """init(backend="auto") under mpirun where MPI loads on rank 0 but not on rank 1 (Note
+    [MPI on some ranks only] in python/meshcoll/world.py). With a master address, both ranks
+    raise a RuntimeError naming rank 1 and why, at once (before: rank 0 started MPI and waited
+    in MPI_Init for rank 1 forever, and rank 1 timed out on a store rank 0 never hosted).
+    Without one, rank 1 says MPI does not load there, and the job ends when it fails."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    body = """
+        r = int(os.environ["OMPI_COMM_WORLD_RANK"])
+        if r == 1:
+            os.environ["MPICC"] = "/nonexistent/mpicc"
+        {master}
+        start = time.monotonic()
+        try:
+            pg = meshcoll.init(backend="auto", timeout=15)
+            report(r, ["no error: " + pg.backend_name, time.monotonic() - start])
+        except Exception as e:
+            report(r, [f"{{type(e).__name__}}: {{e}}", time.monotonic() - start])
+            raise  # a rank that fails: mpirun ends the job
+    """
+    master = (f'os.environ["MESHCOLL_MASTER_ADDR"] = "127.0.0.1"; '
+              f'os.environ["MESHCOLL_MASTER_PORT"] = "{port}"')
+    job = tmp_path / "master"
+    job.mkdir()
+    code, out, res = mpi_job(job, body.format(master=master), timeout=60)
+    assert set(res) == {0, 1}, out[-2000:]
+    for rank, (seen, took) in res.items():
+        assert seen.startswith("RuntimeError"), (rank, seen)
+        assert "not on rank(s) [1]" in seen and "/nonexistent/mpicc" in seen, (rank, seen)
+        assert took < 10, (rank, took)
+    job = tmp_path / "no-master"
+    job.mkdir()
+    start = time.monotonic()
+    code, out, res = mpi_job(job, body.format(master=""), timeout=60)
+    seen, took = res[1]
+    assert seen.startswith("RuntimeError") and "MPI does not load here" in seen, seen
+    assert "/nonexistent/mpicc" in seen and "rank 1" in seen, seen
+    assert time.monotonic() - start < 40, out[-2000:]
