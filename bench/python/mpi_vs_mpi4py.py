@@ -1,18 +1,19 @@
 """meshcoll's MPI backend against mpi4py on the same MPI, in the same processes: all_reduce
 (float32 sum, in place) per size: mpi4py's blocking Allreduce, its nonblocking Iallreduce +
-Wait (what meshcoll's backend calls), meshcoll's; times, busbw and meshcoll's speed ratios.
+Wait, meshcoll's; times, busbw and meshcoll's speed ratios.
 
     python bench/python/mpi_vs_mpi4py.py              # mpirun -n 2, 8 B .. 16 MiB
     python bench/python/mpi_vs_mpi4py.py -N 4 --max 64M
 
 A benchmark, not a test. Starts itself under ``mpirun`` (``--allow-run-as-root`` when run as
-root, ``--oversubscribe``). Both libraries run in every rank, taking turns per size: mpi4py's
+root, ``--oversubscribe``). Both libraries run in every rank: mpi4py's
 ``Allreduce(MPI.IN_PLACE, x)`` on MPI_COMM_WORLD (blocking), ``Iallreduce(...).Wait()``, and
-meshcoll's ``all_reduce`` on
-its own duplicate of it (MPI_Iallreduce and a progress loop of MPI_Test under a deadline, plus
-the agreement check's side channel: the cost of what meshcoll adds). Per size: ``-w`` warm-up
-calls, then ``--repeats`` times a barrier and ``-n`` calls, each rank timing its loop; a
-repeat's time is the largest per-rank mean, the reported time the median over repeats.
+meshcoll's ``all_reduce`` on its own duplicate of it (nonblocking sends and receives and a
+progress loop under a deadline, Note [all_reduce over point-to-point] in
+csrc/mpi/mpi_backend.cc, plus the agreement check's side channel: the cost of what meshcoll
+adds). Per size: ``-w`` warm-up calls, then ``--repeats`` times, the three taking turns, a
+barrier and ``-n`` calls, each rank timing its loop; a repeat's time is the largest per-rank
+mean, the reported time the median over repeats.
 busbw = 2 (N-1)/N x bytes / time, as nccl-tests. Needs ``pip install mpi4py`` built against
 the same MPI as meshcoll's shim (its ``mpicc``).
 """
@@ -53,16 +54,19 @@ def _rank_main(a: argparse.Namespace) -> None:
     pg = meshcoll.init(backend="mpi", timeout=120)
     me, n = pg.rank, pg.size
 
-    def timed(call, iters: int) -> float:
-        runs = []
+    def timed(calls, iters: int) -> list:
+        """Each call's median time over the repeats, the calls taking turns within each
+        repeat (a burst of load on a shared machine then hits all of them alike)."""
+        runs: list = [[] for _ in calls]
         for _ in range(a.repeats):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                call()
-            mine = (time.perf_counter() - t0) / iters
-            runs.append(comm.allreduce(mine, op=MPI.MAX))
-        return statistics.median(runs)
+            for k, call in enumerate(calls):
+                comm.Barrier()
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    call()
+                mine = (time.perf_counter() - t0) / iters
+                runs[k].append(comm.allreduce(mine, op=MPI.MAX))
+        return [statistics.median(r) for r in runs]
 
     size = _size(a.min)
     if me == 0:
@@ -75,9 +79,9 @@ def _rank_main(a: argparse.Namespace) -> None:
         for _ in range(a.w):
             comm.Allreduce(MPI.IN_PLACE, x)
             pg.all_reduce(x)
-        t_ref = timed(lambda: comm.Allreduce(MPI.IN_PLACE, x), iters)
-        t_nb = timed(lambda: comm.Iallreduce(MPI.IN_PLACE, x).Wait(), iters)
-        t_mc = timed(lambda: pg.all_reduce(x), iters)
+        t_ref, t_nb, t_mc = timed([lambda: comm.Allreduce(MPI.IN_PLACE, x),
+                                   lambda: comm.Iallreduce(MPI.IN_PLACE, x).Wait(),
+                                   lambda: pg.all_reduce(x)], iters)
         if me == 0:
             bus = 2 * (n - 1) / n * x.nbytes
             print(f"{x.nbytes:>10} {t_ref * 1e6:>12.1f} {t_nb * 1e6:>13.1f} {t_mc * 1e6:>12.1f} "

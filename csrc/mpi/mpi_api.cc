@@ -60,6 +60,7 @@ MpiApi& load(const std::string& path) {
   if (a->abi() != kShimAbi)
     throw Error(str_cat("the MPI shim ", path, " has ABI ", a->abi(), ", this meshcoll needs ",
                         kShimAbi, "; delete it so that meshcoll rebuilds it"));
+  bind(h, path, "mc_thread_multiple", a->thread_multiple);
   bind(h, path, "mc_init", a->init);
   bind(h, path, "mc_finalize", a->finalize);
   bind(h, path, "mc_abort", a->abort);
@@ -81,11 +82,13 @@ MpiApi& load(const std::string& path) {
   bind(h, path, "mc_ibarrier", a->ibarrier);
   bind(h, path, "mc_isend", a->isend);
   bind(h, path, "mc_irecv", a->irecv);
+  bind(h, path, "mc_isendrecv", a->isendrecv);
   bind(h, path, "mc_test", a->test);
   int ours = 0;
   if (int rc = a->init(reduce_with_kernels, &a->rank, &a->size, &a->thread_level, &ours))
     throw Error(str_cat("MPI_Init_thread failed: ", a->error_text(rc)));
   a->ours = ours != 0;
+  a->multiple = a->thread_level == a->thread_multiple();
   char version[512];
   a->library_version(version, sizeof version);
   a->version = version;

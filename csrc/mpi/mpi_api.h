@@ -19,7 +19,9 @@
 //
 // Calls into MPI are serialized by mpi_lock(): MPI is asked for MPI_THREAD_MULTIPLE, but an
 // MPI that gives less (serialized) is still safe, and the calls are short (nonblocking
-// starts and MPI_Test).
+// starts and MPI_Test). Where MPI did grant MPI_THREAD_MULTIPLE, the calls of every
+// operation (its starts and its progress loop's tests: MpiLock) take no lock: a lock per
+// test would slow the loop that waits for a small call, and any thread may call MPI then.
 #pragma once
 
 #include <atomic>
@@ -30,7 +32,7 @@
 namespace meshcoll::mpi {
 
 // The shim's ABI (MC_SHIM_ABI in shim.c): a cached library of another one is rebuilt.
-inline constexpr int kShimAbi = 1;
+inline constexpr int kShimAbi = 2;
 
 struct MpiApi {
   using ReduceFn = void (*)(int dtype, int op, void* dst, const void* src, size_t n);
@@ -38,9 +40,11 @@ struct MpiApi {
   std::string version;  // MPI_Get_library_version's first line
   int rank = 0, size = 1;
   int thread_level = 0;
+  bool multiple = false;  // thread_level is MPI_THREAD_MULTIPLE: MpiLock takes no lock
   bool ours = false;  // this process called MPI_Init (and so finalizes)
 
   int (*abi)();
+  int (*thread_multiple)();  // MPI_THREAD_MULTIPLE's value
   int (*init)(ReduceFn, int*, int*, int*, int*);
   int (*finalize)();
   void (*abort)(int);
@@ -63,6 +67,9 @@ struct MpiApi {
   int (*ibarrier)(void*, void**);
   int (*isend)(const void*, int, int, int, int, void*, void**);
   int (*irecv)(void*, int, int, int, int, void*, void**);
+  // (send, scount, to, recv, rcount, from, dtype, tag, comm, req): one step of meshcoll's own
+  // collectives, on the communicator's private duplicate; to or from < 0: that side is none.
+  int (*isendrecv)(const void*, int, int, void*, int, int, int, int, void*, void**);
   int (*test)(void*, int*);
 
   // "MPI error 15: MPI_ERR_TRUNCATE: message truncated" (for messages).
@@ -80,6 +87,16 @@ MpiApi& api();
 bool loaded();
 // Held around every call into MPI.
 std::mutex& mpi_lock();
+// Held around an operation's calls into MPI: mpi_lock(), unless MPI is thread-safe.
+class MpiLock {
+ public:
+  MpiLock() : lock_(mpi_lock(), std::defer_lock) {
+    if (!api().multiple) lock_.lock();
+  }
+
+ private:
+  std::unique_lock<std::mutex> lock_;
+};
 // Operations started in MPI and not yet completed, over every group of the process.
 std::atomic<int>& inside_mpi();
 // At exit: MPI_Abort if an operation is still inside MPI (Note [MPI failure model] in

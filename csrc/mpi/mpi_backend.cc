@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "common/check.h"
@@ -71,25 +72,158 @@ int code(DType t) { return static_cast<int>(t); }
 int code(RedOp op) { return static_cast<int>(op); }
 }  // namespace
 
+// Note [all_reduce over point-to-point]
+// Open MPI runs MPI_Iallreduce through libnbc, which builds a schedule at each call and
+// advances it a round per MPI_Test: on the 2-core VM about twice its blocking MPI_Allreduce
+// (coll/tuned) below 8 KiB, and slower still above (docs/performance.md, 2026-11-28, "the
+// flat MPI backend"). A blocking call would have no deadline (MPI cannot cancel it), so a
+// synchronous all_reduce runs tuned's own algorithms here instead, as steps of nonblocking
+// sends and receives (the shim's isendrecv, on the communicator's private duplicate, so
+// they never match the user's point-to-point) under the same progress loop and deadline as
+// any call, reducing with meshcoll's kernels between steps:
+//  - for blocks (the array / N) below kRingBlockBytes, recursive doubling: log2(N)
+//    exchanges of the whole array (the ranks past the largest power of two first hand
+//    theirs to a partner, and get the result back from it at the end);
+//  - from there, a ring: a reduce-scatter then an all_gather of N blocks, 2 (N - 1) steps,
+//    each moving one block.
+// Every rank ends with the same bits: an exchange combines the lower rank's partial first on
+// both sides, and the ring reduces each block once, then copies it. The tag is the call's
+// sequence number (mod 32768, the least MPI_TAG_UB MPI allows), so the steps of one call
+// never match another's. Asynchronous all_reduces keep MPI_Iallreduce: a schedule advances
+// only while its own Work is tested, so two Works waited for in different orders on two
+// ranks would wait on each other, where libnbc advances every schedule at any MPI call.
+class Schedule {
+ public:
+  // The ring from blocks (count / N) of this size: below, its 2 (N - 1) steps cost more than
+  // recursive doubling's larger transfers (Open MPI's shared-memory transport copies
+  // messages above 4 KiB after a handshake, and a step is bandwidth-bound from about 32 KiB).
+  static constexpr size_t kRingBlockBytes = 64 << 10;
+
+  // All_reduce of `count` elements of `buf`, in place, over the communicator `comm` (the
+  // call's sequence number `seq` tags its messages). Receives into set_scratch()'s memory,
+  // scratch_bytes() of it.
+  Schedule(int rank, int size, void* buf, size_t count, DType dtype, RedOp op, uint64_t seq,
+           void* comm)
+      : rank_(rank), size_(size),
+        ring_(count / size * dtype_size(dtype) >= kRingBlockBytes),
+        buf_(static_cast<uint8_t*>(buf)), count_(count), elem_(dtype_size(dtype)),
+        dtype_(dtype), fn_(reduce::lookup(dtype, op)), tag_(static_cast<int>(seq & 0x7fff)),
+        comm_(comm) {
+    if (ring_) {
+      steps_ = 2 * (size - 1);
+      return;
+    }
+    while (pof2_ * 2 <= size) pof2_ *= 2;
+    rem_ = size - pof2_;
+    me_ = rank < 2 * rem_ ? (rank % 2 ? rank / 2 : -1) : rank - rem_;
+    int log2 = 0;
+    while ((1 << log2) < pof2_) ++log2;
+    steps_ = (rank < 2 * rem_ ? 2 : 0) + (me_ >= 0 ? log2 : 0);
+  }
+  size_t scratch_bytes() const { return (ring_ ? count_ / size_ + 1 : count_) * elem_; }
+  void set_scratch(std::shared_ptr<uint8_t> scratch) { scratch_ = std::move(scratch); }
+  const std::shared_ptr<uint8_t>& scratch() const { return scratch_; }
+
+  // Starts the next step (under MpiLock): 0 or MPI's error.
+  int start(void** req) {
+    step_ = ring_ ? ring_step(next_) : doubling_step(next_);
+    uint8_t* into = step_.reduce ? scratch_.get() : buf_ + step_.recv_at * elem_;
+    return api().isendrecv(buf_ + step_.send_at * elem_, static_cast<int>(step_.send_count),
+                           step_.to, into, static_cast<int>(step_.recv_count), step_.from,
+                           code(dtype_), tag_, comm_, req);
+  }
+  // The step started last completed: its reduction. Whether another step follows.
+  bool advance() {
+    if (step_.reduce) {
+      uint8_t* mine = buf_ + step_.recv_at * elem_;
+      if (step_.peer_first) {  // the lower rank's partial on the left, on both sides
+        fn_(scratch_.get(), mine, step_.recv_count);
+        std::memcpy(mine, scratch_.get(), step_.recv_count * elem_);
+      } else {
+        fn_(mine, scratch_.get(), step_.recv_count);
+      }
+    }
+    return ++next_ < steps_;
+  }
+
+ private:
+  struct Step {
+    int to = -1, from = -1;              // peers (-1: none)
+    size_t send_at = 0, send_count = 0;  // elements of the buffer
+    // Elements received: into scratch to reduce into the buffer at recv_at (`reduce`), or
+    // straight into the buffer at recv_at.
+    size_t recv_at = 0, recv_count = 0;
+    bool reduce = false;
+    bool peer_first = false;  // reduce: the peer's partial is the left operand
+  };
+
+  // Recursive doubling among the largest power of two of ranks (pof2_); each of the first
+  // rem_ odd ranks first takes its even neighbour's array, and hands it the result last.
+  Step doubling_step(int i) const {
+    const size_t n = count_;
+    if (rank_ < 2 * rem_) {
+      const bool odd = rank_ % 2;
+      if (i == 0) return odd ? Step{-1, rank_ - 1, 0, 0, 0, n, true, true}
+                             : Step{rank_ + 1, -1, 0, n, 0, 0, false, false};
+      if (i == steps_ - 1) return odd ? Step{rank_ - 1, -1, 0, n, 0, 0, false, false}
+                                      : Step{-1, rank_ + 1, 0, 0, 0, n, false, false};
+      --i;
+    }
+    const int other = me_ ^ (1 << i), peer = other < rem_ ? other * 2 + 1 : other + rem_;
+    return Step{peer, peer, 0, n, 0, n, true, other < me_};
+  }
+
+  // A ring: N - 1 steps of reduce-scatter (rank r ends with block r + 1 whole), then N - 1 of
+  // all_gather. Block b: count / N elements, one more for the first count % N.
+  Step ring_step(int i) const {
+    auto block = [&](int b) { return ((b % size_) + size_) % size_; };
+    auto at = [&](int b) {
+      return count_ / size_ * b + std::min<size_t>(b, count_ % size_);
+    };
+    const bool gather = i >= size_ - 1;
+    if (gather) i -= size_ - 1;
+    const int sb = block(rank_ - i + gather), rb = block(rank_ - i - 1 + gather);
+    return Step{block(rank_ + 1), block(rank_ - 1), at(sb), at(sb + 1) - at(sb), at(rb),
+                at(rb + 1) - at(rb), !gather, false};
+  }
+
+  const int rank_, size_;
+  const bool ring_;
+  uint8_t* const buf_;
+  const size_t count_, elem_;
+  const DType dtype_;
+  const reduce::ReduceFn fn_;
+  const int tag_;
+  void* const comm_;
+  int pof2_ = 1, rem_ = 0, me_ = -1;  // recursive doubling's
+  int steps_ = 0, next_ = 0;
+  Step step_;  // the one started last
+  std::shared_ptr<uint8_t> scratch_;
+};
+
 // One MPI operation: completed by MPI_Test in wait() (Note [MPI failure model]).
 class MpiWork final : public comm::Work {
  public:
   MpiWork(std::shared_ptr<MpiBackend> b, void* req, const char* what, const OpDesc& desc,
           uint64_t seq, uint64_t p2p, int peer, MpiBackend::Finish finish, Millis timeout,
-          std::vector<std::shared_ptr<void>> keep)
+          std::vector<std::shared_ptr<void>> keep, std::optional<Schedule> schedule)
       : b_(std::move(b)), req_(req), what_(what), desc_(desc), seq_(seq), p2p_(p2p),
-        peer_(peer), finish_(finish), deadline_(timeout), timeout_(timeout), keep_(std::move(keep)),
-        start_(Clock::now()) {
+        peer_(peer), finish_(finish), start_(Clock::now()), deadline_(timeout, start_),
+        timeout_(timeout), keep_(std::move(keep)), schedule_(std::move(schedule)) {
     b_->ledger().pending().issued();
   }
 
   void wait(Millis timeout, bool /*has_stream*/, comm::Stream /*stream*/) override {
     std::unique_lock<std::mutex> lock(mu_);
-    const Deadline mine(timeout);  // the wait's own, if shorter than the operation's
     const auto since = Clock::now();
+    const Deadline mine(timeout, since);  // the wait's own, if shorter than the operation's
     for (int spins = 0; !done_; ++spins) {
-      step();
+      // While spinning, the clock and the hook only every 64th test: the test that finds the
+      // call complete comes sooner (a test takes about a tenth of a microsecond).
+      const bool checks = spins % 64 == 0 || spins >= 2000;
+      step(checks);
       if (done_) break;
+      if (!checks) continue;
       if (mine.expired())
         throw TimeoutError(str_cat(b_->where(), ": ", what_, " did not complete within the wait's ",
                                    timeout.count(), " ms; it goes on (wait again)"));
@@ -133,13 +267,21 @@ class MpiWork final : public comm::Work {
   }
 
  private:
-  // One MPI_Test, and what follows from it (under mu_).
-  void step() {
+  // One MPI_Test, and what follows from it (under mu_); `checks`: and, if the call is not
+  // complete, whether the group failed or the deadline passed.
+  void step(bool checks = true) {
     if (done_) return;
     int complete = 0, rc;
     {
-      std::lock_guard<std::mutex> mpi(mpi_lock());
+      MpiLock mpi;
       rc = api().test(req_, &complete);
+    }
+    // A schedule's next step starts as soon as one completed (Note [all_reduce over
+    // point-to-point]); its reduction runs outside the lock.
+    while (!rc && complete && schedule_ && schedule_->advance()) {
+      MpiLock mpi;
+      rc = schedule_->start(&req_);
+      if (!rc) rc = api().test(req_, &complete);
     }
     if (rc) {  // the request is gone: MPI is done with the buffers
       b_->inside_mpi_.fetch_sub(1);
@@ -158,6 +300,7 @@ class MpiWork final : public comm::Work {
       b_->ledger().add_totals(desc_, static_cast<uint64_t>(
           std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start_).count()));
       end(nullptr);
+    } else if (!checks) {
     } else if (b_->failed()) {
       abandon();
       end(b_->failure_for(str_cat(b_->where(), ": ", describe(), ": ")));
@@ -184,6 +327,7 @@ class MpiWork final : public comm::Work {
   void abandon() {
     std::lock_guard<std::mutex> lock(b_->mu_);
     for (auto& k : keep_) b_->abandoned_.push_back(std::move(k));
+    if (schedule_) b_->abandoned_.push_back(schedule_->scratch());
   }
 
   // An MPI error of a call the ranks disagreed on is that disagreement: the check says so.
@@ -220,10 +364,11 @@ class MpiWork final : public comm::Work {
   uint64_t seq_, p2p_;
   int peer_;
   MpiBackend::Finish finish_;
+  Clock::time_point start_;
   Deadline deadline_;
   Millis timeout_;
   std::vector<std::shared_ptr<void>> keep_;
-  Clock::time_point start_;
+  std::optional<Schedule> schedule_;  // none: one MPI call
   std::mutex mu_;
   bool done_ = false;
   std::exception_ptr error_;
@@ -416,11 +561,12 @@ void MpiBackend::open(Call& c) {
 }
 
 template <class Start>
-WorkPtr MpiBackend::run(Call& c, Start&& start, Finish finish, int peer) {
+WorkPtr MpiBackend::run(Call& c, Start&& start, Finish finish, int peer,
+                        std::optional<Schedule>&& schedule) {
   void* req = nullptr;
   int rc;
   {
-    std::lock_guard<std::mutex> lock(mpi_lock());
+    MpiLock lock;
     rc = start(&req);
   }
   if (rc) {
@@ -435,18 +581,18 @@ WorkPtr MpiBackend::run(Call& c, Start&& start, Finish finish, int peer) {
   inside_mpi().fetch_add(1);
   const Millis timeout = c.opts.timeout.count() < 0 ? timeout_ : c.opts.timeout;
   auto w = std::make_shared<MpiWork>(shared_from_this(), req, c.what, c.desc, c.seq, c.p2p, peer,
-                                     finish, timeout, std::move(c.keep));
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    // Note [MPI failure model]: destroy() waits for what nobody waited for.
-    live_.erase(std::remove_if(live_.begin(), live_.end(),
-                               [](const std::weak_ptr<MpiWork>& p) { return p.expired(); }),
-                live_.end());
-    live_.push_back(w);
+                                     finish, timeout, std::move(c.keep), std::move(schedule));
+  if (c.p2p ? c.opts.wait : !c.opts.async) {  // ends here, on every path
+    w->wait(Millis(-1), false, nullptr);
+    return nullptr;
   }
-  if (c.p2p ? !c.opts.wait : c.opts.async) return w;
-  w->wait(Millis(-1), false, nullptr);
-  return nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  // Note [MPI failure model]: destroy() waits for what nobody waited for.
+  live_.erase(std::remove_if(live_.begin(), live_.end(),
+                             [](const std::weak_ptr<MpiWork>& p) { return p.expired(); }),
+              live_.end());
+  live_.push_back(w);
+  return w;
 }
 
 WorkPtr MpiBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op) {
@@ -457,9 +603,21 @@ WorkPtr MpiBackend::do_all_reduce(Call& c, const ArrayView& in, const ArrayView&
   const int n = int_count(in.count, c.what);
   open(c);
   Finish f{in.dtype, op == RedOp::kAvg ? out.data : nullptr, out.count};
-  return run(c, [&](void** req) {
-    return api().iallreduce(in.data, out.data, n, code(in.dtype), code(op), comm_, req);
-  }, f);
+  if (c.opts.async || size() == 1)
+    return run(c, [&](void** req) {
+      return api().iallreduce(in.data, out.data, n, code(in.dtype), code(op), comm_, req);
+    }, f);
+  // Note [all_reduce over point-to-point]: in out's place.
+  if (in.data != out.data) std::memcpy(out.data, in.data, in.bytes());
+  std::optional<Schedule> s(std::in_place, rank(), size(), out.data, out.count, in.dtype, op,
+                            c.seq, comm_);
+  const size_t bytes = s->scratch_bytes();
+  if (scratch_bytes_ < bytes) {  // kept for later calls: a large one faults no new pages
+    scratch_.reset(new uint8_t[bytes], std::default_delete<uint8_t[]>());
+    scratch_bytes_ = bytes;
+  }
+  s->set_scratch(scratch_);  // the Work's: MPI may still write into it, should the call fail
+  return run(c, [&](void** req) { return s->start(req); }, f, -1, std::move(s));
 }
 
 WorkPtr MpiBackend::do_reduce(Call& c, const ArrayView& in, const ArrayView& out, RedOp op,

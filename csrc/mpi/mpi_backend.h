@@ -40,6 +40,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -51,6 +52,7 @@ namespace meshcoll::mpi {
 
 class MpiWork;
 class ComposedWork;
+class Schedule;
 
 class MpiBackend final : public comm::Backend,
                          public std::enable_shared_from_this<MpiBackend> {
@@ -109,9 +111,11 @@ class MpiBackend final : public comm::Backend,
   void open(Call& c);
   // Starts the MPI call (`start` returns its request through its argument, or an MPI error),
   // then makes its Work; a synchronous call waits for it here and returns nullptr.
-  // `peer`: point-to-point's, for messages.
+  // `peer`: point-to-point's, for messages. `schedule`: the steps the call runs, the first
+  // of which `start` started (Note [all_reduce over point-to-point] in mpi_backend.cc).
   template <class Start>
-  comm::WorkPtr run(Call& c, Start&& start, Finish finish, int peer = -1);
+  comm::WorkPtr run(Call& c, Start&& start, Finish finish, int peer = -1,
+                    std::optional<Schedule>&& schedule = std::nullopt);
   // Note [Hierarchy on MPI]: hands an opened call to the composer (`issue` makes its call
   // there) and closes this group's record of it when the composer's operation ends.
   template <class MakeCall>
@@ -137,6 +141,10 @@ class MpiBackend final : public comm::Backend,
   // Buffers of operations MPI still holds after the group failed (Note [MPI failure model]).
   std::vector<std::shared_ptr<void>> abandoned_;
   std::vector<std::weak_ptr<MpiWork>> live_;  // Works that may not have ended (under mu_)
+  // Synchronous all_reduce's scratch space (Note [all_reduce over point-to-point]), kept
+  // between calls; the issuing thread's (Note [One issuing thread]).
+  std::shared_ptr<uint8_t> scratch_;
+  size_t scratch_bytes_ = 0;
 };
 
 }  // namespace meshcoll::mpi

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MC_SHIM_ABI 1
+#define MC_SHIM_ABI 2
 
 /* meshcoll's DType codes (common/dtype.h): 0 bool, 1 int8, 2 uint8, 3 int32, 4 int64,
  * 5 float16, 6 bfloat16, 7 float32, 8 float64, 9 float8_e4m3fn, 10 float8_e5m2. */
@@ -23,11 +23,14 @@ static int g_user[kNumDTypes]; /* 1: our own type, reduced by g_reduce */
 static MPI_Op g_user_ops[kNumOps];
 static mc_reduce_fn g_reduce;
 
+/* `coll`: a private duplicate of `comm` for meshcoll's own collectives over point-to-point
+ * (mc_isendrecv), whose messages must never match the user's sends and receives on `comm`. */
 typedef struct {
-  MPI_Comm comm;
+  MPI_Comm comm, coll;
 } mc_comm;
 typedef struct {
-  MPI_Request req;
+  MPI_Request req[2];
+  int n;
 } mc_req;
 
 static void user_op(void* in, void* inout, int* len, MPI_Datatype* dt, int op) {
@@ -45,6 +48,7 @@ static MPI_User_function* const g_user_fns[kNumOps] = {user_op_0, user_op_1, use
                                                       user_op_4, user_op_5, user_op_6, user_op_7};
 
 int mc_abi(void) { return MC_SHIM_ABI; }
+int mc_thread_multiple(void) { return MPI_THREAD_MULTIPLE; }
 
 static int own_type(int bytes, MPI_Datatype* t) {
   int rc = MPI_Type_contiguous(bytes, MPI_BYTE, t);
@@ -108,17 +112,27 @@ int mc_library_version(char* buf, int len) {
   return 0;
 }
 
-/* A communicator of our own (a duplicate of the world's): our calls never match the user's. */
-int mc_comm_world(void** out) {
+/* Wraps `comm` (owned from here on) with its private duplicate; collective over `comm`. */
+static int wrap(MPI_Comm comm, void** out) {
   mc_comm* c = (mc_comm*)malloc(sizeof *c);
-  int rc = MPI_Comm_dup(MPI_COMM_WORLD, &c->comm);
+  c->comm = comm;
+  MPI_Comm_set_errhandler(c->comm, MPI_ERRORS_RETURN);
+  int rc = MPI_Comm_dup(comm, &c->coll);
   if (rc) {
+    MPI_Comm_free(&c->comm);
     free(c);
     return rc;
   }
-  MPI_Comm_set_errhandler(c->comm, MPI_ERRORS_RETURN);
+  MPI_Comm_set_errhandler(c->coll, MPI_ERRORS_RETURN);
   *out = c;
   return 0;
+}
+
+/* A communicator of our own (a duplicate of the world's): our calls never match the user's. */
+int mc_comm_world(void** out) {
+  MPI_Comm comm;
+  int rc = MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  return rc ? rc : wrap(comm, out);
 }
 
 /* Collective over `parent`; color < 0 joins no communicator (*out = NULL). */
@@ -127,11 +141,7 @@ int mc_comm_split(void* parent, int color, int key, void** out) {
   int rc = MPI_Comm_split(((mc_comm*)parent)->comm, color < 0 ? MPI_UNDEFINED : color, key, &child);
   *out = NULL;
   if (rc || child == MPI_COMM_NULL) return rc;
-  mc_comm* c = (mc_comm*)malloc(sizeof *c);
-  c->comm = child;
-  MPI_Comm_set_errhandler(c->comm, MPI_ERRORS_RETURN);
-  *out = c;
-  return 0;
+  return wrap(child, out);
 }
 
 int mc_comm_info(void* comm, int* rank, int* size) {
@@ -141,8 +151,10 @@ int mc_comm_info(void* comm, int* rank, int* size) {
 
 int mc_comm_free(void* comm) {
   mc_comm* c = (mc_comm*)comm;
-  int rc = MPI_Comm_free(&c->comm);
+  int rc = MPI_Comm_free(&c->coll);
+  int rc2 = MPI_Comm_free(&c->comm);
   free(c);
+  if (!rc) rc = rc2;
   return rc;
 }
 
@@ -167,6 +179,7 @@ static MPI_Op op_of(int dtype, int op) {
 #define MC_COMM(c) (((mc_comm*)(c))->comm)
 #define MC_START(call)                             \
   mc_req* r = (mc_req*)malloc(sizeof *r);          \
+  r->n = 1;                                        \
   int rc = (call);                                 \
   if (rc) {                                        \
     free(r);                                       \
@@ -178,7 +191,7 @@ static MPI_Op op_of(int dtype, int op) {
 
 int mc_iallreduce(const void* in, void* out, int count, int dtype, int op, void* comm, void** req) {
   MC_START(MPI_Iallreduce(MC_IN(in, out), out, count, g_types[dtype], op_of(dtype, op), MC_COMM(comm),
-                          &r->req));
+                          &r->req[0]));
 }
 
 int mc_ireduce(const void* in, void* out, int count, int dtype, int op, int root, void* comm,
@@ -187,60 +200,86 @@ int mc_ireduce(const void* in, void* out, int count, int dtype, int op, int root
   MPI_Comm_rank(MC_COMM(comm), &me);
   const void* send = me == root ? MC_IN(in, out) : in;
   MC_START(MPI_Ireduce(send, out, count, g_types[dtype], op_of(dtype, op), root, MC_COMM(comm),
-                       &r->req));
+                       &r->req[0]));
 }
 
 int mc_ibcast(void* buf, int count, int dtype, int root, void* comm, void** req) {
-  MC_START(MPI_Ibcast(buf, count, g_types[dtype], root, MC_COMM(comm), &r->req));
+  MC_START(MPI_Ibcast(buf, count, g_types[dtype], root, MC_COMM(comm), &r->req[0]));
 }
 
 /* `in_place`: this rank's block already lies at its place in `out`. */
 int mc_iallgatherv(const void* in, int count, void* out, const int* counts, const int* displs,
                    int dtype, int in_place, void* comm, void** req) {
   MC_START(MPI_Iallgatherv(in_place ? MPI_IN_PLACE : in, count, g_types[dtype], out, counts, displs,
-                           g_types[dtype], MC_COMM(comm), &r->req));
+                           g_types[dtype], MC_COMM(comm), &r->req[0]));
 }
 
 int mc_ireduce_scatter(const void* in, void* out, const int* counts, int dtype, int op, void* comm,
                        void** req) {
   MC_START(MPI_Ireduce_scatter(in, out, counts, g_types[dtype], op_of(dtype, op), MC_COMM(comm),
-                               &r->req));
+                               &r->req[0]));
 }
 
 int mc_ialltoallv(const void* in, const int* scounts, const int* sdispls, void* out,
                   const int* rcounts, const int* rdispls, int dtype, void* comm, void** req) {
   MC_START(MPI_Ialltoallv(in, scounts, sdispls, g_types[dtype], out, rcounts, rdispls,
-                          g_types[dtype], MC_COMM(comm), &r->req));
+                          g_types[dtype], MC_COMM(comm), &r->req[0]));
 }
 
 int mc_igatherv(const void* in, int count, void* out, const int* counts, const int* displs,
                 int dtype, int root, void* comm, void** req) {
   MC_START(MPI_Igatherv(in, count, g_types[dtype], out, counts, displs, g_types[dtype], root,
-                        MC_COMM(comm), &r->req));
+                        MC_COMM(comm), &r->req[0]));
 }
 
 int mc_iscatterv(const void* in, const int* counts, const int* displs, void* out, int count,
                  int dtype, int root, void* comm, void** req) {
   MC_START(MPI_Iscatterv(in, counts, displs, g_types[dtype], out, count, g_types[dtype], root,
-                         MC_COMM(comm), &r->req));
+                         MC_COMM(comm), &r->req[0]));
 }
 
-int mc_ibarrier(void* comm, void** req) { MC_START(MPI_Ibarrier(MC_COMM(comm), &r->req)); }
+int mc_ibarrier(void* comm, void** req) { MC_START(MPI_Ibarrier(MC_COMM(comm), &r->req[0])); }
 
 int mc_isend(const void* buf, int count, int dtype, int peer, int tag, void* comm, void** req) {
-  MC_START(MPI_Isend(buf, count, g_types[dtype], peer, tag, MC_COMM(comm), &r->req));
+  MC_START(MPI_Isend(buf, count, g_types[dtype], peer, tag, MC_COMM(comm), &r->req[0]));
 }
 
 int mc_irecv(void* buf, int count, int dtype, int peer, int tag, void* comm, void** req) {
-  MC_START(MPI_Irecv(buf, count, g_types[dtype], peer, tag, MC_COMM(comm), &r->req));
+  MC_START(MPI_Irecv(buf, count, g_types[dtype], peer, tag, MC_COMM(comm), &r->req[0]));
+}
+
+/* One step of meshcoll's own collectives (Note [all_reduce over point-to-point] in
+ * mpi/mpi_backend.cc), on the communicator's private duplicate: a receive of `rcount` from
+ * `from` and a send of `scount` to `to` (either < 0: none), as one request. */
+int mc_isendrecv(const void* sbuf, int scount, int to, void* rbuf, int rcount, int from, int dtype,
+                 int tag, void* comm, void** req) {
+  mc_req* r = (mc_req*)malloc(sizeof *r);
+  MPI_Comm c = ((mc_comm*)comm)->coll;
+  int rc = 0;
+  r->n = 0;
+  if (from >= 0 && !(rc = MPI_Irecv(rbuf, rcount, g_types[dtype], from, tag, c, &r->req[0])))
+    r->n = 1;
+  if (!rc && to >= 0 &&
+      !(rc = MPI_Isend(sbuf, scount, g_types[dtype], to, tag, c, &r->req[r->n])))
+    r->n += 1;
+  if (rc) {
+    for (int i = 0; i < r->n; ++i) { /* a posted receive is withdrawn; nothing was sent */
+      MPI_Cancel(&r->req[i]);
+      MPI_Request_free(&r->req[i]);
+    }
+    free(r);
+    return rc;
+  }
+  *req = r;
+  return 0;
 }
 
 /* *done = 1 once the operation completed (the request is then freed: do not test it again).
  * A failed operation returns its error and is freed too. */
 int mc_test(void* req, int* done) {
   mc_req* r = (mc_req*)req;
-  MPI_Status st;
-  int rc = MPI_Test(&r->req, done, &st);
+  int rc = r->n == 1 ? MPI_Test(&r->req[0], done, MPI_STATUS_IGNORE)
+                     : MPI_Testall(r->n, r->req, done, MPI_STATUSES_IGNORE);
   if (rc || *done) free(r);
   if (rc) *done = 1;
   return rc;

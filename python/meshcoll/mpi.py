@@ -4,7 +4,7 @@ loads MPI and makes the C++ MpiBackend).
 
     # mpirun -n 4 python train.py
     pg = meshcoll.init(backend="mpi")     # rank and size from MPI itself
-    meshcoll.all_reduce(x)                # MPI_Iallreduce, under the group's deadline
+    meshcoll.all_reduce(x)                # nonblocking MPI, under the group's deadline
 
 MPI is not linked into the wheel (Open MPI, MPICH, Intel MPI and Cray MPICH differ in ABI): a
 small C shim (csrc/mpi/shim.c, carried in the wheel as text) is compiled on first use with the

@@ -60,7 +60,8 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
     address MPI also tells the ranks where rank 0's store is; meshcoll.mpi), or "auto" (nccl
     when every rank has a GPU and NCCL loads; else, under mpirun or srun, mpi when MPI loads
     on every rank and the job spans hosts, where the site's MPI reaches the network, cpu on
-    one host, where shared memory is faster; else cpu). ``store``: an existing store
+    one host, where shared memory is faster; a RuntimeError naming the ranks when MPI loads
+    on some only; else cpu). ``store``: an existing store
     (``meshcoll.TCPStore``, client or server, or ``meshcoll.FileStore``) to rendezvous
     through instead of rank 0 hosting one; ``rank`` and ``world_size`` then come from the
     arguments or the environment as usual. ``init_method`` (else ``MESHCOLL_INIT_METHOD``),
@@ -93,12 +94,19 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
     file_path = method.path if method is not None and method.kind == "file" else None
     # MPI's ranks are the job's: MPI itself says which this process is (and, with no master
     # address, where the store is: mpi.bootstrap_store).
-    via_mpi = False
-    mpi_up = backend == "auto" and _mpi_loads()  # then MPI's ranks and store, as for "mpi"
-    if backend == "mpi" or mpi_up:
+    needs_mpi_store = store is None and file_path is None and master_addr is None and \
+        not _rendezvous.master_from_env()
+    mpi_why = _mpi_why_not() if backend == "auto" else None
+    if backend == "auto" and mpi_why and needs_mpi_store:  # Note [MPI on some ranks only]
+        raise RuntimeError(
+            f"meshcoll.init(backend='auto') on {_launcher_rank()}: MPI does not load here "
+            f"({mpi_why}), and with no master address the job's store comes through MPI: "
+            f"the ranks where MPI loads wait in MPI's start until this process fails (mpirun "
+            f"or srun then end the job). Fix MPI here, or set MESHCOLL_MASTER_ADDR and "
+            f"MESHCOLL_MASTER_PORT (the ranks then agree on a backend), or pick backend='cpu'")
+    via_mpi = needs_mpi_store and (backend == "mpi" or mpi_why == "")
+    if backend == "mpi" or via_mpi:
         rank, world_size = _mpi_world(rank, world_size)
-        via_mpi = store is None and file_path is None and master_addr is None and \
-            not _rendezvous.master_from_env()
     # A given store or a file needs no master address: the store is already where it is.
     rv = _rendezvous.rendezvous_from_env(rank=rank, world_size=world_size, master_addr=master_addr,
                                   master_port=master_port,
@@ -143,7 +151,7 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
         if generation and (file_path is not None or owns_store) else store
     try:
         world = _world(backend, keys, rv, timeout, token, device, options,
-                       _bind_host(store, ifname_host), mpi_up)
+                       _bind_host(store, ifname_host), mpi_why)
     except Exception:
         # A failed rendezvous on rank 0 must not take the store from ranks still in it: each
         # of them then fails with its own error (Note [Store teardown]).
@@ -154,32 +162,61 @@ def init(backend: Optional[Union[BackendName, Literal["auto"]]] = None, *,
     return world
 
 
-def _mpi_loads() -> bool:
-    """init(backend="auto"): whether an MPI launcher started this process and MPI loads here
-    (it is then initialized, as for backend="mpi")."""
+# Note [MPI on some ranks only]
+# init(backend="auto") under an MPI launcher asks each rank whether MPI builds and loads
+# there (mpi_available(): the shim compiled and opened, MPI not started), and starts MPI
+# only once every rank knows the answer of every other: MPI_Init waits, with no deadline,
+# for every rank of the job, so a rank that started it while a peer could not waited there
+# forever (and the peer, whose store rank 0 never came to host, timed out blaming the
+# store). With a master address the ranks vote through the store: MPI loading on some ranks
+# only is a RuntimeError on every rank naming those where it does not, and why; on none, the
+# CPU backend as before. With none, the store itself comes through MPI: a rank where MPI
+# does not load can reach no peer, so it raises at once, saying so, and its peers wait in
+# MPI's start until it fails (its error uncaught: mpirun and srun end a job whose process
+# exits with an error; Open MPI's mpirun ignores a process that never started MPI and
+# exits cleanly, and the peers then wait on).
+def _mpi_why_not() -> Optional[str]:
+    """init(backend="auto"): None when no MPI launcher started this process; "" when MPI
+    builds and loads here (not started); else why not (Note [MPI on some ranks only])."""
     if not any(os.environ.get(v) for v in mpi.LAUNCHER_VARS):
-        return False
-    try:
-        mpi.load()
-        return True
-    except mpi.MpiUnavailable:
-        return False
+        return None
+    ok, why = mpi.mpi_available()
+    return "" if ok else (why.strip().splitlines() or ["unknown"])[0]
+
+
+def _launcher_rank() -> str:
+    """This process as its MPI launcher names it, for messages before the rendezvous."""
+    for var in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"):
+        if os.environ.get(var):
+            return f"rank {os.environ[var]}"
+    return "this rank"
 
 
 def _agree_on_backend(store: _C.Store, rank: int, world_size: int, timeout: float,
-                      mpi_up: bool) -> BackendName:
+                      mpi_why: Optional[str]) -> BackendName:
     """init(backend="auto"), decided together through the store so that all ranks pick the
-    same: "nccl" when every rank has a GPU and NCCL loads; else "mpi" when MPI is up on every
-    rank (``mpi_up``: under mpirun or srun) and the ranks sit on several hosts (the site's
+    same: "nccl" when every rank has a GPU and NCCL loads; else "mpi" when MPI loads on every
+    rank (``mpi_why`` "": under mpirun or srun) and the ranks sit on several hosts (the site's
     MPI reaches their network; on one host the CPU backend's shared memory is faster); else
-    "cpu". A host is what ``_C.host_identity()`` names (MESHCOLL_HOST_ID overrides)."""
+    "cpu". MPI loading on some ranks only is a RuntimeError on every rank (Note [MPI on some
+    ranks only]). A host is what ``_C.host_identity()`` names (MESHCOLL_HOST_ID overrides)."""
     gpu, _ = nccl.nccl_available()
     host = hashlib.blake2b(_C.host_identity().encode(), digest_size=8).hexdigest()
-    store.set(f"mc/backend_ok/{rank}", f"{int(gpu)}{int(mpi_up)}{host}".encode())
+    if mpi_why:
+        store.set(f"mc/mpi_why/{rank}", mpi_why.encode())
+    store.set(f"mc/backend_ok/{rank}", f"{int(gpu)}{int(mpi_why == '')}{host}".encode())
     votes = [bytes(store.get(f"mc/backend_ok/{r}", timeout)).decode() for r in range(world_size)]
     if all(v[0] == "1" for v in votes):
         return "nccl"
-    if all(v[1] == "1" for v in votes) and len({v[2:] for v in votes}) > 1:
+    without = [r for r, v in enumerate(votes) if v[1] == "0"]
+    if without and len(without) < world_size:
+        whys = "; ".join(f"rank {r}: {bytes(store.get(f'mc/mpi_why/{r}', timeout)).decode()}"
+                         for r in without[:3])
+        raise RuntimeError(
+            f"meshcoll.init(backend='auto') on rank {rank}: MPI loads on some ranks but not "
+            f"on rank(s) {without} ({whys}); MPI starts on every rank of a job or on none: fix "
+            f"MPI there (meshcoll.mpi_available() says why), or pick backend='cpu'")
+    if not without and len({v[2:] for v in votes}) > 1:
         return "mpi"
     return "cpu"
 
@@ -220,9 +257,11 @@ def _group_settings(
 
 def _world(backend: Optional[str], store: _C.Store, rv: _rendezvous.Rendezvous, timeout: float,
            token: str, device: Any, options: _settings.GroupOptions,
-           bind_host: str, mpi_up: bool) -> ProcessGroup:
+           bind_host: str, mpi_why: Optional[str]) -> ProcessGroup:
     if backend == "auto":
-        backend = _agree_on_backend(store, rv.rank, rv.world_size, timeout, mpi_up)
+        backend = _agree_on_backend(store, rv.rank, rv.world_size, timeout, mpi_why)
+        if backend == "mpi":  # every rank loads MPI: each starts it now (if not already)
+            _mpi_world(rv.rank, rv.world_size)
     if backend == "mpi":
         return make_group(store, range(rv.world_size), rv.rank, "world", timeout=timeout,
                           bind_host=bind_host, token=token, backend="mpi", options=options)

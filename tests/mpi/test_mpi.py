@@ -157,6 +157,58 @@ def test_collectives_match_numpy(tmp_path):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [2, 3])
+def test_sync_all_reduce_steps_match_numpy_bitwise_on_every_rank(tmp_path, n):
+    """A synchronous all_reduce runs as steps of point-to-point (Note [all_reduce over
+    point-to-point] in csrc/mpi/mpi_backend.cc): recursive doubling below 64 KiB blocks
+    (at 3 ranks, with rank 0 folded into rank 1 and back), a ring above, uneven blocks
+    included. Against numpy on random data, every rank's result the same bits, and the
+    user's point-to-point messages (posted before, with tags equal to the calls' numbers)
+    untouched by the steps' own."""
+    code, out, res = mpi_job(tmp_path, """
+        import ml_dtypes
+        pg = meshcoll.init(backend="mpi", timeout=20)
+        r, n = pg.rank, pg.size
+        bad = []
+        peer = (r + 1) % n
+        mail = np.arange(40, dtype=np.int64) + 1000 * r
+        sent = [pg.isend(mail[t:t + 4], peer, tag=t) for t in range(0, 40, 4)]
+        cases = [(1, np.float32, "sum"), (5, np.int32, "min"), (1000, np.float64, "max"),
+                 (1000, ml_dtypes.bfloat16, "sum"), (4096 * n + 3, np.float32, "avg"),
+                 (16384 * n + 5, np.float32, "sum"), (16384 * n + 5, np.int64, "prod"),
+                 (65536 * n + 1, np.float32, "sum")]
+        for salt, (count, dt, op) in enumerate(cases):
+            ins = [rand_array(np.random.default_rng(100 * salt + q), count, dt) for q in range(n)]
+            if op == "prod":
+                ins = [np.where(a % 3 == 0, 1, 2 - (a % 2)).astype(dt) for a in ins]
+            wide = np.stack([a.astype(np.float64) for a in ins])
+            want = {"sum": wide.sum(0), "avg": wide.mean(0), "min": wide.min(0),
+                    "max": wide.max(0), "prod": wide.prod(0)}[op]
+            x = ins[r].copy()
+            pg.all_reduce(x, op=op)
+            tol = 5e-2 if dt == ml_dtypes.bfloat16 else 1e-4
+            if not np.allclose(x.astype(np.float64), want, rtol=tol, atol=tol):
+                bad.append(f"{count} {np.dtype(dt).name} {op}: {x[:4]} want {want[:4]}")
+            every = pg.all_gather(x.view(np.uint8))
+            if any(not np.array_equal(every[q], every[0]) for q in range(n)):
+                bad.append(f"{count} {np.dtype(dt).name} {op}: ranks' bits differ")
+        got = np.empty(40, np.int64)
+        for t in range(0, 40, 4):
+            pg.recv(got[t:t + 4], (r - 1) % n, tag=t)
+        for w in sent:
+            w.wait()
+        if not np.array_equal(got, np.arange(40) + 1000 * ((r - 1) % n)):
+            bad.append(f"point-to-point: {got[:8]}")
+        report(r, bad)
+        meshcoll.destroy()
+    """, n=n)
+    assert code == 0, out
+    assert set(res) == set(range(n)), out
+    for rank, bad in res.items():
+        assert bad == [], f"rank {rank}: {bad}"
+
+
+@pytest.mark.timeout(60)
 def test_disagreement_is_mismatch_on_both_ranks(tmp_path):
     """Strict check: ranks whose calls differ (count) both raise MismatchError before MPI is
     called, and the job goes on to a clean end. Async check (the default): the disagreement
@@ -533,3 +585,47 @@ def test_auto_picks_cpu_on_one_host_and_mpi_across_hosts(tmp_path):
         code, out, res = mpi_job(job, prelude + body)
         assert code == 0, out
         assert res == {0: [want, True], 1: [want, True]}, (want, res, out[-2000:])
+
+
+@pytest.mark.timeout(90)
+def test_auto_with_mpi_on_some_ranks_only_is_an_error_on_every_rank(tmp_path):
+    """init(backend="auto") under mpirun where MPI loads on rank 0 but not on rank 1 (Note
+    [MPI on some ranks only] in python/meshcoll/world.py). With a master address, both ranks
+    raise a RuntimeError naming rank 1 and why, at once (before: rank 0 started MPI and waited
+    in MPI_Init for rank 1 forever, and rank 1 timed out on a store rank 0 never hosted).
+    Without one, rank 1 says MPI does not load there, and the job ends when it fails."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    body = """
+        r = int(os.environ["OMPI_COMM_WORLD_RANK"])
+        if r == 1:
+            os.environ["MPICC"] = "/nonexistent/mpicc"
+        {master}
+        start = time.monotonic()
+        try:
+            pg = meshcoll.init(backend="auto", timeout=15)
+            report(r, ["no error: " + pg.backend_name, time.monotonic() - start])
+        except Exception as e:
+            report(r, [f"{{type(e).__name__}}: {{e}}", time.monotonic() - start])
+            raise  # a rank that fails: mpirun ends the job
+    """
+    master = (f'os.environ["MESHCOLL_MASTER_ADDR"] = "127.0.0.1"; '
+              f'os.environ["MESHCOLL_MASTER_PORT"] = "{port}"')
+    job = tmp_path / "master"
+    job.mkdir()
+    code, out, res = mpi_job(job, body.format(master=master), timeout=60)
+    assert set(res) == {0, 1}, out[-2000:]
+    for rank, (seen, took) in res.items():
+        assert seen.startswith("RuntimeError"), (rank, seen)
+        assert "not on rank(s) [1]" in seen and "/nonexistent/mpicc" in seen, (rank, seen)
+        assert took < 10, (rank, took)
+    job = tmp_path / "no-master"
+    job.mkdir()
+    start = time.monotonic()
+    code, out, res = mpi_job(job, body.format(master=""), timeout=60)
+    seen, took = res[1]
+    assert seen.startswith("RuntimeError") and "MPI does not load here" in seen, seen
+    assert "/nonexistent/mpicc" in seen and "rank 1" in seen, seen
+    assert time.monotonic() - start < 40, out[-2000:]
