@@ -192,10 +192,16 @@ const ShmPathRow& shm_path_row(int n) {
 // twice (the copy path: about four times each), at three synchronisations. An average is
 // divided piece by piece right after the fold, so that it costs no pass of its own over the
 // vector (on the 2-core VM that pass took 3.3 ms for 33.6 MB, a third of the all-reduce).
+// It is not even a pass over the piece: the last fold runs in parts of
+// kSingleCopyDividePartBytes, each divided while it is still in L1 (the piece is larger than
+// L2 beside the scratch and x); dividing each 512 KiB piece after its fold was still 9% of
+// the worker's CPU in the training step on 2 ranks (perf, docs/performance.md, 2026-11-28
+// morning), with vdivps, before Note [Dividing by a power of two] in reduce/kernels.cc.
 // Measured with 2 ranks on a 2-core VM against the copy path (with peer writes instead of
 // reads: 8 KiB 3.7-4.1 vs 3.0-3.2 us, 16 KiB 3.9-4.5 vs 4.9-5.1 us, 256 KiB 16 vs 31 us,
 // 2 MiB 140 vs 260 us). Pieces of 512 KiB beat 256 KiB and 1 MiB at 2 MiB.
 constexpr size_t kSingleCopyPieceBytes = 512 * 1024;
+constexpr size_t kSingleCopyDividePartBytes = 16 * 1024;  // a multiple of every dtype's size
 
 namespace {
 // The peer rank r visits j-th (j = 1 .. n-1): from r+1 on when `spread` (Note [Shared-memory
@@ -241,14 +247,20 @@ void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a, bool sc
       for (int j = 1; j < n; ++j) {
         const int p = peer_at(r, n, j, scalable);
         g.read_peer(p, vector_of(p, 0) + s + k, scratch, m);
-        if (j == 1 && a.in.data != a.out.data)  // own values from x (Note [Out-of-place ...])
-          fold_into(a.out.data + s + k, a.in.data + s + k, scratch, m / esz);
-        else
-          fold(a.out.data + s + k, scratch, m / esz);
+        // avg: the last fold goes in L1-sized parts, each divided right after it is folded
+        // (Note [Single-copy all_reduce]).
+        const bool divides = j == n - 1 && a.op == RedOp::kAvg;
+        const size_t part = divides ? kSingleCopyDividePartBytes : m;
+        for (size_t q = 0; q < m; q += part) {
+          const size_t c = std::min(part, m - q);
+          uint8_t* o = a.out.data + s + k + q;
+          if (j == 1 && a.in.data != a.out.data)  // own values from x (Note [Out-of-place ...])
+            fold_into(o, a.in.data + s + k + q, scratch + q, c / esz);
+          else
+            fold(o, scratch + q, c / esz);
+          if (divides) reduce::divide_by(a.dtype, o, c / esz, n);
+        }
       }
-      // avg: the piece divided while it is in cache, before the peers read it (Note
-      // [Single-copy all_reduce]); the same bits as dividing the whole vector at the end.
-      if (a.op == RedOp::kAvg) reduce::divide_by(a.dtype, a.out.data + s + k, m / esz, n);
     }
     meet_reduced(comm, g, first, what, scalable);
     for (int j = 1; j < n; ++j) {
