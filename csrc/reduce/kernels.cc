@@ -287,21 +287,10 @@ MC_ALWAYS_INLINE void reduce_into_loop(void* dst, const void* x, const void* src
   }
 }
 
-// Note [Dividing by a power of two]
-// For a power of two n, x * (1 / n) is x / n to the bit: 1 / n is exact, and both operations
-// round the same real number x / n once (subnormal results and infinities included). A
-// multiply costs a fraction of a divide (vdivps: a 16-float result every 5 cycles on a Xeon),
-// which showed in the CPU training step on 2 ranks (docs/performance.md, 2026-11-28 morning).
-inline bool is_power_of_two(size_t n) { return n != 0 && (n & (n - 1)) == 0; }
-
 // x / n, as a functor so the half path can share half_loop (the second operand is unused).
 struct DivideBy {
   float n;
   float operator()(float x, float) const { return x / n; }
-};
-struct MultiplyBy {  // x / n where n is a power of two (Note [Dividing by a power of two])
-  float inverse;
-  float operator()(float x, float) const { return x * inverse; }
 };
 
 // buf[i] /= n for avg. Floats divide in their compute type (f32 for f16/bf16). Integers
@@ -312,18 +301,10 @@ MC_ALWAYS_INLINE void divide_loop(void* buf, size_t count, size_t n) {
   using R = Repr<T>;
   auto* p = static_cast<typename R::Storage*>(buf);
   if constexpr (R::kWidened) {
-    if (is_power_of_two(n))
-      half_loop<R, Isa>(p, p, p, count, MultiplyBy{1.0f / static_cast<float>(n)});
-    else
-      half_loop<R, Isa>(p, p, p, count, DivideBy{static_cast<float>(n)});
+    half_loop<R, Isa>(p, p, p, count, DivideBy{static_cast<float>(n)});
   } else if constexpr (std::is_floating_point_v<T>) {
     const T tn = static_cast<T>(n);
-    if (is_power_of_two(n)) {
-      const T inverse = T(1) / tn;
-      for (size_t i = 0; i < count; ++i) p[i] = p[i] * inverse;
-    } else {
-      for (size_t i = 0; i < count; ++i) p[i] = p[i] / tn;
-    }
+    for (size_t i = 0; i < count; ++i) p[i] = p[i] / tn;
   } else {
     using Wide = std::conditional_t<std::is_signed_v<T>, int64_t, uint64_t>;
     const Wide wn = static_cast<Wide>(n);

@@ -275,26 +275,6 @@ def test_divide_by(dtype, count, n):
     assert_same(a, want)
 
 
-@pytest.mark.parametrize("n", [2, 4, 1 << 20])
-@pytest.mark.parametrize("dtype", FLOATS)
-def test_divide_by_a_power_of_two_is_division_to_the_bit(dtype, n):
-    """A power of two is divided by multiplying by its inverse (Note [Dividing by a power of
-    two]): the same bits as division, at the edges too (results that turn subnormal or
-    underflow to zero, subnormals, the largest values, infinities, NaN, signed zeros)."""
-    dt = np_dtype(dtype)
-    info = np.finfo(np.float32 if dtype in HALVES else dt)
-    edges = np.array([info.tiny, info.tiny * 3, info.tiny / 8, info.smallest_subnormal,
-                      info.smallest_subnormal * 3, info.max, -info.max, np.inf, -np.inf,
-                      np.nan, 0.0, -0.0, 1.0, -3.0], np.float32 if dtype in HALVES else dt)
-    a = np.concatenate([edges.astype(dt), random_array(dtype, 1031, seed=9)])
-    if dtype in HALVES:
-        want = (a.astype(np.float32) / np.float32(n)).astype(dt)
-    else:
-        want = a / a.dtype.type(n)
-    _C._divide_by(a, dtype, n)
-    assert_same(a, want)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "int32", "bfloat16"])
 def test_avg_is_sum_then_divide(dtype):
     parts = [random_array(dtype, 1031, seed=s) for s in (10, 11, 12)]

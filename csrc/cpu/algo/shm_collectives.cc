@@ -192,11 +192,12 @@ const ShmPathRow& shm_path_row(int n) {
 // twice (the copy path: about four times each), at three synchronisations. An average is
 // divided piece by piece right after the fold, so that it costs no pass of its own over the
 // vector (on the 2-core VM that pass took 3.3 ms for 33.6 MB, a third of the all-reduce).
-// It is not even a pass over the piece: the last fold runs in parts of
-// kSingleCopyDividePartBytes, each divided while it is still in L1 (the piece is larger than
-// L2 beside the scratch and x); dividing each 512 KiB piece after its fold was still 9% of
-// the worker's CPU in the training step on 2 ranks (perf, docs/performance.md, 2026-11-28
-// morning), with vdivps, before Note [Dividing by a power of two] in reduce/kernels.cc.
+// Nor a pass over the piece: the last fold runs in parts of kSingleCopyDividePartBytes, each
+// divided while it is still in L1. Dividing each 512 KiB piece after its fold (a pass from
+// L2 and beyond: the piece, its scratch and x do not fit L2 together) was 9% of the worker's
+// CPU in the 2-rank training step with bucket views, and the parts make it nearly free (a
+// fold and its division of 16 MiB from memory: 7.3-7.5 ms a piece at a time, 6.5-6.6 ms in
+// parts, 6.3-6.4 ms with no division; docs/performance.md, 2026-11-28 morning).
 // Measured with 2 ranks on a 2-core VM against the copy path (with peer writes instead of
 // reads: 8 KiB 3.7-4.1 vs 3.0-3.2 us, 16 KiB 3.9-4.5 vs 4.9-5.1 us, 256 KiB 16 vs 31 us,
 // 2 MiB 140 vs 260 us). Pieces of 512 KiB beat 256 KiB and 1 MiB at 2 MiB.
