@@ -70,7 +70,7 @@ _MESHCOLL_ENV = {"meshcoll-tcp": {}, "meshcoll": {},
                  "meshcoll-flat": {"MESHCOLL_SHM_ALL_REDUCE": "flat"}}
 COPY = "allcpy"  # the all-ranks copy: a roofline, measured like a library
 _SHORT = {"meshcoll-tcp": "mc-tcp", "meshcoll-scalable": "mc-scal", "meshcoll-flat": "mc-flat"}
-OPS = ("all_reduce", "all_gather")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 _LAUNCH_PREFIXES = ("MESHCOLL_", "OMPI_", "PMI_", "PMIX_", "SLURM_")
 _LAUNCH_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT")
@@ -111,7 +111,7 @@ def run_worker(args, rank: int, world: int, library: str,
             size = count * esz
             algbw = size / t / 1e9
             records.append({"library": library, "op": op, "size": size, "count": count,
-                            "type": args.dtype, "redop": "sum" if op == "all_reduce" else "none",
+                            "type": args.dtype, "redop": "sum" if op in ("all_reduce", "reduce_scatter") else "none",
                             "time": t * 1e6, "algbw": algbw,
                             "busbw": algbw * BUS_FACTORS[op](world),
                             "times": [x * 1e6 for x in ts], "ranks": world,
@@ -138,6 +138,13 @@ def worker_gloo(args) -> None:
         if op == "all_reduce":
             x = torch.ones(count, dtype=dt)
             return lambda: dist.all_reduce(x)
+        if op == "broadcast":
+            x = torch.ones(count, dtype=dt)
+            return lambda: dist.broadcast(x, 0)
+        if op == "reduce_scatter":  # Gloo has no reduce_scatter_tensor: its list form
+            xs = [torch.ones(count // n, dtype=dt) for _ in range(n)]
+            y = torch.empty(count // n, dtype=dt)
+            return lambda: dist.reduce_scatter(y, xs)
         x = torch.ones(count // n, dtype=dt)
         out = torch.empty(count, dtype=dt)
         return lambda: dist.all_gather_into_tensor(out, x)
@@ -194,6 +201,13 @@ def worker_mpi(args) -> None:
         if op == "all_reduce":
             x = np.ones(count, dt)
             return lambda: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)
+        if op == "broadcast":
+            x = np.ones(count, dt)
+            return lambda: comm.Bcast(x, root=0)
+        if op == "reduce_scatter":
+            x = np.ones(count, dt)
+            y = np.empty(count // n, dt)
+            return lambda: comm.Reduce_scatter_block(x, y, op=MPI.SUM)
         x = np.ones(count // n, dt)
         out = np.empty(count, dt)
         return lambda: comm.Allgather(x, out)
@@ -357,7 +371,7 @@ def print_table(op: str, records: List[dict], libs: List[str], args) -> None:
     ratios = [f"{_SHORT.get(m, 'mc')}/{l}" for m in mcs for l in others + ["cpy", "mem"]]
     transports = sorted({f"{r['library']}={r['transport']}" for r in records
                          if r["op"] == op and "transport" in r})
-    print(f"# compare_cpu  {op}  {args.dtype}{' sum' if op == 'all_reduce' else ''}  "
+    print(f"# compare_cpu  {op}  {args.dtype}{' sum' if op in ('all_reduce', 'reduce_scatter') else ''}  "
           f"ranks={args.nproc}  iters={args.iters} warmup={args.warmup}  median of "
           f"{args.repeats} repeats  {' '.join(transports)}")
     names = [_SHORT.get(l, l) for l in libs]

@@ -8,7 +8,7 @@
 // ones (an unset variable), so C++ programs that do not go through Python (bench/cpp) behave
 // the same; a bench that honours a variable reads it in its main and calls set_config.
 //
-// When a field takes effect: host_id, cma, shm_all_reduce, shm_spin_us and fault when a communicator sets up shared memory,
+// When a field takes effect: host_id, cma, shm_all_reduce, shm_single_copy_bytes, shm_spin_us and fault when a communicator sets up shared memory,
 // simd when the kernel table is first built (the first reduction), nccl_* when NCCL is
 // loaded or split (nccl_direct_bytes: when a group is made), host_timers at once.
 #pragma once
@@ -24,6 +24,10 @@ struct Config {
   // MESHCOLL_SHM_ALL_REDUCE: which shared-memory all_reduce path: "auto" (by the table in
   // algo/shm_collectives.cc), "flat" (every rank polls every peer) or "scalable".
   std::string shm_all_reduce = "auto";
+  // MESHCOLL_SHM_SINGLE_COPY_BYTES: the smallest shared-memory all_reduce that goes single
+  // copy where cross-memory attach works (Note [Single-copy all_reduce]); 0: by world size,
+  // from the table in cpu/algo/shm_collectives.cc.
+  size_t shm_single_copy_bytes = 0;
   // MESHCOLL_SHM_SPIN_US: how long a shared-memory wait for a peer spins before it sleeps on
   // a futex (Note [Spinning] in common/cores.h); -1: by the host (the default).
   long shm_spin_us = -1;

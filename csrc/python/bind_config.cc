@@ -28,6 +28,7 @@ Config from_python(py::handle c) {
   out.host_id = c.attr("host_id").cast<std::string>();
   out.cma = c.attr("cma").cast<bool>();
   out.shm_all_reduce = c.attr("shm_all_reduce").cast<std::string>();
+  out.shm_single_copy_bytes = c.attr("shm_single_copy_bytes").cast<size_t>();
   out.shm_spin_us = c.attr("shm_spin_us").cast<long>();
   out.simd = c.attr("simd").cast<std::string>();
   out.nccl_trace = c.attr("nccl_trace").cast<bool>();
@@ -63,6 +64,7 @@ void bind_config(py::module_& m) {
       .def_readwrite("host_id", &Config::host_id)
       .def_readwrite("cma", &Config::cma)
       .def_readwrite("shm_all_reduce", &Config::shm_all_reduce)
+      .def_readwrite("shm_single_copy_bytes", &Config::shm_single_copy_bytes)
       .def_readwrite("shm_spin_us", &Config::shm_spin_us)
       .def_readwrite("simd", &Config::simd)
       .def_readwrite("nccl_trace", &Config::nccl_trace)
@@ -75,7 +77,8 @@ void bind_config(py::module_& m) {
       .def("__repr__", [](const Config& c) {
         auto b = [](bool v) { return v ? "True" : "False"; };
         return str_cat("Config(host_id='", c.host_id, "', cma=", b(c.cma), ", shm_all_reduce='",
-                       c.shm_all_reduce, "', shm_spin_us=", c.shm_spin_us, ", simd='", c.simd,
+                       c.shm_all_reduce, "', shm_single_copy_bytes=", c.shm_single_copy_bytes,
+                       ", shm_spin_us=", c.shm_spin_us, ", simd='", c.simd,
                        "', nccl_trace=", b(c.nccl_trace), ", nccl_library='", c.nccl_library,
                        "', nccl_split=", b(c.nccl_split), ", nccl_direct_bytes=",
                        c.nccl_direct_bytes, ", abort_on_error=",

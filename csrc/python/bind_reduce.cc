@@ -5,7 +5,9 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "common/check.h"
 #include "common/dtype.h"
@@ -126,6 +128,35 @@ void reduce_into(const py::buffer& dst, const py::buffer& src, const std::string
   fn(d.ptr(), s.ptr(), count);
 }
 
+void reduce_many(const py::buffer& dst, const py::buffer& x, const py::list& srcs,
+                 const std::string& dtype, const std::string& op) {
+  const char* fn_name = "_reduce_many";
+  const DType t = parse_dtype(dtype);
+  const RedOp r = parse_redop(op);
+  const reduce::ReduceManyFn fn = reduce::lookup_many(t, r);  // TypeMismatch first
+  MC_ARG_CHECK(!srcs.empty(), fn_name, ": srcs is empty; pass one source or more");
+  const RawBuffer d(dst), a(x);
+  MC_ARG_CHECK(!d.readonly(), fn_name, ": dst is read-only; pass a writable buffer");
+  const size_t n = d.contiguous_nbytes(fn_name, "dst");
+  MC_ARG_CHECK(a.contiguous_nbytes(fn_name, "x") == n, fn_name, ": dst and x differ in size");
+  const auto d0 = reinterpret_cast<uintptr_t>(d.ptr()), x0 = reinterpret_cast<uintptr_t>(a.ptr());
+  MC_ARG_CHECK(d0 == x0 || d0 + n <= x0 || x0 + n <= d0, fn_name,
+               ": dst and x overlap partially; use the same buffer or disjoint ones");
+  std::vector<std::unique_ptr<RawBuffer>> views;
+  std::vector<const void*> ptrs;
+  for (const auto& s : srcs) {
+    views.push_back(std::make_unique<RawBuffer>(s.cast<py::buffer>()));
+    MC_ARG_CHECK(views.back()->contiguous_nbytes(fn_name, "a source") == n, fn_name,
+                 ": every source must have dst's size");
+    const auto s0 = reinterpret_cast<uintptr_t>(views.back()->ptr());
+    MC_ARG_CHECK(d0 + n <= s0 || s0 + n <= d0, fn_name, ": a source overlaps dst");
+    ptrs.push_back(views.back()->ptr());
+  }
+  const size_t count = element_count(n, t, fn_name);
+  py::gil_scoped_release nogil;  // ends before the views are released
+  fn(d.ptr(), a.ptr(), ptrs.data(), ptrs.size(), count);
+}
+
 void divide_by(const py::buffer& buf, const std::string& dtype, size_t n) {
   const char* fn_name = "_divide_by";
   const DType t = parse_dtype(dtype);
@@ -147,6 +178,10 @@ void bind_reduce(py::module_& m) {
         "prod, min, max, avg (the sum kernel; finish with _divide_by), band, bor, bxor. "
         "Raises TypeError for unsupported pairs (bitwise ops on floats, avg on bool) and "
         "ValueError for bad names, sizes, layouts or a read-only dst.");
+  m.def("_reduce_many", &reduce_many, py::arg("dst"), py::arg("x"), py::arg("srcs"),
+        py::arg("dtype"), py::arg("op"),
+        "dst = x op srcs[0] op ... op srcs[-1], left to right (dst may be x; no source may "
+        "overlap dst); float16 and bfloat16 are rounded once, at the end (Note [Fold of many]).");
   m.def("_divide_by", &divide_by, py::arg("buf"), py::arg("dtype"), py::arg("n"),
         "buf[i] /= n in place, finishing an avg. Integers truncate toward zero; f16/bf16 "
         "divide in f32. Raises ValueError for n == 0 and TypeError for bool.");

@@ -7,6 +7,7 @@
 #include "store/exchange.h"
 #include "store/file_store.h"
 #include "store/tcp_store.h"
+#include "transport/tcp/tcp_transport.h"
 
 namespace py = pybind11;
 
@@ -145,6 +146,16 @@ void bind_store(py::module_& m) {
         "(name, value) pairs its members must share; MismatchError on every rank naming each "
         "that differs, TimeoutError naming the ranks that never came. For groups whose "
         "backend does not compare them itself (NCCL).");
+  m.def("withdraw_from_setup",
+        [](Store& s, int rank, const std::string& why, double timeout) {
+          Deadline d(seconds_arg(timeout, "timeout"));
+          py::gil_scoped_release nogil;
+          transport::TcpTransport::withdraw(s, rank, why, d);
+        },
+        py::arg("store"), py::arg("rank"), py::arg("why"), py::arg("timeout"),
+        "Note [Withdrawn ranks] (csrc/transport/tcp/tcp_transport.h): tells the members of a "
+        "CPU group being set up in `store` (its prefix) that group rank `rank` will not come, "
+        "and why; they raise MismatchError(why) at once.");
 }
 
 }  // namespace meshcoll::python

@@ -3,7 +3,7 @@
 // Layers, from the inside out:
 //   1. one functor template per op (Sum<T>, Prod<T>, ...), with bool specialisations;
 //   2. Repr<T>: how an element is stored versus combined (f16/bf16 are combined in f32);
-//   3. reduce_loop / reduce_into_loop / divide_loop: the plain loops GCC vectorises at -O3;
+//   3. reduce_loop / reduce_into_loop / reduce_many_loop / divide_loop: the plain loops GCC vectorises at -O3;
 //   4. one struct per instruction set (Baseline, Avx2, Avx512) whose member templates are the
 //      loops compiled again under a target attribute (Note [SIMD dispatch]);
 //   5. build_table<Isa>(): the only switch on dtype and op, filling function pointers.
@@ -287,6 +287,68 @@ MC_ALWAYS_INLINE void reduce_into_loop(void* dst, const void* x, const void* src
   }
 }
 
+// Note [Fold of many]
+// A rank that folds one slice from every peer (the shared-memory all_reduce) reads k sources
+// at once: dst = x OP s[0] OP ... OP s[k-1], left to right. For f16/bf16 the running value
+// stays in f32 lanes across the k sources and is rounded once at the end: one widening per
+// source and one narrowing per element, against two widenings and a narrowing per source
+// when each step is a call of its own (the bf16 fold of 8 ranks spent most of its time in
+// them), and a sum closer to the exact one. Every other type runs the same steps as k calls
+// would, so its bits do not change. Deterministic either way: the order is fixed.
+template <class R, class Isa, class F>
+MC_ALWAYS_INLINE void half_many_lanes(typename R::Storage* d, const typename R::Storage* x,
+                                      const void* const* srcs, size_t k, size_t i, F f) {
+  float a[kHalfLanes];
+  float b[kHalfLanes];
+  R::template widen<Isa>(x, a);
+  for (size_t j = 0; j < k; ++j) {
+    R::template widen<Isa>(static_cast<const typename R::Storage*>(srcs[j]) + i, b);
+    for (size_t l = 0; l < kHalfLanes; ++l) a[l] = f(a[l], b[l]);
+  }
+  R::template narrow<Isa>(a, d);
+}
+
+template <class Isa, class T, template <class> class Op>
+MC_ALWAYS_INLINE void reduce_many_loop(void* dst, const void* x, const void* const* srcs,
+                                       size_t k, size_t count) {
+  using R = Repr<T>;
+  using Storage = typename R::Storage;
+  auto* d = static_cast<Storage*>(dst);
+  auto* a = static_cast<const Storage*>(x);
+  if (k == 0) {  // no peers (a group of one): dst = x
+    if (dst != x) std::memcpy(dst, x, count * sizeof(Storage));
+    return;
+  }
+  if constexpr (R::kWidened) {
+    const Op<float> f;
+    size_t i = 0;
+    for (; i + kHalfLanes <= count; i += kHalfLanes)
+      half_many_lanes<R, Isa>(d + i, a + i, srcs, k, i, f);
+    if (i < count) {  // the tail through zero-padded copies, as half_loop
+      const size_t rest = count - i;
+      Storage tx[kHalfLanes] = {};
+      Storage ts[kHalfLanes] = {};
+      float acc[kHalfLanes];
+      float b[kHalfLanes];
+      std::memcpy(tx, a + i, rest * sizeof(Storage));
+      R::template widen<Isa>(tx, acc);
+      for (size_t j = 0; j < k; ++j) {
+        std::memcpy(ts, static_cast<const Storage*>(srcs[j]) + i, rest * sizeof(Storage));
+        R::template widen<Isa>(ts, b);
+        for (size_t l = 0; l < kHalfLanes; ++l) acc[l] = f(acc[l], b[l]);
+      }
+      R::template narrow<Isa>(acc, tx);
+      std::memcpy(d + i, tx, rest * sizeof(Storage));
+    }
+  } else {
+    if (dst == x)
+      reduce_loop<Isa, T, Op>(dst, srcs[0], count);
+    else
+      reduce_into_loop<Isa, T, Op>(dst, x, srcs[0], count);
+    for (size_t j = 1; j < k; ++j) reduce_loop<Isa, T, Op>(dst, srcs[j], count);
+  }
+}
+
 // x / n, as a functor so the half path can share half_loop (the second operand is unused).
 struct DivideBy {
   float n;
@@ -342,6 +404,12 @@ MC_ALWAYS_INLINE void divide_loop(void* buf, size_t count, size_t n) {
                                         size_t count) {                                  \
       reduce_into_loop<Name, T, Op>(dst, x, src, count);                                 \
     }                                                                                    \
+    template <class T, template <class> class Op>                                        \
+    target_attr static void reduce_many(void* dst, const void* x,                        \
+                                        const void* const* srcs, size_t k,               \
+                                        size_t count) {                                  \
+      reduce_many_loop<Name, T, Op>(dst, x, srcs, k, count);                             \
+    }                                                                                    \
     template <class T>                                                                   \
     target_attr static void divide(void* buf, size_t count, size_t n) {                  \
       divide_loop<Name, T>(buf, count, n);                                               \
@@ -373,6 +441,7 @@ struct Table {
   const char* level = nullptr;
   ReduceFn reduce[kNumDTypes][kNumRedOps] = {};  // nullptr: unsupported pair
   ReduceIntoFn reduce_into[kNumDTypes][kNumRedOps] = {};
+  ReduceManyFn reduce_many[kNumDTypes][kNumRedOps] = {};
   DivideFn divide[kNumDTypes] = {};              // nullptr: no avg for this dtype
 };
 
@@ -383,6 +452,7 @@ template <class Isa, class T, template <class> class Op>
 void set(Table* table, DType t, RedOp op) {
   table->reduce[idx(t)][idx(op)] = &Isa::template reduce<T, Op>;
   table->reduce_into[idx(t)][idx(op)] = &Isa::template reduce_into<T, Op>;
+  table->reduce_many[idx(t)][idx(op)] = &Isa::template reduce_many<T, Op>;
 }
 
 template <class Isa, class T>
@@ -514,6 +584,11 @@ ReduceFn lookup(DType t, RedOp op) {
 ReduceIntoFn lookup_into(DType t, RedOp op) {
   lookup(t, op);  // the same checks and errors
   return active_table().reduce_into[idx(t)][idx(op)];
+}
+
+ReduceManyFn lookup_many(DType t, RedOp op) {
+  lookup(t, op);  // the same checks and errors
+  return active_table().reduce_many[idx(t)][idx(op)];
 }
 
 bool supported(DType t, RedOp op) {

@@ -1,5 +1,6 @@
 // The dtype x op reduction table. One lookup, no other switch on dtype/op anywhere.
-// f16 and bf16 are combined in f32 and rounded back to their type at each step (as NCCL).
+// f16 and bf16 are combined in f32 and rounded back to their type at each step (as NCCL),
+// except in a fold of many sources (lookup_many), which rounds once.
 #pragma once
 
 #include <cstddef>
@@ -18,8 +19,14 @@ using ReduceIntoFn = void (*)(void* dst, const void* x, const void* src, size_t 
 
 // Throws TypeMismatch naming both when the pair is unsupported (e.g. bxor on float32).
 // kAvg returns the sum kernel: callers finish with divide_by().
+// dst[i] = x[i] OP srcs[0][i] OP ... OP srcs[k-1][i], folded left to right (k = 0: a copy; Note
+// [Fold of many] in kernels.cc: f16 and bf16 are rounded once, at the end, not per step).
+// dst may be x; no source may overlap dst.
+using ReduceManyFn = void (*)(void* dst, const void* x, const void* const* srcs, size_t k,
+                              size_t count);
 ReduceFn lookup(DType t, RedOp op);
 ReduceIntoFn lookup_into(DType t, RedOp op);
+ReduceManyFn lookup_many(DType t, RedOp op);
 bool supported(DType t, RedOp op);
 
 // In-place buf[i] /= n, for kAvg. Integers use truncating division (as NCCL's ncclAvg).

@@ -30,6 +30,7 @@ HOST_ID = "MESHCOLL_HOST_ID"
 CMA = "MESHCOLL_CMA"
 SHM_ALL_REDUCE = "MESHCOLL_SHM_ALL_REDUCE"
 SHM_ALL_REDUCE_PATHS = ("auto", "flat", "scalable")  # its values
+SHM_SINGLE_COPY_BYTES = "MESHCOLL_SHM_SINGLE_COPY_BYTES"
 SHM_SPIN_US = "MESHCOLL_SHM_SPIN_US"
 SIMD = "MESHCOLL_SIMD"
 NCCL_TRACE = "MESHCOLL_NCCL_TRACE"
@@ -203,6 +204,8 @@ class CoreConfig:
     host_id: str = ""         # MESHCOLL_HOST_ID: same-host identity override ("": derived)
     cma: bool = True          # MESHCOLL_CMA: cross-memory attach on one host
     shm_all_reduce: str = "auto"  # MESHCOLL_SHM_ALL_REDUCE: auto, flat or scalable
+    # MESHCOLL_SHM_SINGLE_COPY_BYTES: the smallest single-copy all_reduce (0: by world size)
+    shm_single_copy_bytes: int = 0
     shm_spin_us: int = -1     # MESHCOLL_SHM_SPIN_US: a shared-memory wait's spin (-1: by host)
     simd: str = ""            # MESHCOLL_SIMD: cap the reduction kernels ("": no cap)
     nccl_trace: bool = False  # MESHCOLL_NCCL_TRACE: print each NCCL loading step
@@ -232,7 +235,8 @@ def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
 
 
 def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreConfig:
-    """The C++ core's settings from MESHCOLL_HOST_ID, _CMA, _SHM_ALL_REDUCE, _SHM_SPIN_US, _SIMD, _NCCL_TRACE,
+    """The C++ core's settings from MESHCOLL_HOST_ID, _CMA, _SHM_ALL_REDUCE,
+    _SHM_SINGLE_COPY_BYTES, _SHM_SPIN_US, _SIMD, _NCCL_TRACE,
     _NCCL_LIBRARY, _NCCL_SPLIT, _NCCL_DIRECT_BYTES, _ON_ERROR, _HOST_TIMERS and _FAULT; ValueError naming the variable for a bad value. The
     compiled module installs the result once, when it is imported (Note [Configuration])."""
     env = os.environ if environ is None else environ
@@ -251,6 +255,11 @@ def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreCon
     if not 0 <= direct_bytes <= 64 << 20:
         raise ValueError(f"meshcoll: {NCCL_DIRECT_BYTES}={direct!r}: use 0 (off) to 67108864 "
                          f"bytes (or unset it: 262144)")
+    single = value_of(env, SHM_SINGLE_COPY_BYTES)
+    single_copy = 0 if single is None else parse_int(single, SHM_SINGLE_COPY_BYTES)
+    if not 0 <= single_copy <= 1 << 40:
+        raise ValueError(f"meshcoll: {SHM_SINGLE_COPY_BYTES}={single!r}: use a size in bytes, "
+                         "or 0 (or unset it) for the table by world size")
     spin = value_of(env, SHM_SPIN_US)
     spin_us = -1 if spin is None else parse_int(spin, SHM_SPIN_US)
     if not -1 <= spin_us <= 10_000_000:
@@ -260,6 +269,7 @@ def core_config_from_env(environ: Optional[Mapping[str, str]] = None) -> CoreCon
         host_id=value_of(env, HOST_ID) or "",
         cma=_flag(env, CMA, True),
         shm_all_reduce=_choice(env, SHM_ALL_REDUCE, SHM_ALL_REDUCE_PATHS),
+        shm_single_copy_bytes=single_copy,
         shm_spin_us=spin_us,
         simd=simd,
         nccl_trace=_flag(env, NCCL_TRACE, False),

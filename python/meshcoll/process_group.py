@@ -218,9 +218,11 @@ class ProcessGroup(Collectives):
     #    of its own): one that differs is a MismatchError at once;
     #  - a member whose CPU setup then fails (its peer never came: it went to another
     #    backend) reads the requests, and raises the MismatchError they show instead.
-    # So the rank that asked for another backend fails at once, its CPU peers at their setup
-    # deadline (their TCP setup does not read the requests while it waits). A rank that
-    # skips the call publishes nothing and is found as before (Note [Calls out of step]).
+    # The rank that asked for another backend fails at once, and before it raises it
+    # withdraws from the CPU group's setup (Note [Withdrawn ranks] in
+    # csrc/transport/tcp/tcp_transport.h), so its CPU peers, waiting for its address or its
+    # connection, fail at once too. A rank that skips the call publishes nothing and is found
+    # as before (Note [Calls out of step]).
     def _publish_request(self, name: str, ranks: List[int], kind: BackendName,
                          timeout: Optional[float]) -> None:
         me = self._ranks[self.rank]
@@ -234,6 +236,10 @@ class ProcessGroup(Collectives):
             while True:
                 why, missing = self._request_mismatch(name, ranks, kind)
                 if why:
+                    # The members that asked for a CPU group wait for this rank in its TCP
+                    # setup: tell them, so that they fail now too (Note [Withdrawn ranks]).
+                    _C.withdraw_from_setup(_C.PrefixStore(f"mc/{name}", self._store),
+                                           ranks.index(me), why.split(": ", 1)[1], limit)
                     raise _C.MismatchError(why)
                 if not missing:
                     return

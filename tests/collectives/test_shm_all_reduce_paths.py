@@ -27,8 +27,10 @@ SHM_BYTES = 128 << 10   # the data area in these tests: 64 KiB a round
 PIECE = 512 << 10       # kSingleCopyPieceBytes
 
 
-def single_copy_from(n):  # kShmPaths' single_copy_from
-    return {2: 16 << 10, 3: 16 << 10, 4: 16 << 10, 5: 16 << 10}.get(n, 256 << 10)
+def single_copy_from(n):
+    """The single-copy threshold these tests set (MESHCOLL_SHM_SINGLE_COPY_BYTES): small, so
+    that a few hundred KiB reach the path (kShmPaths starts it at 4-8 MiB from 3 ranks up)."""
+    return 16 << 10 if n <= 5 else 256 << 10
 
 
 def byte_sizes(n, cma):
@@ -95,7 +97,8 @@ def _paths_body(pg, cma, path):
 def test_all_reduce_paths_match_numpy(run_ranks, world, cma, path):
     res = run_ranks(world, _paths_body, timeout=110, cma=cma, path=path,
                     env={"MESHCOLL_SHM_ALL_REDUCE": path, "MESHCOLL_CMA": cma,
-                         "MESHCOLL_SHM_BYTES": str(SHM_BYTES)})
+                         "MESHCOLL_SHM_BYTES": str(SHM_BYTES),
+                         "MESHCOLL_SHM_SINGLE_COPY_BYTES": str(single_copy_from(world))})
     assert_ranks_agree(res)
 
 
@@ -153,20 +156,25 @@ def _die_in_all_reduce(pg, count):
 @pytest.mark.parametrize("count,cma", [(16, "1"), (1 << 15, "0"), (1 << 17, "1")])
 def test_a_killed_rank_is_a_peer_error_naming_it(run_ranks, count, cma):
     res = run_ranks(5, _die_in_all_reduce, may_die=(3,), count=count,
-                    env={**SCALABLE, "MESHCOLL_CMA": cma})
+                    env={**SCALABLE, "MESHCOLL_CMA": cma,
+                         "MESHCOLL_SHM_SINGLE_COPY_BYTES": str(single_copy_from(5))})
     for rank in (0, 1, 2, 4):
         kind, msg = res[rank]
         assert kind == "PeerError" and "rank 3" in msg, res[rank]
 
 
-def _differently_set(pg):
-    os.environ["MESHCOLL_SHM_ALL_REDUCE"] = "flat" if pg.rank == 1 else "scalable"
+def _differently_set(pg, name, values):
+    os.environ[name] = values[1] if pg.rank == 1 else values[0]
     meshcoll._C.reload_config()
     with pytest.raises(meshcoll.MeshcollError) as e:
         pg.new_group(list(range(pg.size)), transport="shm")
     return str(e.value)
 
 
-def test_ranks_set_differently_fail_at_setup(run_ranks):
-    for msg in run_ranks(3, _differently_set):
-        assert "MESHCOLL_SHM_ALL_REDUCE" in msg and "every rank" in msg, msg
+@pytest.mark.parametrize("name,values", [
+    ("MESHCOLL_SHM_ALL_REDUCE", ("scalable", "flat")),
+    ("MESHCOLL_SHM_SINGLE_COPY_BYTES", ("0", "16384")),
+])
+def test_ranks_set_differently_fail_at_setup(run_ranks, name, values):
+    for msg in run_ranks(3, _differently_set, name=name, values=values):
+        assert name in msg and "every rank" in msg, msg

@@ -28,7 +28,7 @@ def test_cpp_defaults_equal_unset_environment():
 def test_set_reload_and_core_validation(monkeypatch):
     try:
         _C.set_config(CoreConfig(host_id="h1", cma=False, nccl_library="/x/libnccl.so.2"))
-        assert _as_tuple(_C.config()) == ("h1", False, "auto", -1, "", False, "/x/libnccl.so.2",
+        assert _as_tuple(_C.config()) == ("h1", False, "auto", 0, -1, "", False, "/x/libnccl.so.2",
                                           True, 256 << 10, False, False, "")
         assert _C.host_identity() == "h1"
         bad = _C.Config()

@@ -127,8 +127,12 @@ def test_training_matches_one_process(run_ranks, world):
             np.testing.assert_array_equal(r["views"][0][n], params[n])
             np.testing.assert_array_equal(r["views accum"][0][n], r["accum"][0][n])
             np.testing.assert_array_equal(r["views bf16"][0][n], r["bf16"][0][n])
-        # Half precision: ~3 (bf16) / ~4 (fp16) significant digits per step.
-        assert max_rel_diff(r["bf16"][0], ref) < 2e-2, (rank, max_rel_diff(r["bf16"][0], ref))
+        # Half precision: ~3 (bf16) / ~4 (fp16) significant digits per step. The bf16 bound
+        # is loose because the trajectory, not the sum, is what moves: on 4 ranks a bf16 sum
+        # rounded once (the shared-memory fold, Note [Fold of many]) ends this training 2.2%
+        # from float32, one rounded at each step 0.17%, though each sum is closer to the exact
+        # one (both reproduced by emulating the training in numpy).
+        assert max_rel_diff(r["bf16"][0], ref) < 3e-2, (rank, max_rel_diff(r["bf16"][0], ref))
         assert max_rel_diff(r["fp16"][0], ref) < 5e-3, (rank, max_rel_diff(r["fp16"][0], ref))
         assert 0 < max_rel_diff(r["bf16"][0], ref), "bf16 compression sent fp32"
         assert max_rel_diff(r["hook wrapped"][0], ref) < 1e-5, rank

@@ -133,6 +133,38 @@ def test_into_a_third_array_gives_the_same_bits(dtype, op, count):
     assert_same(b, random_array(dtype, count, seed=2))
 
 
+def reference_many(x, srcs, dtype, op):
+    """x op srcs[0] op ... left to right; f16/bf16 in float32 throughout, rounded once at the
+    end (Note [Fold of many])."""
+    if dtype not in HALVES:
+        for s in srcs:
+            x = reference(x, s, dtype, op)
+        return x
+    acc = x.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for s in srcs:
+            acc = NP_OPS[op](acc, s.astype(np.float32))
+        return acc.astype(np_dtype(dtype))
+
+
+@pytest.mark.parametrize("count", [0, 1, 17, 1031])
+@pytest.mark.parametrize("dtype,op", [(d, o) for d in DTYPES for o in OPS if supported(d, o)])
+def test_fold_of_many_matches_numpy(dtype, op, count):
+    # lookup_many (the shared-memory all_reduce's and reduce_scatter's fold of every peer):
+    # one source, several, into a third array and in place.
+    x = random_array(dtype, count, seed=1)
+    for k in (1, 3, 7):
+        srcs = [random_array(dtype, count, seed=10 + j) for j in range(k)]
+        want = reference_many(x, srcs, dtype, op)
+        dst = np.full_like(x, 3)
+        _C._reduce_many(dst, x, srcs, dtype, op)
+        assert_same(dst, want)
+        assert_same(x, random_array(dtype, count, seed=1))  # x untouched
+        inplace = x.copy()
+        _C._reduce_many(inplace, inplace, srcs, dtype, op)
+        assert_same(inplace, want)
+
+
 @pytest.mark.parametrize("op", ["sum", "prod", "min", "max"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dst_may_alias_src(dtype, op):

@@ -37,6 +37,12 @@ def test_tcp_can_be_forced(run_ranks):
     assert res == [("tcp", 3.0)] * 2
 
 
+# The single-copy all_reduce from 16 KiB, whatever the world size (the table in
+# cpu/algo/shm_collectives.cc starts it at 4-8 MiB from 3 ranks up): these tests reach it
+# with small arrays.
+SINGLE_COPY = {"MESHCOLL_SHM_SINGLE_COPY_BYTES": str(16 << 10)}
+
+
 def _die_in_shm_all_reduce(pg):
     x = np.ones(1 << 18, np.float32)
     for i in range(100000):
@@ -54,7 +60,8 @@ def _die_in_shm_all_reduce(pg):
 @pytest.mark.parametrize("cma", ["1", "0"])
 def test_kill9_in_shm_collective_fails_fast_and_leaves_nothing(run_ranks, cma):
     before = _ours()
-    res = run_ranks(3, _die_in_shm_all_reduce, may_die=(1,), env={"MESHCOLL_CMA": cma})
+    res = run_ranks(3, _die_in_shm_all_reduce, may_die=(1,), env={"MESHCOLL_CMA": cma,
+                                                                  **SINGLE_COPY})
     for rank in (0, 2):
         kind, msg = res[rank]
         assert kind in ("PeerError", "TimeoutError"), res[rank]
@@ -103,7 +110,7 @@ def test_mismatch_detected_across_all_reduce_paths(run_ranks):
     # each side of the slot limit. Then 4095 + rank floats: 16 KiB - 4 through the data area,
     # 16 KiB and + 4 single-copy. Every path agrees on the call before it moves data.
     for base in (245, 4095):
-        res = run_ranks(3, _mismatch_in_shm, base=base)
+        res = run_ranks(3, _mismatch_in_shm, base=base, env=SINGLE_COPY)
         for msg in res:  # MismatchError, not the 30 s deadline's TimeoutError
             assert "mismatch" in msg and f"count={base}" in msg, msg
 
@@ -144,7 +151,8 @@ def _all_reduce_paths(pg):
 @pytest.mark.parametrize("world", [2, 3])
 def test_all_reduce_on_every_shared_memory_path(run_ranks, world, cma):
     # MESHCOLL_CMA=0: large vectors take the data-area path instead of the single-copy one.
-    res = run_ranks(world, _all_reduce_paths, timeout=100, env={"MESHCOLL_CMA": cma})
+    res = run_ranks(world, _all_reduce_paths, timeout=100, env={"MESHCOLL_CMA": cma,
+                                                                **SINGLE_COPY})
     for r in res:
         assert r["transport"] == "shm"
         assert not r["failures"], r["failures"]

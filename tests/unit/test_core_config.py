@@ -18,6 +18,8 @@ def test_unset_environment_is_the_defaults():
     ({"MESHCOLL_CMA": "1"}, "cma", True),
     ({"MESHCOLL_SHM_ALL_REDUCE": "flat"}, "shm_all_reduce", "flat"),
     ({"MESHCOLL_SHM_ALL_REDUCE": "scalable"}, "shm_all_reduce", "scalable"),
+    ({"MESHCOLL_SHM_SINGLE_COPY_BYTES": "16384"}, "shm_single_copy_bytes", 16384),
+    ({"MESHCOLL_SHM_SINGLE_COPY_BYTES": "0"}, "shm_single_copy_bytes", 0),
     ({"MESHCOLL_SHM_SPIN_US": "0"}, "shm_spin_us", 0),
     ({"MESHCOLL_SHM_SPIN_US": "5000"}, "shm_spin_us", 5000),
     ({"MESHCOLL_SIMD": "avx2"}, "simd", "avx2"),
@@ -43,6 +45,7 @@ def test_each_variable(env, field, value):
     ("MESHCOLL_SHM_SPIN_US", "soon"), ("MESHCOLL_FAULT", "kill@nowhere"),
     ("MESHCOLL_FAULT", "stop@"), ("MESHCOLL_FAULT", "kill@shm"),
     ("MESHCOLL_FAULT", "hang@settings"), ("MESHCOLL_SHM_ALL_REDUCE", "fast"),
+    ("MESHCOLL_SHM_SINGLE_COPY_BYTES", "-1"), ("MESHCOLL_SHM_SINGLE_COPY_BYTES", "4M"),
 ])
 def test_bad_value_names_the_variable(name, text):
     with pytest.raises(ValueError, match=f"{name}='{text}'"):

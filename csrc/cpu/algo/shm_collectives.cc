@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "cpu/algo/collectives.h"
 #include "cpu/algo/plan.h"
@@ -46,6 +47,24 @@ uint8_t* area(ShmGroup& g, int p, uint64_t round) {
 }
 size_t area_bytes(const ShmGroup& g) { return g.data_bytes() / 2; }
 
+
+// The peers' pointers of one fold of many (reduce::lookup_many, Note [Fold of many]): on the
+// stack up to 64 ranks, so a small call allocates nothing.
+class Sources {
+ public:
+  explicit Sources(size_t k) : k_(k) {
+    if (k_ > kInline) heap_.resize(k_);
+  }
+  const void*& operator[](size_t j) { return k_ > kInline ? heap_[j] : inline_[j]; }
+  const void* const* data() const { return k_ > kInline ? heap_.data() : inline_; }
+  size_t size() const { return k_; }
+
+ private:
+  static constexpr size_t kInline = 64;
+  size_t k_;
+  const void* inline_[kInline] = {};
+  std::vector<const void*> heap_;
+};
 
 // Whether `peer` announced the same call as this rank in round R's slot.
 bool agrees(ShmGroup& g, int peer, uint64_t round) {
@@ -123,6 +142,9 @@ void meet_reduced(cpu::Comm& comm, ShmGroup& g, uint64_t round, const char* what
 //  - from single_copy_from, with cross-memory attach: the same reduce-scatter and
 //    all-gather straight from the peers' vectors (Note [Single-copy all_reduce]), the
 //    copy into shared memory avoided.
+// The folds read every peer's piece in one call (reduce::lookup_many, Note [Fold of many] in
+// reduce/kernels.cc): f16/bf16 are rounded once per element, not once per peer; the
+// single-copy path folds one peer at a time through its scratch and rounds per peer.
 // On the scalable path rank r visits its peers from r+1 on (mod n), in folding and in
 // copying out, so that at any moment the n ranks read n different owners' memory (and NUMA
 // nodes) instead of all reading rank 0's first; the fold order is still fixed for a given
@@ -152,16 +174,24 @@ struct ShmPathRow {
   size_t fold_all_bytes;    // at or below (bytes x ranks): every rank folds everything
   size_t single_copy_from;  // from here, with cross-memory attach: single copy
 };
-// PROVISIONAL: written on a 2-core VM where no scaling can be measured (only the flat row's
-// limits were measured, on 2 ranks: Note [Single-copy all_reduce]). Measure both paths on a
-// 16-64 core host with bench/cpu/scaling.sh and set the rows from that.
+// Where the rows come from:
+//  - 2 ranks: the flat path's limits, measured on a 2-core VM (Note [Single-copy all_reduce]);
+//  - single_copy_from at 3 ranks and up: measured on a 16-core host, 4, 8 and 16 ranks, both
+//    data paths forced in turn (MESHCOLL_CMA=0 / 1) from 32 KiB to 32 MiB: the copy through
+//    the data areas wins below about 4 MiB at 4 ranks (at 1 MiB 219-232 us against 372-399)
+//    and below about 8 MiB at 8 and 16 ranks (8 ranks, 1 MiB: 293-311 us against 427-472);
+//    above, single copy wins or ties. Single copy makes 2(n-1) syscalls a piece, each pinning
+//    the peer's pages while n-1 other ranks read the same peer (docs/performance.md,
+//    2026-11-28 (fourth session));
+//  - scalable_from and fold_all_bytes: not measured against each other yet; the scalable
+//    path is the one measured against Open MPI from 8 ranks up. 32 ranks and more: the 16-rank
+//    row, unmeasured.
+// MESHCOLL_SHM_SINGLE_COPY_BYTES overrides single_copy_from on every rank (agreed at setup).
 constexpr ShmPathRow kShmPaths[] = {
     // ranks  scalable from  fold all   single copy from
     {2, SIZE_MAX, 64 << 10, 16 << 10},  // 2 ranks: one flag either way
-    {3, 0, 64 << 10, 16 << 10},
-    {8, 0, 64 << 10, 256 << 10},  // 2(n-1) syscalls a call: fewer bytes each as n grows
-    {16, 0, 64 << 10, 1 << 20},
-    {32, 0, 64 << 10, 2 << 20},
+    {3, 0, 64 << 10, 4 << 20},
+    {8, 0, 64 << 10, 8 << 20},
 };
 // The flat path's limits, whatever the world size (measured on 2 ranks).
 constexpr ShmPathRow kFlatPath = {2, SIZE_MAX, 64 << 10, 16 << 10};
@@ -204,6 +234,16 @@ const ShmPathRow& shm_path_row(int n) {
 constexpr size_t kSingleCopyPieceBytes = 512 * 1024;
 constexpr size_t kSingleCopyDividePartBytes = 16 * 1024;  // a multiple of every dtype's size
 
+// Note [Reduced slices through the data areas]
+// Phase two of the single copy reads n-1 reduced slices from their owners' vectors through
+// the kernel. From 3 ranks, when the largest slice fits half a data area, each rank instead
+// copies its reduced slice into its data area (the half of the call's first round) piece by
+// piece while the piece is in cache, and phase two copies the slices out of the areas: plain
+// loads from shared memory, with no syscall and no pinning of the peers' pages, which is what
+// the kernel's copy costs beyond the bytes when n-1 ranks read one owner at once. The empty
+// closing round keeps that half from being reused before every peer has read it (Note
+// [Shared-memory rounds]). 2 ranks read one slice a call, and keep the kernel's single copy.
+
 namespace {
 // The peer rank r visits j-th (j = 1 .. n-1): from r+1 on when `spread` (Note [Shared-memory
 // all_reduce paths]), else in rank order.
@@ -243,6 +283,9 @@ void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a, bool sc
     const size_t s = slices.offset(r) * esz, len = slices.length(r) * esz;
     const size_t piece = std::max<size_t>(1, kSingleCopyPieceBytes / esz) * esz;
     uint8_t* scratch = comm.scratch(0, std::min(piece, len));
+    // Every rank decides alike: the largest slice is slice 0's.
+    const bool via_area = n >= 3 && slices.length(0) * esz <= area_bytes(g);
+    uint8_t* my_area = area(g, r, first);
     for (size_t k = 0; k < len; k += piece) {
       const size_t m = std::min(piece, len - k);
       for (int j = 1; j < n; ++j) {
@@ -262,12 +305,16 @@ void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a, bool sc
           if (divides) reduce::divide_by(a.dtype, o, c / esz, n);
         }
       }
+      if (via_area) std::memcpy(my_area + k, a.out.data + s + k, m);
     }
     meet_reduced(comm, g, first, what, scalable);
     for (int j = 1; j < n; ++j) {
       const int p = peer_at(r, n, j, scalable);
-      const size_t off = slices.offset(p) * esz;
-      g.read_peer(p, vector_of(p, 1) + off, a.out.data + off, slices.length(p) * esz);
+      const size_t off = slices.offset(p) * esz, bytes_p = slices.length(p) * esz;
+      if (via_area)
+        std::memcpy(a.out.data + off, area(g, p, first), bytes_p);
+      else
+        g.read_peer(p, vector_of(p, 1) + off, a.out.data + off, bytes_p);
     }
     // The empty round: every peer has finished reading this vector.
     const uint64_t last = begin_round(comm, g);
@@ -303,21 +350,24 @@ bool shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
   const ShmPathRow& row = shm_path_row(n);
   const bool scalable = forced == "auto" ? bytes >= row.scalable_from : forced == "scalable";
   const ShmPathRow& lim = scalable ? row : kFlatPath;
-  auto fold = reduce::lookup(a.dtype, a.op);
-  auto fold_into = reduce::lookup_into(a.dtype, a.op);
+  auto fold_many = reduce::lookup_many(a.dtype, a.op);
   const char* what = op_name(comm);
   const bool in_place = a.in.data == a.out.data;
+  Sources peers(n - 1);  // one fold of many: every peer's piece (Note [Fold of many])
   if (bytes <= transport::kShmInlineBytes) {
     uint64_t round = begin_round(comm, g);
     std::memcpy(g.slot(r, round).payload, a.in.data, bytes);
     meet(comm, g, round, what, scalable);
     // Rank 0's values first (on rank 0 in place they are still in out), then the others in
     // order.
-    if (r != 0 || !in_place) std::memcpy(a.out.data, g.slot(0, round).payload, bytes);
-    for (int p = 1; p < n; ++p) fold(a.out.data, g.slot(p, round).payload, a.count);
+    const void* first = r == 0 && in_place ? a.out.data : g.slot(0, round).payload;
+    for (int p = 1; p < n; ++p) peers[p - 1] = g.slot(p, round).payload;
+    fold_many(a.out.data, first, peers.data(), peers.size(), a.count);
     return false;
   }
-  if (g.cma() && bytes >= lim.single_copy_from) {
+  const size_t single_copy_from =
+      g.single_copy_bytes() ? g.single_copy_bytes() : lim.single_copy_from;
+  if (g.cma() && bytes >= single_copy_from) {
     shm_all_reduce_single_copy(comm, a, scalable);
     return a.op == RedOp::kAvg;
   }
@@ -342,22 +392,19 @@ bool shm_all_reduce(cpu::Comm& comm, const AllreduceArgs& a) {
       std::memcpy(mine + s + len * esz, in + s + len * esz, (c - slices.offset(r) - len) * esz);
     }
     meet(comm, g, round, what, scalable);
-    if (fold_all) {
-      if (r != 0 || !in_place) std::memcpy(out, area(g, 0, round), c * esz);  // rank 0's first
-      for (int p = 1; p < n; ++p) fold(out, area(g, p, round), c);
+    if (fold_all) {  // rank 0's values first (on rank 0 in place still in out)
+      const void* first = r == 0 && in_place ? out : area(g, 0, round);
+      for (int p = 1; p < n; ++p) peers[p - 1] = area(g, p, round);
+      fold_many(out, first, peers.data(), peers.size(), c);
     } else {
-      // Slice r: this rank's own values (still in `out`, or read from `in` by the first
-      // fold), then every other rank's in a fixed order. Only this rank computes slice r, so
-      // all ranks get the same bits.
+      // Slice r: this rank's own values (read from `in`, which is `out` in place), then
+      // every other rank's in a fixed order. Only this rank computes slice r, so all ranks
+      // get the same bits.
       for (size_t k = 0; k < len; k += piece) {
         const size_t m = std::min(piece, len - k), at = s + k * esz;
-        for (int j = 1; j < n; ++j) {
-          const uint8_t* theirs = area(g, peer_at(r, n, j, scalable), round) + at;
-          if (j == 1 && !in_place)
-            fold_into(out + at, in + at, theirs, m);
-          else
-            fold(out + at, theirs, m);
-        }
+        for (int j = 1; j < n; ++j)
+          peers[j - 1] = area(g, peer_at(r, n, j, scalable), round) + at;
+        fold_many(out + at, in + at, peers.data(), peers.size(), m);
         std::memcpy(mine + at, out + at, m * esz);
       }
       meet_reduced(comm, g, round, what, scalable);
@@ -487,7 +534,8 @@ void shm_reduce_scatter(cpu::Comm& comm, const ReduceScatterArgs& a) {
   const int n = g.size(), r = g.rank();
   const size_t esz = dtype_size(a.dtype);
   const char* what = op_name(comm);
-  auto fold = reduce::lookup(a.dtype, a.op);
+  auto fold_many = reduce::lookup_many(a.dtype, a.op);
+  Sources peers(n - 1);
   const auto at = prefix_offsets(a.counts);
   const size_t q = std::max<size_t>(1, area_bytes(g) / esz / n);  // elements per block per round
   const size_t longest = max_of(a.counts);
@@ -503,10 +551,11 @@ void shm_reduce_scatter(cpu::Comm& comm, const ReduceScatterArgs& a) {
     meet(comm, g, round, what);
     if (off < a.counts[r]) {
       const size_t len = std::min(q, a.counts[r] - off);
-      uint8_t* dst = a.out.data + off * esz;
-      std::memmove(dst, a.in.data + (at[r] + off) * esz, len * esz);
-      for (int p = 0; p < n; ++p)
-        if (p != r) fold(dst, area(g, p, round) + r * q * esz, len);
+      // This rank's own values first, then the peers' in rank order (Note [Fold of many]).
+      for (int p = 0, j = 0; p < n; ++p)
+        if (p != r) peers[j++] = area(g, p, round) + r * q * esz;
+      fold_many(a.out.data + off * esz, a.in.data + (at[r] + off) * esz, peers.data(),
+                peers.size(), len);
     }
     off += q;
   } while (off < longest);

@@ -202,18 +202,24 @@ std::unique_ptr<ShmGroup> ShmGroup::create(int rank, int size, store::Store& sto
       cma_why = e.what();
     }
   }
-  // The step also carries MESHCOLL_SHM_ALL_REDUCE: ranks that chose all_reduce paths
-  // differently would wait for each other in different places.
+  // The step also carries MESHCOLL_SHM_ALL_REDUCE and MESHCOLL_SHM_SINGLE_COPY_BYTES: ranks
+  // that chose all_reduce paths differently would wait for each other in different places.
   g->all_reduce_path_ = config().shm_all_reduce;
+  g->single_copy_bytes_ = config().shm_single_copy_bytes;
   g->cma_ = true;
-  auto all = step("cma", str_cat(g->all_reduce_path_, "\n", cma_why.empty() ? "ok" : cma_why));
+  const std::string settings[2] = {g->all_reduce_path_, std::to_string(g->single_copy_bytes_)};
+  const char* variables[2] = {"MESHCOLL_SHM_ALL_REDUCE", "MESHCOLL_SHM_SINGLE_COPY_BYTES"};
+  auto all =
+      step("cma", str_cat(settings[0], "\n", settings[1], "\n", cma_why.empty() ? "ok" : cma_why));
   for (int r = 0; r < size; ++r) {
-    const size_t cut = all[r].find('\n');
-    if (all[r].substr(cut + 1) != "ok") g->cma_ = false;
-    if (all[r].substr(0, cut) != g->all_reduce_path_) {
-      *why = str_cat("rank ", r, " has MESHCOLL_SHM_ALL_REDUCE=", all[r].substr(0, cut),
-                     " but rank ", rank, " has ", g->all_reduce_path_,
-                     "; set it the same on every rank (or unset it)");
+    const size_t cut = all[r].find('\n'), cut2 = all[r].find('\n', cut + 1);
+    if (all[r].substr(cut2 + 1) != "ok") g->cma_ = false;
+    const std::string theirs[2] = {all[r].substr(0, cut),
+                                   all[r].substr(cut + 1, cut2 - cut - 1)};
+    for (int k = 0; k < 2; ++k) {
+      if (theirs[k] == settings[k]) continue;
+      *why = str_cat("rank ", r, " has ", variables[k], "=", theirs[k], " but rank ", rank,
+                     " has ", settings[k], "; set it the same on every rank (or unset it)");
       return nullptr;
     }
   }

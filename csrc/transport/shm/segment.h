@@ -151,6 +151,9 @@ class ShmGroup {
   // MESHCOLL_SHM_ALL_REDUCE as every rank of the group has it (agreed in setup): "auto",
   // "flat" or "scalable" (Note [Shared-memory all_reduce paths] in shm_collectives.cc).
   const std::string& all_reduce_path() const { return all_reduce_path_; }
+  // MESHCOLL_SHM_SINGLE_COPY_BYTES as every rank of the group has it (agreed in setup): the
+  // smallest single-copy all_reduce, 0 for the table by world size.
+  size_t single_copy_bytes() const { return single_copy_bytes_; }
   // Copies `bytes` from address `remote` in rank r's address space to `local`. PeerError if
   // rank r is gone or no longer has that memory (it left the collective), SystemError for
   // any other failure.
@@ -180,6 +183,7 @@ class ShmGroup {
   bool cma_ = false;
   int steps_ = 0;  // of the dissemination barrier: ceil(log2 size)
   std::string all_reduce_path_ = "auto";
+  size_t single_copy_bytes_ = 0;
   // How long a waiter spins before sleeping on the futex (Note [Shared-memory spin]): a
   // caller's wait, and a group worker's (shorter where the workers do not fit the cores).
   std::chrono::microseconds spin_{100}, worker_spin_{100};

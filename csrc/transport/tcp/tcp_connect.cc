@@ -75,6 +75,26 @@ TcpTransport::~TcpTransport() {
   for (auto& p : peers_) net::close_fd(p->fd);
 }
 
+namespace {
+constexpr char kWithdrawn[] = "withdrawn\n";  // an address never starts so (Note [Withdrawn ranks])
+
+std::string address_key(int rank) { return str_cat("tcp/addr/", rank); }
+
+// Throws the reason peer `j` gave, if `addr` is its notice of withdrawal.
+void check_withdrawn(const store::Bytes& addr, const RankNames& global, int me, int j) {
+  const std::string s(addr.begin(), addr.end());
+  if (s.rfind(kWithdrawn, 0) != 0) return;
+  throw MismatchError(str_cat("rank ", global(me), ": rank ", global(j), " will not set up this "
+                              "group: ", s.substr(sizeof(kWithdrawn) - 1)));
+}
+}  // namespace
+
+void TcpTransport::withdraw(store::Store& store, int rank, const std::string& why,
+                            const Deadline& d) {
+  const std::string notice = kWithdrawn + why;
+  store.set(address_key(rank), store::Bytes(notice.begin(), notice.end()), remaining(d));
+}
+
 void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, const Deadline& d) {
   int port = 0;
   int listen_fd = net::listen_on(opts.bind_host, 0, size_ + 16, &port);
@@ -83,7 +103,7 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
     ~Closer() { net::close_fd(fd); }
   } closer{listen_fd};
   std::string me = net::Endpoint{opts.bind_host, port}.str();
-  store.set(str_cat("tcp/addr/", rank_), store::Bytes(me.begin(), me.end()), remaining(d));
+  store.set(address_key(rank_), store::Bytes(me.begin(), me.end()), remaining(d));
 
   Handshake hs{kHandshakeMagic, kHandshakeVersion, static_cast<uint16_t>(opts.token.size()),
                rank_, size_, opts.comm_id, global_(rank_)};
@@ -93,12 +113,13 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
     std::string what = str_cat("rank ", global_(rank_), ": connecting to rank ", global_(j));
     store::Bytes addr;
     try {
-      addr = store.get(str_cat("tcp/addr/", j), remaining(d));
+      addr = store.get(address_key(j), remaining(d));
     } catch (const TimeoutError&) {
       throw TimeoutError(str_cat(what, ": rank ", global_(j), " died or never came during setup: ",
                                  "it published no address within ", d.timeout().count(),
                                  " ms; did every rank start?"));
     }
+    check_withdrawn(addr, global_, rank_, j);
     std::string s(addr.begin(), addr.end());
     size_t colon = s.rfind(':');
     std::string host = s.substr(0, colon);
@@ -133,7 +154,26 @@ void TcpTransport::connect_all(store::Store& store, const TcpOptions& opts, cons
     pending.pop_back();
   };
   const auto accept_start = Clock::now();
+  // The higher ranks seen to publish an address: the others are asked about now and then, in
+  // case they withdrew (Note [Withdrawn ranks]).
+  std::vector<bool> published(size_, false);
+  auto next_look = Clock::now();
   while (expected > 0) {
+    if (Clock::now() >= next_look) {
+      next_look = Clock::now() + Millis(250);
+      for (int j = rank_ + 1; j < size_; ++j) {
+        if (published[j] || peers_[j]->fd >= 0) continue;
+        const Millis brief(500);  // a working store answers in microseconds
+        if (!store.check({address_key(j)}, brief)) continue;
+        published[j] = true;
+        try {
+          check_withdrawn(store.get(address_key(j), brief), global_, rank_, j);
+        } catch (const MismatchError&) {
+          for (auto& p : pending) net::close_fd(p.fd);
+          throw;
+        }
+      }
+    }
     try {
       check_interrupt(global_(rank_), accept_start);  // Note [Interrupts]
     } catch (const Interrupted&) {

@@ -50,6 +50,14 @@ class TcpTransport : public Transport {
                DescribeOp describe, const Deadline& d);
   ~TcpTransport() override;
 
+  // Note [Withdrawn ranks]
+  // A rank listed in a group that it will not set up (it asked new_group for another
+  // backend than its peers did: Note [Agreeing on a new group's request] in
+  // python/meshcoll/process_group.py) publishes why in place of its address. A peer waiting
+  // for its address, or for its connection, reads that and raises MismatchError with the
+  // reason at once, instead of a TimeoutError at its setup deadline.
+  static void withdraw(store::Store& store, int rank, const std::string& why, const Deadline& d);
+
   int rank() const override { return rank_; }
   int size() const override { return size_; }
   Request isend(int peer, const Envelope& env, ConstBytes src) override;
