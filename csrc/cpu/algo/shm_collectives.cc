@@ -220,10 +220,14 @@ const ShmPathRow& shm_path_row(int n) {
 // peer has finished phase one). Per rank each byte is read from memory twice and written
 // twice (the copy path: about four times each), at three synchronisations. An average is
 // divided piece by piece right after the fold, so that it costs no pass of its own over the
-// vector (a separate pass cost a third of the all-reduce). The single copy beats the copy
+// vector (a separate pass cost a third of the all-reduce). Nor a pass over the piece: the
+// last fold runs in parts of kSingleCopyDividePartBytes, each divided while it is still in
+// L1 (dividing each 512 KiB piece after its fold, a pass from L2 and beyond, was 9% of the
+// worker's CPU in the 2-rank training step with bucket views). The single copy beats the copy
 // path from 16 KiB on (2 ranks), and pieces of 512 KiB beat 256 KiB and 1 MiB
 // (docs/performance.md, "Single-copy all_reduce").
 constexpr size_t kSingleCopyPieceBytes = 512 * 1024;
+constexpr size_t kSingleCopyDividePartBytes = 16 * 1024;  // a multiple of every dtype's size
 
 // Note [Reduced slices through the data areas]
 // Phase two of the single copy reads n-1 reduced slices from their owners' vectors through
@@ -282,14 +286,20 @@ void shm_all_reduce_single_copy(cpu::Comm& comm, const AllreduceArgs& a, bool sc
       for (int j = 1; j < n; ++j) {
         const int p = peer_at(r, n, j, scalable);
         g.read_peer(p, vector_of(p, 0) + s + k, scratch, m);
-        if (j == 1 && a.in.data != a.out.data)  // own values from x (Note [Out-of-place ...])
-          fold_into(a.out.data + s + k, a.in.data + s + k, scratch, m / esz);
-        else
-          fold(a.out.data + s + k, scratch, m / esz);
+        // avg: the last fold goes in L1-sized parts, each divided right after it is folded
+        // (Note [Single-copy all_reduce]).
+        const bool divides = j == n - 1 && a.op == RedOp::kAvg;
+        const size_t part = divides ? kSingleCopyDividePartBytes : m;
+        for (size_t q = 0; q < m; q += part) {
+          const size_t c = std::min(part, m - q);
+          uint8_t* o = a.out.data + s + k + q;
+          if (j == 1 && a.in.data != a.out.data)  // own values from x (Note [Out-of-place ...])
+            fold_into(o, a.in.data + s + k + q, scratch + q, c / esz);
+          else
+            fold(o, scratch + q, c / esz);
+          if (divides) reduce::divide_by(a.dtype, o, c / esz, n);
+        }
       }
-      // avg: the piece divided while it is in cache, before the peers read it (Note
-      // [Single-copy all_reduce]); the same bits as dividing the whole vector at the end.
-      if (a.op == RedOp::kAvg) reduce::divide_by(a.dtype, a.out.data + s + k, m / esz, n);
       if (via_area) std::memcpy(my_area + k, a.out.data + s + k, m);
     }
     meet_reduced(comm, g, first, what, scalable);
