@@ -73,6 +73,7 @@ ShmGroup::ShmGroup(int rank, int size, size_t data_bytes)
   // its peer sleep, the wake-up then took longer than 100 us, so the woken rank's next wait
   // slept too, and so on: a small all_reduce took tens of times longer than with 2 ms
   // (docs/performance.md, "Shared-memory spin"). MESHCOLL_SHM_SPIN_US overrides both times.
+  // Past its first half microsecond the spin yields the core (Note [Yielding spin]).
   const auto ranks = static_cast<unsigned>(size);
   yield_ = !threads_fit(ranks, host_cores());
   const long us = config().shm_spin_us;
@@ -318,6 +319,17 @@ std::vector<int> ShmGroup::missing_ranks(const Wait& w) {
 
 // Spin for a few microseconds (the peer is usually just behind), then sleep on the peer's
 // futex in naps of at most 5 ms, checking (dead peer, ABORT, deadline) between.
+//
+// Note [Yielding spin]
+// A wait pauses for about half a microsecond, then yields the core (sched_yield) after every
+// 32 pauses until it sleeps, as Open MPI's polling loop yields when oversubscribed. A peer
+// that is late past the first half microsecond is often not running at all: on a host where
+// other processes keep every core busy it waits for a core, and it may be queued on this
+// one; pausing there kept it off for the whole spin of Note [Shared-memory spin], and a
+// 2-rank 8-byte all_reduce took milliseconds a call on the loaded 2-core VM (microseconds
+// with the yield; docs/performance.md, "stamped lines and a yielding spin"). Where nothing
+// else wants the core, sched_yield returns at once: a wait that has lasted half a
+// microsecond sees its peer at most a syscall later.
 void ShmGroup::wait_on(Wait& w, int r, const std::atomic<uint64_t>& counter, uint64_t target) {
   auto reached = [&] { return counter.load(std::memory_order_acquire) >= target; };
   auto periodic = [&] {
@@ -335,11 +347,12 @@ void ShmGroup::wait_on(Wait& w, int r, const std::atomic<uint64_t>& counter, uin
                                  "called another collective"));
     }
   };
+  constexpr int kPauses = 32;  // about 0.5 us (Note [Yielding spin])
   for (int i = 0; !reached(); ++i) {
-    if (i < 256) {
+    if (i < kPauses) {
       if (yield_) {
         sched_yield();
-        i += 63;  // a yield is worth many pauses
+        i += kPauses / 4;  // a yield is worth many pauses
       }
 #if defined(__x86_64__)
       __builtin_ia32_pause();
@@ -357,6 +370,7 @@ void ShmGroup::wait_on(Wait& w, int r, const std::atomic<uint64_t>& counter, uin
       w.next_check = now + Millis(5);
     }
     if (now - w.spin_start < (on_worker_thread() ? worker_spin_ : spin_)) {
+      sched_yield();  // Note [Yielding spin]
       i = 0;
       continue;
     }
