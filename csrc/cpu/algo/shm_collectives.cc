@@ -62,7 +62,7 @@ class Sources {
  private:
   static constexpr size_t kInline = 64;
   size_t k_;
-  const void* inline_[kInline] = {};
+  const void* inline_[kInline];  // not zeroed: every caller sets all k before the fold reads
   std::vector<const void*> heap_;
 };
 
